@@ -1,0 +1,1 @@
+"""vramcast: peak GPU memory of fine-tuning jobs, before they are placed."""

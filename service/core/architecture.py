@@ -1,0 +1,541 @@
+"""Model architectures from HF `config.json` values: module layout and parameter counts.
+
+An architecture is the list of the modules a decoder layer holds, named as transformers names
+them (so PEFT's `target_modules` match), plus embeddings, norms and the LM head. Parameter
+counts, LoRA targets, quantized weights and saved activations are all derived from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from service.core.errors import InvalidConfigError
+
+
+class LinearKind(StrEnum):
+    ATTN_QKV = "attn_qkv"  # q, k, v projections (separate or fused)
+    ATTN_OUT = "attn_out"
+    MLP_IN = "mlp_in"  # gate/up (or fc1); reads the layer's normed hidden state
+    MLP_OUT = "mlp_out"  # down (or fc2)
+    ROUTER = "router"
+    SHARED_GATE = "shared_gate"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Linear:
+    """One nn.Linear of a decoder layer; `count` > 1 for a stack of MoE experts."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    kind: LinearKind
+    count: int = 1
+    expert: bool = False
+
+    @property
+    def weight_elements(self) -> int:
+        return self.in_features * self.out_features * self.count
+
+    @property
+    def params(self) -> int:
+        return self.weight_elements + (self.out_features * self.count if self.bias else 0)
+
+
+class NormKind(StrEnum):
+    RMS = "rmsnorm"
+    LAYER = "layernorm"  # weight and bias
+
+
+class MlpKind(StrEnum):
+    GATED = "gated"  # act(gate(x)) * up(x) -> down  (SwiGLU, GeGLU)
+    PLAIN = "plain"  # act(fc1(x)) -> fc2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelArch:
+    """A decoder-only transformer, as its config.json describes it."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    max_position_embeddings: int
+    norm: NormKind
+    norms_per_layer: int
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    mlp: MlpKind
+    parallel_residual: bool  # attention and MLP read the same input (GPT-NeoX, Phi-1.5)
+    lm_head_bias: bool
+    final_logit_softcapping: float | None
+    linears: tuple[Linear, ...]
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise InvalidConfigError(name, "must be a positive integer")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def norm_params(self) -> int:
+        per = self.hidden_size * (2 if self.norm is NormKind.LAYER else 1)
+        return per
+
+    @property
+    def layer_norm_params(self) -> int:
+        qk = 2 * self.head_dim if self.qk_norm else 0
+        return self.norms_per_layer * self.norm_params + qk
+
+    @property
+    def layer_params(self) -> int:
+        return sum(lin.params for lin in self.linears) + self.layer_norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters the LM head adds (zero when tied to the embedding)."""
+        if self.tie_word_embeddings:
+            return 0
+        return self.vocab_size * self.hidden_size + (self.vocab_size if self.lm_head_bias else 0)
+
+    @property
+    def total_params(self) -> int:
+        return (
+            self.embedding_params
+            + self.num_hidden_layers * self.layer_params
+            + self.norm_params
+            + self.lm_head_params
+        )
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through (MoE: only the routed experts)."""
+        if not self.is_moe:
+            return self.total_params
+        inactive = sum(
+            lin.params // lin.count * (lin.count - self.num_experts_per_tok)
+            for lin in self.linears
+            if lin.expert
+        )
+        return self.total_params - self.num_hidden_layers * inactive
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json parsing
+
+
+class _Config:
+    """Typed reads of a config.json mapping, naming the field on error."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = raw
+
+    def int(self, *names: str, default: int | None = None) -> int:
+        for name in names:
+            value = self.raw.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidConfigError(name, f"must be a non-negative integer, got {value!r}")
+            return value
+        if default is None:
+            raise InvalidConfigError(names[0], "is required")
+        return default
+
+    def bool(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise InvalidConfigError(name, f"must be true or false, got {value!r}")
+        return value
+
+    def str(self, name: str, default: str) -> str:
+        value = self.raw.get(name, default)
+        if not isinstance(value, str):
+            raise InvalidConfigError(name, f"must be a string, got {value!r}")
+        return value
+
+    def float_or_none(self, name: str) -> float | None:
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidConfigError(name, f"must be a number, got {value!r}")
+        return float(value)
+
+
+# model_type -> tie_word_embeddings when the config omits it (each transformers
+# configuration_<model>.py default).
+_TIE_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
+
+# Model types whose layout is the Llama one (q/k/v/o, gate/up/down, RMSNorm, pre-norm).
+_LLAMA_LIKE = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "yi",
+    "olmo2",
+    "granite",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+}
+
+SUPPORTED_MODEL_TYPES = frozenset(
+    _LLAMA_LIKE | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm"}
+)
+
+
+def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
+    """Build a ModelArch from a config.json mapping as published on the Hugging Face Hub."""
+    if not isinstance(raw, Mapping):
+        raise InvalidConfigError("(root)", "must be a JSON object")
+    if "text_config" in raw and isinstance(raw["text_config"], Mapping):
+        raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "model_type"}}
+        if raw.get("model_type") in ("gemma3",):
+            raw = {**raw, "model_type": "gemma3_text"}
+    c = _Config(raw)
+    model_type = c.str("model_type", "")
+    if not model_type:
+        raise InvalidConfigError("model_type", "is required")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        known = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        raise InvalidConfigError("model_type", f"{model_type!r} is not supported (known: {known})")
+    if model_type in _LLAMA_LIKE:
+        return _llama_like(c, model_type)
+    builders = {
+        "phi3": _phi3,
+        "glm": _glm,
+        "chatglm": _chatglm,
+        "qwen": _qwen_v1,
+        "gpt_neox": _gpt_neox,
+        "phi": _phi,
+        "stablelm": _stablelm,
+    }
+    return builders[model_type](c, model_type)
+
+
+def _common(c: _Config, model_type: str) -> dict[str, Any]:
+    h = c.int("hidden_size", "n_embd", "d_model")
+    n_h = c.int("num_attention_heads", "n_head")
+    if n_h == 0 or h == 0:
+        raise InvalidConfigError("num_attention_heads", "must be positive")
+    n_kv = c.int("num_key_value_heads", "multi_query_group_num", default=n_h)
+    if n_kv == 0 or n_h % n_kv:
+        raise InvalidConfigError(
+            "num_key_value_heads", f"must divide num_attention_heads ({n_h}), got {n_kv}"
+        )
+    head_dim = c.int("head_dim", "kv_channels", default=h // n_h)
+    return {
+        "model_type": model_type,
+        "hidden_size": h,
+        "num_hidden_layers": c.int("num_hidden_layers", "num_layers", "n_layer"),
+        "num_attention_heads": n_h,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "vocab_size": c.int("vocab_size", "padded_vocab_size"),
+        "tie_word_embeddings": c.bool("tie_word_embeddings", _TIE_DEFAULT.get(model_type, False)),
+        "hidden_act": c.str("hidden_act", "silu"),
+        "max_position_embeddings": c.int(
+            "max_position_embeddings", "seq_length", "n_positions", default=2048
+        ),
+        "final_logit_softcapping": c.float_or_none("final_logit_softcapping"),
+    }
+
+
+def _llama_like(c: _Config, model_type: str) -> ModelArch:
+    base = _common(c, model_type)
+    h, q, kv = base["hidden_size"], base["num_attention_heads"], base["num_key_value_heads"]
+    d = base["head_dim"]
+    qkv_bias = c.bool("attention_bias", model_type in ("qwen2", "qwen2_moe"))
+    o_bias = c.bool("attention_bias", False) if model_type not in ("qwen2", "qwen2_moe") else False
+    mlp_bias = c.bool("mlp_bias", False)
+    linears = [
+        Linear(name="q_proj", in_features=h, out_features=q * d, bias=qkv_bias,
+               kind=LinearKind.ATTN_QKV),
+        Linear(name="k_proj", in_features=h, out_features=kv * d, bias=qkv_bias,
+               kind=LinearKind.ATTN_QKV),
+        Linear(name="v_proj", in_features=h, out_features=kv * d, bias=qkv_bias,
+               kind=LinearKind.ATTN_QKV),
+        Linear(name="o_proj", in_features=q * d, out_features=h, bias=o_bias,
+               kind=LinearKind.ATTN_OUT),
+    ]
+    num_experts = c.int("num_local_experts", "num_experts", default=0)
+    intermediate = c.int("intermediate_size")
+    expert_i = shared_i = top_k = 0
+    if num_experts:
+        top_k = c.int("num_experts_per_tok")
+        expert_i = c.int("moe_intermediate_size", default=intermediate)
+        shared_i = c.int("shared_expert_intermediate_size", default=0)
+        if model_type == "mixtral":
+            names = ("w1", "w3", "w2")
+        else:
+            names = ("gate_proj", "up_proj", "down_proj")
+        linears.append(Linear(name="gate", in_features=h, out_features=num_experts, bias=False,
+                              kind=LinearKind.ROUTER))
+        for name, kind, i, o in (
+            (names[0], LinearKind.MLP_IN, h, expert_i),
+            (names[1], LinearKind.MLP_IN, h, expert_i),
+            (names[2], LinearKind.MLP_OUT, expert_i, h),
+        ):
+            linears.append(Linear(name=name, in_features=i, out_features=o, bias=False, kind=kind,
+                                  count=num_experts, expert=True))
+        if shared_i:
+            linears += [
+                Linear(name="gate_proj", in_features=h, out_features=shared_i, bias=False,
+                       kind=LinearKind.MLP_IN),
+                Linear(name="up_proj", in_features=h, out_features=shared_i, bias=False,
+                       kind=LinearKind.MLP_IN),
+                Linear(name="down_proj", in_features=shared_i, out_features=h, bias=False,
+                       kind=LinearKind.MLP_OUT),
+                Linear(name="shared_expert_gate", in_features=h, out_features=1, bias=False,
+                       kind=LinearKind.SHARED_GATE),
+            ]
+    else:
+        linears += [
+            Linear(name="gate_proj", in_features=h, out_features=intermediate, bias=mlp_bias,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="up_proj", in_features=h, out_features=intermediate, bias=mlp_bias,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="down_proj", in_features=intermediate, out_features=h, bias=mlp_bias,
+                   kind=LinearKind.MLP_OUT),
+        ]
+    gemma2_like = model_type in ("gemma2", "gemma3_text")
+    return ModelArch(
+        **base,
+        intermediate_size=intermediate,
+        norm=NormKind.RMS,
+        norms_per_layer=4 if gemma2_like else 2,
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
+        mlp=MlpKind.GATED,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=tuple(linears),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        expert_intermediate_size=expert_i,
+        shared_expert_intermediate_size=shared_i,
+    )
+
+
+def _phi3(c: _Config, model_type: str) -> ModelArch:
+    base = _common(c, model_type)
+    h, d = base["hidden_size"], base["head_dim"]
+    q, kv = base["num_attention_heads"], base["num_key_value_heads"]
+    i = c.int("intermediate_size")
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.RMS,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.GATED,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=(
+            Linear(name="qkv_proj", in_features=h, out_features=(q + 2 * kv) * d, bias=False,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="o_proj", in_features=q * d, out_features=h, bias=False,
+                   kind=LinearKind.ATTN_OUT),
+            Linear(name="gate_up_proj", in_features=h, out_features=2 * i, bias=False,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="down_proj", in_features=i, out_features=h, bias=False,
+                   kind=LinearKind.MLP_OUT),
+        ),
+    )
+
+
+def _glm(c: _Config, model_type: str) -> ModelArch:
+    """transformers' GlmForCausalLM (THUDM/glm-4-9b-hf): q/k/v with bias, fused gate_up."""
+    base = _common(c, model_type)
+    h, d = base["hidden_size"], base["head_dim"]
+    q, kv = base["num_attention_heads"], base["num_key_value_heads"]
+    i = c.int("intermediate_size")
+    bias = c.bool("attention_bias", True)
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.RMS,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.GATED,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=(
+            Linear(name="q_proj", in_features=h, out_features=q * d, bias=bias,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="k_proj", in_features=h, out_features=kv * d, bias=bias,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="v_proj", in_features=h, out_features=kv * d, bias=bias,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="o_proj", in_features=q * d, out_features=h, bias=False,
+                   kind=LinearKind.ATTN_OUT),
+            Linear(name="gate_up_proj", in_features=h, out_features=2 * i, bias=False,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="down_proj", in_features=i, out_features=h, bias=False,
+                   kind=LinearKind.MLP_OUT),
+        ),
+    )
+
+
+def _chatglm(c: _Config, model_type: str) -> ModelArch:
+    """THUDM's remote-code ChatGLM/GLM-4 (modeling_chatglm.py): fused query_key_value."""
+    base = _common(c, model_type)
+    h, d = base["hidden_size"], base["head_dim"]
+    q, kv = base["num_attention_heads"], base["num_key_value_heads"]
+    i = c.int("ffn_hidden_size", "intermediate_size")
+    qkv_bias = c.bool("add_qkv_bias", False) or c.bool("add_bias_linear", False)
+    linear_bias = c.bool("add_bias_linear", False)
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.RMS if c.bool("rmsnorm", True) else NormKind.LAYER,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.GATED,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=(
+            Linear(name="query_key_value", in_features=h, out_features=(q + 2 * kv) * d,
+                   bias=qkv_bias, kind=LinearKind.ATTN_QKV),
+            Linear(name="dense", in_features=q * d, out_features=h, bias=linear_bias,
+                   kind=LinearKind.ATTN_OUT),
+            Linear(name="dense_h_to_4h", in_features=h, out_features=2 * i, bias=linear_bias,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="dense_4h_to_h", in_features=i, out_features=h, bias=linear_bias,
+                   kind=LinearKind.MLP_OUT),
+        ),
+    )
+
+
+def _qwen_v1(c: _Config, model_type: str) -> ModelArch:
+    """Qwen (v1) remote code: c_attn fused with bias; w1/w2 each intermediate_size / 2."""
+    base = _common(c, model_type)
+    h = base["hidden_size"]
+    half = c.int("intermediate_size") // 2
+    return ModelArch(
+        **base,
+        intermediate_size=half,
+        norm=NormKind.RMS,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.GATED,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=(
+            Linear(name="c_attn", in_features=h, out_features=3 * h, bias=True,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="c_proj", in_features=h, out_features=h, bias=False,
+                   kind=LinearKind.ATTN_OUT),
+            Linear(name="w1", in_features=h, out_features=half, bias=False,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="w2", in_features=h, out_features=half, bias=False,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="mlp.c_proj", in_features=half, out_features=h, bias=False,
+                   kind=LinearKind.MLP_OUT),
+        ),
+    )
+
+
+def _gpt_neox(c: _Config, model_type: str) -> ModelArch:
+    base = _common(c, model_type)
+    base["hidden_act"] = c.str("hidden_act", "gelu")
+    h = base["hidden_size"]
+    i = c.int("intermediate_size", default=4 * h)
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.LAYER,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.PLAIN,
+        parallel_residual=c.bool("use_parallel_residual", True),
+        lm_head_bias=False,
+        linears=(
+            Linear(name="query_key_value", in_features=h, out_features=3 * h, bias=True,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="dense", in_features=h, out_features=h, bias=True,
+                   kind=LinearKind.ATTN_OUT),
+            Linear(name="dense_h_to_4h", in_features=h, out_features=i, bias=True,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="dense_4h_to_h", in_features=i, out_features=h, bias=True,
+                   kind=LinearKind.MLP_OUT),
+        ),
+    )
+
+
+def _phi(c: _Config, model_type: str) -> ModelArch:
+    """Phi-1/1.5/2: one LayerNorm per layer, parallel attention + MLP, lm_head with bias."""
+    base = _common(c, model_type)
+    base["hidden_act"] = c.str("hidden_act", "gelu_new")
+    h = base["hidden_size"]
+    i = c.int("intermediate_size", default=4 * h)
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.LAYER,
+        norms_per_layer=1,
+        qk_norm=False,
+        mlp=MlpKind.PLAIN,
+        parallel_residual=True,
+        lm_head_bias=True,
+        linears=(
+            Linear(name="q_proj", in_features=h, out_features=h, bias=True,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="k_proj", in_features=h, out_features=h, bias=True,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="v_proj", in_features=h, out_features=h, bias=True,
+                   kind=LinearKind.ATTN_QKV),
+            Linear(name="dense", in_features=h, out_features=h, bias=True,
+                   kind=LinearKind.ATTN_OUT),
+            Linear(name="fc1", in_features=h, out_features=i, bias=True,
+                   kind=LinearKind.MLP_IN),
+            Linear(name="fc2", in_features=i, out_features=h, bias=True,
+                   kind=LinearKind.MLP_OUT),
+        ),
+    )
+
+
+def _stablelm(c: _Config, model_type: str) -> ModelArch:
+    """StableLM (2, 3B-4E1T): Llama layout with LayerNorm."""
+    arch = _llama_like(c, "llama")
+    return ModelArch(
+        **{
+            **{f: getattr(arch, f) for f in ModelArch.__dataclass_fields__},
+            "model_type": model_type,
+            "norm": NormKind.LAYER,
+            "parallel_residual": c.bool("use_parallel_residual", False),
+        }
+    )

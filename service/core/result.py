@@ -1,0 +1,78 @@
+"""What an estimate says: the peak at three levels, its breakdown, and where it happens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Component(StrEnum):
+    """Allocated-level memory by role; the reference tracer labels storages with these too."""
+
+    FROZEN_WEIGHTS = "frozen_weights"  # base weights that take no gradient (incl. 4-bit + consts)
+    TRAINABLE_PARAMS = "trainable_params"  # adapters, modules_to_save, or every weight (full FT)
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    OPTIMIZER_TEMPORARIES = "optimizer_temporaries"  # foreach AdamW's scratch during step()
+    ACTIVATIONS = "activations"  # tensors saved for backward (checkpoints when checkpointing)
+    RECOMPUTE = "recompute"  # one layer's activations recomputed during backward
+    LOGITS_LOSS = "logits_loss"  # logits, their fp32 copies, log-probs and their gradients
+    BACKWARD_TEMPORARIES = "backward_temporaries"  # grads in flight, 4-bit dequant transients
+    INPUTS = "inputs"  # token ids, labels, masks
+
+
+class Overhead(StrEnum):
+    """Memory above the allocated level."""
+
+    ALLOCATOR = "allocator"  # reserved - allocated: caching-allocator rounding, fragmentation
+    CUDA_CONTEXT = "cuda_context"
+    OUTSIDE_ALLOCATOR = "outside_allocator"  # NCCL, paged optimizer state, cuBLAS workspace
+
+
+class Phase(StrEnum):
+    FORWARD_END = "forward_end"  # the loss computed, every saved activation alive
+    BACKWARD_START = "backward_start"  # the loss gradient: fp32 log-prob gradient is born
+    BACKWARD = "backward"  # inside the layers' backward (recompute, gradients in flight)
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+PHASE_WORDS: dict[Phase, str] = {
+    Phase.FORWARD_END: "at the end of the forward pass, with the loss computed",
+    Phase.BACKWARD_START: "at the start of the backward pass (the loss gradient)",
+    Phase.BACKWARD: "inside the backward pass",
+    Phase.OPTIMIZER_STEP: "during the optimizer step",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhasePeak:
+    step: int  # 1: no optimizer state yet; 2: the steady state
+    phase: Phase
+    allocated_bytes: int
+    components: dict[Component, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamCounts:
+    total: int
+    trainable: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """Peak memory of one GPU of the job, bytes at each level."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    device_bytes: int
+    device_bytes_upper: int  # the safe bound a scheduler compares with a GPU's memory
+    components: dict[Component, int]  # at the peak; sums to allocated_bytes
+    overheads: dict[Overhead, int]  # reserved and device = allocated + these
+    peak_step: int
+    peak_phase: Phase
+    phases: tuple[PhasePeak, ...]
+    params: ParamCounts
+    upper_margin: float  # device_bytes_upper / device_bytes - 1, the prior's stated margin
+    assumptions: tuple[str, ...]
+    warnings: tuple[str, ...]
+    estimator_version: str

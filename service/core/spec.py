@@ -1,0 +1,256 @@
+"""The training-job spec: what the estimator is asked about, with HF Trainer + PEFT defaults.
+
+Field names follow the ecosystem (PEFT's `r`, `lora_alpha`, `target_modules`; HF
+TrainingArguments' `optim`, `gradient_checkpointing`; transformers' `attn_implementation`).
+Fields left as `None` take the framework preset's default, resolved by `resolve()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from service.core.errors import InvalidSpecError
+from service.core.units import DType
+
+
+class Method(StrEnum):
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+
+
+class QuantType(StrEnum):
+    NF4 = "nf4"
+    FP4 = "fp4"
+    INT8 = "int8"
+
+
+class Optim(StrEnum):
+    """Optimizers by their HF `TrainingArguments.optim` names."""
+
+    ADAMW_TORCH = "adamw_torch"
+    ADAMW_TORCH_FUSED = "adamw_torch_fused"
+    ADAMW_BNB_8BIT = "adamw_bnb_8bit"
+    PAGED_ADAMW_8BIT = "paged_adamw_8bit"
+    PAGED_ADAMW_32BIT = "paged_adamw_32bit"
+    ADAFACTOR = "adafactor"
+    SGD = "sgd"
+
+
+class AttnImpl(StrEnum):
+    EAGER = "eager"
+    SDPA = "sdpa"
+    FLASH_ATTENTION_2 = "flash_attention_2"
+
+
+class SdpaKernel(StrEnum):
+    """Which SDPA backend runs; `auto` is what PyTorch picks on a GPU (flash for bf16/fp16)."""
+
+    AUTO = "auto"
+    FLASH = "flash"
+    EFFICIENT = "efficient"
+    MATH = "math"
+
+
+class LossImpl(StrEnum):
+    """How the causal-LM loss is computed.
+
+    hf: transformers' ForCausalLMLoss, logits upcast to fp32 then cross-entropy.
+    plain: cross-entropy on the half-precision logits, no upcast.
+    chunked: lm_head + cross-entropy over sequence chunks (LitGPT, torchtune), b*s*V never whole.
+    fused: fused linear cross-entropy (Liger, Cut Cross-Entropy), logits never materialised.
+    """
+
+    HF = "hf"
+    PLAIN = "plain"
+    CHUNKED = "chunked"
+    FUSED = "fused"
+
+
+class Framework(StrEnum):
+    """Training framework preset; each differs in defaults (see `resolve`)."""
+
+    HF = "hf"
+    LITGPT = "litgpt"
+    TORCHTUNE = "torchtune"
+
+
+class Strategy(StrEnum):
+    DDP = "ddp"
+    FSDP = "fsdp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+
+class Offload(StrEnum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    OPTIMIZER_AND_PARAMS = "optimizer_and_params"
+
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraSpec:
+    """PEFT LoraConfig; defaults are PEFT's (peft/tuners/lora/config.py)."""
+
+    r: int = 8
+    lora_alpha: int = 8
+    lora_dropout: float = 0.0
+    # None: PEFT's per-architecture default (q_proj, v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+    modules_to_save: tuple[str, ...] = ()
+    # None: the framework's default; PEFT's autocast_adapter_dtype=True makes fp32 adapters.
+    adapter_dtype: DType | None = None
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise InvalidSpecError("lora.r", "must be at least 1")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise InvalidSpecError("lora.lora_dropout", "must be in [0, 1)")
+        if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
+            raise InvalidSpecError(
+                "lora.target_modules", f"must be a list of module names or {ALL_LINEAR!r}"
+            )
+        if isinstance(self.target_modules, tuple) and not self.target_modules:
+            raise InvalidSpecError("lora.target_modules", "must not be empty")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantSpec:
+    """bitsandbytes quantization of the frozen base (BitsAndBytesConfig)."""
+
+    type: QuantType = QuantType.NF4
+    double_quant: bool = False  # bnb_4bit_use_double_quant, BitsAndBytesConfig default False
+    # None: the model's dtype (the QLoRA recipe); BitsAndBytesConfig's own default is fp32.
+    compute_dtype: DType | None = None
+    prepare_kbit: bool = True  # peft.prepare_model_for_kbit_training applied
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelSpec:
+    gpus: int = 1
+    strategy: Strategy = Strategy.DDP
+    offload: Offload = Offload.NONE
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise InvalidSpecError("parallel.gpus", "must be at least 1")
+        if self.offload is not Offload.NONE and self.strategy in (Strategy.DDP, Strategy.ZERO1):
+            if self.offload is Offload.OPTIMIZER_AND_PARAMS:
+                raise InvalidSpecError(
+                    "parallel.offload", "parameter offload needs ZeRO-3 or FSDP"
+                )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingSpec:
+    """One fine-tuning job on one GPU type. Sizes are per micro-batch, per GPU."""
+
+    method: Method = Method.LORA
+    batch_size: int
+    seq_len: int
+    lora: LoraSpec | None = None
+    quantization: QuantSpec | None = None
+    dtype: DType = DType.BF16  # torch_dtype the base model is loaded in
+    autocast: bool = False  # TrainingArguments bf16/fp16 mixed precision (default off)
+    optim: Optim = Optim.ADAMW_TORCH_FUSED  # TrainingArguments.optim default
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    attn_implementation: AttnImpl = AttnImpl.SDPA
+    sdpa_kernel: SdpaKernel = SdpaKernel.AUTO
+    loss: LossImpl | None = None
+    framework: Framework = Framework.HF
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise InvalidSpecError("batch_size", "must be at least 1")
+        if self.seq_len < 1:
+            raise InvalidSpecError("seq_len", "must be at least 1")
+        if self.gradient_accumulation_steps < 1:
+            raise InvalidSpecError("gradient_accumulation_steps", "must be at least 1")
+        if self.method is Method.FULL and self.lora is not None:
+            raise InvalidSpecError("lora", "LoRA options need method 'lora' or 'qlora'")
+        if self.method is not Method.QLORA and self.quantization is not None:
+            raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedSpec:
+    """A spec with every preset default filled in, plus the assumptions that filled them."""
+
+    spec: TrainingSpec
+    lora: LoraSpec | None
+    quantization: QuantSpec | None
+    adapter_dtype: DType
+    compute_dtype: DType
+    loss: LossImpl
+    assumptions: tuple[str, ...]
+
+
+# LitGPT's finetune scripts evaluate lm_head and cross-entropy in chunks of this many tokens
+# (litgpt/utils.py chunked_cross_entropy, chunk_size=128; litgpt/finetune/lora.py lm_head_chunk_size).
+LITGPT_CE_CHUNK = 128
+
+
+def resolve(spec: TrainingSpec) -> ResolvedSpec:
+    """Fill the framework preset's defaults, recording each as a plain-words assumption.
+
+    HF Trainer + PEFT: fp32 adapters (PEFT autocast_adapter_dtype=True), HF's fp32-upcast loss.
+    LitGPT: `--precision bf16-true` converts the whole model, adapters included, to bf16, and
+      the finetune scripts use a chunked lm_head + cross-entropy.
+    torchtune: adapters take the model dtype (bf16 recipes), and its recipes use
+      CEWithChunkedOutputLoss (8 chunks, each upcast to fp32).
+    """
+    notes: list[str] = []
+    lora = spec.lora
+    quant = spec.quantization
+    if spec.method is not Method.FULL and lora is None:
+        lora = LoraSpec()
+        notes.append("LoRA options not given: PEFT defaults r=8, lora_alpha=8, no dropout")
+    if spec.method is Method.QLORA and quant is None:
+        quant = QuantSpec()
+        notes.append("quantization not given: NF4 without double quant, kbit preparation on")
+
+    if lora is not None and lora.adapter_dtype is not None:
+        adapter_dtype = lora.adapter_dtype
+    elif spec.framework is Framework.HF:
+        adapter_dtype = DType.FP32
+        if lora is not None:
+            notes.append("adapters in fp32 (PEFT autocast_adapter_dtype=True, the default)")
+    else:
+        adapter_dtype = spec.dtype
+        if lora is not None:
+            notes.append(f"adapters in {spec.dtype} ({spec.framework} keeps the model dtype)")
+
+    if quant is not None and quant.compute_dtype is not None:
+        compute_dtype = quant.compute_dtype
+    else:
+        compute_dtype = spec.dtype
+
+    if spec.loss is not None:
+        loss = spec.loss
+    elif spec.framework is Framework.HF:
+        loss = LossImpl.HF
+    else:
+        loss = LossImpl.CHUNKED
+        notes.append(f"{spec.framework} computes lm_head and cross-entropy in chunks")
+
+    return ResolvedSpec(
+        spec=spec,
+        lora=lora,
+        quantization=quant,
+        adapter_dtype=adapter_dtype,
+        compute_dtype=compute_dtype,
+        loss=loss,
+        assumptions=tuple(notes),
+    )
+
+
+def with_changes(spec: TrainingSpec, **changes: object) -> TrainingSpec:
+    """A copy of `spec` with fields replaced (validated again)."""
+    return replace(spec, **changes)  # type: ignore[arg-type]
