@@ -34,6 +34,8 @@ class Linear:
     bias: bool
     kind: LinearKind
     count: int = 1
+    # Not an nn.Linear in transformers 5 (MoE experts and routers are bare Parameters):
+    # never a LoRA "all-linear" target, never quantized.
     expert: bool = False
 
     @property
@@ -142,7 +144,7 @@ class ModelArch:
         inactive = sum(
             lin.params // lin.count * (lin.count - self.num_experts_per_tok)
             for lin in self.linears
-            if lin.expert
+            if lin.expert and lin.count > 1
         )
         return self.total_params - self.num_hidden_layers * inactive
 
@@ -157,7 +159,7 @@ class _Config:
     def __init__(self, raw: Mapping[str, Any]) -> None:
         self.raw = raw
 
-    def int(self, *names: str, default: int | None = None) -> int:
+    def integer(self, *names: str, default: int | None = None) -> int:
         for name in names:
             value = self.raw.get(name)
             if value is None:
@@ -169,7 +171,7 @@ class _Config:
             raise InvalidConfigError(names[0], "is required")
         return default
 
-    def bool(self, name: str, default: bool) -> bool:
+    def boolean(self, name: str, default: bool) -> bool:
         value = self.raw.get(name, default)
         if value is None:
             return default
@@ -177,7 +179,7 @@ class _Config:
             raise InvalidConfigError(name, f"must be true or false, got {value!r}")
         return value
 
-    def str(self, name: str, default: str) -> str:
+    def string(self, name: str, default: str) -> str:
         value = self.raw.get(name, default)
         if not isinstance(value, str):
             raise InvalidConfigError(name, f"must be a string, got {value!r}")
@@ -227,7 +229,7 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
         if raw.get("model_type") in ("gemma3",):
             raw = {**raw, "model_type": "gemma3_text"}
     c = _Config(raw)
-    model_type = c.str("model_type", "")
+    model_type = c.string("model_type", "")
     if not model_type:
         raise InvalidConfigError("model_type", "is required")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -248,27 +250,29 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
 
 
 def _common(c: _Config, model_type: str) -> dict[str, Any]:
-    h = c.int("hidden_size", "n_embd", "d_model")
-    n_h = c.int("num_attention_heads", "n_head")
+    h = c.integer("hidden_size", "n_embd", "d_model")
+    n_h = c.integer("num_attention_heads", "n_head")
     if n_h == 0 or h == 0:
         raise InvalidConfigError("num_attention_heads", "must be positive")
-    n_kv = c.int("num_key_value_heads", "multi_query_group_num", default=n_h)
+    n_kv = c.integer("num_key_value_heads", "multi_query_group_num", default=n_h)
     if n_kv == 0 or n_h % n_kv:
         raise InvalidConfigError(
             "num_key_value_heads", f"must divide num_attention_heads ({n_h}), got {n_kv}"
         )
-    head_dim = c.int("head_dim", "kv_channels", default=h // n_h)
+    head_dim = c.integer("head_dim", "kv_channels", default=h // n_h)
     return {
         "model_type": model_type,
         "hidden_size": h,
-        "num_hidden_layers": c.int("num_hidden_layers", "num_layers", "n_layer"),
+        "num_hidden_layers": c.integer("num_hidden_layers", "num_layers", "n_layer"),
         "num_attention_heads": n_h,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "vocab_size": c.int("vocab_size", "padded_vocab_size"),
-        "tie_word_embeddings": c.bool("tie_word_embeddings", _TIE_DEFAULT.get(model_type, False)),
-        "hidden_act": c.str("hidden_act", "silu"),
-        "max_position_embeddings": c.int(
+        "vocab_size": c.integer("vocab_size", "padded_vocab_size"),
+        "tie_word_embeddings": c.boolean(
+            "tie_word_embeddings", _TIE_DEFAULT.get(model_type, False)
+        ),
+        "hidden_act": c.string("hidden_act", "silu"),
+        "max_position_embeddings": c.integer(
             "max_position_embeddings", "seq_length", "n_positions", default=2048
         ),
         "final_logit_softcapping": c.float_or_none("final_logit_softcapping"),
@@ -279,58 +283,133 @@ def _llama_like(c: _Config, model_type: str) -> ModelArch:
     base = _common(c, model_type)
     h, q, kv = base["hidden_size"], base["num_attention_heads"], base["num_key_value_heads"]
     d = base["head_dim"]
-    qkv_bias = c.bool("attention_bias", model_type in ("qwen2", "qwen2_moe"))
-    o_bias = c.bool("attention_bias", False) if model_type not in ("qwen2", "qwen2_moe") else False
-    mlp_bias = c.bool("mlp_bias", False)
+    qkv_bias = c.boolean("attention_bias", model_type in ("qwen2", "qwen2_moe"))
+    o_bias = (
+        c.boolean("attention_bias", False) if model_type not in ("qwen2", "qwen2_moe") else False
+    )
+    mlp_bias = c.boolean("mlp_bias", False)
     linears = [
-        Linear(name="q_proj", in_features=h, out_features=q * d, bias=qkv_bias,
-               kind=LinearKind.ATTN_QKV),
-        Linear(name="k_proj", in_features=h, out_features=kv * d, bias=qkv_bias,
-               kind=LinearKind.ATTN_QKV),
-        Linear(name="v_proj", in_features=h, out_features=kv * d, bias=qkv_bias,
-               kind=LinearKind.ATTN_QKV),
-        Linear(name="o_proj", in_features=q * d, out_features=h, bias=o_bias,
-               kind=LinearKind.ATTN_OUT),
+        Linear(
+            name="q_proj",
+            in_features=h,
+            out_features=q * d,
+            bias=qkv_bias,
+            kind=LinearKind.ATTN_QKV,
+        ),
+        Linear(
+            name="k_proj",
+            in_features=h,
+            out_features=kv * d,
+            bias=qkv_bias,
+            kind=LinearKind.ATTN_QKV,
+        ),
+        Linear(
+            name="v_proj",
+            in_features=h,
+            out_features=kv * d,
+            bias=qkv_bias,
+            kind=LinearKind.ATTN_QKV,
+        ),
+        Linear(
+            name="o_proj", in_features=q * d, out_features=h, bias=o_bias, kind=LinearKind.ATTN_OUT
+        ),
     ]
-    num_experts = c.int("num_local_experts", "num_experts", default=0)
-    intermediate = c.int("intermediate_size")
+    num_experts = c.integer("num_local_experts", "num_experts", default=0)
+    intermediate = c.integer("intermediate_size")
     expert_i = shared_i = top_k = 0
     if num_experts:
-        top_k = c.int("num_experts_per_tok")
-        expert_i = c.int("moe_intermediate_size", default=intermediate)
-        shared_i = c.int("shared_expert_intermediate_size", default=0)
-        if model_type == "mixtral":
-            names = ("w1", "w3", "w2")
-        else:
-            names = ("gate_proj", "up_proj", "down_proj")
-        linears.append(Linear(name="gate", in_features=h, out_features=num_experts, bias=False,
-                              kind=LinearKind.ROUTER))
-        for name, kind, i, o in (
-            (names[0], LinearKind.MLP_IN, h, expert_i),
-            (names[1], LinearKind.MLP_IN, h, expert_i),
-            (names[2], LinearKind.MLP_OUT, expert_i, h),
-        ):
-            linears.append(Linear(name=name, in_features=i, out_features=o, bias=False, kind=kind,
-                                  count=num_experts, expert=True))
+        top_k = c.integer("num_experts_per_tok")
+        expert_i = c.integer("moe_intermediate_size", default=intermediate)
+        shared_i = c.integer("shared_expert_intermediate_size", default=0)
+        # transformers 5 keeps experts as 3-D parameters (MixtralExperts, Qwen2MoeExperts:
+        # gate_up_proj [E, 2I, h], down_proj [E, h, I]) and the router as a bare Parameter,
+        # so neither PEFT's "all-linear" nor bitsandbytes' Linear4bit swap touches them.
+        linears.append(
+            Linear(
+                name="gate",
+                in_features=h,
+                out_features=num_experts,
+                bias=False,
+                kind=LinearKind.ROUTER,
+                expert=True,
+            )
+        )
+        linears.append(
+            Linear(
+                name="gate_up_proj",
+                in_features=h,
+                out_features=2 * expert_i,
+                bias=False,
+                kind=LinearKind.MLP_IN,
+                count=num_experts,
+                expert=True,
+            )
+        )
+        linears.append(
+            Linear(
+                name="down_proj",
+                in_features=expert_i,
+                out_features=h,
+                bias=False,
+                kind=LinearKind.MLP_OUT,
+                count=num_experts,
+                expert=True,
+            )
+        )
         if shared_i:
             linears += [
-                Linear(name="gate_proj", in_features=h, out_features=shared_i, bias=False,
-                       kind=LinearKind.MLP_IN),
-                Linear(name="up_proj", in_features=h, out_features=shared_i, bias=False,
-                       kind=LinearKind.MLP_IN),
-                Linear(name="down_proj", in_features=shared_i, out_features=h, bias=False,
-                       kind=LinearKind.MLP_OUT),
-                Linear(name="shared_expert_gate", in_features=h, out_features=1, bias=False,
-                       kind=LinearKind.SHARED_GATE),
+                Linear(
+                    name="gate_proj",
+                    in_features=h,
+                    out_features=shared_i,
+                    bias=False,
+                    kind=LinearKind.MLP_IN,
+                ),
+                Linear(
+                    name="up_proj",
+                    in_features=h,
+                    out_features=shared_i,
+                    bias=False,
+                    kind=LinearKind.MLP_IN,
+                ),
+                Linear(
+                    name="down_proj",
+                    in_features=shared_i,
+                    out_features=h,
+                    bias=False,
+                    kind=LinearKind.MLP_OUT,
+                ),
+                Linear(
+                    name="shared_expert_gate",
+                    in_features=h,
+                    out_features=1,
+                    bias=False,
+                    kind=LinearKind.SHARED_GATE,
+                ),
             ]
     else:
         linears += [
-            Linear(name="gate_proj", in_features=h, out_features=intermediate, bias=mlp_bias,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="up_proj", in_features=h, out_features=intermediate, bias=mlp_bias,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="down_proj", in_features=intermediate, out_features=h, bias=mlp_bias,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="gate_proj",
+                in_features=h,
+                out_features=intermediate,
+                bias=mlp_bias,
+                kind=LinearKind.MLP_IN,
+            ),
+            Linear(
+                name="up_proj",
+                in_features=h,
+                out_features=intermediate,
+                bias=mlp_bias,
+                kind=LinearKind.MLP_IN,
+            ),
+            Linear(
+                name="down_proj",
+                in_features=intermediate,
+                out_features=h,
+                bias=mlp_bias,
+                kind=LinearKind.MLP_OUT,
+            ),
         ]
     gemma2_like = model_type in ("gemma2", "gemma3_text")
     return ModelArch(
@@ -354,7 +433,7 @@ def _phi3(c: _Config, model_type: str) -> ModelArch:
     base = _common(c, model_type)
     h, d = base["hidden_size"], base["head_dim"]
     q, kv = base["num_attention_heads"], base["num_key_value_heads"]
-    i = c.int("intermediate_size")
+    i = c.integer("intermediate_size")
     return ModelArch(
         **base,
         intermediate_size=i,
@@ -365,14 +444,30 @@ def _phi3(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(name="qkv_proj", in_features=h, out_features=(q + 2 * kv) * d, bias=False,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="o_proj", in_features=q * d, out_features=h, bias=False,
-                   kind=LinearKind.ATTN_OUT),
-            Linear(name="gate_up_proj", in_features=h, out_features=2 * i, bias=False,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="down_proj", in_features=i, out_features=h, bias=False,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="qkv_proj",
+                in_features=h,
+                out_features=(q + 2 * kv) * d,
+                bias=False,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="o_proj",
+                in_features=q * d,
+                out_features=h,
+                bias=False,
+                kind=LinearKind.ATTN_OUT,
+            ),
+            Linear(
+                name="gate_up_proj",
+                in_features=h,
+                out_features=2 * i,
+                bias=False,
+                kind=LinearKind.MLP_IN,
+            ),
+            Linear(
+                name="down_proj", in_features=i, out_features=h, bias=False, kind=LinearKind.MLP_OUT
+            ),
         ),
     )
 
@@ -382,8 +477,8 @@ def _glm(c: _Config, model_type: str) -> ModelArch:
     base = _common(c, model_type)
     h, d = base["hidden_size"], base["head_dim"]
     q, kv = base["num_attention_heads"], base["num_key_value_heads"]
-    i = c.int("intermediate_size")
-    bias = c.bool("attention_bias", True)
+    i = c.integer("intermediate_size")
+    bias = c.boolean("attention_bias", True)
     return ModelArch(
         **base,
         intermediate_size=i,
@@ -394,18 +489,44 @@ def _glm(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(name="q_proj", in_features=h, out_features=q * d, bias=bias,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="k_proj", in_features=h, out_features=kv * d, bias=bias,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="v_proj", in_features=h, out_features=kv * d, bias=bias,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="o_proj", in_features=q * d, out_features=h, bias=False,
-                   kind=LinearKind.ATTN_OUT),
-            Linear(name="gate_up_proj", in_features=h, out_features=2 * i, bias=False,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="down_proj", in_features=i, out_features=h, bias=False,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="q_proj",
+                in_features=h,
+                out_features=q * d,
+                bias=bias,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="k_proj",
+                in_features=h,
+                out_features=kv * d,
+                bias=bias,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="v_proj",
+                in_features=h,
+                out_features=kv * d,
+                bias=bias,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="o_proj",
+                in_features=q * d,
+                out_features=h,
+                bias=False,
+                kind=LinearKind.ATTN_OUT,
+            ),
+            Linear(
+                name="gate_up_proj",
+                in_features=h,
+                out_features=2 * i,
+                bias=False,
+                kind=LinearKind.MLP_IN,
+            ),
+            Linear(
+                name="down_proj", in_features=i, out_features=h, bias=False, kind=LinearKind.MLP_OUT
+            ),
         ),
     )
 
@@ -415,27 +536,47 @@ def _chatglm(c: _Config, model_type: str) -> ModelArch:
     base = _common(c, model_type)
     h, d = base["hidden_size"], base["head_dim"]
     q, kv = base["num_attention_heads"], base["num_key_value_heads"]
-    i = c.int("ffn_hidden_size", "intermediate_size")
-    qkv_bias = c.bool("add_qkv_bias", False) or c.bool("add_bias_linear", False)
-    linear_bias = c.bool("add_bias_linear", False)
+    i = c.integer("ffn_hidden_size", "intermediate_size")
+    qkv_bias = c.boolean("add_qkv_bias", False) or c.boolean("add_bias_linear", False)
+    linear_bias = c.boolean("add_bias_linear", False)
     return ModelArch(
         **base,
         intermediate_size=i,
-        norm=NormKind.RMS if c.bool("rmsnorm", True) else NormKind.LAYER,
+        norm=NormKind.RMS if c.boolean("rmsnorm", True) else NormKind.LAYER,
         norms_per_layer=2,
         qk_norm=False,
         mlp=MlpKind.GATED,
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(name="query_key_value", in_features=h, out_features=(q + 2 * kv) * d,
-                   bias=qkv_bias, kind=LinearKind.ATTN_QKV),
-            Linear(name="dense", in_features=q * d, out_features=h, bias=linear_bias,
-                   kind=LinearKind.ATTN_OUT),
-            Linear(name="dense_h_to_4h", in_features=h, out_features=2 * i, bias=linear_bias,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="dense_4h_to_h", in_features=i, out_features=h, bias=linear_bias,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="query_key_value",
+                in_features=h,
+                out_features=(q + 2 * kv) * d,
+                bias=qkv_bias,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="dense",
+                in_features=q * d,
+                out_features=h,
+                bias=linear_bias,
+                kind=LinearKind.ATTN_OUT,
+            ),
+            Linear(
+                name="dense_h_to_4h",
+                in_features=h,
+                out_features=2 * i,
+                bias=linear_bias,
+                kind=LinearKind.MLP_IN,
+            ),
+            Linear(
+                name="dense_4h_to_h",
+                in_features=i,
+                out_features=h,
+                bias=linear_bias,
+                kind=LinearKind.MLP_OUT,
+            ),
         ),
     )
 
@@ -444,7 +585,7 @@ def _qwen_v1(c: _Config, model_type: str) -> ModelArch:
     """Qwen (v1) remote code: c_attn fused with bias; w1/w2 each intermediate_size / 2."""
     base = _common(c, model_type)
     h = base["hidden_size"]
-    half = c.int("intermediate_size") // 2
+    half = c.integer("intermediate_size") // 2
     return ModelArch(
         **base,
         intermediate_size=half,
@@ -455,25 +596,34 @@ def _qwen_v1(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(name="c_attn", in_features=h, out_features=3 * h, bias=True,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="c_proj", in_features=h, out_features=h, bias=False,
-                   kind=LinearKind.ATTN_OUT),
-            Linear(name="w1", in_features=h, out_features=half, bias=False,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="w2", in_features=h, out_features=half, bias=False,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="mlp.c_proj", in_features=half, out_features=h, bias=False,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="c_attn",
+                in_features=h,
+                out_features=3 * h,
+                bias=True,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="c_proj", in_features=h, out_features=h, bias=False, kind=LinearKind.ATTN_OUT
+            ),
+            Linear(name="w1", in_features=h, out_features=half, bias=False, kind=LinearKind.MLP_IN),
+            Linear(name="w2", in_features=h, out_features=half, bias=False, kind=LinearKind.MLP_IN),
+            Linear(
+                name="mlp.c_proj",
+                in_features=half,
+                out_features=h,
+                bias=False,
+                kind=LinearKind.MLP_OUT,
+            ),
         ),
     )
 
 
 def _gpt_neox(c: _Config, model_type: str) -> ModelArch:
     base = _common(c, model_type)
-    base["hidden_act"] = c.str("hidden_act", "gelu")
+    base["hidden_act"] = c.string("hidden_act", "gelu")
     h = base["hidden_size"]
-    i = c.int("intermediate_size", default=4 * h)
+    i = c.integer("intermediate_size", default=4 * h)
     return ModelArch(
         **base,
         intermediate_size=i,
@@ -481,17 +631,33 @@ def _gpt_neox(c: _Config, model_type: str) -> ModelArch:
         norms_per_layer=2,
         qk_norm=False,
         mlp=MlpKind.PLAIN,
-        parallel_residual=c.bool("use_parallel_residual", True),
+        parallel_residual=c.boolean("use_parallel_residual", True),
         lm_head_bias=False,
         linears=(
-            Linear(name="query_key_value", in_features=h, out_features=3 * h, bias=True,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="dense", in_features=h, out_features=h, bias=True,
-                   kind=LinearKind.ATTN_OUT),
-            Linear(name="dense_h_to_4h", in_features=h, out_features=i, bias=True,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="dense_4h_to_h", in_features=i, out_features=h, bias=True,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="query_key_value",
+                in_features=h,
+                out_features=3 * h,
+                bias=True,
+                kind=LinearKind.ATTN_QKV,
+            ),
+            Linear(
+                name="dense", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_OUT
+            ),
+            Linear(
+                name="dense_h_to_4h",
+                in_features=h,
+                out_features=i,
+                bias=True,
+                kind=LinearKind.MLP_IN,
+            ),
+            Linear(
+                name="dense_4h_to_h",
+                in_features=i,
+                out_features=h,
+                bias=True,
+                kind=LinearKind.MLP_OUT,
+            ),
         ),
     )
 
@@ -499,9 +665,9 @@ def _gpt_neox(c: _Config, model_type: str) -> ModelArch:
 def _phi(c: _Config, model_type: str) -> ModelArch:
     """Phi-1/1.5/2: one LayerNorm per layer, parallel attention + MLP, lm_head with bias."""
     base = _common(c, model_type)
-    base["hidden_act"] = c.str("hidden_act", "gelu_new")
+    base["hidden_act"] = c.string("hidden_act", "gelu_new")
     h = base["hidden_size"]
-    i = c.int("intermediate_size", default=4 * h)
+    i = c.integer("intermediate_size", default=4 * h)
     return ModelArch(
         **base,
         intermediate_size=i,
@@ -512,18 +678,20 @@ def _phi(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=True,
         lm_head_bias=True,
         linears=(
-            Linear(name="q_proj", in_features=h, out_features=h, bias=True,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="k_proj", in_features=h, out_features=h, bias=True,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="v_proj", in_features=h, out_features=h, bias=True,
-                   kind=LinearKind.ATTN_QKV),
-            Linear(name="dense", in_features=h, out_features=h, bias=True,
-                   kind=LinearKind.ATTN_OUT),
-            Linear(name="fc1", in_features=h, out_features=i, bias=True,
-                   kind=LinearKind.MLP_IN),
-            Linear(name="fc2", in_features=i, out_features=h, bias=True,
-                   kind=LinearKind.MLP_OUT),
+            Linear(
+                name="q_proj", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_QKV
+            ),
+            Linear(
+                name="k_proj", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_QKV
+            ),
+            Linear(
+                name="v_proj", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_QKV
+            ),
+            Linear(
+                name="dense", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_OUT
+            ),
+            Linear(name="fc1", in_features=h, out_features=i, bias=True, kind=LinearKind.MLP_IN),
+            Linear(name="fc2", in_features=i, out_features=h, bias=True, kind=LinearKind.MLP_OUT),
         ),
     )
 
@@ -536,6 +704,6 @@ def _stablelm(c: _Config, model_type: str) -> ModelArch:
             **{f: getattr(arch, f) for f in ModelArch.__dataclass_fields__},
             "model_type": model_type,
             "norm": NormKind.LAYER,
-            "parallel_residual": c.bool("use_parallel_residual", False),
+            "parallel_residual": c.boolean("use_parallel_residual", False),
         }
     )

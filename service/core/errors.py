@@ -1,9 +1,9 @@
 """Errors raised by the estimator core; they know nothing about HTTP.
 
-    EstimatorError
-    ├── InvalidSpecError(ValueError)        a spec field, or a combination of fields, is invalid
-    ├── InvalidConfigError(ValueError)      a model config.json cannot describe a model we know
-    └── UnknownModelError(LookupError)      a model id is in no catalog (carries close matches)
+EstimatorError
+├── InvalidSpecError(ValueError)        a spec field, or a combination of fields, is invalid
+├── InvalidConfigError(ValueError)      a model config.json cannot describe a model we know
+└── UnknownModelError(LookupError)      a model id is in no catalog (carries close matches)
 """
 
 from __future__ import annotations

@@ -76,3 +76,33 @@ class Estimate:
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...]
     estimator_version: str
+
+
+def estimate_to_dict(est: Estimate) -> dict[str, object]:
+    """A JSON-ready view of an estimate, bytes throughout (the CLI's --json)."""
+    return {
+        "peak": {
+            "allocated_bytes": est.allocated_bytes,
+            "reserved_bytes": est.reserved_bytes,
+            "device_bytes": est.device_bytes,
+            "device_bytes_upper": est.device_bytes_upper,
+            "step": est.peak_step,
+            "phase": est.peak_phase.value,
+        },
+        "components": {c.value: v for c, v in est.components.items()},
+        "overheads": {o.value: v for o, v in est.overheads.items()},
+        "phases": [
+            {
+                "step": ph.step,
+                "phase": ph.phase.value,
+                "allocated_bytes": ph.allocated_bytes,
+                "components": {c.value: v for c, v in ph.components.items()},
+            }
+            for ph in est.phases
+        ],
+        "params": {"total": est.params.total, "trainable": est.params.trainable},
+        "upper_margin": est.upper_margin,
+        "assumptions": list(est.assumptions),
+        "warnings": list(est.warnings),
+        "estimator_version": est.estimator_version,
+    }

@@ -139,11 +139,11 @@ class ParallelSpec:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise InvalidSpecError("parallel.gpus", "must be at least 1")
-        if self.offload is not Offload.NONE and self.strategy in (Strategy.DDP, Strategy.ZERO1):
-            if self.offload is Offload.OPTIMIZER_AND_PARAMS:
-                raise InvalidSpecError(
-                    "parallel.offload", "parameter offload needs ZeRO-3 or FSDP"
-                )
+        if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.strategy not in (
+            Strategy.ZERO3,
+            Strategy.FSDP,
+        ):
+            raise InvalidSpecError("parallel.offload", "parameter offload needs ZeRO-3 or FSDP")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,11 +190,6 @@ class ResolvedSpec:
     compute_dtype: DType
     loss: LossImpl
     assumptions: tuple[str, ...]
-
-
-# LitGPT's finetune scripts evaluate lm_head and cross-entropy in chunks of this many tokens
-# (litgpt/utils.py chunked_cross_entropy, chunk_size=128; litgpt/finetune/lora.py lm_head_chunk_size).
-LITGPT_CE_CHUNK = 128
 
 
 def resolve(spec: TrainingSpec) -> ResolvedSpec:

@@ -1,0 +1,741 @@
+"""Peak GPU memory of one training step, computed from tensor shapes and dtypes.
+
+The allocated level is modelled tensor by tensor, as the HF Trainer + PEFT step creates and
+frees them: each tensor's bytes rounded to the caching allocator's 512 B block, shared
+storages counted once. The peak is the maximum over the step's phases, for step 1 (no
+optimizer state yet) and the steady state. Reserved and device levels add priors that
+calibration refines (`service.core.overhead`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.errors import InvalidSpecError
+from service.core.overhead import above_allocated
+from service.core.result import Component, Estimate, ParamCounts, Phase, PhasePeak
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    LossImpl,
+    Method,
+    Offload,
+    Optim,
+    QuantType,
+    ResolvedSpec,
+    SdpaKernel,
+    Strategy,
+    TrainingSpec,
+    resolve,
+)
+from service.core.units import (
+    DTYPE_BYTES,
+    FP32_BYTES,
+    GIB,
+    INT64_BYTES,
+    UINT8_BYTES,
+    DType,
+)
+
+ESTIMATOR_VERSION = "0.1.0"
+
+# CUDACachingAllocator rounds every block up to kMinBlockSize = 512 B
+# (c10/cuda/CUDACachingAllocator.cpp).
+ALLOC_BLOCK = 512
+
+# bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
+# (bitsandbytes/functional.py quantize_4bit, blocksize=64); double quant stores the absmax
+# as uint8 with one fp32 absmax per 256 of them plus a 256-entry fp32 code and an fp32 offset
+# (quantize_blockwise, blocksize=256).
+NF4_VALUES_PER_BYTE = 2
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+NESTED_CODE_ENTRIES = 256
+NF4_CODE_ENTRIES = 16  # quant_state.code: the 16 NF4/FP4 levels, fp32
+# LLM.int8 (bitsandbytes Linear8bitLt): int8 weight plus one fp32 scale per output row (SCB).
+INT8_BYTES = 1
+
+# bitsandbytes 8-bit optimizers: uint8 state per element, one fp32 absmax per 256-element
+# block (bitsandbytes/optim/optimizer.py Optimizer2State, blockwise=True); parameters with
+# fewer than min_8bit_size = 4096 elements keep fp32 states.
+BNB_8BIT_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+
+# Cross-entropy in transformers' ForCausalLMLoss (loss/loss_utils.py): logits.float() then
+# F.cross_entropy. Live bytes per logit element:
+#   end of forward: bf16 logits (2) + fp32 copy (4) + fp32 log-probs (4);
+#   start of backward: saved log-probs (4) + NLL grad (4) + LogSoftmax grad (4).
+HF_LOSS_SAVED_PER_ELEM = FP32_BYTES  # log_softmax output kept for backward
+# torchtune CEWithChunkedOutputLoss splits the sequence in 8 chunks
+# (torchtune/modules/loss/ce_chunked_output_loss.py num_output_chunks=8).
+TORCHTUNE_CE_CHUNKS = 8
+# LitGPT's chunked lm_head + cross-entropy over 128 tokens (litgpt/finetune/lora.py,
+# lm_head_chunk_size=128; litgpt/utils.py chunked_cross_entropy chunk_size=128).
+LITGPT_CE_CHUNK_TOKENS = 128
+
+
+def _blk(nbytes: int) -> int:
+    """Bytes the allocator hands out for a request of `nbytes`."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // ALLOC_BLOCK) * ALLOC_BLOCK
+
+
+class _Ledger:
+    """Live tensors by identity: a storage saved by several ops is counted once."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: dict[str, int] = {}
+
+    def add(self, key: str, nbytes: int) -> None:
+        if key not in self.items:
+            self.items[key] = _blk(nbytes)
+
+    def total(self) -> int:
+        return sum(self.items.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Which modules train
+
+
+def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
+    """PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py)."""
+    defaults = {
+        "llama": ("q_proj", "v_proj"),
+        "mistral": ("q_proj", "v_proj"),
+        "mixtral": ("q_proj", "v_proj"),
+        "qwen2": ("q_proj", "v_proj"),
+        "qwen3": ("q_proj", "v_proj"),
+        "gemma": ("q_proj", "v_proj"),
+        "gemma2": ("q_proj", "v_proj"),
+        "gemma3_text": ("q_proj", "v_proj"),
+        "stablelm": ("q_proj", "v_proj"),
+        "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+        "gpt_neox": ("query_key_value",),
+        "chatglm": ("query_key_value",),
+    }
+    if arch.model_type not in defaults:
+        raise InvalidSpecError(
+            "lora.target_modules",
+            f"PEFT has no default target modules for model_type {arch.model_type!r}; name them",
+        )
+    return defaults[arch.model_type]
+
+
+def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
+    """The decoder-layer linears that carry a LoRA adapter."""
+    if rs.lora is None:
+        return ()
+    targets = rs.lora.target_modules
+    candidates = [lin for lin in arch.linears if not lin.expert]
+    if targets == ALL_LINEAR:
+        return tuple(candidates)
+    names = default_target_modules(arch) if targets is None else tuple(targets)
+    chosen = tuple(
+        lin for lin in candidates if lin.name in names or lin.name.split(".")[-1] in names
+    )
+    unknown = [
+        n
+        for n in names
+        if not any(n in (lin.name, lin.name.split(".")[-1]) for lin in arch.linears)
+    ]
+    if unknown or not chosen:
+        known = ", ".join(sorted({lin.name for lin in candidates}))
+        raise InvalidSpecError(
+            "lora.target_modules",
+            f"{', '.join(unknown or names)} not in this model (its linear layers: {known})",
+        )
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer state
+
+
+@dataclass(frozen=True, slots=True)
+class _Params:
+    frozen: int  # bytes of frozen weights (quantized ones included)
+    trainable: int  # bytes of trainable parameters
+    trainable_sizes: tuple[tuple[int, int], ...]  # (elements, bytes per element) per tensor
+    total_count: int
+    trainable_count: int
+
+
+def _quantized_weight_bytes(lin: Linear, rs: ResolvedSpec) -> int:
+    quant = rs.quantization
+    if quant is None:
+        raise InvalidSpecError("quantization", "required for method 'qlora'")
+    n = lin.in_features * lin.out_features
+    if quant.type is QuantType.INT8:
+        return _blk(n * INT8_BYTES) + _blk(lin.out_features * FP32_BYTES)
+    packed = _blk(n // NF4_VALUES_PER_BYTE)
+    blocks = -(-n // NF4_BLOCK)
+    code = _blk(NF4_CODE_ENTRIES * FP32_BYTES)
+    if not quant.double_quant:
+        return packed + _blk(blocks * FP32_BYTES) + code
+    nested = -(-blocks // NESTED_BLOCK)
+    return (
+        packed
+        + _blk(blocks * UINT8_BYTES)
+        + _blk(nested * FP32_BYTES)
+        + _blk(NESTED_CODE_ENTRIES * FP32_BYTES)
+        + _blk(FP32_BYTES)  # the nested offset
+        + code
+    )
+
+
+def _params(arch: ModelArch, rs: ResolvedSpec) -> _Params:
+    spec = rs.spec
+    md = DTYPE_BYTES[spec.dtype]
+    kbit = spec.method is Method.QLORA and rs.quantization is not None
+    prep = kbit and rs.quantization is not None and rs.quantization.prepare_kbit
+    # prepare_model_for_kbit_training casts every parameter that is not 4/8-bit to fp32
+    # (peft/utils/other.py: param.data = param.data.to(torch.float32)).
+    other = FP32_BYTES if prep else md
+    full = spec.method is Method.FULL
+    saved_modules = set(rs.lora.modules_to_save) if rs.lora else set()
+
+    frozen = 0
+    trainable: list[tuple[int, int]] = []
+
+    def put(elements: int, nbytes_per: int, train: bool) -> None:
+        nonlocal frozen
+        if train:
+            trainable.append((elements, nbytes_per))
+        else:
+            frozen += _blk(elements * nbytes_per)
+
+    L = arch.num_hidden_layers
+    for _ in range(L):
+        for lin in arch.linears:
+            if kbit and not lin.expert:
+                frozen += _quantized_weight_bytes(lin, rs)
+            else:
+                for _e in range(lin.count):
+                    put(lin.in_features * lin.out_features, md, full)
+            if lin.bias:
+                for _e in range(lin.count):
+                    put(lin.out_features, other if kbit else md, full)
+        norm_elems = arch.hidden_size
+        for _n in range(arch.norms_per_layer):
+            put(norm_elems, other, full)
+            if arch.norm is NormKind.LAYER:
+                put(norm_elems, other, full)
+        if arch.qk_norm:
+            put(arch.head_dim, other, full)
+            put(arch.head_dim, other, full)
+    put(arch.embedding_params, other, full)
+    if "embed_tokens" in saved_modules and not full:
+        trainable.append((arch.embedding_params, other))  # ModulesToSaveWrapper's copy
+    put(arch.hidden_size, other, full)
+    if arch.norm is NormKind.LAYER:
+        put(arch.hidden_size, other, full)
+    if not arch.tie_word_embeddings:
+        put(arch.vocab_size * arch.hidden_size, other, full)
+        if arch.lm_head_bias:
+            put(arch.vocab_size, other, full)
+        if "lm_head" in saved_modules and not full:
+            trainable.append((arch.vocab_size * arch.hidden_size, other))
+
+    if rs.lora is not None:
+        ad = DTYPE_BYTES[rs.adapter_dtype]
+        r = rs.lora.r
+        for lin in adapted_linears(arch, rs):
+            for _ in range(L):
+                trainable.append((r * lin.in_features, ad))
+                trainable.append((lin.out_features * r, ad))
+    trainable_count = sum(e for e, _ in trainable)
+    return _Params(
+        frozen=frozen,
+        trainable=sum(_blk(e * b) for e, b in trainable),
+        trainable_sizes=tuple(trainable),
+        total_count=arch.total_params,
+        trainable_count=trainable_count,
+    )
+
+
+def _gradients(p: _Params) -> int:
+    """One gradient per trainable tensor, in the parameter's dtype."""
+    return p.trainable
+
+
+def _optimizer_state(p: _Params, optim: Optim) -> tuple[int, int, int]:
+    """(state bytes inside torch's allocator, state bytes outside it, step temporaries)."""
+    if optim is Optim.SGD:
+        # HF "sgd" is torch.optim.SGD with momentum 0: no state (transformers/trainer.py).
+        return 0, 0, 0
+    if optim in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
+        # exp_avg and exp_avg_sq take the parameter's dtype (torch/optim/adamw.py _init_group).
+        state = sum(2 * _blk(e * b) for e, b in p.trainable_sizes)
+        # foreach AdamW's torch._foreach_sqrt(exp_avg_sqs) allocates one state-sized copy
+        # (torch/optim/adamw.py _multi_tensor_adamw); fused and for-loop do not.
+        temps = sum(_blk(e * b) for e, b in p.trainable_sizes) if optim is Optim.ADAMW_TORCH else 0
+        return state, 0, temps
+    if optim in (Optim.ADAMW_BNB_8BIT, Optim.PAGED_ADAMW_8BIT):
+        state = 0
+        for e, _b in p.trainable_sizes:
+            if e < BNB_MIN_8BIT_SIZE:
+                state += 2 * _blk(e * FP32_BYTES)
+            else:
+                state += 2 * _blk(e * UINT8_BYTES) + 2 * _blk(-(-e // BNB_8BIT_BLOCK) * FP32_BYTES)
+        paged = optim is Optim.PAGED_ADAMW_8BIT
+        return (0, state, 0) if paged else (state, 0, 0)
+    if optim is Optim.PAGED_ADAMW_32BIT:
+        # bitsandbytes 32-bit states are fp32 whatever the parameter's dtype; paged states live
+        # in CUDA managed memory, outside torch's allocator counters (bitsandbytes/optim).
+        return 0, sum(2 * _blk(e * FP32_BYTES) for e, _b in p.trainable_sizes), 0
+    # Adafactor (transformers/optimization.py): factored second moment, no first moment; the
+    # exact factorisation needs shapes, so count a row+column share per tensor upper-bounded by
+    # one fp32 copy of the update during step().
+    state = sum(_blk(e * FP32_BYTES) // 64 for e, _b in p.trainable_sizes)
+    temps = sum(_blk(e * FP32_BYTES) for e, _b in p.trainable_sizes)
+    return state, 0, temps
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+@dataclass(frozen=True, slots=True)
+class _Flow:
+    """Element sizes of the tensors flowing through a layer."""
+
+    residual: int  # the residual stream
+    norm_out: int  # what the norms hand to the linears
+    attn: int  # q/k/v after RoPE, attention output
+    adapter: int
+    lora_targets: frozenset[str]
+    full: bool
+    r: int
+    dropout: bool
+    autocast: bool
+
+
+def _flow(arch: ModelArch, rs: ResolvedSpec) -> _Flow:
+    spec = rs.spec
+    md = DTYPE_BYTES[spec.dtype]
+    prep = (
+        spec.method is Method.QLORA and rs.quantization is not None and rs.quantization.prepare_kbit
+    )
+    # prepare_model_for_kbit_training leaves embeddings and norms in fp32, so the residual
+    # stream and every 4-bit linear's output (cast back to its input dtype by bnb's
+    # Linear4bit.forward) run in fp32.
+    residual = FP32_BYTES if prep else md
+    if spec.autocast:
+        norm_out = residual
+        attn = DTYPE_BYTES[DType.BF16] if spec.dtype is DType.FP32 else md
+    else:
+        norm_out = residual
+        attn = residual
+    lora = rs.lora
+    targets = frozenset(lin.name for lin in adapted_linears(arch, rs)) if lora else frozenset()
+    return _Flow(
+        residual=residual,
+        norm_out=norm_out,
+        attn=attn,
+        adapter=DTYPE_BYTES[rs.adapter_dtype],
+        lora_targets=targets,
+        full=spec.method is Method.FULL,
+        r=lora.r if lora else 0,
+        dropout=bool(lora and lora.lora_dropout > 0),
+        autocast=spec.autocast,
+    )
+
+
+def _linear_saves(
+    led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int, tokens: int
+) -> None:
+    """What one linear keeps for backward, given its input tensor `x_key`."""
+    if f.full:
+        led.add(x_key, tokens * lin.in_features * x_bytes)  # weight grad needs the input
+    if lin.name not in f.lora_targets:
+        return
+    # PEFT lora.Linear.forward: x = self._cast_input_dtype(x, lora_A.weight.dtype), then
+    # lora_B(lora_A(dropout(x))): lora_A saves its input, lora_B saves lora_A's output.
+    in_bytes = f.adapter
+    if f.autocast:
+        in_bytes = 2  # autocast runs the adapter matmuls in half precision: a bf16 copy
+    cast_key = x_key if in_bytes == x_bytes else f"{x_key}>{lin.name}"
+    if f.dropout:
+        led.add(f"{lin.name}.dropout_out", tokens * lin.in_features * in_bytes)
+        led.add(f"{lin.name}.dropout_mask", tokens * lin.in_features)  # bool mask
+    else:
+        led.add(cast_key, tokens * lin.in_features * in_bytes)
+    led.add(f"{lin.name}.lora_a_out", tokens * f.r * in_bytes)
+
+
+def _norm_saves(
+    led: _Ledger, f: _Flow, key: str, x_key: str, tokens: int, h: int, arch: ModelArch
+) -> None:
+    """RMSNorm (LlamaRMSNorm): saves an fp32 copy of its input and the rsqrt per token."""
+    if arch.norm is NormKind.RMS:
+        fp32_key = x_key if f.residual == FP32_BYTES else f"{key}.fp32"
+        led.add(fp32_key, tokens * h * FP32_BYTES)
+        led.add(f"{key}.rstd", tokens * FP32_BYTES)
+        if f.full:
+            led.add(f"{key}.normed", tokens * h * f.residual)  # weight grad needs it
+    else:
+        # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
+        led.add(x_key, tokens * h * f.residual)
+        led.add(f"{key}.mean", tokens * FP32_BYTES)
+        led.add(f"{key}.rstd", tokens * FP32_BYTES)
+
+
+def _attention_saves(
+    led: _Ledger, f: _Flow, arch: ModelArch, spec: TrainingSpec, b: int, s: int
+) -> None:
+    tokens = b * s
+    q_bytes = tokens * arch.q_dim * f.attn
+    kv_bytes = tokens * arch.kv_dim * f.attn
+    n_h = arch.num_attention_heads
+    impl = spec.attn_implementation
+    kernel = spec.sdpa_kernel
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.AUTO:
+        # On a GPU, PyTorch picks the flash kernel for fp16/bf16 and the memory-efficient one
+        # for fp32 (torch/backends/cuda sdp_utils: flash needs half precision).
+        kernel = SdpaKernel.FLASH if f.attn == 2 else SdpaKernel.EFFICIENT
+    led.add("q_rope", q_bytes)
+    if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
+        # flash saves q, k, v (GQA native), output and the fp32 logsumexp (b, n_h, s).
+        led.add("k_rope", kv_bytes)
+        led.add("v", kv_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("lse", b * n_h * s * FP32_BYTES)
+        return
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.EFFICIENT:
+        # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
+        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda).
+        led.add("k_rep", q_bytes)
+        led.add("v_rep", q_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("lse", b * n_h * (-(-s // 32) * 32) * FP32_BYTES)
+        return
+    # eager (and SDPA's math backend): scores and probabilities materialised per head.
+    led.add("k_rep", q_bytes)
+    led.add("v_rep", q_bytes)
+    led.add("probs_fp32", b * n_h * s * s * FP32_BYTES)  # softmax(dtype=float32) output
+    led.add("probs", b * n_h * s * s * f.attn)  # .to(query.dtype), saved by probs @ v
+    led.add("attn_out", q_bytes)  # transpose(1, 2).contiguous() copy
+
+
+def _mlp_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, tokens: int) -> None:
+    i_size = arch.intermediate_size
+    out = f.norm_out
+    by_kind = {lin.kind: lin for lin in arch.linears if not lin.expert}
+    mlp_in = [lin for lin in arch.linears if lin.kind is LinearKind.MLP_IN and not lin.expert]
+    down = by_kind.get(LinearKind.MLP_OUT)
+    for lin in mlp_in:
+        _linear_saves(led, f, lin, x_key, out, tokens)
+    if arch.is_moe:
+        _moe_saves(led, f, arch, x_key, tokens)
+        return
+    if arch.mlp is MlpKind.GATED:
+        # act(gate) saves gate; act(gate) * up saves both operands.
+        led.add("mlp.gate_out", tokens * i_size * out)
+        led.add("mlp.up_out", tokens * i_size * out)
+        led.add("mlp.act_out", tokens * i_size * out)
+    else:
+        led.add("mlp.fc1_out", tokens * i_size * out)  # GELU saves its input
+    if down is not None:
+        _linear_saves(led, f, down, "mlp.product", out, tokens)
+
+
+def _moe_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, tokens: int) -> None:
+    """Routed experts (transformers 5 MixtralExperts): each token's k expert MLPs."""
+    e = arch.num_experts
+    k = arch.num_experts_per_tok
+    i_size = arch.expert_intermediate_size
+    out = f.norm_out
+    routed = tokens * k
+    led.add("moe.router_logits", tokens * e * out)
+    led.add("moe.router_probs", tokens * e * FP32_BYTES)
+    led.add("moe.gathered", routed * arch.hidden_size * out)  # hidden_states[token_idx]
+    led.add("moe.gate_up", routed * 2 * i_size * out)
+    led.add("moe.act", routed * i_size * out)
+    led.add("moe.product", routed * i_size * out)
+    led.add("moe.down_out", routed * arch.hidden_size * out)
+    if arch.shared_expert_intermediate_size:
+        si = arch.shared_expert_intermediate_size
+        led.add("shared.gate_out", tokens * si * out)
+        led.add("shared.up_out", tokens * si * out)
+        led.add("shared.act_out", tokens * si * out)
+        led.add("shared.gate_logit", tokens * out)
+        led.add("shared.sigmoid", tokens * out)
+        led.add("shared.out", tokens * arch.hidden_size * out)
+        for lin in arch.linears:
+            if lin.kind is LinearKind.MLP_OUT and not lin.expert:
+                _linear_saves(led, f, lin, "shared.product", out, tokens)
+
+
+def layer_saved_bytes(
+    arch: ModelArch, rs: ResolvedSpec, b: int, s: int, *, input_needs_grad: bool = True
+) -> int:
+    """Bytes one decoder layer keeps for backward, without checkpointing.
+
+    `input_needs_grad` is False for the first layer of a LoRA/QLoRA model without
+    checkpointing: the frozen embedding's output takes no gradient, so autograd records
+    nothing for the first norm (its fp32 copy and rstd are never saved).
+    """
+    f = _flow(arch, rs)
+    led = _Ledger()
+    tokens = b * s
+    h = arch.hidden_size
+    if input_needs_grad:
+        _norm_saves(led, f, "norm1", "x_in", tokens, h, arch)
+    for lin in arch.linears:
+        if lin.kind is LinearKind.ATTN_QKV:
+            _linear_saves(led, f, lin, "norm1.out", f.norm_out, tokens)
+    _attention_saves(led, f, arch, rs.spec, b, s)
+    for lin in arch.linears:
+        if lin.kind is LinearKind.ATTN_OUT:
+            _linear_saves(led, f, lin, "attn_out", f.attn, tokens)
+    if arch.parallel_residual and arch.norms_per_layer == 1:
+        mlp_in_key = "norm1.out"
+    else:
+        _norm_saves(led, f, "norm2", "x_mid", tokens, h, arch)
+        mlp_in_key = "norm2.out"
+    if arch.norms_per_layer == 4:
+        # Gemma-2's post-attention and post-feedforward norms act on branch outputs.
+        _norm_saves(led, f, "norm3", "attn_proj", tokens, h, arch)
+        _norm_saves(led, f, "norm4", "mlp_proj", tokens, h, arch)
+    _mlp_saves(led, f, arch, mlp_in_key, tokens)
+    return led.total()
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits and loss
+
+
+@dataclass(frozen=True, slots=True)
+class _LossBytes:
+    forward_peak: int  # extra live bytes at the loss's forward peak
+    saved: int  # kept from the end of forward into backward
+    backward_peak: int  # live bytes at the loss gradient
+
+
+def _loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int) -> _LossBytes:
+    v = arch.vocab_size
+    head = (
+        FP32_BYTES
+        if (rs.spec.method is Method.QLORA and rs.quantization and rs.quantization.prepare_kbit)
+        else DTYPE_BYTES[rs.spec.dtype]
+    )
+    tokens = b * s
+    softcap = arch.final_logit_softcapping is not None
+    if rs.loss is LossImpl.FUSED:
+        # Fused linear cross-entropy never materialises b*s*V (Liger, Cut Cross-Entropy).
+        return _LossBytes(forward_peak=0, saved=0, backward_peak=0)
+    if rs.loss is LossImpl.CHUNKED:
+        if rs.spec.framework.value == "torchtune":
+            chunk = -(-tokens // TORCHTUNE_CE_CHUNKS)
+            # torchtune keeps every chunk's logits (model dtype) for backward and upcasts one
+            # chunk at a time to fp32.
+            saved = _blk(tokens * v * head)
+            return _LossBytes(
+                forward_peak=saved + 2 * _blk(chunk * v * FP32_BYTES),
+                saved=saved + TORCHTUNE_CE_CHUNKS * _blk(chunk * v * FP32_BYTES),
+                backward_peak=saved
+                + TORCHTUNE_CE_CHUNKS * _blk(chunk * v * FP32_BYTES)
+                + 2 * _blk(chunk * v * FP32_BYTES),
+            )
+        chunk = min(tokens, b * LITGPT_CE_CHUNK_TOKENS)
+        per_chunk = _blk(chunk * v * head)
+        n_chunks = -(-tokens // chunk)
+        saved = n_chunks * 2 * per_chunk
+        return _LossBytes(
+            forward_peak=saved + per_chunk, saved=saved, backward_peak=saved + 2 * per_chunk
+        )
+    logits = _blk(tokens * v * head)
+    cap = _blk(tokens * v * head) if softcap else 0  # tanh output saved (Gemma-2 softcap)
+    if rs.loss is LossImpl.PLAIN:
+        logp = _blk(tokens * v * head)
+        return _LossBytes(
+            forward_peak=logits + cap + logp, saved=logp + cap, backward_peak=logp + cap + 2 * logp
+        )
+    # logits.float() is a no-op (no copy) when the head already runs in fp32 (kbit prep).
+    upcast = _blk(tokens * v * FP32_BYTES) if head != FP32_BYTES else 0
+    logp = _blk(tokens * v * FP32_BYTES)
+    return _LossBytes(
+        forward_peak=logits + cap + upcast + logp,
+        saved=logp + cap,
+        backward_peak=logp + cap + 2 * logp,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+
+
+def _validate(arch: ModelArch, spec: TrainingSpec) -> list[str]:
+    warnings: list[str] = []
+    if spec.seq_len > arch.max_position_embeddings:
+        warnings.append(
+            f"seq_len {spec.seq_len} is longer than the model's max_position_embeddings "
+            f"({arch.max_position_embeddings}); quality may suffer without RoPE scaling"
+        )
+    if (
+        spec.method is Method.QLORA
+        and spec.quantization
+        and spec.quantization.type is QuantType.INT8
+    ):
+        warnings.append("int8 (LLM.int8) base weights: activations modelled as for 4-bit")
+    return warnings
+
+
+def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
+    """The peak memory of one GPU running `spec` on `arch`."""
+    rs = resolve(spec)
+    warnings = _validate(arch, spec)
+    assumptions = list(rs.assumptions)
+    b, s = spec.batch_size, spec.seq_len
+    tokens = b * s
+    h = arch.hidden_size
+    L = arch.num_hidden_layers
+    f = _flow(arch, rs)
+    p = _params(arch, rs)
+    shard = _sharding(spec)
+
+    frozen = p.frozen // shard.params
+    trainable = p.trainable // shard.params
+    grads = _gradients(p) // shard.grads
+    state, state_outside, temps = _optimizer_state(p, spec.optim)
+    state //= shard.state
+    state_outside //= shard.state
+    temps //= shard.state
+    if spec.parallel.offload is not Offload.NONE:
+        state = temps = state_outside = 0
+        assumptions.append("optimizer state offloaded to host memory")
+
+    per_layer = layer_saved_bytes(arch, rs, b, s)
+    # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
+    # it (and with a frozen embedding) the first layer's input takes no gradient.
+    embed_trains = spec.method is Method.FULL or (
+        rs.lora is not None and "embed_tokens" in rs.lora.modules_to_save
+    )
+    first_layer = (
+        per_layer
+        if embed_trains or spec.gradient_checkpointing
+        else layer_saved_bytes(arch, rs, b, s, input_needs_grad=False)
+    )
+    checkpoint = _blk(tokens * h * f.residual)
+    inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
+    final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    if spec.method is Method.FULL:
+        final_norm += _blk(tokens * h * f.residual)  # lm_head's input, for its weight grad
+    loss = _loss_bytes(arch, rs, b, s)
+    grad_hidden = _blk(tokens * h * max(f.residual, 2))  # gradient flowing down the stack
+
+    if spec.gradient_checkpointing:
+        activations = L * checkpoint + final_norm
+        recompute = per_layer
+        assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
+    else:
+        activations = (L - 1) * per_layer + first_layer + final_norm
+        recompute = 0
+    if spec.attn_implementation is AttnImpl.EAGER:
+        extra = 6 * b * arch.num_attention_heads * s * s
+        warnings.append(
+            f"eager attention stores heads*s^2 scores and probabilities: about "
+            f"{extra * (1 if spec.gradient_checkpointing else L) / GIB:.1f} GiB"
+        )
+
+    ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
+    base = {
+        Component.FROZEN_WEIGHTS: frozen,
+        Component.TRAINABLE_PARAMS: trainable,
+        Component.INPUTS: inputs,
+    }
+    phases: list[PhasePeak] = []
+    for step in (1, 2):
+        st = state if step == 2 else 0
+        fwd = {
+            **base,
+            Component.OPTIMIZER_STATE: st,
+            Component.GRADIENTS: ga_grads,
+            Component.ACTIVATIONS: activations,
+            Component.LOGITS_LOSS: loss.forward_peak,
+        }
+        phases.append(_phase(step, Phase.FORWARD_END, fwd))
+        bwd0 = {**fwd, Component.LOGITS_LOSS: loss.backward_peak}
+        phases.append(_phase(step, Phase.BACKWARD_START, bwd0))
+        # Inside the layers: the top layer's backward, with its activations (recomputed when
+        # checkpointing) and the gradient flowing in; for full fine-tuning the late backward
+        # holds every gradient plus the embedding's.
+        top = {
+            **base,
+            Component.OPTIMIZER_STATE: st,
+            Component.GRADIENTS: (grads if spec.method is Method.FULL else 0) + ga_grads,
+            Component.ACTIVATIONS: activations,
+            Component.RECOMPUTE: recompute,
+            Component.BACKWARD_TEMPORARIES: 2 * grad_hidden,
+        }
+        if spec.method is Method.FULL:
+            top[Component.ACTIVATIONS] = (
+                L * checkpoint if spec.gradient_checkpointing else per_layer
+            )
+            top[Component.GRADIENTS] = grads
+        phases.append(_phase(step, Phase.BACKWARD, top))
+    opt = {
+        **base,
+        Component.GRADIENTS: grads,
+        Component.OPTIMIZER_STATE: state,
+        Component.OPTIMIZER_TEMPORARIES: temps,
+    }
+    phases.append(_phase(1, Phase.OPTIMIZER_STEP, opt))
+
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    over = above_allocated(
+        allocated=peak.allocated_bytes,
+        transient=peak.components.get(Component.ACTIVATIONS, 0)
+        + peak.components.get(Component.LOGITS_LOSS, 0)
+        + peak.components.get(Component.RECOMPUTE, 0)
+        + peak.components.get(Component.BACKWARD_TEMPORARIES, 0),
+        paged_state=state_outside,
+        gpus=spec.parallel.gpus,
+    )
+    return Estimate(
+        allocated_bytes=peak.allocated_bytes,
+        reserved_bytes=over.reserved,
+        device_bytes=over.device,
+        device_bytes_upper=over.device_upper,
+        components=dict(peak.components),
+        overheads=over.overheads,
+        peak_step=peak.step,
+        peak_phase=peak.phase,
+        phases=tuple(phases),
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        upper_margin=over.upper_margin,
+        assumptions=tuple(assumptions) + over.assumptions,
+        warnings=tuple(warnings),
+        estimator_version=ESTIMATOR_VERSION,
+    )
+
+
+def _phase(step: int, phase: Phase, parts: dict[Component, int]) -> PhasePeak:
+    comps = {c: v for c, v in parts.items() if v}
+    return PhasePeak(step=step, phase=phase, allocated_bytes=sum(comps.values()), components=comps)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shards:
+    params: int
+    grads: int
+    state: int
+
+
+def _sharding(spec: TrainingSpec) -> _Shards:
+    """Divisors over ranks: ZeRO-1 shards optimizer state, ZeRO-2 also gradients, ZeRO-3 and
+    FSDP also parameters (Rajbhandari et al. 2020, ZeRO, section 5)."""
+    n = spec.parallel.gpus
+    strategy = spec.parallel.strategy
+    if n == 1 or strategy is Strategy.DDP:
+        return _Shards(1, 1, 1)
+    if strategy is Strategy.ZERO1:
+        return _Shards(1, 1, n)
+    if strategy is Strategy.ZERO2:
+        return _Shards(1, n, n)
+    return _Shards(n, n, n)
