@@ -48,9 +48,10 @@ UPPER_EXCEEDANCE = 0.05
 OUTLIER_Z = 3.5
 # 1 / Phi^-1(3/4): MAD times this estimates a normal distribution's standard deviation.
 MAD_TO_SIGMA = 1.4826
-# Floor of the log-space spread: peaks repeat only to about 2 % (2 MiB allocator segments,
-# sampled NVML readings), so closer votes must not be rejected for differing at all.
-MIN_LOG_SPREAD = 0.02
+# Floor of the log-space spread (about 5 %): with few nodes the MAD can be zero (two equal
+# votes), and nodes on other driver, CUDA and torch builds legitimately differ by a few
+# percent, so votes within about ±19 % (OUTLIER_Z floors) of the median are never rejected.
+MIN_LOG_SPREAD = 0.05
 # Spread assumed when a group has no factor yet, for flagging uploads as outliers: with
 # OUTLIER_Z it flags ratios outside about [0.70, 1.42], i.e. far from the estimate.
 PRIOR_LOG_SPREAD = 0.10
@@ -169,7 +170,7 @@ class Factor:
     rejected_nodes: tuple[str, ...]  # nodes whose vote was too far from the others
     runs: int  # completed runs of the voting nodes
     oom_runs: int  # OOM runs that were considered for the upper bound
-    log_spread: float  # robust standard deviation of the votes, log space
+    log_spread: float  # robust standard deviation of the kept votes, log space (may be 0)
     clamped: bool  # the median or the upper multiplier hit a clamp
 
     @property
@@ -206,8 +207,8 @@ def node_votes(samples: Iterable[Sample]) -> dict[str, float]:
 
 
 def robust_spread(log_values: Sequence[float], center: float) -> float:
-    mad = _median([abs(value - center) for value in log_values])
-    return max(MAD_TO_SIGMA * mad, MIN_LOG_SPREAD)
+    """MAD-based standard deviation of log values around `center` (may be zero)."""
+    return MAD_TO_SIGMA * _median([abs(value - center) for value in log_values])
 
 
 def fit_factor(samples: Iterable[Sample]) -> Factor | None:
@@ -217,7 +218,7 @@ def fit_factor(samples: Iterable[Sample]) -> Factor | None:
     if len(votes) < MIN_NODES:
         return None
     center = _median(list(votes.values()))
-    spread = robust_spread(list(votes.values()), center)
+    spread = max(robust_spread(list(votes.values()), center), MIN_LOG_SPREAD)
     kept = {node: vote for node, vote in votes.items() if abs(vote - center) <= OUTLIER_Z * spread}
     rejected = tuple(sorted(node for node in votes if node not in kept))
     if len(kept) < MIN_NODES:
@@ -281,9 +282,9 @@ class AppliedFactor:
 
 
 def _differs(sub: Factor, parent: Factor) -> bool:
-    """Whether a subgroup's factor is different enough from its model's to stand alone."""
+    """Whether a subgroup's factor differs from its model's by more than chance would."""
     effect = abs(math.log(sub.ratio) - math.log(parent.ratio))
-    standard_error = MEDIAN_SE * parent.log_spread / math.sqrt(sub.nodes)
+    standard_error = MEDIAN_SE * sub.log_spread / math.sqrt(sub.nodes)
     return effect > max(SPLIT_MIN_EFFECT, SPLIT_Z * standard_error)
 
 

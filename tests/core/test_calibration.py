@@ -1,0 +1,368 @@
+"""The robust calibration factor: one vote per node, MAD rejection, clamps, the upper bound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.core.calibration import (
+    EMPTY_TABLE,
+    FACTOR_MAX,
+    FACTOR_MIN,
+    MIN_NODES,
+    UPPER_EXCEEDANCE,
+    UPPER_MULTIPLIER_MAX,
+    UPPER_MULTIPLIER_MIN,
+    AppliedFactor,
+    FactorTable,
+    GroupKey,
+    ImplausibleMeasurementError,
+    Level,
+    Measured,
+    Observation,
+    Outcome,
+    Sample,
+    Scope,
+    calibrate,
+    check_measured,
+    fit_factor,
+    fit_table,
+    flag_outlier,
+)
+from service.core.result import Estimate, ParamCounts, Phase
+from service.core.units import GIB
+
+GPU_TOTAL = 80 * GIB
+
+absurd_ratio = st.one_of(
+    st.floats(min_value=1e-9, max_value=0.05),
+    st.floats(min_value=20.0, max_value=1e9),
+    st.floats(min_value=1e-9, max_value=1e9),
+)
+
+
+@st.composite
+def honest_nodes(draw: st.DrawFn, low: float = 0.85, high: float = 1.3) -> list[Sample]:
+    """Nodes that agree within a few percent, each with a handful of completed runs."""
+    center = draw(st.floats(min_value=low, max_value=high))
+    count = draw(st.integers(min_value=MIN_NODES, max_value=12))
+    samples: list[Sample] = []
+    for index in range(count):
+        for noise in draw(st.lists(st.floats(0.95, 1.05), min_size=1, max_size=6)):
+            samples.append(Sample(node_id=f"node-{index}", ratio=center * noise))
+    return samples
+
+
+def votes(samples: list[Sample]) -> dict[str, float]:
+    """Each node's median completed ratio (geometric mean of the middle two when even)."""
+    by_node: dict[str, list[float]] = {}
+    for sample in samples:
+        if sample.outcome is Outcome.COMPLETED:
+            by_node.setdefault(sample.node_id, []).append(math.log(sample.ratio))
+    medians = {}
+    for node, logs in by_node.items():
+        logs.sort()
+        mid = len(logs) // 2
+        medians[node] = math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+    return medians
+
+
+class TestCheckMeasured:
+    def test_accepts_a_possible_measurement(self) -> None:
+        check_measured(
+            Measured(allocated_bytes=10 * GIB, reserved_bytes=12 * GIB, device_bytes=13 * GIB),
+            gpu_memory_total_bytes=GPU_TOTAL,
+        )
+
+    @pytest.mark.parametrize(
+        ("measured", "field", "words"),
+        [
+            (Measured(), "measured", "at least one level"),
+            (Measured(device_bytes=0), "measured.device_bytes", "positive"),
+            (Measured(reserved_bytes=-5), "measured.reserved_bytes", "positive"),
+            (Measured(device_bytes=GPU_TOTAL + 1), "measured.device_bytes", "above the GPU"),
+            (
+                Measured(allocated_bytes=9 * GIB, reserved_bytes=8 * GIB),
+                "measured.allocated_bytes",
+                "cannot exceed reserved",
+            ),
+        ],
+    )
+    def test_rejects_values_that_cannot_be_true(
+        self, measured: Measured, field: str, words: str
+    ) -> None:
+        with pytest.raises(ImplausibleMeasurementError) as caught:
+            check_measured(measured, gpu_memory_total_bytes=GPU_TOTAL)
+        assert caught.value.field == field
+        assert words in caught.value.reason
+        assert isinstance(caught.value, ValueError)
+
+    def test_a_peak_equal_to_the_gpu_total_is_possible(self) -> None:
+        check_measured(Measured(device_bytes=GPU_TOTAL), gpu_memory_total_bytes=GPU_TOTAL)
+
+
+class TestFitFactor:
+    def test_needs_min_nodes_distinct_nodes(self) -> None:
+        runs = [Sample(node_id=f"n{i % (MIN_NODES - 1)}", ratio=1.1) for i in range(50)]
+        assert fit_factor(runs) is None
+        assert fit_factor([*runs, Sample(node_id="another", ratio=1.1)]) is not None
+
+    def test_is_the_median_of_node_votes(self) -> None:
+        samples = [
+            Sample(node_id="a", ratio=1.00),
+            Sample(node_id="b", ratio=1.10),
+            Sample(node_id="b", ratio=1.12),
+            Sample(node_id="b", ratio=1.14),
+            Sample(node_id="c", ratio=1.04),
+        ]
+        factor = fit_factor(samples)
+        assert factor is not None
+        assert factor.ratio == pytest.approx(1.04)
+        assert factor.nodes == 3
+        assert factor.runs == 5
+        assert factor.rejected_nodes == ()
+
+    def test_rejects_a_node_far_from_the_others(self) -> None:
+        samples = [Sample(node_id=f"n{i}", ratio=1.0 + 0.01 * i) for i in range(5)]
+        samples.append(Sample(node_id="broken", ratio=1.45))
+        factor = fit_factor(samples)
+        assert factor is not None
+        assert factor.rejected_nodes == ("broken",)
+        assert factor.nodes == 5
+        assert factor.ratio == pytest.approx(1.02)
+
+    def test_too_few_nodes_left_after_rejection_gives_none(self) -> None:
+        samples = [
+            Sample(node_id="a", ratio=1.0),
+            Sample(node_id="b", ratio=1.0),
+            Sample(node_id="c", ratio=9.0),
+        ]
+        assert fit_factor(samples) is None
+
+    def test_clamps_the_median(self) -> None:
+        low = fit_factor([Sample(node_id=f"n{i}", ratio=0.3) for i in range(4)])
+        high = fit_factor([Sample(node_id=f"n{i}", ratio=4.0) for i in range(4)])
+        assert low is not None and high is not None
+        assert (low.ratio, low.clamped) == (FACTOR_MIN, True)
+        assert (high.ratio, high.clamped) == (FACTOR_MAX, True)
+
+    def test_upper_bound_covers_all_but_five_percent_of_runs(self) -> None:
+        # 40 runs: two may lie above the bound, so it sits on the third largest.
+        ratios = [1.0 + i / 100 for i in range(40)]
+        samples = [Sample(node_id=f"n{i % 4}", ratio=r) for i, r in enumerate(ratios)]
+        factor = fit_factor(samples)
+        assert factor is not None
+        assert factor.upper_ratio == pytest.approx(1.37)
+        assert sum(r > factor.upper_ratio + 1e-12 for r in ratios) == 2
+
+    def test_oom_runs_raise_the_upper_bound_but_not_the_median(self) -> None:
+        completed = [Sample(node_id=f"n{i}", ratio=1.0 + i / 100) for i in range(5)]
+        base = fit_factor(completed)
+        oom = [Sample(node_id="n0", ratio=1.3, outcome=Outcome.OOM)]
+        low_oom = [Sample(node_id="n1", ratio=0.5, outcome=Outcome.OOM)]
+        with_oom = fit_factor(completed + oom + low_oom)
+        assert base is not None and with_oom is not None
+        assert with_oom.ratio == base.ratio
+        assert with_oom.upper_ratio == pytest.approx(1.3)
+        assert with_oom.oom_runs == 1
+
+    def test_oom_only_nodes_cast_no_vote(self) -> None:
+        samples = [Sample(node_id=f"n{i}", ratio=0.5, outcome=Outcome.OOM) for i in range(10)]
+        assert fit_factor(samples) is None
+
+    @given(
+        # Honest nodes may agree on a ratio beyond the clamps (an estimator far off).
+        honest=honest_nodes(low=0.4, high=3.0),
+        attack=st.lists(absurd_ratio, min_size=1, max_size=25),
+    )
+    @settings(max_examples=60, deadline=None)
+    def test_a_node_with_a_thousand_absurd_values_moves_no_factor_beyond_its_clamp(
+        self, honest: list[Sample], attack: list[float]
+    ) -> None:
+        flood = [
+            Sample(
+                node_id="attacker",
+                ratio=attack[i % len(attack)],
+                outcome=Outcome.OOM if i % 3 == 0 else Outcome.COMPLETED,
+            )
+            for i in range(1000)
+        ]
+        factor = fit_factor(honest + flood)
+        assert factor is not None
+        assert FACTOR_MIN <= factor.ratio <= FACTOR_MAX
+        assert UPPER_MULTIPLIER_MIN <= factor.upper_multiplier <= UPPER_MULTIPLIER_MAX
+        # One vote among honest ones moves the median by at most one rank: it stays
+        # between the honest votes (each clamped).
+        honest_votes = [min(max(v, FACTOR_MIN), FACTOR_MAX) for v in votes(honest).values()]
+        assert min(honest_votes) - 1e-9 <= factor.ratio <= max(honest_votes) + 1e-9
+
+    @given(samples=honest_nodes(), copies=st.integers(min_value=2, max_value=50))
+    @settings(max_examples=60, deadline=None)
+    def test_one_vote_per_node(self, samples: list[Sample], copies: int) -> None:
+        loud = samples[0].node_id
+        repeated = samples + [s for s in samples if s.node_id == loud] * copies
+        single, many = fit_factor(samples), fit_factor(repeated)
+        assert single is not None and many is not None
+        assert many.ratio == single.ratio
+        assert many.nodes == single.nodes
+        assert many.rejected_nodes == single.rejected_nodes
+
+    @given(samples=honest_nodes())
+    @settings(max_examples=100, deadline=None)
+    def test_at_most_five_percent_of_completed_runs_exceed_the_upper_bound(
+        self, samples: list[Sample]
+    ) -> None:
+        factor = fit_factor(samples)
+        assert factor is not None
+        counted = [s.ratio for s in samples if s.node_id not in factor.rejected_nodes]
+        above = sum(r > factor.upper_ratio * (1 + 1e-12) for r in counted)
+        assert above <= math.floor(UPPER_EXCEEDANCE * len(counted))
+
+    @given(samples=honest_nodes(), oom=st.lists(st.floats(0.1, 3.0), max_size=30))
+    @settings(max_examples=100, deadline=None)
+    def test_oom_runs_never_lower_the_median_or_the_upper_bound(
+        self, samples: list[Sample], oom: list[float]
+    ) -> None:
+        base = fit_factor(samples)
+        nodes = sorted({s.node_id for s in samples})
+        lower_bounds = [
+            Sample(node_id=nodes[i % len(nodes)], ratio=r, outcome=Outcome.OOM)
+            for i, r in enumerate(oom)
+        ]
+        with_oom = fit_factor(samples + lower_bounds)
+        assert base is not None and with_oom is not None
+        assert with_oom.ratio == base.ratio
+        assert with_oom.upper_ratio >= base.upper_ratio - 1e-12
+
+
+def observation(
+    node: str, ratio: float, *, model: str = "m", gpu: str = "A100", environment: str = "e"
+) -> Observation:
+    return Observation(
+        model=model,
+        method="lora",
+        level=Level.DEVICE,
+        gpu=gpu,
+        environment=environment,
+        sample=Sample(node_id=node, ratio=ratio),
+    )
+
+
+class TestFactorTable:
+    def test_falls_back_from_model_to_global_to_none(self) -> None:
+        rows = [observation(f"n{i}", 1.10, model="big") for i in range(3)]
+        rows += [observation("x1", 1.20, model="rare"), observation("x2", 1.20, model="rare")]
+        table = fit_table(rows)
+
+        big = table.lookup(model="big", method="lora", level=Level.DEVICE)
+        rare = table.lookup(model="rare", method="lora", level=Level.DEVICE)
+        assert big is not None and big.key.scope is Scope.MODEL
+        assert rare is not None and rare.key.scope is Scope.GLOBAL
+        assert table.lookup(model="big", method="full", level=Level.DEVICE) is None
+        assert table.lookup(model="big", method="lora", level=Level.RESERVED) is None
+        assert EMPTY_TABLE.lookup(model="big", method="lora", level=Level.DEVICE) is None
+
+    def test_splits_by_gpu_only_where_the_data_show_it_matters(self) -> None:
+        rows = [observation(f"a{i}", 1.00 + i / 1000, gpu="A100") for i in range(4)]
+        rows += [observation(f"h{i}", 1.20 + i / 1000, gpu="H100") for i in range(4)]
+        table = fit_table(rows)
+        h100 = table.lookup(model="m", method="lora", level=Level.DEVICE, gpu="H100")
+        other = table.lookup(model="m", method="lora", level=Level.DEVICE, gpu="L4")
+        assert h100 is not None and h100.key == GroupKey(
+            scope=Scope.MODEL_GPU, method="lora", level=Level.DEVICE, model="m", variant="H100"
+        )
+        assert h100.factor.ratio == pytest.approx(1.2015)
+        assert other is not None and other.key.scope is Scope.MODEL
+
+        alike = [observation(f"a{i}", 1.00 + i / 100, gpu="A100") for i in range(4)]
+        alike += [observation(f"h{i}", 1.01 + i / 100, gpu="H100") for i in range(4)]
+        same = fit_table(alike).lookup(model="m", method="lora", level=Level.DEVICE, gpu="H100")
+        assert same is not None and same.key.scope is Scope.MODEL
+
+    def test_splits_by_environment(self) -> None:
+        rows = [observation(f"a{i}", 1.00, environment="torch 2.4") for i in range(3)]
+        rows += [observation(f"b{i}", 1.25, environment="torch 2.5") for i in range(3)]
+        found = fit_table(rows).lookup(
+            model="m", method="lora", level=Level.DEVICE, environment="torch 2.5"
+        )
+        assert found is not None and found.key.scope is Scope.MODEL_ENVIRONMENT
+        assert found.factor.ratio == pytest.approx(1.25)
+
+
+def applied(ratio: float, spread: float = 0.02, upper_multiplier: float = 1.1) -> AppliedFactor:
+    factor = fit_factor([Sample(node_id=f"n{i}", ratio=ratio) for i in range(3)])
+    assert factor is not None
+    return AppliedFactor(
+        key=GroupKey(scope=Scope.MODEL, method="lora", level=Level.DEVICE, model="m"),
+        factor=replace(factor, log_spread=spread, upper_multiplier=upper_multiplier),
+    )
+
+
+class TestFlagOutlier:
+    def test_without_a_factor_uses_the_prior_spread(self) -> None:
+        assert flag_outlier(1.2, Outcome.COMPLETED, None) is None
+        reason = flag_outlier(2.0, Outcome.COMPLETED, None)
+        assert reason is not None and "above the uncalibrated estimate" in reason
+
+    def test_against_a_factor(self) -> None:
+        factor = applied(1.1, spread=0.05)
+        assert flag_outlier(1.15, Outcome.COMPLETED, factor) is None
+        reason = flag_outlier(0.7, Outcome.COMPLETED, factor)
+        assert reason is not None and "below the model factor 1.100" in reason
+
+    def test_a_low_oom_run_is_not_an_outlier(self) -> None:
+        assert flag_outlier(0.3, Outcome.OOM, None) is None
+        assert flag_outlier(5.0, Outcome.OOM, None) is not None
+
+
+def estimate(allocated: int, reserved: int, device: int, upper: int) -> Estimate:
+    return Estimate(
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        device_bytes=device,
+        device_bytes_upper=upper,
+        components={},
+        overheads={},
+        peak_step=2,
+        peak_phase=Phase.BACKWARD_START,
+        phases=(),
+        params=ParamCounts(total=1, trainable=1),
+        upper_margin=upper / device - 1,
+        assumptions=(),
+        warnings=(),
+        estimator_version="test",
+    )
+
+
+class TestCalibrate:
+    def test_without_factors_the_estimate_stands(self) -> None:
+        prior = estimate(10 * GIB, 11 * GIB, 12 * GIB, 14 * GIB)
+        peaks = calibrate(prior, EMPTY_TABLE, model="m", method="lora")
+        assert (peaks.allocated_bytes, peaks.reserved_bytes) == (10 * GIB, 11 * GIB)
+        assert (peaks.device_bytes, peaks.device_bytes_upper) == (12 * GIB, 14 * GIB)
+        assert peaks.applied == {}
+
+    def test_applies_each_level_and_the_upper_multiplier(self) -> None:
+        device = applied(1.25, upper_multiplier=1.2)
+        table = FactorTable({device.key: device.factor})
+        peaks = calibrate(
+            estimate(10 * GIB, 11 * GIB, 12 * GIB, 14 * GIB), table, model="m", method="lora"
+        )
+        assert peaks.allocated_bytes == 10 * GIB
+        assert peaks.device_bytes == 15 * GIB
+        assert peaks.device_bytes_upper == 18 * GIB
+        assert set(peaks.applied) == {Level.DEVICE}
+
+    def test_keeps_the_levels_ordered(self) -> None:
+        shrink = applied(FACTOR_MIN)
+        key = replace(shrink.key, level=Level.RESERVED)
+        table = FactorTable({key: shrink.factor})
+        peaks = calibrate(
+            estimate(10 * GIB, 10 * GIB, 12 * GIB, 14 * GIB), table, model="m", method="lora"
+        )
+        assert peaks.allocated_bytes <= peaks.reserved_bytes <= peaks.device_bytes
+        assert peaks.reserved_bytes == 10 * GIB
