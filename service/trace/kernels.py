@@ -1,0 +1,252 @@
+"""The kernels a GPU run would pick, forced on the CPU-device fake tensors of a trace.
+
+The fake device is `cpu` (CPU builds of torch cannot make `cuda` fake tensors), so where PyTorch
+or bitsandbytes choose a kernel by device, this module makes the CUDA choice explicitly:
+SDPA runs the flash / mem-efficient / math op that `torch.backends.cuda` would pick, and
+bitsandbytes' 4-bit matmul takes its CUDA dequantize + F.linear path for training-sized inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.core.spec import SdpaKernel
+
+# Head dims the CUDA flash kernel takes (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+# check_head_dim_size_flash: at most 256).
+FLASH_MAX_HEAD_DIM = 256
+# Flattened outputs 6 and 7 of aten._scaled_dot_product_flash_attention are the philox seed and
+# offset; outside CUDA-graph capture they are host tensors (aten's flash wrapper, attention.cu).
+FLASH_HOST_OUTPUTS = (6, 7)
+# ...and outputs 2 and 3 of aten._scaled_dot_product_efficient_attention (attention.cu likewise).
+EFFICIENT_HOST_OUTPUTS = (2, 3)
+FLASH_OP = "aten._scaled_dot_product_flash_attention.default"
+EFFICIENT_OP = "aten._scaled_dot_product_efficient_attention.default"
+# bitsandbytes' CUDA gemm_4bit runs dequantize + F.linear above this many rows
+# (bitsandbytes/backends/cuda/ops.py, _gemm_4bit_custom_max_m).
+GEMM_4BIT_CUSTOM_MAX_M = 1536
+# ...and for weights of at least this many elements, already above this many rows
+# (bitsandbytes/backends/cuda/ops.py, _gemm_4bit_use_custom_cuda: "custom wins up to M=512").
+GEMM_4BIT_LARGE_WEIGHT = 4 * 1024 * 1024
+GEMM_4BIT_LARGE_WEIGHT_MAX_M = 512
+# Below this many rows the custom kernel is always used (same file, _GEMM_4BIT_CUSTOM_FLOOR_M).
+GEMM_4BIT_CUSTOM_FLOOR_M = 4
+# Nested absmax is quantized in blocks of this size (bitsandbytes/functional.py quantize_4bit).
+NESTED_ABSMAX_BLOCKSIZE = 256
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def choose_sdpa_kernel(
+    requested: SdpaKernel,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    has_mask: bool,
+    dropout_p: float,
+) -> SdpaKernel:
+    """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient.
+
+    Follows the priority order of aten's `select_sdp_backend` (flash, efficient, math) with the
+    constraints that matter for decoder training: flash needs fp16/bf16, no explicit mask and a
+    head dim up to 256.
+    """
+    del dropout_p  # every backend supports dropout in training
+    flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM
+    if requested is SdpaKernel.FLASH:
+        if not flash_ok:
+            raise ValueError(
+                "the flash SDPA kernel needs fp16/bf16, no attention mask and head_dim <= 256"
+            )
+        return SdpaKernel.FLASH
+    if requested is not SdpaKernel.AUTO:
+        return requested
+    return SdpaKernel.FLASH if flash_ok else SdpaKernel.EFFICIENT
+
+
+def _expand_kv(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=-3)
+
+
+def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[..., torch.Tensor]:
+    """A drop-in `F.scaled_dot_product_attention` that calls the CUDA backend's op directly.
+
+    `cpu_flash` swaps the flash and mem-efficient ops for the CPU flash op (which saves the same
+    tensors as CUDA's flash op), so validation runs on real CPU tensors can execute them.
+    """
+
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        groups = query.size(-3) // key.size(-3)
+        if groups > 1 and not enable_gqa:
+            raise ValueError("key/value heads differ from query heads without enable_gqa")
+        kernel = choose_sdpa_kernel(
+            requested,
+            dtype=query.dtype,
+            head_dim=query.size(-1),
+            has_mask=attn_mask is not None,
+            dropout_p=dropout_p,
+        )
+        if cpu_flash and kernel is not SdpaKernel.MATH and attn_mask is None:
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query,
+                _expand_kv(key, groups),
+                _expand_kv(value, groups),
+                dropout_p,
+                is_causal,
+                scale=scale,
+            )
+            return out[0]
+        if kernel is SdpaKernel.FLASH:
+            # The CUDA flash kernel reads grouped key/value heads natively.
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )
+            return out[0]
+        if kernel is SdpaKernel.EFFICIENT:
+            # The mem-efficient kernel has no grouped-query support: aten expands key/value heads.
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:
+                bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill_(
+                    bias.logical_not(), float("-inf")
+                )
+            if bias is not None:
+                bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query,
+                _expand_kv(key, groups),
+                _expand_kv(value, groups),
+                bias,
+                True,
+                dropout_p,
+                is_causal,
+                scale=scale,
+            )
+            return out[0]
+        return _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, groups)
+
+    return sdpa
+
+
+def _math_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    groups: int,
+) -> torch.Tensor:
+    """aten's math backend as it runs on CUDA: half inputs are upcast to fp32 first.
+
+    (aten/src/ATen/native/transformers/attention.cpp `_scaled_dot_product_attention_math`,
+    unless `allow_fp16_bf16_reduction_math_sdp` is set, which it is not by default.)
+    """
+    dtype = query.dtype
+    if dtype in _HALF:
+        query, key, value = query.float(), key.float(), value.float()
+    out = torch.ops.aten._scaled_dot_product_attention_math(
+        query,
+        _expand_kv(key, groups),
+        _expand_kv(value, groups),
+        attn_mask,
+        dropout_p,
+        is_causal,
+        None,
+        scale=scale,
+    )[0]
+    return out.to(dtype)
+
+
+def _use_dequant_fallback(rows: int, out_features: int, in_features: int) -> bool:
+    """bitsandbytes' CUDA choice between its fused 4-bit GEMM and dequantize + F.linear.
+
+    The full heuristic also weighs the GPU's SM count for small weights; training inputs have
+    thousands of rows, where every branch of it picks dequantize + F.linear.
+    """
+    if rows > GEMM_4BIT_CUSTOM_MAX_M:
+        return True
+    if rows <= GEMM_4BIT_CUSTOM_FLOOR_M:
+        return False
+    return out_features * in_features >= GEMM_4BIT_LARGE_WEIGHT and rows > (
+        GEMM_4BIT_LARGE_WEIGHT_MAX_M
+    )
+
+
+def gemm_4bit_cuda(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    shapeB: list[int],
+    absmax: torch.Tensor,
+    blocksize: int,
+    quant_type: str,
+    bias: torch.Tensor | None = None,
+    absmax_8bit: torch.Tensor | None = None,
+    absmax_code: torch.Tensor | None = None,
+    absmax_offset: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """What `bitsandbytes::gemm_4bit` runs on CUDA; None where it is the fused kernel itself.
+
+    Above its row threshold it rebuilds the (nested) absmax in fp32, dequantizes the whole
+    weight to the input's dtype, and calls F.linear (backends/cuda/ops.py,
+    _dequant_linear_fallback).
+    """
+    rows = A.numel() // A.size(-1)
+    if not _use_dequant_fallback(rows, shapeB[0], shapeB[1]):
+        return None
+    if absmax_8bit is not None:
+        scales = torch.ops.bitsandbytes.dequantize_blockwise.default(
+            absmax_8bit, absmax, absmax_code, NESTED_ABSMAX_BLOCKSIZE, torch.float32
+        )
+        absmax = scales + absmax_offset  # both stay alive until the matmul, as on CUDA
+    weight = torch.ops.bitsandbytes.dequantize_4bit.default(
+        B, absmax, blocksize, quant_type, shapeB, A.dtype
+    )
+    return F.linear(A, weight, bias)
+
+
+@contextmanager
+def patched(target: Any, name: str, value: Any) -> Iterator[None]:
+    """Set `target.name = value` for the duration of the block."""
+    before = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        setattr(target, name, before)
+
+
+def unpacked_batch(position_ids: torch.Tensor) -> None:
+    """transformers' packed-sequence detection, answered as a real run of unpacked rows answers.
+
+    The real function reads the position ids (a few 512-byte transients, then `.all()`), which a
+    fake tensor cannot; it treats fake tensors as "tracing" and would build a block mask instead.
+    """
+    del position_ids
+
+
+@contextmanager
+def gpu_kernels(requested: SdpaKernel, *, cpu_flash: bool = False) -> Iterator[None]:
+    """Route SDPA through the CUDA backend choice, and see each row as one sequence."""
+    from transformers import masking_utils
+
+    with ExitStack() as stack:
+        stack.enter_context(
+            patched(F, "scaled_dot_product_attention", make_sdpa(requested, cpu_flash=cpu_flash))
+        )
+        stack.enter_context(patched(masking_utils, "find_packed_sequence_indices", unpacked_batch))
+        yield

@@ -1,0 +1,262 @@
+"""Build the real HF (+ bitsandbytes, + PEFT) model of a spec on `meta`, then make it fake.
+
+Everything that shapes the model is the libraries' own code: `AutoModelForCausalLM.from_config`,
+transformers' `replace_with_bnb_linear` and bitsandbytes' `quantize_4bit` (run on meta through its
+fake kernels), `peft.prepare_model_for_kbit_training`, `peft.get_peft_model`. Only the final step,
+giving every meta tensor a fake CPU twin (tied weights and shared tensors stay shared), is ours.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service.core.result import Component
+from service.core.spec import ALL_LINEAR, Method, QuantType, ResolvedSpec
+from service.core.units import DType
+
+TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.FP32: torch.float32,
+    DType.BF16: torch.bfloat16,
+    DType.FP16: torch.float16,
+}
+# bitsandbytes' 4-bit block size (BitsAndBytesConfig / Params4bit default blocksize=64).
+BNB_4BIT_BLOCKSIZE = 64
+# What bitsandbytes and PEFT read from a 4-bit weight (bitsandbytes/nn/modules.py Params4bit).
+_PARAMS4BIT_ATTRIBUTES = (
+    "quant_state",
+    "blocksize",
+    "compress_statistics",
+    "quant_type",
+    "quant_storage",
+    "module",
+    "bnb_quantized",
+)
+# LoRA hyperparameters never change memory but PEFT needs them; learning rate likewise.
+LEARNING_RATE = 1e-4
+
+
+@dataclass(slots=True)
+class BuiltModel:
+    """The model to train (a PeftModel for LoRA/QLoRA) and the module producing the logits."""
+
+    model: torch.nn.Module
+    lm_head: torch.nn.Module
+    decoder_layers: torch.nn.ModuleList
+
+
+def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> BuiltModel:
+    """The training model of `resolved`, every tensor on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = resolved.spec
+    dtype = TORCH_DTYPES[spec.dtype]
+    values = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+    model_type = values.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **values)
+    attn = spec.attn_implementation.value
+    if attn == "flash_attention_2":
+        attn = "sdpa"  # same saved tensors through SDPA's flash op; flash_attn is not needed
+    hf_config._attn_implementation = attn
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.config.use_cache = False
+    model.train()
+
+    if spec.method is Method.QLORA:
+        _quantize_4bit(model, resolved)
+    if spec.method is Method.FULL:
+        if spec.gradient_checkpointing:
+            _enable_checkpointing(model)
+    else:
+        model = _apply_lora(model, resolved)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return BuiltModel(
+        model=model,
+        lm_head=base.get_output_embeddings(),
+        decoder_layers=_decoder_layers(base),
+    )
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def _enable_checkpointing(model: Any) -> None:
+    # HF Trainer with gradient_checkpointing=True, non-reentrant as the trace is run.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _quantize_4bit(model: Any, resolved: ResolvedSpec) -> None:
+    """What `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True))` does."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    quant = resolved.quantization
+    if quant is None:  # resolve() always fills it for QLoRA
+        raise ValueError("QLoRA needs a quantization spec")
+    if quant.type is QuantType.INT8:
+        raise NotImplementedError("int8 (LLM.int8) bases are not traced; use nf4 or fp4")
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant.type.value,
+        bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_compute_dtype=TORCH_DTYPES[resolved.compute_dtype],
+    )
+    skip = get_keys_to_not_convert(model)
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=bnb_config)
+    dtype = TORCH_DTYPES[resolved.spec.dtype]
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        weight = module.weight
+        source = torch.empty(weight.shape, dtype=dtype, device="meta")
+        packed, state = bnb.functional.quantize_4bit(
+            source,
+            blocksize=BNB_4BIT_BLOCKSIZE,
+            compress_statistics=quant.double_quant,
+            quant_type=quant.type.value,
+            quant_storage=torch.uint8,
+        )
+        weight.data = packed
+        weight.quant_state = state
+        weight.bnb_quantized = True
+        module.quant_state = state
+        if module.bias is not None:
+            module.bias.data = module.bias.data.to(dtype)
+    model.is_loaded_in_4bit = True
+    model.is_quantized = True
+    model.quantization_method = "bitsandbytes"
+    if quant.prepare_kbit:
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=resolved.spec.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif resolved.spec.gradient_checkpointing:
+        _enable_checkpointing(model)
+
+
+def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lora = resolved.lora
+    if lora is None:  # resolve() always fills it for LoRA/QLoRA
+        raise ValueError("LoRA needs a LoRA spec")
+    target: Any = lora.target_modules
+    if isinstance(target, tuple):
+        target = list(target)
+    elif target == ALL_LINEAR:
+        target = ALL_LINEAR
+    lora_config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=target,
+        modules_to_save=list(lora.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
+    spec = resolved.spec
+    if spec.method is Method.LORA and spec.gradient_checkpointing:
+        _enable_checkpointing(model)
+    adapters_fp32 = resolved.adapter_dtype is DType.FP32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=adapters_fp32)
+    if not adapters_fp32:
+        adapter_dtype = TORCH_DTYPES[resolved.adapter_dtype]
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(adapter_dtype)
+    if spec.gradient_checkpointing:
+        # HF Trainer does this for PEFT models so checkpointed layers get an input needing grad.
+        peft_model.enable_input_require_grads()
+    return peft_model
+
+
+def _named_tensor_slots(model: torch.nn.Module) -> Iterator[tuple[Any, str, torch.Tensor, str]]:
+    """(owner, attribute, tensor, kind) for every parameter, buffer and 4-bit quant-state tensor."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                yield module, name, param, "param"
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                yield module, name, buf, "buffer"
+        state = getattr(module, "quant_state", None)
+        if state is not None:
+            yield from _quant_state_slots(state)
+        for name, value in list(vars(module).items()):
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, torch.nn.Parameter)
+                and value.device.type == "meta"
+                and name not in module._buffers
+            ):
+                yield module, name, value, "attribute"
+
+
+def _quant_state_slots(state: Any) -> Iterator[tuple[Any, str, torch.Tensor, str]]:
+    for name in ("absmax", "code", "offset"):
+        value = getattr(state, name, None)
+        if isinstance(value, torch.Tensor):
+            yield state, name, value, "quant_state"
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        yield from _quant_state_slots(nested)
+
+
+def materialize(
+    model: torch.nn.Module, fake_device: str = "cpu"
+) -> list[tuple[torch.Tensor, Component]]:
+    """Replace every meta tensor of `model` by a fresh tensor on `fake_device`, in place.
+
+    Call inside the FakeTensorMode the trace runs in (or outside any mode, for real tensors).
+    Shared tensors (tied embeddings, shared quant-state tensors) stay shared. Returns each new
+    storage-owning tensor once, with its role: trainable parameters, or frozen weights.
+    """
+    import bitsandbytes as bnb
+
+    replaced: dict[int, torch.Tensor] = {}
+    owned: list[tuple[torch.Tensor, Component]] = []
+    for owner, name, tensor, kind in list(_named_tensor_slots(model)):
+        new = replaced.get(id(tensor))
+        if new is None:
+            data = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=fake_device
+            )
+            if isinstance(tensor, bnb.nn.Params4bit):
+                # A Params4bit cannot wrap a fake tensor; a Parameter carrying the attributes
+                # bitsandbytes reads from it behaves the same in forward and backward.
+                new = torch.nn.Parameter(data, requires_grad=False)
+                for attr in _PARAMS4BIT_ATTRIBUTES:
+                    setattr(new, attr, getattr(tensor, attr))
+            elif isinstance(tensor, torch.nn.Parameter):
+                new = torch.nn.Parameter(data, requires_grad=tensor.requires_grad)
+            else:
+                new = data
+            replaced[id(tensor)] = new
+            trainable = isinstance(new, torch.nn.Parameter) and new.requires_grad
+            owned.append(
+                (new, Component.TRAINABLE_PARAMS if trainable else Component.FROZEN_WEIGHTS)
+            )
+        if kind == "param":
+            owner._parameters[name] = new
+        elif kind == "buffer":
+            owner._buffers[name] = new
+        else:
+            setattr(owner, name, new)
+    return owned

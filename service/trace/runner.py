@@ -1,0 +1,343 @@
+"""Run two real training steps of a spec under FakeTensorMode and count every storage.
+
+Step 1 has no optimizer state during forward and backward; step 2 is the steady state. Each step
+is `loss = model(input_ids, labels=labels).loss`, `loss.backward()`, `optimizer.step()`,
+`optimizer.zero_grad(set_to_none=True)`, as HF Trainer runs it with one micro-batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from service.core.result import Component, Phase
+from service.core.spec import (
+    AttnImpl,
+    Framework,
+    LossImpl,
+    Method,
+    Optim,
+    ResolvedSpec,
+    TrainingSpec,
+    resolve,
+)
+from service.trace import kernels
+from service.trace.model import LEARNING_RATE, build_meta_model, materialize
+from service.trace.tracker import MemoryEvent, PhaseSnapshot, Snapshot, StorageTracker
+
+STEPS = 2  # step 1: no optimizer state yet; step 2: the steady state
+# HF's cross-entropy ignores labels equal to this (transformers/loss/loss_utils.py).
+IGNORE_INDEX = -100
+
+
+class NotTraceableError(ValueError):
+    """The spec asks for something the tracer cannot reproduce faithfully."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceResult:
+    """What one trace measured: the peak, where it happened, and each phase of each step."""
+
+    spec: TrainingSpec
+    model_id: str
+    peak: Snapshot
+    peak_step: int
+    peak_phase: Phase
+    phases: tuple[PhaseSnapshot, ...]
+    params_total: int
+    params_trainable: int
+    assumptions: tuple[str, ...]
+    events: tuple[MemoryEvent, ...] = field(default=())
+
+
+def check_traceable(resolved: ResolvedSpec) -> list[str]:
+    """Raise `NotTraceableError` for options the tracer cannot run; return notes on the rest."""
+    spec = resolved.spec
+    notes: list[str] = []
+    if spec.parallel.gpus != 1:
+        raise NotTraceableError("the tracer runs one GPU; multi-GPU strategies are not traced")
+    if spec.framework is not Framework.HF:
+        raise NotTraceableError(f"framework {spec.framework!r} is not traced, only HF + PEFT")
+    if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):
+        raise NotTraceableError(f"loss {resolved.loss!r} is not traced (hf and plain are)")
+    if spec.autocast:
+        raise NotTraceableError(
+            "autocast is not traced: the fake device is the CPU, whose autocast op lists differ "
+            "from CUDA's"
+        )
+    if spec.gradient_accumulation_steps != 1:
+        raise NotTraceableError("gradient accumulation is not traced (one micro-batch per step)")
+    if spec.optim in (Optim.PAGED_ADAMW_8BIT, Optim.PAGED_ADAMW_32BIT):
+        raise NotTraceableError(
+            "paged optimizers keep their state in CUDA managed memory, outside the allocated level"
+        )
+    if spec.optim is Optim.ADAFACTOR:
+        raise NotTraceableError("adafactor is not traced")
+    if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
+        notes.append(
+            "flash_attention_2 traced as SDPA's flash kernel (the same saved tensors: q, k, v, "
+            "output, fp32 log-sum-exp)"
+        )
+    return notes
+
+
+def make_optimizer(params: list[torch.nn.Parameter], optim: Optim) -> torch.optim.Optimizer:
+    """HF Trainer's optimizer for `optim`, with the implementation a GPU gets chosen explicitly."""
+    if optim is Optim.ADAMW_TORCH_FUSED:
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
+    if optim is Optim.ADAMW_TORCH:
+        # On CUDA tensors torch picks foreach by default (torch/optim/optimizer.py).
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=True)
+    if optim is Optim.SGD:
+        return torch.optim.SGD(params, lr=LEARNING_RATE, foreach=True)
+    if optim is Optim.ADAMW_BNB_8BIT:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=LEARNING_RATE)
+    raise NotTraceableError(f"optimizer {optim!r} is not traced")
+
+
+def plain_causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs: Any
+) -> torch.Tensor:
+    """HF's ForCausalLMLoss without the fp32 upcast of the logits."""
+    labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)
+    shift_labels = labels[..., 1:].contiguous()
+    return F.cross_entropy(
+        logits.view(-1, vocab_size), shift_labels.view(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+class _LabelledState(defaultdict):  # type: ignore[type-arg]
+    """An optimizer's `state` whose per-parameter dicts label tensors as optimizer state."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__(lambda: _LabellingDict(tracker))
+
+
+class _LabellingDict(dict):  # type: ignore[type-arg]
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self._tracker = tracker
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and self._tracker.component_of(value) is not None:
+            self._tracker.label(value, Component.OPTIMIZER_STATE)
+        super().__setitem__(key, value)
+
+
+class _Steering:
+    """Module and tensor hooks that set the tracker's labels and phases as the step runs."""
+
+    def __init__(self, tracker: StorageTracker, lm_head: torch.nn.Module) -> None:
+        self.tracker = tracker
+        self.lm_head = lm_head
+        self.step = 0
+        self.in_backward = False
+        self._handles: list[Any] = []
+
+    @contextmanager
+    def installed(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> Iterator[None]:
+        self._handles = [
+            self.lm_head.register_forward_pre_hook(self._lm_head_pre),
+            self.lm_head.register_forward_hook(self._lm_head_post),
+        ]
+        for param in params:
+            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        wrapped = []
+        for module in model.modules():
+            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+            if checkpoint is not None:
+                module._gradient_checkpointing_func = self._labelling_checkpoint(checkpoint)
+                wrapped.append((module, checkpoint))
+        try:
+            yield
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            for module, checkpoint in wrapped:
+                module._gradient_checkpointing_func = checkpoint
+
+    def _labelling_checkpoint(self, checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+        """HF's checkpoint function, its forward labelled `recompute` when rerun in backward."""
+
+        def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(self._recomputing(function), *args, **kwargs)
+
+        return run
+
+    def _recomputing(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.in_backward:
+                return function(*args, **kwargs)
+            before = self.tracker.component
+            self.tracker.component = Component.RECOMPUTE
+            try:  # recomputation stops early by raising once it has what backward needs
+                return function(*args, **kwargs)
+            finally:
+                self.tracker.component = before
+
+        return run
+
+    def _lm_head_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if not self.in_backward:
+            self.tracker.component = Component.LOGITS_LOSS
+
+    def _lm_head_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.in_backward and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._logits_grad)
+
+    def _logits_grad(self, grad: torch.Tensor) -> None:
+        # The loss's gradient has reached the logits: the rest of backward is the layers'.
+        self.tracker.begin_phase(self.step, Phase.BACKWARD)
+        self.tracker.component = Component.BACKWARD_TEMPORARIES
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.tracker.label(param.grad, Component.GRADIENTS)
+
+
+def trace(
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    model_id: str = "",
+    *,
+    real: bool = False,
+    cpu_kernels: bool = False,
+    record_events: bool = False,
+) -> TraceResult:
+    """Trace two training steps of `spec` on the model `config` describes.
+
+    `real=True` runs on real CPU tensors instead of fake ones (for validation: tiny configs only);
+    it needs `cpu_kernels=True`, which swaps the CUDA-only kernels for CPU ones (the CPU
+    flash-attention op, bitsandbytes' own 4-bit matmul), in a fake trace too for comparison.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    resolved = resolve(spec)
+    notes = [*resolved.assumptions, *check_traceable(resolved)]
+    built = build_meta_model(resolved, config)
+    model = built.model
+    if resolved.loss is LossImpl.PLAIN:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.loss_function = plain_causal_lm_loss
+
+    tracker = StorageTracker(record_events=record_events)
+    tracker.mark_host_outputs(kernels.FLASH_OP, kernels.FLASH_HOST_OUTPUTS)
+    tracker.mark_host_outputs(kernels.EFFICIENT_OP, kernels.EFFICIENT_HOST_OUTPUTS)
+    if real and not cpu_kernels:
+        raise ValueError("a real CPU run needs cpu_kernels=True")
+    if spec.method is Method.QLORA and not cpu_kernels:
+        tracker.rewrite("bitsandbytes.gemm_4bit.default", kernels.gemm_4bit_cuda)
+
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # frees happen on the last reference, deterministically
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            if not real:
+                stack.enter_context(FakeTensorMode())
+            stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
+            if real:
+                torch.manual_seed(0)
+            owned = materialize(model)
+            for tensor, component in owned:
+                tracker.track(tensor, component, "weights")
+            params = [p for p in model.parameters() if p.requires_grad]
+            params_total = sum(_numel(p) for p in model.parameters())
+            params_trainable = sum(p.numel() for p in params)
+            optimizer = make_optimizer(params, spec.optim)
+            optimizer.state = _LabelledState(tracker)
+            steering = _Steering(tracker, built.lm_head)
+            stack.enter_context(steering.installed(model, params))
+            stack.enter_context(tracker)
+            _run_steps(model, optimizer, tracker, steering, spec, config)
+            tracker.check_consistent()
+            step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
+            phases = tuple(_phase_table(tracker))
+            peak = tracker.peak()
+            del optimizer, model, built
+        tracker.close()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return TraceResult(
+        spec=spec,
+        model_id=model_id,
+        peak=peak,
+        peak_step=step,
+        peak_phase=phase,
+        phases=phases,
+        params_total=params_total,
+        params_trainable=params_trainable,
+        assumptions=tuple(notes),
+        events=tuple(tracker.events or ()),
+    )
+
+
+def _numel(param: torch.Tensor) -> int:
+    """Parameters a weight stands for (a packed 4-bit weight holds two per byte)."""
+    state = getattr(param, "quant_state", None)
+    if state is not None:
+        shape = state.shape
+        return int(shape[0]) * int(shape[1])
+    return param.numel()
+
+
+def _run_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tracker: StorageTracker,
+    steering: _Steering,
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+) -> None:
+    host_scalars = spec.optim is not Optim.ADAMW_TORCH_FUSED
+    with tracker.labelling(Component.INPUTS):
+        input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
+        labels = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
+    del config
+    for step in range(1, STEPS + 1):
+        steering.step = step
+        tracker.begin_phase(step, Phase.FORWARD_END)
+        tracker.component = Component.ACTIVATIONS
+        loss = model(input_ids=input_ids, labels=labels).loss
+        tracker.mark(step, Phase.FORWARD_END)
+
+        tracker.begin_phase(step, Phase.BACKWARD_START)
+        tracker.component = Component.LOGITS_LOSS
+        steering.in_backward = True
+        loss.backward()
+        del loss
+        steering.in_backward = False
+
+        tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
+        tracker.component = Component.OPTIMIZER_TEMPORARIES
+        tracker.host_scalar_ops = host_scalars
+        optimizer.step()
+        tracker.host_scalar_ops = False
+        optimizer.zero_grad(set_to_none=True)
+        tracker.end_phase()
+
+
+def _phase_table(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:
+    """Per step: the forward-end mark, then the peaks of backward start, backward, optimizer."""
+    peaks = {(p.step, p.phase): p for p in tracker.phase_peaks()}
+    marks = {(m.step, m.phase): m for m in tracker.marks()}
+    for step in range(1, STEPS + 1):
+        if (step, Phase.FORWARD_END) in marks:
+            yield marks[(step, Phase.FORWARD_END)]
+        for phase in (Phase.BACKWARD_START, Phase.BACKWARD, Phase.OPTIMIZER_STEP):
+            if (step, phase) in peaks:
+                yield peaks[(step, phase)]

@@ -1,0 +1,302 @@
+"""Storage-level memory tracker: what the CUDA caching allocator's `allocated` counter would read.
+
+Every op output's untyped storage is counted once, by identity (views and in-place ops cost
+nothing), rounded up the way the caching allocator rounds a request, and released through a weakref
+finalizer when the storage dies. Each storage carries a `Component` label that can change when its
+role becomes known; the per-component totals always sum to the live total.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from service.core.result import Component, Phase
+
+# The caching allocator rounds every request up to a multiple of this (kMinBlockSize,
+# c10/cuda/CUDACachingAllocator.cpp); zero-byte requests allocate nothing.
+CUDA_MIN_BLOCK_BYTES = 512
+
+
+def allocated_size(nbytes: int) -> int:
+    """Bytes `torch.cuda.memory_allocated` counts for a request of `nbytes`."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // CUDA_MIN_BLOCK_BYTES) * CUDA_MIN_BLOCK_BYTES
+
+
+def _empty_breakdown() -> dict[Component, int]:
+    return dict.fromkeys(Component, 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """The live total and its breakdown at one instant, and the op that made it."""
+
+    allocated_bytes: int
+    components: dict[Component, int]
+    op: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "allocated_bytes": self.allocated_bytes,
+            "op": self.op,
+            "components": {c.value: n for c, n in self.components.items()},
+        }
+
+
+@dataclass(slots=True)
+class _Block:
+    size: int
+    component: Component
+    finalizer: weakref.finalize
+
+
+@dataclass(slots=True)
+class _PeakSlot:
+    """A running maximum whose breakdown is copied lazily, at the next memory event.
+
+    Relabels that happen between the peak's allocation and the next allocation or free describe
+    the same instant (the roles became known then), so they belong in the peak's breakdown.
+    """
+
+    total: int = -1
+    op: str = ""
+    components: dict[Component, int] = field(default_factory=_empty_breakdown)
+    pending: bool = False
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(allocated_bytes=self.total, components=dict(self.components), op=self.op)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseSnapshot:
+    step: int
+    phase: Phase
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEvent:
+    """One change of the live total: an op's allocation (+) or a storage's free (-)."""
+
+    op: str
+    delta: int
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storages of every op output while active; see the module docstring.
+
+    The caller steers labelling: `component` is the label new allocations get, `label()` changes
+    a storage's label, `begin_phase()` opens a (step, phase) window whose peak is recorded, and
+    `host_scalar_ops` makes 0-dim outputs free (they live in host memory on a GPU run).
+    """
+
+    def __init__(self, *, record_events: bool = False) -> None:
+        super().__init__()
+        self.component = Component.ACTIVATIONS
+        self.host_scalar_ops = False
+        self.total = 0
+        self.by_component = _empty_breakdown()
+        self.events: list[MemoryEvent] | None = [] if record_events else None
+        self._blocks: dict[int, _Block] = {}
+        self._peak = _PeakSlot()
+        self._phase_key: tuple[int, Phase] | None = None
+        self._phase_peaks: dict[tuple[int, Phase], _PeakSlot] = {}
+        self._marks: list[PhaseSnapshot] = []
+        self._host_outputs: dict[str, tuple[int, ...]] = {}
+        self._rewrites: dict[str, Callable[..., Any]] = {}
+
+    # -- the dispatch hook -------------------------------------------------------------------
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        name = str(func)
+        rewrite = self._rewrites.get(name)
+        if rewrite is not None:
+            with self:  # the rewrite's own ops are dispatched (and counted) one by one
+                replaced = rewrite(*args, **(kwargs or {}))
+            if replaced is not None:
+                return replaced
+        out = func(*args, **(kwargs or {}))
+        host = self._host_outputs.get(name, ())
+        for index, leaf in enumerate(tree_leaves(out)):
+            if not isinstance(leaf, torch.Tensor) or index in host:
+                continue
+            if self.host_scalar_ops and leaf.dim() == 0:
+                continue
+            self._record(leaf, self.component, name)
+        return out
+
+    def rewrite(self, op: str, replacement: Callable[..., Any]) -> None:
+        """Run `replacement(*args, **kwargs)` instead of `op`, its ops dispatched through here.
+
+        A replacement that returns None declines: the op runs as it is.
+        """
+        self._rewrites[op] = replacement
+
+    def mark_host_outputs(self, op: str, indices: tuple[int, ...]) -> None:
+        """Outputs `indices` (flattened) of `op` live in host memory on a GPU; do not count them."""
+        self._host_outputs[op] = indices
+
+    # -- storages ----------------------------------------------------------------------------
+
+    def track(self, tensor: torch.Tensor, component: Component, op: str = "track") -> None:
+        """Count a tensor made outside the tracker (a parameter, an input), once per storage."""
+        self._record(tensor, component, op)
+
+    def label(self, tensor: torch.Tensor, component: Component) -> None:
+        """Give the storage behind `tensor` a new role; counts it first if it is not yet tracked."""
+        storage = tensor.untyped_storage()
+        block = self._blocks.get(id(storage))
+        if block is None:
+            self._record(tensor, component, "label")
+            return
+        if block.component is component:
+            return
+        self.by_component[block.component] -= block.size
+        self.by_component[component] += block.size
+        block.component = component
+
+    def component_of(self, tensor: torch.Tensor) -> Component | None:
+        block = self._blocks.get(id(tensor.untyped_storage()))
+        return None if block is None else block.component
+
+    def _record(self, tensor: torch.Tensor, component: Component, op: str) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        size = allocated_size(storage.nbytes())
+        block = self._blocks.get(key)
+        if block is not None:
+            if block.size != size:  # resized in place (resize_, set_)
+                self._change(block.component, size - block.size, op)
+                block.size = size
+            return
+        finalizer = weakref.finalize(storage, self._free, key)
+        finalizer.atexit = False
+        self._blocks[key] = _Block(size=size, component=component, finalizer=finalizer)
+        self._change(component, size, op)
+
+    def _free(self, key: int) -> None:
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self._change(block.component, -block.size, "free")
+
+    def _change(self, component: Component, delta: int, op: str) -> None:
+        if delta == 0:
+            return
+        self._flush_pending()
+        self.total += delta
+        self.by_component[component] += delta
+        if self.events is not None:
+            self.events.append(MemoryEvent(op=op, delta=delta))
+        if delta > 0:
+            self._raise(self._peak, op)
+            if self._phase_key is not None:
+                self._raise(self._phase_peaks[self._phase_key], op)
+
+    def _raise(self, slot: _PeakSlot, op: str) -> None:
+        if self.total > slot.total:
+            slot.total = self.total
+            slot.op = op
+            slot.pending = True
+
+    def _flush_pending(self) -> None:
+        slots = [self._peak]
+        if self._phase_key is not None:
+            slots.append(self._phase_peaks[self._phase_key])
+        for slot in slots:
+            if slot.pending:
+                slot.components = dict(self.by_component)
+                slot.pending = False
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def begin_phase(self, step: int, phase: Phase) -> None:
+        """Open the window whose peak is recorded as (step, phase); closes the previous one."""
+        self._flush_pending()
+        self._phase_key = (step, phase)
+        slot = self._phase_peaks.setdefault((step, phase), _PeakSlot())
+        if self.total > slot.total:  # the window starts at the level it inherits
+            slot.total = self.total
+            slot.op = "(start)"
+            slot.components = dict(self.by_component)
+
+    def end_phase(self) -> None:
+        self._flush_pending()
+        self._phase_key = None
+
+    def mark(self, step: int, phase: Phase) -> None:
+        """Record the live total and breakdown now as (step, phase)."""
+        self._flush_pending()
+        self._marks.append(
+            PhaseSnapshot(
+                step=step,
+                phase=phase,
+                snapshot=Snapshot(
+                    allocated_bytes=self.total, components=dict(self.by_component), op="(mark)"
+                ),
+            )
+        )
+
+    @contextmanager
+    def labelling(self, component: Component) -> Iterator[None]:
+        """New allocations inside the block get `component`."""
+        before = self.component
+        self.component = component
+        try:
+            yield
+        finally:
+            self.component = before
+
+    # -- results -----------------------------------------------------------------------------
+
+    def peak(self) -> Snapshot:
+        self._flush_pending()
+        return self._peak.snapshot()
+
+    def phase_peaks(self) -> list[PhaseSnapshot]:
+        self._flush_pending()
+        return [
+            PhaseSnapshot(step=step, phase=phase, snapshot=slot.snapshot())
+            for (step, phase), slot in self._phase_peaks.items()
+        ]
+
+    def marks(self) -> list[PhaseSnapshot]:
+        return list(self._marks)
+
+    def peak_key(self) -> tuple[int, Phase] | None:
+        """The (step, phase) window whose peak equals the overall peak (the first one)."""
+        best = self.peak().allocated_bytes
+        for (step, phase), slot in self._phase_peaks.items():
+            if slot.total == best and slot.op != "(start)":
+                return step, phase
+        for (step, phase), slot in self._phase_peaks.items():
+            if slot.total == best:
+                return step, phase
+        return None
+
+    def check_consistent(self) -> None:
+        """Raise if the breakdown does not sum to the live total (a tracker bug)."""
+        if sum(self.by_component.values()) != self.total:
+            raise RuntimeError("tracker breakdown does not sum to the live total")
+        if sum(b.size for b in self._blocks.values()) != self.total:
+            raise RuntimeError("tracker blocks do not sum to the live total")
+
+    def close(self) -> None:
+        """Stop listening for frees (storages that outlive the trace are not counted)."""
+        for block in self._blocks.values():
+            block.finalizer.detach()
+        self._blocks.clear()
