@@ -1,0 +1,190 @@
+"""Tables of the store: API keys, raw calibration uploads, and the ratios derived from them.
+
+An upload row keeps exactly what the node sent (nothing is thrown away); a ratio row is
+derived from it and an estimator version, so a new estimator re-derives every ratio.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from service.core.calibration import Level, Outcome
+
+# Constraint names every database agrees on, so migrations can drop them by name.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# BIGINT on PostgreSQL; SQLite only auto-increments a column declared INTEGER PRIMARY KEY.
+BigIntegerPK = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware timestamp, stored in UTC; SQLite, which keeps no zone, gets UTC back."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("timestamps must be timezone-aware")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _values(enum: type[Level] | type[Outcome]) -> list[str]:
+    return [member.value for member in enum]
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UtcDateTime(),
+        dict[str, Any]: JSON(),
+    }
+
+
+class ApiKey(Base):
+    """An API key: only its SHA-256 is stored; the prefix names it in listings and revocation."""
+
+    __tablename__ = "api_key"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(200))
+    scopes: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class CalibrationUpload(Base):
+    """One upload from a training node, as sent, plus what idempotent replays need."""
+
+    __tablename__ = "calibration_upload"
+    __table_args__ = (
+        UniqueConstraint("api_key_id", "idempotency_key"),
+        CheckConstraint(
+            "measured_allocated_bytes IS NOT NULL OR measured_reserved_bytes IS NOT NULL"
+            " OR measured_device_bytes IS NOT NULL",
+            name="measured_some_level",
+        ),
+        CheckConstraint(
+            "measured_allocated_bytes > 0 AND measured_allocated_bytes <= gpu_memory_total_bytes",
+            name="measured_allocated_bytes_possible",
+        ),
+        CheckConstraint(
+            "measured_reserved_bytes > 0 AND measured_reserved_bytes <= gpu_memory_total_bytes",
+            name="measured_reserved_bytes_possible",
+        ),
+        CheckConstraint(
+            "measured_device_bytes > 0 AND measured_device_bytes <= gpu_memory_total_bytes",
+            name="measured_device_bytes_possible",
+        ),
+        CheckConstraint(
+            "measured_allocated_bytes <= measured_reserved_bytes",
+            name="measured_allocated_within_reserved",
+        ),
+        CheckConstraint("gpu_memory_total_bytes > 0", name="gpu_memory_total_bytes_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntegerPK, primary_key=True)
+    received_at: Mapped[datetime] = mapped_column(index=True)
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_key.id"))
+    # The client's Idempotency-Key header; the first response is replayed for a repeat.
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))  # SHA-256 of the canonical body
+    response: Mapped[dict[str, Any] | None]  # the body the first request was answered with
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    method: Mapped[str] = mapped_column(String(16))
+    job: Mapped[dict[str, Any]]  # the full job spec, as sent
+    gpu_name: Mapped[str] = mapped_column(String(200))
+    gpu_memory_total_bytes: Mapped[int] = mapped_column(BigInteger)
+    measured_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    measured_reserved_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    measured_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    outcome: Mapped[Outcome] = mapped_column(
+        Enum(
+            Outcome,
+            name="outcome",
+            native_enum=False,
+            create_constraint=True,
+            length=16,
+            values_callable=_values,
+        )
+    )
+    environment: Mapped[dict[str, Any]]  # torch, cuda, driver, ... as the node reported them
+    node_id: Mapped[str] = mapped_column(String(200), index=True)
+    run_id: Mapped[str] = mapped_column(String(200))
+
+    ratios: Mapped[list[CalibrationRatio]] = relationship(
+        back_populates="upload", lazy="selectin", passive_deletes=True
+    )
+
+
+class CalibrationRatio(Base):
+    """measured / estimated at one level, for one upload and one estimator version."""
+
+    __tablename__ = "calibration_ratio"
+    __table_args__ = (
+        UniqueConstraint("upload_id", "level", "estimator_version"),
+        Index("ix_calibration_ratio_estimator_version_level", "estimator_version", "level"),
+        CheckConstraint("estimated_bytes > 0", name="estimated_bytes_positive"),
+        CheckConstraint("ratio > 0", name="ratio_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntegerPK, primary_key=True)
+    upload_id: Mapped[int] = mapped_column(ForeignKey("calibration_upload.id", ondelete="CASCADE"))
+    estimator_version: Mapped[str] = mapped_column(String(64))
+    level: Mapped[Level] = mapped_column(
+        Enum(
+            Level,
+            name="level",
+            native_enum=False,
+            create_constraint=True,
+            length=16,
+            values_callable=_values,
+        )
+    )
+    estimated_bytes: Mapped[int] = mapped_column(BigInteger)
+    ratio: Mapped[float] = mapped_column(Float)
+    # Why the ratio is far from what its group expected when it was derived; None when not.
+    outlier_reason: Mapped[str | None] = mapped_column(String(500))
+    computed_at: Mapped[datetime]
+
+    upload: Mapped[CalibrationUpload] = relationship(back_populates="ratios")
+
+    @property
+    def is_outlier(self) -> bool:
+        return self.outlier_reason is not None
