@@ -1,0 +1,479 @@
+"""Calibration uploads end to end: store the raw upload, derive its ratios, refit factors.
+
+The estimator comes in as a callable (job spec JSON -> Estimate), so this module needs
+neither the catalog nor the API. Callers own the transaction: these functions flush, the
+request boundary commits once, before the 201.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.core.calibration import (
+    EMPTY_TABLE,
+    AppliedFactor,
+    FactorTable,
+    Level,
+    Measured,
+    Observation,
+    Outcome,
+    Sample,
+    check_measured,
+    estimated_at,
+    fit_table,
+    flag_outlier,
+)
+from service.core.errors import EstimatorError
+from service.core.result import Estimate
+from service.store.models import CalibrationRatio, CalibrationUpload
+from service.store.repositories import CalibrationRepository, DuplicateIdempotencyKeyError
+
+EstimateFn = Callable[[Mapping[str, Any]], Estimate]
+Clock = Callable[[], datetime]
+
+# Factors a replica serves are at most this old: with one load it stays within the 10 s in
+# which an upload must reach every replica's answers.
+FACTOR_TTL_S = 5.0
+# After a failed load (database down), wait this long before trying again, so requests keep
+# answering from the cache instead of each waiting on a connection timeout.
+FACTOR_RETRY_S = 2.0
+MAX_PAGE = 500
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class IdempotencyKeyReusedError(ValueError):
+    """An Idempotency-Key came back with a different body (422)."""
+
+    def __init__(self, idempotency_key: str) -> None:
+        super().__init__(
+            f"Idempotency-Key {idempotency_key!r} was already used with a different request body"
+        )
+        self.idempotency_key = idempotency_key
+
+
+class InvalidCursorError(ValueError):
+    """A listing cursor this service did not issue."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewUpload:
+    """A calibration upload as the node sent it (the API maps its body to this)."""
+
+    job: Mapping[str, Any]  # the job spec, exactly as for an estimate
+    model: str
+    method: str
+    gpu_name: str
+    gpu_memory_total_bytes: int
+    measured: Measured
+    outcome: Outcome
+    environment: Mapping[str, Any]
+    node_id: str
+    run_id: str
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of everything sent: equal bodies, equal prints."""
+        canonical = {
+            "job": self.job,
+            "model": self.model,
+            "method": self.method,
+            "gpu": {"name": self.gpu_name, "memory_total_bytes": self.gpu_memory_total_bytes},
+            "measured": {level.value: value for level, value in self.measured.levels().items()},
+            "outcome": self.outcome.value,
+            "environment": self.environment,
+            "node_id": self.node_id,
+            "run_id": self.run_id,
+        }
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RatioResult:
+    level: Level
+    measured_bytes: int
+    estimated_bytes: int
+    ratio: float
+    outlier_reason: str | None
+    factor: AppliedFactor | None  # the factor the ratio was compared with, if any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UploadReceipt:
+    """What a stored upload produced; the API renders it as the 201 body."""
+
+    upload_id: int
+    received_at: datetime
+    estimator_version: str | None  # None when the estimate failed
+    ratios: tuple[RatioResult, ...]
+    estimate_error: str | None  # why no ratio could be derived (e.g. an unknown model)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submission:
+    upload_id: int
+    body: dict[str, Any]  # the response body: the first one, for a replay
+    replayed: bool
+
+
+def environment_key(environment: Mapping[str, Any]) -> str:
+    """The part of an environment that changes memory: torch and CUDA, major.minor."""
+
+    def major_minor(name: str) -> str:
+        value = environment.get(name)
+        if not isinstance(value, str) or not value:
+            return "?"
+        return ".".join(value.split("+")[0].split(".")[:2])
+
+    return f"torch {major_minor('torch')}, cuda {major_minor('cuda')}"
+
+
+def derive_ratios(
+    upload: CalibrationUpload | NewUpload,
+    estimate: Estimate,
+    factors: FactorTable,
+) -> list[RatioResult]:
+    """measured / estimated for each level the upload measured, flagged against `factors`."""
+    measured = (
+        upload.measured
+        if isinstance(upload, NewUpload)
+        else Measured(
+            allocated_bytes=upload.measured_allocated_bytes,
+            reserved_bytes=upload.measured_reserved_bytes,
+            device_bytes=upload.measured_device_bytes,
+        )
+    )
+    results = []
+    for level, measured_bytes in measured.levels().items():
+        estimated_bytes = estimated_at(estimate, level)
+        if estimated_bytes <= 0:
+            continue
+        ratio = measured_bytes / estimated_bytes
+        applied = factors.lookup(
+            model=upload.model,
+            method=upload.method,
+            level=level,
+            gpu=upload.gpu_name,
+            environment=environment_key(upload.environment),
+        )
+        results.append(
+            RatioResult(
+                level=level,
+                measured_bytes=measured_bytes,
+                estimated_bytes=estimated_bytes,
+                ratio=ratio,
+                outlier_reason=flag_outlier(ratio, upload.outcome, applied),
+                factor=applied,
+            )
+        )
+    return results
+
+
+def _ratio_rows(
+    upload_id: int, version: str, results: Sequence[RatioResult], now: datetime
+) -> list[CalibrationRatio]:
+    return [
+        CalibrationRatio(
+            upload_id=upload_id,
+            estimator_version=version,
+            level=result.level,
+            estimated_bytes=result.estimated_bytes,
+            ratio=result.ratio,
+            outlier_reason=result.outlier_reason,
+            computed_at=now,
+        )
+        for result in results
+    ]
+
+
+def _replay(existing: CalibrationUpload, fingerprint: str) -> Submission:
+    if existing.request_hash != fingerprint or existing.response is None:
+        raise IdempotencyKeyReusedError(existing.idempotency_key or "")
+    return Submission(upload_id=existing.id, body=existing.response, replayed=True)
+
+
+def submit_upload(
+    session: Session,
+    upload: NewUpload,
+    *,
+    api_key_id: int,
+    idempotency_key: str | None,
+    estimate: EstimateFn,
+    factors: FactorTable,
+    render: Callable[[UploadReceipt], dict[str, Any]],
+    now: Clock = utc_now,
+) -> Submission:
+    """Store an upload and its ratios, or replay the first response for a repeated key.
+
+    Raises ImplausibleMeasurementError (nothing stored) for peaks that cannot be true and
+    IdempotencyKeyReusedError for a known key with another body. The caller commits.
+    """
+    check_measured(upload.measured, gpu_memory_total_bytes=upload.gpu_memory_total_bytes)
+    repository = CalibrationRepository(session)
+    fingerprint = upload.fingerprint()
+    if idempotency_key is not None:
+        existing = repository.find_by_idempotency_key(api_key_id, idempotency_key)
+        if existing is not None:
+            return _replay(existing, fingerprint)
+    received_at = now()
+    row = CalibrationUpload(
+        received_at=received_at,
+        api_key_id=api_key_id,
+        idempotency_key=idempotency_key,
+        request_hash=fingerprint,
+        model=upload.model,
+        method=upload.method,
+        job=dict(upload.job),
+        gpu_name=upload.gpu_name,
+        gpu_memory_total_bytes=upload.gpu_memory_total_bytes,
+        measured_allocated_bytes=upload.measured.allocated_bytes,
+        measured_reserved_bytes=upload.measured.reserved_bytes,
+        measured_device_bytes=upload.measured.device_bytes,
+        outcome=upload.outcome,
+        environment=dict(upload.environment),
+        node_id=upload.node_id,
+        run_id=upload.run_id,
+    )
+    try:
+        repository.add_upload(row)
+    except DuplicateIdempotencyKeyError as duplicate:
+        # A concurrent request with the same key won the insert; answer as its replay.
+        return _replay(duplicate.existing, fingerprint)
+
+    # The raw upload is stored; an estimator that cannot handle its spec (a model not in
+    # the catalog yet) leaves it without ratios until a later version re-derives them.
+    version: str | None = None
+    results: list[RatioResult] = []
+    error: str | None = None
+    try:
+        estimated = estimate(upload.job)
+    except EstimatorError as failure:
+        error = str(failure)
+    else:
+        version = estimated.estimator_version
+        results = derive_ratios(upload, estimated, factors)
+        repository.add_ratios(_ratio_rows(row.id, version, results, received_at))
+    receipt = UploadReceipt(
+        upload_id=row.id,
+        received_at=received_at,
+        estimator_version=version,
+        ratios=tuple(results),
+        estimate_error=error,
+    )
+    body = render(receipt)
+    repository.set_response(row, body)
+    return Submission(upload_id=row.id, body=body, replayed=False)
+
+
+def _observation(row: Any) -> Observation:
+    return Observation(
+        model=row.model,
+        method=row.method,
+        level=row.level,
+        gpu=row.gpu_name,
+        environment=environment_key(row.environment),
+        sample=Sample(node_id=row.node_id, ratio=row.ratio, outcome=row.outcome),
+    )
+
+
+def load_factor_table(session: Session, estimator_version: str) -> FactorTable:
+    """Fit every factor afresh from the raw ratios of one estimator version."""
+    rows = CalibrationRepository(session).observations(estimator_version)
+    return fit_table(_observation(row) for row in rows)
+
+
+def rederive_ratios(
+    session: Session,
+    *,
+    estimate: EstimateFn,
+    estimator_version: str,
+    batch_size: int = 500,
+    now: Clock = utc_now,
+) -> int:
+    """Derive ratios for every upload that has none of `estimator_version`; returns how many
+    uploads got them. Outliers are flagged against the factors the new ratios give."""
+    repository = CalibrationRepository(session)
+    derived: list[tuple[CalibrationUpload, CalibrationRatio]] = []
+    after_id = 0
+    while batch := repository.uploads_without_ratios(
+        estimator_version, after_id=after_id, limit=batch_size
+    ):
+        for upload in batch:
+            try:
+                estimated = estimate(upload.job)
+            except EstimatorError:
+                continue
+            if estimated.estimator_version != estimator_version:
+                raise ValueError(
+                    f"the estimator is {estimated.estimator_version!r}, not {estimator_version!r}"
+                )
+            rows = _ratio_rows(
+                upload.id, estimator_version, derive_ratios(upload, estimated, EMPTY_TABLE), now()
+            )
+            repository.add_ratios(rows)
+            derived.extend((upload, row) for row in rows)
+        after_id = batch[-1].id
+    if derived:
+        table = load_factor_table(session, estimator_version)
+        for upload, row in derived:
+            applied = table.lookup(
+                model=upload.model,
+                method=upload.method,
+                level=row.level,
+                gpu=upload.gpu_name,
+                environment=environment_key(upload.environment),
+            )
+            row.outlier_reason = flag_outlier(row.ratio, upload.outcome, applied)
+        session.flush()
+    return len({upload.id for upload, _ in derived})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibrationPage:
+    uploads: Sequence[CalibrationUpload]
+    next_cursor: str | None  # pass back as `cursor` for the next (older) page
+
+
+def encode_cursor(upload_id: int) -> str:
+    return base64.urlsafe_b64encode(f"before:{upload_id}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> int:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        tag, _, number = text.partition(":")
+        upload_id = int(number)
+    except (binascii.Error, UnicodeDecodeError, ValueError) as error:
+        raise InvalidCursorError(f"invalid cursor {cursor!r}") from error
+    if tag != "before" or upload_id < 1:
+        raise InvalidCursorError(f"invalid cursor {cursor!r}")
+    return upload_id
+
+
+def list_calibrations(
+    session: Session,
+    *,
+    limit: int,
+    model: str | None = None,
+    node_id: str | None = None,
+    since: datetime | None = None,
+    cursor: str | None = None,
+) -> CalibrationPage:
+    """A page of uploads, newest first; raises InvalidCursorError for a foreign cursor."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise ValueError(f"limit must be in [1, {MAX_PAGE}]")
+    uploads = CalibrationRepository(session).list_uploads(
+        limit=limit + 1,
+        model=model,
+        node_id=node_id,
+        since=since,
+        before_id=decode_cursor(cursor) if cursor is not None else None,
+    )
+    page = uploads[:limit]
+    more = len(uploads) > limit
+    return CalibrationPage(
+        uploads=page, next_cursor=encode_cursor(page[-1].id) if more and page else None
+    )
+
+
+class FactorState(StrEnum):
+    FRESH = "fresh"  # loaded from the store within the TTL
+    STALE = "stale"  # the store could not be read: the last factors loaded
+    NONE = "none"  # the store could not be read and nothing was ever loaded: uncalibrated
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FactorSnapshot:
+    table: FactorTable
+    state: FactorState
+    loaded_at: float | None  # clock reading of the last successful load
+    error: str | None  # why the last load failed, while not fresh
+
+
+class FactorCache:
+    """A replica's factors, reloaded from the store when older than `ttl_s`.
+
+    When the store is down, it keeps answering with the last factors (or none) and says so.
+    One thread reloads at a time; the others meanwhile get what is cached.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[], FactorTable],
+        *,
+        ttl_s: float = FACTOR_TTL_S,
+        retry_s: float = FACTOR_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._load = load
+        self._ttl_s = ttl_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._snapshot = FactorSnapshot(
+            table=EMPTY_TABLE, state=FactorState.NONE, loaded_at=None, error="not loaded yet"
+        )
+        self._next_load = float("-inf")
+
+    def get(self) -> FactorSnapshot:
+        if self._clock() < self._next_load:
+            return self._snapshot
+        # The first load is waited for; later reloads are not, the cached table serves.
+        if not self._lock.acquire(blocking=self._snapshot.loaded_at is None):
+            return self._snapshot
+        try:
+            now = self._clock()
+            if now >= self._next_load:
+                self._refresh(now)
+            return self._snapshot
+        finally:
+            self._lock.release()
+
+    def invalidate(self) -> None:
+        """Reload on the next `get` (after this replica stored an upload)."""
+        self._next_load = float("-inf")
+
+    def _refresh(self, now: float) -> None:
+        try:
+            table = self._load()
+        except SQLAlchemyError as error:
+            previous = self._snapshot
+            self._snapshot = FactorSnapshot(
+                table=previous.table,
+                state=FactorState.NONE if previous.loaded_at is None else FactorState.STALE,
+                loaded_at=previous.loaded_at,
+                error=f"calibration store unavailable: {type(error).__name__}",
+            )
+            self._next_load = now + self._retry_s
+            return
+        self._snapshot = FactorSnapshot(
+            table=table, state=FactorState.FRESH, loaded_at=now, error=None
+        )
+        self._next_load = now + self._ttl_s
+
+
+def factor_loader(
+    sessions: sessionmaker[Session], estimator_version: str
+) -> Callable[[], FactorTable]:
+    """A FactorCache loader reading the store in its own short session."""
+
+    def load() -> FactorTable:
+        with sessions() as session:
+            return load_factor_table(session, estimator_version)
+
+    return load
