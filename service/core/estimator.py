@@ -18,6 +18,7 @@ from service.core.result import Component, Estimate, ParamCounts, Phase, PhasePe
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
+    Framework,
     LossImpl,
     Method,
     Offload,
@@ -163,6 +164,8 @@ class _Params:
     trainable_sizes: tuple[tuple[int, int], ...]  # (elements, bytes per element) per tensor
     total_count: int
     trainable_count: int
+    embed_trainable: int  # bytes of a trainable input embedding (its gradient comes last)
+    head_trainable: int  # bytes of a trainable lm_head and final norm (gradients come first)
 
 
 def _quantized_weight_bytes(lin: Linear, rs: ResolvedSpec) -> int:
@@ -228,9 +231,12 @@ def _params(arch: ModelArch, rs: ResolvedSpec) -> _Params:
         if arch.qk_norm:
             put(arch.head_dim, other, full)
             put(arch.head_dim, other, full)
+    layers_end = len(trainable)
     put(arch.embedding_params, other, full)
     if "embed_tokens" in saved_modules and not full:
         trainable.append((arch.embedding_params, other))  # ModulesToSaveWrapper's copy
+    embed_trainable = sum(_blk(e * b) for e, b in trainable[layers_end:])
+    head_start = len(trainable)
     put(arch.hidden_size, other, full)
     if arch.norm is NormKind.LAYER:
         put(arch.hidden_size, other, full)
@@ -240,6 +246,7 @@ def _params(arch: ModelArch, rs: ResolvedSpec) -> _Params:
             put(arch.vocab_size, other, full)
         if "lm_head" in saved_modules and not full:
             trainable.append((arch.vocab_size * arch.hidden_size, other))
+    head_trainable = sum(_blk(e * b) for e, b in trainable[head_start:])
 
     if rs.lora is not None:
         ad = DTYPE_BYTES[rs.adapter_dtype]
@@ -255,6 +262,8 @@ def _params(arch: ModelArch, rs: ResolvedSpec) -> _Params:
         trainable_sizes=tuple(trainable),
         total_count=arch.total_params,
         trainable_count=trainable_count,
+        embed_trainable=embed_trainable,
+        head_trainable=head_trainable,
     )
 
 
@@ -313,6 +322,12 @@ class _Flow:
     r: int
     dropout: bool
     autocast: bool
+    # q, k, v come from one fused projection, so the saved v view keeps its whole output alive.
+    fused_qkv: bool
+    quantized: bool
+    # bitsandbytes <= 0.41 (MatMul4Bit.forward: ctx.tensors = (A, B)) kept the 4-bit
+    # linear's input for backward; LitGPT's published QLoRA tables were measured with 0.41.1.
+    quant_saves_input: bool
 
 
 def _flow(arch: ModelArch, rs: ResolvedSpec) -> _Flow:
@@ -341,7 +356,11 @@ def _flow(arch: ModelArch, rs: ResolvedSpec) -> _Flow:
         lora_targets=targets,
         full=spec.method is Method.FULL,
         r=lora.r if lora else 0,
-        dropout=bool(lora and lora.lora_dropout > 0),
+        dropout=bool(lora and rs.lora_dropout > 0),
+        fused_qkv=spec.framework is Framework.LITGPT
+        or sum(1 for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV) == 1,
+        quantized=spec.method is Method.QLORA,
+        quant_saves_input=spec.method is Method.QLORA and spec.framework is Framework.LITGPT,
         autocast=spec.autocast,
     )
 
@@ -350,19 +369,21 @@ def _linear_saves(
     led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int, tokens: int
 ) -> None:
     """What one linear keeps for backward, given its input tensor `x_key`."""
-    if f.full:
+    if f.full or (f.quant_saves_input and not lin.expert):
         led.add(x_key, tokens * lin.in_features * x_bytes)  # weight grad needs the input
     if lin.name not in f.lora_targets:
         return
+    # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
+    lin_key = "qkv" if f.fused_qkv and lin.kind is LinearKind.ATTN_QKV else lin.name
     # PEFT lora.Linear.forward: x = self._cast_input_dtype(x, lora_A.weight.dtype), then
     # lora_B(lora_A(dropout(x))): lora_A saves its input, lora_B saves lora_A's output.
     in_bytes = f.adapter
     if f.autocast:
         in_bytes = 2  # autocast runs the adapter matmuls in half precision: a bf16 copy
-    cast_key = x_key if in_bytes == x_bytes else f"{x_key}>{lin.name}"
+    cast_key = x_key if in_bytes == x_bytes else f"{x_key}>{lin_key}"
     if f.dropout:
-        led.add(f"{lin.name}.dropout_out", tokens * lin.in_features * in_bytes)
-        led.add(f"{lin.name}.dropout_mask", tokens * lin.in_features)  # bool mask
+        led.add(f"{lin_key}.dropout_out", tokens * lin.in_features * in_bytes)
+        led.add(f"{lin_key}.dropout_mask", tokens * lin.in_features)  # bool mask
     else:
         led.add(cast_key, tokens * lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", tokens * f.r * in_bytes)
@@ -399,10 +420,11 @@ def _attention_saves(
         # for fp32 (torch/backends/cuda sdp_utils: flash needs half precision).
         kernel = SdpaKernel.FLASH if f.attn == 2 else SdpaKernel.EFFICIENT
     led.add("q_rope", q_bytes)
+    v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
     if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
         # flash saves q, k, v (GQA native), output and the fp32 logsumexp (b, n_h, s).
         led.add("k_rope", kv_bytes)
-        led.add("v", kv_bytes)
+        led.add(v_key, v_bytes)
         led.add("attn_out", q_bytes)
         led.add("lse", b * n_h * s * FP32_BYTES)
         return
@@ -644,6 +666,8 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         )
 
     ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
+    head_grads = p.head_trainable // shard.grads
+    embed_grads = p.embed_trainable // shard.grads
     base = {
         Component.FROZEN_WEIGHTS: frozen,
         Component.TRAINABLE_PARAMS: trainable,
@@ -662,23 +686,34 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         phases.append(_phase(step, Phase.FORWARD_END, fwd))
         bwd0 = {**fwd, Component.LOGITS_LOSS: loss.backward_peak}
         phases.append(_phase(step, Phase.BACKWARD_START, bwd0))
-        # Inside the layers: the top layer's backward, with its activations (recomputed when
-        # checkpointing) and the gradient flowing in; for full fine-tuning the late backward
-        # holds every gradient plus the embedding's.
+        # Inside the layers' backward: at the top layer every activation is still alive (plus
+        # one recomputed layer when checkpointing) and only the head's gradients exist; at
+        # the first layer the activations are gone and every gradient but the embedding's
+        # exists; the embedding's gradient comes last. The phase's peak is the larger end.
+        in_flight = {Component.BACKWARD_TEMPORARIES: 2 * grad_hidden}
         top = {
             **base,
             Component.OPTIMIZER_STATE: st,
-            Component.GRADIENTS: (grads if spec.method is Method.FULL else 0) + ga_grads,
+            Component.GRADIENTS: grads if ga_grads else head_grads,
             Component.ACTIVATIONS: activations,
             Component.RECOMPUTE: recompute,
-            Component.BACKWARD_TEMPORARIES: 2 * grad_hidden,
+            **in_flight,
         }
-        if spec.method is Method.FULL:
-            top[Component.ACTIVATIONS] = (
-                L * checkpoint if spec.gradient_checkpointing else per_layer
+        bottom = {
+            **base,
+            Component.OPTIMIZER_STATE: st,
+            Component.GRADIENTS: grads if ga_grads else grads - embed_grads,
+            Component.ACTIVATIONS: checkpoint if spec.gradient_checkpointing else first_layer,
+            Component.RECOMPUTE: recompute,
+            **in_flight,
+        }
+        end = {**base, Component.OPTIMIZER_STATE: st, Component.GRADIENTS: grads}
+        phases.append(
+            max(
+                (_phase(step, Phase.BACKWARD, parts) for parts in (top, bottom, end)),
+                key=lambda ph: ph.allocated_bytes,
             )
-            top[Component.GRADIENTS] = grads
-        phases.append(_phase(step, Phase.BACKWARD, top))
+        )
     opt = {
         **base,
         Component.GRADIENTS: grads,
@@ -688,12 +723,15 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     phases.append(_phase(1, Phase.OPTIMIZER_STEP, opt))
 
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    churn = (
+        Component.ACTIVATIONS,
+        Component.LOGITS_LOSS,
+        Component.RECOMPUTE,
+        Component.BACKWARD_TEMPORARIES,
+        Component.OPTIMIZER_TEMPORARIES,
+    )
     over = above_allocated(
-        allocated=peak.allocated_bytes,
-        transient=peak.components.get(Component.ACTIVATIONS, 0)
-        + peak.components.get(Component.LOGITS_LOSS, 0)
-        + peak.components.get(Component.RECOMPUTE, 0)
-        + peak.components.get(Component.BACKWARD_TEMPORARIES, 0),
+        phases=[(ph.allocated_bytes, sum(ph.components.get(c, 0) for c in churn)) for ph in phases],
         paged_state=state_outside,
         gpus=spec.parallel.gpus,
     )

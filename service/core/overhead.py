@@ -16,9 +16,10 @@ from service.core.units import MIB
 # 10 MiB are rounded up to kRoundLarge = 2 MiB; smaller ones share 2 MiB / 20 MiB segments.
 ROUND_LARGE = 2 * MIB
 
-# Fragmentation of the caching allocator's reserved pool over the step's transient tensors
-# (activations, logits, recompute). No published figure exists for LLM fine-tuning
-# (design/memory-model.md section 1): a prior, replaced by the calibrated factor.
+# Fragmentation of the caching allocator's reserved pool, as a share of the step's largest
+# transient working set (activations, logits, recompute, temporaries). No published figure
+# exists for LLM fine-tuning (design/memory-model.md section 1): a prior that calibration
+# replaces.
 FRAGMENTATION_PRIOR = 0.08
 
 # CUDA context with lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since
@@ -49,11 +50,17 @@ class AboveAllocated:
 
 
 def above_allocated(
-    *, allocated: int, transient: int, paged_state: int, gpus: int
+    *, phases: list[tuple[int, int]], paged_state: int, gpus: int
 ) -> AboveAllocated:
-    """Reserved and device levels over an allocated peak of which `transient` bytes churn."""
-    allocator = _round_up(allocated + int(transient * FRAGMENTATION_PRIOR), ROUND_LARGE) - allocated
-    reserved = allocated + allocator
+    """Reserved and device levels over a step's phases, each (allocated, transient bytes).
+
+    The caching allocator keeps what it once reserved, so its slack follows the step's largest
+    transient working set (activations, logits) even when the allocated peak is elsewhere.
+    """
+    allocated = max(a for a, _t in phases)
+    churn = max(t for _a, t in phases)
+    reserved = _round_up(allocated + int(churn * FRAGMENTATION_PRIOR), ROUND_LARGE)
+    allocator = reserved - allocated
     outside = CUBLAS_WORKSPACE + paged_state + (NCCL_PRIOR if gpus > 1 else 0)
     device = reserved + CUDA_CONTEXT + outside
     upper = int(device * (1 + UPPER_MARGIN_PRIOR))

@@ -99,7 +99,8 @@ class LoraSpec:
 
     r: int = 8
     lora_alpha: int = 8
-    lora_dropout: float = 0.0
+    # None: the framework's default (PEFT 0.0; LitGPT's finetune scripts 0.05).
+    lora_dropout: float | None = None
     # None: PEFT's per-architecture default (q_proj, v_proj for Llama-family models).
     target_modules: tuple[str, ...] | str | None = None
     modules_to_save: tuple[str, ...] = ()
@@ -109,7 +110,7 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if self.r < 1:
             raise InvalidSpecError("lora.r", "must be at least 1")
-        if not 0.0 <= self.lora_dropout < 1.0:
+        if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
             raise InvalidSpecError("lora.lora_dropout", "must be in [0, 1)")
         if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
             raise InvalidSpecError(
@@ -187,9 +188,14 @@ class ResolvedSpec:
     lora: LoraSpec | None
     quantization: QuantSpec | None
     adapter_dtype: DType
+    lora_dropout: float
     compute_dtype: DType
     loss: LossImpl
     assumptions: tuple[str, ...]
+
+
+# LitGPT finetune/lora.py: lora_dropout default 0.05.
+LITGPT_LORA_DROPOUT = 0.05
 
 
 def resolve(spec: TrainingSpec) -> ResolvedSpec:
@@ -206,7 +212,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     quant = spec.quantization
     if spec.method is not Method.FULL and lora is None:
         lora = LoraSpec()
-        notes.append("LoRA options not given: PEFT defaults r=8, lora_alpha=8, no dropout")
+        notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
     if spec.method is Method.QLORA and quant is None:
         quant = QuantSpec()
         notes.append("quantization not given: NF4 without double quant, kbit preparation on")
@@ -221,6 +227,15 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         adapter_dtype = spec.dtype
         if lora is not None:
             notes.append(f"adapters in {spec.dtype} ({spec.framework} keeps the model dtype)")
+
+    if lora is not None and lora.lora_dropout is not None:
+        lora_dropout = lora.lora_dropout
+    elif spec.framework is Framework.LITGPT:
+        lora_dropout = LITGPT_LORA_DROPOUT
+        if lora is not None:
+            notes.append(f"LoRA dropout {LITGPT_LORA_DROPOUT} (LitGPT's finetune default)")
+    else:
+        lora_dropout = 0.0
 
     if quant is not None and quant.compute_dtype is not None:
         compute_dtype = quant.compute_dtype
@@ -240,6 +255,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         lora=lora,
         quantization=quant,
         adapter_dtype=adapter_dtype,
+        lora_dropout=lora_dropout,
         compute_dtype=compute_dtype,
         loss=loss,
         assumptions=tuple(notes),

