@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from alembic import command
@@ -16,7 +17,7 @@ def alembic_config(url: str, *, connection: Connection | None = None) -> Config:
     """An Alembic config for `url` (or an open connection), without reading alembic.ini."""
     if not MIGRATIONS_DIR.is_dir():
         raise FileNotFoundError(f"migrations not found at {MIGRATIONS_DIR}")
-    config = Config()
+    config = Config(stdout=sys.stdout)
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     # ConfigParser interpolation: a literal % in a URL (an escaped password) must be doubled.
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))

@@ -1,0 +1,169 @@
+"""`vramcast keys` (create, list, revoke API keys) and `vramcast db` (run the migrations).
+
+Both take `--database-url`, by default VRAMCAST_DATABASE_URL or the embedded SQLite file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from alembic import command
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.store.db import create_engine_from_url, create_session_factory, database_url_from_env
+from service.store.keys import KeyScope, create_key, list_keys, revoke_key
+from service.store.migrate import alembic_config
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_database_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="SQLAlchemy URL (default: $VRAMCAST_DATABASE_URL or sqlite:///./var/vramcast.db)",
+    )
+
+
+def _url(args: argparse.Namespace) -> str:
+    return args.database_url or database_url_from_env()
+
+
+def _fail(args: argparse.Namespace, message: str, code: int = EXIT_FAILED) -> int:
+    print(f"vramcast {args.command}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _with_store(run: Handler) -> Handler:
+    """Report database errors in one line (with the likely fix) instead of a traceback."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except SQLAlchemyError as error:
+            reason = str(error.orig if hasattr(error, "orig") else error).strip().splitlines()[0]
+            return _fail(args, f"{reason} (is the database up and `vramcast db upgrade` run?)")
+
+    return handler
+
+
+@contextmanager
+def _sessions(args: argparse.Namespace) -> Iterator[sessionmaker[Session]]:
+    engine = create_engine_from_url(_url(args))
+    try:
+        yield create_session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+@_with_store
+def _keys_create(args: argparse.Namespace) -> int:
+    with _sessions(args) as sessions, sessions.begin() as session:
+        issued = create_key(session, scopes=args.scopes, name=args.name, now=datetime.now(UTC))
+        prefix, scopes = issued.key.prefix, ",".join(issued.key.scopes)
+    print(f"created key {prefix} ({scopes}) named {args.name!r}; it is shown only once:")
+    print(issued.token)
+    return EXIT_OK
+
+
+@_with_store
+def _keys_list(args: argparse.Namespace) -> int:
+    with _sessions(args) as sessions, sessions() as session:
+        keys = list_keys(session, include_revoked=args.all)
+    for key in keys:
+        revoked = f"  revoked {key.revoked_at.isoformat()}" if key.revoked_at else ""
+        created = key.created_at.isoformat()
+        print(f"{key.prefix}  {','.join(key.scopes):<18} {created}  {key.name}{revoked}")
+    return EXIT_OK
+
+
+@_with_store
+def _keys_revoke(args: argparse.Namespace) -> int:
+    with _sessions(args) as sessions, sessions.begin() as session:
+        key = revoke_key(session, args.prefix, now=datetime.now(UTC))
+    if key is None:
+        return _fail(args, f"no key with prefix {args.prefix!r}", EXIT_USAGE)
+    print(f"revoked key {args.prefix}")
+    return EXIT_OK
+
+
+@_with_store
+def _db_upgrade(args: argparse.Namespace) -> int:
+    command.upgrade(alembic_config(_url(args)), args.revision)
+    return EXIT_OK
+
+
+@_with_store
+def _db_downgrade(args: argparse.Namespace) -> int:
+    command.downgrade(alembic_config(_url(args)), args.revision)
+    return EXIT_OK
+
+
+@_with_store
+def _db_current(args: argparse.Namespace) -> int:
+    command.current(alembic_config(_url(args)))
+    return EXIT_OK
+
+
+def add_keys_parser(subparsers: Any) -> None:
+    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    actions = keys.add_subparsers(dest="keys_command", required=True)
+
+    create = actions.add_parser("create", help="create a key; prints it once, on the last line")
+    create.add_argument(
+        "--scope",
+        dest="scopes",
+        action="append",
+        required=True,
+        type=KeyScope,
+        choices=list(KeyScope),
+        help="read, upload or admin; repeat for several",
+    )
+    create.add_argument("--name", default="", help="what the key is for, shown in listings")
+    _add_database_url(create)
+    create.set_defaults(handler=_keys_create)
+
+    listing = actions.add_parser("list", help="list keys (never their secrets)")
+    listing.add_argument("--all", action="store_true", help="include revoked keys")
+    _add_database_url(listing)
+    listing.set_defaults(handler=_keys_list)
+
+    revoke = actions.add_parser("revoke", help="revoke a key by its prefix")
+    revoke.add_argument("prefix", help="the key's prefix, as `keys list` shows it")
+    _add_database_url(revoke)
+    revoke.set_defaults(handler=_keys_revoke)
+
+
+def add_db_parser(subparsers: Any) -> None:
+    db = subparsers.add_parser("db", help="database migrations (Alembic)")
+    actions = db.add_subparsers(dest="db_command", required=True)
+
+    upgrade = actions.add_parser("upgrade", help="migrate to a revision (default: head)")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    _add_database_url(upgrade)
+    upgrade.set_defaults(handler=_db_upgrade)
+
+    downgrade = actions.add_parser("downgrade", help="migrate down to a revision, e.g. base")
+    downgrade.add_argument("revision")
+    _add_database_url(downgrade)
+    downgrade.set_defaults(handler=_db_downgrade)
+
+    current = actions.add_parser("current", help="print the database's revision")
+    _add_database_url(current)
+    current.set_defaults(handler=_db_current)
+
+
+def register(subparsers: Any) -> None:
+    """Add `keys` and `db` to the `vramcast` command line."""
+    add_keys_parser(subparsers)
+    add_db_parser(subparsers)
