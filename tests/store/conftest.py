@@ -34,7 +34,10 @@ def fresh_postgres_database() -> Iterator[str]:
     """A new, empty PostgreSQL database; dropped on exit."""
     server = make_url(os.environ.get(POSTGRES_URL_ENV) or DEFAULT_POSTGRES_URL)
     admin = create_engine(
-        server, isolation_level="AUTOCOMMIT", poolclass=NullPool, connect_args={"connect_timeout": 3}
+        server,
+        isolation_level="AUTOCOMMIT",
+        poolclass=NullPool,
+        connect_args={"connect_timeout": 3},
     )
     try:
         connection = admin.connect()
