@@ -10,19 +10,24 @@ calibration refines (`service.core.overhead`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+from functools import lru_cache
+from typing import NamedTuple
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.overhead import above_allocated
-from service.core.result import Component, Estimate, ParamCounts, Phase, PhasePeak
+from service.core.result import Estimate, ParamCounts, Phase, PhasePeak
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
     Framework,
+    LoraSpec,
     LossImpl,
     Method,
     Offload,
     Optim,
+    QuantSpec,
     QuantType,
     ResolvedSpec,
     SdpaKernel,
@@ -83,20 +88,42 @@ def _blk(nbytes: int) -> int:
     return -(-nbytes // ALLOC_BLOCK) * ALLOC_BLOCK
 
 
+class _Kind(StrEnum):
+    """How a saved tensor's size scales with the micro-batch b and sequence length s."""
+
+    TOKENS = "b*s"
+    TOKENS_PAD32 = "b*ceil32(s)"  # memory-efficient attention pads its logsumexp
+    SQUARE = "b*s*s"  # eager attention's scores and probabilities
+
+
 class _Ledger:
-    """Live tensors by identity: a storage saved by several ops is counted once."""
+    """A layer's saved tensors by identity (a storage saved by several ops counts once), each
+    as bytes per unit of its `_Kind`; `bytes_at(b, s)` rounds each tensor to the block."""
 
     __slots__ = ("items",)
 
     def __init__(self) -> None:
-        self.items: dict[str, int] = {}
+        self.items: dict[str, tuple[int, _Kind]] = {}
 
-    def add(self, key: str, nbytes: int) -> None:
+    def add(self, key: str, per_token: int, kind: _Kind = _Kind.TOKENS) -> None:
         if key not in self.items:
-            self.items[key] = _blk(nbytes)
+            self.items[key] = (per_token, kind)
 
-    def total(self) -> int:
-        return sum(self.items.values())
+    def recipe(self) -> tuple[tuple[int, _Kind, int], ...]:
+        """(bytes per unit, kind, how many tensors of that size)."""
+        counts: dict[tuple[int, _Kind], int] = {}
+        for item in self.items.values():
+            counts[item] = counts.get(item, 0) + 1
+        return tuple((coef, kind, n) for (coef, kind), n in counts.items())
+
+
+def _recipe_bytes(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int) -> int:
+    units = {
+        _Kind.TOKENS: b * s,
+        _Kind.TOKENS_PAD32: b * (-(-s // 32) * 32),
+        _Kind.SQUARE: b * s * s,
+    }
+    return sum(n * _blk(coef * units[kind]) for coef, kind, n in recipe)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,18 +185,35 @@ def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class _Tensor:
+    """`count` trainable tensors of one shape: (rows, cols) or (rows,) when cols is 0."""
+
+    rows: int
+    cols: int
+    itemsize: int
+    count: int
+
+    @property
+    def elements(self) -> int:
+        return self.rows * (self.cols or 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * _blk(self.elements * self.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
 class _Params:
     frozen: int  # bytes of frozen weights (quantized ones included)
     trainable: int  # bytes of trainable parameters
-    trainable_sizes: tuple[tuple[int, int], ...]  # (elements, bytes per element) per tensor
+    tensors: tuple[_Tensor, ...]  # the trainable tensors
     total_count: int
     trainable_count: int
     embed_trainable: int  # bytes of a trainable input embedding (its gradient comes last)
     head_trainable: int  # bytes of a trainable lm_head and final norm (gradients come first)
 
 
-def _quantized_weight_bytes(lin: Linear, rs: ResolvedSpec) -> int:
-    quant = rs.quantization
+def _quantized_weight_bytes(lin: Linear, quant: QuantSpec | None) -> int:
     if quant is None:
         raise InvalidSpecError("quantization", "required for method 'qlora'")
     n = lin.in_features * lin.out_features
@@ -191,77 +235,80 @@ def _quantized_weight_bytes(lin: Linear, rs: ResolvedSpec) -> int:
     )
 
 
-def _params(arch: ModelArch, rs: ResolvedSpec) -> _Params:
-    spec = rs.spec
-    md = DTYPE_BYTES[spec.dtype]
-    kbit = spec.method is Method.QLORA and rs.quantization is not None
-    prep = kbit and rs.quantization is not None and rs.quantization.prepare_kbit
+@lru_cache(maxsize=1024)
+def _params(
+    arch: ModelArch,
+    method: Method,
+    dtype: DType,
+    lora: LoraSpec | None,
+    quant: QuantSpec | None,
+    adapter_dtype: DType,
+    adapted: tuple[Linear, ...],
+) -> _Params:
+    """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
+    Cached: it depends on the model and method, not on batch or sequence length."""
+    md = DTYPE_BYTES[dtype]
+    kbit = method is Method.QLORA
+    prep = kbit and quant is not None and quant.prepare_kbit
     # prepare_model_for_kbit_training casts every parameter that is not 4/8-bit to fp32
     # (peft/utils/other.py: param.data = param.data.to(torch.float32)).
     other = FP32_BYTES if prep else md
-    full = spec.method is Method.FULL
-    saved_modules = set(rs.lora.modules_to_save) if rs.lora else set()
+    full = method is Method.FULL
+    saved_modules = set(lora.modules_to_save) if lora else set()
+    L = arch.num_hidden_layers
 
     frozen = 0
-    trainable: list[tuple[int, int]] = []
+    trainable: list[_Tensor] = []
 
-    def put(elements: int, nbytes_per: int, train: bool) -> None:
+    def put(rows: int, cols: int, itemsize: int, count: int, train: bool) -> None:
         nonlocal frozen
+        tensor = _Tensor(rows, cols, itemsize, count)
         if train:
-            trainable.append((elements, nbytes_per))
+            trainable.append(tensor)
         else:
-            frozen += _blk(elements * nbytes_per)
+            frozen += tensor.nbytes
 
-    L = arch.num_hidden_layers
-    for _ in range(L):
-        for lin in arch.linears:
-            if kbit and not lin.expert:
-                frozen += _quantized_weight_bytes(lin, rs)
-            else:
-                for _e in range(lin.count):
-                    put(lin.in_features * lin.out_features, md, full)
-            if lin.bias:
-                for _e in range(lin.count):
-                    put(lin.out_features, other if kbit else md, full)
-        norm_elems = arch.hidden_size
-        for _n in range(arch.norms_per_layer):
-            put(norm_elems, other, full)
-            if arch.norm is NormKind.LAYER:
-                put(norm_elems, other, full)
-        if arch.qk_norm:
-            put(arch.head_dim, other, full)
-            put(arch.head_dim, other, full)
+    for lin in arch.linears:
+        if kbit and not lin.expert:
+            frozen += L * _quantized_weight_bytes(lin, quant)
+        else:
+            # transformers 5 keeps a stack of experts as one 3-D parameter.
+            put(lin.out_features * lin.count, lin.in_features, md, L, full)
+        if lin.bias:
+            put(lin.out_features * lin.count, 0, other if kbit else md, L, full)
+    norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+    put(arch.hidden_size, 0, other, L * norm_tensors, full)
+    if arch.qk_norm:
+        put(arch.head_dim, 0, other, 2 * L, full)
+
     layers_end = len(trainable)
-    put(arch.embedding_params, other, full)
+    put(arch.vocab_size, arch.hidden_size, other, 1, full)
     if "embed_tokens" in saved_modules and not full:
-        trainable.append((arch.embedding_params, other))  # ModulesToSaveWrapper's copy
-    embed_trainable = sum(_blk(e * b) for e, b in trainable[layers_end:])
+        # ModulesToSaveWrapper trains a copy and keeps the original.
+        trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
+    embed_trainable = sum(t.nbytes for t in trainable[layers_end:])
     head_start = len(trainable)
-    put(arch.hidden_size, other, full)
-    if arch.norm is NormKind.LAYER:
-        put(arch.hidden_size, other, full)
+    put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full)
     if not arch.tie_word_embeddings:
-        put(arch.vocab_size * arch.hidden_size, other, full)
+        put(arch.vocab_size, arch.hidden_size, other, 1, full)
         if arch.lm_head_bias:
-            put(arch.vocab_size, other, full)
+            put(arch.vocab_size, 0, other, 1, full)
         if "lm_head" in saved_modules and not full:
-            trainable.append((arch.vocab_size * arch.hidden_size, other))
-    head_trainable = sum(_blk(e * b) for e, b in trainable[head_start:])
+            trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
+    head_trainable = sum(t.nbytes for t in trainable[head_start:])
 
-    if rs.lora is not None:
-        ad = DTYPE_BYTES[rs.adapter_dtype]
-        r = rs.lora.r
-        for lin in adapted_linears(arch, rs):
-            for _ in range(L):
-                trainable.append((r * lin.in_features, ad))
-                trainable.append((lin.out_features * r, ad))
-    trainable_count = sum(e for e, _ in trainable)
+    if lora is not None:
+        ad = DTYPE_BYTES[adapter_dtype]
+        r = lora.r
+        for lin in adapted:
+            trainable.append(_Tensor(r, lin.in_features, ad, L))  # lora_A
+            trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
     return _Params(
         frozen=frozen,
-        trainable=sum(_blk(e * b) for e, b in trainable),
-        trainable_sizes=tuple(trainable),
+        trainable=sum(t.nbytes for t in trainable),
+        tensors=tuple(trainable),
         total_count=arch.total_params,
-        trainable_count=trainable_count,
+        trainable_count=sum(t.elements * t.count for t in trainable),
         embed_trainable=embed_trainable,
         head_trainable=head_trainable,
     )
@@ -274,35 +321,44 @@ def _gradients(p: _Params) -> int:
 
 def _optimizer_state(p: _Params, optim: Optim) -> tuple[int, int, int]:
     """(state bytes inside torch's allocator, state bytes outside it, step temporaries)."""
+    tensors = p.tensors
     if optim is Optim.SGD:
         # HF "sgd" is torch.optim.SGD with momentum 0: no state (transformers/trainer.py).
         return 0, 0, 0
     if optim in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
         # exp_avg and exp_avg_sq take the parameter's dtype (torch/optim/adamw.py _init_group).
-        state = sum(2 * _blk(e * b) for e, b in p.trainable_sizes)
+        state = 2 * p.trainable
         # foreach AdamW's torch._foreach_sqrt(exp_avg_sqs) allocates one state-sized copy
         # (torch/optim/adamw.py _multi_tensor_adamw); fused and for-loop do not.
-        temps = sum(_blk(e * b) for e, b in p.trainable_sizes) if optim is Optim.ADAMW_TORCH else 0
+        temps = p.trainable if optim is Optim.ADAMW_TORCH else 0
         return state, 0, temps
     if optim in (Optim.ADAMW_BNB_8BIT, Optim.PAGED_ADAMW_8BIT):
         state = 0
-        for e, _b in p.trainable_sizes:
+        for t in tensors:
+            e = t.elements
             if e < BNB_MIN_8BIT_SIZE:
-                state += 2 * _blk(e * FP32_BYTES)
+                state += t.count * 2 * _blk(e * FP32_BYTES)
             else:
-                state += 2 * _blk(e * UINT8_BYTES) + 2 * _blk(-(-e // BNB_8BIT_BLOCK) * FP32_BYTES)
+                absmax = _blk(-(-e // BNB_8BIT_BLOCK) * FP32_BYTES)
+                state += t.count * 2 * (_blk(e * UINT8_BYTES) + absmax)
         paged = optim is Optim.PAGED_ADAMW_8BIT
         return (0, state, 0) if paged else (state, 0, 0)
     if optim is Optim.PAGED_ADAMW_32BIT:
         # bitsandbytes 32-bit states are fp32 whatever the parameter's dtype; paged states live
         # in CUDA managed memory, outside torch's allocator counters (bitsandbytes/optim).
-        return 0, sum(2 * _blk(e * FP32_BYTES) for e, _b in p.trainable_sizes), 0
-    # Adafactor (transformers/optimization.py): factored second moment, no first moment; the
-    # exact factorisation needs shapes, so count a row+column share per tensor upper-bounded by
-    # one fp32 copy of the update during step().
-    state = sum(_blk(e * FP32_BYTES) // 64 for e, _b in p.trainable_sizes)
-    temps = sum(_blk(e * FP32_BYTES) for e, _b in p.trainable_sizes)
-    return state, 0, temps
+        return 0, sum(t.count * 2 * _blk(t.elements * FP32_BYTES) for t in tensors), 0
+    # Adafactor (transformers/optimization.py, beta1=None as HF Trainer builds it): for a 2-D
+    # parameter, row and column second moments in the gradient's dtype; for 1-D, a full one.
+    # step() works one parameter at a time on fp32 copies of the gradient and the parameter
+    # and an fp32 update: three fp32 copies of the largest parameter.
+    state = 0
+    for t in tensors:
+        if t.cols:
+            state += t.count * (_blk(t.rows * t.itemsize) + _blk(t.cols * t.itemsize))
+        else:
+            state += t.count * _blk(t.rows * t.itemsize)
+    largest = max((t.elements for t in tensors), default=0)
+    return state, 0, 3 * _blk(largest * FP32_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +386,7 @@ class _Flow:
     quant_saves_input: bool
 
 
-def _flow(arch: ModelArch, rs: ResolvedSpec) -> _Flow:
+def _flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> _Flow:
     spec = rs.spec
     md = DTYPE_BYTES[spec.dtype]
     prep = (
@@ -347,7 +403,7 @@ def _flow(arch: ModelArch, rs: ResolvedSpec) -> _Flow:
         norm_out = residual
         attn = residual
     lora = rs.lora
-    targets = frozenset(lin.name for lin in adapted_linears(arch, rs)) if lora else frozenset()
+    targets = frozenset(lin.name for lin in adapted)
     return _Flow(
         residual=residual,
         norm_out=norm_out,
@@ -365,12 +421,10 @@ def _flow(arch: ModelArch, rs: ResolvedSpec) -> _Flow:
     )
 
 
-def _linear_saves(
-    led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int, tokens: int
-) -> None:
+def _linear_saves(led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int) -> None:
     """What one linear keeps for backward, given its input tensor `x_key`."""
     if f.full or (f.quant_saves_input and not lin.expert):
-        led.add(x_key, tokens * lin.in_features * x_bytes)  # weight grad needs the input
+        led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
     if lin.name not in f.lora_targets:
         return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
@@ -382,36 +436,31 @@ def _linear_saves(
         in_bytes = 2  # autocast runs the adapter matmuls in half precision: a bf16 copy
     cast_key = x_key if in_bytes == x_bytes else f"{x_key}>{lin_key}"
     if f.dropout:
-        led.add(f"{lin_key}.dropout_out", tokens * lin.in_features * in_bytes)
-        led.add(f"{lin_key}.dropout_mask", tokens * lin.in_features)  # bool mask
+        led.add(f"{lin_key}.dropout_out", lin.in_features * in_bytes)
+        led.add(f"{lin_key}.dropout_mask", lin.in_features)  # bool mask
     else:
-        led.add(cast_key, tokens * lin.in_features * in_bytes)
-    led.add(f"{lin.name}.lora_a_out", tokens * f.r * in_bytes)
+        led.add(cast_key, lin.in_features * in_bytes)
+    led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
 
 
-def _norm_saves(
-    led: _Ledger, f: _Flow, key: str, x_key: str, tokens: int, h: int, arch: ModelArch
-) -> None:
+def _norm_saves(led: _Ledger, f: _Flow, key: str, x_key: str, h: int, arch: ModelArch) -> None:
     """RMSNorm (LlamaRMSNorm): saves an fp32 copy of its input and the rsqrt per token."""
     if arch.norm is NormKind.RMS:
         fp32_key = x_key if f.residual == FP32_BYTES else f"{key}.fp32"
-        led.add(fp32_key, tokens * h * FP32_BYTES)
-        led.add(f"{key}.rstd", tokens * FP32_BYTES)
+        led.add(fp32_key, h * FP32_BYTES)
+        led.add(f"{key}.rstd", FP32_BYTES)
         if f.full:
-            led.add(f"{key}.normed", tokens * h * f.residual)  # weight grad needs it
+            led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
     else:
         # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
-        led.add(x_key, tokens * h * f.residual)
-        led.add(f"{key}.mean", tokens * FP32_BYTES)
-        led.add(f"{key}.rstd", tokens * FP32_BYTES)
+        led.add(x_key, h * f.residual)
+        led.add(f"{key}.mean", FP32_BYTES)
+        led.add(f"{key}.rstd", FP32_BYTES)
 
 
-def _attention_saves(
-    led: _Ledger, f: _Flow, arch: ModelArch, spec: TrainingSpec, b: int, s: int
-) -> None:
-    tokens = b * s
-    q_bytes = tokens * arch.q_dim * f.attn
-    kv_bytes = tokens * arch.kv_dim * f.attn
+def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice) -> None:
+    q_bytes = arch.q_dim * f.attn
+    kv_bytes = arch.kv_dim * f.attn
     n_h = arch.num_attention_heads
     impl = spec.attn_implementation
     kernel = spec.sdpa_kernel
@@ -426,7 +475,7 @@ def _attention_saves(
         led.add("k_rope", kv_bytes)
         led.add(v_key, v_bytes)
         led.add("attn_out", q_bytes)
-        led.add("lse", b * n_h * s * FP32_BYTES)
+        led.add("lse", n_h * FP32_BYTES)
         return
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.EFFICIENT:
         # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
@@ -434,47 +483,47 @@ def _attention_saves(
         led.add("k_rep", q_bytes)
         led.add("v_rep", q_bytes)
         led.add("attn_out", q_bytes)
-        led.add("lse", b * n_h * (-(-s // 32) * 32) * FP32_BYTES)
+        led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
         return
     # eager (and SDPA's math backend): scores and probabilities materialised per head.
     led.add("k_rep", q_bytes)
     led.add("v_rep", q_bytes)
-    led.add("probs_fp32", b * n_h * s * s * FP32_BYTES)  # softmax(dtype=float32) output
-    led.add("probs", b * n_h * s * s * f.attn)  # .to(query.dtype), saved by probs @ v
+    led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)  # softmax(dtype=float32) output
+    led.add("probs", n_h * f.attn, _Kind.SQUARE)  # .to(query.dtype), saved by probs @ v
     led.add("attn_out", q_bytes)  # transpose(1, 2).contiguous() copy
 
 
-def _mlp_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, tokens: int) -> None:
+def _mlp_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str) -> None:
     i_size = arch.intermediate_size
     out = f.norm_out
     by_kind = {lin.kind: lin for lin in arch.linears if not lin.expert}
     mlp_in = [lin for lin in arch.linears if lin.kind is LinearKind.MLP_IN and not lin.expert]
     down = by_kind.get(LinearKind.MLP_OUT)
     for lin in mlp_in:
-        _linear_saves(led, f, lin, x_key, out, tokens)
+        _linear_saves(led, f, lin, x_key, out)
     if arch.is_moe:
-        _moe_saves(led, f, arch, x_key, tokens)
+        _moe_saves(led, f, arch, x_key)
         return
     if arch.mlp is MlpKind.GATED:
         # act(gate) saves gate; act(gate) * up saves both operands.
-        led.add("mlp.gate_out", tokens * i_size * out)
-        led.add("mlp.up_out", tokens * i_size * out)
-        led.add("mlp.act_out", tokens * i_size * out)
+        led.add("mlp.gate_out", i_size * out)
+        led.add("mlp.up_out", i_size * out)
+        led.add("mlp.act_out", i_size * out)
     else:
-        led.add("mlp.fc1_out", tokens * i_size * out)  # GELU saves its input
+        led.add("mlp.fc1_out", i_size * out)  # GELU saves its input
     if down is not None:
-        _linear_saves(led, f, down, "mlp.product", out, tokens)
+        _linear_saves(led, f, down, "mlp.product", out)
 
 
-def _moe_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, tokens: int) -> None:
+def _moe_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str) -> None:
     """Routed experts (transformers 5 MixtralExperts): each token's k expert MLPs."""
     e = arch.num_experts
     k = arch.num_experts_per_tok
     i_size = arch.expert_intermediate_size
     out = f.norm_out
-    routed = tokens * k
-    led.add("moe.router_logits", tokens * e * out)
-    led.add("moe.router_probs", tokens * e * FP32_BYTES)
+    routed = k  # per token, summed over its k experts
+    led.add("moe.router_logits", e * out)
+    led.add("moe.router_probs", e * FP32_BYTES)
     led.add("moe.gathered", routed * arch.hidden_size * out)  # hidden_states[token_idx]
     led.add("moe.gate_up", routed * 2 * i_size * out)
     led.add("moe.act", routed * i_size * out)
@@ -482,15 +531,15 @@ def _moe_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, tokens: int)
     led.add("moe.down_out", routed * arch.hidden_size * out)
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
-        led.add("shared.gate_out", tokens * si * out)
-        led.add("shared.up_out", tokens * si * out)
-        led.add("shared.act_out", tokens * si * out)
-        led.add("shared.gate_logit", tokens * out)
-        led.add("shared.sigmoid", tokens * out)
-        led.add("shared.out", tokens * arch.hidden_size * out)
+        led.add("shared.gate_out", si * out)
+        led.add("shared.up_out", si * out)
+        led.add("shared.act_out", si * out)
+        led.add("shared.gate_logit", out)
+        led.add("shared.sigmoid", out)
+        led.add("shared.out", arch.hidden_size * out)
         for lin in arch.linears:
             if lin.kind is LinearKind.MLP_OUT and not lin.expert:
-                _linear_saves(led, f, lin, "shared.product", out, tokens)
+                _linear_saves(led, f, lin, "shared.product", out)
 
 
 def layer_saved_bytes(
@@ -502,30 +551,50 @@ def layer_saved_bytes(
     checkpointing: the frozen embedding's output takes no gradient, so autograd records
     nothing for the first norm (its fp32 copy and rstd are never saved).
     """
-    f = _flow(arch, rs)
+    f = _flow(arch, rs, adapted_linears(arch, rs))
+    return _recipe_bytes(
+        _layer_recipe(arch, f, rs.spec.attn_implementation, rs.spec.sdpa_kernel, input_needs_grad),
+        b,
+        s,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _layer_recipe(
+    arch: ModelArch, f: _Flow, attn: AttnImpl, kernel: SdpaKernel, input_needs_grad: bool
+) -> tuple[tuple[int, _Kind, int], ...]:
+    """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
+    shapes depend on the model and settings, not on b or s)."""
     led = _Ledger()
-    tokens = b * s
     h = arch.hidden_size
+    spec_like = _AttnChoice(attn, kernel)
     if input_needs_grad:
-        _norm_saves(led, f, "norm1", "x_in", tokens, h, arch)
+        _norm_saves(led, f, "norm1", "x_in", h, arch)
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_QKV:
-            _linear_saves(led, f, lin, "norm1.out", f.norm_out, tokens)
-    _attention_saves(led, f, arch, rs.spec, b, s)
+            _linear_saves(led, f, lin, "norm1.out", f.norm_out)
+    _attention_saves(led, f, arch, spec_like)
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_OUT:
-            _linear_saves(led, f, lin, "attn_out", f.attn, tokens)
+            _linear_saves(led, f, lin, "attn_out", f.attn)
     if arch.parallel_residual and arch.norms_per_layer == 1:
         mlp_in_key = "norm1.out"
     else:
-        _norm_saves(led, f, "norm2", "x_mid", tokens, h, arch)
+        # GPT-NeoX's parallel residual feeds both norms the layer input.
+        _norm_saves(led, f, "norm2", "x_in" if arch.parallel_residual else "x_mid", h, arch)
         mlp_in_key = "norm2.out"
     if arch.norms_per_layer == 4:
         # Gemma-2's post-attention and post-feedforward norms act on branch outputs.
-        _norm_saves(led, f, "norm3", "attn_proj", tokens, h, arch)
-        _norm_saves(led, f, "norm4", "mlp_proj", tokens, h, arch)
-    _mlp_saves(led, f, arch, mlp_in_key, tokens)
-    return led.total()
+        _norm_saves(led, f, "norm3", "attn_proj", h, arch)
+        _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
+    _mlp_saves(led, f, arch, mlp_in_key)
+    return led.recipe()
+
+
+@dataclass(frozen=True, slots=True)
+class _AttnChoice:
+    attn_implementation: AttnImpl
+    sdpa_kernel: SdpaKernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,23 +677,90 @@ def _validate(arch: ModelArch, spec: TrainingSpec) -> list[str]:
     return warnings
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What an estimate needs that depends on the model and settings but not on the batch or
+    sequence length; cached, so a scheduler's many calls pay for it once."""
+
+    rs: ResolvedSpec  # resolved with batch_size = seq_len = 1
+    adapted: tuple[Linear, ...]
+    flow: _Flow
+    params: _Params
+    optimizer: tuple[int, int, int]
+    layer: tuple[tuple[int, _Kind, int], ...]
+    first_layer: tuple[tuple[int, _Kind, int], ...]
+
+
+@lru_cache(maxsize=4096)
+def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
+    unit = key.unit_spec()
+    rs = resolve(unit)
+    adapted = adapted_linears(arch, rs)
+    f = _flow(arch, rs, adapted)
+    p = _params(arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype, adapted)
+    attn, kernel = unit.attn_implementation, unit.sdpa_kernel
+    return _Plan(
+        rs=rs,
+        adapted=adapted,
+        flow=f,
+        params=p,
+        optimizer=_optimizer_state(p, unit.optim),
+        layer=_layer_recipe(arch, f, attn, kernel, True),
+        first_layer=_layer_recipe(arch, f, attn, kernel, False),
+    )
+
+
+class _PlanKey(NamedTuple):
+    """The fields a plan depends on (everything but sizes, steps and parallelism)."""
+
+    method: Method
+    lora: LoraSpec | None
+    quantization: QuantSpec | None
+    dtype: DType
+    autocast: bool
+    optim: Optim
+    attn_implementation: AttnImpl
+    sdpa_kernel: SdpaKernel
+    loss: LossImpl | None
+    framework: Framework
+
+    @classmethod
+    def of(cls, spec: TrainingSpec) -> _PlanKey:
+        return cls(
+            spec.method,
+            spec.lora,
+            spec.quantization,
+            spec.dtype,
+            spec.autocast,
+            spec.optim,
+            spec.attn_implementation,
+            spec.sdpa_kernel,
+            spec.loss,
+            spec.framework,
+        )
+
+    def unit_spec(self) -> TrainingSpec:
+        return TrainingSpec(batch_size=1, seq_len=1, **self._asdict())
+
+
 def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`."""
-    rs = resolve(spec)
+    plan = _plan(arch, _PlanKey.of(spec))
+    rs = plan.rs
     warnings = _validate(arch, spec)
     assumptions = list(rs.assumptions)
     b, s = spec.batch_size, spec.seq_len
     tokens = b * s
     h = arch.hidden_size
     L = arch.num_hidden_layers
-    f = _flow(arch, rs)
-    p = _params(arch, rs)
+    f = plan.flow
+    p = plan.params
     shard = _sharding(spec)
 
     frozen = p.frozen // shard.params
     trainable = p.trainable // shard.params
     grads = _gradients(p) // shard.grads
-    state, state_outside, temps = _optimizer_state(p, spec.optim)
+    state, state_outside, temps = plan.optimizer
     state //= shard.state
     state_outside //= shard.state
     temps //= shard.state
@@ -632,7 +768,7 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         state = temps = state_outside = 0
         assumptions.append("optimizer state offloaded to host memory")
 
-    per_layer = layer_saved_bytes(arch, rs, b, s)
+    per_layer = _recipe_bytes(plan.layer, b, s)
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
     # it (and with a frozen embedding) the first layer's input takes no gradient.
     embed_trains = spec.method is Method.FULL or (
@@ -641,7 +777,7 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     first_layer = (
         per_layer
         if embed_trains or spec.gradient_checkpointing
-        else layer_saved_bytes(arch, rs, b, s, input_needs_grad=False)
+        else _recipe_bytes(plan.first_layer, b, s)
     )
     checkpoint = _blk(tokens * h * f.residual)
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
@@ -668,70 +804,49 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
     head_grads = p.head_trainable // shard.grads
     embed_grads = p.embed_trainable // shard.grads
-    base = {
-        Component.FROZEN_WEIGHTS: frozen,
-        Component.TRAINABLE_PARAMS: trainable,
-        Component.INPUTS: inputs,
-    }
-    phases: list[PhasePeak] = []
+    ckpt = spec.gradient_checkpointing
+    # bitsandbytes' 4-bit matmul dequantizes one weight to the compute dtype for each forward
+    # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
+    # of the largest quantized weight.
+    dequant = 0
+    if spec.method is Method.QLORA:
+        largest = max(lin.in_features * lin.out_features for lin in arch.linears if not lin.expert)
+        dequant = _blk(largest * DTYPE_BYTES[rs.compute_dtype])
+    fixed = (frozen, trainable, inputs)
+    # (step, phase, the parts that vary by phase), in COMPONENT_ORDER after the fixed parts:
+    # optimizer state, gradients, activations, recompute, logits/loss, backward and optimizer
+    # temporaries.
+    rows: list[tuple[int, Phase, tuple[int, ...]]] = []
     for step in (1, 2):
         st = state if step == 2 else 0
-        fwd = {
-            **base,
-            Component.OPTIMIZER_STATE: st,
-            Component.GRADIENTS: ga_grads,
-            Component.ACTIVATIONS: activations,
-            Component.LOGITS_LOSS: loss.forward_peak,
-        }
-        phases.append(_phase(step, Phase.FORWARD_END, fwd))
-        bwd0 = {**fwd, Component.LOGITS_LOSS: loss.backward_peak}
-        phases.append(_phase(step, Phase.BACKWARD_START, bwd0))
+        rows.append(
+            (step, Phase.FORWARD_END, (st, ga_grads, activations, 0, loss.forward_peak, 0, 0))
+        )
+        rows.append(
+            (step, Phase.BACKWARD_START, (st, ga_grads, activations, 0, loss.backward_peak, 0, 0))
+        )
         # Inside the layers' backward: at the top layer every activation is still alive (plus
         # one recomputed layer when checkpointing) and only the head's gradients exist; at
         # the first layer the activations are gone and every gradient but the embedding's
         # exists; the embedding's gradient comes last. The phase's peak is the larger end.
-        in_flight = {Component.BACKWARD_TEMPORARIES: 2 * grad_hidden}
-        top = {
-            **base,
-            Component.OPTIMIZER_STATE: st,
-            Component.GRADIENTS: grads if ga_grads else head_grads,
-            Component.ACTIVATIONS: activations,
-            Component.RECOMPUTE: recompute,
-            **in_flight,
-        }
-        bottom = {
-            **base,
-            Component.OPTIMIZER_STATE: st,
-            Component.GRADIENTS: grads if ga_grads else grads - embed_grads,
-            Component.ACTIVATIONS: checkpoint if spec.gradient_checkpointing else first_layer,
-            Component.RECOMPUTE: recompute,
-            **in_flight,
-        }
-        end = {**base, Component.OPTIMIZER_STATE: st, Component.GRADIENTS: grads}
-        phases.append(
-            max(
-                (_phase(step, Phase.BACKWARD, parts) for parts in (top, bottom, end)),
-                key=lambda ph: ph.allocated_bytes,
-            )
-        )
-    opt = {
-        **base,
-        Component.GRADIENTS: grads,
-        Component.OPTIMIZER_STATE: state,
-        Component.OPTIMIZER_TEMPORARIES: temps,
-    }
-    phases.append(_phase(1, Phase.OPTIMIZER_STEP, opt))
+        in_flight = 2 * grad_hidden + dequant
+        top = (st, grads if ga_grads else head_grads, activations, recompute, 0, in_flight, 0)
+        bottom_acts = checkpoint if ckpt else first_layer
+        bottom_grads = grads if ga_grads else grads - embed_grads
+        bottom = (st, bottom_grads, bottom_acts, recompute, 0, in_flight, 0)
+        end = (st, grads, 0, 0, 0, 0, 0)
+        rows.append((step, Phase.BACKWARD, max((top, bottom, end), key=sum)))
+    rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
 
-    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    churn = (
-        Component.ACTIVATIONS,
-        Component.LOGITS_LOSS,
-        Component.RECOMPUTE,
-        Component.BACKWARD_TEMPORARIES,
-        Component.OPTIMIZER_TEMPORARIES,
+    fixed_sum = sum(fixed)
+    phases = tuple(
+        PhasePeak(step=step, phase=phase, allocated_bytes=fixed_sum + sum(vec), parts=fixed + vec)
+        for step, phase, vec in rows
     )
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     over = above_allocated(
-        phases=[(ph.allocated_bytes, sum(ph.components.get(c, 0) for c in churn)) for ph in phases],
+        # What churns: activations, recompute, logits, backward and optimizer temporaries.
+        phases=[(fixed_sum + sum(vec), sum(vec[2:])) for _s, _p, vec in rows],
         paged_state=state_outside,
         gpus=spec.parallel.gpus,
     )
@@ -740,22 +855,17 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         reserved_bytes=over.reserved,
         device_bytes=over.device,
         device_bytes_upper=over.device_upper,
-        components=dict(peak.components),
+        components=peak.components,
         overheads=over.overheads,
         peak_step=peak.step,
         peak_phase=peak.phase,
-        phases=tuple(phases),
+        phases=phases,
         params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
         assumptions=tuple(assumptions) + over.assumptions,
         warnings=tuple(warnings),
         estimator_version=ESTIMATOR_VERSION,
     )
-
-
-def _phase(step: int, phase: Phase, parts: dict[Component, int]) -> PhasePeak:
-    comps = {c: v for c, v in parts.items() if v}
-    return PhasePeak(step=step, phase=phase, allocated_bytes=sum(comps.values()), components=comps)
 
 
 @dataclass(frozen=True, slots=True)

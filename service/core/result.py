@@ -44,12 +44,32 @@ PHASE_WORDS: dict[Phase, str] = {
 }
 
 
+# The order in which a phase's parts are kept (PhasePeak.parts).
+COMPONENT_ORDER = (
+    Component.FROZEN_WEIGHTS,
+    Component.TRAINABLE_PARAMS,
+    Component.INPUTS,
+    Component.OPTIMIZER_STATE,
+    Component.GRADIENTS,
+    Component.ACTIVATIONS,
+    Component.RECOMPUTE,
+    Component.LOGITS_LOSS,
+    Component.BACKWARD_TEMPORARIES,
+    Component.OPTIMIZER_TEMPORARIES,
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhasePeak:
     step: int  # 1: no optimizer state yet; 2: the steady state
     phase: Phase
     allocated_bytes: int
-    components: dict[Component, int]
+    parts: tuple[int, ...]  # bytes per component, in COMPONENT_ORDER
+
+    @property
+    def components(self) -> dict[Component, int]:
+        """The non-zero parts by component; they sum to allocated_bytes."""
+        return {c: v for c, v in zip(COMPONENT_ORDER, self.parts, strict=True) if v}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

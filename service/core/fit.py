@@ -1,0 +1,478 @@
+"""Whether a job fits a GPU, the largest micro-batch and sequence that fit, and what to change.
+
+The requirement is passed in as a function of the spec (the estimator, calibrated by the
+caller), so this module only decides and solves. Solving: the peak is a maximum over phases of
+terms affine in the micro-batch and affine or quadratic in the sequence length, so the safe
+bound is nondecreasing and piecewise smooth in each. Per GPU the answer is bracketed by the
+evaluations already made (shared by every GPU of one check), the next point is proposed by
+secant interpolation (or extrapolation above the bracket), with bisection once the secant stalls;
+an answer x is final when x fits and x + 1 does not, both evaluated for real.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Literal
+
+from service.core.errors import InvalidSpecError
+from service.core.spec import (
+    ALL_LINEAR,
+    LossImpl,
+    Method,
+    Optim,
+    QuantSpec,
+    QuantType,
+    TrainingSpec,
+)
+from service.core.units import MIB
+
+# CUDA hands out less than nvidia-smi's total: the driver keeps 450-640 MiB for itself
+# (design/memory-model.md section 1); the upper end, so that "fits" stays safe.
+DRIVER_RESERVED_BYTES = 640 * MIB
+
+# After this many secant steps that move the same end of the bracket, bisect: regula falsi
+# converges from one side only on a convex curve (eager attention's s^2 terms).
+SECANT_STALL_STEPS = 2
+
+# Micro-batch sizes tried (largest divisor of the effective batch first) before giving up on
+# keeping the effective batch exact.
+MICRO_BATCH_TRIES = 3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Requirement:
+    """What one GPU of a job needs at the device level, bytes."""
+
+    device_bytes: int  # the median estimate
+    device_bytes_upper: int  # the safe bound, compared with a GPU's usable memory
+
+
+RequirementFn = Callable[[TrainingSpec], Requirement]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuOffer:
+    """A GPU type a job may run on."""
+
+    memory_bytes: int  # total memory as the driver reports it (nvidia-smi, NVML)
+    count: int | None = None  # GPUs the job spans; None keeps the spec's parallel.gpus
+    price_per_hour: float | None = None  # per GPU
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= DRIVER_RESERVED_BYTES:
+            raise InvalidSpecError(
+                "gpus.memory", f"must be more than the driver's {DRIVER_RESERVED_BYTES} B"
+            )
+        if self.count is not None and self.count < 1:
+            raise InvalidSpecError("gpus.count", "must be at least 1")
+        if self.price_per_hour is not None and not (
+            math.isfinite(self.price_per_hour) and self.price_per_hour >= 0
+        ):
+            raise InvalidSpecError("gpus.price_per_hour", "must be a non-negative number")
+
+
+def usable_bytes(memory_bytes: int) -> int:
+    """Memory a process can fill: the driver-reported total minus what CUDA cannot hand out."""
+    return max(0, memory_bytes - DRIVER_RESERVED_BYTES)
+
+
+class Change(StrEnum):
+    """Changes that lower a job's peak, least disruptive to the training run first."""
+
+    FUSED_LOSS = "fused_loss"  # same loss, logits never materialised (Liger, CCE)
+    OPTIMIZER_8BIT = "optimizer_8bit"  # bitsandbytes 8-bit AdamW (Dettmers et al. 2022)
+    PAGED_OPTIMIZER = "paged_optimizer"  # 8-bit AdamW state in pageable managed memory
+    GRADIENT_CHECKPOINTING = "gradient_checkpointing"  # about 20-30 % slower steps
+    SMALLER_MICRO_BATCH = "smaller_micro_batch"  # same effective batch, more accumulation
+    FEWER_TARGET_MODULES = "fewer_target_modules"  # fewer adapters: fewer trainable params
+    LORA = "lora"  # a different training method than full fine-tuning
+    QLORA = "qlora"  # 4-bit base weights: slower and slightly lossy
+
+
+CHANGE_WORDS: dict[Change, str] = {
+    Change.FUSED_LOSS: "use a fused linear cross-entropy loss (Liger, Cut Cross-Entropy)",
+    Change.OPTIMIZER_8BIT: "use bitsandbytes 8-bit AdamW",
+    Change.PAGED_OPTIMIZER: "use bitsandbytes paged 8-bit AdamW",
+    Change.GRADIENT_CHECKPOINTING: "turn on gradient checkpointing",
+    Change.SMALLER_MICRO_BATCH: (
+        "use a smaller micro-batch with gradient accumulation (same effective batch)"
+    ),
+    Change.FEWER_TARGET_MODULES: "adapt fewer modules (PEFT's default target modules)",
+    Change.LORA: "train LoRA adapters instead of every weight",
+    Change.QLORA: "quantize the base weights to NF4 (QLoRA, double quantization)",
+}
+
+# Rank order of the changes: the enum's declaration order.
+_RANK = {change: rank for rank, change in enumerate(Change)}
+# Stacked on the first, the second change makes it redundant (QLoRA trains adapters too; the
+# paged optimizer is 8-bit too).
+_SUPERSEDES = {Change.QLORA: Change.LORA, Change.PAGED_OPTIMIZER: Change.OPTIMIZER_8BIT}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Suggestion:
+    """Changes to the job, the spec they give and that spec's requirement."""
+
+    changes: tuple[Change, ...]
+    spec: TrainingSpec
+    requirement: Requirement
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuFit:
+    """One GPU type's answer."""
+
+    offer: GpuOffer
+    count: int  # GPUs the job spans on this type
+    usable_bytes: int
+    requirement: Requirement
+    fits: bool
+    headroom_bytes: int  # usable - safe bound; negative when it does not fit
+    utilisation: float  # safe bound / usable
+    max_batch_size: int  # largest micro-batch at the job's seq_len that fits; 0: none
+    max_seq_len: int  # longest sequence at the job's batch_size that fits; 0: none
+    suggestions: tuple[Suggestion, ...]  # empty when the job fits
+    cost_per_hour: float | None  # price_per_hour * count
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FitCheck:
+    gpus: tuple[GpuFit, ...]  # in the order the offers were given
+    cheapest: int | None  # index of the cheapest priced GPU that fits
+    evaluations: int  # requirement evaluations made (the cache's misses)
+
+
+Dimension = Literal["batch_size", "seq_len"]
+
+
+class _Requirements:
+    """The requirement function, memoised for one check: GPUs share every evaluation."""
+
+    __slots__ = ("_cache", "_fn")
+
+    def __init__(self, fn: RequirementFn) -> None:
+        self._fn = fn
+        self._cache: dict[TrainingSpec, Requirement] = {}
+
+    def __call__(self, spec: TrainingSpec) -> Requirement:
+        found = self._cache.get(spec)
+        if found is None:
+            found = self._cache[spec] = self._fn(spec)
+        return found
+
+    def valid(self, spec: TrainingSpec) -> Requirement | None:
+        """The requirement of a changed spec, or None when the change makes it invalid (LoRA
+        on a model PEFT has no default target modules for)."""
+        try:
+            return self(spec)
+        except InvalidSpecError:
+            return None
+
+    @property
+    def evaluations(self) -> int:
+        return len(self._cache)
+
+
+class _Curve:
+    """The safe bound along one dimension of a spec, evaluated lazily, points kept."""
+
+    __slots__ = ("_spec", "dimension", "limit", "points", "requirements")
+
+    def __init__(
+        self, spec: TrainingSpec, dimension: Dimension, limit: int, requirements: _Requirements
+    ) -> None:
+        self._spec = spec
+        self.dimension = dimension
+        self.limit = limit
+        self.requirements = requirements
+        self.points: dict[int, int] = {}
+        own = getattr(spec, dimension)
+        if own <= limit:
+            self.at(own)
+        # A second point gives the first secant a slope.
+        self.at(max(1, min(limit, own // 2 if own > 1 else 2)))
+
+    def at(self, x: int) -> int:
+        found = self.points.get(x)
+        if found is None:
+            spec = (
+                replace(self._spec, batch_size=x)
+                if self.dimension == "batch_size"
+                else replace(self._spec, seq_len=x)
+            )
+            found = self.points[x] = self.requirements(spec).device_bytes_upper
+        return found
+
+    def largest_fitting(self, capacity: int) -> int:
+        """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does)."""
+        lo = max((x for x, v in self.points.items() if v <= capacity), default=0)
+        above = [x for x, v in self.points.items() if v > capacity and x > lo]
+        hi = min(above) if above else None
+        same_side = 0
+        last_side = ""
+        while True:
+            if hi is not None and hi <= lo + 1:
+                return lo
+            if hi is None and lo >= self.limit:
+                return self.limit
+            x = self._propose(lo, hi, capacity, bisect=same_side >= SECANT_STALL_STEPS)
+            side = "lo" if self.at(x) <= capacity else "hi"
+            if side == "lo":
+                lo = x
+            else:
+                hi = x
+            same_side = same_side + 1 if side == last_side and hi is not None else 0
+            last_side = side
+
+    def _propose(self, lo: int, hi: int | None, capacity: int, *, bisect: bool) -> int:
+        top = self.limit if hi is None else hi - 1
+        if hi is not None and bisect:
+            return (lo + hi) // 2
+        if hi is not None and lo > 0:
+            g_lo, g_hi = self.points[lo], self.points[hi]
+            x = lo + (capacity - g_lo) * (hi - lo) // (g_hi - g_lo)
+        elif hi is not None:
+            x = self._extrapolate_down(hi, capacity)
+        else:
+            x = self._extrapolate_up(lo, capacity)
+        return min(max(x, lo + 1), top)
+
+    def _extrapolate_up(self, lo: int, capacity: int) -> int:
+        below = [x for x in self.points if x < lo]
+        if not below:
+            return 2 * lo
+        a = max(below)
+        rise = self.points[lo] - self.points[a]
+        if rise <= 0:
+            return 2 * lo
+        return lo + (capacity - self.points[lo]) * (lo - a) // rise
+
+    def _extrapolate_down(self, hi: int, capacity: int) -> int:
+        above = [x for x in self.points if x > hi]
+        if not above:
+            return hi // 2
+        b = min(above)
+        rise = self.points[b] - self.points[hi]
+        if rise <= 0:
+            return hi // 2
+        return hi - -(-(self.points[hi] - capacity) * (b - hi) // rise)
+
+
+class _Solver:
+    """Curves and suggestions for one check, sharing one memoised requirement function."""
+
+    def __init__(
+        self,
+        requirements: _Requirements,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        narrower_target_modules: tuple[str, ...] | None,
+    ) -> None:
+        self.requirements = requirements
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.narrower_target_modules = narrower_target_modules
+        self._curves: dict[tuple[TrainingSpec, Dimension], _Curve] = {}
+
+    def curve(self, spec: TrainingSpec, dimension: Dimension) -> _Curve:
+        key = (spec, dimension)
+        found = self._curves.get(key)
+        if found is None:
+            limit = self.max_batch_size if dimension == "batch_size" else self.max_seq_len
+            found = self._curves[key] = _Curve(spec, dimension, limit, self.requirements)
+        return found
+
+    def max_batch(self, spec: TrainingSpec, usable: int) -> int:
+        return self.curve(spec, "batch_size").largest_fitting(usable)
+
+    def max_seq(self, spec: TrainingSpec, usable: int) -> int:
+        return self.curve(spec, "seq_len").largest_fitting(usable)
+
+    def apply(self, change: Change, spec: TrainingSpec, usable: int) -> TrainingSpec | None:
+        """`spec` with `change` made, or None when the change does not apply to it."""
+        if change is Change.SMALLER_MICRO_BATCH:
+            return self._smaller_micro_batch(spec, usable)
+        return _apply(change, spec, self.narrower_target_modules)
+
+    def _smaller_micro_batch(self, spec: TrainingSpec, usable: int) -> TrainingSpec | None:
+        """The largest micro-batch that divides the effective batch and fits, accumulating
+        the rest; without one that fits, the last one tried."""
+        largest = min(self.max_batch(spec, usable), spec.batch_size - 1)
+        if largest < 1:
+            return None
+        effective = spec.batch_size * spec.gradient_accumulation_steps
+        divisors = [d for d in range(largest, 0, -1) if effective % d == 0][:MICRO_BATCH_TRIES]
+        candidate: TrainingSpec | None = None
+        for micro in divisors:
+            candidate = replace(
+                spec, batch_size=micro, gradient_accumulation_steps=effective // micro
+            )
+            need = self.requirements.valid(candidate)
+            if need is not None and need.device_bytes_upper <= usable:
+                break
+        return candidate
+
+    def suggestions(self, spec: TrainingSpec, usable: int) -> tuple[Suggestion, ...]:
+        """Single changes that lower the safe bound, those that fit first; when none fits,
+        first the changes stacked in rank order up to the first combination that fits."""
+        current = self.requirements(spec).device_bytes_upper
+        singles: list[Suggestion] = []
+        for change in Change:
+            changed = self.apply(change, spec, usable)
+            need = None if changed is None else self.requirements.valid(changed)
+            if changed is not None and need is not None and need.device_bytes_upper < current:
+                singles.append(self._suggestion((change,), changed, need, usable))
+        singles.sort(
+            key=lambda s: (not s.fits, _RANK[s.changes[0]], s.requirement.device_bytes_upper)
+        )
+        if not singles or singles[0].fits:
+            return tuple(singles)
+        stacked = self._stacked(spec, usable)
+        if stacked is None or len(stacked.changes) < 2:
+            return tuple(singles)
+        return (stacked, *singles)
+
+    def _stacked(self, spec: TrainingSpec, usable: int) -> Suggestion | None:
+        """Changes applied on top of each other in rank order, each kept only when it lowers
+        the stacked requirement, until the job fits."""
+        changes: list[Change] = []
+        best: Suggestion | None = None
+        current = self.requirements(spec).device_bytes_upper
+        for change in Change:
+            changed = self.apply(change, spec, usable)
+            need = None if changed is None else self.requirements.valid(changed)
+            if changed is None or need is None or need.device_bytes_upper >= current:
+                continue
+            spec, current = changed, need.device_bytes_upper
+            superseded = _SUPERSEDES.get(change)
+            if superseded in changes:
+                changes.remove(superseded)
+            changes.append(change)
+            best = self._suggestion(tuple(changes), spec, need, usable)
+            if best.fits:
+                break
+        return best
+
+    @staticmethod
+    def _suggestion(
+        changes: tuple[Change, ...], spec: TrainingSpec, need: Requirement, usable: int
+    ) -> Suggestion:
+        return Suggestion(
+            changes=changes,
+            spec=spec,
+            requirement=need,
+            fits=need.device_bytes_upper <= usable,
+        )
+
+
+def _apply(
+    change: Change, spec: TrainingSpec, narrower: tuple[str, ...] | None
+) -> TrainingSpec | None:
+    """A spec-only change (everything but the micro-batch), or None when it does not apply."""
+    match change:
+        case Change.FUSED_LOSS:
+            return None if spec.loss is LossImpl.FUSED else replace(spec, loss=LossImpl.FUSED)
+        case Change.OPTIMIZER_8BIT:
+            eight_bit = {
+                Optim.ADAMW_TORCH: Optim.ADAMW_BNB_8BIT,
+                Optim.ADAMW_TORCH_FUSED: Optim.ADAMW_BNB_8BIT,
+                Optim.PAGED_ADAMW_32BIT: Optim.PAGED_ADAMW_8BIT,
+            }.get(spec.optim)
+            return None if eight_bit is None else replace(spec, optim=eight_bit)
+        case Change.PAGED_OPTIMIZER:
+            if spec.optim not in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED, Optim.ADAMW_BNB_8BIT):
+                return None
+            return replace(spec, optim=Optim.PAGED_ADAMW_8BIT)
+        case Change.GRADIENT_CHECKPOINTING:
+            return (
+                None if spec.gradient_checkpointing else replace(spec, gradient_checkpointing=True)
+            )
+        case Change.FEWER_TARGET_MODULES:
+            return _fewer_targets(spec, narrower)
+        case Change.LORA:
+            return replace(spec, method=Method.LORA) if spec.method is Method.FULL else None
+        case Change.QLORA:
+            if spec.method is Method.QLORA:
+                return None
+            quant = QuantSpec(type=QuantType.NF4, double_quant=True)
+            return replace(spec, method=Method.QLORA, quantization=quant)
+        case Change.SMALLER_MICRO_BATCH:
+            return None
+
+
+def _fewer_targets(spec: TrainingSpec, narrower: tuple[str, ...] | None) -> TrainingSpec | None:
+    if narrower is None or spec.lora is None or spec.method is Method.FULL:
+        return None
+    current = spec.lora.target_modules
+    if current is None:
+        return None  # already PEFT's default
+    if current != ALL_LINEAR and len(current) <= len(narrower):
+        return None
+    return replace(spec, lora=replace(spec.lora, target_modules=narrower))
+
+
+def check_fit(
+    spec: TrainingSpec,
+    offers: Sequence[GpuOffer],
+    requirement: RequirementFn,
+    *,
+    max_batch_size: int,
+    max_seq_len: int,
+    narrower_target_modules: tuple[str, ...] | None = None,
+) -> FitCheck:
+    """Decide, per GPU type, whether `spec` fits, how far it can grow and what makes it fit.
+
+    `max_batch_size` and `max_seq_len` bound the solved answers (an answer equal to the bound
+    means "at least"); `narrower_target_modules` is what "fewer target modules" changes to
+    (PEFT's default for the model), None to not suggest it.
+    """
+    requirements = _Requirements(requirement)
+    solver = _Solver(
+        requirements,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        narrower_target_modules=narrower_target_modules,
+    )
+    # Smaller GPUs first: their answers bracket the larger ones' from below.
+    order = sorted(range(len(offers)), key=lambda i: offers[i].memory_bytes)
+    answers: dict[int, GpuFit] = {}
+    for index in order:
+        answers[index] = _fit_one(spec, offers[index], solver)
+    fits = tuple(answers[i] for i in range(len(offers)))
+    priced = [
+        (fit.cost_per_hour, i)
+        for i, fit in enumerate(fits)
+        if fit.fits and fit.cost_per_hour is not None
+    ]
+    cheapest = min(priced)[1] if priced else None
+    return FitCheck(gpus=fits, cheapest=cheapest, evaluations=requirements.evaluations)
+
+
+def _fit_one(spec: TrainingSpec, offer: GpuOffer, solver: _Solver) -> GpuFit:
+    count = spec.parallel.gpus if offer.count is None else offer.count
+    job = (
+        spec
+        if count == spec.parallel.gpus
+        else replace(spec, parallel=replace(spec.parallel, gpus=count))
+    )
+    usable = usable_bytes(offer.memory_bytes)
+    need = solver.requirements(job)
+    fits = need.device_bytes_upper <= usable
+    return GpuFit(
+        offer=offer,
+        count=count,
+        usable_bytes=usable,
+        requirement=need,
+        fits=fits,
+        headroom_bytes=usable - need.device_bytes_upper,
+        utilisation=need.device_bytes_upper / usable,
+        max_batch_size=solver.max_batch(job, usable),
+        max_seq_len=solver.max_seq(job, usable),
+        suggestions=() if fits else solver.suggestions(job, usable),
+        cost_per_hour=None if offer.price_per_hour is None else offer.price_per_hour * count,
+    )
