@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -105,13 +105,6 @@ class CalibrationRepository:
     def set_response(self, upload: CalibrationUpload, response: dict[str, Any]) -> None:
         upload.response = response
         self.session.flush()
-
-    def set_outlier_reason(self, ratio_id: int, reason: str | None) -> None:
-        self.session.execute(
-            update(CalibrationRatio)
-            .where(CalibrationRatio.id == ratio_id)
-            .values(outlier_reason=reason)
-        )
 
     def list_uploads(
         self,
