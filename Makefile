@@ -12,6 +12,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev,trace]'
 	touch $(STAMP)
 
+# The service on the embedded SQLite default (VRAMCAST_DATABASE_URL overrides), at
+# http://127.0.0.1:8000 (VRAMCAST_HOST, VRAMCAST_PORT), interactive docs at /docs.
+run: $(STAMP)
+	mkdir -p var
+	if [ -d migrations ] && { [ -f alembic.ini ] || grep -q '^\[tool\.alembic\]' pyproject.toml; }; then \
+		$(BIN)/alembic upgrade head; \
+	fi
+	$(BIN)/vramcast serve
+
+openapi: $(STAMP)
+	$(BIN)/python -m service.openapi
+
 lint: $(STAMP)
 	$(BIN)/ruff check service tests bench
 	$(BIN)/ruff format --check service tests bench
