@@ -3,7 +3,10 @@
 EstimatorError
 ├── InvalidSpecError(ValueError)        a spec field, or a combination of fields, is invalid
 ├── InvalidConfigError(ValueError)      a model config.json cannot describe a model we know
-└── UnknownModelError(LookupError)      a model id is in no catalog (carries close matches)
+├── UnknownModelError(LookupError)      a model id is in no catalog (carries close matches)
+└── ImplausibleMeasurementError(ValueError)
+                                        a measured peak that cannot be true; defined beside
+                                        the factor math in service.core.calibration
 """
 
 from __future__ import annotations
