@@ -278,6 +278,8 @@ class _Solver:
         self.max_seq_len = max_seq_len
         self.narrower_target_modules = narrower_target_modules
         self._curves: dict[tuple[TrainingSpec, Dimension], _Curve] = {}
+        # Spec changes do not depend on the GPU: made once per check, not once per GPU.
+        self._changed: dict[tuple[Change, TrainingSpec], TrainingSpec | None] = {}
 
     def curve(self, spec: TrainingSpec, dimension: Dimension) -> _Curve:
         key = (spec, dimension)
@@ -297,7 +299,10 @@ class _Solver:
         """`spec` with `change` made, or None when the change does not apply to it."""
         if change is Change.SMALLER_MICRO_BATCH:
             return self._smaller_micro_batch(spec, usable)
-        return _apply(change, spec, self.narrower_target_modules)
+        key = (change, spec)
+        if key not in self._changed:
+            self._changed[key] = _apply(change, spec, self.narrower_target_modules)
+        return self._changed[key]
 
     def _smaller_micro_batch(self, spec: TrainingSpec, usable: int) -> TrainingSpec | None:
         """The largest micro-batch that divides the effective batch and fits, accumulating
