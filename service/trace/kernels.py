@@ -69,6 +69,11 @@ def choose_sdpa_kernel(
     return SdpaKernel.FLASH if flash_ok else SdpaKernel.EFFICIENT
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean keep-mask as the additive bias aten converts it to (0 or -inf)."""
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))
+
+
 def _expand_kv(tensor: torch.Tensor, groups: int) -> torch.Tensor:
     return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=-3)
 
@@ -100,13 +105,16 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             has_mask=attn_mask is not None,
             dropout_p=dropout_p,
         )
-        if cpu_flash and kernel is not SdpaKernel.MATH and attn_mask is None:
+        if cpu_flash and kernel is not SdpaKernel.MATH:
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = _additive(attn_mask, query.dtype)
             out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query,
                 _expand_kv(key, groups),
                 _expand_kv(value, groups),
                 dropout_p,
                 is_causal,
+                attn_mask=attn_mask,
                 scale=scale,
             )
             return out[0]
@@ -120,9 +128,7 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             # The mem-efficient kernel has no grouped-query support: aten expands key/value heads.
             bias = attn_mask
             if bias is not None and bias.dtype == torch.bool:
-                bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill_(
-                    bias.logical_not(), float("-inf")
-                )
+                bias = _additive(bias, query.dtype)
             if bias is not None:
                 bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
             out = torch.ops.aten._scaled_dot_product_efficient_attention(

@@ -31,7 +31,13 @@ from service.core.spec import (
 )
 from service.trace import kernels
 from service.trace.model import LEARNING_RATE, build_meta_model, materialize
-from service.trace.tracker import MemoryEvent, PhaseSnapshot, Snapshot, StorageTracker
+from service.trace.tracker import (
+    CUDA_MIN_BLOCK_BYTES,
+    MemoryEvent,
+    PhaseSnapshot,
+    Snapshot,
+    StorageTracker,
+)
 
 STEPS = 2  # step 1: no optimizer state yet; step 2: the steady state
 # HF's cross-entropy ignores labels equal to this (transformers/loss/loss_utils.py).
@@ -214,6 +220,7 @@ def trace(
     real: bool = False,
     cpu_kernels: bool = False,
     record_events: bool = False,
+    allocation_unit: int = CUDA_MIN_BLOCK_BYTES,
 ) -> TraceResult:
     """Trace two training steps of `spec` on the model `config` describes.
 
@@ -231,7 +238,7 @@ def trace(
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
-    tracker = StorageTracker(record_events=record_events)
+    tracker = StorageTracker(record_events=record_events, unit=allocation_unit)
     tracker.mark_host_outputs(kernels.FLASH_OP, kernels.FLASH_HOST_OUTPUTS)
     tracker.mark_host_outputs(kernels.EFFICIENT_OP, kernels.EFFICIENT_HOST_OUTPUTS)
     if real and not cpu_kernels:
@@ -247,13 +254,16 @@ def trace(
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
             if not real:
-                stack.enter_context(FakeTensorMode())
+                fake_mode = FakeTensorMode()
+                stack.enter_context(fake_mode)
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
             if real:
                 torch.manual_seed(0)
-            owned = materialize(model)
+            stack.enter_context(tracker)
+            with tracker.labelling(Component.FROZEN_WEIGHTS):
+                owned = materialize(model)
             for tensor, component in owned:
-                tracker.track(tensor, component, "weights")
+                tracker.label(tensor, component)
             params = [p for p in model.parameters() if p.requires_grad]
             params_total = sum(_numel(p) for p in model.parameters())
             params_trainable = sum(p.numel() for p in params)
@@ -261,7 +271,6 @@ def trace(
             optimizer.state = _LabelledState(tracker)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            stack.enter_context(tracker)
             _run_steps(model, optimizer, tracker, steering, spec, config)
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)

@@ -25,11 +25,11 @@ from service.core.result import Component, Phase
 CUDA_MIN_BLOCK_BYTES = 512
 
 
-def allocated_size(nbytes: int) -> int:
-    """Bytes `torch.cuda.memory_allocated` counts for a request of `nbytes`."""
+def allocated_size(nbytes: int, unit: int = CUDA_MIN_BLOCK_BYTES) -> int:
+    """Bytes `torch.cuda.memory_allocated` counts for a request of `nbytes` (unit 512)."""
     if nbytes <= 0:
         return 0
-    return -(-nbytes // CUDA_MIN_BLOCK_BYTES) * CUDA_MIN_BLOCK_BYTES
+    return -(-nbytes // unit) * unit
 
 
 def _empty_breakdown() -> dict[Component, int]:
@@ -99,8 +99,9 @@ class StorageTracker(TorchDispatchMode):
     `host_scalar_ops` makes 0-dim outputs free (they live in host memory on a GPU run).
     """
 
-    def __init__(self, *, record_events: bool = False) -> None:
+    def __init__(self, *, record_events: bool = False, unit: int = CUDA_MIN_BLOCK_BYTES) -> None:
         super().__init__()
+        self.unit = unit  # 1 counts requested bytes, as a CPU allocator's statistics do
         self.component = Component.ACTIVATIONS
         self.host_scalar_ops = False
         self.total = 0
@@ -177,7 +178,7 @@ class StorageTracker(TorchDispatchMode):
     def _record(self, tensor: torch.Tensor, component: Component, op: str) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        size = allocated_size(storage.nbytes())
+        size = allocated_size(storage.nbytes(), self.unit)
         block = self._blocks.get(key)
         if block is not None:
             if block.size != size:  # resized in place (resize_, set_)

@@ -1,0 +1,387 @@
+"""Committed reference traces: their JSON form, the matrix of cases, and its regeneration.
+
+Each reference is `tests/data/traces/<name>.json`: the spec, the model id, the peak (bytes, step,
+phase, op, breakdown), the snapshot at each phase of each step, parameter counts, the notes the
+trace made, and the library versions it ran with. The estimator's tests compare against these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from service.core.result import Component, Phase
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    LoraSpec,
+    LossImpl,
+    Method,
+    Optim,
+    QuantSpec,
+    QuantType,
+    SdpaKernel,
+    TrainingSpec,
+)
+from service.core.units import DType
+from service.trace.runner import TraceResult
+from service.trace.tracker import PhaseSnapshot, Snapshot
+
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces"
+# Bumped whenever a change to the tracer changes what a trace measures.
+TRACER_VERSION = "1"
+TRACED_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
+
+
+# -- spec <-> JSON --------------------------------------------------------------------------
+
+
+def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
+    """The spec as plain JSON values (enums by value, tuples as lists), every field included."""
+    return typing.cast(dict[str, Any], _plain(spec))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def spec_from_json(data: Mapping[str, Any]) -> TrainingSpec:
+    """Inverse of `spec_to_json`; fields the JSON lacks take their defaults."""
+    return typing.cast(TrainingSpec, _build(TrainingSpec, data))
+
+
+def _build(cls: type, data: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        f.name: _coerce(hints[f.name], data[f.name])
+        for f in dataclasses.fields(cls)
+        if f.name in data
+    }
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if (
+            isinstance(origin, type)
+            and dataclasses.is_dataclass(origin)
+            and isinstance(value, dict)
+        ):
+            return _build(origin, value)
+        if isinstance(origin, type) and issubclass(origin, enum.Enum):
+            try:
+                return origin(value)
+            except ValueError:
+                continue
+        if origin is tuple and isinstance(value, list):
+            return tuple(value)
+    return value
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+# -- result <-> JSON ------------------------------------------------------------------------
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in TRACED_LIBRARIES} | {"tracer": TRACER_VERSION}
+
+
+def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+    return {
+        "allocated_bytes": snapshot.allocated_bytes,
+        "op": snapshot.op,
+        "components": {c.value: n for c, n in snapshot.components.items()},
+    }
+
+
+def _phase_json(entry: PhaseSnapshot) -> dict[str, Any]:
+    return {"step": entry.step, "phase": entry.phase.value, **_snapshot_json(entry.snapshot)}
+
+
+def result_to_json(name: str, result: TraceResult) -> dict[str, Any]:
+    return {
+        "name": name,
+        "model_id": result.model_id,
+        "spec": spec_to_json(result.spec),
+        "peak": {
+            "step": result.peak_step,
+            "phase": result.peak_phase.value,
+            **_snapshot_json(result.peak),
+        },
+        "phases": [_phase_json(p) for p in result.phases],
+        "params": {"total": result.params_total, "trainable": result.params_trainable},
+        "assumptions": list(result.assumptions),
+        "versions": library_versions(),
+    }
+
+
+def measured_part(document: Mapping[str, Any]) -> dict[str, Any]:
+    """What a re-trace must reproduce exactly (everything but the versions)."""
+    return {k: v for k, v in document.items() if k != "versions"}
+
+
+def components_of(entry: Mapping[str, Any]) -> dict[Component, int]:
+    return {Component(k): int(v) for k, v in entry["components"].items()}
+
+
+def phase_of(entry: Mapping[str, Any]) -> Phase:
+    return Phase(entry["phase"])
+
+
+# -- the matrix -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One reference: a model from the catalog and a spec."""
+
+    model_id: str
+    spec: TrainingSpec
+
+    @property
+    def name(self) -> str:
+        return reference_name(self.model_id, self.spec)
+
+
+def reference_name(model_id: str, spec: TrainingSpec) -> str:
+    """A file-safe name that spells out every option differing from the defaults."""
+    parts = [model_id.split("/")[-1].lower(), spec.method.value]
+    lora = spec.lora
+    if lora is not None:
+        target = lora.target_modules
+        targets = (
+            "default" if target is None else target if isinstance(target, str) else "+".join(target)
+        )
+        parts.append(f"r{lora.r}-{targets}")
+        if lora.adapter_dtype is not None:
+            parts.append(f"{lora.adapter_dtype.value}-adapters")
+        if lora.lora_dropout:
+            parts.append(f"dropout{lora.lora_dropout}")
+        if lora.modules_to_save:
+            parts.append("save-" + "+".join(lora.modules_to_save))
+    quant = spec.quantization
+    if quant is not None:
+        parts.append(quant.type.value + ("-dq" if quant.double_quant else ""))
+        if not quant.prepare_kbit:
+            parts.append("no-kbit-prep")
+    parts.append(f"b{spec.batch_size}-s{spec.seq_len}")
+    if spec.gradient_checkpointing:
+        parts.append("ckpt")
+    if spec.attn_implementation is not AttnImpl.SDPA:
+        parts.append(spec.attn_implementation.value)
+    if spec.sdpa_kernel is not SdpaKernel.AUTO:
+        parts.append(f"sdpa-{spec.sdpa_kernel.value}")
+    if spec.optim is not Optim.ADAMW_TORCH_FUSED:
+        parts.append(spec.optim.value)
+    if spec.loss is not None:
+        parts.append(f"loss-{spec.loss.value}")
+    if spec.dtype is not DType.BF16:
+        parts.append(spec.dtype.value)
+    return "__".join(parts).replace(".", "_")
+
+
+QWEN_7B = "Qwen/Qwen2.5-7B"
+QWEN_05B = "Qwen/Qwen2.5-0.5B"
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+MISTRAL_7B = "mistralai/Mistral-7B-v0.1"
+GEMMA_2B = "google/gemma-2-2b"
+PHI_3 = "microsoft/Phi-3-mini-4k-instruct"
+QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _lora(
+    r: int = 16,
+    targets: tuple[str, ...] | str | None = ALL_LINEAR,
+    adapter_dtype: DType | None = None,
+    **kwargs: Any,
+) -> LoraSpec:
+    return LoraSpec(
+        r=r, lora_alpha=2 * r, target_modules=targets, adapter_dtype=adapter_dtype, **kwargs
+    )
+
+
+def _qlora(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) -> QuantSpec:
+    return QuantSpec(
+        type=kwargs.pop("type", QuantType.NF4),
+        double_quant=double_quant,
+        prepare_kbit=prepare_kbit,
+        **kwargs,
+    )
+
+
+def _spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) -> TrainingSpec:
+    if method is not Method.FULL and "lora" not in kwargs:
+        kwargs["lora"] = _lora()
+    if method is Method.QLORA and "quantization" not in kwargs:
+        kwargs["quantization"] = _qlora()
+    return TrainingSpec(
+        method=method, batch_size=b, seq_len=s, gradient_checkpointing=ckpt, **kwargs
+    )
+
+
+def matrix() -> list[Case]:
+    """Every committed reference, most important first (7B LoRA/QLoRA, checkpointing on/off)."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    bf16 = DType.BF16
+    cases: list[tuple[str, TrainingSpec]] = []
+
+    def add(model_id: str, *specs: TrainingSpec) -> None:
+        cases.extend((model_id, s) for s in specs)
+
+    # Qwen2.5-7B: the memory model's reference cases and the axes around them.
+    add(
+        QWEN_7B,
+        _spec(lora, 1, 512, ckpt=True),
+        _spec(lora, 4, 2048, ckpt=True),
+        _spec(lora, 4, 2048),
+        _spec(lora, 4, 2048, lora=_lora(adapter_dtype=bf16)),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
+        _spec(qlora, 4, 2048, ckpt=True),
+        _spec(qlora, 4, 2048),
+        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(prepare_kbit=False)),
+        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(double_quant=False)),
+        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(type=QuantType.FP4)),
+        _spec(qlora, 1, 512, ckpt=True),
+        _spec(lora, 1, 2048, ckpt=True),
+        _spec(lora, 1, 2048),
+        _spec(lora, 1, 8192, ckpt=True),
+        _spec(qlora, 1, 8192, ckpt=True),
+        _spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER),
+        _spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.EFFICIENT),
+        _spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.MATH),
+        _spec(lora, 1, 2048, attn_implementation=AttnImpl.FLASH_ATTENTION_2),
+        _spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
+        _spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(r=8, targets=None)),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(r=64)),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(modules_to_save=("lm_head",))),
+        _spec(lora, 1, 2048, ckpt=True, lora=_lora(modules_to_save=("embed_tokens", "lm_head"))),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(lora_dropout=0.05)),
+        _spec(lora, 4, 2048, ckpt=True, loss=LossImpl.PLAIN),
+        _spec(full, 1, 2048, ckpt=True),
+        _spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
+        _spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        _spec(full, 1, 512),
+    )
+    # Llama-3.1-8B (128k vocabulary).
+    add(
+        LLAMA_8B,
+        _spec(lora, 4, 2048, ckpt=True),
+        _spec(lora, 4, 2048),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
+        _spec(qlora, 4, 2048, ckpt=True),
+        _spec(qlora, 1, 2048),
+        _spec(lora, 1, 8192, ckpt=True),
+        _spec(lora, 2, 4096, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        _spec(lora, 1, 2048, ckpt=True, lora=_lora(r=8, targets=None)),
+        _spec(full, 1, 2048, ckpt=True),
+        _spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER),
+    )
+    # Mistral-7B-v0.1: 4096-token sliding window (a mask, hence the mem-efficient kernel, past it).
+    add(
+        MISTRAL_7B,
+        _spec(lora, 4, 2048, ckpt=True),
+        _spec(lora, 1, 2048),
+        _spec(qlora, 4, 2048, ckpt=True),
+        _spec(qlora, 2, 2048, quantization=_qlora(prepare_kbit=False)),
+        _spec(lora, 1, 8192, ckpt=True),
+        _spec(lora, 2, 1024, ckpt=True, lora=_lora(r=8, targets=None, adapter_dtype=bf16)),
+        _spec(full, 1, 1024, ckpt=True),
+    )
+    # Gemma-2-2B: logit soft-capping, so eager attention (SDPA cannot soft-cap); 256k vocabulary.
+    eager = AttnImpl.EAGER
+    add(
+        GEMMA_2B,
+        _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager),
+        _spec(lora, 1, 2048, attn_implementation=eager),
+        _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager),
+        _spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager),
+        _spec(qlora, 2, 1024, attn_implementation=eager, quantization=_qlora(double_quant=False)),
+        _spec(full, 1, 1024, ckpt=True, attn_implementation=eager),
+        _spec(full, 1, 1024, ckpt=True, attn_implementation=eager, optim=Optim.ADAMW_TORCH),
+        _spec(lora, 2, 1024, ckpt=True, attn_implementation=eager, lora=_lora(adapter_dtype=bf16)),
+    )
+    # Phi-3-mini: fused qkv_proj and gate_up_proj; a 2047-token sliding window.
+    add(
+        PHI_3,
+        _spec(lora, 4, 2048, ckpt=True),
+        _spec(lora, 1, 1024),
+        _spec(lora, 2, 1024, ckpt=True, lora=_lora(targets=("qkv_proj", "o_proj"))),
+        _spec(qlora, 4, 2048, ckpt=True),
+        _spec(qlora, 1, 1024, quantization=_qlora(prepare_kbit=False)),
+        _spec(full, 1, 1024, ckpt=True),
+        _spec(lora, 1, 1024, ckpt=True, sdpa_kernel=SdpaKernel.EFFICIENT),
+        _spec(lora, 1, 4096, ckpt=True),
+    )
+    # Qwen1.5-MoE-A2.7B: 60 routed experts (grouped_mm) plus a shared expert per layer.
+    add(
+        QWEN_MOE,
+        _spec(lora, 1, 2048, ckpt=True),
+        _spec(lora, 1, 1024),
+        _spec(lora, 2, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
+        _spec(lora, 1, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
+        _spec(full, 1, 1024, ckpt=True),
+    )
+    # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
+    add(
+        QWEN_05B,
+        _spec(full, 1, 2048),
+        _spec(full, 1, 512, ckpt=True),
+        _spec(full, 4, 512, optim=Optim.ADAMW_TORCH),
+        _spec(full, 4, 512, optim=Optim.ADAMW_BNB_8BIT),
+        _spec(full, 4, 512, optim=Optim.SGD),
+        _spec(full, 1, 512, dtype=DType.FP32),
+        _spec(lora, 1, 128),
+        _spec(lora, 1, 128, ckpt=True),
+        _spec(lora, 2, 512, lora=_lora(adapter_dtype=bf16)),
+        _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None)),
+        _spec(lora, 2, 512, ckpt=True, lora=_lora(modules_to_save=("embed_tokens",))),
+        _spec(lora, 2, 512, lora=_lora(lora_dropout=0.1)),
+        _spec(lora, 2, 512, attn_implementation=AttnImpl.EAGER),
+        _spec(lora, 2, 512, sdpa_kernel=SdpaKernel.EFFICIENT),
+        _spec(lora, 2, 512, sdpa_kernel=SdpaKernel.MATH),
+        _spec(lora, 2, 512, loss=LossImpl.PLAIN),
+        _spec(lora, 8, 2048, ckpt=True),
+        _spec(lora, 1, 8192, ckpt=True),
+        _spec(qlora, 1, 128),
+        _spec(qlora, 2, 512, ckpt=True),
+        _spec(qlora, 2, 512, quantization=_qlora(prepare_kbit=False, double_quant=False)),
+        _spec(qlora, 2, 512, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+    )
+    return [Case(model_id=m, spec=s) for m, s in cases]
+
+
+def iter_references(directory: Path = REFERENCE_DIR) -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in sorted(directory.glob("*.json")):
+        yield path, json.loads(path.read_text())
+
+
+def write_reference(document: Mapping[str, Any], directory: Path = REFERENCE_DIR) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{document['name']}.json"
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path
