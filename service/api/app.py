@@ -1,0 +1,96 @@
+"""The app factory: `create_app(settings)` builds an isolated FastAPI app.
+
+Run with `vramcast serve`, or `uvicorn service.api.app:create_app --factory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from service.api import problems
+from service.api.calibration import FactorProvider, Uncalibrated
+from service.api.deps import Services
+from service.api.limits import BodyLimitMiddleware
+from service.api.metrics import Metrics, MetricsMiddleware
+from service.api.routes import catalog, estimates, fit_checks, health
+from service.api.settings import Settings
+from service.catalog.gpus import default_gpu_catalog
+from service.catalog.models import default_catalog
+from service.store.db import create_engine_from_url
+
+TITLE = "vramcast"
+DESCRIPTION = (
+    "Peak GPU memory of full, LoRA and QLoRA fine-tuning jobs, before they are placed. "
+    "Every size is in bytes; errors are RFC 9457 problem details (application/problem+json)."
+)
+
+
+def _version() -> str:
+    try:
+        return version("vramcast")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def create_app(
+    settings: Settings | None = None, *, factor_provider: FactorProvider | None = None
+) -> FastAPI:
+    """A new app; `factor_provider` replaces the uncalibrated default (the store's seam)."""
+    settings = settings or Settings()
+    metrics = Metrics()
+    services = Services(
+        settings=settings,
+        models=default_catalog(),
+        gpus=default_gpu_catalog(),
+        factors=factor_provider or Uncalibrated(),
+        metrics=metrics,
+        engine=create_engine_from_url(settings.database_url),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            services.engine.dispose()
+
+    app = FastAPI(title=TITLE, description=DESCRIPTION, version=_version(), lifespan=lifespan)
+    app.state.services = services
+    for router in (estimates.router, fit_checks.router, catalog.router, health.router):
+        app.include_router(router)
+    problems.install(app)
+    # The last added is the outermost: metrics see every answer, 413s included.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema plus the Problem schema that `problems.responses` refers to."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            problem = problems.Problem.model_json_schema(
+                ref_template="#/components/schemas/{model}", mode="serialization"
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in problem.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components.setdefault("Problem", problem)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build

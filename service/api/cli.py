@@ -1,0 +1,198 @@
+"""`vramcast serve` (the API under uvicorn) and `vramcast fit` (ask a running service).
+
+`vramcast fit` is made for batch schedulers (a Slurm cli_filter or job_submit script, a job
+script's first line): it exits
+
+    0  the job fits (every GPU given, or any with --any),
+    1  it does not fit,
+    2  it could not decide: the service is unreachable or answered an error, or the input is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from pydantic import ValidationError
+
+from service.api.settings import Settings
+from service.cli import CliError, add_spec_options, spec_from_args
+from service.core.spec import TrainingSpec
+from service.core.units import GIB
+
+EXIT_FITS = 0
+EXIT_DOES_NOT_FIT = 1
+EXIT_UNDECIDED = 2
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "VRAMCAST_URL"
+# A scheduler hook must not hold a submission for long: a fit-check answers in milliseconds,
+# so a service that takes longer than this is treated as down (exit 2).
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def register(subparsers: Any) -> None:
+    """Add `serve` and `fit` to the `vramcast` command line."""
+    serve = subparsers.add_parser("serve", help="run the REST API (uvicorn)")
+    serve.add_argument("--host", help="address to listen on (default: VRAMCAST_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default: VRAMCAST_PORT, 8000)")
+    serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    serve.set_defaults(handler=_cmd_serve)
+
+    fit = subparsers.add_parser(
+        "fit",
+        help="ask a running service whether a job fits (exit 0 fits, 1 does not, 2 undecided)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_spec_options(fit)
+    where = fit.add_argument_group("GPUs and service")
+    where.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        help="GPU by catalog name or nvidia-smi name (repeatable)",
+    )
+    where.add_argument(
+        "--gpu-memory-mib",
+        type=int,
+        action="append",
+        default=[],
+        help="GPU by the total memory the node reports, MiB (repeatable)",
+    )
+    where.add_argument("--count", type=int, help="GPUs the job spans (default: --gpus)")
+    where.add_argument("--any", action="store_true", help="exit 0 if any GPU given fits")
+    where.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"default: ${URL_ENV} or {DEFAULT_URL}",
+    )
+    where.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds")
+    where.add_argument("--json", action="store_true", help="print the service's answer as JSON")
+    fit.set_defaults(handler=_cmd_fit)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise CliError(f"settings from the environment are invalid: {exc}") from None
+    uvicorn.run(
+        "service.api.app:create_app",
+        factory=True,
+        host=args.host or settings.host,
+        port=args.port or settings.port,
+        workers=args.workers,
+    )
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+        return run_fit(args, client)
+
+
+def run_fit(args: argparse.Namespace, client: httpx.Client) -> int:
+    """POST the job to /v1/fit-checks and print the answer; returns the exit status."""
+    try:
+        body = fit_request(args, spec_from_args(args))
+    except CliError as exc:
+        return _undecided(f"error: {exc}")
+    try:
+        response = client.post("/v1/fit-checks", json=body)
+    except httpx.HTTPError as exc:
+        return _undecided(f"service unreachable at {args.url}: {exc}")
+    if response.status_code != 200:
+        return _undecided(_problem_text(response))
+    try:
+        answer = response.json()
+        results = answer["results"]
+    except (ValueError, KeyError, TypeError):
+        return _undecided("the service's answer is not a fit-check")
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        for result in results:
+            print(format_result(result))
+    fits = [bool(r.get("fits")) for r in results]
+    decided = any(fits) if args.any else all(fits)
+    return EXIT_FITS if decided else EXIT_DOES_NOT_FIT
+
+
+def fit_request(args: argparse.Namespace, spec: TrainingSpec) -> dict[str, Any]:
+    """The /v1/fit-checks body for the parsed options."""
+    if args.config is not None:
+        if args.model:
+            raise CliError("give a model id or --config, not both")
+        try:
+            model: Any = {"hf_config": json.loads(Path(args.config).read_text())}
+        except OSError as exc:
+            raise CliError(f"--config: cannot read {args.config}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise CliError(f"--config: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    elif args.model:
+        model = args.model
+    else:
+        raise CliError("model: give a catalog id or --config config.json")
+    if not args.gpu and not args.gpu_memory_mib:
+        raise CliError("--gpu: name at least one GPU (or --gpu-memory-mib)")
+    extra: dict[str, Any] = {} if args.count is None else {"count": args.count}
+    gpus = [{"name": name, **extra} for name in args.gpu]
+    gpus += [{"memory_mib": mib, **extra} for mib in args.gpu_memory_mib]
+    return {"job": {"model": model, **job_fields(spec)}, "gpus": gpus}
+
+
+def job_fields(spec: TrainingSpec) -> dict[str, Any]:
+    """A spec as the API's job fields (same names as the core's), unset options left out."""
+    return {f.name: v for f in fields(spec) if (v := _plain(getattr(spec, f.name))) is not None}
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return {
+            f.name: v for f in fields(value) if (v := _plain(getattr(value, f.name))) is not None
+        }
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str):
+        return str(value)  # enum members as their plain value
+    return value
+
+
+def format_result(result: dict[str, Any]) -> str:
+    gpu = result["gpu"]
+    name = gpu.get("name") or f"{gpu['memory_mib']} MiB GPU"
+    need = result["required_bytes"] / GIB
+    usable = result["usable_bytes"] / GIB
+    head = (
+        f"{name}: {'fits' if result['fits'] else 'does not fit'} "
+        f"(needs {need:.1f} GiB of {usable:.1f} GiB usable; "
+        f"max batch {result['max_batch_size']}, max seq {result['max_seq_len']})"
+    )
+    fixes = [s for s in result.get("suggestions", []) if s.get("fits")][:3]
+    lines = [head]
+    lines += [f"  try: {s['description']} ({s['required_bytes'] / GIB:.1f} GiB)" for s in fixes]
+    return "\n".join(lines)
+
+
+def _problem_text(response: httpx.Response) -> str:
+    try:
+        problem = response.json()
+        detail = problem.get("detail") or problem.get("title")
+        locs = [".".join(str(p) for p in e["loc"]) for e in problem.get("errors") or []]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return f"the service answered {response.status_code}"
+    where = f" ({', '.join(locs)})" if locs else ""
+    return f"the service answered {response.status_code}: {detail}{where}"
+
+
+def _undecided(message: str) -> int:
+    print(f"vramcast fit: {message}", file=sys.stderr)
+    return EXIT_UNDECIDED

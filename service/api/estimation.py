@@ -1,0 +1,271 @@
+"""What the estimate, batch and fit-check routes do: resolve, estimate, calibrate, map.
+
+Core and catalog errors leave here as `ProblemError`s located in the request (`loc_prefix`),
+so a batch can turn each into its own entry and the routes stay thin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from service.api.calibration import CalibratedPeaks, FactorProvider
+from service.api.metrics import CUSTOM_MODEL, Metrics
+from service.api.problems import (
+    Loc,
+    ProblemError,
+    field_error,
+    from_exception,
+    invalid_field,
+    invalid_request,
+)
+from service.api.schemas import (
+    MAX_BATCH_SIZE,
+    MAX_SEQ_LEN,
+    BatchIn,
+    BatchOut,
+    BatchResultOut,
+    CheapestOut,
+    EstimateOut,
+    FitCheckIn,
+    FitCheckOut,
+    GpuFitOut,
+    GpuFitSummary,
+    GpuOfferIn,
+    GpuOut,
+    GpuRef,
+    JobSpec,
+    ModelRef,
+    RejectedJob,
+)
+from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
+from service.catalog.models import ModelCatalog
+from service.core.architecture import ModelArch, from_hf_config
+from service.core.errors import EstimatorError, InvalidSpecError
+from service.core.estimator import default_target_modules, estimate
+from service.core.fit import GpuOffer, Requirement, check_fit, usable_bytes
+from service.core.result import Estimate
+from service.core.spec import TrainingSpec
+from service.core.units import MIB, DType
+
+# Limits on a config.json given inline: the estimator walks layers and experts one by one, so
+# an absurd config must be refused before it runs (the largest published models stay far
+# below: Llama-3.1-405B has 126 layers, DeepSeek-V3 61 layers x 256 experts).
+MAX_CONFIG_LAYERS = 1024
+MAX_CONFIG_EXPERTS = 1024
+MAX_CONFIG_LAYER_EXPERTS = 65_536  # layers x experts
+MAX_CONFIG_WIDTH = 1 << 20  # hidden_size, intermediate_size, heads x head_dim
+MAX_CONFIG_VOCAB = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    spec: TrainingSpec
+    model: str  # the catalog id, or CUSTOM_MODEL
+    arch: ModelArch
+
+
+@contextmanager
+def _located(loc_prefix: Loc) -> Iterator[None]:
+    """Turn core and catalog errors into problems located under `loc_prefix`."""
+    try:
+        yield
+    except (EstimatorError, UnknownGpuError) as exc:
+        raise ProblemError(from_exception(exc, loc_prefix)) from exc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimation:
+    """The services one request's estimates use."""
+
+    models: ModelCatalog
+    gpus: GpuCatalog
+    factors: FactorProvider
+    metrics: Metrics
+
+    def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
+        with _located(loc_prefix):
+            resolved = self._job(job, loc_prefix)
+            est = estimate(resolved.arch, resolved.spec)
+            gpu = None if job.gpu is None else self._gpu(job.gpu)
+        peaks = self._peaks(est, resolved, gpu.name if gpu else None)
+        summary: GpuFitSummary | None = None
+        warnings: tuple[str, ...] = ()
+        if gpu is not None:
+            summary = _fit_summary(gpu, peaks)
+            warnings = _gpu_warnings(gpu, resolved.spec)
+        self.metrics.count_estimate(resolved.model)
+        return EstimateOut.from_core(resolved.model, est, peaks, summary, warnings)
+
+    def batch(self, body: BatchIn) -> BatchOut:
+        results: list[BatchResultOut] = []
+        for index, job in enumerate(body.jobs):
+            loc: Loc = ("body", "jobs", index)
+            try:
+                if isinstance(job, RejectedJob):
+                    raise _rejected(job, loc)
+                out = self.estimate(job, loc)
+            except ProblemError as exc:
+                problem = exc.problem
+                results.append(BatchResultOut(index=index, status=problem.status, problem=problem))
+            else:
+                results.append(BatchResultOut(index=index, status=200, estimate=out))
+        failed = sum(1 for r in results if r.problem is not None)
+        return BatchOut(results=results, succeeded=len(results) - failed, failed=failed)
+
+    def fit_check(self, body: FitCheckIn) -> FitCheckOut:
+        job_loc: Loc = ("body", "job")
+        with _located(job_loc):
+            resolved = self._job(body.job, job_loc)
+            job_estimate = estimate(resolved.arch, resolved.spec)
+        gpus: list[GpuOut] = []
+        offers: list[GpuOffer] = []
+        for index, entry in enumerate(body.gpus):
+            with _located(("body", "gpus", index)):
+                gpu = self._gpu(entry)
+                gpus.append(gpu)
+                offers.append(_offer(gpu, entry))
+
+        def requirement(spec: TrainingSpec) -> Requirement:
+            est = job_estimate if spec == resolved.spec else estimate(resolved.arch, spec)
+            peaks = self._peaks(est, _Job(spec, resolved.model, resolved.arch), None)
+            return Requirement(
+                device_bytes=peaks.device_bytes, device_bytes_upper=peaks.device_bytes_upper
+            )
+
+        with _located(job_loc):
+            report = check_fit(
+                resolved.spec,
+                offers,
+                requirement,
+                max_batch_size=MAX_BATCH_SIZE,
+                max_seq_len=_seq_limit(resolved),
+                narrower_target_modules=_narrower_targets(resolved.arch),
+            )
+        self.metrics.count_estimate(resolved.model)
+        peaks = self._peaks(job_estimate, resolved, None)
+        cheapest = None
+        if report.cheapest is not None:
+            best = report.gpus[report.cheapest]
+            cheapest = CheapestOut(
+                index=report.cheapest,
+                name=gpus[report.cheapest].requested,
+                cost_per_hour=best.cost_per_hour or 0.0,
+            )
+        return FitCheckOut(
+            job=EstimateOut.from_core(resolved.model, job_estimate, peaks),
+            results=[
+                GpuFitOut.from_core(gpu, resolved.spec, fit)
+                for gpu, fit in zip(gpus, report.gpus, strict=True)
+            ],
+            cheapest=cheapest,
+        )
+
+    def _job(self, job: JobSpec, loc_prefix: Loc) -> _Job:
+        spec = job.to_spec()
+        model, arch = self._model(job.model, loc_prefix)
+        return _Job(spec, model, arch)
+
+    def _model(self, ref: ModelRef, loc_prefix: Loc) -> tuple[str, ModelArch]:
+        if ref.id is not None:
+            entry = self.models.resolve(ref.id)
+            return entry.id, entry.arch
+        arch = from_hf_config(ref.hf_config or {})
+        _check_config_limits(arch, (*loc_prefix, "model", "hf_config"))
+        return CUSTOM_MODEL, arch
+
+    def _gpu(self, ref: GpuRef) -> GpuOut:
+        if ref.name is not None:
+            return _gpu_out(ref.name, self.gpus.resolve(ref.name), "name")
+        memory_mib = ref.memory_mib or 0
+        found = self.gpus.by_memory_mib(memory_mib)
+        if found is not None:
+            return _gpu_out(str(memory_mib), found, "memory_mib")
+        return GpuOut(
+            requested=str(memory_mib),
+            name=None,
+            driver_name=None,
+            memory_mib=memory_mib,
+            memory_bytes=memory_mib * MIB,
+            matched_by="memory_mib",
+            bf16=None,
+            fp8=None,
+        )
+
+    def _peaks(self, est: Estimate, job: _Job, gpu: str | None) -> CalibratedPeaks:
+        return self.factors.peaks(est, model=job.model, method=job.spec.method.value, gpu=gpu)
+
+
+def _gpu_out(requested: str, gpu: Gpu, matched_by: str) -> GpuOut:
+    return GpuOut(
+        requested=requested,
+        name=gpu.name,
+        driver_name=gpu.driver_name,
+        memory_mib=gpu.memory_mib,
+        memory_bytes=gpu.memory_bytes,
+        matched_by="name" if matched_by == "name" else "memory_mib",
+        bf16=gpu.bf16,
+        fp8=gpu.fp8,
+    )
+
+
+def _offer(gpu: GpuOut, entry: GpuOfferIn) -> GpuOffer:
+    return GpuOffer(
+        memory_bytes=gpu.memory_bytes, count=entry.count, price_per_hour=entry.price_per_hour
+    )
+
+
+def _fit_summary(gpu: GpuOut, peaks: CalibratedPeaks) -> GpuFitSummary:
+    usable = usable_bytes(gpu.memory_bytes)
+    return GpuFitSummary(
+        name=gpu.name,
+        memory_bytes=gpu.memory_bytes,
+        usable_bytes=usable,
+        fits=peaks.device_bytes_upper <= usable,
+        headroom_bytes=usable - peaks.device_bytes_upper,
+    )
+
+
+def _gpu_warnings(gpu: GpuOut, spec: TrainingSpec) -> tuple[str, ...]:
+    if gpu.bf16 is False and (spec.dtype is DType.BF16 or spec.autocast):
+        return (f"{gpu.name} does not compute in bf16; use fp16 or fp32 on it",)
+    return ()
+
+
+def _rejected(job: RejectedJob, loc: Loc) -> ProblemError:
+    errors = [field_error((*loc, *e.loc), e.detail, e.type) for e in job.errors]
+    return ProblemError(invalid_request(errors))
+
+
+def _seq_limit(job: _Job) -> int:
+    context = job.arch.max_position_embeddings or MAX_SEQ_LEN
+    return min(MAX_SEQ_LEN, max(job.spec.seq_len, context))
+
+
+def _narrower_targets(arch: ModelArch) -> tuple[str, ...] | None:
+    try:
+        return default_target_modules(arch)
+    except InvalidSpecError:
+        return None
+
+
+def _check_config_limits(arch: ModelArch, loc: Loc) -> None:
+    checks = (
+        ("num_hidden_layers", arch.num_hidden_layers, MAX_CONFIG_LAYERS),
+        ("num_experts", arch.num_experts, MAX_CONFIG_EXPERTS),
+        ("hidden_size", arch.hidden_size, MAX_CONFIG_WIDTH),
+        ("intermediate_size", arch.intermediate_size, MAX_CONFIG_WIDTH),
+        ("num_attention_heads", arch.q_dim, MAX_CONFIG_WIDTH),
+        ("vocab_size", arch.vocab_size, MAX_CONFIG_VOCAB),
+        (
+            "num_experts",
+            arch.num_hidden_layers * max(1, arch.num_experts),
+            MAX_CONFIG_LAYER_EXPERTS,
+        ),
+    )
+    for name, value, limit in checks:
+        if value > limit:
+            raise ProblemError(
+                invalid_field((*loc, name), f"{value} is over this service's limit of {limit}")
+            )

@@ -1,0 +1,257 @@
+"""Every error the API returns, as RFC 9457 `application/problem+json`, from this one module.
+
+Problem types (the `type` member; tag URIs, RFC 4151, identify them without a web page):
+
+| type                  | status | when                                                        |
+|-----------------------|--------|-------------------------------------------------------------|
+| invalid-request       | 422    | the body or a parameter fails the schema or a spec check;   |
+|                       |        | `errors` gives each field's path                            |
+| unknown-model         | 404    | a model id is in no catalog; `suggestions` are the closest  |
+| unknown-gpu           | 404    | a GPU name is in no catalog; `suggestions` are the closest  |
+| body-too-large        | 413    | the body is over the configured limit (`max_body_bytes`)    |
+| about:blank           | any    | plain HTTP errors (unknown path, method not allowed)        |
+| internal-error        | 500    | a bug; the detail never carries a traceback                 |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from enum import StrEnum
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.catalog.gpus import UnknownGpuError
+from service.core.errors import (
+    EstimatorError,
+    InvalidConfigError,
+    InvalidSpecError,
+    UnknownModelError,
+)
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+_TYPE_PREFIX = "tag:vramcast.dev,2025:problem:"
+
+logger = logging.getLogger(__name__)
+
+
+class ProblemType(StrEnum):
+    INVALID_REQUEST = _TYPE_PREFIX + "invalid-request"
+    UNKNOWN_MODEL = _TYPE_PREFIX + "unknown-model"
+    UNKNOWN_GPU = _TYPE_PREFIX + "unknown-gpu"
+    BODY_TOO_LARGE = _TYPE_PREFIX + "body-too-large"
+    INTERNAL_ERROR = _TYPE_PREFIX + "internal-error"
+    BLANK = "about:blank"
+
+
+Loc = tuple[str | int, ...]
+
+
+class FieldError(BaseModel):
+    """One invalid input, located by its path in the request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loc: list[str | int] = Field(
+        description="Path of the field: 'body' or 'path' first, then keys and list indexes.",
+        max_length=64,
+    )
+    pointer: str = Field(
+        description="The same path as a JSON Pointer into the body (RFC 6901), '' for the root.",
+        max_length=4096,
+    )
+    detail: str = Field(description="Why the value is invalid.", max_length=4096)
+    type: str = Field(description="Machine-readable error kind.", max_length=128)
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem detail, with the extension members this API defines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str = Field(description="URI identifying the problem type.", max_length=256)
+    title: str = Field(description="Short summary of the problem type.", max_length=256)
+    status: int = Field(description="The HTTP status code.", ge=400, le=599)
+    detail: str = Field(description="This occurrence, in words.", max_length=8192)
+    instance: str | None = Field(
+        default=None, description="The request path this problem occurred at.", max_length=2048
+    )
+    errors: list[FieldError] | None = Field(
+        default=None, description="invalid-request: each invalid field.", max_length=1000
+    )
+    model: str | None = Field(
+        default=None, description="unknown-model: the id that was asked for.", max_length=512
+    )
+    gpu: str | None = Field(
+        default=None, description="unknown-gpu: the name that was asked for.", max_length=512
+    )
+    suggestions: list[str] | None = Field(
+        default=None,
+        description="unknown-model, unknown-gpu: the closest catalog entries.",
+        max_length=16,
+    )
+    max_body_bytes: int | None = Field(
+        default=None, description="body-too-large: the limit in bytes.", ge=0
+    )
+
+
+class ProblemError(Exception):
+    """Raised anywhere in the API to answer with `problem`."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.detail)
+        self.problem = problem
+
+
+def _pointer(loc: Sequence[str | int]) -> str:
+    parts = list(loc[1:]) if loc and loc[0] in ("body", "path", "query") else list(loc)
+    escaped = (str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+    return "".join("/" + part for part in escaped)
+
+
+def field_error(loc: Sequence[str | int], detail: str, kind: str) -> FieldError:
+    return FieldError(loc=list(loc), pointer=_pointer(loc), detail=detail, type=kind)
+
+
+def invalid_request(errors: Sequence[FieldError]) -> Problem:
+    where = ", ".join(".".join(str(p) for p in e.loc) for e in errors[:3])
+    more = f" and {len(errors) - 3} more" if len(errors) > 3 else ""
+    return Problem(
+        type=ProblemType.INVALID_REQUEST,
+        title="The request is invalid",
+        status=HTTPStatus.UNPROCESSABLE_ENTITY,
+        detail=f"invalid input at {where}{more}" if errors else "invalid input",
+        errors=list(errors),
+    )
+
+
+def invalid_field(loc: Sequence[str | int], detail: str, kind: str = "value_error") -> Problem:
+    return invalid_request([field_error(loc, detail, kind)])
+
+
+def body_too_large(limit: int) -> Problem:
+    return Problem(
+        type=ProblemType.BODY_TOO_LARGE,
+        title="The request body is too large",
+        status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        detail=f"the body is over the limit of {limit} bytes",
+        max_body_bytes=limit,
+    )
+
+
+def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
+    """The problem for any error; `loc_prefix` locates the job that a core error is about."""
+    match exc:
+        case ProblemError():
+            return exc.problem
+        case RequestValidationError():
+            return invalid_request(_validation_errors(exc.errors()))
+        case StarletteHTTPException():
+            return http_problem(
+                exc.status_code, exc.detail if isinstance(exc.detail, str) else None
+            )
+        case UnknownModelError():
+            return Problem(
+                type=ProblemType.UNKNOWN_MODEL,
+                title="Unknown model",
+                status=HTTPStatus.NOT_FOUND,
+                detail=str(exc),
+                model=exc.model_id,
+                suggestions=list(exc.suggestions),
+            )
+        case UnknownGpuError():
+            return Problem(
+                type=ProblemType.UNKNOWN_GPU,
+                title="Unknown GPU",
+                status=HTTPStatus.NOT_FOUND,
+                detail=str(exc),
+                gpu=exc.name,
+                suggestions=list(exc.suggestions),
+            )
+        case InvalidSpecError():
+            loc = (*loc_prefix, *exc.field.split("."))
+            return invalid_field(loc, exc.reason, "invalid_spec")
+        case InvalidConfigError():
+            loc = (*loc_prefix, "model", "hf_config", *exc.field.split("."))
+            return invalid_field(loc, exc.reason, "invalid_config")
+        case EstimatorError():
+            return invalid_field(loc_prefix, str(exc), "invalid_spec")
+    return internal_error()
+
+
+def internal_error() -> Problem:
+    return Problem(
+        type=ProblemType.INTERNAL_ERROR,
+        title="Internal error",
+        status=HTTPStatus.INTERNAL_SERVER_ERROR,
+        detail="the service failed to answer this request; it has been logged",
+    )
+
+
+def http_problem(status: int, detail: str | None = None) -> Problem:
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    return Problem(type=ProblemType.BLANK, title=phrase, status=status, detail=detail or phrase)
+
+
+def render(problem: Problem, instance: str | None = None) -> Response:
+    """The HTTP response carrying `problem`."""
+    if instance is not None and problem.instance is None:
+        problem = problem.model_copy(update={"instance": instance})
+    body = problem.model_dump_json(exclude_none=True).encode()
+    return Response(body, status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE)
+
+
+def _validation_errors(errors: Sequence[Any]) -> list[FieldError]:
+    found: list[FieldError] = []
+    for err in errors:
+        loc = tuple(p for p in err.get("loc", ()) if isinstance(p, str | int))
+        found.append(field_error(loc, str(err.get("msg", "invalid")), str(err.get("type", ""))))
+    return found
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    problem = from_exception(exc)
+    if problem.type == ProblemType.INTERNAL_ERROR:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    response = render(problem, request.url.path)
+    if isinstance(exc, StarletteHTTPException) and exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+def install(app: FastAPI) -> None:
+    """Route every error the app can raise through this module."""
+    for kind in (
+        RequestValidationError,
+        StarletteHTTPException,
+        ProblemError,
+        EstimatorError,
+        UnknownGpuError,
+        Exception,
+    ):
+        app.add_exception_handler(kind, _on_error)
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` entries for the problem statuses a route can answer."""
+    words = {
+        404: "Unknown model or GPU; `suggestions` lists the closest catalog entries.",
+        413: "The body is over the configured limit.",
+        422: "Invalid input; `errors` locates each invalid field.",
+    }
+    return {
+        status: {
+            "description": words.get(status, HTTPStatus(status).phrase),
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        }
+        for status in statuses
+    }

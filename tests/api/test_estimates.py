@@ -1,0 +1,176 @@
+"""POST /v1/estimates: the breakdown, the defaults, and every way a job can be wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
+from service.api.schemas import JobSpec
+from service.catalog.models import default_catalog
+from service.core.estimator import estimate
+from service.core.result import Component
+from service.core.spec import TrainingSpec
+from tests.api.conftest import FULL_JOB, SMALL_JOB
+
+
+def _problem(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM_MEDIA_TYPE
+    body: dict[str, Any] = response.json()
+    assert body["status"] == status
+    assert "Traceback" not in response.text
+    return body
+
+
+def test_minimal_job_gets_the_full_breakdown(client: TestClient) -> None:
+    response = client.post(
+        "/v1/estimates", json={"model": "Qwen/Qwen2.5-7B", "batch_size": 4, "seq_len": 2048}
+    )
+    assert response.status_code == 200
+    body = response.json()
+    peak = body["peak"]
+    assert (
+        0
+        < peak["allocated_bytes"]
+        <= peak["reserved_bytes"]
+        <= peak["device_bytes"]
+        <= peak["device_bytes_upper"]
+    )
+    assert sum(body["components"].values()) == body["estimated"]["allocated_bytes"]
+    assert set(body["components"]) == {c.value for c in Component}
+    assert peak["step"] in (1, 2) and peak["phase"] and peak["phase_words"]
+    assert body["calibration"] == {
+        "applied": False,
+        "scope": "none",
+        "factor": None,
+        "upper_multiplier": None,
+        "nodes": 0,
+        "samples": 0,
+    }
+    assert body["assumptions"] and body["estimator_version"]
+    assert body["gpu"] is None
+
+
+def test_answer_matches_the_core(client: TestClient) -> None:
+    arch = default_catalog().resolve("Qwen/Qwen2.5-0.5B").arch
+    expected = estimate(arch, TrainingSpec(batch_size=2, seq_len=512))
+    body = client.post("/v1/estimates", json=SMALL_JOB).json()
+    assert body["model"] == "Qwen/Qwen2.5-0.5B"
+    assert body["peak"]["device_bytes_upper"] == expected.device_bytes_upper
+    assert body["params"] == {
+        "total": expected.params.total,
+        "trainable": expected.params.trainable,
+    }
+
+
+def test_defaults_are_the_cores() -> None:
+    job = JobSpec.model_validate(SMALL_JOB)
+    assert job.to_spec() == TrainingSpec(batch_size=2, seq_len=512)
+
+
+def test_the_issues_full_example(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json=FULL_JOB)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["gpu"]["name"] == "A100-80GB"
+    assert body["gpu"]["fits"] is True
+    assert body["gpu"]["headroom_bytes"] == (
+        body["gpu"]["usable_bytes"] - body["peak"]["device_bytes_upper"]
+    )
+
+
+def test_gpu_by_reported_memory(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json={**SMALL_JOB, "gpu": {"memory_mib": 81559}}).json()
+    assert body["gpu"]["memory_bytes"] == 81559 * 1024**2
+    unlisted = client.post("/v1/estimates", json={**SMALL_JOB, "gpu": {"memory_mib": 30000}})
+    assert unlisted.json()["gpu"]["name"] is None
+
+
+def test_gpu_without_bf16_warns(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json={**SMALL_JOB, "gpu": "Tesla T4"}).json()
+    assert any("bf16" in w for w in body["warnings"])
+
+
+def test_model_as_a_published_config(client: TestClient) -> None:
+    config = dict(default_catalog().resolve("Qwen/Qwen2.5-0.5B").config)
+    by_config = client.post("/v1/estimates", json={**SMALL_JOB, "model": {"hf_config": config}})
+    by_id = client.post("/v1/estimates", json=SMALL_JOB)
+    assert by_config.status_code == 200
+    assert by_config.json()["model"] == "hf_config"
+    assert by_config.json()["peak"] == by_id.json()["peak"]
+
+
+def test_unknown_model_is_404_with_the_closest_ids(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json={**SMALL_JOB, "model": "Qwen/Qwen2.5-7B-Instrct"})
+    body = _problem(response, 404)
+    assert body["type"] == ProblemType.UNKNOWN_MODEL
+    assert body["model"] == "Qwen/Qwen2.5-7B-Instrct"
+    assert "Qwen/Qwen2.5-7B" in body["suggestions"]
+
+
+def test_unknown_gpu_is_404_with_the_closest_names(client: TestClient) -> None:
+    body = _problem(client.post("/v1/estimates", json={**SMALL_JOB, "gpu": "A100-81GB"}), 404)
+    assert body["type"] == ProblemType.UNKNOWN_GPU
+    assert "A100-80GB" in body["suggestions"]
+
+
+def test_out_of_bounds_field_is_422_with_its_path(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json={**SMALL_JOB, "lora": {"r": 0}})
+    body = _problem(response, 422)
+    assert body["type"] == ProblemType.INVALID_REQUEST
+    assert [e["loc"] for e in body["errors"]] == [["body", "lora", "r"]]
+    assert body["errors"][0]["pointer"] == "/lora/r"
+
+
+def test_missing_and_unknown_fields_are_422(client: TestClient) -> None:
+    body = _problem(client.post("/v1/estimates", json={"model": "x", "bogus": 1}), 422)
+    locs = {tuple(e["loc"]) for e in body["errors"]}
+    assert {("body", "batch_size"), ("body", "seq_len"), ("body", "bogus")} <= locs
+
+
+def test_invalid_combination_is_located_by_the_core(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json={**SMALL_JOB, "method": "full", "lora": {"r": 8}})
+    body = _problem(response, 422)
+    assert body["errors"][0]["loc"] == ["body", "lora"]
+    assert body["errors"][0]["type"] == "invalid_spec"
+
+
+def test_target_module_the_model_lacks_is_422(client: TestClient) -> None:
+    job = {**SMALL_JOB, "lora": {"target_modules": ["query_key_value"]}}
+    body = _problem(client.post("/v1/estimates", json=job), 422)
+    assert body["errors"][0]["loc"] == ["body", "lora", "target_modules"]
+
+
+def test_invalid_config_is_422_inside_hf_config(client: TestClient) -> None:
+    job = {**SMALL_JOB, "model": {"hf_config": {"model_type": "llama", "hidden_size": 64}}}
+    body = _problem(client.post("/v1/estimates", json=job), 422)
+    assert body["errors"][0]["loc"][:3] == ["body", "model", "hf_config"]
+
+
+def test_absurd_config_is_refused_before_estimating(client: TestClient) -> None:
+    config = dict(default_catalog().resolve("Qwen/Qwen2.5-0.5B").config)
+    config["num_hidden_layers"] = 10**9
+    job = {**SMALL_JOB, "model": {"hf_config": config}}
+    body = _problem(client.post("/v1/estimates", json=job), 422)
+    assert body["errors"][0]["loc"] == ["body", "model", "hf_config", "num_hidden_layers"]
+
+
+def test_model_needs_an_id_or_a_config(client: TestClient) -> None:
+    for model in ({}, {"id": "Qwen/Qwen2.5-0.5B", "hf_config": {}}, 7):
+        body = _problem(client.post("/v1/estimates", json={**SMALL_JOB, "model": model}), 422)
+        assert body["errors"][0]["loc"][:2] == ["body", "model"]
+
+
+def test_malformed_json_is_422(client: TestClient) -> None:
+    response = client.post(
+        "/v1/estimates", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    body = _problem(response, 422)
+    assert body["errors"][0]["type"] == "json_invalid"
+
+
+def test_body_that_is_not_an_object_is_422(client: TestClient) -> None:
+    for payload in ([1, 2], "text", None, 3.5):
+        _problem(client.post("/v1/estimates", json=payload), 422)

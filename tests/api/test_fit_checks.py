@@ -1,0 +1,155 @@
+"""POST /v1/fit-checks: GPUs by name, driver name or memory; solved limits; suggestions; cost."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from service.api.problems import ProblemType
+from service.catalog.gpus import default_gpu_catalog
+from service.catalog.models import default_catalog
+from service.core.estimator import estimate
+from service.core.fit import usable_bytes
+from service.core.spec import LoraSpec, TrainingSpec
+from tests.api.conftest import SMALL_JOB
+
+BIG_JOB: dict[str, Any] = {
+    "model": "Qwen/Qwen2.5-7B",
+    "batch_size": 4,
+    "seq_len": 2048,
+    "lora": {"r": 16, "target_modules": "all-linear"},
+}
+
+
+def _check(client: TestClient, job: dict[str, Any], gpus: list[Any]) -> dict[str, Any]:
+    response = client.post("/v1/fit-checks", json={"job": job, "gpus": gpus})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def test_gpus_by_catalog_name_driver_name_and_reported_memory(client: TestClient) -> None:
+    body = _check(
+        client,
+        SMALL_JOB,
+        [
+            "A100-80GB",
+            {"name": "NVIDIA A100-SXM4-80GB"},
+            {"memory_mib": 81920},
+            {"memory_mib": 30000},
+        ],
+    )
+    gpus = [r["gpu"] for r in body["results"]]
+    assert [g["name"] for g in gpus] == ["A100-80GB", "A100-80GB", "A100-80GB", None]
+    assert [g["matched_by"] for g in gpus] == ["name", "name", "memory_mib", "memory_mib"]
+    assert gpus[3]["memory_bytes"] == 30000 * 1024**2
+    assert all(r["fits"] for r in body["results"])
+
+
+def test_every_catalog_gpu_answers_exactly(client: TestClient) -> None:
+    gpus = [gpu.name for gpu in default_gpu_catalog().gpus()]
+    body = _check(client, BIG_JOB, gpus)
+    arch = default_catalog().resolve("Qwen/Qwen2.5-7B").arch
+    spec = TrainingSpec(
+        batch_size=4, seq_len=2048, lora=LoraSpec(r=16, target_modules="all-linear")
+    )
+    assert body["job"]["peak"]["device_bytes_upper"] == estimate(arch, spec).device_bytes_upper
+    for result in body["results"]:
+        usable = result["usable_bytes"]
+        assert usable == usable_bytes(result["gpu"]["memory_bytes"])
+        assert result["fits"] == (result["required_bytes"] <= usable)
+        assert result["headroom_bytes"] == usable - result["required_bytes"]
+        assert result["utilisation"] == result["required_bytes"] / usable
+        b, s = result["max_batch_size"], result["max_seq_len"]
+        assert estimate(arch, replace(spec, batch_size=b + 1)).device_bytes_upper > usable
+        if b:
+            assert estimate(arch, replace(spec, batch_size=b)).device_bytes_upper <= usable
+        if s:
+            assert estimate(arch, replace(spec, seq_len=s)).device_bytes_upper <= usable
+        if not result["fits"]:
+            assert result["suggestions"], result["gpu"]["name"]
+        else:
+            assert result["suggestions"] == []
+
+
+def test_suggestions_say_what_to_set(client: TestClient) -> None:
+    body = _check(client, BIG_JOB, ["A100-80GB"])
+    result = body["results"][0]
+    assert not result["fits"]
+    by_change = {tuple(s["changes"]): s for s in result["suggestions"]}
+    checkpointing = by_change[("gradient_checkpointing",)]
+    assert checkpointing["set"] == {"gradient_checkpointing": True}
+    assert checkpointing["fits"] and checkpointing["required_bytes"] < result["required_bytes"]
+    smaller = by_change[("smaller_micro_batch",)]
+    assert smaller["set"]["batch_size"] * smaller["set"]["gradient_accumulation_steps"] == 4
+    fewer = by_change[("fewer_target_modules",)]
+    assert fewer["set"] == {"lora": {"target_modules": ["q_proj", "v_proj"]}}
+    assert result["suggestions"][0]["fits"]
+    # The changed job, sent back, needs what the suggestion said.
+    again = client.post("/v1/estimates", json={**BIG_JOB, **checkpointing["set"]}).json()
+    assert again["peak"]["device_bytes_upper"] == checkpointing["required_bytes"]
+
+
+def test_cheapest_gpu_that_fits(client: TestClient) -> None:
+    gpus = [
+        {"name": "H100-SXM", "price_per_hour": 3.0},
+        {"name": "L4", "price_per_hour": 0.5},  # too small for this job
+        {"name": "A100-80GB", "count": 2, "price_per_hour": 1.0},
+        {"name": "H200", "price_per_hour": 2.5},
+    ]
+    job = {**BIG_JOB, "gradient_checkpointing": True}
+    body = _check(client, job, gpus)
+    assert [r["fits"] for r in body["results"]] == [True, False, True, True]
+    assert body["results"][2]["cost_per_hour"] == 2.0
+    assert body["cheapest"] == {"index": 2, "name": "A100-80GB", "cost_per_hour": 2.0}
+
+
+def test_no_cheapest_without_prices(client: TestClient) -> None:
+    assert _check(client, SMALL_JOB, ["A100-80GB"])["cheapest"] is None
+
+
+def test_count_spans_the_job(client: TestClient) -> None:
+    job = {**SMALL_JOB, "method": "full", "parallel": {"strategy": "zero3"}}
+    body = _check(client, job, [{"name": "L4", "count": 1}, {"name": "L4", "count": 4}])
+    one, four = body["results"]
+    assert (one["count"], four["count"]) == (1, 4)
+    assert four["required_bytes"] < one["required_bytes"]
+
+
+def test_unknown_gpu_is_404(client: TestClient) -> None:
+    response = client.post("/v1/fit-checks", json={"job": SMALL_JOB, "gpus": ["A100-81GB"]})
+    assert response.status_code == 404
+    assert response.json()["type"] == ProblemType.UNKNOWN_GPU
+    assert "A100-80GB" in response.json()["suggestions"]
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    job = {**SMALL_JOB, "model": "nope/nothing"}
+    response = client.post("/v1/fit-checks", json={"job": job, "gpus": ["L4"]})
+    assert response.status_code == 404
+    assert response.json()["type"] == ProblemType.UNKNOWN_MODEL
+
+
+def test_invalid_gpu_entries_are_422_with_their_path(client: TestClient) -> None:
+    cases: list[tuple[Any, list[Any]]] = [
+        ({}, ["body", "gpus", 0]),
+        ({"name": "L4", "memory_mib": 23034}, ["body", "gpus", 0]),
+        ({"memory_mib": 12}, ["body", "gpus", 0, "memory_mib"]),
+        ({"name": "L4", "count": 0}, ["body", "gpus", 0, "count"]),
+        ({"name": "L4", "price_per_hour": -1}, ["body", "gpus", 0, "price_per_hour"]),
+    ]
+    for gpu, loc in cases:
+        response = client.post("/v1/fit-checks", json={"job": SMALL_JOB, "gpus": [gpu]})
+        assert response.status_code == 422, gpu
+        assert response.json()["errors"][0]["loc"] == loc
+
+
+def test_invalid_job_is_located_under_job(client: TestClient) -> None:
+    job = {**SMALL_JOB, "method": "full", "lora": {}}
+    response = client.post("/v1/fit-checks", json={"job": job, "gpus": ["L4"]})
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["loc"] == ["body", "job", "lora"]
+    empty = client.post("/v1/fit-checks", json={"job": SMALL_JOB, "gpus": []})
+    assert empty.json()["errors"][0]["loc"] == ["body", "gpus"]
