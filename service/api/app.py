@@ -23,6 +23,7 @@ from service.api.settings import Settings
 from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
 from service.store.db import create_engine_from_url
+from service.web import mount_web
 
 TITLE = "vramcast"
 DESCRIPTION = (
@@ -64,6 +65,7 @@ def create_app(
     app.state.services = services
     for router in (estimates.router, fit_checks.router, catalog.router, health.router):
         app.include_router(router)
+    mount_web(app)
     problems.install(app)
     # The last added is the outermost: metrics see every answer, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
