@@ -1078,6 +1078,7 @@
       const ids = page.models.map((m) => m.id);
       fromUrl.model = ids.includes(PREFERRED_MODEL) ? PREFERRED_MODEL : ids[0] || "";
     }
+    if (fromUrl.gpus !== null) fromUrl.gpus = fromUrl.gpus.filter((g) => known.has(g.name));
     if (fromUrl.gpus === null) {
       fromUrl.gpus = PREFERRED_GPUS.filter((n) => known.has(n)).map((name) => ({ name, price: "" }));
     }
