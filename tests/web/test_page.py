@@ -1,0 +1,491 @@
+"""End-to-end: the web page in headless Chromium against the real service on loopback.
+
+Every number the page shows is compared with the API's own answer to the same job: the page
+must never estimate anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.web.conftest import REPO_ROOT
+
+GIB = 1024**3
+READY = '#results[data-state="ready"]'
+SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+CATALOG_MODELS = REPO_ROOT / "service" / "catalog" / "models"
+
+
+def gib(value: int) -> str:
+    """The page's GiB text: JS toFixed(2) rounds the exact value half up."""
+    exact = Decimal(abs(value)) / Decimal(GIB)
+    return str(exact.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
+
+
+def gib_text(value: int) -> str:
+    return "< 0.01 GiB" if 0 < value < GIB / 200 else f"{gib(value)} GiB"
+
+
+def signed_gib(value: int) -> str:
+    return f"−{gib(value)}" if value < 0 else f"+{gib(value)}"
+
+
+class Driver:
+    """One browser page of the web app, with the API requests it made."""
+
+    def __init__(self, page: Any, base_url: str) -> None:
+        self.page = page
+        self.base_url = base_url
+        self.posts: list[tuple[str, Any]] = []
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        page.on("request", self._record)
+        page.on("pageerror", lambda error: self.errors.append(str(error)))
+
+    def _record(self, request: Any) -> None:
+        self.requests.append(request.url)
+        if request.method == "POST":
+            self.posts.append((urlsplit(request.url).path, request.post_data_json))
+
+    def open(self, query: str = "") -> None:
+        self.page.goto(f"{self.base_url}/{query}")
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        self.page.wait_for_selector(READY, timeout=20_000)
+
+    def last_post(self, path: str) -> Any:
+        bodies = [body for p, body in self.posts if p == path]
+        assert bodies, f"the page posted nothing to {path}"
+        return bodies[-1]
+
+    def bytes_of(self, selector: str) -> int:
+        return int(self.page.locator(selector).get_attribute("data-bytes"))
+
+    def text(self, selector: str) -> str:
+        return str(self.page.locator(selector).inner_text()).strip()
+
+    def check_gpus(self, wanted: list[str]) -> None:
+        """Leave exactly `wanted` checked, through the filter box and the checkboxes."""
+        checked = self.page.locator("input.gpu-check:checked")
+        for name in checked.evaluate_all("boxes => boxes.map((b) => b.value)"):
+            if name not in wanted:
+                self.page.locator(f'input.gpu-check[value="{name}"]').uncheck()
+        for name in wanted:
+            self.page.fill("#gpu-search", name)
+            self.page.locator(f'input.gpu-check[value="{name}"]').check()
+        self.page.fill("#gpu-search", "")
+
+    def price(self, name: str, value: str) -> None:
+        row = self.page.locator(".gpu-row", has=self.page.locator(f'input[value="{name}"]'))
+        row.locator(".gpu-price").fill(value)
+
+
+@pytest.fixture
+def driver(browser: Any, service_url: str) -> Iterator[Driver]:
+    context = browser.new_context(viewport=DESKTOP)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    found = Driver(page, service_url)
+    try:
+        yield found
+    finally:
+        context.close()
+    assert not found.errors, f"the page raised: {found.errors}"
+    origin = urlsplit(service_url).netloc
+    outside = [u for u in found.requests if urlsplit(u).netloc != origin]
+    assert not outside, f"the page fetched from outside the service: {outside}"
+
+
+def merged(job: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A job with a suggestion's `set` applied (nested objects merged field by field)."""
+    out = dict(job)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def assert_estimate_shown(d: Driver, est: dict[str, Any]) -> None:
+    peak = est["peak"]
+    for dom_id, key in (
+        ("peak-allocated", "allocated_bytes"),
+        ("peak-reserved", "reserved_bytes"),
+        ("peak-device", "device_bytes"),
+        ("peak-safe", "device_bytes_upper"),
+    ):
+        assert d.bytes_of(f"#{dom_id}") == peak[key], dom_id
+        assert d.text(f"#{dom_id}") == gib_text(peak[key]), dom_id
+    assert peak["phase_words"] in d.text("#peak-phase")
+    assert d.page.locator("#peak-phase").get_attribute("data-phase") == peak["phase"]
+    expected = {k: v for k, v in {**est["components"], **est["overheads"]}.items() if v > 0}
+    shown = {
+        item.get_attribute("data-component"): int(item.get_attribute("data-bytes"))
+        for item in d.page.locator("#breakdown-legend li[data-bytes]").all()
+    }
+    assert shown == expected
+    for key, value in expected.items():
+        item = d.page.locator(f'#breakdown-legend li[data-component="{key}"] .legend-value')
+        assert item.inner_text() == gib_text(value)
+    levels = d.page.locator("#breakdown-chart text.level-label").all_text_contents()
+    assert f"Safe bound {gib(peak['device_bytes_upper'])} GiB" in levels
+    calibration = est["calibration"]
+    assert d.text("#calibration-applied") == ("yes" if calibration["applied"] else "no")
+    assert d.text("#calibration-samples") == str(calibration["samples"])
+    assert d.text("#calibration-nodes") == str(calibration["nodes"])
+    assert d.text("#calibration-scope") == calibration["scope"]
+
+
+def assert_fit_shown(d: Driver, fit: dict[str, Any]) -> None:
+    rows = d.page.locator("#fit-table tbody tr")
+    assert rows.count() == len(fit["results"])
+    cheapest = fit["cheapest"]["index"] if fit["cheapest"] else None
+    for i, result in enumerate(fit["results"]):
+        row = rows.nth(i)
+        assert row.get_attribute("data-gpu") == result["gpu"]["name"]
+        assert row.get_attribute("data-fits") == str(result["fits"]).lower()
+        assert row.locator("td.fits").inner_text().endswith("yes" if result["fits"] else "no")
+        usable = row.locator("td.usable")
+        assert int(usable.get_attribute("data-bytes")) == result["usable_bytes"]
+        assert usable.inner_text() == gib(result["usable_bytes"])
+        headroom = row.locator("td.headroom")
+        assert int(headroom.get_attribute("data-bytes")) == result["headroom_bytes"]
+        assert headroom.inner_text() == signed_gib(result["headroom_bytes"])
+        assert row.locator("td.max-batch").inner_text() == str(result["max_batch_size"])
+        assert row.locator("td.max-seq").inner_text() == str(result["max_seq_len"])
+        cost = row.locator("td").last.inner_text()
+        if result["cost_per_hour"] is None:
+            assert cost == "—"
+        else:
+            assert cost.startswith(f"{result['cost_per_hour']:.2f}")
+        assert ("cheapest" in cost) == (i == cheapest)
+    for result in fit["results"]:
+        group = d.page.locator(f'.suggestion-group[data-gpu="{result["gpu"]["name"]}"]')
+        if result["fits"] or not result["suggestions"]:
+            assert group.count() == 0
+            continue
+        items = group.locator("li.suggestion")
+        assert items.count() == len(result["suggestions"])
+        for rank, suggestion in enumerate(result["suggestions"]):
+            item = items.nth(rank)
+            assert int(item.get_attribute("data-bytes")) == suggestion["required_bytes"]
+            assert json.loads(item.get_attribute("data-set")) == suggestion["set"]
+            assert suggestion["description"] in item.inner_text()
+
+
+def assert_curves_shown(d: Driver, api: httpx.Client, job: dict[str, Any]) -> None:
+    """Both curves' points are the batch endpoint's answers, the job's own point marked."""
+    for chart, field in (("#batch-chart", "batch_size"), ("#seq-chart", "seq_len")):
+        rows = d.page.locator(f"{chart} tbody tr").all()
+        xs = [int(r.get_attribute("data-x")) for r in rows]
+        assert job[field] in xs
+        answer = api.post(
+            "/v1/estimates:batch", json={"jobs": [{**job, field: x} for x in xs]}
+        ).json()
+        for row, result in zip(rows, answer["results"], strict=True):
+            peak = result["estimate"]["peak"]
+            assert int(row.get_attribute("data-bytes")) == peak["device_bytes_upper"]
+        own = d.page.locator(f"{chart} tbody tr.own")
+        assert int(own.get_attribute("data-x")) == job[field]
+
+
+def test_a_filled_spec_shows_the_apis_numbers(driver: Driver, api: httpx.Client) -> None:
+    d = driver
+    d.open()
+    d.page.fill("#model-search", "qwen2.5 7b")
+    d.page.select_option("#model", "Qwen/Qwen2.5-7B")
+    d.page.select_option("#method", "qlora")
+    d.page.fill("#lora_r", "16")
+    d.page.fill("#lora_alpha", "32")
+    d.page.fill("#target_modules", "all-linear")
+    d.page.check("#double_quant")
+    d.page.fill("#batch_size", "2")
+    d.page.fill("#seq_len", "4096")
+    d.page.fill("#gradient_accumulation_steps", "8")
+    d.page.select_option("#optim", "paged_adamw_8bit")
+    d.page.check("#gradient_checkpointing")
+    d.page.select_option("#attn_implementation", "flash_attention_2")
+    d.page.select_option("#loss", "fused")
+    d.check_gpus(["T4", "L4", "A100-40GB"])
+    d.price("L4", "0.80")
+    d.price("A100-40GB", "1.21")
+    d.wait_ready()
+
+    job = {
+        "model": "Qwen/Qwen2.5-7B",
+        "method": "qlora",
+        "dtype": "bf16",
+        "optim": "paged_adamw_8bit",
+        "batch_size": 2,
+        "seq_len": 4096,
+        "gradient_accumulation_steps": 8,
+        "gradient_checkpointing": True,
+        "attn_implementation": "flash_attention_2",
+        "loss": "fused",
+        "framework": "hf",
+        "parallel": {"gpus": 1},
+        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "quantization": {
+            "type": "nf4",
+            "double_quant": True,
+            "compute_dtype": None,
+            "prepare_kbit": True,
+        },
+    }
+    assert d.last_post("/v1/estimates") == job
+    catalog_order = [g["name"] for g in api.get("/v1/gpus").json()["gpus"]]
+    prices = {"L4": 0.8, "A100-40GB": 1.21}
+    offers = [
+        {"name": n, "price_per_hour": prices[n]} if n in prices else n
+        for n in sorted(("T4", "L4", "A100-40GB"), key=catalog_order.index)
+    ]
+    assert d.last_post("/v1/fit-checks") == {"job": job, "gpus": offers}
+
+    assert_estimate_shown(d, api.post("/v1/estimates", json=job).json())
+    fit = api.post("/v1/fit-checks", json={"job": job, "gpus": offers}).json()
+    assert fit["cheapest"] is not None
+    assert_fit_shown(d, fit)
+    assert_curves_shown(d, api, job)
+
+
+def test_a_new_batch_redraws_the_chart_and_the_fit_table(driver: Driver, api: httpx.Client) -> None:
+    d = driver
+    d.open("?model=meta-llama%2FLlama-3.1-8B&batch_size=2&gpu=RTX4090&gpu=A100-80GB")
+    job = d.last_post("/v1/estimates")
+    offers = ["RTX4090", "A100-80GB"]
+    assert d.last_post("/v1/fit-checks")["gpus"] == offers
+    before = d.text("#fit-table tbody")
+    marks_before = d.page.locator("#batch-chart circle.own-point").get_attribute("cx")
+
+    d.page.fill("#batch_size", "8")
+    d.wait_ready()
+
+    job = {**job, "batch_size": 8}
+    assert d.last_post("/v1/estimates") == job
+    fit = api.post("/v1/fit-checks", json={"job": job, "gpus": offers}).json()
+    assert d.text("#fit-table tbody") != before
+    assert_fit_shown(d, fit)
+    assert_estimate_shown(d, api.post("/v1/estimates", json=job).json())
+    assert_curves_shown(d, api, job)
+    assert d.page.locator("#batch-chart circle.own-point").get_attribute("cx") != marks_before
+    for result in fit["results"]:
+        best = result["max_batch_size"]
+        mark = d.page.locator(f'#batch-chart circle.fit-mark[data-gpu="{result["gpu"]["name"]}"]')
+        if best > 0:
+            assert mark.get_attribute("data-x") == str(best)
+        key = d.page.locator(f'#batch-chart li.gpu-key[data-gpu="{result["gpu"]["name"]}"]')
+        assert key.get_attribute("data-max") == str(best)
+
+
+def test_a_suggested_change_applies_in_one_click(driver: Driver, api: httpx.Client) -> None:
+    d = driver
+    d.open("?model=meta-llama%2FLlama-3.1-8B&batch_size=4&gpu=RTX4090")
+    job = d.last_post("/v1/estimates")
+    fit = api.post("/v1/fit-checks", json={"job": job, "gpus": ["RTX4090"]}).json()
+    result = fit["results"][0]
+    assert not result["fits"] and result["suggestions"]
+    first = result["suggestions"][0]
+
+    d.page.click('.suggestion-group[data-gpu="RTX4090"] li.suggestion[data-rank="0"] button')
+    d.wait_ready()
+
+    changed = merged(job, first["set"])
+    assert d.last_post("/v1/estimates") == changed
+    assert d.bytes_of("#peak-safe") == first["required_bytes"]
+    row = d.page.locator('#fit-table tbody tr[data-gpu="RTX4090"]')
+    assert row.get_attribute("data-fits") == str(first["fits"]).lower()
+    for key, value in first["set"].items():
+        if isinstance(value, bool):
+            assert d.page.is_checked(f"#{key}") is value
+        elif isinstance(value, str | int):
+            assert d.page.input_value(f"#{key}") == str(value)
+    query = urlsplit(d.page.url).query
+    for key in first["set"]:
+        if key not in ("lora", "quantization", "parallel"):
+            assert f"{key}=" in query
+
+
+def test_a_shared_link_opens_the_same_estimate(
+    driver: Driver, browser: Any, service_url: str
+) -> None:
+    d = driver
+    d.open()
+    d.page.fill("#model-search", "mistral")
+    d.page.select_option("#model", "mistralai/Mistral-7B-v0.3")
+    d.page.select_option("#method", "full")
+    d.page.fill("#batch_size", "1")
+    d.page.fill("#seq_len", "1024")
+    d.page.select_option("#optim", "adamw_bnb_8bit")
+    d.page.check("#gradient_checkpointing")
+    d.check_gpus(["H100-SXM", "L40S"])
+    d.price("H100-SXM", "2.49")
+    d.wait_ready()
+    link = d.page.input_value("#share-link")
+    assert link == d.page.url
+    fields = [
+        "#method",
+        "#batch_size",
+        "#seq_len",
+        "#optim",
+        "#loss",
+        "#attn_implementation",
+        "#gpu_count",
+    ]
+    values = {f: d.page.input_value(f) for f in fields}
+    shown = {s: d.text(s) for s in ("#summary", "#fit-table tbody", "#suggestions")}
+
+    context = browser.new_context(viewport=DESKTOP)
+    try:
+        other = Driver(context.new_page(), service_url)
+        other.page.goto(link)
+        other.wait_ready()
+        assert other.last_post("/v1/estimates") == d.last_post("/v1/estimates")
+        assert other.last_post("/v1/fit-checks") == d.last_post("/v1/fit-checks")
+        assert {f: other.page.input_value(f) for f in fields} == values
+        assert other.page.input_value("#model") == "mistralai/Mistral-7B-v0.3"
+        assert other.page.is_checked("#gradient_checkpointing")
+        assert other.page.input_value('.gpu-row:has(input[value="H100-SXM"]) .gpu-price') == "2.49"
+        assert {s: other.text(s) for s in shown} == shown
+        assert not other.errors
+    finally:
+        context.close()
+
+
+def test_a_pasted_config_and_invalid_input(driver: Driver, api: httpx.Client) -> None:
+    d = driver
+    d.open("?gpu=")
+    config = json.loads((CATALOG_MODELS / "Qwen--Qwen2.5-0.5B.json").read_text())["config"]
+    d.page.check('input[name="model_source"][value="config"]')
+    d.page.fill("#config", json.dumps(config, indent=2))
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["model"] == {"hf_config": config}
+    assert_estimate_shown(d, api.post("/v1/estimates", json=job).json())
+    assert d.page.locator("#fit-section").is_hidden()
+
+    d.page.fill("#config", "{ not json")
+    d.page.wait_for_selector('#results[data-state="error"]')
+    assert "not valid JSON" in d.text("#error")
+    assert d.page.get_attribute("#config", "aria-invalid") == "true"
+
+    d.page.fill("#config", json.dumps(config))
+    d.wait_ready()
+    assert d.page.locator("#error").is_hidden()
+    d.page.fill("#batch_size", "0")
+    d.page.wait_for_selector('#results[data-state="error"]')
+    problem = api.post("/v1/estimates", json={**job, "batch_size": 0}).json()
+    assert problem["title"] in d.text("#error")
+    assert d.page.get_attribute("#batch_size", "aria-invalid") == "true"
+
+
+CONTRAST_CHECK = """() => {
+  const parse = (c) => {
+    const p = c.match(/[\\d.]+/g).map(Number);
+    return { r: p[0], g: p[1], b: p[2], a: p.length > 3 ? p[3] : 1 };
+  };
+  const lum = ({ r, g, b }) => {
+    const f = (v) => ((v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4);
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const background = (node) => {
+    for (let n = node; n; n = n.parentElement) {
+      const c = parse(getComputedStyle(n).backgroundColor);
+      if (c.a > 0) return c;
+    }
+    return { r: 255, g: 255, b: 255, a: 1 };
+  };
+  const failures = [];
+  const seen = new Set();
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  while (walker.nextNode()) {
+    const node = walker.currentNode.parentElement;
+    if (!walker.currentNode.textContent.trim() || seen.has(node)) continue;
+    seen.add(node);
+    const box = node.getBoundingClientRect();
+    const style = getComputedStyle(node);
+    if (!box.width || !box.height || style.visibility === "hidden") continue;
+    const fg = lum(parse(node.closest("svg") ? style.fill : style.color));
+    const bg = lum(background(node.closest("svg") || node));
+    const ratio = (Math.max(fg, bg) + 0.05) / (Math.min(fg, bg) + 0.05);
+    const size = parseFloat(style.fontSize);
+    const large = size >= 24 || (Number(style.fontWeight) >= 700 && size >= 18.66);
+    if (ratio < (large ? 3 : 4.5)) {
+      failures.push(`${node.textContent.trim().slice(0, 40)}: ${ratio.toFixed(2)}`);
+    }
+  }
+  return failures;
+}"""
+
+UNLABELLED = """() => [...document.querySelectorAll("input, select, textarea, button")]
+  .filter((c) => c.type !== "hidden")
+  .filter((c) => !((c.labels && [...c.labels].some((l) => l.textContent.trim()))
+                   || (c.getAttribute("aria-label") || "").trim()
+                   || (c.tagName === "BUTTON" && c.textContent.trim())))
+  .map((c) => c.id || c.outerHTML.slice(0, 80))"""
+
+
+def test_labels_keyboard_and_contrast(driver: Driver) -> None:
+    d = driver
+    d.open("?model=meta-llama%2FLlama-3.1-8B&gpu=RTX4090")
+    assert d.page.evaluate(UNLABELLED) == []
+    assert d.page.evaluate(CONTRAST_CHECK) == []
+
+    d.page.focus("#model-search")
+    d.page.keyboard.type("phi")
+    d.page.keyboard.press("Tab")
+    assert d.page.evaluate("document.activeElement.id") == "model"
+    d.page.keyboard.press("ArrowDown")
+    d.wait_ready()
+    assert d.last_post("/v1/estimates")["model"].startswith("microsoft/")
+
+    d.page.focus("#gradient_checkpointing")
+    d.page.keyboard.press("Space")
+    d.wait_ready()
+    assert d.last_post("/v1/estimates")["gradient_checkpointing"] is True
+
+    d.page.focus("#batch_size")
+    d.page.keyboard.press("Control+A")
+    d.page.keyboard.type("64")
+    d.wait_ready()
+    before = d.last_post("/v1/estimates")
+    assert before["batch_size"] == 64
+    apply = d.page.locator("li.suggestion button.apply").first
+    changes = json.loads(d.page.locator("li.suggestion").first.get_attribute("data-set") or "{}")
+    apply.focus()
+    d.page.keyboard.press("Enter")
+    d.wait_ready()
+    assert d.last_post("/v1/estimates") == merged(before, changes)
+
+
+@pytest.mark.parametrize(("name", "viewport"), [("desktop", DESKTOP), ("phone", PHONE)])
+def test_screenshots(driver: Driver, name: str, viewport: dict[str, int]) -> None:
+    d = driver
+    d.page.set_viewport_size(viewport)
+    d.open(
+        "?model=meta-llama%2FLlama-3.1-8B&batch_size=2"
+        "&gpu=RTX4090%400.69&gpu=A100-80GB%401.64&gpu=H100-SXM%402.49"
+    )
+    width = d.page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert width[0] <= width[1], f"the page scrolls sideways at {viewport['width']} px"
+    assert d.page.locator("#fit-table tbody tr.cheapest").count() == 1
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    # The link shows the default port, so the pictures do not change with the test's port.
+    d.page.evaluate(
+        "() => { const link = document.getElementById('share-link');"
+        " link.value = link.value.replace(location.host, '127.0.0.1:8000'); }"
+    )
+    path: Path = SCREENSHOTS / f"web-{name}.png"
+    d.page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 10_000
