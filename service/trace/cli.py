@@ -115,16 +115,25 @@ def run_matrix(out: Path | None, *, only: str | None = None) -> int:
         print("vramcast trace: error: two matrix cases share a name", file=sys.stderr)
         return EXIT_FAILED
     started = time.perf_counter()
+    failed = []
     for index, case in enumerate(cases, 1):
         entry = catalog.resolve(case.model_id)
         began = time.perf_counter()
-        result = trace(case.spec, entry.config, entry.id)
+        try:
+            result = trace(case.spec, entry.config, entry.id)
+        except Exception as exc:  # report every failing case, then fail the run
+            failed.append(case.name)
+            print(f"[{index}/{len(cases)}] FAILED {case.name}: {exc!r}", flush=True)
+            continue
         path = write_reference(result_to_json(case.name, result), directory)
         print(
             f"[{index}/{len(cases)}] {result.peak.allocated_bytes / GIB:8.2f} GiB "
             f"{time.perf_counter() - began:5.1f}s  {path.name}",
             flush=True,
         )
+    if failed:
+        print(f"{len(failed)} of {len(cases)} cases failed", file=sys.stderr)
+        return EXIT_FAILED
     if only is None:
         for stale in sorted(directory.glob("*.json")):
             if stale.stem not in names:

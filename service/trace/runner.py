@@ -232,7 +232,9 @@ def trace(
 
     resolved = resolve(spec)
     notes = [*resolved.assumptions, *check_traceable(resolved)]
-    built = build_meta_model(resolved, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the libraries' deprecation notices
+        built = build_meta_model(resolved, config)
     model = built.model
     if resolved.loss is LossImpl.PLAIN:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

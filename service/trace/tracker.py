@@ -114,6 +114,7 @@ class StorageTracker(TorchDispatchMode):
         self._marks: list[PhaseSnapshot] = []
         self._host_outputs: dict[str, tuple[int, ...]] = {}
         self._rewrites: dict[str, Callable[..., Any]] = {}
+        self._rewriting: set[str] = set()
 
     # -- the dispatch hook -------------------------------------------------------------------
 
@@ -126,9 +127,13 @@ class StorageTracker(TorchDispatchMode):
     ) -> Any:
         name = str(func)
         rewrite = self._rewrites.get(name)
-        if rewrite is not None:
-            with self:  # the rewrite's own ops are dispatched (and counted) one by one
-                replaced = rewrite(*args, **(kwargs or {}))
+        if rewrite is not None and name not in self._rewriting:
+            self._rewriting.add(name)  # the rewrite may call the op it replaces
+            try:
+                with self:  # the rewrite's own ops are dispatched (and counted) one by one
+                    replaced = rewrite(*args, **(kwargs or {}))
+            finally:
+                self._rewriting.discard(name)
             if replaced is not None:
                 return replaced
         out = func(*args, **(kwargs or {}))
