@@ -328,6 +328,11 @@ def _optimizer_state(p: _Params, optim: Optim) -> tuple[int, int, int]:
     if optim in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
         # exp_avg and exp_avg_sq take the parameter's dtype (torch/optim/adamw.py _init_group).
         state = 2 * p.trainable
+        if optim is Optim.ADAMW_TORCH_FUSED:
+            # fused AdamW keeps each parameter's `step` as an fp32 scalar on the device
+            # (torch/optim/adamw.py _init_group: device=p.device if capturable or fused);
+            # foreach keeps it on the host.
+            state += sum(t.count for t in p.tensors) * _blk(FP32_BYTES)
         # foreach AdamW's torch._foreach_sqrt(exp_avg_sqs) allocates one state-sized copy
         # (torch/optim/adamw.py _multi_tensor_adamw); fused and for-loop do not.
         temps = p.trainable if optim is Optim.ADAMW_TORCH else 0
@@ -782,6 +787,9 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     checkpoint = _blk(tokens * h * f.residual)
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
+    # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
+    final_norm += 2 * _blk(s * arch.head_dim * f.residual)
     if spec.method is Method.FULL:
         final_norm += _blk(tokens * h * f.residual)  # lm_head's input, for its weight grad
     loss = _loss_bytes(arch, rs, b, s)
