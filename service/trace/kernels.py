@@ -2,8 +2,9 @@
 
 The fake device is `cpu` (CPU builds of torch cannot make `cuda` fake tensors), so where PyTorch
 or bitsandbytes choose a kernel by device, this module makes the CUDA choice explicitly:
-SDPA runs the flash / mem-efficient / math op that `torch.backends.cuda` would pick, and
-bitsandbytes' 4-bit matmul takes its CUDA dequantize + F.linear path for training-sized inputs.
+SDPA runs the flash / mem-efficient / math op that `torch.backends.cuda` would pick, dropout
+saves a one-byte mask as CUDA's `native_dropout` does, and bitsandbytes' 4-bit matmul takes its
+CUDA dequantize + F.linear path for training-sized inputs.
 """
 
 from __future__ import annotations
@@ -236,6 +237,24 @@ def patched(target: Any, name: str, value: Any) -> Iterator[None]:
         setattr(target, name, before)
 
 
+def make_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`F.dropout` taking the CUDA branch of aten's `dropout`: `native_dropout`, bool mask.
+
+    On CPU tensors aten multiplies by a noise tensor of the input's dtype and saves it; on CUDA
+    (`is_fused_kernel_acceptable`, aten/src/ATen/native/Dropout.cpp) it runs `native_dropout`,
+    which saves a one-byte mask. In-place dropout takes the noise path on both.
+    """
+
+    def dropout(
+        input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor:
+        if inplace or not training or not 0.0 < p < 1.0 or input.numel() == 0:
+            return original(input, p, training, inplace)
+        return torch.ops.aten.native_dropout.default(input, p, True)[0]
+
+    return dropout
+
+
 def unpacked_batch(position_ids: torch.Tensor) -> None:
     """transformers' packed-sequence detection, answered as a real run of unpacked rows answers.
 
@@ -247,12 +266,13 @@ def unpacked_batch(position_ids: torch.Tensor) -> None:
 
 @contextmanager
 def gpu_kernels(requested: SdpaKernel, *, cpu_flash: bool = False) -> Iterator[None]:
-    """Route SDPA through the CUDA backend choice, and see each row as one sequence."""
+    """Route SDPA and dropout through their CUDA choices; see each row as one sequence."""
     from transformers import masking_utils
 
     with ExitStack() as stack:
         stack.enter_context(
             patched(F, "scaled_dot_product_attention", make_sdpa(requested, cpu_flash=cpu_flash))
         )
+        stack.enter_context(patched(F, "dropout", make_dropout(F.dropout)))
         stack.enter_context(patched(masking_utils, "find_packed_sequence_indices", unpacked_batch))
         yield

@@ -129,6 +129,7 @@ def result_to_json(name: str, result: TraceResult) -> dict[str, Any]:
             "phase": result.peak_phase.value,
             **_snapshot_json(result.peak),
         },
+        "steps": [_phase_json(p) for p in result.steps],
         "phases": [_phase_json(p) for p in result.phases],
         "params": {"total": result.params_total, "trainable": result.params_trainable},
         "assumptions": list(result.assumptions),

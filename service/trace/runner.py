@@ -58,6 +58,7 @@ class TraceResult:
     peak_step: int
     peak_phase: Phase
     phases: tuple[PhaseSnapshot, ...]
+    steps: tuple[PhaseSnapshot, ...]  # each step's peak, in the phase where it happened
     params_total: int
     params_trainable: int
     assumptions: tuple[str, ...]
@@ -277,6 +278,7 @@ def trace(
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
             phases = tuple(_phase_table(tracker))
+            steps = tuple(_step_peaks(tracker))
             peak = tracker.peak()
             del optimizer, model, built
         tracker.close()
@@ -290,6 +292,7 @@ def trace(
         peak_step=step,
         peak_phase=phase,
         phases=phases,
+        steps=steps,
         params_total=params_total,
         params_trainable=params_trainable,
         assumptions=tuple(notes),
@@ -340,6 +343,14 @@ def _run_steps(
         tracker.host_scalar_ops = False
         optimizer.zero_grad(set_to_none=True)
         tracker.end_phase()
+
+
+def _step_peaks(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:
+    """The highest phase window of each step (the first, where two are equal)."""
+    windows = tracker.phase_peaks()
+    for step in range(1, STEPS + 1):
+        mine = [w for w in windows if w.step == step]
+        yield max(mine, key=lambda w: w.snapshot.allocated_bytes)
 
 
 def _phase_table(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:

@@ -63,7 +63,8 @@ _LORA = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear")
 
 
 def validation_cases() -> list[tuple[str, TrainingSpec]]:
-    """Every architecture with LoRA with and without checkpointing, full FT and QLoRA."""
+    """Every architecture with LoRA with and without checkpointing and full FT; LoRA dropout;
+    QLoRA."""
     from service.core.spec import AttnImpl
 
     cases: list[tuple[str, TrainingSpec]] = []
@@ -95,6 +96,17 @@ def validation_cases() -> list[tuple[str, TrainingSpec]]:
                 ),
             )
         )
+    cases.append(
+        (
+            "tiny-llama",
+            TrainingSpec(
+                method=Method.LORA,
+                batch_size=BATCH,
+                seq_len=SEQ,
+                lora=LoraSpec(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.1),
+            ),
+        )
+    )
     for model in ("tiny-qwen2", "tiny-llama"):
         cases.append(
             (
