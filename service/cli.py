@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,9 +231,6 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-Command = Callable[[argparse.Namespace], int]
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vramcast", description="Peak GPU memory of fine-tuning jobs."
@@ -243,27 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_options(est)
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.set_defaults(handler=_cmd_estimate)
-    for register in _extensions():
+    # Subcommands live beside their component; none imports a heavy dependency until it runs.
+    from service.api.cli import register as register_api
+    from service.store.cli import register as register_store
+    from service.trace.cli import register as register_trace
+
+    for register in (register_api, register_store, register_trace):
         register(sub)
     return parser
-
-
-def _extensions() -> list[Callable[[Any], None]]:
-    """Subcommands that live beside their component (store, trace, api)."""
-    found: list[Callable[[Any], None]] = []
-    for module, attr in (
-        ("service.api.cli", "register"),
-        ("service.store.cli", "register"),
-        ("service.trace.cli", "register"),
-    ):
-        try:
-            mod = __import__(module, fromlist=[attr])
-        except ImportError:
-            continue
-        register = getattr(mod, attr, None)
-        if register is not None:
-            found.append(register)
-    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,6 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"vramcast {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`vramcast estimate ... | head`): not an error of ours.
+        sys.stderr.close()
+        return EXIT_OK
     return code
 
 
