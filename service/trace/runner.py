@@ -274,7 +274,7 @@ def trace(
             optimizer.state = _LabelledState(tracker)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            _run_steps(model, optimizer, tracker, steering, spec, config)
+            _run_steps(model, optimizer, tracker, steering, spec)
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
             phases = tuple(_phase_table(tracker))
@@ -315,13 +315,11 @@ def _run_steps(
     tracker: StorageTracker,
     steering: _Steering,
     spec: TrainingSpec,
-    config: Mapping[str, Any],
 ) -> None:
     host_scalars = spec.optim is not Optim.ADAMW_TORCH_FUSED
     with tracker.labelling(Component.INPUTS):
         input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
         labels = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
-    del config
     for step in range(1, STEPS + 1):
         steering.step = step
         tracker.begin_phase(step, Phase.FORWARD_END)

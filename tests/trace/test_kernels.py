@@ -1,0 +1,97 @@
+"""The GPU kernel choices the tracer forces on its CPU-device fake tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from service.core.spec import SdpaKernel  # noqa: E402
+from service.trace import kernels  # noqa: E402
+from service.trace.tracker import StorageTracker  # noqa: E402
+
+pytestmark = pytest.mark.trace
+
+AUTO = SdpaKernel.AUTO
+
+
+@pytest.mark.parametrize(
+    ("requested", "dtype", "head_dim", "mask", "chosen"),
+    [
+        (AUTO, torch.bfloat16, 128, False, SdpaKernel.FLASH),
+        (AUTO, torch.float16, 256, False, SdpaKernel.FLASH),
+        (AUTO, torch.float32, 128, False, SdpaKernel.EFFICIENT),  # kbit prep's fp32 stream
+        (AUTO, torch.bfloat16, 128, True, SdpaKernel.EFFICIENT),  # a sliding-window mask
+        (AUTO, torch.bfloat16, 512, False, SdpaKernel.EFFICIENT),
+        (SdpaKernel.EFFICIENT, torch.bfloat16, 128, False, SdpaKernel.EFFICIENT),
+        (SdpaKernel.MATH, torch.bfloat16, 128, False, SdpaKernel.MATH),
+    ],
+)
+def test_sdpa_backend_choice_follows_cuda(
+    requested: SdpaKernel, dtype: torch.dtype, head_dim: int, mask: bool, chosen: SdpaKernel
+) -> None:
+    got = kernels.choose_sdpa_kernel(
+        requested, dtype=dtype, head_dim=head_dim, has_mask=mask, dropout_p=0.0
+    )
+    assert got is chosen
+
+
+def test_flash_cannot_be_forced_where_cuda_has_no_flash_kernel() -> None:
+    with pytest.raises(ValueError, match="flash"):
+        kernels.choose_sdpa_kernel(
+            SdpaKernel.FLASH, dtype=torch.float32, head_dim=64, has_mask=False, dropout_p=0.0
+        )
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "dequantizes"),
+    [
+        (8192, 3584, 3584, True),  # b4 s2048: above every threshold
+        (2048, 512, 896, True),  # small weight, but above 1536 rows
+        (1024, 3584, 18944, True),  # large weight above 512 rows
+        (512, 3584, 18944, False),  # b1 s512: the fused kernel
+        (1024, 128, 896, False),  # small weight under 1536 rows
+        (4, 3584, 3584, False),
+    ],
+)
+def test_4bit_matmul_takes_the_dequantize_path_for_training_sized_inputs(
+    rows: int, out_features: int, in_features: int, dequantizes: bool
+) -> None:
+    assert kernels._use_dequant_fallback(rows, out_features, in_features) is dequantizes
+
+
+def test_flash_attention_saves_q_k_v_output_and_fp32_logsumexp_and_nothing_on_the_host() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b, heads, kv_heads, s, d = 2, 8, 2, 256, 64
+    with FakeTensorMode():
+        q = torch.empty(b, heads, s, d, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(b, kv_heads, s, d, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(b, kv_heads, s, d, dtype=torch.bfloat16, requires_grad=True)
+        tracker = StorageTracker()
+        tracker.mark_host_outputs(kernels.FLASH_OP, kernels.FLASH_HOST_OUTPUTS)
+        with tracker:
+            sdpa = kernels.make_sdpa(SdpaKernel.AUTO)
+            out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+            # The output and the log-sum-exp: key/value heads are not expanded.
+            assert tracker.total == b * heads * s * d * 2 + b * heads * s * 4
+            out.sum().backward()
+            assert q.grad is not None and k.grad is not None
+            assert k.grad.shape == k.shape
+        tracker.close()
+
+
+def test_dropout_saves_a_one_byte_mask_as_on_cuda() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dropout = kernels.make_dropout(torch.nn.functional.dropout)
+    with FakeTensorMode():
+        x = torch.empty(1024, 64, requires_grad=True)  # 256 KiB of fp32
+        tracker = StorageTracker()
+        with tracker:
+            y = dropout(x, 0.1, True)
+            assert tracker.total == 1024 * 64 * 4 + 1024 * 64  # the output and a bool mask
+            assert dropout(x, 0.0, True) is x
+            assert dropout(x, 0.1, False) is x
+        tracker.close()
+        del y
