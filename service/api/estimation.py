@@ -6,9 +6,10 @@ so a batch can turn each into its own entry and the routes stay thin.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 from service.api.calibration import CalibratedPeaks, FactorProvider
 from service.api.metrics import CUSTOM_MODEL, Metrics
@@ -40,9 +41,9 @@ from service.api.schemas import (
     RejectedJob,
 )
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
-from service.catalog.models import ModelCatalog
+from service.catalog.models import CatalogEntry, ModelCatalog
 from service.core.architecture import ModelArch, from_hf_config
-from service.core.errors import EstimatorError, InvalidSpecError
+from service.core.errors import EstimatorError, InvalidSpecError, UnknownModelError
 from service.core.estimator import default_target_modules, estimate
 from service.core.fit import GpuOffer, Requirement, check_fit, usable_bytes
 from service.core.result import Estimate
@@ -57,6 +58,10 @@ MAX_CONFIG_EXPERTS = 1024
 MAX_CONFIG_LAYER_EXPERTS = 65_536  # layers x experts
 MAX_CONFIG_WIDTH = 1 << 20  # hidden_size, intermediate_size, heads x head_dim
 MAX_CONFIG_VOCAB = 1 << 24
+
+
+T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,10 @@ class Estimation:
     gpus: GpuCatalog
     factors: FactorProvider
     metrics: Metrics
+    # Lookups by name within one request (a batch repeats its models and GPUs; an unknown
+    # name costs a search for the closest ones), outcomes and errors alike.
+    _entries: dict[str, CatalogEntry | UnknownModelError] = field(default_factory=dict)
+    _named_gpus: dict[str, Gpu | UnknownGpuError] = field(default_factory=dict)
 
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         with _located(loc_prefix):
@@ -169,7 +178,7 @@ class Estimation:
 
     def _model(self, ref: ModelRef, loc_prefix: Loc) -> tuple[str, ModelArch]:
         if ref.id is not None:
-            entry = self.models.resolve(ref.id)
+            entry = _remembered(self._entries, ref.id, self.models.resolve, UnknownModelError)
             return entry.id, entry.arch
         arch = from_hf_config(ref.hf_config or {})
         _check_config_limits(arch, (*loc_prefix, "model", "hf_config"))
@@ -177,7 +186,8 @@ class Estimation:
 
     def _gpu(self, ref: GpuRef) -> GpuOut:
         if ref.name is not None:
-            return _gpu_out(ref.name, self.gpus.resolve(ref.name), "name")
+            gpu = _remembered(self._named_gpus, ref.name, self.gpus.resolve, UnknownGpuError)
+            return _gpu_out(ref.name, gpu, "name")
         memory_mib = ref.memory_mib or 0
         found = self.gpus.by_memory_mib(memory_mib)
         if found is not None:
@@ -195,6 +205,19 @@ class Estimation:
 
     def _peaks(self, est: Estimate, job: _Job, gpu: str | None) -> CalibratedPeaks:
         return self.factors.peaks(est, model=job.model, method=job.spec.method.value, gpu=gpu)
+
+
+def _remembered(memo: dict[str, T | E], key: str, lookup: Callable[[str], T], error: type[E]) -> T:
+    """`lookup(key)`, or its error, computed once per request."""
+    if key not in memo:
+        try:
+            memo[key] = lookup(key)
+        except error as exc:
+            memo[key] = exc
+    found = memo[key]
+    if isinstance(found, error):
+        raise found
+    return cast(T, found)  # not an error: the lookup's result
 
 
 def _gpu_out(requested: str, gpu: Gpu, matched_by: str) -> GpuOut:

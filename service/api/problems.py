@@ -19,12 +19,21 @@ import logging
 from collections.abc import Sequence
 from enum import StrEnum
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.catalog.gpus import UnknownGpuError
@@ -37,6 +46,17 @@ from service.core.errors import (
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 _TYPE_PREFIX = "tag:vramcast.dev,2025:problem:"
+
+# Sizes of what a problem echoes back; requests can carry anything up to the body limit.
+MAX_ERRORS = 100
+MAX_LOC_DEPTH = 32
+MAX_LOC_PART = 128
+MAX_POINTER = 4096
+MAX_FIELD_DETAIL = 1024
+MAX_KIND = 128
+MAX_DETAIL = 2048
+MAX_NAME = 256
+MAX_INSTANCE = 2048
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +80,14 @@ class FieldError(BaseModel):
 
     loc: list[str | int] = Field(
         description="Path of the field: 'body' or 'path' first, then keys and list indexes.",
-        max_length=64,
+        max_length=MAX_LOC_DEPTH,
     )
     pointer: str = Field(
         description="The same path as a JSON Pointer into the body (RFC 6901), '' for the root.",
-        max_length=4096,
+        max_length=MAX_POINTER,
     )
-    detail: str = Field(description="Why the value is invalid.", max_length=4096)
-    type: str = Field(description="Machine-readable error kind.", max_length=128)
+    detail: str = Field(description="Why the value is invalid.", max_length=MAX_FIELD_DETAIL)
+    type: str = Field(description="Machine-readable error kind.", max_length=MAX_KIND)
 
 
 class Problem(BaseModel):
@@ -78,18 +98,22 @@ class Problem(BaseModel):
     type: str = Field(description="URI identifying the problem type.", max_length=256)
     title: str = Field(description="Short summary of the problem type.", max_length=256)
     status: int = Field(description="The HTTP status code.", ge=400, le=599)
-    detail: str = Field(description="This occurrence, in words.", max_length=8192)
+    detail: str = Field(description="This occurrence, in words.", max_length=MAX_DETAIL)
     instance: str | None = Field(
-        default=None, description="The request path this problem occurred at.", max_length=2048
+        default=None,
+        description="The request path this problem occurred at.",
+        max_length=MAX_INSTANCE,
     )
     errors: list[FieldError] | None = Field(
-        default=None, description="invalid-request: each invalid field.", max_length=1000
+        default=None,
+        description="invalid-request: each invalid field (the first 100).",
+        max_length=MAX_ERRORS,
     )
     model: str | None = Field(
-        default=None, description="unknown-model: the id that was asked for.", max_length=512
+        default=None, description="unknown-model: the id that was asked for.", max_length=MAX_NAME
     )
     gpu: str | None = Field(
-        default=None, description="unknown-gpu: the name that was asked for.", max_length=512
+        default=None, description="unknown-gpu: the name that was asked for.", max_length=MAX_NAME
     )
     suggestions: list[str] | None = Field(
         default=None,
@@ -99,6 +123,20 @@ class Problem(BaseModel):
     max_body_bytes: int | None = Field(
         default=None, description="body-too-large: the limit in bytes.", ge=0
     )
+
+    @model_serializer(mode="wrap")
+    def _without_absent_members(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Extension members a problem type does not use are left out, not sent as null.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # The serializer above only drops absent members: document the fields themselves.
+        if handler.mode == "serialization":
+            schema = cast(CoreSchema, {k: v for k, v in schema.items() if k != "serialization"})
+        return handler(schema)
 
 
 class ProblemError(Exception):
@@ -115,8 +153,19 @@ def _pointer(loc: Sequence[str | int]) -> str:
     return "".join("/" + part for part in escaped)
 
 
+def _clip(text: str, limit: int) -> str:
+    """Text cut to `limit` characters: a problem echoes input, and input can be anything."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def field_error(loc: Sequence[str | int], detail: str, kind: str) -> FieldError:
-    return FieldError(loc=list(loc), pointer=_pointer(loc), detail=detail, type=kind)
+    kept = [p if isinstance(p, int) else _clip(p, MAX_LOC_PART) for p in loc[:MAX_LOC_DEPTH]]
+    return FieldError(
+        loc=kept,
+        pointer=_clip(_pointer(kept), MAX_POINTER),
+        detail=_clip(detail, MAX_FIELD_DETAIL),
+        type=_clip(kind, MAX_KIND),
+    )
 
 
 def invalid_request(errors: Sequence[FieldError]) -> Problem:
@@ -126,8 +175,8 @@ def invalid_request(errors: Sequence[FieldError]) -> Problem:
         type=ProblemType.INVALID_REQUEST,
         title="The request is invalid",
         status=HTTPStatus.UNPROCESSABLE_ENTITY,
-        detail=f"invalid input at {where}{more}" if errors else "invalid input",
-        errors=list(errors),
+        detail=_clip(f"invalid input at {where}{more}" if errors else "invalid input", MAX_DETAIL),
+        errors=list(errors[:MAX_ERRORS]),
     )
 
 
@@ -152,6 +201,9 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
             return exc.problem
         case RequestValidationError():
             return invalid_request(_validation_errors(exc.errors()))
+        case StarletteHTTPException(status_code=HTTPStatus.BAD_REQUEST):
+            # FastAPI's only 400: a body it cannot decode (not UTF-8), which is invalid input.
+            return invalid_field(("body",), "the body is not valid UTF-8 JSON", "json_invalid")
         case StarletteHTTPException():
             return http_problem(
                 exc.status_code, exc.detail if isinstance(exc.detail, str) else None
@@ -161,8 +213,8 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
                 type=ProblemType.UNKNOWN_MODEL,
                 title="Unknown model",
                 status=HTTPStatus.NOT_FOUND,
-                detail=str(exc),
-                model=exc.model_id,
+                detail=_clip(str(exc), MAX_DETAIL),
+                model=_clip(exc.model_id, MAX_NAME),
                 suggestions=list(exc.suggestions),
             )
         case UnknownGpuError():
@@ -170,8 +222,8 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
                 type=ProblemType.UNKNOWN_GPU,
                 title="Unknown GPU",
                 status=HTTPStatus.NOT_FOUND,
-                detail=str(exc),
-                gpu=exc.name,
+                detail=_clip(str(exc), MAX_DETAIL),
+                gpu=_clip(exc.name, MAX_NAME),
                 suggestions=list(exc.suggestions),
             )
         case InvalidSpecError():
@@ -181,7 +233,7 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
             loc = (*loc_prefix, "model", "hf_config", *exc.field.split("."))
             return invalid_field(loc, exc.reason, "invalid_config")
         case EstimatorError():
-            return invalid_field(loc_prefix, str(exc), "invalid_spec")
+            return invalid_field(loc_prefix, _clip(str(exc), MAX_FIELD_DETAIL), "invalid_spec")
     return internal_error()
 
 
@@ -199,14 +251,19 @@ def http_problem(status: int, detail: str | None = None) -> Problem:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = "Error"
-    return Problem(type=ProblemType.BLANK, title=phrase, status=status, detail=detail or phrase)
+    return Problem(
+        type=ProblemType.BLANK,
+        title=phrase,
+        status=status,
+        detail=_clip(detail or phrase, MAX_DETAIL),
+    )
 
 
 def render(problem: Problem, instance: str | None = None) -> Response:
     """The HTTP response carrying `problem`."""
     if instance is not None and problem.instance is None:
-        problem = problem.model_copy(update={"instance": instance})
-    body = problem.model_dump_json(exclude_none=True).encode()
+        problem = problem.model_copy(update={"instance": _clip(instance, MAX_INSTANCE)})
+    body = problem.model_dump_json().encode()
     return Response(body, status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE)
 
 

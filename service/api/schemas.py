@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
 from enum import Enum
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -83,6 +83,9 @@ GpuName = Annotated[
 ]
 Bytes = Annotated[int, Field(ge=0, description="Bytes.")]
 ModuleList = Annotated[list[ModuleName], Field(min_length=1, max_length=MAX_MODULES)]
+ConfigKey = Annotated[str, StringConstraints(max_length=256)]
+ConfigJson = Annotated[dict[ConfigKey, JsonValue], Field(max_length=MAX_CONFIG_KEYS)]
+MemoryMib = Annotated[int, Field(ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)]
 
 
 class _In(BaseModel):
@@ -178,43 +181,77 @@ def _model_shorthand(value: Any) -> Any:
     return {"id": value} if isinstance(value, str) else value
 
 
-class ModelRef(_In):
-    """The model: a catalog id, or a config.json as published on the Hugging Face Hub."""
+def _exactly_one(*names: str) -> dict[str, JsonValue]:
+    """JSON Schema for "exactly one of these fields" (the model validator enforces it)."""
+    return {"oneOf": [{"required": [name]} for name in names]}
 
-    id: ModelId | None = Field(default=None, description="A catalog model id.")
-    hf_config: dict[str, JsonValue] | None = Field(
-        default=None,
-        max_length=MAX_CONFIG_KEYS,
-        description="A model's config.json, as published (model_type, hidden_size, ...).",
-    )
+
+def _absent_not_null(schema: dict[str, JsonValue]) -> None:
+    """A field that is left out rather than sent as null: no null branch, no null default."""
+    schema.pop("default", None)
+    branches = schema.pop("anyOf", None)
+    if isinstance(branches, list):
+        kept = [b for b in branches if isinstance(b, dict) and b.get("type") != "null"]
+        if len(kept) == 1 and isinstance(kept[0], dict):
+            schema.update(kept[0])
+
+
+class _OneOf(_In):
+    """Exactly one of `_choices` is given; none of them may be null."""
+
+    _choices: ClassVar[tuple[str, str]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = [name for name in cls._choices if name in data and data[name] is None]
+            if nulls:
+                raise ValueError(f"{nulls[0]} must not be null; leave it out instead")
+        return data
 
     @model_validator(mode="after")
     def _one_of(self) -> Self:
-        if (self.id is None) == (self.hf_config is None):
-            raise ValueError("give either a catalog id or hf_config")
+        first, second = self._choices
+        if (getattr(self, first) is None) == (getattr(self, second) is None):
+            raise ValueError(f"give either {first} or {second}")
         return self
+
+
+class ModelRef(_OneOf):
+    """The model: a catalog id, or a config.json as published on the Hugging Face Hub."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one("id", "hf_config"))
+    _choices = ("id", "hf_config")
+
+    id: ModelId | None = Field(
+        default=None, description="A catalog model id.", json_schema_extra=_absent_not_null
+    )
+    hf_config: ConfigJson | None = Field(
+        default=None,
+        description="A model's config.json, as published (model_type, hidden_size, ...).",
+        json_schema_extra=_absent_not_null,
+    )
 
 
 def _gpu_shorthand(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
-class GpuRef(_In):
+class GpuRef(_OneOf):
     """A GPU: by name (catalog or nvidia-smi's), or by the total memory the node reports."""
 
-    name: GpuName | None = Field(default=None, description="Catalog or nvidia-smi name.")
-    memory_mib: int | None = Field(
-        default=None,
-        ge=MIN_MEMORY_MIB,
-        le=MAX_MEMORY_MIB,
-        description="Total memory as the driver reports it, MiB (nvidia.com/gpu.memory).",
-    )
+    model_config = ConfigDict(json_schema_extra=_exactly_one("name", "memory_mib"))
+    _choices = ("name", "memory_mib")
 
-    @model_validator(mode="after")
-    def _one_of(self) -> Self:
-        if (self.name is None) == (self.memory_mib is None):
-            raise ValueError("give either name or memory_mib")
-        return self
+    name: GpuName | None = Field(
+        default=None, description="Catalog or nvidia-smi name.", json_schema_extra=_absent_not_null
+    )
+    memory_mib: MemoryMib | None = Field(
+        default=None,
+        description="Total memory as the driver reports it, MiB (nvidia.com/gpu.memory).",
+        json_schema_extra=_absent_not_null,
+    )
 
 
 class GpuOfferIn(GpuRef):

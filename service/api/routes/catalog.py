@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Path
 from fastapi.responses import Response
 
 from service.api.deps import GpuCatalogDep, ModelCatalogDep
@@ -31,7 +33,10 @@ async def list_models(models: ModelCatalogDep) -> Response:
     "the organisation; a fine-tuned '-Instruct' id resolves to its base architecture.",
     responses=responses(404, 422),
 )
-async def get_model(model_id: str, models: ModelCatalogDep) -> Response:
+async def get_model(
+    model_id: Annotated[str, Path(max_length=256, description="A catalog model id.")],
+    models: ModelCatalogDep,
+) -> Response:
     return json_response(ModelOut.from_core(models.resolve(model_id)))
 
 
