@@ -348,8 +348,12 @@
   async function modelDetails(id, signal) {
     if (!id) return null;
     if (!page.modelDetails.has(id)) {
-      const found = await api(`${API.models}/${id}`, undefined, signal).catch(() => null);
-      page.modelDetails.set(id, found);
+      try {
+        page.modelDetails.set(id, await api(`${API.models}/${id}`, undefined, signal));
+      } catch (err) {
+        if (err.name === "AbortError") throw err;
+        return null; // the details only refine hints and the curves' range
+      }
     }
     return page.modelDetails.get(id);
   }
@@ -420,6 +424,9 @@
     syncVisibility();
     history.replaceState(null, "", urlFromState(page.state));
     $("share-link").value = location.href;
+    // Answers still in flight are for the old form: drop them, so none can mark the page ready.
+    page.generation += 1;
+    if (page.controller) page.controller.abort();
     setPageState("pending");
     clearTimeout(page.timer);
     page.timer = setTimeout(update, DEBOUNCE_MS);
@@ -446,9 +453,11 @@
         detailsPromise,
       ]);
       if (!current()) return;
-      const context = details
-        ? details.architecture.max_position_embeddings
-        : (job.model.hf_config && job.model.hf_config.max_position_embeddings) || 0;
+      const context = Number(
+        details?.architecture?.max_position_embeddings ??
+          job.model?.hf_config?.max_position_embeddings ??
+          0,
+      );
       renderModelHint(details);
       renderEstimate(estimate);
       renderFit(fit);
@@ -544,7 +553,7 @@
   function renderModelHint(details) {
     const hint = $("target-hint");
     hint.replaceChildren("Comma-separated module names, or ", el("code", { text: "all-linear" }), ".");
-    if (details && details.architecture.linear_modules.length) {
+    if (details?.architecture?.linear_modules?.length) {
       hint.append(` This model's: ${details.architecture.linear_modules.join(", ")}.`);
     }
   }
