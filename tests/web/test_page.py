@@ -24,6 +24,7 @@ SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 CATALOG_MODELS = REPO_ROOT / "service" / "catalog" / "models"
+SNAPSHOT = (Path(__file__).parent / "snapshot.js").read_text()
 
 
 def gib(value: int) -> str:
@@ -68,6 +69,11 @@ class Driver:
         bodies = [body for p, body in self.posts if p == path]
         assert bodies, f"the page posted nothing to {path}"
         return bodies[-1]
+
+    def shown(self) -> dict[str, Any]:
+        """What the page shows, read in one call (tests/web/snapshot.js)."""
+        result: dict[str, Any] = self.page.evaluate(SNAPSHOT)
+        return result
 
     def bytes_of(self, selector: str) -> int:
         return int(self.page.locator(selector).get_attribute("data-bytes"))
@@ -118,87 +124,82 @@ def merged(job: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def assert_estimate_shown(d: Driver, est: dict[str, Any]) -> None:
+def assert_estimate_shown(shown: dict[str, Any], est: dict[str, Any]) -> None:
     peak = est["peak"]
-    for dom_id, key in (
-        ("peak-allocated", "allocated_bytes"),
-        ("peak-reserved", "reserved_bytes"),
-        ("peak-device", "device_bytes"),
-        ("peak-safe", "device_bytes_upper"),
+    for level, key in (
+        ("allocated", "allocated_bytes"),
+        ("reserved", "reserved_bytes"),
+        ("device", "device_bytes"),
+        ("safe", "device_bytes_upper"),
     ):
-        assert d.bytes_of(f"#{dom_id}") == peak[key], dom_id
-        assert d.text(f"#{dom_id}") == gib_text(peak[key]), dom_id
-    assert peak["phase_words"] in d.text("#peak-phase")
-    assert d.page.locator("#peak-phase").get_attribute("data-phase") == peak["phase"]
-    expected = {k: v for k, v in {**est["components"], **est["overheads"]}.items() if v > 0}
-    shown = {
-        item.get_attribute("data-component"): int(item.get_attribute("data-bytes"))
-        for item in d.page.locator("#breakdown-legend li[data-bytes]").all()
-    }
-    assert shown == expected
-    for key, value in expected.items():
-        item = d.page.locator(f'#breakdown-legend li[data-component="{key}"] .legend-value')
-        assert item.inner_text() == gib_text(value)
-    levels = d.page.locator("#breakdown-chart text.level-label").all_text_contents()
-    assert f"Safe bound {gib(peak['device_bytes_upper'])} GiB" in levels
+        assert shown["levels"][level] == {"bytes": peak[key], "text": gib_text(peak[key])}
+    assert peak["phase_words"] in shown["phase"]["text"]
+    assert shown["phase"]["key"] == peak["phase"]
+    parts = {k: v for k, v in {**est["components"], **est["overheads"]}.items() if v > 0}
+    assert shown["legend"] == [
+        {"key": k, "bytes": v, "text": gib_text(v)} for k, v in parts.items()
+    ]
+    assert f"Safe bound {gib(peak['device_bytes_upper'])} GiB" in shown["levelLabels"]
     calibration = est["calibration"]
-    assert d.text("#calibration-applied") == ("yes" if calibration["applied"] else "no")
-    assert d.text("#calibration-samples") == str(calibration["samples"])
-    assert d.text("#calibration-nodes") == str(calibration["nodes"])
-    assert d.text("#calibration-scope") == calibration["scope"]
+    assert shown["calibration"]["applied"] == ("yes" if calibration["applied"] else "no")
+    assert shown["calibration"]["scope"] == calibration["scope"]
+    assert shown["calibration"]["samples"] == str(calibration["samples"])
+    assert shown["calibration"]["nodes"] == str(calibration["nodes"])
+    factor = calibration["factor"]
+    assert shown["calibration"]["factor"] == ("—" if factor is None else f"{factor:.3f}")
 
 
-def assert_fit_shown(d: Driver, fit: dict[str, Any]) -> None:
-    rows = d.page.locator("#fit-table tbody tr")
-    assert rows.count() == len(fit["results"])
+def assert_fit_shown(shown: dict[str, Any], fit: dict[str, Any]) -> None:
     cheapest = fit["cheapest"]["index"] if fit["cheapest"] else None
-    for i, result in enumerate(fit["results"]):
-        row = rows.nth(i)
-        assert row.get_attribute("data-gpu") == result["gpu"]["name"]
-        assert row.get_attribute("data-fits") == str(result["fits"]).lower()
-        assert row.locator("td.fits").inner_text().endswith("yes" if result["fits"] else "no")
-        usable = row.locator("td.usable")
-        assert int(usable.get_attribute("data-bytes")) == result["usable_bytes"]
-        assert usable.inner_text() == gib(result["usable_bytes"])
-        headroom = row.locator("td.headroom")
-        assert int(headroom.get_attribute("data-bytes")) == result["headroom_bytes"]
-        assert headroom.inner_text() == signed_gib(result["headroom_bytes"])
-        assert row.locator("td.max-batch").inner_text() == str(result["max_batch_size"])
-        assert row.locator("td.max-seq").inner_text() == str(result["max_seq_len"])
-        cost = row.locator("td").last.inner_text()
-        if result["cost_per_hour"] is None:
-            assert cost == "—"
-        else:
-            assert cost.startswith(f"{result['cost_per_hour']:.2f}")
-        assert ("cheapest" in cost) == (i == cheapest)
+    assert len(shown["fit"]) == len(fit["results"])
+    for i, (row, result) in enumerate(zip(shown["fit"], fit["results"], strict=True)):
+        assert row["gpu"] == result["gpu"]["name"]
+        assert row["fits"] is result["fits"]
+        assert row["fitsText"].endswith("yes" if result["fits"] else "no")
+        assert row["usable"] == {
+            "bytes": result["usable_bytes"],
+            "text": gib(result["usable_bytes"]),
+        }
+        assert row["headroom"] == {
+            "bytes": result["headroom_bytes"],
+            "text": signed_gib(result["headroom_bytes"]),
+        }
+        assert row["maxBatch"] == str(result["max_batch_size"])
+        assert row["maxSeq"] == str(result["max_seq_len"])
+        cost = result["cost_per_hour"]
+        assert row["cost"].startswith("—" if cost is None else f"{cost:.2f}")
+        assert row["cheapest"] is (i == cheapest)
+        assert ("cheapest" in row["cost"]) is (i == cheapest)
+    expected = {
+        r["gpu"]["name"]: [
+            {"bytes": s["required_bytes"], "fits": s["fits"], "set": s["set"]}
+            for s in r["suggestions"]
+        ]
+        for r in fit["results"]
+        if not r["fits"] and r["suggestions"]
+    }
+    assert {
+        gpu: [{k: item[k] for k in ("bytes", "fits", "set")} for item in items]
+        for gpu, items in shown["suggestions"].items()
+    } == expected
     for result in fit["results"]:
-        group = d.page.locator(f'.suggestion-group[data-gpu="{result["gpu"]["name"]}"]')
-        if result["fits"] or not result["suggestions"]:
-            assert group.count() == 0
-            continue
-        items = group.locator("li.suggestion")
-        assert items.count() == len(result["suggestions"])
-        for rank, suggestion in enumerate(result["suggestions"]):
-            item = items.nth(rank)
-            assert int(item.get_attribute("data-bytes")) == suggestion["required_bytes"]
-            assert json.loads(item.get_attribute("data-set")) == suggestion["set"]
-            assert suggestion["description"] in item.inner_text()
+        for item, suggestion in zip(
+            shown["suggestions"].get(result["gpu"]["name"], []), result["suggestions"], strict=False
+        ):
+            assert suggestion["description"] in item["text"]
 
 
-def assert_curves_shown(d: Driver, api: httpx.Client, job: dict[str, Any]) -> None:
+def assert_curves_shown(shown: dict[str, Any], api: httpx.Client, job: dict[str, Any]) -> None:
     """Both curves' points are the batch endpoint's answers, the job's own point marked."""
-    for chart, field in (("#batch-chart", "batch_size"), ("#seq-chart", "seq_len")):
-        rows = d.page.locator(f"{chart} tbody tr").all()
-        xs = [int(r.get_attribute("data-x")) for r in rows]
-        assert job[field] in xs
-        answer = api.post(
-            "/v1/estimates:batch", json={"jobs": [{**job, field: x} for x in xs]}
-        ).json()
-        for row, result in zip(rows, answer["results"], strict=True):
-            peak = result["estimate"]["peak"]
-            assert int(row.get_attribute("data-bytes")) == peak["device_bytes_upper"]
-        own = d.page.locator(f"{chart} tbody tr.own")
-        assert int(own.get_attribute("data-x")) == job[field]
+    jobs = []
+    for chart, field in (("batch", "batch_size"), ("seq", "seq_len")):
+        curve = shown["curves"][chart]
+        assert curve["own"] == job[field]
+        jobs += [{**job, field: p["x"]} for p in curve["points"]]
+    answer = api.post("/v1/estimates:batch", json={"jobs": jobs}).json()
+    expected = [r["estimate"]["peak"]["device_bytes_upper"] for r in answer["results"]]
+    points = shown["curves"]["batch"]["points"] + shown["curves"]["seq"]["points"]
+    assert [p["bytes"] for p in points] == expected
 
 
 def test_a_filled_spec_shows_the_apis_numbers(driver: Driver, api: httpx.Client) -> None:
@@ -253,11 +254,12 @@ def test_a_filled_spec_shows_the_apis_numbers(driver: Driver, api: httpx.Client)
     ]
     assert d.last_post("/v1/fit-checks") == {"job": job, "gpus": offers}
 
-    assert_estimate_shown(d, api.post("/v1/estimates", json=job).json())
+    shown = d.shown()
+    assert_estimate_shown(shown, api.post("/v1/estimates", json=job).json())
     fit = api.post("/v1/fit-checks", json={"job": job, "gpus": offers}).json()
     assert fit["cheapest"] is not None
-    assert_fit_shown(d, fit)
-    assert_curves_shown(d, api, job)
+    assert_fit_shown(shown, fit)
+    assert_curves_shown(shown, api, job)
 
 
 def test_a_new_batch_redraws_the_chart_and_the_fit_table(driver: Driver, api: httpx.Client) -> None:
@@ -266,27 +268,24 @@ def test_a_new_batch_redraws_the_chart_and_the_fit_table(driver: Driver, api: ht
     job = d.last_post("/v1/estimates")
     offers = ["RTX4090", "A100-80GB"]
     assert d.last_post("/v1/fit-checks")["gpus"] == offers
-    before = d.text("#fit-table tbody")
-    marks_before = d.page.locator("#batch-chart circle.own-point").get_attribute("cx")
+    before = d.shown()
 
     d.page.fill("#batch_size", "8")
     d.wait_ready()
 
     job = {**job, "batch_size": 8}
     assert d.last_post("/v1/estimates") == job
+    shown = d.shown()
     fit = api.post("/v1/fit-checks", json={"job": job, "gpus": offers}).json()
-    assert d.text("#fit-table tbody") != before
-    assert_fit_shown(d, fit)
-    assert_estimate_shown(d, api.post("/v1/estimates", json=job).json())
-    assert_curves_shown(d, api, job)
-    assert d.page.locator("#batch-chart circle.own-point").get_attribute("cx") != marks_before
-    for result in fit["results"]:
-        best = result["max_batch_size"]
-        mark = d.page.locator(f'#batch-chart circle.fit-mark[data-gpu="{result["gpu"]["name"]}"]')
-        if best > 0:
-            assert mark.get_attribute("data-x") == str(best)
-        key = d.page.locator(f'#batch-chart li.gpu-key[data-gpu="{result["gpu"]["name"]}"]')
-        assert key.get_attribute("data-max") == str(best)
+    assert shown["fit"] != before["fit"]
+    assert_fit_shown(shown, fit)
+    assert_estimate_shown(shown, api.post("/v1/estimates", json=job).json())
+    assert_curves_shown(shown, api, job)
+    batch = shown["curves"]["batch"]
+    assert batch["ownCx"] != before["curves"]["batch"]["ownCx"]
+    best = {r["gpu"]["name"]: r["max_batch_size"] for r in fit["results"]}
+    assert batch["keys"] == best
+    assert batch["marks"] == {gpu: x for gpu, x in best.items() if x > 0}
 
 
 def test_a_suggested_change_applies_in_one_click(driver: Driver, api: httpx.Client) -> None:
@@ -372,7 +371,7 @@ def test_a_pasted_config_and_invalid_input(driver: Driver, api: httpx.Client) ->
     d.wait_ready()
     job = d.last_post("/v1/estimates")
     assert job["model"] == {"hf_config": config}
-    assert_estimate_shown(d, api.post("/v1/estimates", json=job).json())
+    assert_estimate_shown(d.shown(), api.post("/v1/estimates", json=job).json())
     assert d.page.locator("#fit-section").is_hidden()
 
     d.page.fill("#config", "{ not json")
