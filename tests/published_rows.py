@@ -69,7 +69,7 @@ def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
 def _modules_to_save(raw: str) -> tuple[str, ...]:
     if "modules_to_save" not in raw:
         return ()
-    names = raw.split("modules_to_save", 1)[1].strip(" :")
+    names = raw.split("modules_to_save", 1)[1].split("(")[0].strip(" :")
     mapping = {"wte": "embed_tokens", "lm_head": "lm_head"}
     return tuple(mapping.get(n.strip(), n.strip()) for n in names.split(",") if n.strip())
 
