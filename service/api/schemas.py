@@ -93,6 +93,8 @@ class _In(BaseModel):
 
 
 class _Out(BaseModel):
+    """A response body."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -455,36 +457,40 @@ class EstimateOut(_Out):
         gpu: GpuFitSummary | None = None,
         warnings: tuple[str, ...] = (),
     ) -> EstimateOut:
-        return cls(
-            model=model,
-            peak=PeakOut(
-                allocated_bytes=peaks.allocated_bytes,
-                reserved_bytes=peaks.reserved_bytes,
-                device_bytes=peaks.device_bytes,
-                device_bytes_upper=peaks.device_bytes_upper,
-                step=est.peak_step,
-                phase=est.peak_phase,
-                phase_words=PHASE_WORDS[est.peak_phase],
-            ),
-            estimated=LevelsOut(
-                allocated_bytes=est.allocated_bytes,
-                reserved_bytes=est.reserved_bytes,
-                device_bytes=est.device_bytes,
-                device_bytes_upper=est.device_bytes_upper,
-            ),
-            components={c: est.components.get(c, 0) for c in Component},
-            overheads={o: est.overheads.get(o, 0) for o in Overhead},
-            phases=[
-                PhaseOut(step=ph.step, phase=ph.phase, allocated_bytes=ph.allocated_bytes)
-                for ph in est.phases
-            ],
-            params=ParamsOut(total=est.params.total, trainable=est.params.trainable),
-            upper_margin=est.upper_margin,
-            calibration=CalibrationOut.from_core(peaks.calibration),
-            gpu=gpu,
-            assumptions=list(est.assumptions),
-            warnings=[*est.warnings, *warnings],
-            estimator_version=est.estimator_version,
+        # One validation of plain values (pydantic-core) is cheaper than building each
+        # nested model in Python.
+        return cls.model_validate(
+            {
+                "model": model,
+                "peak": {
+                    "allocated_bytes": peaks.allocated_bytes,
+                    "reserved_bytes": peaks.reserved_bytes,
+                    "device_bytes": peaks.device_bytes,
+                    "device_bytes_upper": peaks.device_bytes_upper,
+                    "step": est.peak_step,
+                    "phase": est.peak_phase,
+                    "phase_words": PHASE_WORDS[est.peak_phase],
+                },
+                "estimated": {
+                    "allocated_bytes": est.allocated_bytes,
+                    "reserved_bytes": est.reserved_bytes,
+                    "device_bytes": est.device_bytes,
+                    "device_bytes_upper": est.device_bytes_upper,
+                },
+                "components": {c: est.components.get(c, 0) for c in Component},
+                "overheads": {o: est.overheads.get(o, 0) for o in Overhead},
+                "phases": [
+                    {"step": ph.step, "phase": ph.phase, "allocated_bytes": ph.allocated_bytes}
+                    for ph in est.phases
+                ],
+                "params": {"total": est.params.total, "trainable": est.params.trainable},
+                "upper_margin": est.upper_margin,
+                "calibration": CalibrationOut.from_core(peaks.calibration),
+                "gpu": gpu,
+                "assumptions": list(est.assumptions),
+                "warnings": [*est.warnings, *warnings],
+                "estimator_version": est.estimator_version,
+            }
         )
 
 
