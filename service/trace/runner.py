@@ -96,7 +96,9 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
     return notes
 
 
-def make_optimizer(params: list[torch.nn.Parameter], optim: Optim) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: list[torch.nn.Parameter], optim: Optim, *, fake: bool
+) -> torch.optim.Optimizer:
     """HF Trainer's optimizer for `optim`, with the implementation a GPU gets chosen explicitly."""
     if optim is Optim.ADAMW_TORCH_FUSED:
         return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
@@ -106,10 +108,27 @@ def make_optimizer(params: list[torch.nn.Parameter], optim: Optim) -> torch.opti
     if optim is Optim.SGD:
         return torch.optim.SGD(params, lr=LEARNING_RATE, foreach=True)
     if optim is Optim.ADAMW_BNB_8BIT:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=LEARNING_RATE)
+        return _adamw_8bit(params, fake=fake)
     raise NotTraceableError(f"optimizer {optim!r} is not traced")
+
+
+def _adamw_8bit(params: list[torch.nn.Parameter], *, fake: bool) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW8bit, its two 256-entry quantization maps made where fake tensors can.
+
+    The maps are computed through `.tolist()` of tensors, which fake tensors cannot answer, so
+    the optimizer is built outside every mode; its maps are then replaced by tensors made inside
+    them (the values do not matter to a fake run): two fp32 maps that every 8-bit state shares.
+    """
+    import bitsandbytes as bnb
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        optimizer = bnb.optim.AdamW8bit(params, lr=LEARNING_RATE)
+    for name, qmap in optimizer.name2qmap.items():
+        optimizer.name2qmap[name] = (
+            torch.empty(qmap.shape, dtype=qmap.dtype) if fake else qmap.clone()
+        )
+    return optimizer
 
 
 def plain_causal_lm_loss(
@@ -270,8 +289,10 @@ def trace(
             params = [p for p in model.parameters() if p.requires_grad]
             params_total = sum(_numel(p) for p in model.parameters())
             params_trainable = sum(p.numel() for p in params)
-            optimizer = make_optimizer(params, spec.optim)
+            optimizer = make_optimizer(params, spec.optim, fake=not real)
             optimizer.state = _LabelledState(tracker)
+            for qmap in getattr(optimizer, "name2qmap", {}).values():
+                tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
             _run_steps(model, optimizer, tracker, steering, spec)
