@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,9 @@ from typing import Any
 import httpx
 
 CONCURRENCY = 32  # clients with a request in flight at any time
+# Processes the clients run in: all CPUs but the server's, at most 8.
+CLIENT_PROCESSES = max(1, min(8, (os.cpu_count() or 2) - 1))
+CLIENT_START_S = 1.0  # time for the client processes to start before the warm-up
 WARMUP_S = 1.0
 DURATION_S = 5.0  # per endpoint
 STARTUP_TIMEOUT_S = 30.0
@@ -83,34 +89,44 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(port: int) -> Iterator[subprocess.Popen[bytes]]:
+def _store() -> Iterator[str]:
+    """The URL of an embedded store in a temporary directory, migrated as `make run` does."""
+    from service.store.migrate import upgrade
+
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "VRAMCAST_DATABASE_URL": f"sqlite:///{Path(tmp) / 'bench.db'}"}
-        command = [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "service.api.app:create_app",
-            "--factory",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-        ]
-        process = subprocess.Popen(command, env=env)
+        url = f"sqlite:///{Path(tmp) / 'bench.db'}"
+        upgrade(url)
+        yield url
+
+
+@contextlib.contextmanager
+def _server(port: int, database_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**os.environ, "VRAMCAST_DATABASE_URL": database_url}
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "service.api.app:create_app",
+        "--factory",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+    ]
+    process = subprocess.Popen(command, env=env)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", process)
+        yield process
+    finally:
+        process.terminate()
         try:
-            _wait_ready(f"http://127.0.0.1:{port}", process)
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
@@ -138,37 +154,62 @@ def _cpu_seconds(pid: int) -> float | None:
 RequestMaker = Callable[[httpx.AsyncClient, int], Any]
 
 
-async def _drive(base_url: str, make: RequestMaker, seconds: float) -> tuple[int, int, list[float]]:
+async def _drive(
+    base_url: str, make: RequestMaker, concurrency: int, measure_from: float, measure_to: float
+) -> tuple[int, int, list[float]]:
+    """Requests from `concurrency` clients until `measure_to` (wall clock); those that start
+    after `measure_from` are counted."""
     latencies: list[float] = []
     errors = 0
-    limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30.0) as client:
-        deadline = time.perf_counter() + seconds
 
         async def worker(offset: int) -> None:
             nonlocal errors
             i = offset
-            while time.perf_counter() < deadline:
+            while (now := time.time()) < measure_to:
                 started = time.perf_counter()
                 response = await make(client, i)
-                latencies.append(time.perf_counter() - started)
-                if response.status_code != 200:
-                    errors += 1
-                i += CONCURRENCY
+                if now >= measure_from:
+                    latencies.append(time.perf_counter() - started)
+                    errors += response.status_code != 200
+                i += concurrency
 
-        await asyncio.gather(*(worker(k) for k in range(CONCURRENCY)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return len(latencies), errors, latencies
 
 
-def _load(name: str, base_url: str, pid: int, make: RequestMaker) -> Load:
-    asyncio.run(_drive(base_url, make, WARMUP_S))
-    cpu_before = _cpu_seconds(pid)
-    started = time.perf_counter()
-    count, errors, latencies = asyncio.run(_drive(base_url, make, DURATION_S))
-    seconds = time.perf_counter() - started
-    cpu_after = _cpu_seconds(pid)
+def _client_process(
+    base_url: str, maker: str, concurrency: int, start_at: float
+) -> tuple[int, int, list[float]]:
+    """One client process: warm up from `start_at`, then measure for DURATION_S."""
+    time.sleep(max(0.0, start_at - time.time()))
+    measure_from = start_at + WARMUP_S
+    make: RequestMaker = globals()[maker]
+    return asyncio.run(_drive(base_url, make, concurrency, measure_from, measure_from + DURATION_S))
+
+
+def _load(name: str, base_url: str, pid: int, maker: str) -> Load:
+    """CONCURRENCY clients spread over CLIENT_PROCESSES processes (httpx costs more CPU per
+    request than the server does, so one client process would measure itself)."""
+    per_process = max(1, CONCURRENCY // CLIENT_PROCESSES)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(CLIENT_PROCESSES, mp_context=context) as pool:
+        pool.submit(time.sleep, 0).result()  # the workers exist before the clock starts
+        start_at = time.time() + CLIENT_START_S
+        futures = [
+            pool.submit(_client_process, base_url, maker, per_process, start_at)
+            for _ in range(CLIENT_PROCESSES)
+        ]
+        time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
+        cpu_before = _cpu_seconds(pid)
+        time.sleep(DURATION_S)
+        cpu_after = _cpu_seconds(pid)
+        results = [future.result() for future in futures]
     cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return Load(name, count, errors, seconds, latencies, cpu)
+    latencies = [latency for _, _, chunk in results for latency in chunk]
+    errors = sum(e for _, e, _ in results)
+    return Load(name, len(latencies), errors, DURATION_S, latencies, cpu)
 
 
 def _livez(client: httpx.AsyncClient, _i: int) -> Any:
@@ -176,6 +217,7 @@ def _livez(client: httpx.AsyncClient, _i: int) -> Any:
 
 
 _BODIES = [{**ESTIMATE_JOB, "batch_size": b, "seq_len": s} for b, s in SHAPES]
+_ENCODED_BODIES = [json.dumps(body).encode() for body in _BODIES]
 
 
 def _estimate(client: httpx.AsyncClient, i: int) -> Any:
@@ -191,7 +233,7 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def in_process() -> dict[str, float]:
+def in_process(database_url: str) -> dict[str, float]:
     """Seconds: one estimate() (same spec, and a new batch/seq each call), the 37-GPU
     fit-check in the core and through the API's handler."""
     from service.api.app import create_app
@@ -241,7 +283,7 @@ def in_process() -> dict[str, float]:
     lora = TrainingSpec(
         batch_size=4, seq_len=2048, lora=LoraSpec(r=16, target_modules="all-linear")
     )
-    app = create_app(Settings(database_url="sqlite://"))
+    app = create_app(Settings(database_url=database_url))
     services = app.state.services
     body = FitCheckIn.model_validate(
         {"job": {**ESTIMATE_JOB, "batch_size": 4, "seq_len": 2048}, "gpus": [g.name for g in gpus]}
@@ -266,22 +308,95 @@ def in_process() -> dict[str, float]:
     }
 
 
-def over_http() -> tuple[Load, Load]:
+def _asgi_scope(method: str, path: str, body: bytes) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"bench"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+
+def app_cpu_per_request(database_url: str, repeat: int = 3000) -> dict[str, float]:
+    """CPU seconds the app itself spends per request, called as ASGI in this process: no
+    server, no network, no clients competing for the CPU."""
+    from service.api.app import create_app
+    from service.api.settings import Settings
+
+    app = create_app(Settings(database_url=database_url))
+    requests: dict[str, list[tuple[dict[str, Any], bytes]]] = {
+        "GET /livez": [(_asgi_scope("GET", "/livez", b""), b"")],
+        "POST /v1/estimates": [
+            (_asgi_scope("POST", "/v1/estimates", body), body) for body in _ENCODED_BODIES
+        ],
+    }
+
+    async def call(scope: dict[str, Any], body: bytes) -> None:
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if delivered:
+                await asyncio.sleep(3600)  # the client never disconnects
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        statuses: list[int] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        await app(scope, receive, send)
+        if statuses != [200]:
+            raise RuntimeError(f"{scope['path']} answered {statuses}")
+
+    async def measure() -> dict[str, float]:
+        costs: dict[str, float] = {}
+        async with app.router.lifespan_context(app):
+            for name, calls in requests.items():
+                for i in range(200):
+                    await call(*calls[i % len(calls)])
+                started = time.process_time()
+                for i in range(repeat):
+                    await call(*calls[i % len(calls)])
+                costs[name] = (time.process_time() - started) / repeat
+        return costs
+
+    return asyncio.run(measure())
+
+
+def over_http(database_url: str) -> tuple[Load, Load]:
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    with _server(port) as process:
-        trivial = _load("GET /livez", base_url, process.pid, _livez)
-        estimates = _load("POST /v1/estimates", base_url, process.pid, _estimate)
+    with _server(port, database_url) as process:
+        trivial = _load("GET /livez", base_url, process.pid, "_livez")
+        estimates = _load("POST /v1/estimates", base_url, process.pid, "_estimate")
     return trivial, estimates
 
 
 def run() -> list[str]:
     """Run everything; the report's lines."""
-    trivial, estimates = over_http()
-    core = in_process()
+    with _store() as database_url:
+        trivial, estimates = over_http(database_url)
+        app_cpu = app_cpu_per_request(database_url)
+        core = in_process(database_url)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     lines = [
-        f"API on one uvicorn worker, {CONCURRENCY} concurrent httpx clients, "
+        f"API on one uvicorn worker, {CONCURRENCY} concurrent httpx clients in "
+        f"{CLIENT_PROCESSES} processes, "
         f"{DURATION_S:.0f} s per endpoint, loopback, {os.cpu_count()} CPUs "
         f"(load average {load}: other processes skew these figures)",
         "",
@@ -305,7 +420,12 @@ def run() -> list[str]:
     if trivial.server_cpu_per_request_s and estimates.server_cpu_per_request_s:
         cpu_ratio = estimates.server_cpu_per_request_s / trivial.server_cpu_per_request_s - 1
         lines.append(f"  estimate vs trivial: {cpu_ratio:+.1%} server CPU per request")
+    livez, estimate_cpu = app_cpu["GET /livez"], app_cpu["POST /v1/estimates"]
     lines += [
+        "",
+        "The app alone, called as ASGI in process (CPU per request)",
+        f"  GET /livez          {livez * 1e6:8.0f} µs",
+        f"  POST /v1/estimates  {estimate_cpu * 1e6:8.0f} µs  ({estimate_cpu / livez - 1:+.0%})",
         "",
         "In process (median)",
         f"  estimate(), same spec               {core['estimate_same_spec_s'] * 1e6:8.1f} µs"
