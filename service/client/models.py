@@ -1,0 +1,391 @@
+"""The client's own request and result types, mirroring openapi/openapi.json.
+
+Requests are checked before they leave (`extra="forbid"`, the API's enums), so a typo fails
+here rather than as a 422. Results ignore members they do not know, so a newer service that
+adds a field does not break an older client; enum-valued results stay plain strings for the
+same reason. Optional request fields default to None and are left out of the body, so the
+service applies its own defaults.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.client.errors import Problem
+
+MethodName = Literal["full", "lora", "qlora"]
+DTypeName = Literal["fp32", "bf16", "fp16"]
+OptimName = Literal[
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_bnb_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "adafactor",
+    "sgd",
+]
+AttnImplName = Literal["eager", "sdpa", "flash_attention_2"]
+SdpaKernelName = Literal["auto", "flash", "efficient", "math"]
+LossName = Literal["hf", "plain", "chunked", "fused"]
+FrameworkName = Literal["hf", "litgpt", "torchtune"]
+StrategyName = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
+QuantTypeName = Literal["nf4", "fp4", "int8"]
+OutcomeName = Literal["completed", "oom"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_json(self) -> dict[str, Any]:
+        """The request body: unset options left out (the service fills its defaults)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class _Result(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+# Requests ---------------------------------------------------------------------------------
+
+
+class ModelRef(_Request):
+    """A catalog id, or a config.json as published on the Hugging Face Hub: give one."""
+
+    id: str | None = None
+    hf_config: dict[str, Any] | None = None
+
+
+class GpuRef(_Request):
+    """A GPU by name (catalog or nvidia-smi's), or by the total memory the node reports."""
+
+    name: str | None = None
+    memory_mib: int | None = Field(default=None, ge=1)
+
+
+class Lora(_Request):
+    """PEFT LoraConfig; None: PEFT's default."""
+
+    r: int | None = Field(default=None, ge=1)
+    lora_alpha: int | None = Field(default=None, ge=1)
+    lora_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    target_modules: Literal["all-linear"] | list[str] | None = None
+    modules_to_save: list[str] | None = None
+    adapter_dtype: DTypeName | None = None
+
+
+class Quantization(_Request):
+    """bitsandbytes quantization of the frozen base (QLoRA)."""
+
+    type: QuantTypeName | None = None
+    double_quant: bool | None = None
+    compute_dtype: DTypeName | None = None
+    prepare_kbit: bool | None = None
+
+
+class Parallel(_Request):
+    gpus: int | None = Field(default=None, ge=1)
+    strategy: StrategyName | None = None
+    offload: OffloadName | None = None
+
+
+class Job(_Request):
+    """A fine-tuning job, as POST /v1/estimates takes it; None: the service's default."""
+
+    model: str | ModelRef
+    batch_size: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    method: MethodName | None = None
+    lora: Lora | None = None
+    quantization: Quantization | None = None
+    dtype: DTypeName | None = None
+    autocast: bool | None = None
+    optim: OptimName | None = None
+    gradient_accumulation_steps: int | None = Field(default=None, ge=1)
+    gradient_checkpointing: bool | None = None
+    attn_implementation: AttnImplName | None = None
+    sdpa_kernel: SdpaKernelName | None = None
+    loss: LossName | None = None
+    framework: FrameworkName | None = None
+    parallel: Parallel | None = None
+    gpu: str | GpuRef | None = None
+
+
+class GpuOffer(_Request):
+    """A GPU type for a fit-check: by name or by memory, how many, and what one costs."""
+
+    name: str | None = None
+    memory_mib: int | None = Field(default=None, ge=1)
+    count: int | None = Field(default=None, ge=1)
+    price_per_hour: float | None = Field(default=None, ge=0.0)
+
+
+class UploadGpu(_Request):
+    name: str = Field(min_length=1, description="The name the driver reports.")
+    memory_total_bytes: int = Field(gt=0, description="Total memory the driver reports.")
+
+
+class MeasuredPeaks(_Request):
+    """Peaks one rank measured, bytes; a level that was not measured is None."""
+
+    allocated_bytes: int | None = Field(default=None, gt=0)
+    reserved_bytes: int | None = Field(default=None, gt=0)
+    device_bytes: int | None = Field(default=None, gt=0)
+
+
+class Environment(_Request):
+    """The software a peak was measured with; None: not known on this node."""
+
+    torch: str | None = None
+    cuda: str | None = None
+    driver: str | None = None
+    transformers: str | None = None
+    peft: str | None = None
+    bitsandbytes: str | None = None
+    world_size: int | None = Field(default=None, ge=1)
+
+
+class CalibrationUpload(_Request):
+    """POST /v1/calibrations: one rank's measured peaks for a job, and where they came from."""
+
+    job: Job
+    gpu: UploadGpu
+    measured: MeasuredPeaks
+    outcome: OutcomeName
+    environment: Environment
+    node_id: str = Field(min_length=1, max_length=200)
+    run_id: str = Field(min_length=1, max_length=200)
+
+
+# Results ----------------------------------------------------------------------------------
+
+
+class Levels(_Result):
+    allocated_bytes: int
+    reserved_bytes: int
+    device_bytes: int
+    device_bytes_upper: int
+
+
+class Peak(Levels):
+    """The peak at the three levels and the safe bound (`device_bytes_upper`)."""
+
+    step: int
+    phase: str
+    phase_words: str
+
+
+class AppliedCalibration(_Result):
+    applied: bool
+    scope: str
+    nodes: int
+    samples: int
+    factor: float | None = None
+    upper_multiplier: float | None = None
+
+
+class GpuFitSummary(_Result):
+    name: str | None
+    memory_bytes: int
+    usable_bytes: int
+    fits: bool
+    headroom_bytes: int
+
+
+class PhaseBytes(_Result):
+    step: int
+    phase: str
+    allocated_bytes: int
+
+
+class Params(_Result):
+    total: int
+    trainable: int
+
+
+class Estimate(_Result):
+    """A job's peak on one GPU, where it goes and when it happens."""
+
+    model: str
+    peak: Peak
+    estimated: Levels
+    components: dict[str, int]
+    overheads: dict[str, int]
+    phases: list[PhaseBytes]
+    params: Params
+    upper_margin: float
+    calibration: AppliedCalibration
+    assumptions: list[str]
+    warnings: list[str]
+    estimator_version: str
+    gpu: GpuFitSummary | None = None
+
+
+class BatchResult(_Result):
+    """One job of a batch: its estimate, or the problem that stopped it."""
+
+    index: int
+    status: int
+    estimate: Estimate | None = None
+    problem: Problem | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.estimate is not None
+
+
+class BatchEstimates(_Result):
+    results: list[BatchResult]
+    succeeded: int
+    failed: int
+
+
+class GpuMatch(_Result):
+    """A GPU as asked for, and as the catalog knows it."""
+
+    requested: str
+    name: str | None
+    driver_name: str | None
+    memory_mib: int
+    memory_bytes: int
+    matched_by: str
+    bf16: bool | None = None
+    fp8: bool | None = None
+
+
+class Suggestion(_Result):
+    changes: list[str]
+    description: str
+    set: dict[str, Any]
+    required_bytes: int
+    fits: bool
+
+
+class GpuFit(_Result):
+    """The job on one GPU type."""
+
+    gpu: GpuMatch
+    count: int
+    fits: bool
+    usable_bytes: int
+    required_bytes: int
+    required_bytes_median: int
+    headroom_bytes: int
+    utilisation: float
+    max_batch_size: int
+    max_seq_len: int
+    suggestions: list[Suggestion]
+    cost_per_hour: float | None = None
+
+
+class Cheapest(_Result):
+    index: int
+    name: str
+    cost_per_hour: float
+
+
+class FitCheck(_Result):
+    job: Estimate
+    results: list[GpuFit]
+    cheapest: Cheapest | None = None
+
+    @property
+    def fits_all(self) -> bool:
+        return all(result.fits for result in self.results)
+
+    @property
+    def fits_any(self) -> bool:
+        return any(result.fits for result in self.results)
+
+
+class ModelSummary(_Result):
+    id: str
+    aliases: list[str]
+    model_type: str
+    total_params: int
+
+
+class ModelList(_Result):
+    models: list[ModelSummary]
+
+
+class Architecture(_Result):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int
+    num_experts_per_tok: int
+    linear_modules: list[str]
+
+
+class ParamCounts(_Result):
+    total: int
+    active: int
+    embedding: int
+    per_layer: int
+    published: int
+    published_source: str
+
+
+class Model(_Result):
+    id: str
+    aliases: list[str]
+    source: str
+    architecture: Architecture
+    params: ParamCounts
+
+
+class GpuCatalogEntry(_Result):
+    name: str
+    driver_name: str
+    memory_mib: int
+    memory_bytes: int
+    usable_bytes: int
+    bf16: bool
+    fp8: bool
+    compute_capability: str
+    source: str
+
+
+class GpuList(_Result):
+    gpus: list[GpuCatalogEntry]
+
+
+class AppliedFactor(_Result):
+    scope: str
+    ratio: float
+    nodes: int
+
+
+class UploadRatio(_Result):
+    """measured / estimated at one level of an upload."""
+
+    level: str
+    measured_bytes: int
+    estimated_bytes: int
+    ratio: float
+    outlier: bool
+    outlier_reason: str | None = None
+    factor: AppliedFactor | None = None
+
+
+class CalibrationReceipt(_Result):
+    """What an upload stored; `replayed`: the service had stored it before (same key)."""
+
+    id: int
+    received_at: datetime
+    model: str
+    estimator_version: str | None = None
+    estimate_error: str | None = None
+    ratios: list[UploadRatio] = []
+    replayed: bool = False  # from the answer: 200 with Idempotent-Replayed, not 201
