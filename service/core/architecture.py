@@ -79,6 +79,7 @@ class ModelArch:
     parallel_residual: bool  # attention and MLP read the same input (GPT-NeoX, Phi-1.5)
     lm_head_bias: bool
     final_logit_softcapping: float | None
+    attn_logit_softcapping: float | None  # Gemma-2: tanh on the attention scores (eager)
     linears: tuple[Linear, ...]
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -276,6 +277,7 @@ def _common(c: _Config, model_type: str) -> dict[str, Any]:
             "max_position_embeddings", "seq_length", "n_positions", default=2048
         ),
         "final_logit_softcapping": c.float_or_none("final_logit_softcapping"),
+        "attn_logit_softcapping": c.float_or_none("attn_logit_softcapping"),
     }
 
 

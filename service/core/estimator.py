@@ -490,15 +490,36 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
         led.add("attn_out", q_bytes)
         led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
         return
-    # eager (and SDPA's math backend): scores and probabilities materialised per head.
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH:
+        # SDPA's math backend (aten _scaled_dot_product_attention_math) decomposes into
+        # ops that keep, per the reference tracer (tests/data/traces/*sdpa-math*): k and v
+        # repeated to n_h heads, scaled copies of q and k, the output, and two score-sized
+        # tensors in the attention dtype (the softmax output and _safe_softmax's masked copy).
+        led.add("k_rep", q_bytes)
+        led.add("v_rep", q_bytes)
+        led.add("q_scaled", q_bytes)
+        led.add("k_scaled", q_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("probs", n_h * f.attn, _Kind.SQUARE)
+        led.add("probs_safe", n_h * f.attn, _Kind.SQUARE)
+        return
+    # eager: scores and probabilities materialised per head.
+    if arch.attn_logit_softcapping is not None:
+        # Gemma-2's eager attention caps the scores: tanh saves its output.
+        led.add("scores_tanh", n_h * f.attn, _Kind.SQUARE)
     led.add("k_rep", q_bytes)
     led.add("v_rep", q_bytes)
     led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)  # softmax(dtype=float32) output
     led.add("probs", n_h * f.attn, _Kind.SQUARE)  # .to(query.dtype), saved by probs @ v
-    led.add("attn_out", q_bytes)  # transpose(1, 2).contiguous() copy
+    # probs @ v saves its inputs, not its output: the output (transposed into o_proj's input,
+    # "attn_out") is kept only if o_proj saves its input.
 
 
-def _mlp_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str) -> None:
+def _mlp_saves(
+    led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, *, at_up_proj: bool = False
+) -> None:
+    """The MLP's saved tensors; with `at_up_proj`, what is live while the last input
+    projection's LoRA output is formed (see `_layer_recipe`)."""
     i_size = arch.intermediate_size
     out = f.norm_out
     by_kind = {lin.kind: lin for lin in arch.linears if not lin.expert}
@@ -512,8 +533,21 @@ def _mlp_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str) -> None:
     if arch.mlp is MlpKind.GATED:
         # act(gate) saves gate; act(gate) * up saves both operands.
         led.add("mlp.gate_out", i_size * out)
-        led.add("mlp.up_out", i_size * out)
         led.add("mlp.act_out", i_size * out)
+        if at_up_proj:
+            up = mlp_in[-1]
+            # Live beside the saved tensors: the MLP's input and the residual it will be added
+            # to, and up_proj's output in the making: the base output, lora_B's output and
+            # its scaled copy (peft lora.Linear.forward), as the reference traces show.
+            led.add(x_key, arch.hidden_size * out)
+            led.add("x_mid", arch.hidden_size * f.residual)
+            led.add("up.base_out", i_size * out)
+            if up.name in f.lora_targets:
+                ad = 2 if f.autocast else f.adapter
+                led.add("up.lora_b_out", i_size * ad)
+                led.add("up.lora_scaled", i_size * ad)
+            return
+        led.add("mlp.up_out", i_size * out)
     else:
         led.add("mlp.fc1_out", i_size * out)  # GELU saves its input
     if down is not None:
@@ -566,10 +600,20 @@ def layer_saved_bytes(
 
 @lru_cache(maxsize=4096)
 def _layer_recipe(
-    arch: ModelArch, f: _Flow, attn: AttnImpl, kernel: SdpaKernel, input_needs_grad: bool
+    arch: ModelArch,
+    f: _Flow,
+    attn: AttnImpl,
+    kernel: SdpaKernel,
+    input_needs_grad: bool,
+    at_up_proj: bool = False,
 ) -> tuple[tuple[int, _Kind, int], ...]:
     """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
-    shapes depend on the model and settings, not on b or s)."""
+    shapes depend on the model and settings, not on b or s).
+
+    With `at_up_proj`: what is live when the layer's forward (or its recomputation under
+    checkpointing) forms the MLP's last input projection, the largest moment of a LoRA
+    layer's forward: every tensor saved so far, the MLP's inputs and up_proj's output with
+    its fp32 LoRA branch."""
     led = _Ledger()
     h = arch.hidden_size
     spec_like = _AttnChoice(attn, kernel)
@@ -592,7 +636,7 @@ def _layer_recipe(
         # Gemma-2's post-attention and post-feedforward norms act on branch outputs.
         _norm_saves(led, f, "norm3", "attn_proj", h, arch)
         _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
-    _mlp_saves(led, f, arch, mlp_in_key)
+    _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj)
     return led.recipe()
 
 
@@ -694,6 +738,8 @@ class _Plan:
     optimizer: tuple[int, int, int]
     layer: tuple[tuple[int, _Kind, int], ...]
     first_layer: tuple[tuple[int, _Kind, int], ...]
+    # live at up_proj in a recomputed layer, when that moment is modelled (else empty)
+    up_proj_moment: tuple[tuple[int, _Kind, int], ...]
 
 
 @lru_cache(maxsize=4096)
@@ -712,6 +758,9 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         optimizer=_optimizer_state(p, unit.optim),
         layer=_layer_recipe(arch, f, attn, kernel, True),
         first_layer=_layer_recipe(arch, f, attn, kernel, False),
+        up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True)
+        if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
+        else (),
     )
 
 
@@ -789,8 +838,12 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
-    final_norm += 2 * _blk(s * arch.head_dim * f.residual)
-    if spec.method is Method.FULL:
+    rope = 2 * _blk(s * arch.head_dim * f.residual)
+    final_norm += rope
+    head_trains = spec.method is Method.FULL or (
+        rs.lora is not None and "lm_head" in rs.lora.modules_to_save
+    )
+    if head_trains:
         final_norm += _blk(tokens * h * f.residual)  # lm_head's input, for its weight grad
     loss = _loss_bytes(arch, rs, b, s)
     grad_hidden = _blk(tokens * h * max(f.residual, 2))  # gradient flowing down the stack
@@ -842,8 +895,31 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         bottom_acts = checkpoint if ckpt else first_layer
         bottom_grads = grads if ga_grads else grads - embed_grads
         bottom = (st, bottom_grads, bottom_acts, recompute, 0, in_flight, 0)
-        end = (st, grads, 0, 0, 0, 0, 0)
-        rows.append((step, Phase.BACKWARD, max((top, bottom, end), key=sum)))
+        # The embedding's gradient is a temporary until it lands in .grad, with the gradient
+        # flowing into the embedding's backward beside it.
+        end = (
+            (st, grads - embed_grads, 0, 0, 0, embed_grads + grad_hidden, 0)
+            if embed_grads
+            else (st, grads, 0, 0, 0, 0, 0)
+        )
+        candidates = [top, bottom, end]
+        if ckpt and plan.up_proj_moment:
+            # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
+            # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
+            # tensors, per the reference traces) and the recomputed layer at its up_proj.
+            arriving = _blk(tokens * h * FP32_BYTES) + 2 * _blk(tokens * h * 2)
+            candidates.append(
+                (
+                    st,
+                    ga_grads,
+                    L * checkpoint + rope,
+                    _recipe_bytes(plan.up_proj_moment, b, s),
+                    0,
+                    arriving,
+                    0,
+                )
+            )
+        rows.append((step, Phase.BACKWARD, max(candidates, key=sum)))
     rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
 
     fixed_sum = sum(fixed)
