@@ -848,6 +848,12 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     loss = _loss_bytes(arch, rs, b, s)
     grad_hidden = _blk(tokens * h * max(f.residual, 2))  # gradient flowing down the stack
 
+    if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
+        # Eager attention takes an explicit (b, 1, s, s) causal mask in the attention dtype,
+        # which checkpointing keeps as every layer's input until backward ends; Gemma-2
+        # alternates global and sliding-window layers, with a mask for each kind.
+        masks = 2 if arch.model_type in ("gemma2", "gemma3_text") else 1
+        final_norm += masks * _blk(b * s * s * f.attn)
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
         recompute = per_layer
