@@ -80,6 +80,8 @@ class ModelArch:
     lm_head_bias: bool
     final_logit_softcapping: float | None
     attn_logit_softcapping: float | None  # Gemma-2: tanh on the attention scores (eager)
+    # Attention limited to this many previous tokens (Mistral v0.1, Phi-3); None when off.
+    sliding_window: int | None
     linears: tuple[Linear, ...]
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -278,7 +280,17 @@ def _common(c: _Config, model_type: str) -> dict[str, Any]:
         ),
         "final_logit_softcapping": c.float_or_none("final_logit_softcapping"),
         "attn_logit_softcapping": c.float_or_none("attn_logit_softcapping"),
+        "sliding_window": _sliding_window(c, model_type),
     }
+
+
+def _sliding_window(c: _Config, model_type: str) -> int | None:
+    """The window transformers applies on every layer; Qwen2 turns it off with
+    use_sliding_window, and Gemma-2's alternating windowed layers are modelled apart."""
+    if model_type in ("gemma2", "gemma3_text") or not c.boolean("use_sliding_window", True):
+        return None
+    window = c.integer("sliding_window", default=0)
+    return window or None
 
 
 def _llama_like(c: _Config, model_type: str) -> ModelArch:

@@ -471,8 +471,11 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
     kernel = spec.sdpa_kernel
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.AUTO:
         # On a GPU, PyTorch picks the flash kernel for fp16/bf16 and the memory-efficient one
-        # for fp32 (torch/backends/cuda sdp_utils: flash needs half precision).
-        kernel = SdpaKernel.FLASH if f.attn == 2 else SdpaKernel.EFFICIENT
+        # for fp32 (torch/backends/cuda sdp_utils: flash needs half precision) or when an
+        # explicit mask is given (flash takes none): a sliding window shorter than the
+        # sequence makes transformers build one.
+        half = f.attn == 2
+        kernel = SdpaKernel.FLASH if half and not spec.windowed else SdpaKernel.EFFICIENT
     led.add("q_rope", q_bytes)
     v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
     if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
@@ -489,6 +492,10 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
         led.add("v_rep", q_bytes)
         led.add("attn_out", q_bytes)
         led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
+        if spec.windowed:
+            # the boolean window mask, converted to an additive bias in the attention dtype
+            # per call and saved by the kernel (b, 1, s, s)
+            led.add("attn_bias", f.attn, _Kind.SQUARE)
         return
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH:
         # SDPA's math backend (aten _scaled_dot_product_attention_math) decomposes into
@@ -555,30 +562,32 @@ def _mlp_saves(
 
 
 def _moe_saves(led: _Ledger, f: _Flow, arch: ModelArch, x_key: str) -> None:
-    """Routed experts (transformers 5 MixtralExperts): each token's k expert MLPs."""
+    """Routed experts (transformers 5 MixtralExperts / Qwen2MoeExperts, frozen 3-D weights):
+    per token, its k experts' gate_up output (kept whole by the chunked views that act and
+    mul save), the activation, and the down output that the routing weight multiplies; the
+    router's fp32 softmax and top-k indices; a shared expert like a dense MLP, gated by a
+    sigmoid that saves its output and the shared output it multiplies."""
     e = arch.num_experts
     k = arch.num_experts_per_tok
     i_size = arch.expert_intermediate_size
     out = f.norm_out
-    routed = k  # per token, summed over its k experts
-    led.add("moe.router_logits", e * out)
-    led.add("moe.router_probs", e * FP32_BYTES)
-    led.add("moe.gathered", routed * arch.hidden_size * out)  # hidden_states[token_idx]
-    led.add("moe.gate_up", routed * 2 * i_size * out)
-    led.add("moe.act", routed * i_size * out)
-    led.add("moe.product", routed * i_size * out)
-    led.add("moe.down_out", routed * arch.hidden_size * out)
+    led.add("moe.router_probs", e * FP32_BYTES)  # softmax(router_logits, dtype=float)
+    led.add("moe.topk_indices", k * INT64_BYTES)
+    led.add("moe.gate_up", k * 2 * i_size * out)
+    led.add("moe.act", k * i_size * out)
+    led.add("moe.down_out", k * arch.hidden_size * out)
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
         led.add("shared.gate_out", si * out)
         led.add("shared.up_out", si * out)
         led.add("shared.act_out", si * out)
-        led.add("shared.gate_logit", out)
         led.add("shared.sigmoid", out)
         led.add("shared.out", arch.hidden_size * out)
         for lin in arch.linears:
             if lin.kind is LinearKind.MLP_OUT and not lin.expert:
                 _linear_saves(led, f, lin, "shared.product", out)
+            if lin.kind is LinearKind.SHARED_GATE:
+                _linear_saves(led, f, lin, x_key, out)
 
 
 def layer_saved_bytes(
@@ -606,6 +615,7 @@ def _layer_recipe(
     kernel: SdpaKernel,
     input_needs_grad: bool,
     at_up_proj: bool = False,
+    windowed: bool = False,
 ) -> tuple[tuple[int, _Kind, int], ...]:
     """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
     shapes depend on the model and settings, not on b or s).
@@ -616,7 +626,7 @@ def _layer_recipe(
     its fp32 LoRA branch."""
     led = _Ledger()
     h = arch.hidden_size
-    spec_like = _AttnChoice(attn, kernel)
+    spec_like = _AttnChoice(attn, kernel, windowed)
     if input_needs_grad:
         _norm_saves(led, f, "norm1", "x_in", h, arch)
     for lin in arch.linears:
@@ -644,6 +654,7 @@ def _layer_recipe(
 class _AttnChoice:
     attn_implementation: AttnImpl
     sdpa_kernel: SdpaKernel
+    windowed: bool  # a sliding window shorter than the sequence: an explicit mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -756,9 +767,9 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         flow=f,
         params=p,
         optimizer=_optimizer_state(p, unit.optim),
-        layer=_layer_recipe(arch, f, attn, kernel, True),
-        first_layer=_layer_recipe(arch, f, attn, kernel, False),
-        up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True)
+        layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed),
+        first_layer=_layer_recipe(arch, f, attn, kernel, False, windowed=key.windowed),
+        up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True, windowed=key.windowed)
         if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
         else (),
     )
@@ -777,9 +788,11 @@ class _PlanKey(NamedTuple):
     sdpa_kernel: SdpaKernel
     loss: LossImpl | None
     framework: Framework
+    windowed: bool  # the sequence is longer than the model's sliding window
 
     @classmethod
-    def of(cls, spec: TrainingSpec) -> _PlanKey:
+    def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
+        window = arch.sliding_window
         return cls(
             spec.method,
             spec.lora,
@@ -791,15 +804,18 @@ class _PlanKey(NamedTuple):
             spec.sdpa_kernel,
             spec.loss,
             spec.framework,
+            window is not None and spec.seq_len > window,
         )
 
     def unit_spec(self) -> TrainingSpec:
-        return TrainingSpec(batch_size=1, seq_len=1, **self._asdict())
+        fields = self._asdict()
+        del fields["windowed"]
+        return TrainingSpec(batch_size=1, seq_len=1, **fields)
 
 
 def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`."""
-    plan = _plan(arch, _PlanKey.of(spec))
+    plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     warnings = _validate(arch, spec)
     assumptions = list(rs.assumptions)
@@ -848,12 +864,21 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     loss = _loss_bytes(arch, rs, b, s)
     grad_hidden = _blk(tokens * h * max(f.residual, 2))  # gradient flowing down the stack
 
+    windowed_sdpa = (
+        arch.sliding_window is not None
+        and s > arch.sliding_window
+        and spec.attn_implementation is AttnImpl.SDPA
+    )
+    # Masks that checkpointing keeps as every layer's input until backward ends.
+    masks = 0
+    if spec.gradient_checkpointing and windowed_sdpa:
+        masks = _blk(b * s * s)  # transformers' boolean sliding-window mask (b, 1, s, s)
     if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
-        # Eager attention takes an explicit (b, 1, s, s) causal mask in the attention dtype,
-        # which checkpointing keeps as every layer's input until backward ends; Gemma-2
-        # alternates global and sliding-window layers, with a mask for each kind.
-        masks = 2 if arch.model_type in ("gemma2", "gemma3_text") else 1
-        final_norm += masks * _blk(b * s * s * f.attn)
+        # Eager attention takes an explicit (b, 1, s, s) causal mask in the attention dtype;
+        # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
+        kinds = 2 if arch.model_type in ("gemma2", "gemma3_text") else 1
+        masks = kinds * _blk(b * s * s * f.attn)
+    final_norm += masks
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
         recompute = per_layer
@@ -918,7 +943,7 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
                 (
                     st,
                     ga_grads,
-                    L * checkpoint + rope,
+                    L * checkpoint + rope + masks,
                     _recipe_bytes(plan.up_proj_moment, b, s),
                     0,
                     arriving,
