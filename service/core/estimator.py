@@ -517,7 +517,9 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
     led.add("k_rep", q_bytes)
     led.add("v_rep", q_bytes)
     led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)  # softmax(dtype=float32) output
-    led.add("probs", n_h * f.attn, _Kind.SQUARE)  # .to(query.dtype), saved by probs @ v
+    if f.attn != FP32_BYTES:
+        # .to(query.dtype), saved by probs @ v; a no-op (the same storage) when q is fp32
+        led.add("probs", n_h * f.attn, _Kind.SQUARE)
     # probs @ v saves its inputs, not its output: the output (transposed into o_proj's input,
     # "attn_out") is kept only if o_proj saves its input.
 
@@ -897,6 +899,8 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     head_grads = p.head_trainable // shard.grads
     embed_grads = p.embed_trainable // shard.grads
     ckpt = spec.gradient_checkpointing
+    rs_r = rs.lora.r if rs.lora else 0
+    tied_head = arch.tie_word_embeddings
     # bitsandbytes' 4-bit matmul dequantizes one weight to the compute dtype for each forward
     # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
     # of the largest quantized weight.
@@ -927,12 +931,15 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         bottom_grads = grads if ga_grads else grads - embed_grads
         bottom = (st, bottom_grads, bottom_acts, recompute, 0, in_flight, 0)
         # The embedding's gradient is a temporary until it lands in .grad, with the gradient
-        # flowing into the embedding's backward beside it.
-        end = (
-            (st, grads - embed_grads, 0, 0, 0, embed_grads + grad_hidden, 0)
-            if embed_grads
-            else (st, grads, 0, 0, 0, 0, 0)
-        )
+        # flowing into the embedding's backward beside it. A tied embedding already holds
+        # the LM head's gradient: AccumulateGrad adds out of place, so the old gradient, the
+        # new one and their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full).
+        if embed_grads and tied_head:
+            end = (st, grads - embed_grads, 0, 0, 0, 3 * embed_grads, 0)
+        elif embed_grads:
+            end = (st, grads - embed_grads, 0, 0, 0, embed_grads + grad_hidden, 0)
+        else:
+            end = (st, grads, 0, 0, 0, 0, 0)
         candidates = [top, bottom, end]
         if ckpt and plan.up_proj_moment:
             # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
@@ -950,6 +957,20 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
                     0,
                 )
             )
+        if spec.method is Method.QLORA and arch.mlp is MlpKind.GATED and not arch.is_moe:
+            # down_proj's backward in the top layer: its saved input is consumed, and the
+            # gradient of that input exists three times in the MLP's dtype: through the LoRA
+            # branch, through the 4-bit matmul (upcast back from the compute dtype), and
+            # their sum (reference trace mistral-7b-v0_1__qlora__...__ckpt).
+            i_bytes = tokens * arch.intermediate_size
+            down_input = _blk(i_bytes * f.norm_out) + _blk(tokens * rs_r * f.adapter)
+            grads_in = 3 * _blk(i_bytes * f.norm_out)
+            layer_now = per_layer - down_input
+            if ckpt:
+                acts_now = L * checkpoint + rope + masks
+            else:
+                acts_now = activations - final_norm + rope + masks - per_layer
+            candidates.append((st, ga_grads, acts_now, layer_now, 0, grads_in, 0))
         rows.append((step, Phase.BACKWARD, max(candidates, key=sum)))
     rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
 
