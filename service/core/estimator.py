@@ -883,7 +883,10 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     final_norm += masks
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
-        recompute = per_layer
+        # The recomputed first norm saves the layer's input itself when it needs no fp32 copy
+        # (an fp32 residual stream, or LayerNorm): that storage is the checkpoint.
+        shares_input = arch.norm is NormKind.LAYER or f.residual == FP32_BYTES
+        recompute = per_layer - (checkpoint if shares_input else 0)
         assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
     else:
         activations = (L - 1) * per_layer + first_layer + final_norm
@@ -965,11 +968,13 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
             i_bytes = tokens * arch.intermediate_size
             down_input = _blk(i_bytes * f.norm_out) + _blk(tokens * rs_r * f.adapter)
             grads_in = 3 * _blk(i_bytes * f.norm_out)
-            layer_now = per_layer - down_input
+            layer_now = (recompute if ckpt else per_layer) - down_input
             if ckpt:
                 acts_now = L * checkpoint + rope + masks
             else:
                 acts_now = activations - final_norm + rope + masks - per_layer
+            # with the gradient of the layer's output, in the residual dtype
+            grads_in += _blk(tokens * h * f.residual)
             candidates.append((st, ga_grads, acts_now, layer_now, 0, grads_in, 0))
         rows.append((step, Phase.BACKWARD, max(candidates, key=sum)))
     rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
