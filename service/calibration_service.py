@@ -429,6 +429,7 @@ class FactorCache:
             table=EMPTY_TABLE, state=FactorState.NONE, loaded_at=None, error="not loaded yet"
         )
         self._next_load = float("-inf")
+        self._invalidations = 0
 
     def get(self) -> FactorSnapshot:
         if self._clock() < self._next_load:
@@ -444,11 +445,23 @@ class FactorCache:
         finally:
             self._lock.release()
 
+    def peek(self) -> FactorSnapshot:
+        """The cached factors, never loading: for request paths that must not wait on the
+        database, while a background task calls `get` to keep them fresh."""
+        return self._snapshot
+
+    def age_s(self, snapshot: FactorSnapshot) -> float | None:
+        """Seconds since `snapshot` was loaded, by this cache's clock; None: never loaded."""
+        return None if snapshot.loaded_at is None else max(self._clock() - snapshot.loaded_at, 0.0)
+
     def invalidate(self) -> None:
-        """Reload on the next `get` (after this replica stored an upload)."""
+        """Reload on the next `get` (after this replica stored an upload), also when a load
+        that began before the upload was stored is under way."""
+        self._invalidations += 1
         self._next_load = float("-inf")
 
     def _refresh(self, now: float) -> None:
+        invalidations = self._invalidations
         try:
             table = self._load()
         except SQLAlchemyError as error:
@@ -464,7 +477,8 @@ class FactorCache:
         self._snapshot = FactorSnapshot(
             table=table, state=FactorState.FRESH, loaded_at=now, error=None
         )
-        self._next_load = now + self._ttl_s
+        invalidated = self._invalidations != invalidations
+        self._next_load = float("-inf") if invalidated else now + self._ttl_s
 
 
 def factor_loader(

@@ -297,6 +297,41 @@ class TestFactorCache:
         cache.get()
         assert len(loads) == 3
 
+    def test_an_invalidation_during_a_load_is_not_lost(self) -> None:
+        clock = FakeClock()
+        cache: FactorCache
+        loads = 0
+
+        def load() -> FactorTable:
+            nonlocal loads
+            loads += 1
+            if loads == 1:
+                cache.invalidate()  # an upload stored while this load read the table
+            return EMPTY_TABLE
+
+        cache = FactorCache(load, ttl_s=5.0, clock=clock)
+        cache.get()
+        cache.get()
+        assert loads == 2
+        cache.get()
+        assert loads == 2
+
+    def test_peek_never_loads(self) -> None:
+        clock = FakeClock()
+        loads: list[float] = []
+
+        def load() -> FactorTable:
+            loads.append(clock.now)
+            return EMPTY_TABLE
+
+        cache = FactorCache(load, ttl_s=5.0, clock=clock)
+        assert cache.peek().state is FactorState.NONE and cache.age_s(cache.peek()) is None
+        assert loads == []
+        cache.get()
+        clock.now += 7.0
+        assert cache.peek().state is FactorState.FRESH and loads == [1000.0]
+        assert cache.age_s(cache.peek()) == 7.0
+
     def test_keeps_answering_with_the_last_factors_when_the_store_is_down(self) -> None:
         clock = FakeClock()
         table = FactorTable({})
