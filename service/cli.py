@@ -242,11 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(handler=_cmd_estimate)
     # Subcommands live beside their component; none imports a heavy dependency until it runs.
     from service.api.cli import register as register_api
+    from service.api.cli import stored_job_estimator
     from service.store.cli import register as register_store
     from service.trace.cli import register as register_trace
 
-    for register in (register_api, register_store, register_trace):
-        register(sub)
+    register_api(sub)
+    register_store(sub, job_estimator=stored_job_estimator)
+    register_trace(sub)
     return parser
 
 

@@ -5,24 +5,28 @@ Run with `vramcast serve`, or `uvicorn service.api.app:create_app --factory`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.api import problems
-from service.api.calibration import FactorProvider, Uncalibrated
-from service.api.deps import Services
+from service.api.calibration import CachedFactors, FactorProvider, keep_fresh
+from service.api.deps import Services, require_read_key
 from service.api.limits import BodyLimitMiddleware
 from service.api.metrics import Metrics, MetricsMiddleware
-from service.api.routes import catalog, estimates, fit_checks, health
+from service.api.routes import calibrations, catalog, estimates, factors, fit_checks, health
 from service.api.settings import Settings
+from service.calibration_service import FactorCache, factor_loader
 from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
-from service.store.db import create_engine_from_url
+from service.core.estimator import ESTIMATOR_VERSION
+from service.store.db import create_engine_from_url, create_session_factory
 from service.web import mount_web
 
 TITLE = "vramcast"
@@ -42,29 +46,46 @@ def _version() -> str:
 def create_app(
     settings: Settings | None = None, *, factor_provider: FactorProvider | None = None
 ) -> FastAPI:
-    """A new app; `factor_provider` replaces the uncalibrated default (the store's seam)."""
+    """A new app; `factor_provider` replaces the store's factors (a seam for tests)."""
     settings = settings or Settings()
     metrics = Metrics()
+    engine = create_engine_from_url(settings.database_url)
+    sessions = create_session_factory(engine)
+    cache = FactorCache(factor_loader(sessions, ESTIMATOR_VERSION))
     services = Services(
         settings=settings,
         models=default_catalog(),
         gpus=default_gpu_catalog(),
-        factors=factor_provider or Uncalibrated(),
+        factors=factor_provider or CachedFactors(cache),
         metrics=metrics,
-        engine=create_engine_from_url(settings.database_url),
+        engine=engine,
+        sessions=sessions,
+        factor_cache=cache,
     )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # The first factors are loaded before the first request; requests never load them.
+        await asyncio.to_thread(cache.get)
+        refresher = asyncio.create_task(keep_fresh(cache))
         try:
             yield
         finally:
-            services.engine.dispose()
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+            engine.dispose()
 
     app = FastAPI(title=TITLE, description=DESCRIPTION, version=_version(), lifespan=lifespan)
     app.state.services = services
-    for router in (estimates.router, fit_checks.router, catalog.router, health.router):
-        app.include_router(router)
+    reads = [Depends(require_read_key)] if settings.require_read_key else []
+    app.include_router(estimates.router)
+    app.include_router(fit_checks.router)
+    app.include_router(calibrations.router)
+    app.include_router(calibrations.reads, dependencies=reads)
+    app.include_router(factors.router, dependencies=reads)
+    app.include_router(catalog.router)
+    app.include_router(health.router)
     mount_web(app)
     problems.install(app)
     # The last added is the outermost: metrics see every answer, 413s included.

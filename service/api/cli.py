@@ -23,6 +23,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from service.api.settings import Settings
+from service.calibration_service import EstimateFn
 from service.cli import CliError, add_spec_options, spec_from_args
 from service.core.spec import TrainingSpec
 from service.core.units import GIB
@@ -36,6 +37,14 @@ URL_ENV = "VRAMCAST_URL"
 # A scheduler hook must not hold a submission for long: a fit-check answers in milliseconds,
 # so a service that takes longer than this is treated as down (exit 2).
 DEFAULT_TIMEOUT_S = 10.0
+
+
+def stored_job_estimator() -> EstimateFn:
+    """The estimator of jobs as calibration uploads store them (`vramcast db rederive`)."""
+    from service.api.uploads import job_estimator
+    from service.catalog.models import default_catalog
+
+    return job_estimator(default_catalog())
 
 
 def register(subparsers: Any) -> None:

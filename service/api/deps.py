@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.auth import api_key, require_key
 from service.api.calibration import FactorProvider
 from service.api.estimation import Estimation
 from service.api.metrics import Metrics
 from service.api.settings import Settings
+from service.api.uploads import Calibrations
+from service.calibration_service import FactorCache
 from service.catalog.gpus import GpuCatalog
 from service.catalog.models import ModelCatalog
+from service.store.keys import KeyScope
+from service.store.models import ApiKey
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +34,8 @@ class Services:
     factors: FactorProvider
     metrics: Metrics
     engine: Engine
+    sessions: sessionmaker[Session]
+    factor_cache: FactorCache
 
 
 def _services(request: Request) -> Services:
@@ -58,12 +68,25 @@ async def get_engine(request: Request) -> Engine:
     return _services(request).engine
 
 
+async def get_factor_cache(request: Request) -> FactorCache:
+    return _services(request).factor_cache
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request; the route commits (once, before its 201) or nothing is kept."""
+    with _services(request).sessions() as session:
+        yield session
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ModelCatalogDep = Annotated[ModelCatalog, Depends(get_model_catalog)]
 GpuCatalogDep = Annotated[GpuCatalog, Depends(get_gpu_catalog)]
 FactorProviderDep = Annotated[FactorProvider, Depends(get_factor_provider)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
+FactorCacheDep = Annotated[FactorCache, Depends(get_factor_cache)]
+SessionDep = Annotated[Session, Depends(get_session)]
+CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key)]
 
 
 async def get_estimation(
@@ -76,3 +99,24 @@ async def get_estimation(
 
 
 EstimationDep = Annotated[Estimation, Depends(get_estimation)]
+
+
+def get_upload_key(session: SessionDep, credentials: CredentialsDep) -> ApiKey:
+    return require_key(session, credentials, KeyScope.UPLOAD)
+
+
+def require_read_key(session: SessionDep, credentials: CredentialsDep) -> None:
+    """On the read routes when the service requires a read key (`require_read_key`)."""
+    require_key(session, credentials, KeyScope.READ)
+
+
+UploadKeyDep = Annotated[ApiKey, Depends(get_upload_key)]
+
+
+async def get_calibrations(
+    models: ModelCatalogDep, gpus: GpuCatalogDep, cache: FactorCacheDep
+) -> Calibrations:
+    return Calibrations(models=models, gpus=gpus, cache=cache)
+
+
+CalibrationsDep = Annotated[Calibrations, Depends(get_calibrations)]

@@ -181,7 +181,7 @@ class Estimation:
             entry = _remembered(self._entries, ref.id, self.models.resolve, UnknownModelError)
             return entry.id, entry.arch
         arch = from_hf_config(ref.hf_config or {})
-        _check_config_limits(arch, (*loc_prefix, "model", "hf_config"))
+        check_config_limits(arch, (*loc_prefix, "model", "hf_config"))
         return CUSTOM_MODEL, arch
 
     def _gpu(self, ref: GpuRef) -> GpuOut:
@@ -273,7 +273,8 @@ def _narrower_targets(arch: ModelArch) -> tuple[str, ...] | None:
         return None
 
 
-def _check_config_limits(arch: ModelArch, loc: Loc) -> None:
+def check_config_limits(arch: ModelArch, loc: Loc) -> None:
+    """A 422 problem at `loc` for a config.json beyond what this service estimates."""
     checks = (
         ("num_hidden_layers", arch.num_hidden_layers, MAX_CONFIG_LAYERS),
         ("num_experts", arch.num_experts, MAX_CONFIG_EXPERTS),

@@ -9,6 +9,10 @@ Problem types (the `type` member; tag URIs, RFC 4151, identify them without a we
 | unknown-model         | 404    | a model id is in no catalog; `suggestions` are the closest  |
 | unknown-gpu           | 404    | a GPU name is in no catalog; `suggestions` are the closest  |
 | body-too-large        | 413    | the body is over the configured limit (`max_body_bytes`)    |
+| unauthorized          | 401    | no API key, or an unknown or revoked one (WWW-Authenticate) |
+| forbidden             | 403    | the key lacks the scope the route needs; `scope` names it   |
+| store-unavailable     | 503    | the calibration store cannot be reached; retry after the    |
+|                       |        | `Retry-After` header's seconds (also `retry_after_s`)       |
 | about:blank           | any    | plain HTTP errors (unknown path, method not allowed)        |
 | internal-error        | 500    | a bug; the detail never carries a traceback                 |
 """
@@ -24,6 +28,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import iter_route_contexts
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -34,9 +39,14 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
+from service.calibration_service import IdempotencyKeyReusedError, InvalidCursorError
 from service.catalog.gpus import UnknownGpuError
+from service.core.calibration import ImplausibleMeasurementError
 from service.core.errors import (
     EstimatorError,
     InvalidConfigError,
@@ -58,6 +68,10 @@ MAX_DETAIL = 2048
 MAX_NAME = 256
 MAX_INSTANCE = 2048
 
+# Seconds a client waits before retrying when the store is unreachable: a database restart
+# or failover takes seconds, and a training node's upload can wait.
+RETRY_AFTER_S = 5
+
 logger = logging.getLogger(__name__)
 
 
@@ -66,6 +80,9 @@ class ProblemType(StrEnum):
     UNKNOWN_MODEL = _TYPE_PREFIX + "unknown-model"
     UNKNOWN_GPU = _TYPE_PREFIX + "unknown-gpu"
     BODY_TOO_LARGE = _TYPE_PREFIX + "body-too-large"
+    UNAUTHORIZED = _TYPE_PREFIX + "unauthorized"
+    FORBIDDEN = _TYPE_PREFIX + "forbidden"
+    STORE_UNAVAILABLE = _TYPE_PREFIX + "store-unavailable"
     INTERNAL_ERROR = _TYPE_PREFIX + "internal-error"
     BLANK = "about:blank"
 
@@ -123,6 +140,12 @@ class Problem(BaseModel):
     max_body_bytes: int | None = Field(
         default=None, description="body-too-large: the limit in bytes.", ge=0
     )
+    scope: str | None = Field(
+        default=None, description="forbidden: the scope the key lacks.", max_length=32
+    )
+    retry_after_s: int | None = Field(
+        default=None, description="store-unavailable: seconds to wait (as Retry-After).", ge=0
+    )
 
     @model_serializer(mode="wrap")
     def _without_absent_members(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -148,7 +171,7 @@ class ProblemError(Exception):
 
 
 def _pointer(loc: Sequence[str | int]) -> str:
-    parts = list(loc[1:]) if loc and loc[0] in ("body", "path", "query") else list(loc)
+    parts = list(loc[1:]) if loc and loc[0] in ("body", "path", "query", "header") else list(loc)
     escaped = (str(p).replace("~", "~0").replace("/", "~1") for p in parts)
     return "".join("/" + part for part in escaped)
 
@@ -194,6 +217,42 @@ def body_too_large(limit: int) -> Problem:
     )
 
 
+def unauthorized(detail: str) -> Problem:
+    return Problem(
+        type=ProblemType.UNAUTHORIZED,
+        title="An API key is needed",
+        status=HTTPStatus.UNAUTHORIZED,
+        detail=detail,
+    )
+
+
+def forbidden(scope: str) -> Problem:
+    return Problem(
+        type=ProblemType.FORBIDDEN,
+        title="The API key lacks a scope",
+        status=HTTPStatus.FORBIDDEN,
+        detail=f"this request needs a key with the {scope!r} scope",
+        scope=scope,
+    )
+
+
+def store_unavailable() -> Problem:
+    return Problem(
+        type=ProblemType.STORE_UNAVAILABLE,
+        title="The calibration store is unavailable",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        detail="the database cannot be reached; estimates still answer, uploads must be retried",
+        retry_after_s=RETRY_AFTER_S,
+    )
+
+
+def _unreachable(exc: DBAPIError | PoolTimeoutError) -> bool:
+    """Whether a database error says the database cannot be reached (not a bug of ours)."""
+    return not isinstance(exc, DBAPIError) or (
+        isinstance(exc, OperationalError) or exc.connection_invalidated
+    )
+
+
 def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
     """The problem for any error; `loc_prefix` locates the job that a core error is about."""
     match exc:
@@ -229,6 +288,16 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
         case InvalidSpecError():
             loc = (*loc_prefix, *exc.field.split("."))
             return invalid_field(loc, exc.reason, "invalid_spec")
+        case ImplausibleMeasurementError():
+            loc = (*loc_prefix, *exc.field.split("."))
+            return invalid_field(loc, exc.reason, "implausible_measurement")
+        case IdempotencyKeyReusedError():
+            loc = ("header", "Idempotency-Key")
+            return invalid_field(loc, _clip(str(exc), MAX_FIELD_DETAIL), "idempotency_key_reused")
+        case InvalidCursorError():
+            return invalid_field(("query", "cursor"), "not a cursor this service issued", "cursor")
+        case DBAPIError() | PoolTimeoutError() if _unreachable(exc):
+            return store_unavailable()
         case InvalidConfigError():
             loc = (*loc_prefix, "model", "hf_config", *exc.field.split("."))
             return invalid_field(loc, exc.reason, "invalid_config")
@@ -260,11 +329,18 @@ def http_problem(status: int, detail: str | None = None) -> Problem:
 
 
 def render(problem: Problem, instance: str | None = None) -> Response:
-    """The HTTP response carrying `problem`."""
+    """The HTTP response carrying `problem`, with the headers its type calls for."""
     if instance is not None and problem.instance is None:
         problem = problem.model_copy(update={"instance": _clip(instance, MAX_INSTANCE)})
     body = problem.model_dump_json().encode()
-    return Response(body, status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE)
+    headers: dict[str, str] = {}
+    if problem.type == ProblemType.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = 'Bearer realm="vramcast"'
+    if problem.retry_after_s is not None:
+        headers["Retry-After"] = str(problem.retry_after_s)
+    return Response(
+        body, status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE, headers=headers
+    )
 
 
 def _validation_errors(errors: Sequence[Any]) -> list[FieldError]:
@@ -279,10 +355,27 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     problem = from_exception(exc)
     if problem.type == ProblemType.INTERNAL_ERROR:
         logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    elif problem.type == ProblemType.STORE_UNAVAILABLE:
+        logger.warning("store unreachable on %s %s: %s", request.method, request.url.path, exc)
     response = render(problem, request.url.path)
     if isinstance(exc, StarletteHTTPException) and exc.headers:
         response.headers.update(exc.headers)
+    if problem.status == HTTPStatus.METHOD_NOT_ALLOWED:
+        response.headers["Allow"] = _allowed_methods(request)
     return response
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method the path answers: Starlette's 405 names only the first route's, and a
+    path may have several routes (GET and POST /v1/calibrations)."""
+    methods = {
+        method
+        for context in iter_route_contexts(request.app.routes)
+        if isinstance(context.route, Route) and context.route.methods
+        if context.route.matches(request.scope)[0] is not Match.NONE
+        for method in context.route.methods
+    }
+    return ", ".join(sorted(methods))
 
 
 def install(app: FastAPI) -> None:
@@ -293,6 +386,10 @@ def install(app: FastAPI) -> None:
         ProblemError,
         EstimatorError,
         UnknownGpuError,
+        IdempotencyKeyReusedError,
+        InvalidCursorError,
+        DBAPIError,
+        PoolTimeoutError,
         Exception,
     ):
         app.add_exception_handler(kind, _on_error)
@@ -301,14 +398,22 @@ def install(app: FastAPI) -> None:
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses=` entries for the problem statuses a route can answer."""
     words = {
+        401: "No API key, or an unknown or revoked one.",
+        403: "The API key lacks the scope this route needs.",
         404: "Unknown model or GPU; `suggestions` lists the closest catalog entries.",
         413: "The body is over the configured limit.",
         422: "Invalid input; `errors` locates each invalid field.",
+        503: "The calibration store is unreachable; retry after `Retry-After` seconds.",
+    }
+    headers = {
+        401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+        503: {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}},
     }
     return {
         status: {
             "description": words.get(status, HTTPStatus(status).phrase),
             "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+            **({"headers": headers[status]} if status in headers else {}),
         }
         for status in statuses
     }

@@ -25,10 +25,12 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import core_schema
 
-from service.api.calibration import AppliedCalibration, CalibratedPeaks
+from service.api.calibration import AppliedCalibration, CalibratedPeaks, LevelFactor
 from service.api.problems import FieldError, Problem, field_error
+from service.calibration_service import FactorState
 from service.catalog.gpus import GpuCatalog
 from service.catalog.models import CatalogEntry, ModelCatalog
+from service.core.calibration import Level
 from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion, usable_bytes
 from service.core.result import PHASE_WORDS, Component, Estimate, Overhead, Phase
 from service.core.spec import (
@@ -386,12 +388,34 @@ class ParamsOut(_Out):
     trainable: int = Field(ge=0, description="Parameters that take a gradient.")
 
 
+class LevelCalibrationOut(_Out):
+    """The factor that corrected one peak level."""
+
+    level: Level = Field(description="allocated, reserved or device.")
+    scope: str = Field(max_length=64, description="Where it came from (model_gpu, model, ...).")
+    factor: float = Field(ge=0.0, description="measured / estimated, multiplied into the level.")
+    nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
+    samples: int = Field(ge=0, description="Measured runs behind the factor.")
+
+    @classmethod
+    def from_core(cls, level: LevelFactor) -> LevelCalibrationOut:
+        return cls(
+            level=level.level,
+            scope=level.scope,
+            factor=level.factor,
+            nodes=level.nodes,
+            samples=level.samples,
+        )
+
+
 class CalibrationOut(_Out):
-    """The calibration factor applied to the device level, if any."""
+    """The calibration applied: the device level's factor (the safe bound's), every level's
+    factors, and whether the factors are fresh, stale (the store is down) or missing."""
 
     applied: bool = Field(description="Whether measured peaks corrected this estimate.")
     scope: str = Field(
-        max_length=64, description="'none', or where the factor came from (model, global, ...)."
+        max_length=64,
+        description="'none', or where the device level's factor came from (model, global, ...).",
     )
     factor: float | None = Field(
         default=None, ge=0.0, description="measured / estimated, multiplied into the estimate."
@@ -401,6 +425,13 @@ class CalibrationOut(_Out):
     )
     nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
     samples: int = Field(ge=0, description="Measured runs behind the factor.")
+    levels: list[LevelCalibrationOut] = Field(
+        max_length=3, description="Every level a factor corrected (allocated, reserved, device)."
+    )
+    state: FactorState = Field(
+        description="The factors used: fresh (loaded from the store within seconds), stale (the "
+        "store is unreachable: the last ones loaded) or none (none could be loaded)."
+    )
 
     @classmethod
     def from_core(cls, applied: AppliedCalibration) -> CalibrationOut:
@@ -411,6 +442,8 @@ class CalibrationOut(_Out):
             upper_multiplier=applied.upper_multiplier,
             nodes=applied.nodes,
             samples=applied.samples,
+            levels=[LevelCalibrationOut.from_core(level) for level in applied.levels],
+            state=applied.state,
         )
 
 

@@ -6,8 +6,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.units import MIB
-
-DEFAULT_DATABASE_URL = "sqlite:///./var/vramcast.db"
+from service.store.db import DEFAULT_DATABASE_URL
 
 
 class Settings(BaseSettings):
@@ -28,3 +27,8 @@ class Settings(BaseSettings):
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=1, le=65535, description="TCP port to listen on.")
+    require_read_key: bool = Field(
+        default=False,
+        description="GET /v1/calibrations and /v1/factors need a key with the read scope. "
+        "Estimates and fit-checks stay open: they must answer while the store is down.",
+    )

@@ -1,4 +1,5 @@
-"""`vramcast keys` (create, list, revoke API keys) and `vramcast db` (run the migrations).
+"""`vramcast keys` (create, list, revoke API keys) and `vramcast db` (run the migrations,
+re-derive calibration ratios for this estimator version).
 
 Both take `--database-url`, by default VRAMCAST_DATABASE_URL or the embedded SQLite file.
 """
@@ -16,6 +17,8 @@ from alembic import command
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.calibration_service import EstimateFn, rederive_ratios
+from service.core.estimator import ESTIMATOR_VERSION
 from service.store.db import create_engine_from_url, create_session_factory, database_url_from_env
 from service.store.keys import KeyScope, create_key, list_keys, revoke_key
 from service.store.migrate import alembic_config
@@ -25,6 +28,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 Handler = Callable[[argparse.Namespace], int]
+# Builds the estimator of jobs as uploads store them (the API's job JSON), on first use.
+JobEstimatorFactory = Callable[[], EstimateFn]
 
 
 def _add_database_url(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +120,20 @@ def _db_current(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _db_rederive(job_estimator: JobEstimatorFactory) -> Handler:
+    @_with_store
+    def handler(args: argparse.Namespace) -> int:
+        estimate = job_estimator()
+        with _sessions(args) as sessions, sessions.begin() as session:
+            derived = rederive_ratios(
+                session, estimate=estimate, estimator_version=ESTIMATOR_VERSION
+            )
+        print(f"derived ratios of {derived} uploads for estimator {ESTIMATOR_VERSION}")
+        return EXIT_OK
+
+    return handler
+
+
 def add_keys_parser(subparsers: Any) -> None:
     keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
     actions = keys.add_subparsers(dest="keys_command", required=True)
@@ -144,8 +163,9 @@ def add_keys_parser(subparsers: Any) -> None:
     revoke.set_defaults(handler=_keys_revoke)
 
 
-def add_db_parser(subparsers: Any) -> None:
-    db = subparsers.add_parser("db", help="database migrations (Alembic)")
+def add_db_parser(subparsers: Any, job_estimator: JobEstimatorFactory | None = None) -> None:
+    """`vramcast db`; `rederive` only with the estimator of stored jobs (the API's)."""
+    db = subparsers.add_parser("db", help="database migrations and calibration ratios")
     actions = db.add_subparsers(dest="db_command", required=True)
 
     upgrade = actions.add_parser("upgrade", help="migrate to a revision (default: head)")
@@ -162,8 +182,17 @@ def add_db_parser(subparsers: Any) -> None:
     _add_database_url(current)
     current.set_defaults(handler=_db_current)
 
+    if job_estimator is not None:
+        rederive = actions.add_parser(
+            "rederive",
+            help=f"derive ratios of estimator {ESTIMATOR_VERSION} for uploads that lack them "
+            "(run once per deployment of a new estimator)",
+        )
+        _add_database_url(rederive)
+        rederive.set_defaults(handler=_db_rederive(job_estimator))
 
-def register(subparsers: Any) -> None:
+
+def register(subparsers: Any, *, job_estimator: JobEstimatorFactory | None = None) -> None:
     """Add `keys` and `db` to the `vramcast` command line."""
     add_keys_parser(subparsers)
-    add_db_parser(subparsers)
+    add_db_parser(subparsers, job_estimator)

@@ -1,8 +1,18 @@
-"""An isolated app per test, driven over HTTP in-process."""
+"""An isolated app per test, driven over HTTP in-process.
+
+`make_app` apps share one migrated SQLite store that tests only read; tests that write the
+store use `store_app`, on each database (SQLite and PostgreSQL, the store tests' fixtures).
+"""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +21,11 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.api.settings import Settings
+from service.store.db import create_engine_from_url
+from service.store.keys import KeyScope, create_key
+from service.store.migrate import upgrade
+from service.store.models import Base
+from tests.store import conftest as store_conftest
 
 # The issue's example job: every field given.
 FULL_JOB: dict[str, Any] = {
@@ -41,8 +56,34 @@ FULL_JOB: dict[str, Any] = {
 SMALL_JOB: dict[str, Any] = {"model": "Qwen/Qwen2.5-0.5B", "batch_size": 2, "seq_len": 512}
 
 
+@functools.cache
+def read_only_store_url() -> str:
+    directory = Path(tempfile.mkdtemp(prefix="vramcast-api-tests-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    url = f"sqlite:///{directory / 'store.db'}"
+    upgrade(url)
+    return url
+
+
 def make_app(**settings: Any) -> FastAPI:
-    return create_app(Settings(database_url="sqlite://", **settings))
+    return create_app(Settings(**{"database_url": read_only_store_url(), **settings}))
+
+
+def issue_key(app: FastAPI, *scopes: KeyScope) -> str:
+    """A new API key's token, stored in the app's database."""
+    with app.state.services.sessions.begin() as session:
+        issued = create_key(session, scopes=scopes, name="tests", now=datetime.now(UTC))
+        return issued.token
+
+
+def empty_store(url: str) -> None:
+    engine = create_engine_from_url(url)
+    try:
+        with engine.begin() as connection:
+            for table in reversed(Base.metadata.sorted_tables):
+                connection.execute(table.delete())
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture
@@ -53,4 +94,21 @@ def app() -> FastAPI:
 @pytest.fixture
 def client(app: FastAPI) -> Iterator[TestClient]:
     with TestClient(app) as test_client:
+        yield test_client
+
+
+# The store tests' migrated databases, SQLite and PostgreSQL (fixtures are found by name).
+database_url = store_conftest.database_url
+
+
+@pytest.fixture
+def store_app(database_url: str) -> Iterator[FastAPI]:
+    """An app on each database, migrated; what the test stored is deleted after it."""
+    yield make_app(database_url=database_url)
+    empty_store(database_url)
+
+
+@pytest.fixture
+def store_client(store_app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(store_app) as test_client:
         yield test_client

@@ -48,6 +48,8 @@ def test_minimal_job_gets_the_full_breakdown(client: TestClient) -> None:
         "upper_multiplier": None,
         "nodes": 0,
         "samples": 0,
+        "levels": [],
+        "state": "fresh",
     }
     assert body["assumptions"] and body["estimator_version"]
     assert body["gpu"] is None
