@@ -55,8 +55,11 @@ NodeName = Annotated[
     str,
     StringConstraints(min_length=1, max_length=MAX_NAME, pattern=r"^[^\x00-\x1f\x7f]+$"),
 ]
-VersionText = Annotated[str, StringConstraints(max_length=MAX_VERSION)]
+VersionText = Annotated[
+    str, StringConstraints(max_length=MAX_VERSION, pattern=r"^[^\x00-\x1f\x7f]*$")
+]
 PeakBytes = Annotated[int, Field(ge=1, le=MAX_REPORTED_BYTES)]
+_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
 
 
 def _date_time_text(value: Any) -> Any:
@@ -66,7 +69,6 @@ def _date_time_text(value: Any) -> Any:
     return value
 
 
-_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
 DateTimeText = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
 
 
@@ -110,21 +112,17 @@ class MeasuredIn(_In):
         )
 
 
-VersionField = Annotated[
-    str | None,
-    Field(default=None, max_length=MAX_VERSION, pattern=r"^[^\x00-\x1f\x7f]*$"),
-]
-
-
 class EnvironmentIn(_In):
     """The software a peak was measured with; leave out what the node does not know."""
 
-    torch: VersionField = Field(default=None, description="torch.__version__, e.g. '2.5.1+cu124'.")
-    cuda: VersionField = Field(default=None, description="torch.version.cuda, e.g. '12.4'.")
-    driver: VersionField = Field(default=None, description="The NVIDIA driver's version.")
-    transformers: VersionField = Field(default=None, description="transformers.__version__.")
-    peft: VersionField = Field(default=None, description="peft.__version__.")
-    bitsandbytes: VersionField = Field(default=None, description="bitsandbytes.__version__.")
+    torch: VersionText | None = Field(
+        default=None, description="torch.__version__, e.g. '2.5.1+cu124'."
+    )
+    cuda: VersionText | None = Field(default=None, description="torch.version.cuda, e.g. '12.4'.")
+    driver: VersionText | None = Field(default=None, description="The NVIDIA driver's version.")
+    transformers: VersionText | None = Field(default=None, description="transformers.__version__.")
+    peft: VersionText | None = Field(default=None, description="peft.__version__.")
+    bitsandbytes: VersionText | None = Field(default=None, description="bitsandbytes.__version__.")
     world_size: int | None = Field(
         default=None, ge=1, le=1_000_000, description="Ranks of the job (torch.distributed)."
     )
