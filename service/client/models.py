@@ -178,13 +178,28 @@ class Peak(Levels):
     phase_words: str
 
 
+class LevelCalibration(_Result):
+    """The factor that corrected one peak level."""
+
+    level: str
+    scope: str
+    factor: float
+    nodes: int
+    samples: int
+
+
 class AppliedCalibration(_Result):
+    """Whether measured peaks corrected the estimate; `state`: the factors were fresh,
+    stale (the service's store is down) or none."""
+
     applied: bool
     scope: str
     nodes: int
     samples: int
     factor: float | None = None
     upper_multiplier: float | None = None
+    levels: list[LevelCalibration] = []
+    state: str = "none"
 
 
 class GpuFitSummary(_Result):

@@ -1,0 +1,161 @@
+"""Job specs read from what a training process holds: QLoRA, DeepSpeed and the cases the API
+cannot describe, on stand-in objects (the real Trainer runs in test_hf_callback)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from service.client import VramcastClient
+from service.client.derive import (
+    InputShapes,
+    UndescribableJobError,
+    job_from_hf,
+    name_or_path,
+)
+from tests.client.conftest import Service
+
+
+class Config:
+    """A config as transformers' PretrainedConfig presents it."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+QWEN_0_5B = Config(
+    model_type="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    _attn_implementation="flash_attention_2",
+    _name_or_path="Qwen/Qwen2.5-0.5B",
+    quantization_config={
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "bfloat16",
+    },
+)
+
+
+class Parameter:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class PeftModel:
+    """The attributes of a peft.PeftModel the derivation reads."""
+
+    def __init__(self, config: Config, peft_type: str = "LORA") -> None:
+        self.config = config
+        self.active_adapter = "default"
+        self.peft_config = {
+            "default": SimpleNamespace(
+                peft_type=peft_type,
+                r=16,
+                lora_alpha=32,
+                lora_dropout=0.05,
+                target_modules={"v_proj", "q_proj"},
+                modules_to_save=None,
+            )
+        }
+
+    def get_input_embeddings(self) -> Any:
+        return SimpleNamespace(weight=Parameter("torch.bfloat16"))
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return [
+            ("base_model.model.embed_tokens.weight", Parameter("torch.bfloat16")),
+            (
+                "base_model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+                Parameter("torch.float32"),
+            ),
+        ]
+
+
+def arguments(**changes: Any) -> SimpleNamespace:
+    """TrainingArguments' fields the derivation reads (TRL's SFTConfig adds max_length)."""
+    values: dict[str, Any] = {
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 8,
+        "gradient_checkpointing": True,
+        "bf16": True,
+        "fp16": False,
+        "optim": "paged_adamw_8bit",
+        "world_size": 8,
+        "fsdp": [],
+        "deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        "max_length": 2048,
+    }
+    return SimpleNamespace(**{**values, **changes})
+
+
+def test_a_qlora_run_under_deepspeed(service: Service) -> None:
+    job = job_from_hf(PeftModel(QWEN_0_5B), arguments())
+    assert job.to_json() == {
+        "model": {"hf_config": QWEN_0_5B.to_dict()},
+        "method": "qlora",
+        "batch_size": 4,
+        "seq_len": 2048,
+        "lora": {
+            "r": 16,
+            "lora_alpha": 32,
+            "lora_dropout": 0.05,
+            "target_modules": ["q_proj", "v_proj"],
+            "adapter_dtype": "fp32",
+        },
+        "quantization": {"type": "nf4", "double_quant": True, "compute_dtype": "bf16"},
+        "dtype": "bf16",
+        "autocast": True,
+        "optim": "paged_adamw_8bit",
+        "gradient_accumulation_steps": 8,
+        "gradient_checkpointing": True,
+        "attn_implementation": "flash_attention_2",
+        "parallel": {"gpus": 8, "strategy": "zero2", "offload": "optimizer"},
+    }
+    # What the reporter derives is a job the service estimates.
+    with VramcastClient(service.url) as client:
+        assert client.estimate(job).params.trainable > 0
+        catalog = job_from_hf(PeftModel(QWEN_0_5B), arguments(), model_id="Qwen/Qwen2.5-0.5B")
+        assert client.estimate(catalog).model == "Qwen/Qwen2.5-0.5B"
+
+
+def test_sequence_length_prefers_what_the_model_took() -> None:
+    shapes = InputShapes()
+    shapes.max_seq_len, shapes.max_batch_size = 1536, 4
+    assert job_from_hf(PeftModel(QWEN_0_5B), arguments(), shapes=shapes).seq_len == 1536
+    assert (
+        job_from_hf(PeftModel(QWEN_0_5B), arguments(), shapes=shapes, seq_len=4096).seq_len == 4096
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "reason"),
+    [
+        (PeftModel(QWEN_0_5B, peft_type="IA3"), arguments(), "not LoRA"),
+        (PeftModel(QWEN_0_5B), arguments(optim="lion_8bit"), "lion_8bit"),
+        (PeftModel(QWEN_0_5B), arguments(max_length=None), "sequence length"),
+        (SimpleNamespace(), arguments(), "no Hugging Face model"),
+    ],
+)
+def test_jobs_the_api_cannot_describe(model: Any, args: Any, reason: str) -> None:
+    with pytest.raises(UndescribableJobError, match=reason):
+        job_from_hf(model, args)
+
+
+def test_hub_ids_and_local_paths(tmp_path: Any) -> None:
+    assert name_or_path(PeftModel(QWEN_0_5B)) == "Qwen/Qwen2.5-0.5B"
+    local = Config(**{**QWEN_0_5B.__dict__, "_name_or_path": str(tmp_path / "checkpoint")})
+    assert name_or_path(PeftModel(local)) is None
