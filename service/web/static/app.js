@@ -689,23 +689,56 @@
     host.replaceChildren(root);
   }
 
+  const FACTOR_STATE_WORDS = {
+    fresh: "The factors are current: reloaded from the store within seconds.",
+    stale: "The store is unreachable: these are the last factors the service loaded.",
+    none: "The store could not be read and no factors were ever loaded: the numbers are uncalibrated.",
+  };
+
+  function factorText(value) {
+    return value === null || value === undefined ? "—" : value.toFixed(3);
+  }
+
   function renderCalibration(est) {
     const c = est.calibration;
     const text = $("calibration-text");
     text.replaceChildren();
+    const item = (id, label, value) => el("div", {}, el("dt", { text: label }), el("dd", { id: `calibration-${id}`, text: value }));
     const dl = el("dl", { class: "calibration" },
-      el("div", {}, el("dt", { text: "Applied" }), el("dd", { id: "calibration-applied", text: c.applied ? "yes" : "no" })),
-      el("div", {}, el("dt", { text: "Scope" }), el("dd", { id: "calibration-scope", text: c.scope })),
-      el("div", {}, el("dt", { text: "Factor" }), el("dd", { id: "calibration-factor", text: c.factor === null ? "—" : c.factor.toFixed(3) })),
-      el("div", {}, el("dt", { text: "Spread" }), el("dd", { id: "calibration-spread", text: c.upper_multiplier === null ? "—" : `×${c.upper_multiplier.toFixed(3)}` })),
-      el("div", {}, el("dt", { text: "Samples" }), el("dd", { id: "calibration-samples", text: String(c.samples) })),
-      el("div", {}, el("dt", { text: "Nodes" }), el("dd", { id: "calibration-nodes", text: String(c.nodes) })),
+      item("applied", "Applied", c.applied ? "yes" : "no"),
+      item("scope", "Scope", c.scope),
+      item("factor", "Factor (device)", factorText(c.factor)),
+      item("spread", "Spread", c.upper_multiplier === null || c.upper_multiplier === undefined ? "—" : `×${c.upper_multiplier.toFixed(3)}`),
+      item("samples", "Samples", String(c.samples)),
+      item("nodes", "Nodes", String(c.nodes)),
     );
     const words = c.applied
-      ? `Measured peaks from ${c.samples} runs on ${c.nodes} training nodes corrected these numbers.`
-      : `No measured peaks apply yet: these are the estimator's own numbers, and the safe bound ` +
-        `adds its prior margin of ${(est.upper_margin * 100).toFixed(0)} % to the device level.`;
+      ? `Measured peaks from ${c.samples} runs on ${c.nodes} training nodes corrected these ` +
+        `numbers; the safe bound is the corrected device level times the measured spread.`
+      : `No measured peaks apply to this job yet: these are the estimator's own numbers, and the ` +
+        `safe bound adds its prior margin of ${(est.upper_margin * 100).toFixed(0)} % to the device level.`;
     text.append(el("p", { text: words }), dl);
+    const levels = c.levels || [];
+    if (levels.length) {
+      text.append(
+        el("div", { class: "table-wrap" },
+          el("table", { id: "calibration-levels" },
+            el("caption", { text: "Factors per level" }),
+            el("thead", {}, el("tr", {}, ...["Level", "Scope", "Factor", "Samples", "Nodes"].map((h, i) => el("th", { scope: "col", class: i >= 2 ? "num" : null, text: h })))),
+            el("tbody", {}, ...levels.map((l) => el("tr", { dataset: { level: l.level } },
+              el("th", { scope: "row", text: l.level }),
+              el("td", { text: l.scope }),
+              el("td", { class: "num", text: factorText(l.factor) }),
+              el("td", { class: "num", text: String(l.samples) }),
+              el("td", { class: "num", text: String(l.nodes) }),
+            ))),
+          ),
+        ),
+      );
+    }
+    if (c.state && FACTOR_STATE_WORDS[c.state]) {
+      text.append(el("p", { id: "calibration-state", class: c.state === "fresh" ? "hint" : "stale", dataset: { state: c.state }, text: FACTOR_STATE_WORDS[c.state] }));
+    }
     $("calibration-section").hidden = false;
   }
 
