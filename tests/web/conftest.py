@@ -14,14 +14,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from service.store.db import create_engine_from_url, create_session_factory
+from service.store.keys import KeyScope, create_key
 from service.store.migrate import upgrade
+from tests.web.pages import DESKTOP, Driver
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_ENV = "VRAMCAST_CHROMIUM"
@@ -64,10 +70,9 @@ def _wait_ready(base_url: str, server: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"the service did not answer /readyz within {STARTUP_SECONDS:.0f} s")
 
 
-@pytest.fixture(scope="session")
-def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of the real service, serving on 127.0.0.1 with a temporary SQLite store."""
-    database_url = f"sqlite:///{tmp_path_factory.mktemp('web-store') / 'vramcast.db'}"
+@contextmanager
+def running_service(database_url: str) -> Iterator[str]:
+    """The service on a free loopback port, on `database_url` (migrated first); its base URL."""
     upgrade(database_url)
     port = _free_port()
     env = {**os.environ, "VRAMCAST_DATABASE_URL": database_url}
@@ -98,6 +103,25 @@ def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             server.wait()
 
 
+def issue_key(database_url: str, *scopes: KeyScope) -> str:
+    """A new API key's token, stored in the database at `database_url`."""
+    engine = create_engine_from_url(database_url)
+    try:
+        with create_session_factory(engine).begin() as session:
+            issued = create_key(session, scopes=scopes, name="web tests", now=datetime.now(UTC))
+            return issued.token
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of the real service, serving on 127.0.0.1 with a temporary SQLite store."""
+    database = tmp_path_factory.mktemp("web-store") / "vramcast.db"
+    with running_service(f"sqlite:///{database}") as base_url:
+        yield base_url
+
+
 @pytest.fixture(scope="session")
 def api(service_url: str) -> Iterator[httpx.Client]:
     """An HTTP client of the same service, for the answers the page must show."""
@@ -123,3 +147,33 @@ def browser() -> Iterator[Any]:
             yield launched
         finally:
             launched.close()
+
+
+@pytest.fixture
+def open_page(browser: Any) -> Iterator[Callable[[str], Driver]]:
+    """Opens pages, each in a fresh browser context, on a service's base URL; on the way out,
+    fails the test if a page raised or fetched anything from another host."""
+    opened: list[tuple[Any, Driver]] = []
+
+    def open_one(base_url: str) -> Driver:
+        context = browser.new_context(viewport=DESKTOP)
+        page = context.new_page()
+        page.set_default_timeout(20_000)
+        found = Driver(page, base_url)
+        opened.append((context, found))
+        return found
+
+    yield open_one
+    for context, _ in opened:
+        context.close()
+    for _, found in opened:
+        assert not found.errors, f"the page raised: {found.errors}"
+        origin = urlsplit(found.base_url).netloc
+        outside = [u for u in found.requests if urlsplit(u).netloc != origin]
+        assert not outside, f"the page fetched from outside the service: {outside}"
+
+
+@pytest.fixture
+def driver(open_page: Callable[[str], Driver], service_url: str) -> Driver:
+    """A page of the shared service."""
+    return open_page(service_url)

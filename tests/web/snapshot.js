@@ -27,9 +27,16 @@
       text: text(q(".legend-value", li)),
     })),
     levelLabels: qa("#breakdown-chart text.level-label").map(text),
-    calibration: Object.fromEntries(
-      ["applied", "scope", "factor", "samples", "nodes"].map((k) => [k, text(q(`#calibration-${k}`))]),
-    ),
+    calibration: {
+      ...Object.fromEntries(
+        ["applied", "scope", "factor", "samples", "nodes"].map((k) => [k, text(q(`#calibration-${k}`))]),
+      ),
+      levels: qa("#calibration-levels tbody tr").map((tr) => {
+        const [level, scope, factor, samples, nodes] = qa("th, td", tr).map(text);
+        return { level, scope, factor, samples, nodes };
+      }),
+      state: q("#calibration-state") ? q("#calibration-state").dataset.state : null,
+    },
     fit: qa("#fit-table tbody tr").map((tr) => ({
       gpu: tr.dataset.gpu,
       fits: tr.dataset.fits === "true",
