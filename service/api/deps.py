@@ -89,13 +89,16 @@ SessionDep = Annotated[Session, Depends(get_session)]
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key)]
 
 
-async def get_estimation(
-    models: ModelCatalogDep,
-    gpus: GpuCatalogDep,
-    factors: FactorProviderDep,
-    metrics: MetricsDep,
-) -> Estimation:
-    return Estimation(models=models, gpus=gpus, factors=factors, metrics=metrics)
+async def get_estimation(request: Request) -> Estimation:
+    # One dependency rather than one per service: FastAPI resolves every dependency on every
+    # request, and these services are fixed for the app's life (the factor provider included).
+    services = _services(request)
+    return Estimation(
+        models=services.models,
+        gpus=services.gpus,
+        factors=services.factors,
+        metrics=services.metrics,
+    )
 
 
 EstimationDep = Annotated[Estimation, Depends(get_estimation)]
