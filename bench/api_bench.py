@@ -34,6 +34,8 @@ CONCURRENCY = 32  # clients with a request in flight at any time
 # Processes the clients run in: all CPUs but the server's, at most 8.
 CLIENT_PROCESSES = max(1, min(8, (os.cpu_count() or 2) - 1))
 CLIENT_START_S = 1.0  # time for the client processes to start before the warm-up
+# Below this share of busy time the server is not what limits requests per second.
+SATURATED = 0.8
 WARMUP_S = 1.0
 DURATION_S = 5.0  # per endpoint
 STARTUP_TIMEOUT_S = 30.0
@@ -75,6 +77,11 @@ class Load:
     def percentile(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def server_busy(self) -> float | None:
+        """The share of the time the server's process was on a CPU."""
+        return None if self.server_cpu_s is None else self.server_cpu_s / self.seconds
 
     @property
     def server_cpu_per_request_s(self) -> float | None:
@@ -417,6 +424,12 @@ def run() -> list[str]:
         f"(target <= {ESTIMATE_OVERHEAD_TARGET:.0%}: "
         f"{'met' if overhead <= ESTIMATE_OVERHEAD_TARGET else 'NOT met'})"
     )
+    busy = [load.server_busy for load in (trivial, estimates) if load.server_busy is not None]
+    if busy and min(busy) < SATURATED:
+        lines.append(
+            f"  the server was busy only {min(busy):.0%} of the time: req/s measure the "
+            "clients here, compare the server's CPU per request instead"
+        )
     if trivial.server_cpu_per_request_s and estimates.server_cpu_per_request_s:
         cpu_ratio = estimates.server_cpu_per_request_s / trivial.server_cpu_per_request_s - 1
         lines.append(f"  estimate vs trivial: {cpu_ratio:+.1%} server CPU per request")
