@@ -4,7 +4,8 @@ that share one PostgreSQL database, all on loopback, bounded in count and in tim
 Some uploads are sent twice at the same moment, once to each server, with the same
 Idempotency-Key and body, as a node's retry after a timeout would be. Afterwards the database
 must hold every accepted upload exactly once and no replay. `run()` gives the figures for
-`make bench`: uploads per second and latency percentiles. PostgreSQL comes from
+`make bench`: uploads per second, latency percentiles, and the servers' CPU time per upload
+(which, unlike the first two, other work on the machine does not skew). PostgreSQL comes from
 VRAMCAST_BENCH_POSTGRES_URL (default: the local server); a scratch database is created next to
 it and dropped at the end.
 """
@@ -16,17 +17,13 @@ import contextlib
 import os
 import random
 import secrets
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import IO, Any
+from typing import Any
 
 import httpx
 from sqlalchemy import create_engine, func, select
@@ -34,6 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 
+from bench.api_bench import _cpu_seconds, _free_port, _server
 from service.store.db import create_engine_from_url, create_session_factory
 from service.store.keys import KeyScope, create_key
 from service.store.migrate import upgrade
@@ -43,7 +41,6 @@ POSTGRES_URL_ENV = "VRAMCAST_BENCH_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 LOOPBACK = "127.0.0.1"
 SERVERS = 2
-STARTUP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 # Jobs the nodes report, as small models a fleet fine-tunes (each node reports one).
 JOBS: tuple[dict[str, Any], ...] = (
@@ -88,6 +85,7 @@ class LoadResult:
     unaccepted_stored: int  # rows whose key no answer accepted
     seconds: float
     latencies: list[float]
+    server_cpu_s: float | None  # both servers' CPU time during the load (Linux), else None
 
     @property
     def exactly_once(self) -> bool:
@@ -103,16 +101,15 @@ class LoadResult:
     def uploads_per_s(self) -> float:
         return self.uploads / self.seconds
 
+    @property
+    def server_cpu_ms_per_upload(self) -> float | None:
+        """Server CPU per accepted upload: unlike uploads/s, other work on the machine does not
+        change it."""
+        return None if self.server_cpu_s is None else 1e3 * self.server_cpu_s / self.uploads
+
     def percentile_ms(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -136,59 +133,27 @@ def scratch_postgres_database(server_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+@dataclass(frozen=True, slots=True)
+class Server:
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def servers(database_url: str, count: int = SERVERS) -> Iterator[list[str]]:
+def servers(database_url: str, count: int = SERVERS) -> Iterator[list[Server]]:
     """`count` uvicorn server processes on loopback ports, all on `database_url`."""
-    env = {**os.environ, "VRAMCAST_DATABASE_URL": database_url}
     with contextlib.ExitStack() as stack:
-        started = [stack.enter_context(_server(env)) for _ in range(count)]
-        for url, process, log in started:
-            _wait_ready(url, process, log)
-        yield [url for url, _, _ in started]
+        started = []
+        for _ in range(count):
+            port = _free_port()
+            process = stack.enter_context(_server(port, database_url))
+            started.append(Server(url=f"http://{LOOPBACK}:{port}", pid=process.pid))
+        yield started
 
 
-@contextlib.contextmanager
-def _server(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen[bytes], IO[bytes]]]:
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "service.api.app:create_app",
-        "--factory",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--no-access-log",
-    ]
-    with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
-        try:
-            yield f"http://{LOOPBACK}:{port}", process, log
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: IO[bytes]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            output = log.read().decode(errors="replace")[-2000:]
-            raise RuntimeError(f"a server exited with status {process.returncode}:\n{output}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} was not ready within {STARTUP_TIMEOUT_S} s")
+def _cpu_of(started: list[Server]) -> float | None:
+    seconds = [_cpu_seconds(server.pid) for server in started]
+    return None if None in seconds else sum(s or 0.0 for s in seconds)
 
 
 def _upload_key(database_url: str) -> str:
@@ -283,8 +248,10 @@ def run_load(database_url: str, load: Load = Load()) -> LoadResult:
     """Migrate `database_url`, start the servers on it, run `load`, and count what is stored."""
     upgrade(database_url)
     token = _upload_key(database_url)
-    with servers(database_url) as urls:
-        tally, seconds = asyncio.run(_drive(urls, token, load))
+    with servers(database_url) as started:
+        cpu_before = _cpu_of(started)
+        tally, seconds = asyncio.run(_drive([server.url for server in started], token, load))
+        cpu_after = _cpu_of(started)
     rows, stored_keys = _stored(database_url)
     return LoadResult(
         uploads=len(tally.ids),
@@ -299,6 +266,7 @@ def run_load(database_url: str, load: Load = Load()) -> LoadResult:
         unaccepted_stored=len(stored_keys - set(tally.ids)),
         seconds=seconds,
         latencies=tally.latencies,
+        server_cpu_s=None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
     )
 
 
@@ -311,12 +279,15 @@ def run(load: Load = Load()) -> dict[str, Any]:
         except OperationalError as error:
             return {"skipped": f"PostgreSQL unreachable at {server_url}: {error.orig}"}
         result = run_load(database_url, load)
+    cpu = result.server_cpu_ms_per_upload
     return {
         "setup": f"{load.clients} nodes x {load.uploads_per_client} uploads, {SERVERS} uvicorn "
         f"servers, one PostgreSQL, loopback, {os.cpu_count()} CPUs",
         "uploads/s": round(result.uploads_per_s, 1),
         "p50 ms": round(result.percentile_ms(0.50), 1),
         "p99 ms": round(result.percentile_ms(0.99), 1),
+        "server CPU ms/upload": "n/a" if cpu is None else round(cpu, 2),
+        "load average": " ".join(f"{value:.1f}" for value in os.getloadavg()),
         "uploads accepted": result.uploads,
         "replays sent / answered": f"{result.replays_sent} / {result.replayed}",
         "rows stored": result.stored,
