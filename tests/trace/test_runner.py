@@ -1,0 +1,124 @@
+"""The two-step runner: fake equals real on a tiny model, options it refuses, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from service.core.result import Component, Phase
+from service.core.spec import (
+    LoraSpec,
+    LossImpl,
+    Method,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    TrainingSpec,
+    resolve,
+)
+from service.trace.runner import NotTraceableError, check_traceable, trace
+from service.trace.validate import TINY_CONFIGS
+
+pytestmark = pytest.mark.trace
+
+TINY = TINY_CONFIGS["tiny-qwen2"]
+LORA = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TrainingSpec(
+            method=Method.LORA, batch_size=2, seq_len=32, lora=LORA, gradient_checkpointing=True
+        ),
+        TrainingSpec(
+            method=Method.QLORA,
+            batch_size=2,
+            seq_len=32,
+            lora=LORA,
+            quantization=QuantSpec(double_quant=True),
+        ),
+    ],
+    ids=["lora-ckpt", "qlora"],
+)
+def test_the_fake_trace_equals_a_real_cpu_run(spec: TrainingSpec) -> None:
+    fake = trace(spec, TINY, "tiny", cpu_kernels=True, record_events=True)
+    real = trace(spec, TINY, "tiny", real=True, cpu_kernels=True, record_events=True)
+    assert fake.peak == real.peak
+    assert fake.phases == real.phases
+    assert fake.events == real.events
+    assert len(fake.events) > 1000
+    assert sum(fake.peak.components.values()) == fake.peak.allocated_bytes
+    for entry in fake.phases:
+        assert sum(entry.snapshot.components.values()) == entry.snapshot.allocated_bytes
+
+
+def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
+    spec = TrainingSpec(
+        method=Method.LORA, batch_size=2, seq_len=32, lora=LORA, gradient_checkpointing=True
+    )
+    result = trace(spec, TINY, "tiny")
+    phases = {(p.step, p.phase): p.snapshot for p in result.phases}
+    assert set(phases) == {(s, p) for s in (1, 2) for p in Phase}
+    # No optimizer state before the first step; all of it in the steady state.
+    assert phases[(1, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE] == 0
+    state = phases[(2, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE]
+    trainable = phases[(2, Phase.FORWARD_END)].components[Component.TRAINABLE_PARAMS]
+    # Fused AdamW: exp_avg and exp_avg_sq like the fp32 adapters, and a 0-dim step counter on
+    # the device for each of the 28 adapter tensors (2 layers x 7 modules x A, B).
+    assert state == 2 * trainable + 28 * 512
+    assert phases[(1, Phase.BACKWARD)].components[Component.RECOMPUTE] > 0
+    assert phases[(1, Phase.OPTIMIZER_STEP)].components[Component.GRADIENTS] == trainable
+    assert result.peak_step == 2
+    assert result.params_trainable > 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"parallel": ParallelSpec(gpus=2)}, "one GPU"),
+        ({"autocast": True}, "autocast"),
+        ({"loss": LossImpl.FUSED}, "loss"),
+        ({"optim": Optim.PAGED_ADAMW_8BIT}, "managed memory"),
+        ({"gradient_accumulation_steps": 4}, "accumulation"),
+    ],
+)
+def test_options_the_tracer_cannot_reproduce_are_refused(
+    changes: dict[str, object], words: str
+) -> None:
+    spec = TrainingSpec(method=Method.LORA, batch_size=1, seq_len=16, **changes)  # type: ignore[arg-type]
+    with pytest.raises(NotTraceableError, match=words):
+        check_traceable(resolve(spec))
+
+
+def test_the_trace_command_prints_reference_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    out = tmp_path / "out"
+    argv = ["trace", "--config", str(config), "-b", "1", "-s", "16", "--json", "--out", str(out)]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["peak"]["allocated_bytes"] % 512 == 0
+    assert sum(document["peak"]["components"].values()) == document["peak"]["allocated_bytes"]
+    assert [p.name for p in out.iterdir()] == [f"{document['name']}.json"]
+
+
+def test_the_trace_command_refuses_what_it_cannot_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    assert main(["trace", "--config", str(config), "-b", "1", "-s", "16", "--autocast"]) == 2
+    assert "autocast" in capsys.readouterr().err
