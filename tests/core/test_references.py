@@ -1,0 +1,99 @@
+"""The estimator against the committed reference traces (tests/data/traces): the allocated
+peak of the real HF/PEFT step, traced storage by storage (see service/trace)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.catalog.models import default_catalog
+from service.core.estimator import estimate
+from service.core.result import Component, Estimate
+from service.core.units import MIB
+
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+PEAK_TOLERANCE = 0.01  # each reference's allocated peak
+MEDIAN_TOLERANCE = 0.003  # median over all references
+COMPONENT_TOLERANCE = 0.02  # each component, or within COMPONENT_SLACK_BYTES
+COMPONENT_SLACK_BYTES = 16 * MIB
+
+# References the estimator does not yet meet the tolerances on, each with the bound it holds
+# and why; the README's accuracy section lists them. A gap that grows fails; one that closes
+# fails too, so this list only shrinks.
+KNOWN_GAPS: dict[str, tuple[float, str]] = {}
+
+
+def _references() -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(TRACES.glob("*.json"))]
+
+
+def _estimate(ref: dict[str, Any]) -> Estimate:
+    from service.trace.reference import spec_from_json
+
+    return estimate(default_catalog().resolve(ref["model_id"]).arch, spec_from_json(ref["spec"]))
+
+
+@pytest.fixture(scope="module")
+def compared() -> list[tuple[dict[str, Any], Estimate]]:
+    refs = _references()
+    assert len(refs) >= 13, "the committed references are missing"
+    return [(ref, _estimate(ref)) for ref in refs]
+
+
+def test_peaks_match_the_traces(
+    compared: list[tuple[dict[str, Any], Estimate]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    errors = []
+    beyond = []
+    lines = [f"{'reference':<66}{'traced GiB':>11}{'estimate':>10}{'error':>9}  peak"]
+    for ref, est in compared:
+        traced = ref["peak"]["allocated_bytes"]
+        err = est.allocated_bytes / traced - 1
+        errors.append(abs(err))
+        bound = KNOWN_GAPS.get(ref["name"], (PEAK_TOLERANCE, ""))[0]
+        if abs(err) > bound:
+            beyond.append(f"{ref['name']}: {err:+.3%} (bound {bound:.0%})")
+        if ref["name"] in KNOWN_GAPS and abs(err) <= PEAK_TOLERANCE:
+            beyond.append(
+                f"{ref['name']}: now within {PEAK_TOLERANCE:.0%}; drop it from KNOWN_GAPS"
+            )
+        where = f"{ref['peak']['phase']}/{ref['peak']['step']}"
+        lines.append(
+            f"{ref['name'][:65]:<66}{traced / 2**30:>11.2f}{est.allocated_bytes / 2**30:>10.2f}"
+            f"{err:>+9.3%}  {where}"
+        )
+    lines.append(f"median |error| {statistics.median(errors):.4%}, max {max(errors):.4%}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert not beyond, "\n".join(beyond)
+    assert statistics.median(errors) <= MEDIAN_TOLERANCE
+
+
+def test_components_match_the_traces(compared: list[tuple[dict[str, Any], Estimate]]) -> None:
+    misses = []
+    for ref, est in compared:
+        if ref["name"] in KNOWN_GAPS:
+            continue
+        for name, traced in ref["peak"]["components"].items():
+            ours = est.components.get(Component(name), 0)
+            diff = abs(ours - traced)
+            if diff > max(COMPONENT_SLACK_BYTES, COMPONENT_TOLERANCE * traced):
+                misses.append(f"{ref['name']}: {name} traced {traced} estimated {ours}")
+    assert not misses, "\n".join(misses)
+
+
+def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Estimate]]) -> None:
+    misses = [
+        f"{ref['name']}: traced {ref['peak']['phase']}/{ref['peak']['step']}, "
+        f"estimated {est.peak_phase.value}/{est.peak_step}"
+        for ref, est in compared
+        if (ref["peak"]["phase"], ref["peak"]["step"]) != (est.peak_phase.value, est.peak_step)
+        # within 1 % of each other the two phases are a tie the trace may resolve either way
+        and abs(est.allocated_bytes / ref["peak"]["allocated_bytes"] - 1) > PEAK_TOLERANCE
+        and ref["name"] not in KNOWN_GAPS
+    ]
+    assert not misses, "\n".join(misses)
