@@ -753,6 +753,7 @@ class _Plan:
     first_layer: tuple[tuple[int, _Kind, int], ...]
     # live at up_proj in a recomputed layer, when that moment is modelled (else empty)
     up_proj_moment: tuple[tuple[int, _Kind, int], ...]
+    dequant: int  # a transient dequantized copy of the largest 4-bit weight (QLoRA)
 
 
 @lru_cache(maxsize=4096)
@@ -774,6 +775,12 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True, windowed=key.windowed)
         if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
         else (),
+        dequant=_blk(
+            max(lin.in_features * lin.out_features for lin in arch.linears if not lin.expert)
+            * DTYPE_BYTES[rs.compute_dtype]
+        )
+        if unit.method is Method.QLORA
+        else 0,
     )
 
 
@@ -907,10 +914,7 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     # bitsandbytes' 4-bit matmul dequantizes one weight to the compute dtype for each forward
     # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
     # of the largest quantized weight.
-    dequant = 0
-    if spec.method is Method.QLORA:
-        largest = max(lin.in_features * lin.out_features for lin in arch.linears if not lin.expert)
-        dequant = _blk(largest * DTYPE_BYTES[rs.compute_dtype])
+    dequant = plan.dequant
     fixed = (frozen, trainable, inputs)
     # (step, phase, the parts that vary by phase), in COMPONENT_ORDER after the fixed parts:
     # optimizer state, gradients, activations, recompute, logits/loss, backward and optimizer

@@ -39,6 +39,15 @@ NCCL_PRIOR = 512 * MIB
 UPPER_MARGIN_PRIOR = 0.10
 
 
+_PRIOR_NOTES = (
+    f"reserved = allocated + a {FRAGMENTATION_PRIOR:.0%} fragmentation prior on transient "
+    "tensors (no calibration applied)",
+    f"device adds a {CUDA_CONTEXT // MIB} MiB CUDA context and {CUBLAS_WORKSPACE // MIB} MiB "
+    "cuBLAS workspace",
+)
+_PAGED_NOTE = ("paged optimizer state counted at the device level (managed memory)",)
+
+
 @dataclass(frozen=True, slots=True)
 class AboveAllocated:
     reserved: int
@@ -64,14 +73,7 @@ def above_allocated(
     outside = CUBLAS_WORKSPACE + paged_state + (NCCL_PRIOR if gpus > 1 else 0)
     device = reserved + CUDA_CONTEXT + outside
     upper = int(device * (1 + UPPER_MARGIN_PRIOR))
-    notes = [
-        f"reserved = allocated + a {FRAGMENTATION_PRIOR:.0%} fragmentation prior on transient "
-        "tensors (no calibration applied)",
-        f"device adds a {CUDA_CONTEXT // MIB} MiB CUDA context and {CUBLAS_WORKSPACE // MIB} MiB "
-        "cuBLAS workspace",
-    ]
-    if paged_state:
-        notes.append("paged optimizer state counted at the device level (managed memory)")
+    notes = _PRIOR_NOTES + (_PAGED_NOTE if paged_state else ())
     return AboveAllocated(
         reserved=reserved,
         device=device,
@@ -82,7 +84,7 @@ def above_allocated(
             Overhead.CUDA_CONTEXT: CUDA_CONTEXT,
             Overhead.OUTSIDE_ALLOCATOR: outside,
         },
-        assumptions=tuple(notes),
+        assumptions=notes,
     )
 
 
