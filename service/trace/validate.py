@@ -59,6 +59,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 BATCH, SEQ = 2, 32
 NO_OP = "(no op)"
+# Sort order of profiler events that share a timestamp.
+_BEFORE_OP_END, _OP_END, _AFTER_OP_END = 0, 1, 2
 _LORA = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear")
 
 
@@ -200,30 +202,31 @@ def check_allocator(spec: TrainingSpec, config: Mapping[str, Any], model: str) -
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = trace(spec, config, model, real=True, cpu_kernels=True, allocation_unit=1)
-    allocations: list[Any] = []
-    op_ends: list[tuple[int, str]] = []
+    # One timeline of allocator events and dispatched-op ends. Timestamps can tie: an event
+    # inside an op sorts before that op's end, any other event after it.
+    timeline: list[tuple[int, int, int, Any]] = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         node = pending.pop()
         if node.tag == _EventType.Allocation:
-            allocations.append(node)
+            owner = _dispatched_ancestor(node)
+            inside = owner is not None and owner.end_time_ns == node.start_time_ns
+            order = _BEFORE_OP_END if inside else _AFTER_OP_END
+            timeline.append((node.start_time_ns, order, node.extra_fields.allocation_id, node))
         elif node.tag == _EventType.TorchOp and _dispatched(node):
-            op_ends.append((node.end_time_ns, node.name))
+            timeline.append((node.end_time_ns, _OP_END, 0, None))
         pending.extend(node.children)
-    allocations.sort(key=lambda n: (n.start_time_ns, n.extra_fields.allocation_id))
-    op_ends.sort()
-    base = allocations[0].extra_fields.total_allocated - allocations[0].extra_fields.alloc_size
+    timeline.sort(key=lambda entry: entry[:3])
+    first = next(entry[3] for entry in timeline if entry[3] is not None)
+    base = first.extra_fields.total_allocated - first.extra_fields.alloc_size
 
     live: dict[int, Any] = {}
-    outside = 0
-    boundary_peak = 0
-    allocator_peak, peak_outside, peak_node = -1, 0, allocations[0]
-    next_end = 0
-    level = 0
-    for node in allocations:
-        while next_end < len(op_ends) and op_ends[next_end][0] < node.start_time_ns:
+    outside = level = boundary_peak = 0
+    allocator_peak, peak_outside, peak_node = -1, 0, first
+    for _time, _order, _id, node in timeline:
+        if node is None:  # an op returned: the tracker counts its outputs now
             boundary_peak = max(boundary_peak, level - outside)
-            next_end += 1
+            continue
         fields = node.extra_fields
         if fields.alloc_size > 0:
             live[fields.ptr] = node
@@ -240,7 +243,7 @@ def check_allocator(spec: TrainingSpec, config: Mapping[str, Any], model: str) -
         allocator_peak=allocator_peak,
         boundary_peak=boundary_peak,
         outside_ops=peak_outside,
-        peak_op=_dispatched_ancestor(peak_node),
+        peak_op=_name(_dispatched_ancestor(peak_node)),
     )
 
 
@@ -252,14 +255,18 @@ def _dispatched(node: Any) -> bool:
 
 def _outside_ops(node: Any) -> bool:
     """Allocated by no dispatched op: C++ or Python code between ops (RNG state, scalars)."""
-    return _dispatched_ancestor(node) == NO_OP
+    return _dispatched_ancestor(node) is None
 
 
-def _dispatched_ancestor(node: Any) -> str:
+def _dispatched_ancestor(node: Any) -> Any:
     parent = node.parent
     while parent is not None and not _dispatched(parent):
         parent = parent.parent
-    return NO_OP if parent is None else str(parent.name)
+    return parent
+
+
+def _name(node: Any) -> str:
+    return NO_OP if node is None else str(node.name)
 
 
 def format_report(reports: list[CaseReport]) -> str:
