@@ -49,7 +49,6 @@ def choose_sdpa_kernel(
     dtype: torch.dtype,
     head_dim: int,
     has_mask: bool,
-    dropout_p: float,
 ) -> SdpaKernel:
     """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient.
 
@@ -57,7 +56,6 @@ def choose_sdpa_kernel(
     constraints that matter for decoder training: flash needs fp16/bf16, no explicit mask and a
     head dim up to 256.
     """
-    del dropout_p  # every backend supports dropout in training
     flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM
     if requested is SdpaKernel.FLASH:
         if not flash_ok:
@@ -104,7 +102,6 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             dtype=query.dtype,
             head_dim=query.size(-1),
             has_mask=attn_mask is not None,
-            dropout_p=dropout_p,
         )
         if cpu_flash and kernel is not SdpaKernel.MATH:
             if attn_mask is not None and attn_mask.dtype == torch.bool:

@@ -161,13 +161,10 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         target = list(target)
     elif target == ALL_LINEAR:
         target = ALL_LINEAR
-    dropout = getattr(resolved, "lora_dropout", None)  # filled by resolve() where it exists
-    if dropout is None:
-        dropout = lora.lora_dropout or 0.0
     lora_config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
-        lora_dropout=dropout,
+        lora_dropout=resolved.lora_dropout,
         target_modules=target,
         modules_to_save=list(lora.modules_to_save) or None,
         task_type="CAUSAL_LM",

@@ -30,16 +30,14 @@ AUTO = SdpaKernel.AUTO
 def test_sdpa_backend_choice_follows_cuda(
     requested: SdpaKernel, dtype: torch.dtype, head_dim: int, mask: bool, chosen: SdpaKernel
 ) -> None:
-    got = kernels.choose_sdpa_kernel(
-        requested, dtype=dtype, head_dim=head_dim, has_mask=mask, dropout_p=0.0
-    )
+    got = kernels.choose_sdpa_kernel(requested, dtype=dtype, head_dim=head_dim, has_mask=mask)
     assert got is chosen
 
 
 def test_flash_cannot_be_forced_where_cuda_has_no_flash_kernel() -> None:
     with pytest.raises(ValueError, match="flash"):
         kernels.choose_sdpa_kernel(
-            SdpaKernel.FLASH, dtype=torch.float32, head_dim=64, has_mask=False, dropout_p=0.0
+            SdpaKernel.FLASH, dtype=torch.float32, head_dim=64, has_mask=False
         )
 
 
