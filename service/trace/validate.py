@@ -59,8 +59,6 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 BATCH, SEQ = 2, 32
 NO_OP = "(no op)"
-# Sort order of profiler events that share a timestamp.
-_BEFORE_OP_END, _OP_END, _AFTER_OP_END = 0, 1, 2
 _LORA = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear")
 
 
@@ -202,42 +200,39 @@ def check_allocator(spec: TrainingSpec, config: Mapping[str, Any], model: str) -
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = trace(spec, config, model, real=True, cpu_kernels=True, allocation_unit=1)
-    # One timeline of allocator events and dispatched-op ends. Timestamps can tie: an event
-    # inside an op sorts before that op's end, any other event after it.
-    timeline: list[tuple[int, int, int, Any]] = []
+    allocations: list[Any] = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         node = pending.pop()
         if node.tag == _EventType.Allocation:
-            owner = _dispatched_ancestor(node)
-            inside = owner is not None and owner.end_time_ns == node.start_time_ns
-            order = _BEFORE_OP_END if inside else _AFTER_OP_END
-            timeline.append((node.start_time_ns, order, node.extra_fields.allocation_id, node))
-        elif node.tag == _EventType.TorchOp and _dispatched(node):
-            timeline.append((node.end_time_ns, _OP_END, 0, None))
+            allocations.append(node)
         pending.extend(node.children)
-    timeline.sort(key=lambda entry: entry[:3])
-    first = next(entry[3] for entry in timeline if entry[3] is not None)
-    base = first.extra_fields.total_allocated - first.extra_fields.alloc_size
+    allocations.sort(key=lambda n: n.start_time_ns)
+    base = allocations[0].extra_fields.total_allocated - allocations[0].extra_fields.alloc_size
 
+    # The level when a dispatched op returns is the level after its last allocator event (ops
+    # that allocate nothing cannot raise it); op-end timestamps are not used, since they can
+    # land on either side of the frees that follow the op.
+    after_op: dict[tuple[int, int, str], int] = {}
     live: dict[int, Any] = {}
-    outside = level = boundary_peak = 0
-    allocator_peak, peak_outside, peak_node = -1, 0, first
-    for _time, _order, _id, node in timeline:
-        if node is None:  # an op returned: the tracker counts its outputs now
-            boundary_peak = max(boundary_peak, level - outside)
-            continue
+    outside = 0
+    allocator_peak, peak_outside, peak_node = -1, 0, allocations[0]
+    for node in allocations:
         fields = node.extra_fields
+        owner = _dispatched_ancestor(node)
         if fields.alloc_size > 0:
             live[fields.ptr] = node
-            outside += fields.alloc_size if _outside_ops(node) else 0
+            outside += fields.alloc_size if owner is None else 0
         else:
             born = live.pop(fields.ptr, None)
             if born is not None and _outside_ops(born):
                 outside -= born.extra_fields.alloc_size
         level = fields.total_allocated - base
+        if owner is not None:
+            after_op[(owner.start_time_ns, owner.end_time_ns, owner.name)] = level - outside
         if level > allocator_peak:
             allocator_peak, peak_outside, peak_node = level, outside, node
+    boundary_peak = max(after_op.values(), default=0)
     return AllocatorCheck(
         tracker_peak=result.peak.allocated_bytes,
         allocator_peak=allocator_peak,
