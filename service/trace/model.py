@@ -13,6 +13,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# Imported here, never for the first time inside a fake mode, where bitsandbytes' module-level
+# tensors would become fake ones (and be counted by the trace).
+import bitsandbytes as bnb
 import torch
 
 from service.core.result import Component
@@ -98,7 +101,6 @@ def _enable_checkpointing(model: Any) -> None:
 
 def _quantize_4bit(model: Any, resolved: ResolvedSpec) -> None:
     """What `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True))` does."""
-    import bitsandbytes as bnb
     from transformers import BitsAndBytesConfig
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import get_keys_to_not_convert
@@ -228,8 +230,6 @@ def materialize(
     Shared tensors (tied embeddings, shared quant-state tensors) stay shared. Returns each new
     storage-owning tensor once, with its role: trainable parameters, or frozen weights.
     """
-    import bitsandbytes as bnb
-
     replaced: dict[int, torch.Tensor] = {}
     owned: list[tuple[torch.Tensor, Component]] = []
     for owner, name, tensor, kind in list(_named_tensor_slots(model)):

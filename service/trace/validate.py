@@ -347,11 +347,27 @@ def _yes(flag: bool) -> str:
     return "same" if flag else "DIFFERS"
 
 
+def _check_named_case(model: str, spec: TrainingSpec) -> CaseReport:
+    return check_case(model, spec, TINY_CONFIGS[model])
+
+
 def run_validation(path: Path = VALIDATION_PATH) -> int:
+    """Check every case, each in a fresh process.
+
+    A real run leaves process-wide caches behind (bitsandbytes' 4-bit code tables,
+    `backends/utils.py` `_code_4bit_cache`); a later case would reach them without allocating,
+    so the tracker would count a storage the allocator never saw in that run.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     reports = []
-    for model, spec in validation_cases():
-        report = check_case(model, spec, TINY_CONFIGS[model])
-        reports.append(report)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_check_named_case, m, s) for m, s in validation_cases()]
+        for future in futures:
+            report = future.result()
+            reports.append(report)
         print(
             f"{'ok ' if report.passed else 'BAD'} {report.name}: {report.fake_peak:,} B, "
             f"allocator at op boundaries {report.allocator.boundary_peak:,} B "
