@@ -919,74 +919,67 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     # (step, phase, the parts that vary by phase), in COMPONENT_ORDER after the fixed parts:
     # optimizer state, gradients, activations, recompute, logits/loss, backward and optimizer
     # temporaries.
+    # Inside the layers' backward: at the top layer every activation is still alive (plus
+    # one recomputed layer when checkpointing) and only the head's gradients exist; at the
+    # first layer the activations are gone and every gradient but the embedding's exists;
+    # the embedding's gradient comes last. The phase's peak is the largest of these moments.
+    # (Each tuple lacks the optimizer state, which steps 1 and 2 add alike.)
+    in_flight = 2 * grad_hidden + dequant
+    top = (grads if ga_grads else head_grads, activations, recompute, 0, in_flight, 0)
+    bottom_acts = checkpoint if ckpt else first_layer
+    bottom_grads = grads if ga_grads else grads - embed_grads
+    bottom = (bottom_grads, bottom_acts, recompute, 0, in_flight, 0)
+    # The embedding's gradient is a temporary until it lands in .grad, with the gradient
+    # flowing into the embedding's backward beside it. A tied embedding already holds the LM
+    # head's gradient: AccumulateGrad adds out of place, so the old gradient, the new one and
+    # their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full fine-tuning).
+    if embed_grads and tied_head:
+        end = (grads - embed_grads, 0, 0, 0, 3 * embed_grads, 0)
+    elif embed_grads:
+        end = (grads - embed_grads, 0, 0, 0, embed_grads + grad_hidden, 0)
+    else:
+        end = (grads, 0, 0, 0, 0, 0)
+    candidates = [top, bottom, end]
+    if ckpt and plan.up_proj_moment:
+        # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
+        # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
+        # tensors, per the reference traces) and the recomputed layer at its up_proj.
+        arriving = _blk(tokens * h * FP32_BYTES) + 2 * _blk(tokens * h * 2)
+        moment = _recipe_bytes(plan.up_proj_moment, b, s)
+        candidates.append((ga_grads, L * checkpoint + rope + masks, moment, 0, arriving, 0))
+    if spec.method is Method.QLORA and arch.mlp is MlpKind.GATED and not arch.is_moe:
+        # down_proj's backward in the top layer: its saved input is consumed, and the
+        # gradient of that input exists three times in the MLP's dtype: through the LoRA
+        # branch, through the 4-bit matmul (upcast back from the compute dtype), and their
+        # sum (reference trace mistral-7b-v0_1__qlora__...__ckpt); with the gradient of the
+        # layer's output, in the residual dtype.
+        i_bytes = tokens * arch.intermediate_size
+        down_input = _blk(i_bytes * f.norm_out) + _blk(tokens * rs_r * f.adapter)
+        grads_in = 3 * _blk(i_bytes * f.norm_out) + _blk(tokens * h * f.residual)
+        layer_now = (recompute if ckpt else per_layer) - down_input
+        if ckpt:
+            acts_now = L * checkpoint + rope + masks
+        else:
+            acts_now = activations - final_norm + rope + masks - per_layer
+        candidates.append((ga_grads, acts_now, layer_now, 0, grads_in, 0))
+    inside = max(candidates, key=sum)
+    forward_end = (ga_grads, activations, 0, loss.forward_peak, 0, 0)
+    backward_start = (ga_grads, activations, 0, loss.backward_peak, 0, 0)
+
+    # (step, phase, the parts that vary by phase), in COMPONENT_ORDER after the fixed parts:
+    # optimizer state, gradients, activations, recompute, logits/loss, backward and optimizer
+    # temporaries.
     rows: list[tuple[int, Phase, tuple[int, ...]]] = []
     for step in (1, 2):
-        st = state if step == 2 else 0
-        rows.append(
-            (step, Phase.FORWARD_END, (st, ga_grads, activations, 0, loss.forward_peak, 0, 0))
-        )
-        rows.append(
-            (step, Phase.BACKWARD_START, (st, ga_grads, activations, 0, loss.backward_peak, 0, 0))
-        )
-        # Inside the layers' backward: at the top layer every activation is still alive (plus
-        # one recomputed layer when checkpointing) and only the head's gradients exist; at
-        # the first layer the activations are gone and every gradient but the embedding's
-        # exists; the embedding's gradient comes last. The phase's peak is the larger end.
-        in_flight = 2 * grad_hidden + dequant
-        top = (st, grads if ga_grads else head_grads, activations, recompute, 0, in_flight, 0)
-        bottom_acts = checkpoint if ckpt else first_layer
-        bottom_grads = grads if ga_grads else grads - embed_grads
-        bottom = (st, bottom_grads, bottom_acts, recompute, 0, in_flight, 0)
-        # The embedding's gradient is a temporary until it lands in .grad, with the gradient
-        # flowing into the embedding's backward beside it. A tied embedding already holds
-        # the LM head's gradient: AccumulateGrad adds out of place, so the old gradient, the
-        # new one and their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full).
-        if embed_grads and tied_head:
-            end = (st, grads - embed_grads, 0, 0, 0, 3 * embed_grads, 0)
-        elif embed_grads:
-            end = (st, grads - embed_grads, 0, 0, 0, embed_grads + grad_hidden, 0)
-        else:
-            end = (st, grads, 0, 0, 0, 0, 0)
-        candidates = [top, bottom, end]
-        if ckpt and plan.up_proj_moment:
-            # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
-            # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
-            # tensors, per the reference traces) and the recomputed layer at its up_proj.
-            arriving = _blk(tokens * h * FP32_BYTES) + 2 * _blk(tokens * h * 2)
-            candidates.append(
-                (
-                    st,
-                    ga_grads,
-                    L * checkpoint + rope + masks,
-                    _recipe_bytes(plan.up_proj_moment, b, s),
-                    0,
-                    arriving,
-                    0,
-                )
-            )
-        if spec.method is Method.QLORA and arch.mlp is MlpKind.GATED and not arch.is_moe:
-            # down_proj's backward in the top layer: its saved input is consumed, and the
-            # gradient of that input exists three times in the MLP's dtype: through the LoRA
-            # branch, through the 4-bit matmul (upcast back from the compute dtype), and
-            # their sum (reference trace mistral-7b-v0_1__qlora__...__ckpt).
-            i_bytes = tokens * arch.intermediate_size
-            down_input = _blk(i_bytes * f.norm_out) + _blk(tokens * rs_r * f.adapter)
-            grads_in = 3 * _blk(i_bytes * f.norm_out)
-            layer_now = (recompute if ckpt else per_layer) - down_input
-            if ckpt:
-                acts_now = L * checkpoint + rope + masks
-            else:
-                acts_now = activations - final_norm + rope + masks - per_layer
-            # with the gradient of the layer's output, in the residual dtype
-            grads_in += _blk(tokens * h * f.residual)
-            candidates.append((st, ga_grads, acts_now, layer_now, 0, grads_in, 0))
-        rows.append((step, Phase.BACKWARD, max(candidates, key=sum)))
+        st = (state if step == 2 else 0,)
+        rows.append((step, Phase.FORWARD_END, st + forward_end))
+        rows.append((step, Phase.BACKWARD_START, st + backward_start))
+        rows.append((step, Phase.BACKWARD, st + inside))
     rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
 
     fixed_sum = sum(fixed)
     phases = tuple(
-        PhasePeak(step=step, phase=phase, allocated_bytes=fixed_sum + sum(vec), parts=fixed + vec)
-        for step, phase, vec in rows
+        PhasePeak(step, phase, fixed_sum + sum(vec), fixed + vec) for step, phase, vec in rows
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     over = above_allocated(
