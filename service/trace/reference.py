@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from service.core.result import Component, Phase
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
@@ -30,8 +29,10 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.units import DType
-from service.trace.runner import TraceResult
-from service.trace.tracker import PhaseSnapshot, Snapshot
+
+if typing.TYPE_CHECKING:  # the JSON helpers need no torch
+    from service.trace.runner import TraceResult
+    from service.trace.tracker import PhaseSnapshot, Snapshot
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces"
 # Bumped whenever a change to the tracer changes what a trace measures.
@@ -140,14 +141,6 @@ def result_to_json(name: str, result: TraceResult) -> dict[str, Any]:
 def measured_part(document: Mapping[str, Any]) -> dict[str, Any]:
     """What a re-trace must reproduce exactly (everything but the versions)."""
     return {k: v for k, v in document.items() if k != "versions"}
-
-
-def components_of(entry: Mapping[str, Any]) -> dict[Component, int]:
-    return {Component(k): int(v) for k, v in entry["components"].items()}
-
-
-def phase_of(entry: Mapping[str, Any]) -> Phase:
-    return Phase(entry["phase"])
 
 
 # -- the matrix -----------------------------------------------------------------------------
