@@ -61,13 +61,18 @@ def _choices(enum: type[Any]) -> list[str]:
     return [e.value for e in enum]
 
 
-def add_spec_options(parser: argparse.ArgumentParser) -> None:
-    """The job-spec options shared by `estimate`, `fit` and `trace`."""
+def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = True) -> None:
+    """The job-spec options shared by `estimate`, `fit` and `trace`; with `require_job`
+    False, batch size and sequence length may be left out (`trace --matrix`)."""
     parser.add_argument("model", nargs="?", help="catalog id, e.g. Qwen/Qwen2.5-7B-Instruct")
     parser.add_argument("--config", type=Path, help="a model config.json instead of a catalog id")
     parser.add_argument("--method", choices=_choices(Method), default=Method.LORA.value)
-    parser.add_argument("-b", "--batch-size", type=int, required=True, help="micro-batch per GPU")
-    parser.add_argument("-s", "--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument(
+        "-b", "--batch-size", type=int, required=require_job, help="micro-batch per GPU"
+    )
+    parser.add_argument(
+        "-s", "--seq-len", type=int, required=require_job, help="tokens per sequence"
+    )
     lora = parser.add_argument_group("LoRA (PEFT LoraConfig)")
     lora.add_argument("--r", type=int, help="LoRA rank (PEFT default 8)")
     lora.add_argument("--lora-alpha", type=int)
@@ -124,7 +129,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             lora = LoraSpec(
                 r=args.r if args.r is not None else defaults.r,
                 lora_alpha=args.lora_alpha if args.lora_alpha is not None else defaults.lora_alpha,
-                lora_dropout=args.lora_dropout if args.lora_dropout is not None else 0.0,
+                lora_dropout=args.lora_dropout,
                 target_modules=_names(args.target_modules),
                 modules_to_save=saved if isinstance(saved, tuple) else (),
                 adapter_dtype=DType(args.adapter_dtype) if args.adapter_dtype else None,

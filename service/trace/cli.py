@@ -50,11 +50,8 @@ def register(sub: Any) -> None:
         "trace",
         help="trace the real HF/PEFT training step on fake tensors (allocated level, exact)",
     )
-    add_spec_options(parser)
+    add_spec_options(parser, require_job=False)  # --matrix and --validate need no job
     add_trace_arguments(parser)
-    for action in parser._actions:  # --matrix and --validate need no job
-        if action.dest in ("batch_size", "seq_len"):
-            action.required = False
     parser.set_defaults(handler=_command)
 
 
