@@ -58,6 +58,12 @@ def _with_store(run: Handler) -> Handler:
         except SQLAlchemyError as error:
             reason = str(error.orig if hasattr(error, "orig") else error).strip().splitlines()[0]
             return _fail(args, f"{reason} (is the database up and `vramcast db upgrade` run?)")
+        except FileNotFoundError as error:
+            # The Alembic scripts live in the source tree (migrations/), not in a wheel.
+            return _fail(
+                args,
+                f"{error}; run `vramcast db` from a source checkout or the Docker image",
+            )
 
     return handler
 

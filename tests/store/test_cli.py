@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session
@@ -75,3 +76,17 @@ def test_keys_on_a_database_without_tables_say_what_to_do(
 def test_a_scope_must_be_known() -> None:
     with pytest.raises(SystemExit):
         run("keys", "create", "--scope", "everything")
+
+
+def test_db_without_the_migration_scripts_says_where_to_run_it(
+    blank_database_url: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # As in a wheel install, where migrations/ (the Alembic scripts) is not shipped.
+    monkeypatch.setattr("service.store.migrate.MIGRATIONS_DIR", tmp_path / "missing")
+    assert run("db", "upgrade", "--database-url", blank_database_url) == 1
+    err = capsys.readouterr().err
+    assert "migrations not found" in err
+    assert "source checkout" in err
