@@ -7,7 +7,7 @@ Fields left as `None` take the framework preset's default, resolved by `resolve(
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from service.core.errors import InvalidSpecError
@@ -260,8 +260,3 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         loss=loss,
         assumptions=tuple(notes),
     )
-
-
-def with_changes(spec: TrainingSpec, **changes: object) -> TrainingSpec:
-    """A copy of `spec` with fields replaced (validated again)."""
-    return replace(spec, **changes)  # type: ignore[arg-type]
