@@ -156,6 +156,15 @@ class ModelArch:
 # config.json parsing
 
 
+def _linear(
+    name: str, kind: LinearKind, in_features: int, out_features: int, *, bias: bool = False
+) -> Linear:
+    """One nn.Linear of a layer, as the parsers below list them."""
+    return Linear(
+        name=name, in_features=in_features, out_features=out_features, bias=bias, kind=kind
+    )
+
+
 class _Config:
     """Typed reads of a config.json mapping, naming the field on error."""
 
@@ -303,30 +312,10 @@ def _llama_like(c: _Config, model_type: str) -> ModelArch:
     )
     mlp_bias = c.boolean("mlp_bias", False)
     linears = [
-        Linear(
-            name="q_proj",
-            in_features=h,
-            out_features=q * d,
-            bias=qkv_bias,
-            kind=LinearKind.ATTN_QKV,
-        ),
-        Linear(
-            name="k_proj",
-            in_features=h,
-            out_features=kv * d,
-            bias=qkv_bias,
-            kind=LinearKind.ATTN_QKV,
-        ),
-        Linear(
-            name="v_proj",
-            in_features=h,
-            out_features=kv * d,
-            bias=qkv_bias,
-            kind=LinearKind.ATTN_QKV,
-        ),
-        Linear(
-            name="o_proj", in_features=q * d, out_features=h, bias=o_bias, kind=LinearKind.ATTN_OUT
-        ),
+        _linear("q_proj", LinearKind.ATTN_QKV, h, q * d, bias=qkv_bias),
+        _linear("k_proj", LinearKind.ATTN_QKV, h, kv * d, bias=qkv_bias),
+        _linear("v_proj", LinearKind.ATTN_QKV, h, kv * d, bias=qkv_bias),
+        _linear("o_proj", LinearKind.ATTN_OUT, q * d, h, bias=o_bias),
     ]
     num_experts = c.integer("num_local_experts", "num_experts", default=0)
     intermediate = c.integer("intermediate_size")
@@ -372,58 +361,16 @@ def _llama_like(c: _Config, model_type: str) -> ModelArch:
         )
         if shared_i:
             linears += [
-                Linear(
-                    name="gate_proj",
-                    in_features=h,
-                    out_features=shared_i,
-                    bias=False,
-                    kind=LinearKind.MLP_IN,
-                ),
-                Linear(
-                    name="up_proj",
-                    in_features=h,
-                    out_features=shared_i,
-                    bias=False,
-                    kind=LinearKind.MLP_IN,
-                ),
-                Linear(
-                    name="down_proj",
-                    in_features=shared_i,
-                    out_features=h,
-                    bias=False,
-                    kind=LinearKind.MLP_OUT,
-                ),
-                Linear(
-                    name="shared_expert_gate",
-                    in_features=h,
-                    out_features=1,
-                    bias=False,
-                    kind=LinearKind.SHARED_GATE,
-                ),
+                _linear("gate_proj", LinearKind.MLP_IN, h, shared_i),
+                _linear("up_proj", LinearKind.MLP_IN, h, shared_i),
+                _linear("down_proj", LinearKind.MLP_OUT, shared_i, h),
+                _linear("shared_expert_gate", LinearKind.SHARED_GATE, h, 1),
             ]
     else:
         linears += [
-            Linear(
-                name="gate_proj",
-                in_features=h,
-                out_features=intermediate,
-                bias=mlp_bias,
-                kind=LinearKind.MLP_IN,
-            ),
-            Linear(
-                name="up_proj",
-                in_features=h,
-                out_features=intermediate,
-                bias=mlp_bias,
-                kind=LinearKind.MLP_IN,
-            ),
-            Linear(
-                name="down_proj",
-                in_features=intermediate,
-                out_features=h,
-                bias=mlp_bias,
-                kind=LinearKind.MLP_OUT,
-            ),
+            _linear("gate_proj", LinearKind.MLP_IN, h, intermediate, bias=mlp_bias),
+            _linear("up_proj", LinearKind.MLP_IN, h, intermediate, bias=mlp_bias),
+            _linear("down_proj", LinearKind.MLP_OUT, intermediate, h, bias=mlp_bias),
         ]
     gemma2_like = model_type in ("gemma2", "gemma3_text")
     return ModelArch(
@@ -458,30 +405,10 @@ def _phi3(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(
-                name="qkv_proj",
-                in_features=h,
-                out_features=(q + 2 * kv) * d,
-                bias=False,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="o_proj",
-                in_features=q * d,
-                out_features=h,
-                bias=False,
-                kind=LinearKind.ATTN_OUT,
-            ),
-            Linear(
-                name="gate_up_proj",
-                in_features=h,
-                out_features=2 * i,
-                bias=False,
-                kind=LinearKind.MLP_IN,
-            ),
-            Linear(
-                name="down_proj", in_features=i, out_features=h, bias=False, kind=LinearKind.MLP_OUT
-            ),
+            _linear("qkv_proj", LinearKind.ATTN_QKV, h, (q + 2 * kv) * d),
+            _linear("o_proj", LinearKind.ATTN_OUT, q * d, h),
+            _linear("gate_up_proj", LinearKind.MLP_IN, h, 2 * i),
+            _linear("down_proj", LinearKind.MLP_OUT, i, h),
         ),
     )
 
@@ -503,44 +430,12 @@ def _glm(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(
-                name="q_proj",
-                in_features=h,
-                out_features=q * d,
-                bias=bias,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="k_proj",
-                in_features=h,
-                out_features=kv * d,
-                bias=bias,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="v_proj",
-                in_features=h,
-                out_features=kv * d,
-                bias=bias,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="o_proj",
-                in_features=q * d,
-                out_features=h,
-                bias=False,
-                kind=LinearKind.ATTN_OUT,
-            ),
-            Linear(
-                name="gate_up_proj",
-                in_features=h,
-                out_features=2 * i,
-                bias=False,
-                kind=LinearKind.MLP_IN,
-            ),
-            Linear(
-                name="down_proj", in_features=i, out_features=h, bias=False, kind=LinearKind.MLP_OUT
-            ),
+            _linear("q_proj", LinearKind.ATTN_QKV, h, q * d, bias=bias),
+            _linear("k_proj", LinearKind.ATTN_QKV, h, kv * d, bias=bias),
+            _linear("v_proj", LinearKind.ATTN_QKV, h, kv * d, bias=bias),
+            _linear("o_proj", LinearKind.ATTN_OUT, q * d, h),
+            _linear("gate_up_proj", LinearKind.MLP_IN, h, 2 * i),
+            _linear("down_proj", LinearKind.MLP_OUT, i, h),
         ),
     )
 
@@ -563,34 +458,10 @@ def _chatglm(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(
-                name="query_key_value",
-                in_features=h,
-                out_features=(q + 2 * kv) * d,
-                bias=qkv_bias,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="dense",
-                in_features=q * d,
-                out_features=h,
-                bias=linear_bias,
-                kind=LinearKind.ATTN_OUT,
-            ),
-            Linear(
-                name="dense_h_to_4h",
-                in_features=h,
-                out_features=2 * i,
-                bias=linear_bias,
-                kind=LinearKind.MLP_IN,
-            ),
-            Linear(
-                name="dense_4h_to_h",
-                in_features=i,
-                out_features=h,
-                bias=linear_bias,
-                kind=LinearKind.MLP_OUT,
-            ),
+            _linear("query_key_value", LinearKind.ATTN_QKV, h, (q + 2 * kv) * d, bias=qkv_bias),
+            _linear("dense", LinearKind.ATTN_OUT, q * d, h, bias=linear_bias),
+            _linear("dense_h_to_4h", LinearKind.MLP_IN, h, 2 * i, bias=linear_bias),
+            _linear("dense_4h_to_h", LinearKind.MLP_OUT, i, h, bias=linear_bias),
         ),
     )
 
@@ -610,25 +481,11 @@ def _qwen_v1(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=False,
         lm_head_bias=False,
         linears=(
-            Linear(
-                name="c_attn",
-                in_features=h,
-                out_features=3 * h,
-                bias=True,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="c_proj", in_features=h, out_features=h, bias=False, kind=LinearKind.ATTN_OUT
-            ),
-            Linear(name="w1", in_features=h, out_features=half, bias=False, kind=LinearKind.MLP_IN),
-            Linear(name="w2", in_features=h, out_features=half, bias=False, kind=LinearKind.MLP_IN),
-            Linear(
-                name="mlp.c_proj",
-                in_features=half,
-                out_features=h,
-                bias=False,
-                kind=LinearKind.MLP_OUT,
-            ),
+            _linear("c_attn", LinearKind.ATTN_QKV, h, 3 * h, bias=True),
+            _linear("c_proj", LinearKind.ATTN_OUT, h, h),
+            _linear("w1", LinearKind.MLP_IN, h, half),
+            _linear("w2", LinearKind.MLP_IN, h, half),
+            _linear("mlp.c_proj", LinearKind.MLP_OUT, half, h),
         ),
     )
 
@@ -648,30 +505,10 @@ def _gpt_neox(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=c.boolean("use_parallel_residual", True),
         lm_head_bias=False,
         linears=(
-            Linear(
-                name="query_key_value",
-                in_features=h,
-                out_features=3 * h,
-                bias=True,
-                kind=LinearKind.ATTN_QKV,
-            ),
-            Linear(
-                name="dense", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_OUT
-            ),
-            Linear(
-                name="dense_h_to_4h",
-                in_features=h,
-                out_features=i,
-                bias=True,
-                kind=LinearKind.MLP_IN,
-            ),
-            Linear(
-                name="dense_4h_to_h",
-                in_features=i,
-                out_features=h,
-                bias=True,
-                kind=LinearKind.MLP_OUT,
-            ),
+            _linear("query_key_value", LinearKind.ATTN_QKV, h, 3 * h, bias=True),
+            _linear("dense", LinearKind.ATTN_OUT, h, h, bias=True),
+            _linear("dense_h_to_4h", LinearKind.MLP_IN, h, i, bias=True),
+            _linear("dense_4h_to_h", LinearKind.MLP_OUT, i, h, bias=True),
         ),
     )
 
@@ -692,20 +529,12 @@ def _phi(c: _Config, model_type: str) -> ModelArch:
         parallel_residual=True,
         lm_head_bias=True,
         linears=(
-            Linear(
-                name="q_proj", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_QKV
-            ),
-            Linear(
-                name="k_proj", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_QKV
-            ),
-            Linear(
-                name="v_proj", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_QKV
-            ),
-            Linear(
-                name="dense", in_features=h, out_features=h, bias=True, kind=LinearKind.ATTN_OUT
-            ),
-            Linear(name="fc1", in_features=h, out_features=i, bias=True, kind=LinearKind.MLP_IN),
-            Linear(name="fc2", in_features=i, out_features=h, bias=True, kind=LinearKind.MLP_OUT),
+            _linear("q_proj", LinearKind.ATTN_QKV, h, h, bias=True),
+            _linear("k_proj", LinearKind.ATTN_QKV, h, h, bias=True),
+            _linear("v_proj", LinearKind.ATTN_QKV, h, h, bias=True),
+            _linear("dense", LinearKind.ATTN_OUT, h, h, bias=True),
+            _linear("fc1", LinearKind.MLP_IN, h, i, bias=True),
+            _linear("fc2", LinearKind.MLP_OUT, i, h, bias=True),
         ),
     )
 
