@@ -249,7 +249,7 @@ def in_process(database_url: str) -> dict[str, float]:
     from service.api.settings import Settings
     from service.catalog.gpus import default_gpu_catalog
     from service.catalog.models import default_catalog
-    from service.core.estimator import default_target_modules, estimate
+    from service.core.estimator import default_target_modules, estimate, peak_levels
     from service.core.fit import GpuOffer, Requirement, check_fit
     from service.core.spec import LoraSpec, Method, Optim, QuantSpec, TrainingSpec
 
@@ -274,8 +274,10 @@ def in_process(database_url: str) -> dict[str, float]:
     offers = [GpuOffer(memory_bytes=gpu.memory_bytes) for gpu in gpus]
 
     def requirement(s: TrainingSpec) -> Requirement:
-        est = estimate(arch, s)
-        return Requirement(device_bytes=est.device_bytes, device_bytes_upper=est.device_bytes_upper)
+        levels = peak_levels(arch, s)
+        return Requirement(
+            device_bytes=levels.device_bytes, device_bytes_upper=levels.device_bytes_upper
+        )
 
     def core_check(job: TrainingSpec) -> Callable[[], object]:
         return lambda: check_fit(

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from service.calibration_service import FactorCache, FactorState
-from service.core.calibration import AppliedFactor, Level, calibrate
-from service.core.result import Estimate
+from service.core.calibration import AppliedFactor, Level
+from service.core.result import Levels
 
 SCOPE_NONE = "none"
 # How often a replica checks whether its factors are due for a reload (their TTL passed, or
@@ -75,7 +75,7 @@ class FactorProvider(Protocol):
     """Turns an estimate into calibrated peaks for one model, method and (optional) GPU."""
 
     def peaks(
-        self, estimate: Estimate, *, model: str, method: str, gpu: str | None
+        self, estimate: Levels, *, model: str, method: str, gpu: str | None
     ) -> CalibratedPeaks: ...
 
 
@@ -86,10 +86,11 @@ class CachedFactors:
         self.cache = cache
 
     def peaks(
-        self, estimate: Estimate, *, model: str, method: str, gpu: str | None
+        self, estimate: Levels, *, model: str, method: str, gpu: str | None
     ) -> CalibratedPeaks:
         snapshot = self.cache.peek()
-        calibrated = calibrate(estimate, snapshot.table, model=model, method=method, gpu=gpu)
+        calibrator = snapshot.table.calibrator(model=model, method=method, gpu=gpu)
+        calibrated = calibrator.apply(estimate)
         return CalibratedPeaks(
             allocated_bytes=calibrated.allocated_bytes,
             reserved_bytes=calibrated.reserved_bytes,
@@ -99,9 +100,15 @@ class CachedFactors:
         )
 
 
+# What an uncalibrated estimate says of itself, per state of the factor table.
+_UNCALIBRATED = {state: replace(NOT_APPLIED, state=state) for state in FactorState}
+
+
 def applied_calibration(
     applied: Mapping[Level, AppliedFactor], state: FactorState
 ) -> AppliedCalibration:
+    if not applied:
+        return _UNCALIBRATED[state]
     levels = tuple(
         LevelFactor(
             level=level,

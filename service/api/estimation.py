@@ -39,14 +39,15 @@ from service.api.schemas import (
     JobSpec,
     ModelRef,
     RejectedJob,
+    SuggestionOut,
 )
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
 from service.catalog.models import CatalogEntry, ModelCatalog
 from service.core.architecture import ModelArch, from_hf_config
 from service.core.errors import EstimatorError, InvalidSpecError, UnknownModelError
-from service.core.estimator import default_target_modules, estimate
-from service.core.fit import GpuOffer, Requirement, check_fit, usable_bytes
-from service.core.result import Estimate
+from service.core.estimator import default_target_modules, estimate, peak_levels
+from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
+from service.core.result import Levels
 from service.core.spec import TrainingSpec
 from service.core.units import MIB, DType
 
@@ -137,8 +138,11 @@ class Estimation:
                 offers.append(_offer(gpu, entry))
 
         def requirement(spec: TrainingSpec) -> Requirement:
-            est = job_estimate if spec == resolved.spec else estimate(resolved.arch, spec)
-            peaks = self._peaks(est, _Job(spec, resolved.model, resolved.arch), None)
+            # The levels alone: the solver evaluates dozens of specs per check.
+            levels = peak_levels(resolved.arch, spec)
+            peaks = self.factors.peaks(
+                levels, model=resolved.model, method=spec.method.value, gpu=None
+            )
             return Requirement(
                 device_bytes=peaks.device_bytes, device_bytes_upper=peaks.device_bytes_upper
             )
@@ -162,10 +166,18 @@ class Estimation:
                 name=gpus[report.cheapest].requested,
                 cost_per_hour=best.cost_per_hour or 0.0,
             )
+        described: dict[Suggestion, SuggestionOut] = {}
+
+        def describe(suggestion: Suggestion) -> SuggestionOut:
+            found = described.get(suggestion)
+            if found is None:
+                found = described[suggestion] = SuggestionOut.from_core(resolved.spec, suggestion)
+            return found
+
         return FitCheckOut(
             job=EstimateOut.from_core(resolved.model, job_estimate, peaks),
             results=[
-                GpuFitOut.from_core(gpu, resolved.spec, fit)
+                GpuFitOut.from_core(gpu, fit, describe)
                 for gpu, fit in zip(gpus, report.gpus, strict=True)
             ],
             cheapest=cheapest,
@@ -203,7 +215,7 @@ class Estimation:
             fp8=None,
         )
 
-    def _peaks(self, est: Estimate, job: _Job, gpu: str | None) -> CalibratedPeaks:
+    def _peaks(self, est: Levels, job: _Job, gpu: str | None) -> CalibratedPeaks:
         return self.factors.peaks(est, model=job.model, method=job.spec.method.value, gpu=gpu)
 
 

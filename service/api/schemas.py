@@ -6,6 +6,7 @@ the core, whose errors `problems` locates in the request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Annotated, Any, ClassVar, Literal, Self
@@ -671,7 +672,10 @@ class GpuFitOut(_Out):
     )
 
     @classmethod
-    def from_core(cls, gpu: GpuOut, job: TrainingSpec, fit: GpuFit) -> GpuFitOut:
+    def from_core(
+        cls, gpu: GpuOut, fit: GpuFit, describe: Callable[[Suggestion], SuggestionOut]
+    ) -> GpuFitOut:
+        """`describe` turns a suggestion into its answer (GPUs of one check share most)."""
         return cls(
             gpu=gpu,
             count=fit.count,
@@ -683,7 +687,7 @@ class GpuFitOut(_Out):
             utilisation=fit.utilisation,
             max_batch_size=fit.max_batch_size,
             max_seq_len=fit.max_seq_len,
-            suggestions=[SuggestionOut.from_core(job, s) for s in fit.suggestions],
+            suggestions=[describe(s) for s in fit.suggestions],
             cost_per_hour=fit.cost_per_hour,
         )
 

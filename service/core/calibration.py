@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 from service.core.errors import EstimatorError
-from service.core.result import Estimate
+from service.core.result import Levels
 
 # A vote needs this many distinct nodes: with three votes the median survives one bad node
 # (the median's breakdown point is floor((n - 1) / 2) votes).
@@ -138,12 +139,12 @@ def check_measured(measured: Measured, *, gpu_memory_total_bytes: int) -> None:
         )
 
 
-def estimated_at(estimate: Estimate, level: Level) -> int:
-    return {
-        Level.ALLOCATED: estimate.allocated_bytes,
-        Level.RESERVED: estimate.reserved_bytes,
-        Level.DEVICE: estimate.device_bytes,
-    }[level]
+def estimated_at(estimate: Levels, level: Level) -> int:
+    if level is Level.ALLOCATED:
+        return estimate.allocated_bytes
+    if level is Level.RESERVED:
+        return estimate.reserved_bytes
+    return estimate.device_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -288,11 +289,21 @@ def _differs(sub: Factor, parent: Factor) -> bool:
     return effect > max(SPLIT_MIN_EFFECT, SPLIT_Z * standard_error)
 
 
+# Calibrators a factor table remembers (catalog models x GPUs x methods stay far below it).
+CALIBRATOR_MEMO_ENTRIES = 16_384
+
+
 @dataclass(frozen=True, slots=True)
 class FactorTable:
     """Every group's factor; `lookup` picks the most specific one that applies."""
 
     factors: Mapping[GroupKey, Factor]
+    # Every job of a model, method and GPU is calibrated alike: each calibrator is found once
+    # per table (a table never changes; a refit makes a new one). Uploads name GPUs and
+    # environments freely, so the memo is emptied when it holds CALIBRATOR_MEMO_ENTRIES.
+    _calibrators: dict[tuple[str, str, str | None, str | None], Calibrator] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def lookup(
         self,
@@ -302,6 +313,28 @@ class FactorTable:
         level: Level,
         gpu: str | None = None,
         environment: str | None = None,
+    ) -> AppliedFactor | None:
+        return self._search(model, method, level, gpu, environment)
+
+    def calibrator(
+        self, *, model: str, method: str, gpu: str | None = None, environment: str | None = None
+    ) -> Calibrator:
+        """The factors that apply, level by level, to one model, method, GPU, environment."""
+        key = (model, method, gpu, environment)
+        found = self._calibrators.get(key)
+        if found is None:
+            if len(self._calibrators) >= CALIBRATOR_MEMO_ENTRIES:
+                self._calibrators.clear()
+            applied = {}
+            for level in Level:
+                factor = self._search(model, method, level, gpu, environment)
+                if factor is not None:
+                    applied[level] = factor
+            found = self._calibrators[key] = Calibrator(MappingProxyType(applied))
+        return found
+
+    def _search(
+        self, model: str, method: str, level: Level, gpu: str | None, environment: str | None
     ) -> AppliedFactor | None:
         candidates = [
             GroupKey(scope=Scope.MODEL_GPU, method=method, level=level, model=model, variant=gpu),
@@ -391,8 +424,52 @@ class CalibratedPeaks:
     applied: Mapping[Level, AppliedFactor]
 
 
+@dataclass(frozen=True, slots=True)
+class Calibrator:
+    """The factor of each level that has one, for one model, method, GPU and environment."""
+
+    applied: Mapping[Level, AppliedFactor]
+
+    def apply(self, estimate: Levels) -> CalibratedPeaks:
+        """Each level's factor applied, keeping allocated <= reserved <= device."""
+        applied = self.applied
+        if not applied:
+            return CalibratedPeaks(
+                allocated_bytes=estimate.allocated_bytes,
+                reserved_bytes=estimate.reserved_bytes,
+                device_bytes=estimate.device_bytes,
+                device_bytes_upper=estimate.device_bytes_upper,
+                applied=applied,
+            )
+        scaled: dict[Level, int] = {}
+        for level in Level:
+            value = estimated_at(estimate, level)
+            found = applied.get(level)
+            if found is not None:
+                value = math.ceil(value * found.factor.ratio)
+            scaled[level] = value
+        allocated = scaled[Level.ALLOCATED]
+        reserved = max(scaled[Level.RESERVED], allocated)
+        device = max(scaled[Level.DEVICE], reserved)
+        device_factor = applied.get(Level.DEVICE)
+        if device_factor is not None:
+            upper = math.ceil(device * device_factor.factor.upper_multiplier)
+        elif estimate.device_bytes > 0:
+            # No device factor: keep the prior's margin over whatever the device level became.
+            upper = -(-estimate.device_bytes_upper * device // estimate.device_bytes)
+        else:
+            upper = estimate.device_bytes_upper
+        return CalibratedPeaks(
+            allocated_bytes=allocated,
+            reserved_bytes=reserved,
+            device_bytes=device,
+            device_bytes_upper=max(upper, device),
+            applied=applied,
+        )
+
+
 def calibrate(
-    estimate: Estimate,
+    estimate: Levels,
     table: FactorTable,
     *,
     model: str,
@@ -401,32 +478,5 @@ def calibrate(
     environment: str | None = None,
 ) -> CalibratedPeaks:
     """Apply each level's factor to an estimate, keeping allocated <= reserved <= device."""
-    applied: dict[Level, AppliedFactor] = {}
-    scaled: dict[Level, int] = {}
-    for level in Level:
-        found = table.lookup(
-            model=model, method=method, level=level, gpu=gpu, environment=environment
-        )
-        value = estimated_at(estimate, level)
-        if found is not None:
-            applied[level] = found
-            value = math.ceil(value * found.factor.ratio)
-        scaled[level] = value
-    allocated = scaled[Level.ALLOCATED]
-    reserved = max(scaled[Level.RESERVED], allocated)
-    device = max(scaled[Level.DEVICE], reserved)
-    device_factor = applied.get(Level.DEVICE)
-    if device_factor is not None:
-        upper = math.ceil(device * device_factor.factor.upper_multiplier)
-    elif estimate.device_bytes > 0:
-        # No device factor: keep the prior's margin over whatever the device level became.
-        upper = -(-estimate.device_bytes_upper * device // estimate.device_bytes)
-    else:
-        upper = estimate.device_bytes_upper
-    return CalibratedPeaks(
-        allocated_bytes=allocated,
-        reserved_bytes=reserved,
-        device_bytes=device,
-        device_bytes_upper=max(upper, device),
-        applied=applied,
-    )
+    calibrator = table.calibrator(model=model, method=method, gpu=gpu, environment=environment)
+    return calibrator.apply(estimate)

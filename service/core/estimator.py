@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
-from service.core.overhead import above_allocated
-from service.core.result import Estimate, ParamCounts, Phase, PhasePeak
+from service.core.overhead import above_allocated, levels_above
+from service.core.result import Estimate, ParamCounts, PeakLevels, Phase, PhasePeak
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
@@ -822,8 +822,62 @@ class _PlanKey(NamedTuple):
         return TrainingSpec(batch_size=1, seq_len=1, **fields)
 
 
+class _Step(NamedTuple):
+    """A step's allocated bytes phase by phase, before they become an `Estimate`."""
+
+    plan: _Plan
+    fixed: tuple[int, int, int]  # frozen weights, trainable parameters, inputs
+    # (step, phase, the parts that vary by phase), in COMPONENT_ORDER after the fixed parts
+    rows: list[tuple[int, Phase, tuple[int, ...]]]
+    paged_state: int  # optimizer state outside the allocator (paged optimizers)
+    assumptions: list[str]
+    warnings: list[str]
+
+
 def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`."""
+    plan, fixed, rows, paged_state, assumptions, warnings = _step(arch, spec)
+    p = plan.params
+    fixed_sum = sum(fixed)
+    phases = tuple(
+        PhasePeak(step, phase, fixed_sum + sum(vec), fixed + vec) for step, phase, vec in rows
+    )
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    over = above_allocated(
+        # What churns: activations, recompute, logits, backward and optimizer temporaries.
+        phases=[(fixed_sum + sum(vec), sum(vec[2:])) for _s, _p, vec in rows],
+        paged_state=paged_state,
+        gpus=spec.parallel.gpus,
+    )
+    return Estimate(
+        allocated_bytes=peak.allocated_bytes,
+        reserved_bytes=over.reserved,
+        device_bytes=over.device,
+        device_bytes_upper=over.device_upper,
+        components=peak.components,
+        overheads=over.overheads,
+        peak_step=peak.step,
+        peak_phase=peak.phase,
+        phases=phases,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        upper_margin=over.upper_margin,
+        assumptions=tuple(assumptions) + over.assumptions,
+        warnings=tuple(warnings),
+        estimator_version=ESTIMATOR_VERSION,
+    )
+
+
+def peak_levels(arch: ModelArch, spec: TrainingSpec) -> PeakLevels:
+    """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
+    fit-check evaluates dozens of times per request."""
+    step = _step(arch, spec)
+    allocated = sum(step.fixed) + max(sum(vec) for _s, _p, vec in step.rows)
+    churn = max(sum(vec[2:]) for _s, _p, vec in step.rows)
+    levels = levels_above(allocated, churn, paged_state=step.paged_state, gpus=spec.parallel.gpus)
+    return PeakLevels(allocated, *levels)
+
+
+def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     warnings = _validate(arch, spec)
@@ -977,33 +1031,7 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
         rows.append((step, Phase.BACKWARD, st + inside))
     rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
 
-    fixed_sum = sum(fixed)
-    phases = tuple(
-        PhasePeak(step, phase, fixed_sum + sum(vec), fixed + vec) for step, phase, vec in rows
-    )
-    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    over = above_allocated(
-        # What churns: activations, recompute, logits, backward and optimizer temporaries.
-        phases=[(fixed_sum + sum(vec), sum(vec[2:])) for _s, _p, vec in rows],
-        paged_state=state_outside,
-        gpus=spec.parallel.gpus,
-    )
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
-        upper_margin=over.upper_margin,
-        assumptions=tuple(assumptions) + over.assumptions,
-        warnings=tuple(warnings),
-        estimator_version=ESTIMATOR_VERSION,
-    )
+    return _Step(plan, fixed, rows, state_outside, assumptions, warnings)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ an answer x is final when x fits and x + 1 does not, both evaluated for real.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -178,9 +179,10 @@ class _Requirements:
 
 
 class _Curve:
-    """The safe bound along one dimension of a spec, evaluated lazily, points kept."""
+    """The safe bound along one dimension of a spec, evaluated lazily, points kept in order of
+    x (and so of their values: the bound is nondecreasing in x)."""
 
-    __slots__ = ("_spec", "dimension", "limit", "points", "requirements")
+    __slots__ = ("_spec", "dimension", "limit", "requirements", "values", "xs")
 
     def __init__(
         self, spec: TrainingSpec, dimension: Dimension, limit: int, requirements: _Requirements
@@ -189,7 +191,8 @@ class _Curve:
         self.dimension = dimension
         self.limit = limit
         self.requirements = requirements
-        self.points: dict[int, int] = {}
+        self.xs: list[int] = []
+        self.values: list[int] = []
         own = getattr(spec, dimension)
         if own <= limit:
             self.at(own)
@@ -197,21 +200,24 @@ class _Curve:
         self.at(max(1, min(limit, own // 2 if own > 1 else 2)))
 
     def at(self, x: int) -> int:
-        found = self.points.get(x)
-        if found is None:
-            spec = (
-                replace(self._spec, batch_size=x)
-                if self.dimension == "batch_size"
-                else replace(self._spec, seq_len=x)
-            )
-            found = self.points[x] = self.requirements(spec).device_bytes_upper
-        return found
+        i = bisect_left(self.xs, x)
+        if i < len(self.xs) and self.xs[i] == x:
+            return self.values[i]
+        spec = (
+            replace(self._spec, batch_size=x)
+            if self.dimension == "batch_size"
+            else replace(self._spec, seq_len=x)
+        )
+        value = self.requirements(spec).device_bytes_upper
+        self.xs.insert(i, x)
+        self.values.insert(i, value)
+        return value
 
     def largest_fitting(self, capacity: int) -> int:
         """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does)."""
-        lo = max((x for x, v in self.points.items() if v <= capacity), default=0)
-        above = [x for x, v in self.points.items() if v > capacity and x > lo]
-        hi = min(above) if above else None
+        i = bisect_right(self.values, capacity)
+        lo = self.xs[i - 1] if i else 0
+        hi = self.xs[i] if i < len(self.xs) else None
         same_side = 0
         last_side = ""
         while True:
@@ -228,12 +234,15 @@ class _Curve:
             same_side = same_side + 1 if side == last_side and hi is not None else 0
             last_side = side
 
+    def _value(self, x: int) -> int:
+        return self.values[bisect_left(self.xs, x)]
+
     def _propose(self, lo: int, hi: int | None, capacity: int, *, bisect: bool) -> int:
         top = self.limit if hi is None else hi - 1
         if hi is not None and bisect:
             return (lo + hi) // 2
         if hi is not None and lo > 0:
-            g_lo, g_hi = self.points[lo], self.points[hi]
+            g_lo, g_hi = self._value(lo), self._value(hi)
             x = lo + (capacity - g_lo) * (hi - lo) // (g_hi - g_lo)
         elif hi is not None:
             x = self._extrapolate_down(hi, capacity)
@@ -242,24 +251,24 @@ class _Curve:
         return min(max(x, lo + 1), top)
 
     def _extrapolate_up(self, lo: int, capacity: int) -> int:
-        below = [x for x in self.points if x < lo]
-        if not below:
+        i = bisect_left(self.xs, lo)
+        if i == 0:
             return 2 * lo
-        a = max(below)
-        rise = self.points[lo] - self.points[a]
+        a, g_a, g_lo = self.xs[i - 1], self.values[i - 1], self.values[i]
+        rise = g_lo - g_a
         if rise <= 0:
             return 2 * lo
-        return lo + (capacity - self.points[lo]) * (lo - a) // rise
+        return lo + (capacity - g_lo) * (lo - a) // rise
 
     def _extrapolate_down(self, hi: int, capacity: int) -> int:
-        above = [x for x in self.points if x > hi]
-        if not above:
+        i = bisect_left(self.xs, hi)
+        if i + 1 >= len(self.xs):
             return hi // 2
-        b = min(above)
-        rise = self.points[b] - self.points[hi]
+        b, g_b, g_hi = self.xs[i + 1], self.values[i + 1], self.values[i]
+        rise = g_b - g_hi
         if rise <= 0:
             return hi // 2
-        return hi - -(-(self.points[hi] - capacity) * (b - hi) // rise)
+        return hi - -(-(g_hi - capacity) * (b - hi) // rise)
 
 
 class _Solver:
@@ -280,6 +289,7 @@ class _Solver:
         self._curves: dict[tuple[TrainingSpec, Dimension], _Curve] = {}
         # Spec changes do not depend on the GPU: made once per check, not once per GPU.
         self._changed: dict[tuple[Change, TrainingSpec], TrainingSpec | None] = {}
+        self._lowering_memo: dict[TrainingSpec, list[tuple[Change, TrainingSpec, Requirement]]] = {}
 
     def curve(self, spec: TrainingSpec, dimension: Dimension) -> _Curve:
         key = (spec, dimension)
@@ -326,12 +336,14 @@ class _Solver:
         """Single changes that lower the safe bound, those that fit first; when none fits,
         first the changes stacked in rank order up to the first combination that fits."""
         current = self.requirements(spec).device_bytes_upper
-        singles: list[Suggestion] = []
-        for change in Change:
-            changed = self.apply(change, spec, usable)
-            need = None if changed is None else self.requirements.valid(changed)
-            if changed is not None and need is not None and need.device_bytes_upper < current:
-                singles.append(self._suggestion((change,), changed, need, usable))
+        singles = [
+            self._suggestion((change,), changed, need, usable)
+            for change, changed, need in self._lowering(spec)
+        ]
+        smaller = self._smaller_micro_batch(spec, usable)
+        need = None if smaller is None else self.requirements.valid(smaller)
+        if smaller is not None and need is not None and need.device_bytes_upper < current:
+            singles.append(self._suggestion((Change.SMALLER_MICRO_BATCH,), smaller, need, usable))
         singles.sort(
             key=lambda s: (not s.fits, _RANK[s.changes[0]], s.requirement.device_bytes_upper)
         )
@@ -341,6 +353,23 @@ class _Solver:
         if stacked is None or len(stacked.changes) < 2:
             return tuple(singles)
         return (stacked, *singles)
+
+    def _lowering(self, spec: TrainingSpec) -> list[tuple[Change, TrainingSpec, Requirement]]:
+        """The changes that do not depend on the GPU and lower `spec`'s safe bound, each with
+        its spec and requirement (found once per spec, shared by every GPU)."""
+        found = self._lowering_memo.get(spec)
+        if found is None:
+            current = self.requirements(spec).device_bytes_upper
+            found = []
+            for change in Change:
+                if change is Change.SMALLER_MICRO_BATCH:
+                    continue
+                changed = self.apply(change, spec, 0)
+                need = None if changed is None else self.requirements.valid(changed)
+                if changed is not None and need is not None and need.device_bytes_upper < current:
+                    found.append((change, changed, need))
+            self._lowering_memo[spec] = found
+        return found
 
     def _stacked(self, spec: TrainingSpec, usable: int) -> Suggestion | None:
         """Changes applied on top of each other in rank order, each kept only when it lowers

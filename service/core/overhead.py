@@ -68,11 +68,9 @@ def above_allocated(
     """
     allocated = max(a for a, _t in phases)
     churn = max(t for _a, t in phases)
-    reserved = _round_up(allocated + int(churn * FRAGMENTATION_PRIOR), ROUND_LARGE)
+    reserved, device, upper = levels_above(allocated, churn, paged_state=paged_state, gpus=gpus)
     allocator = reserved - allocated
-    outside = CUBLAS_WORKSPACE + paged_state + (NCCL_PRIOR if gpus > 1 else 0)
-    device = reserved + CUDA_CONTEXT + outside
-    upper = int(device * (1 + UPPER_MARGIN_PRIOR))
+    outside = _outside_allocator(paged_state, gpus)
     notes = _PRIOR_NOTES + (_PAGED_NOTE if paged_state else ())
     return AboveAllocated(
         reserved=reserved,
@@ -86,6 +84,20 @@ def above_allocated(
         },
         assumptions=notes,
     )
+
+
+def levels_above(
+    allocated: int, churn: int, *, paged_state: int, gpus: int
+) -> tuple[int, int, int]:
+    """Reserved, device and the device level's safe bound over an allocated peak, given the
+    step's largest transient working set (`churn`)."""
+    reserved = _round_up(allocated + int(churn * FRAGMENTATION_PRIOR), ROUND_LARGE)
+    device = reserved + CUDA_CONTEXT + _outside_allocator(paged_state, gpus)
+    return reserved, device, int(device * (1 + UPPER_MARGIN_PRIOR))
+
+
+def _outside_allocator(paged_state: int, gpus: int) -> int:
+    return CUBLAS_WORKSPACE + paged_state + (NCCL_PRIOR if gpus > 1 else 0)
 
 
 def _round_up(n: int, unit: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 class Component(StrEnum):
@@ -73,6 +73,28 @@ class PhasePeak(NamedTuple):
     def components(self) -> dict[Component, int]:
         """The non-zero parts by component; they sum to allocated_bytes."""
         return {c: v for c, v in zip(COMPONENT_ORDER, self.parts, strict=True) if v}
+
+
+class PeakLevels(NamedTuple):
+    """A peak's four levels without its breakdown, bytes (`estimator.peak_levels`)."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    device_bytes: int
+    device_bytes_upper: int
+
+
+class Levels(Protocol):
+    """What has a peak's levels: an `Estimate`, `PeakLevels`."""
+
+    @property
+    def allocated_bytes(self) -> int: ...
+    @property
+    def reserved_bytes(self) -> int: ...
+    @property
+    def device_bytes(self) -> int: ...
+    @property
+    def device_bytes_upper(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.core.calibration import (
+    CALIBRATOR_MEMO_ENTRIES,
     EMPTY_TABLE,
     FACTOR_MAX,
     FACTOR_MIN,
@@ -356,6 +357,23 @@ class TestCalibrate:
         assert peaks.device_bytes == 15 * GIB
         assert peaks.device_bytes_upper == 18 * GIB
         assert set(peaks.applied) == {Level.DEVICE}
+
+    def test_a_calibrator_is_found_once_per_table_and_matches_the_lookups(self) -> None:
+        device = applied(1.25)
+        table = FactorTable({device.key: device.factor})
+        first = table.calibrator(model="m", method="lora", gpu="A100-80GB")
+        assert table.calibrator(model="m", method="lora", gpu="A100-80GB") is first
+        for level in Level:
+            assert first.applied.get(level) == table.lookup(
+                model="m", method="lora", level=level, gpu="A100-80GB"
+            )
+        assert table.calibrator(model="other", method="lora").applied == {}
+
+    def test_the_calibrator_memo_is_bounded(self) -> None:
+        table = FactorTable({})
+        for i in range(CALIBRATOR_MEMO_ENTRIES + 10):
+            table.calibrator(model="m", method="lora", gpu=f"gpu-{i}")
+        assert len(table._calibrators) <= CALIBRATOR_MEMO_ENTRIES
 
     def test_keeps_the_levels_ordered(self) -> None:
         shrink = applied(FACTOR_MIN)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.catalog.models import default_catalog
-from service.core.estimator import estimate
+from service.core.estimator import estimate, peak_levels
 from service.core.result import Component
 from service.core.spec import (
     ALL_LINEAR,
@@ -132,3 +132,17 @@ def test_components_sum_to_the_peak_and_levels_are_ordered(case: tuple[str, Trai
     assert sum(est.components.values()) == est.allocated_bytes
     assert est.allocated_bytes <= est.reserved_bytes <= est.device_bytes <= est.device_bytes_upper
     assert all(v >= 0 for v in est.components.values())
+
+
+@given(specs(), st.sampled_from([1, 2, 8]))
+def test_peak_levels_are_the_estimates_levels(case: tuple[str, TrainingSpec], gpus: int) -> None:
+    model, spec = case
+    spec = replace(spec, parallel=replace(spec.parallel, gpus=gpus))
+    arch = default_catalog().resolve(model).arch
+    est = estimate(arch, spec)
+    assert tuple(peak_levels(arch, spec)) == (
+        est.allocated_bytes,
+        est.reserved_bytes,
+        est.device_bytes,
+        est.device_bytes_upper,
+    )
