@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.api import problems
+from service.api.answers import AnswerCache
 from service.api.calibration import CachedFactors, FactorProvider, keep_fresh
 from service.api.deps import Services, require_read_key
 from service.api.limits import BodyLimitMiddleware
@@ -61,6 +62,7 @@ def create_app(
         engine=engine,
         sessions=sessions,
         factor_cache=cache,
+        answers=AnswerCache(settings.estimate_cache_entries),
     )
 
     @asynccontextmanager
@@ -79,13 +81,14 @@ def create_app(
     app = FastAPI(title=TITLE, description=DESCRIPTION, version=_version(), lifespan=lifespan)
     app.state.services = services
     reads = [Depends(require_read_key)] if settings.require_read_key else []
+    # Routes are matched in order: probes and estimates, the most frequent requests, first.
+    app.include_router(health.router)
     app.include_router(estimates.router)
     app.include_router(fit_checks.router)
     app.include_router(calibrations.router)
     app.include_router(calibrations.reads, dependencies=reads)
     app.include_router(factors.router, dependencies=reads)
     app.include_router(catalog.router)
-    app.include_router(health.router)
     mount_web(app)
     problems.install(app)
     # The last added is the outermost: metrics see every answer, 413s included.

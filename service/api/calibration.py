@@ -78,12 +78,21 @@ class FactorProvider(Protocol):
         self, estimate: Levels, *, model: str, method: str, gpu: str | None
     ) -> CalibratedPeaks: ...
 
+    def generation(self) -> object:
+        """An object that stays the same (`is`) exactly while `peaks` answers as it does
+        now: answers computed under another generation are stale."""
+        ...
+
 
 class CachedFactors:
     """The store's factors, as this replica's cache holds them (never waiting on a load)."""
 
     def __init__(self, cache: FactorCache) -> None:
         self.cache = cache
+
+    def generation(self) -> object:
+        # A snapshot is replaced, never changed, when the factors or their state change.
+        return self.cache.peek()
 
     def peaks(
         self, estimate: Levels, *, model: str, method: str, gpu: str | None

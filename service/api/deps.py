@@ -11,6 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.answers import AnswerCache
 from service.api.auth import api_key, require_key
 from service.api.calibration import FactorProvider
 from service.api.estimation import Estimation
@@ -36,45 +37,47 @@ class Services:
     engine: Engine
     sessions: sessionmaker[Session]
     factor_cache: FactorCache
+    answers: AnswerCache
 
 
-def _services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
+    """The services of the request's app."""
     services: Services = request.app.state.services
     return services
 
 
 # Dependencies are coroutines so that FastAPI calls them inline, not in its thread pool.
 async def get_settings(request: Request) -> Settings:
-    return _services(request).settings
+    return services_of(request).settings
 
 
 async def get_model_catalog(request: Request) -> ModelCatalog:
-    return _services(request).models
+    return services_of(request).models
 
 
 async def get_gpu_catalog(request: Request) -> GpuCatalog:
-    return _services(request).gpus
+    return services_of(request).gpus
 
 
 async def get_factor_provider(request: Request) -> FactorProvider:
-    return _services(request).factors
+    return services_of(request).factors
 
 
 async def get_metrics(request: Request) -> Metrics:
-    return _services(request).metrics
+    return services_of(request).metrics
 
 
 async def get_engine(request: Request) -> Engine:
-    return _services(request).engine
+    return services_of(request).engine
 
 
 async def get_factor_cache(request: Request) -> FactorCache:
-    return _services(request).factor_cache
+    return services_of(request).factor_cache
 
 
 def get_session(request: Request) -> Iterator[Session]:
     """One session per request; the route commits (once, before its 201) or nothing is kept."""
-    with _services(request).sessions() as session:
+    with services_of(request).sessions() as session:
         yield session
 
 
@@ -92,7 +95,12 @@ CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key)
 async def get_estimation(request: Request) -> Estimation:
     # One dependency rather than one per service: FastAPI resolves every dependency on every
     # request, and these services are fixed for the app's life (the factor provider included).
-    services = _services(request)
+    return estimation_for(request)
+
+
+def estimation_for(request: Request) -> Estimation:
+    """The estimation services of the request's app."""
+    services = services_of(request)
     return Estimation(
         models=services.models,
         gpus=services.gpus,

@@ -459,6 +459,9 @@ class GpuFitSummary(_Out):
 
 
 ComponentBytes = dict[Component, Bytes]
+# Iterating an enum runs Python code per member: the members, once.
+_COMPONENTS = tuple(Component)
+_OVERHEADS = tuple(Overhead)
 
 
 class EstimateOut(_Out):
@@ -511,8 +514,8 @@ class EstimateOut(_Out):
                     "device_bytes": est.device_bytes,
                     "device_bytes_upper": est.device_bytes_upper,
                 },
-                "components": {c: est.components.get(c, 0) for c in Component},
-                "overheads": {o: est.overheads.get(o, 0) for o in Overhead},
+                "components": {c: est.components.get(c, 0) for c in _COMPONENTS},
+                "overheads": {o: est.overheads.get(o, 0) for o in _OVERHEADS},
                 "phases": [
                     {"step": ph.step, "phase": ph.phase, "allocated_bytes": ph.allocated_bytes}
                     for ph in est.phases

@@ -27,6 +27,13 @@ class Settings(BaseSettings):
     )
     host: str = Field(default="127.0.0.1", min_length=1, description="Address to listen on.")
     port: int = Field(default=8000, ge=1, le=65535, description="TCP port to listen on.")
+    estimate_cache_entries: int = Field(
+        default=4096,
+        ge=0,
+        le=1_000_000,
+        description="Answers to repeated POST /v1/estimates bodies kept (least recently used "
+        "leave first; new calibration factors make them stale); 0 keeps none.",
+    )
     require_read_key: bool = Field(
         default=False,
         description="GET /v1/calibrations and /v1/factors need a key with the read scope. "

@@ -93,6 +93,9 @@ class _Broken:
     ) -> CalibratedPeaks:
         raise RuntimeError("secret internals")
 
+    def generation(self) -> object:
+        return self
+
 
 def test_a_bug_is_a_500_problem_without_a_traceback() -> None:
     app = create_app(Settings(database_url="sqlite://"), factor_provider=_Broken())
@@ -123,6 +126,9 @@ def test_the_factor_provider_is_the_calibration_seam() -> None:
                     samples=9,
                 ),
             )
+
+        def generation(self) -> object:
+            return self
 
     app = create_app(Settings(database_url="sqlite://"), factor_provider=Doubled())
     with TestClient(app) as client:

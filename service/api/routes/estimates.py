@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.api.deps import EstimationDep
+from service.api.answers import Answer
+from service.api.body import is_json, request_body, validate_body
+from service.api.deps import EstimationDep, estimation_for, services_of
 from service.api.problems import responses
-from service.api.responses import json_response
+from service.api.responses import JSON_MEDIA_TYPE, json_response
 from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobSpec
 
 router = APIRouter(prefix="/v1", tags=["estimates"])
@@ -20,9 +22,29 @@ router = APIRouter(prefix="/v1", tags=["estimates"])
     description="The peak of one GPU of the job at the allocated, reserved and device levels, "
     "the safe bound, where the bytes go and when the peak happens.",
     responses=responses(404, 413, 422),
+    openapi_extra=request_body(JobSpec),
 )
-async def create_estimate(job: JobSpec, estimation: EstimationDep) -> Response:
-    return json_response(estimation.estimate(job))
+async def create_estimate(request: Request) -> Response:
+    # Schedulers call this before every placement: the body is parsed by pydantic-core in one
+    # pass, the services are read directly (FastAPI's body and dependency resolution would cost
+    # more than the estimate), and a body asked before under the same calibration factors gets
+    # its kept answer.
+    services = services_of(request)
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+    cacheable = is_json(content_type)
+    generation = services.factors.generation()
+    if cacheable:
+        kept = services.answers.get(body, generation)
+        if kept is not None:
+            services.metrics.count_estimate(kept.model)
+            return Response(kept.content, media_type=JSON_MEDIA_TYPE)
+    job = validate_body(body, content_type, JobSpec)
+    out = estimation_for(request).estimate(job)
+    content = out.__pydantic_serializer__.to_json(out)
+    if cacheable:
+        services.answers.put(body, Answer(content, out.model, generation))
+    return Response(content, media_type=JSON_MEDIA_TYPE)
 
 
 @router.post(
