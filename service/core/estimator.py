@@ -79,6 +79,21 @@ TORCHTUNE_CE_CHUNKS = 8
 # LitGPT's chunked lm_head + cross-entropy over 128 tokens (litgpt/finetune/lora.py,
 # lm_head_chunk_size=128; litgpt/utils.py chunked_cross_entropy chunk_size=128).
 LITGPT_CE_CHUNK_TOKENS = 128
+# What LitGPT's LoRA fine-tuning keeps beyond an HF + PEFT step, read from the sources behind its
+# published resource tables (lit-gpt commit 8641822 with lightning 71aed751 and bitsandbytes
+# 0.41.1) and checked tensor by tensor against a storage trace of those sources:
+# * Fabric's _FabricModule.forward ends with precision.convert_output(), which casts every
+#   floating output to torch.get_default_dtype(), fp32 (lightning/fabric/plugins/precision/
+#   half.py and bitsandbytes.py convert_output): the bf16 lm_head chunks become an fp32 list that
+#   finetune/lora.py keeps as `logits` through backward, and chunked_cross_entropy's log_softmax
+#   saves fp32 chunks.
+LITGPT_LOGITS_BYTES = FP32_BYTES
+# * bitsandbytes 0.41.1 MatMul4Bit (autograd/_functions.py) computes
+#   F.linear(A, dequantize_4bit(B, state).to(A.dtype).t()) in forward and again in backward:
+#   the weight in the quant_state dtype and its cast to the compute dtype exist together. The
+#   quant_state dtype is fp16 because lightning's _Linear4bit._quantize_weight casts the weight
+#   to half before quantize_4bit.
+LITGPT_QUANT_STATE_BYTES = 2  # fp16
 
 
 def _blk(nbytes: int) -> int:
@@ -214,11 +229,15 @@ class _Params:
 
 
 def _quantized_weight_bytes(lin: Linear, quant: QuantSpec | None) -> int:
+    return _quantized_matrix_bytes(lin.in_features, lin.out_features, quant)
+
+
+def _quantized_matrix_bytes(in_features: int, out_features: int, quant: QuantSpec | None) -> int:
     if quant is None:
         raise InvalidSpecError("quantization", "required for method 'qlora'")
-    n = lin.in_features * lin.out_features
+    n = in_features * out_features
     if quant.type is QuantType.INT8:
-        return _blk(n * INT8_BYTES) + _blk(lin.out_features * FP32_BYTES)
+        return _blk(n * INT8_BYTES) + _blk(out_features * FP32_BYTES)
     packed = _blk(n // NF4_VALUES_PER_BYTE)
     blocks = -(-n // NF4_BLOCK)
     code = _blk(NF4_CODE_ENTRIES * FP32_BYTES)
@@ -244,9 +263,13 @@ def _params(
     quant: QuantSpec | None,
     adapter_dtype: DType,
     adapted: tuple[Linear, ...],
+    head_quantized: bool = False,
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
-    Cached: it depends on the model and method, not on batch or sequence length."""
+    Cached: it depends on the model and method, not on batch or sequence length.
+
+    `head_quantized`: the LM head is a 4-bit linear too (LitGPT's QLoRA: Fabric's
+    BitsandbytesPrecision replaces every torch.nn.Linear, lm_head included)."""
     md = DTYPE_BYTES[dtype]
     kbit = method is Method.QLORA
     prep = kbit and quant is not None and quant.prepare_kbit
@@ -290,7 +313,10 @@ def _params(
     head_start = len(trainable)
     put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full)
     if not arch.tie_word_embeddings:
-        put(arch.vocab_size, arch.hidden_size, other, 1, full)
+        if head_quantized:
+            frozen += _quantized_matrix_bytes(arch.hidden_size, arch.vocab_size, quant)
+        else:
+            put(arch.vocab_size, arch.hidden_size, other, 1, full)
         if arch.lm_head_bias:
             put(arch.vocab_size, 0, other, 1, full)
         if "lm_head" in saved_modules and not full:
@@ -389,6 +415,31 @@ class _Flow:
     # bitsandbytes <= 0.41 (MatMul4Bit.forward: ctx.tensors = (A, B)) kept the 4-bit
     # linear's input for backward; LitGPT's published QLoRA tables were measured with 0.41.1.
     quant_saves_input: bool
+    # LitGPT's LoRAQKVLinear.zero_pad (lit_gpt/lora.py) index_copies the adapters' q/k/v output,
+    # `zero_pad_width` features per token, into the fused qkv width when q, k and v are not all
+    # adapted; index_copy's backward keeps that source (autograd's index_copy formula,
+    # grad.index_select(dim, index).expand_as(source)). 0: no such copy.
+    zero_pad_width: int = 0
+    # LitGPT's CausalSelfAttention reshapes SDPA's (B, nh, T, hs) output to (B, T, C) through
+    # y.transpose(1, 2).reshape(...), a copy: the output projection's input is its own storage.
+    proj_input_copy: bool = False
+    # The LM head is a 4-bit linear that keeps its input (LitGPT QLoRA with bitsandbytes 0.41.1).
+    head_quantized: bool = False
+
+
+def _litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
+    """Features per token of the adapters' q/k/v output that LitGPT's zero_pad index_copies; 0
+    when q, k and v are all adapted (zero_pad then returns its input unchanged)."""
+    qkv = [lin for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV and not lin.expert]
+    names = {lin.name for lin in adapted}
+    if len(qkv) == 1:
+        # One fused projection (GPT-NeoX's query_key_value): LitGPT adapts its parts through
+        # to_query / to_key / to_value, and finetune/lora.py enables query and value.
+        return arch.q_dim + arch.kv_dim if qkv[0].name in names else 0
+    chosen = [lin for lin in qkv if lin.name in names]
+    if not chosen or len(chosen) == len(qkv):
+        return 0
+    return sum(lin.out_features for lin in chosen)
 
 
 def _flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> _Flow:
@@ -409,6 +460,7 @@ def _flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> _Fl
         attn = residual
     lora = rs.lora
     targets = frozenset(lin.name for lin in adapted)
+    litgpt = spec.framework is Framework.LITGPT
     return _Flow(
         residual=residual,
         norm_out=norm_out,
@@ -423,12 +475,22 @@ def _flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> _Fl
         quantized=spec.method is Method.QLORA,
         quant_saves_input=spec.method is Method.QLORA and spec.framework is Framework.LITGPT,
         autocast=spec.autocast,
+        zero_pad_width=_litgpt_zero_pad_width(arch, adapted) if litgpt and lora else 0,
+        proj_input_copy=litgpt,
+        head_quantized=litgpt
+        and spec.method is Method.QLORA
+        and not arch.tie_word_embeddings
+        and rs.quantization is not None
+        and rs.quantization.type is not QuantType.INT8,
     )
 
 
-def _linear_saves(led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int) -> None:
-    """What one linear keeps for backward, given its input tensor `x_key`."""
-    if f.full or (f.quant_saves_input and not lin.expert):
+def _linear_saves(
+    led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int, *, input_grad: bool = True
+) -> None:
+    """What one linear keeps for backward, given its input tensor `x_key` (`input_grad`: whether
+    that input needs a gradient; bitsandbytes 0.41.1 keeps it only then)."""
+    if f.full or (f.quant_saves_input and input_grad and not lin.expert):
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
     if lin.name not in f.lora_targets:
         return
@@ -446,6 +508,8 @@ def _linear_saves(led: _Ledger, f: _Flow, lin: Linear, x_key: str, x_bytes: int)
     else:
         led.add(cast_key, lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
+    if lin.kind is LinearKind.ATTN_QKV and f.zero_pad_width:
+        led.add("qkv.zero_pad_source", f.zero_pad_width * in_bytes)
 
 
 def _norm_saves(led: _Ledger, f: _Flow, key: str, x_key: str, h: int, arch: ModelArch) -> None:
@@ -525,7 +589,13 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
 
 
 def _mlp_saves(
-    led: _Ledger, f: _Flow, arch: ModelArch, x_key: str, *, at_up_proj: bool = False
+    led: _Ledger,
+    f: _Flow,
+    arch: ModelArch,
+    x_key: str,
+    *,
+    at_up_proj: bool = False,
+    input_grad: bool = True,
 ) -> None:
     """The MLP's saved tensors; with `at_up_proj`, what is live while the last input
     projection's LoRA output is formed (see `_layer_recipe`)."""
@@ -535,7 +605,7 @@ def _mlp_saves(
     mlp_in = [lin for lin in arch.linears if lin.kind is LinearKind.MLP_IN and not lin.expert]
     down = by_kind.get(LinearKind.MLP_OUT)
     for lin in mlp_in:
-        _linear_saves(led, f, lin, x_key, out)
+        _linear_saves(led, f, lin, x_key, out, input_grad=input_grad)
     if arch.is_moe:
         _moe_saves(led, f, arch, x_key)
         return
@@ -633,22 +703,33 @@ def _layer_recipe(
         _norm_saves(led, f, "norm1", "x_in", h, arch)
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_QKV:
-            _linear_saves(led, f, lin, "norm1.out", f.norm_out)
+            _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)
     _attention_saves(led, f, arch, spec_like)
+    proj_key = "attn_out.reshaped" if f.proj_input_copy else "attn_out"
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_OUT:
-            _linear_saves(led, f, lin, "attn_out", f.attn)
+            _linear_saves(led, f, lin, proj_key, f.attn)
+    # A parallel-residual MLP reads the layer input: in a first layer whose input takes no
+    # gradient, the MLP records nothing for backward unless one of its linears trains.
+    mlp_trains = f.full or any(
+        lin.name in f.lora_targets
+        for lin in arch.linears
+        if lin.kind in (LinearKind.MLP_IN, LinearKind.MLP_OUT)
+    )
+    mlp_input_grad = input_needs_grad or not arch.parallel_residual
     if arch.parallel_residual and arch.norms_per_layer == 1:
         mlp_in_key = "norm1.out"
     else:
         # GPT-NeoX's parallel residual feeds both norms the layer input.
-        _norm_saves(led, f, "norm2", "x_in" if arch.parallel_residual else "x_mid", h, arch)
+        if mlp_input_grad:
+            _norm_saves(led, f, "norm2", "x_in" if arch.parallel_residual else "x_mid", h, arch)
         mlp_in_key = "norm2.out"
     if arch.norms_per_layer == 4:
         # Gemma-2's post-attention and post-feedforward norms act on branch outputs.
         _norm_saves(led, f, "norm3", "attn_proj", h, arch)
         _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
-    _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj)
+    if mlp_input_grad or mlp_trains:
+        _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
     return led.recipe()
 
 
@@ -695,6 +776,8 @@ def _loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int) -> _LossBytes
                 + TORCHTUNE_CE_CHUNKS * _blk(chunk * v * FP32_BYTES)
                 + 2 * _blk(chunk * v * FP32_BYTES),
             )
+        if rs.spec.framework is Framework.LITGPT:
+            return _litgpt_loss_bytes(arch, rs, b, s, head)
         chunk = min(tokens, b * LITGPT_CE_CHUNK_TOKENS)
         per_chunk = _blk(chunk * v * head)
         n_chunks = -(-tokens // chunk)
@@ -719,6 +802,44 @@ def _loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int) -> _LossBytes
     )
 
 
+def _litgpt_dequant_bytes(in_features: int, out_features: int, rs: ResolvedSpec) -> int:
+    """Transient bytes of one bitsandbytes 0.41.1 4-bit matmul in LitGPT: the weight dequantized
+    in the quant_state dtype (fp16) and its cast to the compute dtype, alive together; double
+    quant first rebuilds the fp32 absmax (functional.dequantize_4bit: dequantize_blockwise)."""
+    n = in_features * out_features
+    quant = rs.quantization
+    nested = _blk(-(-n // NF4_BLOCK) * FP32_BYTES) if quant and quant.double_quant else 0
+    return _blk(n * LITGPT_QUANT_STATE_BYTES) + _blk(n * DTYPE_BYTES[rs.compute_dtype]) + nested
+
+
+def _litgpt_loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int, head: int) -> _LossBytes:
+    """LitGPT finetune/lora.py: model(x, lm_head_chunk_size=128) returns (b, 128, V) chunks that
+    Fabric casts to fp32 (kept by `logits` through backward); logits[-1] drops its last position;
+    chunked_cross_entropy saves each chunk's fp32 log-probabilities. Backward first runs every
+    chunk's cross-entropy (NLL's and log_softmax's gradients of one chunk at a time, each result
+    then waiting for its cast node), then the casts back to bf16, then lm_head."""
+    v, h = arch.vocab_size, arch.hidden_size
+    full, rem = divmod(s, LITGPT_CE_CHUNK_TOKENS)
+    sizes = [LITGPT_CE_CHUNK_TOKENS] * full + ([rem] if rem else [])
+    shifted = [*sizes[:-1], sizes[-1] - 1]
+    logits_half = sum(_blk(b * n * v * head) for n in sizes)
+    logits = sum(_blk(b * n * v * LITGPT_LOGITS_BYTES) for n in sizes)
+    logp = sum(_blk(b * n * v * LITGPT_LOGITS_BYTES) for n in shifted)
+    chunk = _blk(b * sizes[0] * v * LITGPT_LOGITS_BYTES)
+    # convert_output: the bf16 list and its fp32 copy; then the fp32 list and the log-probs.
+    forward_peak = max(logits_half + logits, logits + logp)
+    backward_peak = logits + logp + 2 * chunk
+    if rs.spec.method is Method.QLORA and not arch.tie_word_embeddings:
+        # The 4-bit lm_head dequantizes its weight for each chunk, forward and backward; its
+        # backward comes after every chunk's gradient has been cast back to bf16.
+        weight = _litgpt_dequant_bytes(h, v, rs)
+        forward_peak = max(forward_peak, logits_half + weight)
+        backward_peak = max(
+            backward_peak, logits + logits_half + weight + _blk(b * sizes[0] * h * head)
+        )
+    return _LossBytes(forward_peak=forward_peak, saved=logits + logp, backward_peak=backward_peak)
+
+
 # ---------------------------------------------------------------------------------------------
 # The step
 
@@ -736,6 +857,11 @@ def _validate(arch: ModelArch, spec: TrainingSpec) -> list[str]:
         and spec.quantization.type is QuantType.INT8
     ):
         warnings.append("int8 (LLM.int8) base weights: activations modelled as for 4-bit")
+    if spec.method is Method.QLORA and spec.framework is Framework.LITGPT:
+        warnings.append(
+            "LitGPT with bitsandbytes <= 0.41 keeps each 4-bit layer's input until the next "
+            "forward pass: a later iteration as long as the first can peak above this estimate"
+        )
     return warnings
 
 
@@ -762,8 +888,27 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     rs = resolve(unit)
     adapted = adapted_linears(arch, rs)
     f = _flow(arch, rs, adapted)
-    p = _params(arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype, adapted)
+    p = _params(
+        arch,
+        unit.method,
+        unit.dtype,
+        rs.lora,
+        rs.quantization,
+        rs.adapter_dtype,
+        adapted,
+        f.head_quantized,
+    )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
+    largest = max(
+        (lin for lin in arch.linears if not lin.expert),
+        key=lambda lin: lin.in_features * lin.out_features,
+    )
+    if unit.method is not Method.QLORA:
+        dequant = 0
+    elif unit.framework is Framework.LITGPT:
+        dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
+    else:
+        dequant = _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
     return _Plan(
         rs=rs,
         adapted=adapted,
@@ -775,12 +920,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True, windowed=key.windowed)
         if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
         else (),
-        dequant=_blk(
-            max(lin.in_features * lin.out_features for lin in arch.linears if not lin.expert)
-            * DTYPE_BYTES[rs.compute_dtype]
-        )
-        if unit.method is Method.QLORA
-        else 0,
+        dequant=dequant,
     )
 
 
@@ -922,8 +1062,10 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     head_trains = spec.method is Method.FULL or (
         rs.lora is not None and "lm_head" in rs.lora.modules_to_save
     )
-    if head_trains:
-        final_norm += _blk(tokens * h * f.residual)  # lm_head's input, for its weight grad
+    if head_trains or f.head_quantized:
+        # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
+        # MatMul4Bit's ctx.tensors)
+        final_norm += _blk(tokens * h * f.residual)
     loss = _loss_bytes(arch, rs, b, s)
     grad_hidden = _blk(tokens * h * max(f.residual, 2))  # gradient flowing down the stack
 

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from service.core.architecture import from_hf_config
-from service.core.estimator import estimate, layer_saved_bytes
+from service.core.estimator import (
+    _litgpt_zero_pad_width,
+    adapted_linears,
+    estimate,
+    layer_saved_bytes,
+)
 from service.core.result import Component, Phase
-from service.core.spec import AttnImpl, LoraSpec, Method, Optim, QuantSpec, TrainingSpec, resolve
+from service.core.spec import (
+    AttnImpl,
+    Framework,
+    LoraSpec,
+    Method,
+    Optim,
+    QuantSpec,
+    TrainingSpec,
+    resolve,
+)
 
 TINY = {
     "model_type": "llama",
@@ -121,3 +135,40 @@ def test_eager_attention_warns_with_size() -> None:
 def test_sequence_beyond_positions_warns() -> None:
     est = estimate(ARCH, _spec(seq_len=1024))
     assert any("max_position_embeddings" in w for w in est.warnings)
+
+
+def test_litgpt_zero_pad_copies_the_adapted_part_of_qkv() -> None:
+    # LitGPT's zero_pad index_copies the adapters' q/k/v output into the fused width when not
+    # all of q, k and v are adapted; index_copy's backward keeps that source.
+    qv = adapted_linears(ARCH, resolve(_spec(framework=Framework.LITGPT)))
+    assert _litgpt_zero_pad_width(ARCH, qv) == 64 + 32  # q_dim + kv_dim
+    qkv = LoraSpec(r=4, target_modules=("q_proj", "k_proj", "v_proj"))
+    every = adapted_linears(ARCH, resolve(_spec(framework=Framework.LITGPT, lora=qkv)))
+    assert _litgpt_zero_pad_width(ARCH, every) == 0
+    neox = from_hf_config(
+        {
+            "model_type": "gpt_neox",
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "vocab_size": 100,
+            "max_position_embeddings": 512,
+        }
+    )
+    fused = LoraSpec(r=4, target_modules=("query_key_value",))
+    adapted = adapted_linears(neox, resolve(_spec(framework=Framework.LITGPT, lora=fused)))
+    assert _litgpt_zero_pad_width(neox, adapted) == 64 + 64  # query and value parts
+    # The copy is LitGPT's alone: the same layer under HF + PEFT keeps it not.
+    litgpt = layer_saved_bytes(ARCH, resolve(_spec(framework=Framework.LITGPT)), 2, 8)
+    assert litgpt > 0 and litgpt != layer_saved_bytes(ARCH, resolve(_spec()), 2, 8)
+
+
+def test_litgpt_qlora_warns_that_inputs_outlive_the_step() -> None:
+    quant = QuantSpec(double_quant=True)
+    est = estimate(ARCH, _spec(method=Method.QLORA, quantization=quant, framework=Framework.LITGPT))
+    assert any("until the next forward pass" in w for w in est.warnings)
+    assert not any(
+        "until the next forward pass" in w
+        for w in estimate(ARCH, _spec(method=Method.QLORA, quantization=quant)).warnings
+    )

@@ -12,11 +12,12 @@ from service.core.estimator import estimate
 from tests.published_rows import Row, load
 
 # Tier A rows measure torch.cuda.max_memory_allocated with every input known; the estimator's
-# allocated level must be within this of each (issue target 10 %; see TIER_A_HELD).
+# allocated level must be within this of each.
 TIER_A_TARGET = 0.10
-# What every Tier A row holds today (LitGPT 2023 tables, torch 2.1 / bitsandbytes 0.41.1):
-# the residual under-estimate is discussed in the README's accuracy section.
-TIER_A_HELD = 0.17
+# What every Tier A row holds today (LitGPT 2023 tables, torch 2.1 / bitsandbytes 0.41.1,
+# modelled by the `litgpt` preset): a change that moves a row past it changed what the preset
+# models, and must say why.
+TIER_A_HELD = 0.01
 
 
 def _level(row: Row) -> int:
@@ -58,4 +59,5 @@ def test_tier_a_allocated(
             flag = "" if abs(err) <= TIER_A_TARGET else "  (beyond the 10 % target)"
             print(f"{row.id:<22}{row.model:<38}{row.spec.method.value:<7}{err:+7.1%}{flag}")
     worst = max(abs(e) for _r, e in tier_a)
-    assert worst <= TIER_A_HELD, f"worst Tier A error {worst:.1%}"
+    assert worst <= TIER_A_TARGET, f"worst Tier A error {worst:.1%}"
+    assert worst <= TIER_A_HELD, f"worst Tier A error {worst:.2%}"
