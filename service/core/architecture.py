@@ -106,6 +106,11 @@ class ModelArch:
         return self.num_experts > 0
 
     @property
+    def fused_qkv_linear(self) -> bool:
+        """q, k and v come from one projection (GPT-NeoX's query_key_value, Phi-3's qkv_proj)."""
+        return sum(1 for lin in self.linears if lin.kind is LinearKind.ATTN_QKV) == 1
+
+    @property
     def norm_params(self) -> int:
         per = self.hidden_size * (2 if self.norm is NormKind.LAYER else 1)
         return per

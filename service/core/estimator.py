@@ -432,7 +432,7 @@ def _litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
     when q, k and v are all adapted (zero_pad then returns its input unchanged)."""
     qkv = [lin for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV and not lin.expert]
     names = {lin.name for lin in adapted}
-    if len(qkv) == 1:
+    if arch.fused_qkv_linear:
         # One fused projection (GPT-NeoX's query_key_value): LitGPT adapts its parts through
         # to_query / to_key / to_value, and finetune/lora.py enables query and value.
         return arch.q_dim + arch.kv_dim if qkv[0].name in names else 0
@@ -1029,6 +1029,11 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     f = plan.flow
     p = plan.params
     shard = _sharding(spec)
+    if f.zero_pad_width and arch.fused_qkv_linear:
+        assumptions.append(
+            "LitGPT adapts the query and value parts of the fused qkv projection "
+            "(finetune/lora.py's lora_query and lora_value defaults)"
+        )
 
     frozen = p.frozen // shard.params
     trainable = p.trainable // shard.params

@@ -159,6 +159,8 @@ def test_litgpt_zero_pad_copies_the_adapted_part_of_qkv() -> None:
     fused = LoraSpec(r=4, target_modules=("query_key_value",))
     adapted = adapted_linears(neox, resolve(_spec(framework=Framework.LITGPT, lora=fused)))
     assert _litgpt_zero_pad_width(neox, adapted) == 64 + 64  # query and value parts
+    said = estimate(neox, _spec(framework=Framework.LITGPT, lora=fused)).assumptions
+    assert any("query and value parts of the fused qkv" in a for a in said)
     # The copy is LitGPT's alone: the same layer under HF + PEFT keeps it not.
     litgpt = layer_saved_bytes(ARCH, resolve(_spec(framework=Framework.LITGPT)), 2, 8)
     assert litgpt > 0 and litgpt != layer_saved_bytes(ARCH, resolve(_spec()), 2, 8)
