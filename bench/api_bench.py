@@ -269,7 +269,7 @@ def in_process(database_url: str) -> dict[str, float]:
     """Seconds: one estimate() (same spec, and a new batch/seq each call), the 37-GPU
     fit-check in the core and through the API's handler."""
     from service.api.app import create_app
-    from service.api.estimation import Estimation
+    from service.api.deps import estimation_for
     from service.api.schemas import FitCheckIn
     from service.api.settings import Settings
     from service.catalog.gpus import default_gpu_catalog
@@ -324,13 +324,7 @@ def in_process(database_url: str) -> dict[str, float]:
     )
 
     def api_check() -> object:
-        estimation = Estimation(
-            models=services.models,
-            gpus=services.gpus,
-            factors=services.factors,
-            metrics=services.metrics,
-        )
-        return estimation.fit_check(body)
+        return estimation_for(services).fit_check(body)
 
     return {
         "estimate_same_spec_s": same,

@@ -95,12 +95,11 @@ CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key)
 async def get_estimation(request: Request) -> Estimation:
     # One dependency rather than one per service: FastAPI resolves every dependency on every
     # request, and these services are fixed for the app's life (the factor provider included).
-    return estimation_for(request)
+    return estimation_for(services_of(request))
 
 
-def estimation_for(request: Request) -> Estimation:
-    """The estimation services of the request's app."""
-    services = services_of(request)
+def estimation_for(services: Services) -> Estimation:
+    """What one request's estimates use, from the app's services."""
     return Estimation(
         models=services.models,
         gpus=services.gpus,

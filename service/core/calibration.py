@@ -314,28 +314,6 @@ class FactorTable:
         gpu: str | None = None,
         environment: str | None = None,
     ) -> AppliedFactor | None:
-        return self._search(model, method, level, gpu, environment)
-
-    def calibrator(
-        self, *, model: str, method: str, gpu: str | None = None, environment: str | None = None
-    ) -> Calibrator:
-        """The factors that apply, level by level, to one model, method, GPU, environment."""
-        key = (model, method, gpu, environment)
-        found = self._calibrators.get(key)
-        if found is None:
-            if len(self._calibrators) >= CALIBRATOR_MEMO_ENTRIES:
-                self._calibrators.clear()
-            applied = {}
-            for level in Level:
-                factor = self._search(model, method, level, gpu, environment)
-                if factor is not None:
-                    applied[level] = factor
-            found = self._calibrators[key] = Calibrator(MappingProxyType(applied))
-        return found
-
-    def _search(
-        self, model: str, method: str, level: Level, gpu: str | None, environment: str | None
-    ) -> AppliedFactor | None:
         candidates = [
             GroupKey(scope=Scope.MODEL_GPU, method=method, level=level, model=model, variant=gpu),
             GroupKey(
@@ -355,6 +333,25 @@ class FactorTable:
             if factor is not None:
                 return AppliedFactor(key=key, factor=factor)
         return None
+
+    def calibrator(
+        self, *, model: str, method: str, gpu: str | None = None, environment: str | None = None
+    ) -> Calibrator:
+        """The factors that apply, level by level, to one model, method, GPU, environment."""
+        key = (model, method, gpu, environment)
+        found = self._calibrators.get(key)
+        if found is None:
+            if len(self._calibrators) >= CALIBRATOR_MEMO_ENTRIES:
+                self._calibrators.clear()
+            applied = {}
+            for level in Level:
+                factor = self.lookup(
+                    model=model, method=method, level=level, gpu=gpu, environment=environment
+                )
+                if factor is not None:
+                    applied[level] = factor
+            found = self._calibrators[key] = Calibrator(MappingProxyType(applied))
+        return found
 
 
 EMPTY_TABLE = FactorTable({})
@@ -433,25 +430,10 @@ class Calibrator:
     def apply(self, estimate: Levels) -> CalibratedPeaks:
         """Each level's factor applied, keeping allocated <= reserved <= device."""
         applied = self.applied
-        if not applied:
-            return CalibratedPeaks(
-                allocated_bytes=estimate.allocated_bytes,
-                reserved_bytes=estimate.reserved_bytes,
-                device_bytes=estimate.device_bytes,
-                device_bytes_upper=estimate.device_bytes_upper,
-                applied=applied,
-            )
-        scaled: dict[Level, int] = {}
-        for level in Level:
-            value = estimated_at(estimate, level)
-            found = applied.get(level)
-            if found is not None:
-                value = math.ceil(value * found.factor.ratio)
-            scaled[level] = value
-        allocated = scaled[Level.ALLOCATED]
-        reserved = max(scaled[Level.RESERVED], allocated)
-        device = max(scaled[Level.DEVICE], reserved)
         device_factor = applied.get(Level.DEVICE)
+        allocated = _scaled(estimate.allocated_bytes, applied.get(Level.ALLOCATED))
+        reserved = max(_scaled(estimate.reserved_bytes, applied.get(Level.RESERVED)), allocated)
+        device = max(_scaled(estimate.device_bytes, device_factor), reserved)
         if device_factor is not None:
             upper = math.ceil(device * device_factor.factor.upper_multiplier)
         elif estimate.device_bytes > 0:
@@ -466,6 +448,10 @@ class Calibrator:
             device_bytes_upper=max(upper, device),
             applied=applied,
         )
+
+
+def _scaled(value: int, found: AppliedFactor | None) -> int:
+    return value if found is None else math.ceil(value * found.factor.ratio)
 
 
 def calibrate(

@@ -880,6 +880,7 @@ class _Plan:
     # live at up_proj in a recomputed layer, when that moment is modelled (else empty)
     up_proj_moment: tuple[tuple[int, _Kind, int], ...]
     dequant: int  # a transient dequantized copy of the largest 4-bit weight (QLoRA)
+    assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
 
 
 @lru_cache(maxsize=4096)
@@ -909,6 +910,12 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
     else:
         dequant = _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
+    assumptions = rs.assumptions
+    if f.zero_pad_width and arch.fused_qkv_linear:
+        assumptions += (
+            "LitGPT adapts the query and value parts of the fused qkv projection "
+            "(finetune/lora.py's lora_query and lora_value defaults)",
+        )
     return _Plan(
         rs=rs,
         adapted=adapted,
@@ -921,6 +928,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
         else (),
         dequant=dequant,
+        assumptions=assumptions,
     )
 
 
@@ -1021,7 +1029,7 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     warnings = _validate(arch, spec)
-    assumptions = list(rs.assumptions)
+    assumptions = list(plan.assumptions)
     b, s = spec.batch_size, spec.seq_len
     tokens = b * s
     h = arch.hidden_size
@@ -1029,11 +1037,6 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     f = plan.flow
     p = plan.params
     shard = _sharding(spec)
-    if f.zero_pad_width and arch.fused_qkv_linear:
-        assumptions.append(
-            "LitGPT adapts the query and value parts of the fused qkv projection "
-            "(finetune/lora.py's lora_query and lora_value defaults)"
-        )
 
     frozen = p.frozen // shard.params
     trainable = p.trainable // shard.params

@@ -309,6 +309,10 @@ class _Solver:
         """`spec` with `change` made, or None when the change does not apply to it."""
         if change is Change.SMALLER_MICRO_BATCH:
             return self._smaller_micro_batch(spec, usable)
+        return self._spec_change(change, spec)
+
+    def _spec_change(self, change: Change, spec: TrainingSpec) -> TrainingSpec | None:
+        """A change that does not depend on the GPU, made once per check."""
         key = (change, spec)
         if key not in self._changed:
             self._changed[key] = _apply(change, spec, self.narrower_target_modules)
@@ -364,7 +368,7 @@ class _Solver:
             for change in Change:
                 if change is Change.SMALLER_MICRO_BATCH:
                     continue
-                changed = self.apply(change, spec, 0)
+                changed = self._spec_change(change, spec)
                 need = None if changed is None else self.requirements.valid(changed)
                 if changed is not None and need is not None and need.device_bytes_upper < current:
                     found.append((change, changed, need))

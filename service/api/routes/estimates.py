@@ -40,7 +40,7 @@ async def create_estimate(request: Request) -> Response:
             services.metrics.count_estimate(kept.model)
             return Response(kept.content, media_type=JSON_MEDIA_TYPE)
     job = validate_body(body, content_type, JobSpec)
-    out = estimation_for(request).estimate(job)
+    out = estimation_for(services).estimate(job)
     content = out.__pydantic_serializer__.to_json(out)
     if cacheable:
         services.answers.put(body, Answer(content, out.model, generation))
