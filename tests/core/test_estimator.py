@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from service.core.architecture import from_hf_config
 from service.core.estimator import (
+    _flow,
     _litgpt_zero_pad_width,
     adapted_linears,
     estimate,
@@ -162,8 +163,9 @@ def test_litgpt_zero_pad_copies_the_adapted_part_of_qkv() -> None:
     said = estimate(neox, _spec(framework=Framework.LITGPT, lora=fused)).assumptions
     assert any("query and value parts of the fused qkv" in a for a in said)
     # The copy is LitGPT's alone: the same layer under HF + PEFT keeps it not.
-    litgpt = layer_saved_bytes(ARCH, resolve(_spec(framework=Framework.LITGPT)), 2, 8)
-    assert litgpt > 0 and litgpt != layer_saved_bytes(ARCH, resolve(_spec()), 2, 8)
+    for framework, width in ((Framework.LITGPT, 64 + 32), (Framework.HF, 0)):
+        rs = resolve(_spec(framework=framework))
+        assert _flow(ARCH, rs, adapted_linears(ARCH, rs)).zero_pad_width == width
 
 
 def test_litgpt_qlora_warns_that_inputs_outlive_the_step() -> None:
