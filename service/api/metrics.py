@@ -44,9 +44,15 @@ class Metrics:
             ("model",),
             registry=self.registry,
         )
+        self._estimates_by_model: dict[str, Counter] = {}
 
     def count_estimate(self, model: str) -> None:
-        self.estimates.labels(model=model).inc()
+        # The labelled child once per model: `labels()` takes a lock and builds its key on
+        # every call, and every estimate counts.
+        child = self._estimates_by_model.get(model)
+        if child is None:
+            child = self._estimates_by_model[model] = self.estimates.labels(model=model)
+        child.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
