@@ -41,6 +41,7 @@ def main() -> None:
     for module, needs, title in (
         ("bench.trace_bench", ("torch",), "Reference tracer"),
         ("bench.store_bench", (), "Store"),
+        ("bench.allocator_bench", (), "Allocator model"),
     ):
         run = _optional(module, needs)
         if run is not None:
