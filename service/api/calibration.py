@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from service.calibration_service import FactorCache, FactorState
-from service.core.calibration import AppliedFactor, Level
+from service.core.calibration import AppliedFactor, Level, Scope
 from service.core.result import Levels
 
 SCOPE_NONE = "none"
@@ -25,6 +25,24 @@ SCOPE_NONE = "none"
 REFRESH_TICK_S = 1.0
 
 logger = logging.getLogger(__name__)
+
+# How the calibration notes name a factor's scope.
+SCOPE_WORDS = {
+    Scope.MODEL_GPU.value: "model+GPU",
+    Scope.MODEL_ENVIRONMENT.value: "model+environment",
+    Scope.MODEL.value: "model",
+    Scope.GLOBAL.value: "cross-model",
+}
+_STALE_WORDS = "the store is unreachable: these are the last factors loaded"
+_CALIBRATED_BOUND = "the device factor's spread, widened for few nodes"
+_NONE_APPLIED = {
+    FactorState.FRESH: "calibration: none applied (no factor for this model and method yet): "
+    "the estimator's own numbers and safe-bound margin",
+    FactorState.STALE: "calibration: none applied (the store is unreachable, and the last "
+    "factors loaded have none for this job): the estimator's own numbers and safe-bound margin",
+    FactorState.NONE: "calibration: none applied (the calibration store could not be read): "
+    "the estimator's own numbers and safe-bound margin",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +54,7 @@ class LevelFactor:
     factor: float  # measured / estimated, multiplied into the estimate
     nodes: int  # training nodes whose measurements voted
     samples: int  # measured runs behind the factor
+    models: int  # models whose measurements voted: 1 unless the factor is the global one
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +72,50 @@ class AppliedCalibration:
     # The factor table used: fresh, stale (the store is unreachable: the last one loaded) or
     # none (nothing could be loaded).
     state: FactorState = FactorState.NONE
+
+    def upper_margin(self, estimated: float) -> float:
+        """The safe bound's margin over the device level: the device factor's, when one
+        applied, else the estimator's own (`estimated`)."""
+        return estimated if self.upper_multiplier is None else self.upper_multiplier - 1
+
+    def note(self, upper_margin: float) -> str:
+        """What calibration did to the estimate, in one line: per level, the factor, where it
+        came from, the runs and nodes behind it, and the safe bound's margin; or that none
+        applied, and why.
+
+        The API is the one place that says so: the core knows no factors.
+        """
+        if not (self.applied or self.levels):
+            return _NONE_APPLIED[self.state]
+        found = {level.level: level for level in self.levels}
+        parts = []
+        for level in Level:
+            factor = found.get(level)
+            if level is Level.DEVICE and self.factor is not None:
+                models = factor.models if factor is not None else 1
+                parts.append(_level_words(level, self.scope, self.factor, models, self))
+            elif factor is not None:
+                parts.append(
+                    _level_words(level, factor.scope, factor.factor, factor.models, factor)
+                )
+            else:
+                parts.append(f"{level} none (the estimator's own)")
+        bound = "the estimator's own" if self.upper_multiplier is None else _CALIBRATED_BOUND
+        stale = "" if self.state is FactorState.FRESH else f"; {_STALE_WORDS}"
+        return (
+            f"calibration applied: {'; '.join(parts)}; safe bound +{upper_margin:.1%} over the "
+            f"device level ({bound}){stale}"
+        )
+
+
+def _level_words(
+    level: Level, scope: str, factor: float, models: int, counts: LevelFactor | AppliedCalibration
+) -> str:
+    voters = f"{models} models, " if models > 1 else ""
+    return (
+        f"{level} x{factor:.3f} from the {SCOPE_WORDS.get(scope, scope)} factor "
+        f"({voters}{counts.samples} runs on {counts.nodes} nodes)"
+    )
 
 
 NOT_APPLIED = AppliedCalibration(
@@ -125,6 +188,7 @@ def applied_calibration(
             factor=found.factor.ratio,
             nodes=found.factor.nodes,
             samples=found.factor.runs,
+            models=found.factor.models,
         )
         for level, found in applied.items()
     )

@@ -9,11 +9,16 @@ group (model, method, level; split by GPU or environment only where the data sho
    errors are multiplicative) are rejected;
 3. the factor is the median of the remaining votes, once at least `MIN_NODES` nodes vote,
    clamped to [`FACTOR_MIN`, `FACTOR_MAX`];
-4. the upper multiplier is the smallest that leaves at most 5 % of the voting nodes' runs
-   above `factor * upper_multiplier`. OOM runs are lower bounds: they can only raise it.
+4. the upper multiplier is the widest of: a one-sided upper prediction bound on the log ratio
+   of one more node's run (Student's t for the number of votes, on the votes' robust spread
+   floored at `MIN_LOG_SPREAD`), so that a few agreeing nodes never prove a zero spread; and
+   the smallest multiplier that leaves at most 5 % of the voting nodes' runs above
+   `factor * upper_multiplier` (OOM runs are lower bounds: they can only raise it).
 
-A model without enough nodes falls back to the global factor (all models, same method and
-level), then to none.
+Each level is fitted on its own ratios. A model without enough nodes falls back to the global
+factor of its method and level, which models vote on as nodes vote on a model's factor: one
+vote per model, at least `MIN_MODELS` of them; a factor learned from one model is that
+model's alone. Without either, no factor applies.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
+from statistics import NormalDist
 from types import MappingProxyType
 
 from service.core.errors import EstimatorError
@@ -31,17 +38,16 @@ from service.core.result import Levels
 # A vote needs this many distinct nodes: with three votes the median survives one bad node
 # (the median's breakdown point is floor((n - 1) / 2) votes).
 MIN_NODES = 3
+# A factor applies across models (the global scope) only when this many models agree, each
+# voting once, for the same reason: the median of three model votes survives one model whose
+# ratio is its own (an architecture the estimator misses something of).
+MIN_MODELS = 3
 # Calibration lowers an estimate by at most 20 %: an underestimate places a job that OOMs,
 # and a larger gap means the estimator misses something that a factor must not hide.
 FACTOR_MIN = 0.8
 # Calibration raises an estimate by at most 50 %: an overestimate only wastes memory, so the
 # bound is looser, but beyond it the estimator is wrong for the group, not imprecise.
 FACTOR_MAX = 1.5
-# The safe bound never sits below the calibrated median, nor more than 50 % above it: a
-# spread wider than that means the group mixes different jobs, and widening the bound further
-# would make every placement of the group wasteful.
-UPPER_MULTIPLIER_MIN = 1.0
-UPPER_MULTIPLIER_MAX = 1.5
 # At most this share of runs may exceed the upper bound (the issue's 95 % coverage).
 UPPER_EXCEEDANCE = 0.05
 # Modified z-score threshold for rejecting a vote (Iglewicz & Hoaglin 1993, "How to Detect
@@ -51,13 +57,23 @@ OUTLIER_Z = 3.5
 MAD_TO_SIGMA = 1.4826
 # Floor of the log-space spread (about 5 %): with few nodes the MAD can be zero (two equal
 # votes), and nodes on other driver, CUDA and torch builds legitimately differ by a few
-# percent, so votes within about ±19 % (OUTLIER_Z floors) of the median are never rejected.
+# percent, so votes within about ±19 % (OUTLIER_Z floors) of the median are never rejected,
+# and the safe bound never assumes a smaller spread than this.
 MIN_LOG_SPREAD = 0.05
+# The safe bound sits at least this far above the calibrated median: the one-sided 95 %
+# normal quantile (Phi^-1(0.95) = 1.645) times the spread floor, the margin that prediction
+# bound reaches with unboundedly many agreeing nodes (t -> normal, the median known), 8.6 %.
+UPPER_MULTIPLIER_MIN = math.exp(NormalDist().inv_cdf(1 - UPPER_EXCEEDANCE) * MIN_LOG_SPREAD)
+# ... and never more than 50 % above it: a spread wider than that means the group mixes
+# different jobs, and widening the bound further would make every placement wasteful.
+UPPER_MULTIPLIER_MAX = 1.5
 # Spread assumed when a group has no factor yet, for flagging uploads as outliers: with
 # OUTLIER_Z it flags ratios outside about [0.70, 1.42], i.e. far from the estimate.
 PRIOR_LOG_SPREAD = 0.10
 # Asymptotic standard error of a median is sqrt(pi / 2) sigma / sqrt(n) (normal data).
 MEDIAN_SE = math.sqrt(math.pi / 2)
+# Student's t quantiles are found by bisection on the exact CDF to this width.
+T_QUANTILE_TOLERANCE = 1e-10
 # A GPU or environment gets its own factor when it differs from the model's by more than
 # 5 % and by more than three standard errors of its median.
 SPLIT_MIN_EFFECT = math.log(1.05)
@@ -168,10 +184,13 @@ class Factor:
     ratio: float
     upper_multiplier: float
     nodes: int  # nodes whose vote counted
+    models: int  # models whose vote counted: 1 for a model's own factor
     rejected_nodes: tuple[str, ...]  # nodes whose vote was too far from the others
     runs: int  # completed runs of the voting nodes
-    oom_runs: int  # OOM runs that were considered for the upper bound
-    log_spread: float  # robust standard deviation of the kept votes, log space (may be 0)
+    oom_runs: int  # OOM runs above the bound the completed runs gave: they raised it
+    # Robust standard deviation of the kept votes, log space (may be 0; the global factor's:
+    # the wider of its models' and its nodes' votes).
+    log_spread: float
     clamped: bool  # the median or the upper multiplier hit a clamp
 
     @property
@@ -212,46 +231,148 @@ def robust_spread(log_values: Sequence[float], center: float) -> float:
     return MAD_TO_SIGMA * _median([abs(value - center) for value in log_values])
 
 
+def _student_t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with an integer `df` >= 1, exactly (Abramowitz & Stegun,
+    "Handbook of Mathematical Functions", 26.7.3 and 26.7.4: finite series in cos(theta),
+    theta = atan(t / sqrt(df)), for P(|T| <= t))."""
+    theta = math.atan(t / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    if df % 2:
+        term = series = math.cos(theta)
+        for power in range(3, df - 1, 2):  # cos^3 ... cos^(df - 2): 2/3, 2*4/(3*5), ...
+            term *= cos2 * (power - 1) / power
+            series += term
+        within = 2 / math.pi * (theta + (math.sin(theta) * series if df > 1 else 0.0))
+    else:
+        term = series = 1.0
+        for power in range(2, df - 1, 2):  # cos^2 ... cos^(df - 2): 1/2, 1*3/(2*4), ...
+            term *= cos2 * (power - 1) / power
+            series += term
+        within = math.sin(theta) * series
+    return (1 + within) / 2
+
+
+@lru_cache(maxsize=1024)
+def student_t_quantile(p: float, df: int) -> float:
+    """The `p`-quantile (0.5 <= p < 1) of Student's t with `df` degrees of freedom, rounded up
+    by at most T_QUANTILE_TOLERANCE."""
+    if not 0.5 <= p < 1:
+        raise ValueError(f"p must be in [0.5, 1), got {p}")
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
+    low, high = 0.0, 1.0
+    while _student_t_cdf(high, df) < p:
+        low, high = high, 2 * high
+    while high - low > T_QUANTILE_TOLERANCE:
+        middle = (low + high) / 2
+        if _student_t_cdf(middle, df) < p:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def upper_prediction_log_margin(log_spread: float, votes: int) -> float:
+    """How far above the median of `votes` votes (log space) the one-sided upper prediction
+    bound of one more vote lies at 1 - UPPER_EXCEEDANCE: t(votes - 1) * s * sqrt(1 + (pi/2) /
+    votes), s the votes' spread floored at MIN_LOG_SPREAD.
+
+    Hahn & Meeker, "Statistical Intervals" (1991), 4.4: a normal sample's mean plus
+    t(1 - alpha; n - 1) s sqrt(1 + 1/n) bounds one future observation; the factor is a median,
+    whose variance is pi/2 times the mean's (MEDIAN_SE). Few votes give a wide margin (t and
+    the median's own error), which narrows toward UPPER_MULTIPLIER_MIN as agreeing votes
+    accumulate; identical votes never prove a zero spread.
+    """
+    if votes < 2:
+        raise ValueError(f"a prediction bound needs at least two votes, got {votes}")
+    spread = max(log_spread, MIN_LOG_SPREAD)
+    t = student_t_quantile(1 - UPPER_EXCEEDANCE, votes - 1)
+    return t * spread * math.sqrt(1 + MEDIAN_SE**2 / votes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Consensus:
+    log_center: float  # median of the kept votes
+    kept: dict[str, float]  # voter -> log vote
+    rejected: frozenset[str]  # voters too far from the others
+
+
+def _consensus(votes: Mapping[str, float], minimum: int) -> _Consensus | None:
+    """The median of the votes left after rejecting those far from the median (modified
+    z-score on the MAD), or None when fewer than `minimum` voters are left."""
+    if len(votes) < minimum:
+        return None
+    values = list(votes.values())
+    center = _median(values)
+    spread = max(robust_spread(values, center), MIN_LOG_SPREAD)
+    kept = {
+        voter: vote for voter, vote in votes.items() if abs(vote - center) <= OUTLIER_Z * spread
+    }
+    if len(kept) < minimum:
+        return None
+    return _Consensus(
+        log_center=_median(list(kept.values())),
+        kept=kept,
+        rejected=frozenset(votes.keys() - kept.keys()),
+    )
+
+
+def _factor(
+    *,
+    log_center: float,
+    log_spread: float,
+    voters: int,
+    completed: Sequence[float],
+    oom: Sequence[float],
+    nodes: int,
+    models: int,
+    rejected_nodes: Iterable[str],
+) -> Factor:
+    """A factor from its votes' median and spread and the ratios of the runs behind them."""
+    raw_ratio = math.exp(log_center)
+    ratio = _clamp(raw_ratio, FACTOR_MIN, FACTOR_MAX)
+    margin = math.exp(upper_prediction_log_margin(log_spread, voters))
+    # The prediction bound holds over the votes' median and over the (clamped) factor alike,
+    # and at most UPPER_EXCEEDANCE of the runs may lie above the bound.
+    upper = max(raw_ratio * margin, ratio * margin, _upper_quantile(completed))
+    # OOM runs needed more than they measured; one above the bound is a run the bound let
+    # through, so it joins the population (and can only raise the quantile).
+    pushing = [value for value in oom if value > upper]
+    if pushing:
+        upper = max(upper, _upper_quantile([*completed, *pushing]))
+    raw_multiplier = upper / ratio
+    return Factor(
+        ratio=ratio,
+        upper_multiplier=_clamp(raw_multiplier, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX),
+        nodes=nodes,
+        models=models,
+        rejected_nodes=tuple(sorted(rejected_nodes)),
+        runs=len(completed),
+        oom_runs=len(pushing),
+        log_spread=log_spread,
+        clamped=ratio != raw_ratio or raw_multiplier > UPPER_MULTIPLIER_MAX,
+    )
+
+
 def fit_factor(samples: Iterable[Sample]) -> Factor | None:
     """The group's factor, or None when fewer than MIN_NODES nodes vote after rejection."""
     samples = list(samples)
-    votes = node_votes(samples)
-    if len(votes) < MIN_NODES:
+    consensus = _consensus(node_votes(samples), MIN_NODES)
+    if consensus is None:
         return None
-    center = _median(list(votes.values()))
-    spread = max(robust_spread(list(votes.values()), center), MIN_LOG_SPREAD)
-    kept = {node: vote for node, vote in votes.items() if abs(vote - center) <= OUTLIER_Z * spread}
-    rejected = tuple(sorted(node for node in votes if node not in kept))
-    if len(kept) < MIN_NODES:
-        return None
-    kept_logs = list(kept.values())
-    log_center = _median(kept_logs)
-    raw_ratio = math.exp(log_center)
-    ratio = _clamp(raw_ratio, FACTOR_MIN, FACTOR_MAX)
-
-    completed = [s.ratio for s in samples if s.outcome is Outcome.COMPLETED and s.node_id in kept]
-    upper = _upper_quantile(completed)
-    # OOM runs needed more than they measured; one above the bound is a run the bound let
-    # through, so it joins the population (and can only raise the quantile). Rejected
-    # nodes are left out here as well.
-    pushing = [
-        s.ratio
-        for s in samples
-        if s.outcome is Outcome.OOM and s.node_id not in rejected and s.ratio > upper
-    ]
-    if pushing:
-        upper = _upper_quantile(completed + pushing)
-    raw_multiplier = upper / ratio
-    multiplier = _clamp(raw_multiplier, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX)
-    return Factor(
-        ratio=ratio,
-        upper_multiplier=multiplier,
+    kept, rejected = consensus.kept, consensus.rejected
+    return _factor(
+        log_center=consensus.log_center,
+        log_spread=robust_spread(list(kept.values()), consensus.log_center),
+        voters=len(kept),
+        completed=[
+            s.ratio for s in samples if s.outcome is Outcome.COMPLETED and s.node_id in kept
+        ],
+        # Rejected nodes' OOM runs are left out as well.
+        oom=[s.ratio for s in samples if s.outcome is Outcome.OOM and s.node_id not in rejected],
         nodes=len(kept),
+        models=1,
         rejected_nodes=rejected,
-        runs=len(completed),
-        oom_runs=len(pushing),
-        log_spread=robust_spread(kept_logs, log_center),
-        clamped=ratio != raw_ratio or raw_multiplier > UPPER_MULTIPLIER_MAX,
     )
 
 
@@ -265,6 +386,58 @@ class Observation:
     gpu: str
     environment: str
     sample: Sample
+
+
+def fit_global_factor(observations: Iterable[Observation]) -> Factor | None:
+    """The factor of one method and level across models, or None unless at least MIN_MODELS
+    models agree and MIN_NODES nodes stand behind them.
+
+    Models vote as nodes do on a model's factor: once each, with the median of their nodes'
+    votes, and a model far from the others is rejected. Among the kept models, a node whose
+    vote is far from their median is left out too, so that its runs set no bound. The safe
+    bound's prediction counts models (a new model is what the global factor is for), on the
+    wider of the models' and the nodes' spreads.
+    """
+    by_model: dict[str, list[Sample]] = defaultdict(list)
+    for obs in observations:
+        by_model[obs.model].append(obs.sample)
+    votes_of = {model: node_votes(samples) for model, samples in by_model.items()}
+    model_votes = {
+        model: _median(list(votes.values())) for model, votes in votes_of.items() if votes
+    }
+    consensus = _consensus(model_votes, MIN_MODELS)
+    if consensus is None:
+        return None
+    center = consensus.log_center
+    pairs = {
+        (model, node): vote for model in consensus.kept for node, vote in votes_of[model].items()
+    }
+    pair_spread = robust_spread(list(pairs.values()), center)
+    reach = OUTLIER_Z * max(pair_spread, MIN_LOG_SPREAD)
+    kept = {pair for pair, vote in pairs.items() if abs(vote - center) <= reach}
+    nodes = {node for _model, node in kept}
+    if len(nodes) < MIN_NODES:
+        return None
+    dropped = {(model, node) for model, votes in votes_of.items() for node in votes} - kept
+    samples = [(model, sample) for model in consensus.kept for sample in by_model[model]]
+    return _factor(
+        log_center=center,
+        log_spread=max(robust_spread(list(consensus.kept.values()), center), pair_spread),
+        voters=len(consensus.kept),
+        completed=[
+            s.ratio
+            for model, s in samples
+            if s.outcome is Outcome.COMPLETED and (model, s.node_id) in kept
+        ],
+        oom=[
+            s.ratio
+            for model, s in samples
+            if s.outcome is Outcome.OOM and (model, s.node_id) not in dropped
+        ],
+        nodes=len(nodes),
+        models=len(consensus.kept),
+        rejected_nodes={node for _model, node in dropped},
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -358,16 +531,17 @@ EMPTY_TABLE = FactorTable({})
 
 
 def fit_table(observations: Iterable[Observation]) -> FactorTable:
-    """Fit every group: global per (method, level), per model, and the splits that matter."""
-    by_global: dict[tuple[str, Level], list[Sample]] = defaultdict(list)
+    """Fit every group, each level on its own: per model, the splits that matter, and global
+    per (method, level) where several models agree."""
+    by_global: dict[tuple[str, Level], list[Observation]] = defaultdict(list)
     by_model: dict[tuple[str, str, Level], list[Observation]] = defaultdict(list)
     for obs in observations:
-        by_global[(obs.method, obs.level)].append(obs.sample)
+        by_global[(obs.method, obs.level)].append(obs)
         by_model[(obs.model, obs.method, obs.level)].append(obs)
 
     factors: dict[GroupKey, Factor] = {}
-    for (method, level), samples in by_global.items():
-        factor = fit_factor(samples)
+    for (method, level), group in by_global.items():
+        factor = fit_global_factor(group)
         if factor is not None:
             factors[GroupKey(scope=Scope.GLOBAL, method=method, level=level)] = factor
     for (model, method, level), group in by_model.items():

@@ -1,8 +1,11 @@
 """Calibration on published peaks: upload the published rows as calibration samples (each
 source a node), and the calibrated estimates of the rows held back come closer to what was
-measured than the uncalibrated ones.
+measured than the uncalibrated ones, wherever a factor reaches them.
 
-Four folds: each holds back every fourth row of each source and uploads the rest.
+Four folds: each holds back every fourth row of each source and uploads the rest. A factor
+reaches a held-back row only from its own model (at least MIN_NODES sources) or from several
+models that agree (MIN_MODELS models, MIN_NODES sources); where none does, the row's estimate
+stays as it was.
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ from sqlalchemy.orm import Session
 from service.calibration_service import NewUpload, load_factor_table, submit_upload
 from service.catalog.gpus import UnknownGpuError, default_gpu_catalog
 from service.catalog.models import default_catalog
-from service.core.calibration import EMPTY_TABLE, Level, Measured, Outcome, calibrate, estimated_at
+from service.core.calibration import (
+    EMPTY_TABLE,
+    MIN_MODELS,
+    MIN_NODES,
+    Level,
+    Measured,
+    Outcome,
+    Scope,
+    calibrate,
+    estimated_at,
+)
 from service.core.estimator import estimate
 from service.core.result import Estimate
 from service.store.keys import KeyScope, create_key
@@ -109,15 +122,18 @@ def test_calibrated_estimates_of_held_back_rows_are_closer(
         )
     version = estimates[rows[0].id].estimator_version
     table = load_factor_table(session, version)
-    assert table.factors, "the uploads must yield at least one factor"
+    for key, factor in table.factors.items():
+        assert factor.nodes >= MIN_NODES
+        assert factor.models >= (MIN_MODELS if key.scope is Scope.GLOBAL else 1)
 
     uncalibrated = 0.0
     calibrated = 0.0
-    better = worse = 0
+    better = worse = reached = 0
     for row in held_back:
         prior = estimates[row.id]
         level = Level(row.level)
         peaks = calibrate(prior, table, model=row.model, method=row.spec.method.value)
+        reached += level in peaks.applied
         after = {
             Level.ALLOCATED: peaks.allocated_bytes,
             Level.RESERVED: peaks.reserved_bytes,
@@ -131,9 +147,14 @@ def test_calibrated_estimates_of_held_back_rows_are_closer(
         worse += after_error > before_error + 1e-9
     with capsys.disabled():
         print(
-            f"\nfold {fold}: {len(held_back)} rows held back, sum |log error| "
-            f"{uncalibrated:.3f} uncalibrated -> {calibrated:.3f} calibrated; "
+            f"\nfold {fold}: {len(held_back)} rows held back, {reached} reached by a factor, sum "
+            f"|log error| {uncalibrated:.3f} uncalibrated -> {calibrated:.3f} calibrated; "
             f"{better} closer, {worse} further"
         )
-    assert calibrated < uncalibrated
-    assert better > worse
+    if reached:
+        assert calibrated < uncalibrated
+        assert better > worse
+    else:
+        # The sources agree across too few models, and a model's own factor needs sources
+        # whose rows were uploaded: no estimate held back moves.
+        assert (calibrated, better, worse) == (uncalibrated, 0, 0)

@@ -708,15 +708,20 @@
       item("applied", "Applied", c.applied ? "yes" : "no"),
       item("scope", "Scope", c.scope),
       item("factor", "Factor (device)", factorText(c.factor)),
-      item("spread", "Spread", c.upper_multiplier === null || c.upper_multiplier === undefined ? "—" : `×${c.upper_multiplier.toFixed(3)}`),
+      item("spread", "Safe bound over device", c.upper_multiplier === null || c.upper_multiplier === undefined ? "—" : `×${c.upper_multiplier.toFixed(3)}`),
       item("samples", "Samples", String(c.samples)),
       item("nodes", "Nodes", String(c.nodes)),
     );
-    const words = c.applied
-      ? `Measured peaks from ${c.samples} runs on ${c.nodes} training nodes corrected these ` +
-        `numbers; the safe bound is the corrected device level times the measured spread.`
-      : `No measured peaks apply to this job yet: these are the estimator's own numbers, and the ` +
-        `safe bound adds its prior margin of ${(est.upper_margin * 100).toFixed(0)} % to the device level.`;
+    const margin = `${(est.upper_margin * 100).toFixed(1)} %`;
+    const words = !c.applied
+      ? `No measured peaks apply to this job yet: these are the estimator's own numbers, and the ` +
+        `safe bound adds the estimator's margin of ${margin} to the device level.`
+      : c.upper_multiplier === null || c.upper_multiplier === undefined
+        ? `Measured peaks corrected the levels listed below; the device level has no factor yet, ` +
+          `so the safe bound adds the estimator's margin of ${margin} to it.`
+        : `Measured peaks from ${c.samples} runs on ${c.nodes} training nodes corrected these ` +
+          `numbers; the safe bound adds ${margin} to the corrected device level: the measured ` +
+          `spread, kept wide while few nodes agree.`;
     text.append(el("p", { text: words }), dl);
     const levels = c.levels || [];
     if (levels.length) {
