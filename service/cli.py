@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.core.allocator import parse_alloc_conf
 from service.core.architecture import ModelArch, from_hf_config
 from service.core.errors import EstimatorError, InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
@@ -103,6 +104,11 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     par.add_argument("--gpus", type=int, default=1)
     par.add_argument("--strategy", choices=_choices(Strategy), default=Strategy.DDP.value)
     par.add_argument("--offload", choices=_choices(Offload), default=Offload.NONE.value)
+    parser.add_argument(
+        "--alloc-conf",
+        default="",
+        help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: PyTorch's)",
+    )
 
 
 def _names(raw: str | None) -> tuple[str, ...] | str | None:
@@ -164,8 +170,11 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             parallel=ParallelSpec(
                 gpus=args.gpus, strategy=Strategy(args.strategy), offload=Offload(args.offload)
             ),
+            allocator=parse_alloc_conf(getattr(args, "alloc_conf", "") or ""),
         )
     except InvalidSpecError as exc:
+        if exc.field.startswith("allocator"):
+            raise CliError(f"--alloc-conf: {exc}") from None
         option = _OPTION_FOR_FIELD.get(exc.field, "--" + exc.field.split(".")[-1].replace("_", "-"))
         raise CliError(f"{option}: {exc.reason}") from None
 
@@ -224,8 +233,16 @@ def format_estimate(model_id: str, est: Estimate) -> str:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     model_id, _raw, arch = load_model(args)
+    capability = None
+    if getattr(args, "gpu", None):
+        from service.catalog.gpus import UnknownGpuError, default_gpu_catalog
+
+        try:
+            capability = default_gpu_catalog().resolve(args.gpu).compute_capability
+        except UnknownGpuError as exc:
+            raise CliError(f"--gpu: {exc}") from None
     try:
-        est = estimate(arch, spec)
+        est = estimate(arch, spec, compute_capability=capability)
     except InvalidSpecError as exc:
         option = _OPTION_FOR_FIELD.get(exc.field, "--" + exc.field.split(".")[-1].replace("_", "-"))
         raise CliError(f"{option}: {exc.reason}") from None
@@ -244,16 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="estimate a job's peak memory")
     add_spec_options(est)
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    est.add_argument(
+        "--gpu", help="the GPU it runs on (catalog or nvidia-smi name): its device-level row"
+    )
     est.set_defaults(handler=_cmd_estimate)
     # Subcommands live beside their component; none imports a heavy dependency until it runs.
     from service.api.cli import register as register_api
     from service.api.cli import stored_job_estimator
     from service.store.cli import register as register_store
     from service.trace.cli import register as register_trace
+    from service.trace.probe_cli import register as register_probe
 
     register_api(sub)
     register_store(sub, job_estimator=stored_job_estimator)
     register_trace(sub)
+    register_probe(sub)
     return parser
 
 

@@ -44,6 +44,19 @@ class Row:
     spec: TrainingSpec
     measured_bytes: int
     framework: str
+    gpu: str  # as the source names it ("A100-SXM4-40GB"); "" when it does not
+
+
+def compute_capability(gpu: str) -> str | None:
+    """The compute capability of a source's GPU name, when the catalog knows it."""
+    from service.catalog.gpus import UnknownGpuError, default_gpu_catalog
+
+    if not gpu:
+        return None
+    try:
+        return default_gpu_catalog().resolve(gpu).compute_capability
+    except UnknownGpuError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     spec=spec,
                     measured_bytes=round(float(raw["measured_peak_gb"]) * DECIMAL_GB),
                     framework=raw["framework"],
+                    gpu=raw["gpu"].strip(),
                 )
             )
     return rows, skipped

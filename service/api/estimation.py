@@ -45,7 +45,11 @@ from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
 from service.catalog.models import CatalogEntry, ModelCatalog
 from service.core.architecture import ModelArch, from_hf_config
 from service.core.errors import EstimatorError, InvalidSpecError, UnknownModelError
-from service.core.estimator import default_target_modules, estimate, peak_levels
+from service.core.estimator import (
+    default_target_modules,
+    estimate,
+    peak_levels,
+)
 from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
 from service.core.result import Levels
 from service.core.spec import TrainingSpec
@@ -97,8 +101,12 @@ class Estimation:
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         with _located(loc_prefix):
             resolved = self._job(job, loc_prefix)
-            est = estimate(resolved.arch, resolved.spec)
             gpu = None if job.gpu is None else self._gpu(job.gpu)
+            est = estimate(
+                resolved.arch,
+                resolved.spec,
+                compute_capability=None if gpu is None else gpu.compute_capability,
+            )
         peaks = self._peaks(est, resolved, gpu.name if gpu else None)
         summary: GpuFitSummary | None = None
         warnings: tuple[str, ...] = ()
@@ -138,7 +146,6 @@ class Estimation:
                 offers.append(_offer(gpu, entry))
 
         def requirement(spec: TrainingSpec) -> Requirement:
-            # The levels alone: the solver evaluates dozens of specs per check.
             levels = peak_levels(resolved.arch, spec)
             peaks = self.factors.peaks(
                 levels, model=resolved.model, method=spec.method.value, gpu=None
@@ -242,6 +249,7 @@ def _gpu_out(requested: str, gpu: Gpu, matched_by: str) -> GpuOut:
         matched_by="name" if matched_by == "name" else "memory_mib",
         bf16=gpu.bf16,
         fp8=gpu.fp8,
+        compute_capability=gpu.compute_capability,
     )
 
 

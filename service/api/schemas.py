@@ -6,6 +6,7 @@ the core, whose errors `problems` locates in the request.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from enum import Enum
@@ -31,6 +32,7 @@ from service.api.problems import FieldError, Problem, field_error
 from service.calibration_service import FactorState
 from service.catalog.gpus import GpuCatalog
 from service.catalog.models import CatalogEntry, ModelCatalog
+from service.core.allocator import AllocatorConfig
 from service.core.calibration import Level
 from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion, usable_bytes
 from service.core.result import PHASE_WORDS, Component, Estimate, Overhead, Phase
@@ -182,6 +184,42 @@ class ParallelIn(_In):
         return ParallelSpec(gpus=self.gpus, strategy=self.strategy, offload=self.offload)
 
 
+class AllocatorIn(_In):
+    """PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF); PyTorch's defaults
+    when left out."""
+
+    max_split_size_mb: int | None = Field(
+        default=None, ge=20, le=1 << 20, description="Blocks this large are never split."
+    )
+    max_non_split_rounding_mb: int | None = Field(
+        default=None,
+        ge=20,
+        le=1 << 20,
+        description="How much larger an unsplit block may be than a large request.",
+    )
+    roundup_power2_divisions: int = Field(
+        default=0, ge=0, le=1 << 10, description="Round sizes to power-of-two divisions."
+    )
+    garbage_collection_threshold: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Free cached blocks past this share of the allowed memory (needs a fraction).",
+    )
+    expandable_segments: bool = Field(
+        default=False, description="Grow segments page by page instead of new ones."
+    )
+    per_process_memory_fraction: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="torch.cuda.set_per_process_memory_fraction, if the job sets one.",
+    )
+
+    def to_spec(self) -> AllocatorConfig:
+        return AllocatorConfig(**self.model_dump())
+
+
 def _model_shorthand(value: Any) -> Any:
     return {"id": value} if isinstance(value, str) else value
 
@@ -323,6 +361,10 @@ class JobSpec(_In):
     parallel: ParallelIn = Field(
         default_factory=ParallelIn, description="Multi-GPU layout; default one GPU."
     )
+    allocator: AllocatorIn = Field(
+        default_factory=AllocatorIn,
+        description="PYTORCH_CUDA_ALLOC_CONF settings; default: PyTorch's.",
+    )
     gpu: GpuField | None = Field(
         default=None,
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
@@ -346,6 +388,7 @@ class JobSpec(_In):
             loss=self.loss,
             framework=self.framework,
             parallel=self.parallel.to_spec(),
+            allocator=self.allocator.to_spec(),
         )
 
 
@@ -397,6 +440,9 @@ class LevelCalibrationOut(_Out):
     factor: float = Field(ge=0.0, description="measured / estimated, multiplied into the level.")
     nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
     samples: int = Field(ge=0, description="Measured runs behind the factor.")
+    models: int = Field(
+        ge=1, description="Models whose measurements voted: 1 unless the scope is global."
+    )
 
     @classmethod
     def from_core(cls, level: LevelFactor) -> LevelCalibrationOut:
@@ -406,6 +452,7 @@ class LevelCalibrationOut(_Out):
             factor=level.factor,
             nodes=level.nodes,
             samples=level.samples,
+            models=level.models,
         )
 
 
@@ -422,7 +469,10 @@ class CalibrationOut(_Out):
         default=None, ge=0.0, description="measured / estimated, multiplied into the estimate."
     )
     upper_multiplier: float | None = Field(
-        default=None, ge=1.0, description="The calibrated spread above the factor."
+        default=None,
+        ge=1.0,
+        description="The safe bound over the calibrated device level: the measured spread, "
+        "widened for few nodes.",
     )
     nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
     samples: int = Field(ge=0, description="Measured runs behind the factor.")
@@ -478,10 +528,19 @@ class EstimateOut(_Out):
     )
     phases: list[PhaseOut] = Field(max_length=16, description="Allocated bytes per phase.")
     params: ParamsOut = Field(description="Parameter counts.")
-    upper_margin: float = Field(ge=0.0, description="The prior's margin of the safe bound.")
+    upper_margin: float = Field(
+        ge=0.0,
+        description="The safe bound's margin over peak.device_bytes: the device factor's when "
+        "calibration applied one, else the estimator's own.",
+    )
     calibration: CalibrationOut = Field(description="The calibration applied.")
     gpu: GpuFitSummary | None = Field(default=None, description="Fit on the spec's GPU, if any.")
-    assumptions: list[str] = Field(max_length=64, description="Defaults the estimate assumed.")
+    assumptions: list[str] = Field(
+        max_length=64,
+        description="Defaults the estimate assumed; the last says what calibration applied: per "
+        "level the factor, its scope, runs and nodes, and the safe bound's margin, or that none "
+        "applied.",
+    )
     warnings: list[str] = Field(max_length=64, description="What may make it wrong.")
     estimator_version: str = Field(max_length=32, description="Version of the estimator.")
 
@@ -494,6 +553,8 @@ class EstimateOut(_Out):
         gpu: GpuFitSummary | None = None,
         warnings: tuple[str, ...] = (),
     ) -> EstimateOut:
+        calibration = peaks.calibration
+        upper_margin = calibration.upper_margin(est.upper_margin)
         # One validation of plain values (pydantic-core) is cheaper than building each
         # nested model in Python.
         return cls.model_validate(
@@ -521,14 +582,24 @@ class EstimateOut(_Out):
                     for ph in est.phases
                 ],
                 "params": {"total": est.params.total, "trainable": est.params.trainable},
-                "upper_margin": est.upper_margin,
-                "calibration": CalibrationOut.from_core(peaks.calibration),
+                "upper_margin": upper_margin,
+                "calibration": CalibrationOut.from_core(calibration),
                 "gpu": gpu,
-                "assumptions": list(est.assumptions),
+                # The API alone says what calibration applied: the core knows no factors.
+                "assumptions": [*_core_notes(est.assumptions), calibration.note(upper_margin)],
                 "warnings": [*est.warnings, *warnings],
                 "estimator_version": est.estimator_version,
             }
         )
+
+
+# A parenthesis of a core note that speaks of calibration is left out: the calibration note,
+# which the API adds, says what applied.
+_CORE_CALIBRATION_WORDS = re.compile(r"\s*\([^()]*calibrat[^()]*\)", re.IGNORECASE)
+
+
+def _core_notes(notes: tuple[str, ...]) -> list[str]:
+    return [_CORE_CALIBRATION_WORDS.sub("", n) if "calibrat" in n.lower() else n for n in notes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,6 +695,11 @@ class GpuOut(_Out):
     matched_by: Literal["name", "memory_mib"] = Field(description="How it was matched.")
     bf16: bool | None = Field(description="Computes in bf16; null: unknown.")
     fp8: bool | None = Field(description="Computes in fp8; null: unknown.")
+    compute_capability: str | None = Field(
+        default=None,
+        max_length=8,
+        description="CUDA compute capability ('9.0'); picks the device level's row.",
+    )
 
 
 class SuggestionOut(_Out):

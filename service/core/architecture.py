@@ -93,6 +93,12 @@ class ModelArch:
             if getattr(self, name) < 1:
                 raise InvalidConfigError(name, "must be a positive integer")
 
+    def windowed(self, seq_len: int) -> bool:
+        """Whether transformers builds an explicit sliding-window mask for `seq_len` tokens:
+        from the window's length on (masking_utils._ignore_causal_mask_sdpa keeps the mask
+        when kv_length >= local_attention_size)."""
+        return self.sliding_window is not None and seq_len >= self.sliding_window
+
     @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim

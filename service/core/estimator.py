@@ -9,15 +9,20 @@ calibration refines (`service.core.overhead`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
+from service.core.allocator import AllocatorConfig
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
 from service.core.errors import InvalidSpecError
-from service.core.overhead import above_allocated, levels_above
+from service.core.overhead import AboveAllocated, Uncertainty, levels
+from service.core.reserved import ReservedPlan, reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, Phase, PhasePeak
+from service.core.schedule import Kernel
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
@@ -94,6 +99,34 @@ LITGPT_LOGITS_BYTES = FP32_BYTES
 #   quant_state dtype is fp16 because lightning's _Linear4bit._quantize_weight casts the weight
 #   to half before quantize_4bit.
 LITGPT_QUANT_STATE_BYTES = 2  # fp16
+
+
+# The estimate's stated uncertainty (relative standard deviations; the safe bound adds 1.645 of
+# them, `service.core.overhead`). Allocated level: the traced HF + PEFT step, where every
+# reference trace is matched within 1 % (tests/core/test_references.py) and the measured H200
+# runs within about that (tests/data/gpu/); steps no trace checks: HF Trainer's autocast (5 %:
+# the H200 Trainer runs were 4.6 % and 7.5 % above the loop's estimate), framework presets and
+# multi-GPU strategies (published rows off by up to 60 % for FSDP / ZeRO-3).
+ALLOCATED_SIGMA_TRACED = 0.01
+ALLOCATED_SIGMA_AUTOCAST = 0.05
+ALLOCATED_SIGMA_PRESET = 0.05
+ALLOCATED_SIGMA_PARALLEL = 0.25
+# Reserved level, as a share of reserved - allocated: the schedule replayed through the
+# allocator model matches the tracer's replay within 2 % of reserved on the reference traces of
+# the families it schedules op by op (about a quarter of the allocator's share), and coarser
+# elsewhere (MoE experts as one wide MLP, untraced steps).
+RESERVED_SIGMA_TRACED = 0.25
+RESERVED_SIGMA_APPROXIMATE = 0.5
+SCHEDULED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"})
+# A 4-bit base is quantized on the GPU as it loads: each linear's bf16 weight is freed once
+# packed, and where the packed tensors land among those freed blocks depends on the loader
+# (from_pretrained quantizes one weight at a time; a model built on the GPU and quantized layer
+# by layer holds every bf16 weight first). The estimate replays the weights as if allocated in
+# their final form. The same Qwen2.5-7B QLoRA job reserved 1.27 GiB more after a
+# build-then-quantize load (tests/data/gpu/h200_set1.jsonl, q7-qlora-b4s2048-gc) than after the
+# probe's direct build (h200_set2.jsonl): 9.7 % of the quantized weights' bf16 bytes. One
+# standard deviation of reserved: this share of those bytes.
+QUANTIZED_LOAD_SIGMA = 0.08
 
 
 def _blk(nbytes: int) -> int:
@@ -534,12 +567,17 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
     impl = spec.attn_implementation
     kernel = spec.sdpa_kernel
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.AUTO:
-        # On a GPU, PyTorch picks the flash kernel for fp16/bf16 and the memory-efficient one
-        # for fp32 (torch/backends/cuda sdp_utils: flash needs half precision) or when an
-        # explicit mask is given (flash takes none): a sliding window shorter than the
-        # sequence makes transformers build one.
+        # On a GPU, PyTorch picks the flash kernel for fp16/bf16 without an explicit mask (a
+        # sliding window shorter than the sequence makes transformers build one); for fp32,
+        # the math kernel when transformers passes grouped key/value heads (enable_gqa, with
+        # no mask), else the memory-efficient one (torch._fused_sdp_choice on an H200,
+        # tests/data/gpu/h200_environment.json; service/trace/kernels.py).
         half = f.attn == 2
-        kernel = SdpaKernel.FLASH if half and not spec.windowed else SdpaKernel.EFFICIENT
+        gqa = arch.num_key_value_heads < n_h and not spec.windowed
+        if half and not spec.windowed:
+            kernel = SdpaKernel.FLASH
+        else:
+            kernel = SdpaKernel.MATH if gqa and not half else SdpaKernel.EFFICIENT
     led.add("q_rope", q_bytes)
     v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
     if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
@@ -560,6 +598,16 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
             # the boolean window mask, converted to an additive bias in the attention dtype
             # per call and saved by the kernel (b, 1, s, s)
             led.add("attn_bias", f.attn, _Kind.SQUARE)
+        return
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH and f.attn == FP32_BYTES:
+        # SDPA's math composite on fp32 q, k, v (aten _scaled_dot_product_attention_math, as
+        # the tracer runs it op by op): value repeated to n_h heads, the scaled key's
+        # contiguous copy (saved by the score matmul), the fp32 probabilities, and the
+        # output's contiguous copy (saved by o_proj's LoRA, which takes fp32 as it is).
+        led.add("v_rep", q_bytes)
+        led.add("k_contiguous", q_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("probs", n_h * FP32_BYTES, _Kind.SQUARE)
         return
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH:
         # SDPA's math backend (aten _scaled_dot_product_attention_math) decomposes into
@@ -688,6 +736,7 @@ def _layer_recipe(
     input_needs_grad: bool,
     at_up_proj: bool = False,
     windowed: bool = False,
+    until_attention: bool = False,
 ) -> tuple[tuple[int, _Kind, int], ...]:
     """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
     shapes depend on the model and settings, not on b or s).
@@ -705,6 +754,12 @@ def _layer_recipe(
         if lin.kind is LinearKind.ATTN_QKV:
             _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)
     _attention_saves(led, f, arch, spec_like)
+    if until_attention:
+        # What the scores' backward still finds: o_proj's backward has consumed its input, and
+        # probs @ v's backward the repeated value.
+        led.items.pop("attn_out", None)
+        led.items.pop("v_rep", None)
+        return led.recipe()
     proj_key = "attn_out.reshaped" if f.proj_input_copy else "attn_out"
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_OUT:
@@ -879,7 +934,11 @@ class _Plan:
     first_layer: tuple[tuple[int, _Kind, int], ...]
     # live at up_proj in a recomputed layer, when that moment is modelled (else empty)
     up_proj_moment: tuple[tuple[int, _Kind, int], ...]
+    # a recomputed layer's saved tensors that its attention's backward still finds
+    attention_part: tuple[tuple[int, _Kind, int], ...]
     dequant: int  # a transient dequantized copy of the largest 4-bit weight (QLoRA)
+    lt_workspaces: tuple[int, int]  # cuBLASLt workspaces: the forward thread's, the backward's
+    reserved: ReservedPlan  # what the reserved level's allocation schedule needs
     assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
 
 
@@ -927,8 +986,88 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True, windowed=key.windowed)
         if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
         else (),
+        attention_part=_layer_recipe(
+            arch, f, attn, kernel, True, windowed=key.windowed, until_attention=True
+        ),
         dequant=dequant,
+        lt_workspaces=_lt_workspaces(arch, unit),
+        reserved=_reserved_plan(arch, rs, f, p, key.gradient_checkpointing),
         assumptions=assumptions,
+    )
+
+
+def _materialises_scores(arch: ModelArch, spec: TrainingSpec, f: _Flow) -> bool:
+    """Whether attention builds b x heads x s x s scores (SDPA's math kernel; eager has its
+    own saved-tensor accounting)."""
+    if spec.attn_implementation is not AttnImpl.SDPA:
+        return False
+    if spec.sdpa_kernel is SdpaKernel.MATH:
+        return True
+    if spec.sdpa_kernel is not SdpaKernel.AUTO or f.attn != FP32_BYTES:
+        return False
+    windowed = arch.windowed(spec.seq_len)
+    return arch.num_key_value_heads < arch.num_attention_heads and not windowed
+
+
+def _lt_workspaces(arch: ModelArch, spec: TrainingSpec) -> tuple[int, int]:
+    """cuBLASLt workspaces in the allocator: one once a linear with a bias runs through addmm
+    (not bitsandbytes' 4-bit path) on the Python thread, one more when checkpointing reruns
+    such a linear on the autograd thread."""
+    biased = any(lin.bias for lin in arch.linears if not lin.expert)
+    lt = _blk(CUBLASLT_WORKSPACE) if biased and spec.method is not Method.QLORA else 0
+    return lt, lt if spec.gradient_checkpointing else 0
+
+
+def _workspaces(plan: _Plan, compute_capability: str | None) -> tuple[int, int]:
+    """cuBLAS(Lt) workspace bytes with the forward thread's handle alone, and with the
+    autograd thread's too (each handle takes one at its first GEMM)."""
+    workspace = _blk(cublas_workspace(compute_capability))
+    forward_lt, backward_lt = plan.lt_workspaces
+    return workspace + forward_lt, 2 * workspace + forward_lt + backward_lt
+
+
+def reserved_plan(arch: ModelArch, spec: TrainingSpec) -> ReservedPlan:
+    """What the reserved level's schedule needs of `spec` (batch and sequence aside)."""
+    return _plan(arch, _PlanKey.of(spec, arch)).reserved
+
+
+def _reserved_plan(
+    arch: ModelArch, rs: ResolvedSpec, f: _Flow, p: _Params, checkpointing: bool
+) -> ReservedPlan:
+    spec = rs.spec
+    lora = rs.lora
+    quant = rs.quantization
+    prep = spec.method is Method.QLORA and quant is not None and quant.prepare_kbit
+    sizes = []
+    elements = []
+    for t in p.tensors:
+        sizes += [_blk(t.elements * t.itemsize)] * t.count
+        elements += [t.elements] * t.count
+    saved = set(lora.modules_to_save) if lora else set()
+    return ReservedPlan(
+        arch=arch,
+        method=spec.method,
+        dtype_bytes=DTYPE_BYTES[spec.dtype],
+        residual=f.residual,
+        compute=DTYPE_BYTES[rs.compute_dtype],
+        adapter=f.adapter if lora else 0,
+        rank=lora.r if lora else 0,
+        dropout=f.dropout,
+        adapted=f.lora_targets,
+        quant_type=quant.type if quant else None,
+        double_quant=bool(quant and quant.double_quant),
+        attn=f.attn,
+        attn_implementation=spec.attn_implementation,
+        sdpa_kernel=spec.sdpa_kernel,
+        loss=rs.loss,
+        head_bytes=FP32_BYTES if prep else DTYPE_BYTES[spec.dtype],
+        head_trainable=spec.method is Method.FULL or "lm_head" in saved,
+        embed_trainable=spec.method is Method.FULL or "embed_tokens" in saved,
+        optim=spec.optim,
+        trainable=tuple(sizes),
+        trainable_elements=tuple(elements),
+        checkpointing=checkpointing,
+        allocator=spec.allocator,
     )
 
 
@@ -945,11 +1084,12 @@ class _PlanKey(NamedTuple):
     sdpa_kernel: SdpaKernel
     loss: LossImpl | None
     framework: Framework
-    windowed: bool  # the sequence is longer than the model's sliding window
+    windowed: bool  # the sequence reaches the model's sliding window (an explicit mask)
+    gradient_checkpointing: bool
+    allocator: AllocatorConfig
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
-        window = arch.sliding_window
         return cls(
             spec.method,
             spec.lora,
@@ -961,7 +1101,9 @@ class _PlanKey(NamedTuple):
             spec.sdpa_kernel,
             spec.loss,
             spec.framework,
-            window is not None and spec.seq_len > window,
+            arch.windowed(spec.seq_len),
+            spec.gradient_checkpointing,
+            spec.allocator,
         )
 
     def unit_spec(self) -> TrainingSpec:
@@ -982,21 +1124,19 @@ class _Step(NamedTuple):
     warnings: list[str]
 
 
-def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
-    """The peak memory of one GPU running `spec` on `arch`."""
-    plan, fixed, rows, paged_state, assumptions, warnings = _step(arch, spec)
+def estimate(
+    arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None = None
+) -> Estimate:
+    """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
+    the device level's row when the GPU is known."""
+    plan, fixed, rows, paged_state, assumptions, warnings = _step(arch, spec, compute_capability)
     p = plan.params
     fixed_sum = sum(fixed)
     phases = tuple(
         PhasePeak(step, phase, fixed_sum + sum(vec), fixed + vec) for step, phase, vec in rows
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    over = above_allocated(
-        # What churns: activations, recompute, logits, backward and optimizer temporaries.
-        phases=[(fixed_sum + sum(vec), sum(vec[2:])) for _s, _p, vec in rows],
-        paged_state=paged_state,
-        gpus=spec.parallel.gpus,
-    )
+    over = _above(arch, spec, plan, peak.allocated_bytes, paged_state, compute_capability)
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -1015,17 +1155,78 @@ def estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
     )
 
 
-def peak_levels(arch: ModelArch, spec: TrainingSpec) -> PeakLevels:
+def peak_levels(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    *,
+    compute_capability: str | None = None,
+) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
-    step = _step(arch, spec)
+    step = _step(arch, spec, compute_capability)
     allocated = sum(step.fixed) + max(sum(vec) for _s, _p, vec in step.rows)
-    churn = max(sum(vec[2:]) for _s, _p, vec in step.rows)
-    levels = levels_above(allocated, churn, paged_state=step.paged_state, gpus=spec.parallel.gpus)
-    return PeakLevels(allocated, *levels)
+    over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
+    return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
 
 
-def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
+def _above(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    plan: _Plan,
+    allocated: int,
+    paged_state: int,
+    compute_capability: str | None,
+) -> AboveAllocated:
+    rplan = plan.reserved
+    gap, gap_note = reserved_gap(rplan, spec.batch_size, spec.seq_len)
+    kernel, _windowed = resolve_kernel(rplan, spec.seq_len)
+    fused = kernel is Kernel.FLASH and plan.flow.attn != FP32_BYTES
+    over = levels(
+        allocated=allocated,
+        reserved=allocated + gap,
+        paged_state=paged_state,
+        gpus=spec.parallel.gpus,
+        row=device_row(compute_capability, fused_attention=fused),
+        uncertainty=_uncertainty(arch, spec),
+    )
+    if gap_note:
+        return replace(over, assumptions=(gap_note, *over.assumptions))
+    return over
+
+
+def _uncertainty(arch: ModelArch, spec: TrainingSpec) -> Uncertainty:
+    """How far each level may be off, by how the configuration was checked."""
+    notes: list[str] = []
+    allocated, reserved = ALLOCATED_SIGMA_TRACED, RESERVED_SIGMA_TRACED
+    if spec.framework is not Framework.HF:
+        allocated, reserved = ALLOCATED_SIGMA_PRESET, RESERVED_SIGMA_APPROXIMATE
+        notes.append(f"the {spec.framework} preset's step is not traced: wider uncertainty")
+    if spec.autocast:
+        allocated, reserved = max(allocated, ALLOCATED_SIGMA_AUTOCAST), RESERVED_SIGMA_APPROXIMATE
+        notes.append("mixed precision (autocast) is not traced: wider uncertainty")
+    if spec.parallel.gpus > 1:
+        allocated, reserved = ALLOCATED_SIGMA_PARALLEL, RESERVED_SIGMA_APPROXIMATE
+        notes.append("multi-GPU strategies are not traced: wide uncertainty")
+    if arch.is_moe or arch.model_type not in SCHEDULED_FAMILIES:
+        reserved = RESERVED_SIGMA_APPROXIMATE
+    loading = 0
+    if spec.method is Method.QLORA:
+        quantized = sum(
+            lin.in_features * lin.out_features for lin in arch.linears if not lin.expert
+        )
+        loading = math.ceil(
+            QUANTIZED_LOAD_SIGMA * quantized * arch.num_hidden_layers * DTYPE_BYTES[DType.BF16]
+        )
+        notes.append(
+            "a 4-bit base leaves cached blocks where its bf16 weights were quantized, laid out "
+            "by the loader: reserved is uncertain by that"
+        )
+    return Uncertainty(
+        allocated=allocated, reserved=reserved, loading_bytes=loading, notes=tuple(notes)
+    )
+
+
+def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     warnings = _validate(arch, spec)
@@ -1077,11 +1278,7 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     loss = _loss_bytes(arch, rs, b, s)
     grad_hidden = _blk(tokens * h * max(f.residual, 2))  # gradient flowing down the stack
 
-    windowed_sdpa = (
-        arch.sliding_window is not None
-        and s > arch.sliding_window
-        and spec.attn_implementation is AttnImpl.SDPA
-    )
+    windowed_sdpa = arch.windowed(s) and spec.attn_implementation is AttnImpl.SDPA
     # Masks that checkpointing keeps as every layer's input until backward ends.
     masks = 0
     if spec.gradient_checkpointing and windowed_sdpa:
@@ -1166,6 +1363,28 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
         else:
             acts_now = activations - final_norm + rope + masks - per_layer
         candidates.append((ga_grads, acts_now, layer_now, 0, grads_in, 0))
+    if _materialises_scores(arch, spec, f):
+        # The attention's backward in the top layer (recomputed under checkpointing) with the
+        # scores materialised: the probabilities' gradient and the scores' (fp32 for SDPA's
+        # math kernel) beside the saved probabilities, with the output's gradient made
+        # contiguous and the residual stream's gradient (reference traces *qlora*b1-s8192*,
+        # peak at _softmax_backward_data).
+        score_bytes = FP32_BYTES if spec.attn_implementation is AttnImpl.SDPA else f.attn
+        scores = _blk(b * arch.num_attention_heads * s * s * score_bytes)
+        # (SDPA's fp32 softmax backward also takes a scores-sized scratch on CUDA: an H200
+        # allocator history, service/trace/kernels.py _SafeSoftmax.)
+        copies = 2 if spec.attn_implementation is not AttnImpl.SDPA else 3
+        grads_now = copies * scores + 2 * _blk(tokens * arch.q_dim * max(f.attn, f.residual))
+        if ckpt:
+            attention_part = _recipe_bytes(plan.attention_part, b, s)
+            if f.residual == FP32_BYTES or arch.norm is NormKind.LAYER:
+                attention_part -= checkpoint  # the first norm saved the checkpoint itself
+            recomputed = (ga_grads, L * checkpoint + rope + masks, attention_part, 0, grads_now, 0)
+            candidates.append(recomputed)
+        else:
+            candidates.append(
+                (ga_grads, activations - final_norm + rope + masks, 0, 0, grads_now, 0)
+            )
     inside = max(candidates, key=sum)
     forward_end = (ga_grads, activations, 0, loss.forward_peak, 0, 0)
     backward_start = (ga_grads, activations, 0, loss.backward_peak, 0, 0)
@@ -1174,12 +1393,16 @@ def _step(arch: ModelArch, spec: TrainingSpec) -> _Step:
     # optimizer state, gradients, activations, recompute, logits/loss, backward and optimizer
     # temporaries.
     rows: list[tuple[int, Phase, tuple[int, ...]]] = []
+    # cuBLAS workspaces: the forward thread's handle takes one at the step's first GEMM, the
+    # autograd thread's at its first (the LM head's backward, after the loss gradient).
+    one, both = _workspaces(plan, compute_capability)
     for step in (1, 2):
         st = (state if step == 2 else 0,)
-        rows.append((step, Phase.FORWARD_END, st + forward_end))
-        rows.append((step, Phase.BACKWARD_START, st + backward_start))
-        rows.append((step, Phase.BACKWARD, st + inside))
-    rows.append((1, Phase.OPTIMIZER_STEP, (state, grads, 0, 0, 0, 0, temps)))
+        early = (one if step == 1 else both,)
+        rows.append((step, Phase.FORWARD_END, early + st + forward_end))
+        rows.append((step, Phase.BACKWARD_START, early + st + backward_start))
+        rows.append((step, Phase.BACKWARD, (both, *st, *inside)))
+    rows.append((1, Phase.OPTIMIZER_STEP, (both, state, grads, 0, 0, 0, 0, temps)))
 
     return _Step(plan, fixed, rows, state_outside, assumptions, warnings)
 

@@ -20,6 +20,7 @@ class Component(StrEnum):
     LOGITS_LOSS = "logits_loss"  # logits, their fp32 copies, log-probs and their gradients
     BACKWARD_TEMPORARIES = "backward_temporaries"  # grads in flight, 4-bit dequant transients
     INPUTS = "inputs"  # token ids, labels, masks
+    WORKSPACES = "workspaces"  # cuBLAS/cuBLASLt workspaces, taken from the caching allocator
 
 
 class Overhead(StrEnum):
@@ -50,6 +51,7 @@ COMPONENT_ORDER = (
     Component.FROZEN_WEIGHTS,
     Component.TRAINABLE_PARAMS,
     Component.INPUTS,
+    Component.WORKSPACES,
     Component.OPTIMIZER_STATE,
     Component.GRADIENTS,
     Component.ACTIVATIONS,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.units import DType
 
@@ -166,6 +167,7 @@ class TrainingSpec:
     loss: LossImpl | None = None
     framework: Framework = Framework.HF
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    allocator: AllocatorConfig = DEFAULT_ALLOCATOR  # PYTORCH_CUDA_ALLOC_CONF
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -9,6 +9,7 @@ CUDA dequantize + F.linear path for training-sized inputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.core.bnb import uses_dequant_fallback
 from service.core.spec import SdpaKernel
 
 # Head dims the CUDA flash kernel takes (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
@@ -28,15 +30,6 @@ FLASH_HOST_OUTPUTS = (6, 7)
 EFFICIENT_HOST_OUTPUTS = (2, 3)
 FLASH_OP = "aten._scaled_dot_product_flash_attention.default"
 EFFICIENT_OP = "aten._scaled_dot_product_efficient_attention.default"
-# bitsandbytes' CUDA gemm_4bit runs dequantize + F.linear above this many rows
-# (bitsandbytes/backends/cuda/ops.py, _gemm_4bit_custom_max_m).
-GEMM_4BIT_CUSTOM_MAX_M = 1536
-# ...and for weights of at least this many elements, already above this many rows
-# (bitsandbytes/backends/cuda/ops.py, _gemm_4bit_use_custom_cuda: "custom wins up to M=512").
-GEMM_4BIT_LARGE_WEIGHT = 4 * 1024 * 1024
-GEMM_4BIT_LARGE_WEIGHT_MAX_M = 512
-# Below this many rows the custom kernel is always used (same file, _GEMM_4BIT_CUSTOM_FLOOR_M).
-GEMM_4BIT_CUSTOM_FLOOR_M = 4
 # Nested absmax is quantized in blocks of this size (bitsandbytes/functional.py quantize_4bit).
 NESTED_ABSMAX_BLOCKSIZE = 256
 
@@ -49,12 +42,19 @@ def choose_sdpa_kernel(
     dtype: torch.dtype,
     head_dim: int,
     has_mask: bool,
+    gqa: bool = False,
 ) -> SdpaKernel:
-    """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient.
+    """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient,
+    else math.
 
     Follows the priority order of aten's `select_sdp_backend` (flash, efficient, math) with the
     constraints that matter for decoder training: flash needs fp16/bf16, no explicit mask and a
-    head dim up to 256.
+    head dim up to 256; the mem-efficient kernel takes no grouped key/value heads
+    (`enable_gqa=True`, which transformers passes when there is no mask), so fp32 GQA attention
+    runs on math. Measured with torch._fused_sdp_choice on an H200 (torch 2.11,
+    tests/data/gpu/h200_environment.json): fp32 chose math with enable_gqa and mem-efficient
+    without, for every mask and head size. (Half precision chose cuDNN's kernel there, which
+    keeps what flash keeps: q, k, v, the output and an fp32 log-sum-exp.)
     """
     flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM
     if requested is SdpaKernel.FLASH:
@@ -65,12 +65,17 @@ def choose_sdpa_kernel(
         return SdpaKernel.FLASH
     if requested is not SdpaKernel.AUTO:
         return requested
-    return SdpaKernel.FLASH if flash_ok else SdpaKernel.EFFICIENT
+    if flash_ok:
+        return SdpaKernel.FLASH
+    return SdpaKernel.MATH if gqa and dtype not in _HALF else SdpaKernel.EFFICIENT
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean keep-mask as the additive bias aten converts it to (0 or -inf)."""
-    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))
+    """A boolean keep-mask as the additive bias aten converts it to (0 or -inf): one tensor of
+    the mask's shape (convert_boolean_attn_mask: at::where(mask, 0, -inf))."""
+    zero = torch.zeros((), dtype=dtype)
+    neg_inf = torch.full((), float("-inf"), dtype=dtype)
+    return torch.where(mask, zero, neg_inf)
 
 
 def _expand_kv(tensor: torch.Tensor, groups: int) -> torch.Tensor:
@@ -102,6 +107,7 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             dtype=query.dtype,
             head_dim=query.size(-1),
             has_mask=attn_mask is not None,
+            gqa=enable_gqa and groups > 1,
         )
         if cpu_flash and kernel is not SdpaKernel.MATH:
             if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -155,40 +161,60 @@ def _math_sdpa(
     scale: float | None,
     groups: int,
 ) -> torch.Tensor:
-    """aten's math backend as it runs on CUDA: half inputs are upcast to fp32 first.
+    """aten's math backend op by op, as its composite runs on CUDA tensors.
 
-    (aten/src/ATen/native/transformers/attention.cpp `_scaled_dot_product_attention_math`,
-    unless `allow_fp16_bf16_reduction_math_sdp` is set, which it is not by default.)
+    (aten/src/ATen/native/transformers/attention.cpp `_scaled_dot_product_attention_math`:
+    half inputs upcast to fp32 unless `allow_fp16_bf16_reduction_math_sdp` is set, which it is
+    not by default; q scaled by sqrt(scale); a causal mask built as a boolean (L, S) tril and
+    converted to an additive one; key and value repeated to the query's heads for GQA; the key
+    scaled and transposed; the mask added in place; `_safe_softmax`.) On fake tensors aten's own
+    composite adds the mask out of place (it does for tensor subclasses), so it is spelled out.
+    The allocation order matches the caching allocator's history on an H200 (torch 2.11,
+    tests/data/gpu/allocator/).
     """
     dtype = query.dtype
     if dtype in _HALF:
         query, key, value = query.float(), key.float(), value.float()
-    out = torch.ops.aten._scaled_dot_product_attention_math(
-        query,
-        _expand_kv(key, groups),
-        _expand_kv(value, groups),
-        attn_mask,
-        dropout_p,
-        is_causal,
-        None,
-        scale=scale,
-    )[0]
-    return out.to(dtype)
+    head_dim = query.size(-1)
+    scaling = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(head_dim))
+    query = query * scaling
+    if is_causal:
+        causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool).tril()
+        attn_mask = _additive(causal, query.dtype)
+        del causal
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = _additive(attn_mask, query.dtype)
+    key, value = _expand_kv(key, groups), _expand_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(-2, -1) * scaling)
+    if attn_mask is not None:
+        scores.add_(attn_mask)
+    probs = _SafeSoftmax.apply(scores)
+    # _safe_softmax: rows that are entirely -inf are found (and zeroed); none are here.
+    scores.eq(float("-inf")).all(-1, keepdim=True)
+    del scores
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p, True)
+    return torch.matmul(probs, value).to(dtype)
 
 
-def _use_dequant_fallback(rows: int, out_features: int, in_features: int) -> bool:
-    """bitsandbytes' CUDA choice between its fused 4-bit GEMM and dequantize + F.linear.
+class _SafeSoftmax(torch.autograd.Function):
+    """`_safe_softmax` over the last dim as its backward runs on CUDA: the caching allocator's
+    history on an H200 (torch 2.11, tests/data/gpu/allocator/q7-qlora-b4s2048-gc.json.gz) shows
+    a second scores-sized buffer beside the gradient, freed as the backward returns."""
 
-    The full heuristic also weighs the GPU's SM count for small weights; training inputs have
-    thousands of rows, where every branch of it picks dequantize + F.linear.
-    """
-    if rows > GEMM_4BIT_CUSTOM_MAX_M:
-        return True
-    if rows <= GEMM_4BIT_CUSTOM_FLOOR_M:
-        return False
-    return out_features * in_features >= GEMM_4BIT_LARGE_WEIGHT and rows > (
-        GEMM_4BIT_LARGE_WEIGHT_MAX_M
-    )
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, -1)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (probs,) = ctx.saved_tensors
+        grad_scores = torch.ops.aten._softmax_backward_data(grad, probs, -1, probs.dtype)
+        scratch = torch.empty_like(grad_scores)
+        del scratch
+        return grad_scores
 
 
 def gemm_4bit_cuda(
@@ -210,7 +236,7 @@ def gemm_4bit_cuda(
     _dequant_linear_fallback).
     """
     rows = A.numel() // A.size(-1)
-    if not _use_dequant_fallback(rows, shapeB[0], shapeB[1]):
+    if not uses_dequant_fallback(rows, shapeB[0], shapeB[1]):
         return None
     if absmax_8bit is not None:
         scales = torch.ops.bitsandbytes.dequantize_blockwise.default(

@@ -36,7 +36,7 @@ if typing.TYPE_CHECKING:  # the JSON helpers need no torch
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces"
 # Bumped whenever a change to the tracer changes what a trace measures.
-TRACER_VERSION = "1"
+TRACER_VERSION = "2"
 TRACED_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
 
 
@@ -116,11 +116,32 @@ def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
     }
 
 
-def _phase_json(entry: PhaseSnapshot) -> dict[str, Any]:
-    return {"step": entry.step, "phase": entry.phase.value, **_snapshot_json(entry.snapshot)}
+def _phase_json(entry: PhaseSnapshot, reserved: Mapping[Any, int]) -> dict[str, Any]:
+    return {
+        "step": entry.step,
+        "phase": entry.phase.value,
+        **_snapshot_json(entry.snapshot),
+        "reserved_bytes": reserved.get((entry.step, entry.phase), 0),
+    }
+
+
+def _reserved_json(result: TraceResult) -> dict[str, Any]:
+    """The caching allocator model's reserved peak and where it was first reached."""
+    reached = min(
+        (key for key, value in result.phase_reserved.items() if value == result.reserved_bytes),
+        key=lambda key: (key[0], list(type(key[1])).index(key[1])),
+        default=None,
+    )
+    return {
+        "bytes": result.reserved_bytes,
+        "step": reached[0] if reached else None,
+        "phase": reached[1].value if reached else None,
+        "allocator_allocated_bytes": result.allocator_allocated_bytes,
+    }
 
 
 def result_to_json(name: str, result: TraceResult) -> dict[str, Any]:
+    reserved = result.phase_reserved
     return {
         "name": name,
         "model_id": result.model_id,
@@ -130,8 +151,9 @@ def result_to_json(name: str, result: TraceResult) -> dict[str, Any]:
             "phase": result.peak_phase.value,
             **_snapshot_json(result.peak),
         },
-        "steps": [_phase_json(p) for p in result.steps],
-        "phases": [_phase_json(p) for p in result.phases],
+        "reserved": _reserved_json(result),
+        "steps": [_phase_json(p, reserved) for p in result.steps],
+        "phases": [_phase_json(p, reserved) for p in result.phases],
         "params": {"total": result.params_total, "trainable": result.params_trainable},
         "assumptions": list(result.assumptions),
         "versions": library_versions(),

@@ -18,6 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from service.core.allocator import CachingAllocator
+from service.core.device import (
+    CUBLASLT_WORKSPACE,
+    REFERENCE_COMPUTE_CAPABILITY,
+    cublas_workspace,
+)
 from service.core.result import Component, Phase
 from service.core.spec import (
     AttnImpl,
@@ -63,6 +69,12 @@ class TraceResult:
     params_trainable: int
     assumptions: tuple[str, ...]
     events: tuple[MemoryEvent, ...] = field(default=())
+    # The caching allocator model replaying every allocation and free (service.core.allocator,
+    # PyTorch's defaults): its reserved peak, its reserved peak in each (step, phase) window,
+    # and its allocated peak (blocks as the allocator hands them out, unsplit remainders in).
+    reserved_bytes: int = 0
+    phase_reserved: Mapping[tuple[int, Phase], int] = field(default_factory=dict)
+    allocator_allocated_bytes: int = 0
 
 
 def check_traceable(resolved: ResolvedSpec) -> list[str]:
@@ -260,7 +272,12 @@ def trace(
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
-    tracker = StorageTracker(record_events=record_events, unit=allocation_unit)
+    allocator = CachingAllocator(spec.allocator)
+    tracker = StorageTracker(record_events=record_events, unit=allocation_unit, allocator=allocator)
+    if not cpu_kernels:
+        # A GPU run's cuBLAS handles take their workspaces from the caching allocator.
+        tracker.blas_workspace = cublas_workspace(REFERENCE_COMPUTE_CAPABILITY)
+        tracker.blaslt_workspace = CUBLASLT_WORKSPACE
     tracker.mark_host_outputs(kernels.FLASH_OP, kernels.FLASH_HOST_OUTPUTS)
     tracker.mark_host_outputs(kernels.EFFICIENT_OP, kernels.EFFICIENT_HOST_OUTPUTS)
     if real and not cpu_kernels:
@@ -298,6 +315,7 @@ def trace(
             _run_steps(model, optimizer, tracker, steering, spec)
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
+            phase_reserved = tracker.phase_reserved()
             phases = tuple(_phase_table(tracker))
             steps = tuple(_step_peaks(tracker))
             peak = tracker.peak()
@@ -318,6 +336,9 @@ def trace(
         params_trainable=params_trainable,
         assumptions=tuple(notes),
         events=tuple(tracker.events or ()),
+        reserved_bytes=allocator.peak_reserved,
+        phase_reserved=phase_reserved,
+        allocator_allocated_bytes=allocator.peak_allocated,
     )
 
 
@@ -345,15 +366,19 @@ def _run_steps(
         steering.step = step
         tracker.begin_phase(step, Phase.FORWARD_END)
         tracker.component = Component.ACTIVATIONS
+        tracker.blas_handle = "forward"
         loss = model(input_ids=input_ids, labels=labels).loss
         tracker.mark(step, Phase.FORWARD_END)
 
         tracker.begin_phase(step, Phase.BACKWARD_START)
         tracker.component = Component.LOGITS_LOSS
         steering.in_backward = True
+        # On a GPU the autograd engine runs backward on its device thread: another cuBLAS handle.
+        tracker.blas_handle = "backward"
         loss.backward()
         del loss
         steering.in_backward = False
+        tracker.blas_handle = None
 
         tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
         tracker.component = Component.OPTIMIZER_TEMPORARIES

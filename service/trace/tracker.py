@@ -18,11 +18,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from service.core.allocator import CachingAllocator
 from service.core.result import Component, Phase
 
 # The caching allocator rounds every request up to a multiple of this (kMinBlockSize,
 # c10/cuda/CUDACachingAllocator.cpp); zero-byte requests allocate nothing.
 CUDA_MIN_BLOCK_BYTES = 512
+# The ops that run a cuBLAS GEMM on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
+ADDMM_OP = "aten.addmm.default"
+BLAS_OPS = frozenset(
+    {
+        "aten.mm.default",
+        ADDMM_OP,
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten.addbmm.default",
+        "aten._addmm_activation.default",
+    }
+)
 
 
 def allocated_size(nbytes: int, unit: int = CUDA_MIN_BLOCK_BYTES) -> int:
@@ -57,6 +70,7 @@ class _Block:
     size: int
     component: Component
     finalizer: weakref.finalize
+    handle: int = -1  # the block's handle in the allocator replay, if any
 
 
 @dataclass(slots=True)
@@ -99,9 +113,25 @@ class StorageTracker(TorchDispatchMode):
     `host_scalar_ops` makes 0-dim outputs free (they live in host memory on a GPU run).
     """
 
-    def __init__(self, *, record_events: bool = False, unit: int = CUDA_MIN_BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        record_events: bool = False,
+        unit: int = CUDA_MIN_BLOCK_BYTES,
+        allocator: CachingAllocator | None = None,
+    ) -> None:
         super().__init__()
         self.unit = unit  # 1 counts requested bytes, as a CPU allocator's statistics do
+        # Every storage's allocation and free replayed through the caching allocator's model:
+        # the reserved level a GPU would reach on the same sequence.
+        self.allocator = allocator
+        # cuBLAS: the handle GEMMs run on now ("forward": the Python thread; "backward": the
+        # autograd engine's device thread), and the workspace sizes each handle takes once.
+        self.blas_handle: str | None = None
+        self.blas_workspace = 0
+        self.blaslt_workspace = 0
+        self._persistent: dict[str, int] = {}
+        self._phase_reserved: dict[tuple[int, Phase], int] = {}
         self.component = Component.ACTIVATIONS
         self.host_scalar_ops = False
         self.total = 0
@@ -137,6 +167,8 @@ class StorageTracker(TorchDispatchMode):
             if replaced is not None:
                 return replaced
         out = func(*args, **(kwargs or {}))
+        if name in BLAS_OPS and self.blas_handle is not None:
+            self._blas_workspaces(name, args)
         host = self._host_outputs.get(name, ())
         for index, leaf in enumerate(tree_leaves(out)):
             if not isinstance(leaf, torch.Tensor) or index in host:
@@ -145,6 +177,26 @@ class StorageTracker(TorchDispatchMode):
                 continue
             self._record(leaf, self.component, name)
         return out
+
+    def _blas_workspaces(self, name: str, args: tuple[Any, ...]) -> None:
+        """The workspaces a GEMM's handle takes the first time it runs (after its output):
+        cuBLAS's for every GEMM, cuBLASLt's for an addmm with a 1-D bias (the epilogue path,
+        aten/src/ATen/native/cuda/Blas.cpp addmm_out_cuda_impl)."""
+        handle = self.blas_handle
+        self.persistent(f"{handle}.cublas", self.blas_workspace, "cublas workspace")
+        bias = args[0] if args else None
+        if name == ADDMM_OP and isinstance(bias, torch.Tensor) and bias.dim() == 1:
+            self.persistent(f"{handle}.cublaslt", self.blaslt_workspace, "cublaslt workspace")
+
+    def persistent(self, key: str, nbytes: int, op: str) -> None:
+        """Allocate `nbytes` once under `key`, held until the process ends (a library's
+        workspace), as `Component.WORKSPACES`."""
+        if key in self._persistent or nbytes <= 0:
+            return
+        self._persistent[key] = allocated_size(nbytes, self.unit)
+        if self.allocator is not None:
+            self.allocator.malloc(nbytes)
+        self._change(Component.WORKSPACES, self._persistent[key], op)
 
     def rewrite(self, op: str, replacement: Callable[..., Any]) -> None:
         """Run `replacement(*args, **kwargs)` instead of `op`, its ops dispatched through here.
@@ -185,19 +237,30 @@ class StorageTracker(TorchDispatchMode):
         key = id(storage)
         size = allocated_size(storage.nbytes(), self.unit)
         block = self._blocks.get(key)
+        allocator = self.allocator
         if block is not None:
-            if block.size != size:  # resized in place (resize_, set_)
+            if block.size != size:  # resized in place (resize_, set_): new memory, old freed
+                if allocator is not None:
+                    handle = allocator.malloc(storage.nbytes())
+                    if block.handle >= 0:
+                        allocator.free(block.handle)
+                    block.handle = handle
                 self._change(block.component, size - block.size, op)
                 block.size = size
             return
         finalizer = weakref.finalize(storage, self._free, key)
         finalizer.atexit = False
-        self._blocks[key] = _Block(size=size, component=component, finalizer=finalizer)
+        handle = allocator.malloc(storage.nbytes()) if allocator is not None and size else -1
+        self._blocks[key] = _Block(
+            size=size, component=component, finalizer=finalizer, handle=handle
+        )
         self._change(component, size, op)
 
     def _free(self, key: int) -> None:
         block = self._blocks.pop(key, None)
         if block is not None:
+            if block.handle >= 0 and self.allocator is not None:
+                self.allocator.free(block.handle)
             self._change(block.component, -block.size, "free")
 
     def _change(self, component: Component, delta: int, op: str) -> None:
@@ -212,6 +275,11 @@ class StorageTracker(TorchDispatchMode):
             self._raise(self._peak, op)
             if self._phase_key is not None:
                 self._raise(self._phase_peaks[self._phase_key], op)
+                if self.allocator is not None:
+                    key = self._phase_key
+                    reserved = self.allocator.reserved
+                    if reserved > self._phase_reserved.get(key, 0):
+                        self._phase_reserved[key] = reserved
 
     def _raise(self, slot: _PeakSlot, op: str) -> None:
         if self.total > slot.total:
@@ -235,6 +303,12 @@ class StorageTracker(TorchDispatchMode):
         self._flush_pending()
         self._phase_key = (step, phase)
         slot = self._phase_peaks.setdefault((step, phase), _PeakSlot())
+        if self.allocator is not None:
+            # The window inherits what the allocator holds when it opens.
+            reserved = self.allocator.reserved
+            self._phase_reserved[(step, phase)] = max(
+                self._phase_reserved.get((step, phase), 0), reserved
+            )
         if self.total > slot.total:  # the window starts at the level it inherits
             slot.total = self.total
             slot.op = "(start)"
@@ -280,6 +354,10 @@ class StorageTracker(TorchDispatchMode):
             for (step, phase), slot in self._phase_peaks.items()
         ]
 
+    def phase_reserved(self) -> dict[tuple[int, Phase], int]:
+        """The allocator model's reserved bytes at their highest in each (step, phase) window."""
+        return dict(self._phase_reserved)
+
     def marks(self) -> list[PhaseSnapshot]:
         return list(self._marks)
 
@@ -298,7 +376,8 @@ class StorageTracker(TorchDispatchMode):
         """Raise if the breakdown does not sum to the live total (a tracker bug)."""
         if sum(self.by_component.values()) != self.total:
             raise RuntimeError("tracker breakdown does not sum to the live total")
-        if sum(b.size for b in self._blocks.values()) != self.total:
+        held = sum(b.size for b in self._blocks.values()) + sum(self._persistent.values())
+        if held != self.total:
             raise RuntimeError("tracker blocks do not sum to the live total")
 
     def close(self) -> None:

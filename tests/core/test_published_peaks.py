@@ -9,7 +9,7 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.estimator import estimate
-from tests.published_rows import Row, load
+from tests.published_rows import Row, compute_capability, load
 
 # Tier A rows measure torch.cuda.max_memory_allocated with every input known; the estimator's
 # allocated level must be within this of each.
@@ -21,7 +21,11 @@ TIER_A_HELD = 0.01
 
 
 def _level(row: Row) -> int:
-    est = estimate(default_catalog().resolve(row.model).arch, row.spec)
+    est = estimate(
+        default_catalog().resolve(row.model).arch,
+        row.spec,
+        compute_capability=compute_capability(row.gpu),
+    )
     return {
         "allocated": est.allocated_bytes,
         "reserved": est.reserved_bytes,

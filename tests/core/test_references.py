@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from service.catalog.models import default_catalog
+from service.core.device import REFERENCE_COMPUTE_CAPABILITY
 from service.core.estimator import estimate
 from service.core.result import Component, Estimate
 from service.core.units import MIB
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 PEAK_TOLERANCE = 0.01  # each reference's allocated peak
+RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model's replay)
 MEDIAN_TOLERANCE = 0.003  # median over all references
 COMPONENT_TOLERANCE = 0.02  # each component, or within COMPONENT_SLACK_BYTES
 COMPONENT_SLACK_BYTES = 16 * MIB
@@ -34,7 +36,9 @@ def _references() -> list[dict[str, Any]]:
 def _estimate(ref: dict[str, Any]) -> Estimate:
     from service.trace.reference import spec_from_json
 
-    return estimate(default_catalog().resolve(ref["model_id"]).arch, spec_from_json(ref["spec"]))
+    arch = default_catalog().resolve(ref["model_id"]).arch
+    spec = spec_from_json(ref["spec"])
+    return estimate(arch, spec, compute_capability=REFERENCE_COMPUTE_CAPABILITY)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,31 @@ def test_peaks_match_the_traces(
         print("\n" + "\n".join(lines))
     assert not beyond, "\n".join(beyond)
     assert statistics.median(errors) <= MEDIAN_TOLERANCE
+
+
+def test_reserved_matches_the_traces(
+    compared: list[tuple[dict[str, Any], Estimate]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tracer replays every allocation of the traced step through the allocator model;
+    the estimator replays the step's schedule it synthesises from the shapes."""
+    errors = []
+    beyond = []
+    lines = [f"{'reference':<66}{'traced GiB':>11}{'estimate':>10}{'error':>9}"]
+    for ref, est in compared:
+        traced = ref["reserved"]["bytes"]
+        assert traced >= ref["peak"]["allocated_bytes"]
+        err = est.reserved_bytes / traced - 1
+        errors.append(abs(err))
+        if abs(err) > RESERVED_TOLERANCE:
+            beyond.append(f"{ref['name']}: reserved {err:+.3%}")
+        lines.append(
+            f"{ref['name'][:65]:<66}{traced / 2**30:>11.2f}{est.reserved_bytes / 2**30:>10.2f}"
+            f"{err:>+9.3%}"
+        )
+    lines.append(f"reserved: median |error| {statistics.median(errors):.4%}, max {max(errors):.4%}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert not beyond, "\n".join(beyond)
 
 
 def test_components_match_the_traces(compared: list[tuple[dict[str, Any], Estimate]]) -> None:

@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from service.core.bnb import uses_dequant_fallback  # noqa: E402
 from service.core.spec import SdpaKernel  # noqa: E402
 from service.trace import kernels  # noqa: E402
 from service.trace.tracker import StorageTracker  # noqa: E402
@@ -55,7 +56,7 @@ def test_flash_cannot_be_forced_where_cuda_has_no_flash_kernel() -> None:
 def test_4bit_matmul_takes_the_dequantize_path_for_training_sized_inputs(
     rows: int, out_features: int, in_features: int, dequantizes: bool
 ) -> None:
-    assert kernels._use_dequant_fallback(rows, out_features, in_features) is dequantizes
+    assert uses_dequant_fallback(rows, out_features, in_features) is dequantizes
 
 
 def test_flash_attention_saves_q_k_v_output_and_fp32_logsumexp_and_nothing_on_the_host() -> None:

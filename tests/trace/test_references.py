@@ -28,7 +28,8 @@ RETRACED = (
     "qwen2_5-0_5b__qlora__r16-all-linear__nf4-dq__b1-s128",
 )
 
-# The memory model's section 7 (shared/design/memory-model.md), in GiB to two decimals.
+# The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these
+# references, before it also replayed the cuBLAS workspaces (version 2): a re-trace keeps them.
 MEMORY_MODEL_TABLE = {
     "qwen2_5-7b__lora__r16-all-linear__b1-s512__ckpt": 15.61,
     "qwen2_5-7b__lora__r16-all-linear__b4-s2048__ckpt": 30.20,
@@ -104,7 +105,9 @@ def _check_snapshot(entry: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("name", "gib"), sorted(MEMORY_MODEL_TABLE.items()))
 def test_references_reproduce_the_memory_models_measured_peaks(name: str, gib: float) -> None:
-    assert round(REFERENCES[name]["peak"]["allocated_bytes"] / GIB, 2) == gib
+    peak = REFERENCES[name]["peak"]
+    tensors = peak["allocated_bytes"] - peak["components"][Component.WORKSPACES.value]
+    assert round(tensors / GIB, 2) == gib
 
 
 @pytest.mark.parametrize("name", RETRACED)

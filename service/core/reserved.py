@@ -1,0 +1,364 @@
+"""The reserved level: the step's allocation schedule replayed through the caching allocator.
+
+`reserved_levels` builds the schedule of a spec (`service.core.schedule`) from the estimator's
+plan, replays the model's weights and two training steps through `CachingAllocator`, and returns
+the allocator's reserved peak with what it held at the end of each step. The weights' part
+depends on the model and method alone and is replayed once per plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from service.core.allocator import (
+    DEFAULT_ALLOCATOR,
+    AllocatorConfig,
+    CachingAllocator,
+    FrozenState,
+)
+from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
+from service.core.schedule import Kernel, LinearShape, StepShape, Updater, step_events
+from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
+from service.core.units import FP32_BYTES, UINT8_BYTES
+
+# bitsandbytes 4-bit storage (bitsandbytes/functional.py quantize_4bit): two values per byte,
+# one absmax per 64 values, stored as uint8 with double quant (one fp32 absmax per 256 of
+# them and a 256-entry fp32 code), fp32 otherwise; the 16-entry fp32 NF4/FP4 code.
+_NF4_PER_BYTE = 2
+_NF4_BLOCK = 64
+_NESTED_BLOCK = 256
+_NESTED_CODE = 256
+_NF4_CODE = 16
+# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State): uint8
+# states with one fp32 absmax per 256 elements; under 4096 elements, fp32 states.
+_BNB_BLOCK = 256
+_BNB_MIN_8BIT = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReservedPlan:
+    """What the reserved level needs from the estimator's plan (hashable, cached on)."""
+
+    arch: ModelArch
+    method: Method
+    dtype_bytes: int  # the model's dtype
+    residual: int  # bytes per element of the residual stream
+    compute: int  # the 4-bit linears' compute dtype
+    adapter: int  # LoRA adapter dtype bytes (0 without LoRA)
+    rank: int
+    dropout: bool
+    adapted: frozenset[str]
+    quant_type: QuantType | None
+    double_quant: bool
+    attn: int  # bytes per element of q, k, v
+    attn_implementation: AttnImpl
+    sdpa_kernel: SdpaKernel
+    loss: LossImpl
+    head_bytes: int
+    head_trainable: bool
+    embed_trainable: bool
+    optim: Optim
+    trainable: tuple[int, ...]  # trainable tensors' bytes (gradients), parameter order
+    trainable_elements: tuple[int, ...]
+    checkpointing: bool
+    allocator: AllocatorConfig = DEFAULT_ALLOCATOR
+    compute_capability: str | None = None
+
+
+# Model types whose RoPE concatenates the rotated dimensions with the pass-through ones
+# (transformers models/{phi3,glm,gpt_neox}/modeling_*.py apply_rotary_pos_emb).
+ROPE_PASS_CAT = frozenset({"phi3", "glm", "gpt_neox"})
+
+
+def resolve_kernel(plan: ReservedPlan, seq: int) -> tuple[Kernel, bool]:
+    """The attention computation and whether an explicit mask exists (a sliding window
+    shorter than the sequence makes transformers build one)."""
+    arch = plan.arch
+    windowed = arch.windowed(seq)
+    impl = plan.attn_implementation
+    if impl is AttnImpl.EAGER:
+        return Kernel.EAGER, True
+    if impl is AttnImpl.FLASH_ATTENTION_2:
+        return Kernel.FLASH, False
+    kernel = plan.sdpa_kernel
+    if kernel is SdpaKernel.FLASH:
+        return Kernel.FLASH, windowed
+    if kernel is SdpaKernel.EFFICIENT:
+        return Kernel.EFFICIENT, windowed
+    if kernel is SdpaKernel.MATH:
+        return Kernel.MATH, windowed
+    # What CUDA picks (service/trace/kernels.py choose_sdpa_kernel, measured on an H200):
+    # half precision without a mask takes flash; fp32 with grouped key/value heads (passed
+    # as enable_gqa when there is no mask) takes math; the rest mem-efficient.
+    half = plan.attn != FP32_BYTES
+    if half and not windowed and arch.head_dim <= 256:
+        return Kernel.FLASH, False
+    gqa = arch.num_key_value_heads < arch.num_attention_heads and not windowed
+    if not half and gqa:
+        return Kernel.MATH, False
+    return Kernel.EFFICIENT, windowed
+
+
+def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
+    return LinearShape(
+        name=lin.name,
+        d_in=lin.in_features,
+        d_out=lin.out_features * lin.count,
+        adapted=lin.name in plan.adapted,
+        trainable=plan.method is Method.FULL,
+        weight_bytes=lin.in_features * lin.out_features * lin.count * plan.dtype_bytes,
+        quantized=plan.method is Method.QLORA
+        and plan.quant_type is not QuantType.INT8
+        and not lin.expert,
+    )
+
+
+def _updater(optim: Optim) -> Updater:
+    return {
+        Optim.ADAMW_TORCH_FUSED: Updater.ADAMW_FUSED,
+        Optim.ADAMW_TORCH: Updater.ADAMW_FOREACH,
+        Optim.SGD: Updater.STATELESS,
+        Optim.ADAMW_BNB_8BIT: Updater.BNB_8BIT,
+        Optim.ADAFACTOR: Updater.ADAFACTOR,
+        Optim.PAGED_ADAMW_8BIT: Updater.OUTSIDE,
+        Optim.PAGED_ADAMW_32BIT: Updater.OUTSIDE,
+    }[optim]
+
+
+def _states(plan: ReservedPlan, updater: Updater) -> tuple[int, ...]:
+    states: list[int] = []
+    for nbytes, elements in zip(plan.trainable, plan.trainable_elements, strict=True):
+        if updater in (Updater.ADAMW_FUSED, Updater.ADAMW_FOREACH):
+            states += [nbytes, nbytes]  # exp_avg, exp_avg_sq (zeros_like)
+        elif updater is Updater.BNB_8BIT:
+            if elements < _BNB_MIN_8BIT:
+                states += [elements * FP32_BYTES] * 2
+            else:
+                absmax = -(-elements // _BNB_BLOCK) * FP32_BYTES
+                states += [elements * UINT8_BYTES, elements * UINT8_BYTES, absmax, absmax]
+        elif updater is Updater.ADAFACTOR:
+            states.append(nbytes // max(1, elements) * int(elements**0.5) * 2)
+    return tuple(states)
+
+
+def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
+    arch = plan.arch
+    linears = [lin for lin in arch.linears if not lin.expert]
+    by_kind: dict[LinearKind, list[Linear]] = {}
+    for lin in linears:
+        by_kind.setdefault(lin.kind, []).append(lin)
+    kernel, windowed = resolve_kernel(plan, seq)
+    updater = _updater(plan.optim)
+    mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
+    out_kind = by_kind.get(LinearKind.MLP_OUT)
+    intermediate = arch.intermediate_size
+    if arch.is_moe:
+        intermediate = arch.shared_expert_intermediate_size
+    if out_kind:
+        mlp_out = _linear_shape(out_kind[0], plan)
+    else:  # a MoE without a shared expert: nothing dense
+        mlp_out = LinearShape(
+            name="down_proj", d_in=1, d_out=1, adapted=False, trainable=False, weight_bytes=0
+        )
+    shared_gate = by_kind.get(LinearKind.SHARED_GATE)
+    experts = {lin.kind: lin for lin in arch.linears if lin.expert}
+    full = plan.method is Method.FULL
+    return StepShape(
+        tokens=batch * seq,
+        batch=batch,
+        seq=seq,
+        layers=arch.num_hidden_layers,
+        hidden=arch.hidden_size,
+        heads=arch.num_attention_heads,
+        kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        vocab=arch.vocab_size,
+        qkv=tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.ATTN_QKV, [])),
+        out_proj=_linear_shape(by_kind[LinearKind.ATTN_OUT][0], plan),
+        mlp_in=mlp_in,
+        mlp_out=mlp_out,
+        gated=arch.mlp is MlpKind.GATED,
+        intermediate=intermediate,
+        experts=arch.num_experts,
+        top_k=arch.num_experts_per_tok,
+        expert_intermediate=arch.expert_intermediate_size,
+        shared_gate=_linear_shape(shared_gate[0], plan) if shared_gate else None,
+        experts_trainable=full and arch.is_moe,
+        expert_gate_up_bytes=experts[LinearKind.MLP_IN].weight_elements * plan.dtype_bytes
+        if full and LinearKind.MLP_IN in experts
+        else 0,
+        expert_down_bytes=experts[LinearKind.MLP_OUT].weight_elements * plan.dtype_bytes
+        if full and LinearKind.MLP_OUT in experts
+        else 0,
+        residual=plan.residual,
+        compute=plan.compute,
+        adapter=plan.adapter,
+        rank=plan.rank,
+        dropout=plan.dropout,
+        double_quant=plan.double_quant,
+        kernel=kernel,
+        window_mask=windowed,
+        masks=2 if arch.model_type in ("gemma2", "gemma3_text") else 1,
+        # eager takes an additive mask in the attention dtype, SDPA a boolean one
+        mask_bytes=plan.attn if kernel is Kernel.EAGER else 1,
+        # transformers' Phi-3, GLM and GPT-NeoX apply_rotary_pos_emb: cat([rotated, pass])
+        rope_pass_cat=arch.model_type in ROPE_PASS_CAT,
+        softcap=arch.attn_logit_softcapping is not None and kernel is Kernel.EAGER,
+        final_softcap=arch.final_logit_softcapping is not None
+        and plan.loss in (LossImpl.HF, LossImpl.PLAIN),
+        gemma_norm=arch.model_type.startswith("gemma"),
+        sandwich_norms=arch.norms_per_layer == 4,
+        embed_scale=arch.model_type.startswith("gemma"),
+        checkpointing=plan.checkpointing,
+        input_grad=plan.checkpointing or plan.embed_trainable or plan.method is Method.FULL,
+        norm_trainable=plan.method is Method.FULL,
+        loss_upcast=plan.loss is LossImpl.HF,
+        loss_materialised=plan.loss in (LossImpl.HF, LossImpl.PLAIN),
+        head_bytes=plan.head_bytes,
+        head_trainable=plan.head_trainable,
+        embed_trainable=plan.embed_trainable,
+        tied=arch.tie_word_embeddings,
+        updater=updater,
+        trainable=plan.trainable,
+        states=_states(plan, updater),
+        largest_trainable=max(plan.trainable_elements, default=0),
+        workspace=cublas_workspace(plan.compute_capability),
+        lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
+    )
+
+
+def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
+    """The model's tensors in the order they are made (module order): embedding, each layer's
+    linears (weight, bias, LoRA A and B) and norms, the final norm, the LM head."""
+    arch = plan.arch
+    md = plan.dtype_bytes
+    kbit = plan.method is Method.QLORA
+    other = plan.residual if kbit else md
+    sizes: list[int] = [arch.vocab_size * arch.hidden_size * other]
+    layer: list[int] = []
+    for lin in arch.linears:
+        if kbit and not lin.expert:
+            layer += _quantized(lin.in_features * lin.out_features, plan)
+        else:
+            layer.append(lin.weight_elements * md)
+        if lin.bias:
+            layer.append(lin.out_features * lin.count * other)
+        if lin.name in plan.adapted:
+            layer.append(plan.rank * lin.in_features * plan.adapter)
+            layer.append(lin.out_features * plan.rank * plan.adapter)
+    norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+    layer += [arch.hidden_size * other] * norm_tensors
+    if arch.qk_norm:
+        layer += [arch.head_dim * other] * 2
+    sizes += layer * arch.num_hidden_layers
+    sizes.append(arch.hidden_size * other)
+    if not arch.tie_word_embeddings:
+        sizes.append(arch.vocab_size * arch.hidden_size * other)
+    if plan.head_trainable and plan.method is not Method.FULL:
+        sizes.append(arch.vocab_size * arch.hidden_size * other)  # modules_to_save copy
+    if plan.embed_trainable and plan.method is not Method.FULL:
+        sizes.append(arch.vocab_size * arch.hidden_size * other)
+    return tuple(sizes)
+
+
+def _quantized(elements: int, plan: ReservedPlan) -> list[int]:
+    blocks = -(-elements // _NF4_BLOCK)
+    pieces = [elements // _NF4_PER_BYTE]
+    if plan.double_quant:
+        nested = -(-blocks // _NESTED_BLOCK)
+        pieces += [blocks * UINT8_BYTES, _NF4_CODE * FP32_BYTES, FP32_BYTES]
+        pieces += [nested * FP32_BYTES, _NESTED_CODE * FP32_BYTES]
+    else:
+        pieces += [blocks * FP32_BYTES, _NF4_CODE * FP32_BYTES]
+    return pieces
+
+
+@lru_cache(maxsize=256)
+def _after_weights(plan: ReservedPlan) -> FrozenState:
+    """The allocator once the model is loaded (its blocks are held for good)."""
+    allocator = CachingAllocator(plan.allocator)
+    for nbytes in weight_sizes(plan):
+        if nbytes > 0:
+            allocator.malloc(nbytes)
+    return allocator.frozen_state()
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedPeaks:
+    """The allocator model's reserved bytes: the peak over two steps, and per step."""
+
+    peak: int
+    by_step: tuple[int, ...]
+    allocated_peak: int
+
+
+def reserved_levels(plan: ReservedPlan, batch: int, seq: int) -> ReservedPeaks:
+    """Replay the weights and two training steps of `plan` at `batch` x `seq`."""
+    allocator = CachingAllocator(plan.allocator)
+    allocator.resume(_after_weights(plan))
+    events, ends = step_events(step_shape(plan, batch, seq))
+    return _replay(allocator, events, ends)
+
+
+def _replay(
+    allocator: CachingAllocator, events: Sequence[tuple[int, int]], ends: Sequence[int]
+) -> ReservedPeaks:
+    live: dict[int, int] = {}
+    malloc, free = allocator.malloc, allocator.free
+    by_step = []
+    start = 0
+    for end in ends:
+        for key, nbytes in events[start:end]:
+            if nbytes:
+                live[key] = malloc(nbytes)
+            else:
+                handle = live.pop(key, None)
+                if handle is not None:
+                    free(handle)
+        by_step.append(allocator.peak_reserved)
+        start = end
+    return ReservedPeaks(
+        peak=allocator.peak_reserved,
+        by_step=tuple(by_step),
+        allocated_peak=allocator.peak_allocated,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _replayed_gap(plan: ReservedPlan, batch: int, seq: int) -> int:
+    """reserved - allocated at the replay's reserved peak... its peaks' difference."""
+    peaks = reserved_levels(plan, batch, seq)
+    return max(0, peaks.peak - peaks.allocated_peak)
+
+
+def _bracket(n: int) -> tuple[int, int]:
+    """The powers of two around `n` (equal when `n` is one)."""
+    low = 1 << (n.bit_length() - 1)
+    return (low, low) if low == n else (low, 2 * low)
+
+
+def reserved_gap(plan: ReservedPlan, batch: int, seq: int) -> tuple[int, str]:
+    """reserved - allocated for `batch` x `seq`: the replay's, where both are powers of two;
+    between, interpolated (bilinearly in batch and sequence) from the replays at the powers
+    of two around them, each replayed once per plan. Returns the bytes and a note when
+    interpolated."""
+    b0, b1 = _bracket(batch)
+    s0, s1 = _bracket(seq)
+    if b0 == b1 and s0 == s1:
+        return _replayed_gap(plan, batch, seq), ""
+    wb = 0.0 if b0 == b1 else (batch - b0) / (b1 - b0)
+    ws = 0.0 if s0 == s1 else (seq - s0) / (s1 - s0)
+    gap = 0.0
+    for b, weight_b in ((b0, 1 - wb), (b1, wb)):
+        for s, weight_s in ((s0, 1 - ws), (s1, ws)):
+            weight = weight_b * weight_s
+            if weight:
+                gap += weight * _replayed_gap(plan, b, s)
+    note = (
+        f"reserved: the allocator replay interpolated between batch {b0}-{b1} and sequence "
+        f"length {s0}-{s1} (replayed exactly at powers of two)"
+    )
+    return round(gap), note
