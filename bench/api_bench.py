@@ -326,9 +326,23 @@ def in_process(database_url: str) -> dict[str, float]:
     def api_check() -> object:
         return estimation_for(services).fit_check(body)
 
+    from service.core.reserved import clear_replay_caches
+
+    def cold(fn: Callable[[], object]) -> Callable[[], object]:
+        def first_call() -> object:
+            clear_replay_caches()
+            return fn()
+
+        return first_call
+
     return {
         "estimate_same_spec_s": same,
         "estimate_new_shape_s": varied,
+        "estimate_cold_power_of_two_s": _median_time(cold(lambda: estimate(arch, spec)), 5),
+        "estimate_cold_between_s": _median_time(
+            cold(lambda: estimate(arch, replace(spec, batch_size=3, seq_len=1500))), 5
+        ),
+        "fit_check_core_lora_cold_s": _median_time(cold(core_check(lora)), 3),
         "fit_check_core_qlora_s": _median_time(core_check(spec), 30),
         "fit_check_core_lora_s": _median_time(core_check(lora), 30),
         "fit_check_api_qlora_s": _median_time(api_check, 30),
@@ -486,6 +500,15 @@ def run() -> list[str]:
         f"{core['fit_check_core_lora_s'] * 1e3:8.2f} ms",
         f"  fit-check, {core['gpus']:.0f} GPUs, API handler      "
         f"{core['fit_check_api_qlora_s'] * 1e3:8.2f} ms",
+        "",
+        "In process, a job shape seen for the first time (the allocator model replays the step "
+        "at the powers of two around it; replays are then cached)",
+        f"  estimate(), b4 s2048                "
+        f"{core['estimate_cold_power_of_two_s'] * 1e3:8.1f} ms  (one replay)",
+        f"  estimate(), b3 s1500                "
+        f"{core['estimate_cold_between_s'] * 1e3:8.1f} ms  (four replays, interpolated)",
+        f"  fit-check, {core['gpus']:.0f} GPUs, core, LoRA job   "
+        f"{core['fit_check_core_lora_cold_s'] * 1e3:8.0f} ms",
     ]
     return lines
 

@@ -8,7 +8,7 @@ counts, LoRA targets, quantized weights and saved activations are all derived fr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -87,11 +87,17 @@ class ModelArch:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # An architecture keys the estimator's caches on every call: its hash is computed once.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if getattr(self, name) < 1:
                 raise InvalidConfigError(name, "must be a positive integer")
+        object.__setattr__(self, "_hash", hash(astuple(self)[:-1]))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def windowed(self, seq_len: int) -> bool:
         """Whether transformers builds an explicit sliding-window mask for `seq_len` tokens:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from service.core.units import KIB, MIB
 
@@ -53,9 +54,10 @@ H200_CONTEXT = 551_092_224 - 2 * MIB
 # (78.4 MiB of 8-bit state by the estimator's count): managed memory on the device per byte of
 # paged state (tests/data/gpu/ *-paged8 runs).
 H200_PAGED_FACTOR = 128 / 78.37
-# A GPU or CUDA version nobody measured: the CUDA context alone ranges 0.3-0.6 GiB with lazy
-# module loading across architectures (design notes, section 1), so the row is the H200's with
-# this standard deviation.
+# A GPU or CUDA version nobody measured: the row is the H200's, with a standard deviation of a
+# third of its 0.75 GiB outside the allocator. A stated prior, not a measurement: the context
+# and kernel libraries differ by architecture, driver and CUDA version, and `vramcast probe`
+# on that GPU measures them.
 UNMEASURED_UNCERTAINTY = 256 * MIB
 # A measured row's spread: the 16 MiB the attention libraries move it by.
 MEASURED_UNCERTAINTY = 16 * MIB
@@ -80,6 +82,7 @@ class DeviceRow:
         return math.ceil(paged_state * self.paged_factor)
 
 
+@lru_cache(maxsize=64)
 def device_row(compute_capability: str | None, *, fused_attention: bool) -> DeviceRow:
     """The row for a GPU of `compute_capability` (None: not given) running a step whose
     attention is (`fused_attention`) or is not a half-precision fused kernel."""

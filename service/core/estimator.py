@@ -165,6 +165,7 @@ class _Ledger:
         return tuple((coef, kind, n) for (coef, kind), n in counts.items())
 
 
+@lru_cache(maxsize=4096)
 def _recipe_bytes(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int) -> int:
     units = {
         _Kind.TOKENS: b * s,
@@ -1196,21 +1197,28 @@ def _above(
 
 def _uncertainty(arch: ModelArch, spec: TrainingSpec) -> Uncertainty:
     """How far each level may be off, by how the configuration was checked."""
+    return _uncertainty_of(arch, spec.method, spec.framework, spec.autocast, spec.parallel.gpus > 1)
+
+
+@lru_cache(maxsize=1024)
+def _uncertainty_of(
+    arch: ModelArch, method: Method, framework: Framework, autocast: bool, parallel: bool
+) -> Uncertainty:
     notes: list[str] = []
     allocated, reserved = ALLOCATED_SIGMA_TRACED, RESERVED_SIGMA_TRACED
-    if spec.framework is not Framework.HF:
+    if framework is not Framework.HF:
         allocated, reserved = ALLOCATED_SIGMA_PRESET, RESERVED_SIGMA_APPROXIMATE
-        notes.append(f"the {spec.framework} preset's step is not traced: wider uncertainty")
-    if spec.autocast:
+        notes.append(f"the {framework} preset's step is not traced: wider uncertainty")
+    if autocast:
         allocated, reserved = max(allocated, ALLOCATED_SIGMA_AUTOCAST), RESERVED_SIGMA_APPROXIMATE
         notes.append("mixed precision (autocast) is not traced: wider uncertainty")
-    if spec.parallel.gpus > 1:
+    if parallel:
         allocated, reserved = ALLOCATED_SIGMA_PARALLEL, RESERVED_SIGMA_APPROXIMATE
         notes.append("multi-GPU strategies are not traced: wide uncertainty")
     if arch.is_moe or arch.model_type not in SCHEDULED_FAMILIES:
         reserved = RESERVED_SIGMA_APPROXIMATE
     loading = 0
-    if spec.method is Method.QLORA:
+    if method is Method.QLORA:
         quantized = sum(
             lin.in_features * lin.out_features for lin in arch.linears if not lin.expert
         )

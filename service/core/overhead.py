@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from service.core.device import DeviceRow
 from service.core.result import Overhead
@@ -66,19 +67,6 @@ def levels(
         + (row.paged_uncertainty * paged) ** 2
     )
     upper = device + math.ceil(SAFE_Z * sigma)
-    notes = (
-        row.note,
-        f"safe bound: device level + {SAFE_Z:.3g} standard deviations of the stated "
-        f"uncertainty (allocated {uncertainty.allocated:.1%}, allocator "
-        f"{uncertainty.reserved:.0%} of reserved - allocated, "
-        + (
-            f"weights' loading {uncertainty.loading_bytes / 2**20:.0f} MiB, "
-            if uncertainty.loading_bytes
-            else ""
-        )
-        + f"device row {row.uncertainty_bytes / 2**20:.0f} MiB)",
-        *uncertainty.notes,
-    )
     return AboveAllocated(
         reserved=reserved,
         device=device,
@@ -89,5 +77,22 @@ def levels(
             Overhead.CUDA_CONTEXT: row.context_bytes,
             Overhead.OUTSIDE_ALLOCATOR: outside - row.context_bytes,
         },
-        assumptions=notes,
+        assumptions=_notes(row, uncertainty),
+    )
+
+
+@lru_cache(maxsize=256)
+def _notes(row: DeviceRow, uncertainty: Uncertainty) -> tuple[str, ...]:
+    loading = (
+        f"weights' loading {uncertainty.loading_bytes / 2**20:.0f} MiB, "
+        if uncertainty.loading_bytes
+        else ""
+    )
+    return (
+        row.note,
+        f"safe bound: device level + {SAFE_Z:.3g} standard deviations of the stated "
+        f"uncertainty (allocated {uncertainty.allocated:.1%}, allocator "
+        f"{uncertainty.reserved:.0%} of reserved - allocated, {loading}"
+        f"device row {row.uncertainty_bytes / 2**20:.0f} MiB)",
+        *uncertainty.notes,
     )

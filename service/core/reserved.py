@@ -9,7 +9,7 @@ depends on the model and method alone and is replayed once per plan.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from service.core.allocator import (
@@ -66,6 +66,15 @@ class ReservedPlan:
     checkpointing: bool
     allocator: AllocatorConfig = DEFAULT_ALLOCATOR
     compute_capability: str | None = None
+    # A plan keys the replay caches on every estimate: its hash is computed once.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        values = tuple(getattr(self, f.name) for f in fields(self) if f.name != "_hash")
+        object.__setattr__(self, "_hash", hash(values))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 # Model types whose RoPE concatenates the rotated dimensions with the pass-through ones
@@ -332,6 +341,12 @@ def _replayed_gap(plan: ReservedPlan, batch: int, seq: int) -> int:
     """reserved - allocated at the replay's reserved peak... its peaks' difference."""
     peaks = reserved_levels(plan, batch, seq)
     return max(0, peaks.peak - peaks.allocated_peak)
+
+
+def clear_replay_caches() -> None:
+    """Forget every replay (benchmarks time the first estimate of a job shape with it)."""
+    _replayed_gap.cache_clear()
+    _after_weights.cache_clear()
 
 
 def _bracket(n: int) -> tuple[int, int]:
