@@ -270,7 +270,9 @@ def _peft(model: Any) -> tuple[Lora | None, bool]:
     if isinstance(targets, str):
         target_modules = targets if targets == "all-linear" else None
     elif targets:
-        target_modules = sorted(str(t) for t in targets)
+        # get_peft_model expands "all-linear" into each adapted module's full path
+        # (model.layers.0.self_attn.q_proj); a job names modules by their own name.
+        target_modules = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
     saved = getattr(config, "modules_to_save", None)
     lora = Lora(
         r=_int(getattr(config, "r", None)),

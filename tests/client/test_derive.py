@@ -3,6 +3,7 @@ cannot describe, on stand-in objects (the real Trainer runs in test_hf_callback)
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -159,3 +160,36 @@ def test_hub_ids_and_local_paths(tmp_path: Any) -> None:
     assert name_or_path(PeftModel(QWEN_0_5B)) == "Qwen/Qwen2.5-0.5B"
     local = Config(**{**QWEN_0_5B.__dict__, "_name_or_path": str(tmp_path / "checkpoint")})
     assert name_or_path(PeftModel(local)) is None
+
+
+def test_all_linear_as_peft_expands_it_names_the_modules() -> None:
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        base = transformers.Qwen2ForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' notice, raised by PEFT
+        model = peft.get_peft_model(
+            base, peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")
+        )
+    # PEFT keeps the expanded, dotted module paths, not "all-linear"
+    assert "model.layers.0.self_attn.q_proj" in model.peft_config["default"].target_modules
+    job = job_from_hf(model, arguments(), model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json()["lora"]["target_modules"] == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
