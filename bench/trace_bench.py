@@ -10,7 +10,7 @@ from typing import Any
 from service.core.spec import LoraSpec, Method, TrainingSpec
 
 BENCH_MODEL = "Qwen/Qwen2.5-7B"
-# The memory model's first reference case (shared/design/memory-model.md section 7).
+# The first case of tests/trace/test_references.py's table of recorded peaks.
 BENCH_SPEC = TrainingSpec(
     method=Method.LORA,
     batch_size=1,

@@ -30,8 +30,9 @@ from service.core.spec import (
 )
 from service.core.units import MIB
 
-# CUDA hands out less than nvidia-smi's total: the driver keeps 450-640 MiB for itself
-# (design/memory-model.md section 1); the upper end, so that "fits" stays safe.
+# CUDA hands out less than nvidia-smi's total: on the H200 of tests/data/gpu/ torch reported
+# 150,109,880,320 B of nvidia-smi's 143,771 MiB, 616 MiB less (tests/data/gpu/README.md and
+# h200_set3.jsonl's gpu_total). Rounded up, so that "fits" stays safe on other GPUs.
 DRIVER_RESERVED_BYTES = 640 * MIB
 
 # After this many secant steps that move the same end of the bracket, bisect: regula falsi
