@@ -44,6 +44,7 @@ _OPTION_FOR_FIELD = {
     "batch_size": "--batch-size",
     "seq_len": "--seq-len",
     "gradient_accumulation_steps": "--gradient-accumulation-steps",
+    "max_grad_norm": "--max-grad-norm",
     "lora": "--r/--target-modules",
     "lora.r": "--r",
     "lora.lora_dropout": "--lora-dropout",
@@ -93,6 +94,12 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument("--autocast", action="store_true", help="bf16/fp16 mixed precision")
     train.add_argument("--optim", choices=_choices(Optim), default=Optim.ADAMW_TORCH_FUSED.value)
     train.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    train.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="gradient clipping as HF Trainer's max_grad_norm (default 1.0; 0: none)",
+    )
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument(
         "--attn-implementation", choices=_choices(AttnImpl), default=AttnImpl.SDPA.value
@@ -162,6 +169,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             autocast=args.autocast,
             optim=Optim(args.optim),
             gradient_accumulation_steps=args.gradient_accumulation_steps,
+            max_grad_norm=args.max_grad_norm,
             gradient_checkpointing=args.gradient_checkpointing,
             attn_implementation=AttnImpl(args.attn_implementation),
             sdpa_kernel=SdpaKernel(args.sdpa_kernel),

@@ -59,6 +59,7 @@ from service.core.units import DType
 MAX_BATCH_SIZE = 4096
 MAX_SEQ_LEN = 1_048_576  # 1M tokens
 MAX_GRADIENT_ACCUMULATION = 65_536
+MAX_GRAD_NORM = 1e6  # far above any clipping threshold in use
 MAX_LORA_R = 16_384
 MAX_LORA_ALPHA = 1_000_000
 MAX_GPUS = 1024
@@ -345,6 +346,13 @@ class JobSpec(_In):
     gradient_accumulation_steps: int = Field(
         default=1, ge=1, le=MAX_GRADIENT_ACCUMULATION, description="Micro-batches per step."
     )
+    max_grad_norm: float = Field(
+        default=1.0,
+        ge=0,
+        le=MAX_GRAD_NORM,
+        allow_inf_nan=False,
+        description="TrainingArguments.max_grad_norm: gradient clipping, 0 for none.",
+    )
     gradient_checkpointing: bool = Field(
         default=False, description="TrainingArguments.gradient_checkpointing."
     )
@@ -382,6 +390,7 @@ class JobSpec(_In):
             autocast=self.autocast,
             optim=self.optim,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
+            max_grad_norm=self.max_grad_norm,
             gradient_checkpointing=self.gradient_checkpointing,
             attn_implementation=self.attn_implementation,
             sdpa_kernel=self.sdpa_kernel,

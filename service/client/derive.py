@@ -133,6 +133,7 @@ def job_from_hf(
         autocast=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
         optim=_hf_optim(getattr(args, "optim", None)) if args is not None else None,
         accumulation=_int(getattr(args, "gradient_accumulation_steps", None)),
+        max_grad_norm=_float(getattr(args, "max_grad_norm", None)),
         checkpointing=bool(getattr(args, "gradient_checkpointing", False)),
         parallel=Parallel(
             gpus=_int(getattr(args, "world_size", None)) or world_size(),
@@ -163,6 +164,8 @@ def job_from_lightning(
         autocast=precision.endswith("-mixed"),
         optim=_optimizer_class(optimizers[0]) if optimizers else None,
         accumulation=_int(getattr(trainer, "accumulate_grad_batches", None)),
+        # Lightning clips only when gradient_clip_val is set
+        max_grad_norm=_float(getattr(trainer, "gradient_clip_val", None)) or 0.0,
         checkpointing=False,
         parallel=Parallel(
             gpus=_int(getattr(trainer, "world_size", None)) or world_size(),
@@ -197,6 +200,7 @@ def _job(
     autocast: bool,
     optim: OptimName | None,
     accumulation: int | None,
+    max_grad_norm: float | None,
     checkpointing: bool,
     parallel: Parallel,
 ) -> Job:
@@ -222,6 +226,7 @@ def _job(
         autocast=autocast,
         optim=optim,
         gradient_accumulation_steps=accumulation,
+        max_grad_norm=max_grad_norm,
         gradient_checkpointing=checkpointing or _checkpointing(model),
         attn_implementation=attn if attn in _ATTN_IMPLS else None,
         parallel=parallel,
@@ -418,6 +423,13 @@ def _seq_len(given: int | None, shapes: InputShapes | None, args: Any) -> int | 
         if value:
             return value
     return None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if 0 <= number < float("inf") else None
 
 
 def _int(value: Any) -> int | None:

@@ -105,6 +105,7 @@ class Job(_Request):
     autocast: bool | None = None
     optim: OptimName | None = None
     gradient_accumulation_steps: int | None = Field(default=None, ge=1)
+    max_grad_norm: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     gradient_checkpointing: bool | None = None
     attn_implementation: AttnImplName | None = None
     sdpa_kernel: SdpaKernelName | None = None

@@ -102,13 +102,12 @@ LITGPT_QUANT_STATE_BYTES = 2  # fp16
 
 
 # The estimate's stated uncertainty (relative standard deviations; the safe bound adds 1.645 of
-# them, `service.core.overhead`). Allocated level: the traced HF + PEFT step, where every
-# reference trace is matched within 1 % (tests/core/test_references.py) and the measured H200
-# runs within about that (tests/data/gpu/); steps no trace checks: HF Trainer's autocast (5 %:
-# the H200 Trainer runs were 4.6 % and 7.5 % above the loop's estimate), framework presets and
-# multi-GPU strategies (published rows off by up to 60 % for FSDP / ZeRO-3).
+# them, `service.core.overhead`). Allocated level: the traced HF + PEFT step (HF Trainer's mixed
+# precision included), where every reference trace is matched within 1 %
+# (tests/core/test_references.py) and the measured H200 runs within about that
+# (tests/data/gpu/); steps no trace checks: framework presets and multi-GPU strategies
+# (published rows off by up to 60 % for FSDP / ZeRO-3).
 ALLOCATED_SIGMA_TRACED = 0.01
-ALLOCATED_SIGMA_AUTOCAST = 0.05
 ALLOCATED_SIGMA_PRESET = 0.05
 ALLOCATED_SIGMA_PARALLEL = 0.25
 # Reserved level, as a share of reserved - allocated: the schedule replayed through the
@@ -127,6 +126,13 @@ SCHEDULED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "g
 # probe's direct build (h200_set2.jsonl): 9.7 % of the quantized weights' bf16 bytes. One
 # standard deviation of reserved: this share of those bytes.
 QUANTIZED_LOAD_SIGMA = 0.08
+# Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
+# optimizer step (the first creates the gradients, later ones add into them in place).
+REPLAYED_MICRO_BATCHES = 3
+
+
+# HF Trainer's mixed precision computes in bf16 or fp16 (TrainingArguments bf16/fp16).
+AUTOCAST_BYTES = 2
 
 
 def _blk(nbytes: int) -> int:
@@ -533,9 +539,17 @@ def _linear_saves(
     # PEFT lora.Linear.forward: x = self._cast_input_dtype(x, lora_A.weight.dtype), then
     # lora_B(lora_A(dropout(x))): lora_A saves its input, lora_B saves lora_A's output.
     in_bytes = f.adapter
+    shared = in_bytes == x_bytes
     if f.autocast:
-        in_bytes = 2  # autocast runs the adapter matmuls in half precision: a bf16 copy
-    cast_key = x_key if in_bytes == x_bytes else f"{x_key}>{lin_key}"
+        # Autocast runs lora_A in half precision: it casts its input to a half copy that the
+        # matmul saves, one per adapted linear (the input is no leaf, so the cast is not
+        # cached). PEFT's lora.Linear first casts the input to the adapters' dtype (always);
+        # its bitsandbytes layers do not under autocast (peft/tuners/lora/bnb.py
+        # requires_conversion). The layer's own input is saved when nothing casts it.
+        in_bytes = AUTOCAST_BYTES
+        peft_dtype = x_bytes if f.quantized and not lin.expert else f.adapter
+        shared = x_bytes == peft_dtype == AUTOCAST_BYTES
+    cast_key = x_key if shared else f"{x_key}>{lin_key}"
     if f.dropout:
         led.add(f"{lin_key}.dropout_out", lin.in_features * in_bytes)
         led.add(f"{lin_key}.dropout_mask", lin.in_features)  # bool mask
@@ -671,7 +685,7 @@ def _mlp_saves(
             led.add("x_mid", arch.hidden_size * f.residual)
             led.add("up.base_out", i_size * out)
             if up.name in f.lora_targets:
-                ad = 2 if f.autocast else f.adapter
+                ad = AUTOCAST_BYTES if f.autocast else f.adapter
                 led.add("up.lora_b_out", i_size * ad)
                 led.add("up.lora_scaled", i_size * ad)
             return
@@ -841,20 +855,30 @@ def _loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int) -> _LossBytes
         return _LossBytes(
             forward_peak=saved + per_chunk, saved=saved, backward_peak=saved + 2 * per_chunk
         )
+    weight_copy = 0
+    if rs.spec.autocast:
+        # Autocast runs the LM head in half precision: half logits, and a half copy of a weight
+        # that is not (fp32 after kbit preparation, or an fp32 model), saved by the matmul
+        # until the head's backward (not cached: a frozen weight needs no grad).
+        if head != AUTOCAST_BYTES:
+            weight_copy = _blk(v * arch.hidden_size * AUTOCAST_BYTES)
+        head = AUTOCAST_BYTES
     logits = _blk(tokens * v * head)
     cap = _blk(tokens * v * head) if softcap else 0  # tanh output saved (Gemma-2 softcap)
     if rs.loss is LossImpl.PLAIN:
         logp = _blk(tokens * v * head)
         return _LossBytes(
-            forward_peak=logits + cap + logp, saved=logp + cap, backward_peak=logp + cap + 2 * logp
+            forward_peak=weight_copy + logits + cap + logp,
+            saved=weight_copy + logp + cap,
+            backward_peak=weight_copy + logp + cap + 2 * logp,
         )
     # logits.float() is a no-op (no copy) when the head already runs in fp32 (kbit prep).
     upcast = _blk(tokens * v * FP32_BYTES) if head != FP32_BYTES else 0
     logp = _blk(tokens * v * FP32_BYTES)
     return _LossBytes(
-        forward_peak=logits + cap + upcast + logp,
-        saved=logp + cap,
-        backward_peak=logp + cap + 2 * logp,
+        forward_peak=weight_copy + logits + cap + upcast + logp,
+        saved=weight_copy + logp + cap,
+        backward_peak=weight_copy + logp + cap + 2 * logp,
     )
 
 
@@ -1032,6 +1056,53 @@ def reserved_plan(arch: ModelArch, spec: TrainingSpec) -> ReservedPlan:
     return _plan(arch, _PlanKey.of(spec, arch)).reserved
 
 
+def _model_order(
+    arch: ModelArch, rs: ResolvedSpec, f: _Flow, adapted: tuple[Linear, ...]
+) -> list[tuple[int, int]]:
+    """The trainable tensors (bytes, elements) in model.parameters() order, the order an
+    optimizer creates their state in: the embedding, then layer by layer each linear's weight
+    and bias (or its adapters' A and B) and the layer's norms, the final norm, the LM head."""
+    spec = rs.spec
+    full = spec.method is Method.FULL
+    md = DTYPE_BYTES[spec.dtype]
+    quant = rs.quantization
+    prep = spec.method is Method.QLORA and quant is not None and quant.prepare_kbit
+    other = FP32_BYTES if prep else md
+    saved = set(rs.lora.modules_to_save) if rs.lora else set()
+    h, v = arch.hidden_size, arch.vocab_size
+
+    def tensor(count: int, itemsize: int) -> tuple[int, int]:
+        return _blk(count * itemsize), count
+
+    out: list[tuple[int, int]] = []
+    if full or "embed_tokens" in saved:
+        out.append(tensor(v * h, other))
+    layer: list[tuple[int, int]] = []
+    for lin in arch.linears:
+        if full:
+            layer.append(tensor(lin.weight_elements, md))
+            if lin.bias:
+                layer.append(tensor(lin.out_features * lin.count, md))
+        elif lin in adapted:
+            layer.append(tensor(f.r * lin.in_features, f.adapter))
+            layer.append(tensor(lin.out_features * f.r, f.adapter))
+    if full:
+        norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+        layer += [tensor(h, other)] * norm_tensors
+        if arch.qk_norm:
+            layer += [tensor(arch.head_dim, other)] * 2
+    out += layer * arch.num_hidden_layers
+    if full:
+        out += [tensor(h, other)] * (2 if arch.norm is NormKind.LAYER else 1)
+        if not arch.tie_word_embeddings:
+            out.append(tensor(v * h, other))
+            if arch.lm_head_bias:
+                out.append(tensor(v, other))
+    elif "lm_head" in saved and not arch.tie_word_embeddings:
+        out.append(tensor(v * h, other))
+    return out
+
+
 def _reserved_plan(
     arch: ModelArch, rs: ResolvedSpec, f: _Flow, p: _Params, checkpointing: bool
 ) -> ReservedPlan:
@@ -1044,6 +1115,10 @@ def _reserved_plan(
     for t in p.tensors:
         sizes += [_blk(t.elements * t.itemsize)] * t.count
         elements += [t.elements] * t.count
+    ordered = _model_order(arch, rs, f, adapted_linears(arch, rs))
+    if sorted(ordered) == sorted(zip(sizes, elements, strict=True)):
+        sizes = [n for n, _ in ordered]
+        elements = [e for _, e in ordered]
     saved = set(lora.modules_to_save) if lora else set()
     return ReservedPlan(
         arch=arch,
@@ -1069,6 +1144,9 @@ def _reserved_plan(
         trainable_elements=tuple(elements),
         checkpointing=checkpointing,
         allocator=spec.allocator,
+        autocast=spec.autocast,
+        clip=spec.max_grad_norm > 0,
+        accumulation=spec.gradient_accumulation_steps,
     )
 
 
@@ -1088,6 +1166,10 @@ class _PlanKey(NamedTuple):
     windowed: bool  # the sequence reaches the model's sliding window (an explicit mask)
     gradient_checkpointing: bool
     allocator: AllocatorConfig
+    clip: bool  # max_grad_norm > 0
+    # micro-batches per step the reserved level's replay runs: the third and later repeat
+    # the second's allocations on the allocator state it leaves
+    replayed_micro_batches: int
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -1105,12 +1187,22 @@ class _PlanKey(NamedTuple):
             arch.windowed(spec.seq_len),
             spec.gradient_checkpointing,
             spec.allocator,
+            spec.max_grad_norm > 0,
+            min(spec.gradient_accumulation_steps, REPLAYED_MICRO_BATCHES),
         )
 
     def unit_spec(self) -> TrainingSpec:
         fields = self._asdict()
         del fields["windowed"]
-        return TrainingSpec(batch_size=1, seq_len=1, **fields)
+        clip = fields.pop("clip")
+        accumulation = fields.pop("replayed_micro_batches")
+        return TrainingSpec(
+            batch_size=1,
+            seq_len=1,
+            max_grad_norm=1.0 if clip else 0.0,
+            gradient_accumulation_steps=accumulation,
+            **fields,
+        )
 
 
 class _Step(NamedTuple):
@@ -1197,21 +1289,18 @@ def _above(
 
 def _uncertainty(arch: ModelArch, spec: TrainingSpec) -> Uncertainty:
     """How far each level may be off, by how the configuration was checked."""
-    return _uncertainty_of(arch, spec.method, spec.framework, spec.autocast, spec.parallel.gpus > 1)
+    return _uncertainty_of(arch, spec.method, spec.framework, spec.parallel.gpus > 1)
 
 
 @lru_cache(maxsize=1024)
 def _uncertainty_of(
-    arch: ModelArch, method: Method, framework: Framework, autocast: bool, parallel: bool
+    arch: ModelArch, method: Method, framework: Framework, parallel: bool
 ) -> Uncertainty:
     notes: list[str] = []
     allocated, reserved = ALLOCATED_SIGMA_TRACED, RESERVED_SIGMA_TRACED
     if framework is not Framework.HF:
         allocated, reserved = ALLOCATED_SIGMA_PRESET, RESERVED_SIGMA_APPROXIMATE
         notes.append(f"the {framework} preset's step is not traced: wider uncertainty")
-    if autocast:
-        allocated, reserved = max(allocated, ALLOCATED_SIGMA_AUTOCAST), RESERVED_SIGMA_APPROXIMATE
-        notes.append("mixed precision (autocast) is not traced: wider uncertainty")
     if parallel:
         allocated, reserved = ALLOCATED_SIGMA_PARALLEL, RESERVED_SIGMA_APPROXIMATE
         notes.append("multi-GPU strategies are not traced: wide uncertainty")
@@ -1292,10 +1381,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     if spec.gradient_checkpointing and windowed_sdpa:
         masks = _blk(b * s * s)  # transformers' boolean sliding-window mask (b, 1, s, s)
     if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
-        # Eager attention takes an explicit (b, 1, s, s) causal mask in the attention dtype;
+        # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
         # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
         kinds = 2 if arch.model_type in ("gemma2", "gemma3_text") else 1
-        masks = kinds * _blk(b * s * s * f.attn)
+        masks = kinds * _blk(b * s * s * f.residual)
     final_norm += masks
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm

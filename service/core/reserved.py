@@ -20,7 +20,14 @@ from service.core.allocator import (
 )
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
-from service.core.schedule import Kernel, LinearShape, StepShape, Updater, step_events
+from service.core.schedule import (
+    HALF_BYTES,
+    Kernel,
+    LinearShape,
+    StepShape,
+    Updater,
+    step_events,
+)
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
 from service.core.units import FP32_BYTES, UINT8_BYTES
 
@@ -66,6 +73,9 @@ class ReservedPlan:
     checkpointing: bool
     allocator: AllocatorConfig = DEFAULT_ALLOCATOR
     compute_capability: str | None = None
+    autocast: bool = False  # HF Trainer's mixed precision
+    clip: bool = False  # gradients clipped to max_grad_norm
+    accumulation: int = 1  # micro-batches per optimizer step
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -211,8 +221,8 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         kernel=kernel,
         window_mask=windowed,
         masks=2 if arch.model_type in ("gemma2", "gemma3_text") else 1,
-        # eager takes an additive mask in the attention dtype, SDPA a boolean one
-        mask_bytes=plan.attn if kernel is Kernel.EAGER else 1,
+        # eager takes an additive mask in the embeddings' dtype, SDPA a boolean one
+        mask_bytes=plan.residual if kernel is Kernel.EAGER else 1,
         # transformers' Phi-3, GLM and GPT-NeoX apply_rotary_pos_emb: cat([rotated, pass])
         rope_pass_cat=arch.model_type in ROPE_PASS_CAT,
         softcap=arch.attn_logit_softcapping is not None and kernel is Kernel.EAGER,
@@ -226,7 +236,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         norm_trainable=plan.method is Method.FULL,
         loss_upcast=plan.loss is LossImpl.HF,
         loss_materialised=plan.loss in (LossImpl.HF, LossImpl.PLAIN),
-        head_bytes=plan.head_bytes,
+        head_bytes=HALF_BYTES if plan.autocast else plan.head_bytes,
         head_trainable=plan.head_trainable,
         embed_trainable=plan.embed_trainable,
         tied=arch.tie_word_embeddings,
@@ -236,6 +246,15 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         largest_trainable=max(plan.trainable_elements, default=0),
         workspace=cublas_workspace(plan.compute_capability),
         lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
+        autocast=plan.autocast,
+        head_weight_copy=arch.vocab_size * arch.hidden_size * HALF_BYTES
+        if plan.autocast
+        and plan.head_bytes != HALF_BYTES
+        and plan.loss in (LossImpl.HF, LossImpl.PLAIN)
+        else 0,
+        clip=plan.clip,
+        param_bytes=plan.dtype_bytes,
+        accumulation=plan.accumulation,
     )
 
 

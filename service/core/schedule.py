@@ -24,6 +24,8 @@ from enum import StrEnum
 from service.core.bnb import uses_dequant_fallback
 from service.core.units import FP32_BYTES, INT64_BYTES
 
+HALF_BYTES = 2  # autocast's bf16 / fp16
+
 Event = tuple[int, int]
 
 
@@ -117,6 +119,13 @@ class StepShape:
     largest_trainable: int  # elements of the largest trainable tensor (Adafactor)
     workspace: int  # one cuBLAS handle's workspace
     lt_workspace: int  # the cuBLASLt workspace (addmm with a bias), 0 when no linear has one
+    # HF Trainer's mixed precision: matmuls and SDPA in half precision (autocast), the LM
+    # head's half copy of a weight that is not half (0: none), and clipping's norms.
+    autocast: bool = False
+    head_weight_copy: int = 0
+    clip: bool = False
+    param_bytes: int = 2  # bytes per element of the model's (trainable) weights
+    accumulation: int = 1  # micro-batches per optimizer step
 
 
 @dataclass(slots=True)
@@ -191,6 +200,10 @@ class _Step:
         self.states: list[int] = []
         self.stop_at: str | None = None  # the linear where a recomputation stops
         self.softcap_tanh = 0
+        self.head_copy = 0
+        self.region: list[int] = []  # autocast's cached weight casts in the current region
+        self.accumulated = False  # a previous micro-batch of this step made the gradients
+        self.head_grad = 0  # a tied LM head's gradient waiting for the embedding's
         self._input_grad = True
 
     def a(self, per_token: int) -> int:
@@ -210,9 +223,12 @@ class _Step:
             self.p.alloc(self.sh.lt_workspace)
 
     def grad(self, nbytes: int) -> None:
-        """A trainable tensor's gradient, held until `zero_grad`."""
+        """A trainable tensor's gradient, held until `zero_grad`; a later micro-batch's is
+        added into it in place and freed."""
         key = self.p.alloc(nbytes)
-        if key:
+        if self.accumulated:
+            self.f(key)
+        elif key:
             self.grads.append(key)
 
     # -- forward ----------------------------------------------------------------------------
@@ -251,23 +267,37 @@ class _Step:
         self.f(cast, normed)
         return out
 
+    def out_bytes(self, lin: LinearShape, nbytes: int) -> int:
+        """The dtype of `lin`'s output for an input of `nbytes`: half under autocast, but a
+        4-bit base casts its output back to its input's dtype (bitsandbytes Linear4bit)."""
+        if not self.sh.autocast:
+            return nbytes
+        return max(nbytes, HALF_BYTES) if lin.quantized else HALF_BYTES
+
+    def end_region(self) -> None:
+        """An autocast region exits: its cache lets go of the weight casts."""
+        self.f(*self.region)
+        self.region.clear()
+
     def linear(self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None) -> int:
-        """One linear call on `x` (`nbytes` per element); returns its output (same dtype)."""
+        """One linear call on `x` (`nbytes` per element); returns its output (in
+        `out_bytes`)."""
         sh = self.sh
         stop = saved is not None and self.stop_at == lin.name
         if lin.trainable:
+            if sh.autocast and (sh.param_bytes != HALF_BYTES or nbytes != HALF_BYTES):
+                return self._trainable_autocast(x, nbytes, lin, saved, stop)
             if saved is not None:
                 saved.save(f"{lin.name}.x", x)
             if stop:
                 raise _Stop
-            base = self.a(nbytes * lin.d_out)
             self.gemm()
-            return base
+            return self.a(nbytes * lin.d_out)
         if lin.quantized:
             base = self._linear_4bit(x, nbytes, lin)
         else:
-            base = self.a(nbytes * lin.d_out)
             self.gemm()
+            base = self.a(self.out_bytes(lin, nbytes) * lin.d_out)
         if not lin.adapted:
             return base
         ad = sh.adapter
@@ -276,6 +306,8 @@ class _Step:
             clone = self.a(nbytes * lin.d_out)
             self.f(base)
             base = clone
+        if sh.autocast:
+            return self._lora_autocast(x, nbytes, lin, saved, base, stop)
         cast = self.p.hold(x) if ad == nbytes else self.a(ad * lin.d_in)
         if sh.dropout:
             mask = self.a(lin.d_in)
@@ -315,6 +347,61 @@ class _Step:
             out = self.a(nbytes * lin.d_out)
             self.f(summed)
         self.f(cast)
+        return out
+
+    def _trainable_autocast(
+        self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, stop: bool
+    ) -> int:
+        """A trained linear under autocast: its weight's half cast (cached until the region
+        exits) and its input's, both saved by the matmul; a half output."""
+        sh = self.sh
+        weight = 0
+        if sh.param_bytes != HALF_BYTES:
+            weight = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
+            self.region.append(weight)
+        half = self.p.hold(x) if nbytes == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
+        if saved is not None:
+            saved.save(f"{lin.name}.x", half)
+            saved.save(f"{lin.name}.w", weight)
+        if stop:
+            raise _Stop
+        self.gemm()
+        out = self.a(HALF_BYTES * lin.d_out)
+        self.f(half)
+        return out
+
+    def _lora_autocast(
+        self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
+    ) -> int:
+        """The adapter under autocast: PEFT's lora.Linear casts the input to the adapters'
+        dtype (its 4-bit layers do not, peft/tuners/lora/bnb.py requires_conversion); lora_A
+        casts that to half precision (the copy it saves) and lora_A, lora_B and the scaling
+        run in half; `result + output` promotes to the wider dtype."""
+        sh = self.sh
+        srcb = nbytes if lin.quantized else sh.adapter
+        src = self.p.hold(x) if srcb == nbytes else self.a(srcb * lin.d_in)
+        if sh.dropout:
+            mask = self.a(lin.d_in)
+            dropped = self.a(srcb * lin.d_in)
+            if saved is not None:
+                saved.save(f"{lin.name}.mask", mask)
+            self.f(mask, src)
+            src = dropped
+        half = self.p.hold(src) if srcb == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
+        if saved is not None:
+            saved.save(f"{lin.name}.cast", half)
+        lora_a = self.a(HALF_BYTES * sh.rank)
+        self.f(half)  # the autocast kernel's cast, unless the matmul saved it
+        if saved is not None:
+            saved.save(f"{lin.name}.lora_a", lora_a)
+            if stop:
+                raise _Stop
+        lora_b = self.a(HALF_BYTES * lin.d_out)
+        self.f(lora_a)
+        scaled = self.a(HALF_BYTES * lin.d_out)
+        self.f(lora_b)
+        out = self.a(self.out_bytes(lin, nbytes) * lin.d_out)
+        self.f(scaled, base, src)
         return out
 
     def _linear_4bit(self, x: int, nbytes: int, lin: LinearShape) -> int:
@@ -364,7 +451,19 @@ class _Step:
         return out
 
     def attention(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
-        """The kernel on post-RoPE q, k and v; returns the (b, s, heads x head_dim) output."""
+        """The kernel on post-RoPE q, k and v; returns the (b, s, heads x head_dim) output.
+        Under autocast SDPA (and eager's matmuls) take half copies of wider inputs."""
+        sh = self.sh
+        if sh.autocast and nbytes != HALF_BYTES:
+            qd = sh.heads * sh.head_dim
+            kvd = sh.kv_heads * sh.head_dim
+            q16, k16, v16 = (self.a(HALF_BYTES * d) for d in (qd, kvd, kvd))
+            out = self._attention(q16, k16, v16, HALF_BYTES, saved)
+            self.f(q16, k16, v16)
+            return out
+        return self._attention(q, k, v, nbytes, saved)
+
+    def _attention(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
         sh = self.sh
         qd = sh.heads * sh.head_dim
         scores = sh.heads * sh.seq  # per token: one row of scores per head
@@ -484,23 +583,25 @@ class _Step:
         n1 = self.norm(x, saved if (saved is not None and self.input_grad) else None, "norm1")
         outs = [self.linear(n1, sh.residual, lin, saved) for lin in sh.qkv]
         nb = sh.residual
+        qb = self.out_bytes(sh.qkv[0], nb)  # q, k and v's dtype
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
         if len(outs) == 1:  # one fused projection: q, k and v are its views
             q = k = v = outs[0]
         else:
             q, k, v = outs
-        q_e = self.rope(q, qd, nb)
-        k_e = self.rope(k, kvd, nb)
+        q_e = self.rope(q, qd, qb)
+        k_e = self.rope(k, kvd, qb)
         fused = len(outs) == 1
         if not fused:
             self.f(q, k)  # the projections' outputs, rebound to the rotated ones
         elif sh.kernel in (Kernel.EAGER, Kernel.MATH):
-            v = self.a(nb * kvd)  # the strided value view made contiguous for the matmul
+            v = self.a(qb * kvd)  # the strided value view made contiguous for the matmul
         else:
             v = self.p.hold(v)  # the fused kernels take the strided view as it is
-        attn = self.attention(q_e, k_e, v, nb, saved)
-        o = self.linear(attn, nb, sh.out_proj, saved)
+        attn = self.attention(q_e, k_e, v, qb, saved)
+        ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
+        o = self.linear(attn, ab, sh.out_proj, saved)
         self.f(attn)
         if fused:
             self.f(outs[0])  # the module's `qkv` local, until it returns
@@ -526,11 +627,12 @@ class _Step:
         """The gated (or plain) MLP: act(gate) * up, then down."""
         sh = self.sh
         nb = sh.residual
+        mb = self.out_bytes(sh.mlp_in[0], nb)  # the intermediate activations' dtype
         # down(act(gate(x)) * up(x)): Python evaluates act(gate(x)) before up(x), and without
         # autograd saving them, gate(x) dies once act returns and act and up once multiplied.
         # A fused gate_up (Phi-3) is chunked into views that keep it alive until the return.
         gate = self.linear(n2, nb, sh.mlp_in[0], saved)
-        act = self.a(nb * sh.intermediate)  # act(gate): SiLU / GELU keeps its input
+        act = self.a(mb * sh.intermediate)  # act(gate): SiLU / GELU keeps its input
         fused = len(sh.mlp_in) == 1
         if saved is not None:
             saved.save(f"{prefix}gate", gate)
@@ -538,7 +640,7 @@ class _Step:
             if saved is not None:
                 saved.save(f"{prefix}act", act)
             self.f(gate)
-            d = self.linear(act, nb, sh.mlp_out, saved)
+            d = self.linear(act, mb, sh.mlp_out, saved)
             self.f(act)
             return d
         if fused:
@@ -549,9 +651,9 @@ class _Step:
         if saved is not None:
             saved.save(f"{prefix}act", act)
             saved.save(f"{prefix}up", up)
-        product = self.a(nb * sh.intermediate)
+        product = self.a(mb * sh.intermediate)
         self.f(act, up)
-        d = self.linear(product, nb, sh.mlp_out, saved)
+        d = self.linear(product, mb, sh.mlp_out, saved)
         self.f(product)
         if fused:
             self.f(gate)
@@ -631,14 +733,37 @@ class _Step:
         x_grad: bool,
         acc: int = 0,
         before_saved: Callable[[], None] | None = None,
+        in_bytes: int = 0,
     ) -> int:
-        """The backward of one linear given its output's gradient `g` (released here);
-        returns the input's gradient added to `acc` (0 when the input takes none)."""
+        """The backward of one linear given its output's gradient `g` (released here, in
+        `nbytes`); returns the input's gradient (in `in_bytes`, by default `nbytes`) added to
+        `acc` (0 when the input takes none)."""
         sh = self.sh
         ad = sh.adapter
         gx_lora = 0
         g_base = g
-        if lin.adapted:
+        in_bytes = in_bytes or nbytes
+        if (
+            lin.trainable
+            and sh.autocast
+            and (sh.param_bytes != HALF_BYTES or in_bytes != HALF_BYTES)
+        ):
+            return self._trainable_autocast_backward(
+                g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
+            )
+        if lin.adapted and sh.autocast:
+            g_base, gx_lora, acc = self._lora_autocast_backward(
+                g,
+                nbytes,
+                lin,
+                saved,
+                x_grad=x_grad,
+                acc=acc,
+                before_saved=before_saved,
+                in_bytes=in_bytes,
+            )
+            before_saved = None
+        elif lin.adapted:
             g32 = self.a(ad * lin.d_out) if ad != nbytes else self.p.hold(g)
             g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g)
             self.f(g)
@@ -678,16 +803,107 @@ class _Step:
             else:
                 gin = self.a(nbytes * lin.d_in)
                 self.gemm()
+                if in_bytes != nbytes:  # autocast's input cast, backwards
+                    wide = self.a(in_bytes * lin.d_in)
+                    self.f(gin)
+                    gin = wide
         saved.release(f"{lin.name}.x")
         self.f(g_base)
         if not x_grad:
             return acc
         for other in (gx_lora, acc):
             if other:
-                total = self.a(nbytes * lin.d_in)
+                total = self.a(in_bytes * lin.d_in)
                 self.f(other, gin)
                 gin = total
         return gin
+
+    def _trainable_autocast_backward(
+        self, g: int, lin: LinearShape, saved: _Saved, *, x_grad: bool, acc: int, in_bytes: int
+    ) -> int:
+        """A trained linear's backward under autocast (g, half, released): the half weight
+        gradient cast to the weight's dtype into its .grad, the half input gradient cast back
+        to the input's dtype."""
+        sh = self.sh
+        half_grad = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
+        if sh.param_bytes != HALF_BYTES:
+            self.grad(lin.weight_bytes)
+            self.f(half_grad)
+        else:
+            self.grads.append(half_grad)
+        saved.release(f"{lin.name}.w")
+        gin = 0
+        if x_grad:
+            gin = self.a(HALF_BYTES * lin.d_in)
+            self.gemm()
+            if in_bytes != HALF_BYTES:
+                wide = self.a(in_bytes * lin.d_in)
+                self.f(gin)
+                gin = wide
+        saved.release(f"{lin.name}.x")
+        self.f(g)
+        if not x_grad:
+            return acc
+        if acc:
+            total = self.a(in_bytes * lin.d_in)
+            self.f(acc, gin)
+            gin = total
+        return gin
+
+    def _lora_autocast_backward(
+        self,
+        g: int,
+        nbytes: int,
+        lin: LinearShape,
+        saved: _Saved,
+        *,
+        x_grad: bool,
+        acc: int,
+        before_saved: Callable[[], None] | None,
+        in_bytes: int,
+    ) -> tuple[int, int, int]:
+        """The adapter's backward under autocast (g, in `nbytes`, released): the add's gradient
+        cast to half for the adapter branch when the result is wider, the scaling's, lora_B's
+        and lora_A's in half, the casts' backwards back to the input's dtype (`in_bytes`).
+        Returns the base branch's gradient, the adapter branch's input gradient and the
+        accumulator."""
+        sh = self.sh
+        ad = sh.adapter
+        srcb = in_bytes if lin.quantized else ad
+        g_half = self.a(HALF_BYTES * lin.d_out) if nbytes != HALF_BYTES else self.p.hold(g)
+        g_base = self.p.hold(g)
+        self.f(g)
+        g_b = self.a(HALF_BYTES * lin.d_out)  # the scaling's backward
+        self.f(g_half)
+        if before_saved is not None:
+            before_saved()
+        self.grad(ad * lin.d_out * sh.rank)  # lora_B.weight.grad
+        g_a = self.a(HALF_BYTES * sh.rank)
+        self.f(g_b)
+        saved.release(f"{lin.name}.lora_a")
+        self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
+        gx_lora = 0
+        if x_grad:
+            gx = self.a(HALF_BYTES * lin.d_in)
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            if srcb != HALF_BYTES:
+                nxt = self.a(srcb * lin.d_in)
+                self.f(gx)
+                gx = nxt
+            if srcb != in_bytes:
+                nxt = self.a(in_bytes * lin.d_in)
+                self.f(gx)
+                gx = nxt
+            gx_lora = gx
+            if acc:
+                total = self.a(in_bytes * lin.d_in)
+                self.f(acc, gx_lora)
+                gx_lora, acc = total, 0
+        else:
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        return g_base, gx_lora, acc
 
     def _grad_4bit(self, g: int, nbytes: int, lin: LinearShape) -> int:
         sh = self.sh
@@ -754,7 +970,22 @@ class _Step:
         return out
 
     def attention_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
-        """The kernel's backward (g released); returns dq, dk, dv at the kv heads' width."""
+        """The kernel's backward (g released); returns dq, dk, dv at the kv heads' width, in
+        `nbytes` (under autocast the half gradients are cast back, v's first)."""
+        sh = self.sh
+        if sh.autocast and nbytes != HALF_BYTES:
+            dq, dk, dv = self._attention_backward(g, HALF_BYTES, saved)
+            qd = sh.heads * sh.head_dim
+            kvd = sh.kv_heads * sh.head_dim
+            wide = []
+            for grad, dim in ((dv, kvd), (dk, kvd), (dq, qd)):
+                wide.append(self.a(nbytes * dim))
+                self.f(grad)
+            dv, dk, dq = wide
+            return dq, dk, dv
+        return self._attention_backward(g, nbytes, saved)
+
+    def _attention_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
         sh = self.sh
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
@@ -860,30 +1091,36 @@ class _Step:
         """The MLP's backward given its output's gradient (released); returns its input's."""
         sh = self.sh
         nb = sh.residual
+        mb = self.out_bytes(sh.mlp_in[0], nb)
+        db = self.out_bytes(sh.mlp_out, mb)
         g_prod = self.linear_backward(
-            g_d, nb, sh.mlp_out, saved, x_grad=True, before_saved=recompute
+            g_d, db, sh.mlp_out, saved, x_grad=True, before_saved=recompute, in_bytes=mb
         )
         if sh.gated:
-            g_first = self.a(nb * sh.intermediate)  # grad of up = g * act
-            g_second = self.a(nb * sh.intermediate)  # grad of act = g * up
+            g_first = self.a(mb * sh.intermediate)  # grad of up = g * act
+            g_second = self.a(mb * sh.intermediate)  # grad of act = g * up
             self.f(g_prod)
             saved.release(f"{prefix}up", f"{prefix}act")
             if len(sh.mlp_in) > 1:
-                acc = self.linear_backward(g_first, nb, sh.mlp_in[1], saved, x_grad=True)
-                g_gate = self.a(nb * sh.intermediate)  # act's backward
+                acc = self.linear_backward(
+                    g_first, mb, sh.mlp_in[1], saved, x_grad=True, in_bytes=nb
+                )
+                g_gate = self.a(mb * sh.intermediate)  # act's backward
                 self.f(g_second)
                 saved.release(f"{prefix}gate")
-                return self.linear_backward(g_gate, nb, sh.mlp_in[0], saved, x_grad=True, acc=acc)
-            g_gate = self.a(nb * sh.intermediate)
+                return self.linear_backward(
+                    g_gate, mb, sh.mlp_in[0], saved, x_grad=True, acc=acc, in_bytes=nb
+                )
+            g_gate = self.a(mb * sh.intermediate)
             self.f(g_second)
             saved.release(f"{prefix}gate")
-            joined = self.a(nb * 2 * sh.intermediate)  # the fused gate_up's gradient
+            joined = self.a(mb * 2 * sh.intermediate)  # the fused gate_up's gradient
             self.f(g_first, g_gate)
-            return self.linear_backward(joined, nb, sh.mlp_in[0], saved, x_grad=True)
-        g_fc1 = self.a(nb * sh.intermediate)
+            return self.linear_backward(joined, mb, sh.mlp_in[0], saved, x_grad=True, in_bytes=nb)
+        g_fc1 = self.a(mb * sh.intermediate)
         self.f(g_prod)
         saved.release(f"{prefix}act", f"{prefix}gate")
-        return self.linear_backward(g_fc1, nb, sh.mlp_in[0], saved, x_grad=True)
+        return self.linear_backward(g_fc1, mb, sh.mlp_in[0], saved, x_grad=True, in_bytes=nb)
 
     def moe_backward(self, g: int, saved: _Saved) -> int:
         """The MoE block's backward (g released): the shared expert and its gate, then the
@@ -953,7 +1190,11 @@ class _Step:
         checkpointing, when the first saved tensor is needed)."""
         sh = self.sh
         nb = sh.residual
-        g_d = self.p.hold(g_out)
+        qb = self.out_bytes(sh.qkv[0], nb)
+        db = self.out_bytes(sh.mlp_out, self.out_bytes(sh.mlp_in[0], nb))
+        # the residual add's gradient, cast to the MLP output's dtype where narrower
+        narrower = db != nb and not sh.sandwich_norms and not sh.experts
+        g_d = self.a(db * sh.hidden) if narrower else self.p.hold(g_out)
         if sh.sandwich_norms:
             if recompute is not None:
                 recompute()
@@ -968,25 +1209,30 @@ class _Step:
         g_n2 = self.norm_backward(gx, saved, "norm2")
         g_r1 = self.a(nb * sh.hidden)
         self.f(g_out, g_n2)
-        g_o = self.p.hold(g_r1)
+        ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
+        ob = self.out_bytes(sh.out_proj, ab)
+        # the residual add's gradient, cast to the narrower o_proj output's dtype
+        g_o = self.p.hold(g_r1) if ob == nb or sh.sandwich_norms else self.a(ob * sh.hidden)
         if sh.sandwich_norms:
             g_o = self.norm_backward(g_o, saved, "norm3")
-        g_attn = self.linear_backward(g_o, nb, sh.out_proj, saved, x_grad=True)
-        dq, dk, dv = self.attention_backward(g_attn, nb, saved)
+        g_attn = self.linear_backward(g_o, ob, sh.out_proj, saved, x_grad=True, in_bytes=ab)
+        dq, dk, dv = self.attention_backward(g_attn, qb, saved)
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
-        gk = self.rope_backward(dk, kvd, nb)
-        gq = self.rope_backward(dq, qd, nb)
+        gk = self.rope_backward(dk, kvd, qb)
+        gq = self.rope_backward(dq, qd, qb)
         if len(sh.qkv) == 1:
-            joined = self.a(nb * (qd + 2 * kvd))
+            joined = self.a(qb * (qd + 2 * kvd))
             self.f(gq, gk, dv)
-            gx = self.linear_backward(joined, nb, sh.qkv[0], saved, x_grad=x_grad)
+            gx = self.linear_backward(joined, qb, sh.qkv[0], saved, x_grad=x_grad, in_bytes=nb)
         else:
-            gx = self.linear_backward(dv, nb, sh.qkv[2], saved, x_grad=x_grad)
+            gx = self.linear_backward(dv, qb, sh.qkv[2], saved, x_grad=x_grad, in_bytes=nb)
             for g, lin in ((gk, sh.qkv[1]), (gq, sh.qkv[0])):
-                contiguous = self.a(nb * lin.d_out)
+                contiguous = self.a(qb * lin.d_out)
                 self.f(g)
-                gx = self.linear_backward(contiguous, nb, lin, saved, x_grad=x_grad, acc=gx)
+                gx = self.linear_backward(
+                    contiguous, qb, lin, saved, x_grad=x_grad, acc=gx, in_bytes=nb
+                )
         if not x_grad:
             self.f(g_r1)
             saved.release_all()
@@ -1000,6 +1246,16 @@ class _Step:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> None:
+        """One optimizer step: `accumulation` micro-batches, their gradients added up in
+        .grad (the first creates it; later ones are added in place and freed), then the
+        optimizer."""
+        self.accumulated = False
+        for _ in range(self.sh.accumulation):
+            self._micro_batch()
+            self.accumulated = True
+        self.optimizer()
+
+    def _micro_batch(self) -> None:
         sh = self.sh
         h = sh.hidden
         self.handle = "forward"
@@ -1009,7 +1265,20 @@ class _Step:
             self.f(embed)
             embed = scaled
         mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
-        masks = [self.p.alloc(mask_bytes) for _ in range(sh.masks)] if sh.window_mask else []
+        masks = []
+        for _ in range(sh.masks if sh.window_mask else 0):
+            if sh.mask_bytes == 1:
+                # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
+                # window's comparison, its and with the padding term, the causal comparison and
+                # the final and
+                window = self.p.alloc(mask_bytes)
+                first = self.p.alloc(mask_bytes)
+                self.f(window)
+                causal = self.p.alloc(mask_bytes)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(causal, first)
+            else:
+                masks.append(self.p.alloc(mask_bytes))
         layers: list[_Saved] = []
         checkpoints: list[int] = []
         x = self.p.hold(embed)
@@ -1031,6 +1300,7 @@ class _Step:
         if not sh.checkpointing:
             self.f(*masks)
         logits, logp = self.loss_forward(fn)
+        self.end_region()  # the forward's autocast region exits
         self.handle = "backward"
         g = self.loss_backward(logits, logp, fn, final)
         for index in reversed(range(sh.layers)):
@@ -1048,14 +1318,18 @@ class _Step:
             else:
                 g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
         if g:
-            if sh.embed_trainable and sh.tied and self.grads:
-                # The tied weight already holds the LM head's gradient: AccumulateGrad adds the
-                # embedding's out of place (old, new and their sum coexist).
+            if sh.embed_trainable and sh.tied and (self.grads or self.accumulated):
+                # The tied weight's LM-head gradient waits in AccumulateGrad's input buffer (or
+                # in .grad): the embedding's is added out of place (old, new and their sum
+                # coexist).
                 new = self.p.alloc(sh.vocab * h * sh.residual)
                 self.f(g)
                 total = self.p.alloc(sh.vocab * h * sh.residual)
-                self.f(self.grads.pop(0), new)
-                self.grads.append(total)
+                if self.accumulated:
+                    self.f(self.head_grad, new, total)  # then added into .grad in place
+                else:
+                    self.f(self.grads.pop(0), new)
+                    self.grads.append(total)
             elif sh.embed_trainable:
                 self.grad(sh.vocab * h * sh.residual)
                 self.f(g)
@@ -1063,7 +1337,6 @@ class _Step:
                 self.f(g)
         if sh.checkpointing:
             self.f(*masks)
-        self.optimizer()
 
     def _recompute(self, checkpoint: int, saved: _Saved) -> None:
         """Run the layer again with autograd until its last saved tensor exists (non-reentrant
@@ -1073,6 +1346,7 @@ class _Step:
         live_before = set(self.p.refs)
         try:
             self.f(self.layer(checkpoint, saved))
+            self.end_region()  # the recomputation's own autocast region
         except _Stop:
             # What the unwound forward held goes; what the saved slots hold stays.
             held: dict[int, int] = {}
@@ -1082,6 +1356,7 @@ class _Step:
             for key in [k for k in refs if k not in live_before]:
                 while refs.get(key, 0) > held.get(key, 0):
                     self.p.free(key)
+            self.region.clear()
         finally:
             self.stop_at = None
 
@@ -1091,8 +1366,16 @@ class _Step:
         if not sh.loss_materialised:
             self.f(fn) if not sh.head_trainable else None
             return 0, 0
+        x_half = 0
+        if sh.autocast:
+            # F.linear under autocast: the head's half weight copy (kept for the backward) and
+            # the input's half copy (kept only when the head trains)
+            self.head_copy = self.p.alloc(sh.head_weight_copy)
+            x_half = self.a(HALF_BYTES * sh.hidden) if sh.residual != HALF_BYTES else 0
         logits = self.a(sh.head_bytes * v)
         self.gemm()
+        if not sh.head_trainable:
+            self.f(x_half)
         self.softcap_tanh = 0
         if sh.final_softcap:  # logits / cap, tanh (kept for backward), * cap
             divided = self.a(sh.head_bytes * v)
@@ -1128,18 +1411,53 @@ class _Step:
                     if release:
                         self.f(self.softcap_tanh)
                     g = nxt
-        if sh.head_trainable:
-            self.grad(sh.vocab * sh.hidden * sh.head_bytes)
+        weight = sh.vocab * sh.hidden
+        half_weight = sh.head_trainable and sh.autocast and sh.param_bytes != HALF_BYTES
+        if sh.head_trainable and not half_weight:
+            self._head_gradient(weight * (sh.param_bytes if sh.autocast else sh.head_bytes))
         gh = self.a(sh.head_bytes * sh.hidden)
         self.gemm()
+        half = self.p.alloc(weight * HALF_BYTES) if half_weight else 0
         self.f(g)
+        if half_weight:
+            # the half weight's gradient, cast to the weight's dtype into its .grad
+            self._head_gradient(weight * sh.param_bytes)
+            self.f(half)
         if sh.head_trainable:
             self.f(fn)
+        if sh.autocast:
+            self.f(self.head_copy)
+            self.head_copy = 0
+            if sh.residual != sh.head_bytes:  # the input cast's backward
+                wide = self.a(sh.residual * sh.hidden)
+                self.f(gh)
+                gh = wide
         return self.norm_backward(gh, final, "final")
+
+    def _head_gradient(self, nbytes: int) -> None:
+        """The LM head's weight gradient; a tied one that a later micro-batch makes waits
+        for the embedding's (AccumulateGrad's input buffer)."""
+        sh = self.sh
+        if self.accumulated and sh.tied and sh.embed_trainable:
+            self.head_grad = self.p.alloc(nbytes)
+        else:
+            self.grad(nbytes)
 
     def optimizer(self) -> None:
         sh = self.sh
         up = sh.updater
+        if sh.clip and self.grads:
+            # clip_grad_norm_ (foreach): a norm per gradient, their stack, the total norm, the
+            # clip coefficient and its clamp; the gradients are scaled in place.
+            norms = [self.p.alloc(FP32_BYTES) for _ in self.grads]
+            stacked = self.p.alloc(FP32_BYTES * len(norms))
+            total = self.p.alloc(FP32_BYTES)
+            self.f(stacked, *norms)
+            shifted = self.p.alloc(FP32_BYTES)
+            coef = self.p.alloc(FP32_BYTES)
+            self.f(shifted)
+            clamped = self.p.alloc(FP32_BYTES)
+            self.f(coef, clamped, total)
         if up not in (Updater.STATELESS, Updater.OUTSIDE) and not self.states:
             self.states = [key for key in map(self.p.alloc, sh.states) if key]
         if up is Updater.ADAMW_FOREACH:

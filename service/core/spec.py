@@ -161,6 +161,9 @@ class TrainingSpec:
     autocast: bool = False  # TrainingArguments bf16/fp16 mixed precision (default off)
     optim: Optim = Optim.ADAMW_TORCH_FUSED  # TrainingArguments.optim default
     gradient_accumulation_steps: int = 1
+    # TrainingArguments.max_grad_norm: HF Trainer clips the gradients' norm before each
+    # optimizer step unless it is 0.
+    max_grad_norm: float = 1.0
     gradient_checkpointing: bool = False
     attn_implementation: AttnImpl = AttnImpl.SDPA
     sdpa_kernel: SdpaKernel = SdpaKernel.AUTO
@@ -176,6 +179,8 @@ class TrainingSpec:
             raise InvalidSpecError("seq_len", "must be at least 1")
         if self.gradient_accumulation_steps < 1:
             raise InvalidSpecError("gradient_accumulation_steps", "must be at least 1")
+        if not 0 <= self.max_grad_norm < float("inf"):
+            raise InvalidSpecError("max_grad_norm", "must be a finite number, 0 or more")
         if self.method is Method.FULL and self.lora is not None:
             raise InvalidSpecError("lora", "LoRA options need method 'lora' or 'qlora'")
         if self.method is not Method.QLORA and self.quantization is not None:

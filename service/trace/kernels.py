@@ -148,7 +148,34 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             return out[0]
         return _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, groups)
 
-    return sdpa
+    def under_autocast(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """aten::scaled_dot_product_attention's autocast kernel (lower_precision_fp): its
+        floating inputs cast to the autocast dtype, then the backend chosen for that dtype and
+        run without autocast, as the composite runs below the Autocast key."""
+        if not torch.is_autocast_enabled("cpu"):
+            return sdpa(query, key, value, attn_mask, *args, **kwargs)
+        dtype = torch.get_autocast_dtype("cpu")
+
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(dtype) if eligible and t is not None and t.dtype != dtype else t
+
+        q, k, v = cast(query), cast(key), cast(value)
+        assert q is not None and k is not None and v is not None
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return sdpa(q, k, v, cast(attn_mask), *args, **kwargs)
+
+    return under_autocast
+
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
 def _math_sdpa(

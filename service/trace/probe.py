@@ -3,9 +3,10 @@
 The model is the one the tracer builds (`service.trace.model`: transformers' model from its
 config.json, bitsandbytes' 4-bit layers, PEFT's preparation and adapters), made real on the GPU
 with random values instead of fake tensors; memory depends on shapes and dtypes, not on values.
-Each step is the plain loop the references trace (`loss = model(...).loss`, `backward`,
-`optimizer.step`, `zero_grad(set_to_none=True)`), or HF `Trainer` (with bf16 or fp16 mixed
-precision when the spec has autocast).
+Each step is the plain loop (`loss = model(...).loss`, `backward`, gradient clipping when the
+spec's `max_grad_norm` is above 0 as HF Trainer clips, `optimizer.step`,
+`zero_grad(set_to_none=True)`), or HF `Trainer` itself (with bf16 or fp16 mixed precision when
+the spec has autocast).
 
 It reads the three levels a node measures, through a `DeviceReadings` (`CudaReadings` on a GPU;
 tests pass their own and run the steps on CPU tensors):
@@ -537,6 +538,8 @@ def run_loop(
             readings.synchronize()
             backward_peak = readings.max_allocated()
             marks["backward_end"] = _counts(readings)
+            if spec.max_grad_norm > 0:  # as HF Trainer clips (accelerate's clip_grad_norm_)
+                torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             readings.synchronize()
@@ -567,6 +570,7 @@ def training_arguments(spec: TrainingSpec, device: str, output_dir: str) -> Any:
         output_dir=output_dir,
         per_device_train_batch_size=spec.batch_size,
         gradient_accumulation_steps=spec.gradient_accumulation_steps,
+        max_grad_norm=spec.max_grad_norm,
         max_steps=STEPS,
         bf16=spec.autocast and not half,
         fp16=half,

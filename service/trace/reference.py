@@ -214,6 +214,12 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(f"loss-{spec.loss.value}")
     if spec.dtype is not DType.BF16:
         parts.append(spec.dtype.value)
+    if spec.autocast:
+        parts.append("autocast")
+    if spec.gradient_accumulation_steps != 1:
+        parts.append(f"ga{spec.gradient_accumulation_steps}")
+    if spec.max_grad_norm != 1.0:
+        parts.append(f"clip{spec.max_grad_norm:g}")
     return "__".join(parts).replace(".", "_")
 
 
@@ -387,6 +393,54 @@ def matrix() -> list[Case]:
         _spec(qlora, 2, 512, ckpt=True),
         _spec(qlora, 2, 512, quantization=_qlora(prepare_kbit=False, double_quant=False)),
         _spec(qlora, 2, 512, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+    )
+    # HF Trainer with mixed precision (autocast, service/trace/autocast.py) on every family.
+    mixed = {"autocast": True}
+    add(
+        QWEN_7B,
+        _spec(lora, 4, 2048, ckpt=True, **mixed),
+        _spec(lora, 4, 2048, **mixed),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16), **mixed),
+        _spec(lora, 4, 2048, ckpt=True, lora=_lora(lora_dropout=0.05), **mixed),
+        _spec(qlora, 4, 2048, ckpt=True, **mixed),
+        _spec(qlora, 1, 2048, **mixed),
+        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(prepare_kbit=False), **mixed),
+        _spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER, **mixed),
+        _spec(full, 1, 2048, ckpt=True, **mixed),
+    )
+    add(
+        LLAMA_8B,
+        _spec(lora, 4, 2048, ckpt=True, **mixed),
+        _spec(lora, 1, 2048, **mixed),
+        _spec(qlora, 4, 2048, ckpt=True, **mixed),
+    )
+    add(
+        MISTRAL_7B,
+        _spec(lora, 1, 8192, ckpt=True, **mixed),
+        _spec(qlora, 2, 2048, ckpt=True, **mixed),
+    )
+    add(
+        GEMMA_2B,
+        _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
+        _spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
+    )
+    add(
+        PHI_3,
+        _spec(lora, 4, 2048, ckpt=True, **mixed),
+        _spec(qlora, 4, 2048, ckpt=True, **mixed),
+    )
+    add(QWEN_MOE, _spec(lora, 1, 2048, ckpt=True, **mixed))
+    add(
+        QWEN_05B,
+        _spec(lora, 1, 128, ckpt=True, **mixed),
+        _spec(lora, 2, 512, **mixed),
+        _spec(qlora, 2, 512, ckpt=True, **mixed),
+        _spec(lora, 2, 512, ckpt=True, dtype=DType.FP16, **mixed),
+        _spec(full, 1, 512, ckpt=True, dtype=DType.FP32, **mixed),
+        _spec(lora, 2, 512, ckpt=True, max_grad_norm=0.0),
+        # HF Trainer's gradient accumulation: micro-batches add into .grad before the step.
+        _spec(lora, 2, 512, ckpt=True, gradient_accumulation_steps=2, **mixed),
+        _spec(full, 1, 512, ckpt=True, gradient_accumulation_steps=2),
     )
     return [Case(model_id=m, spec=s) for m, s in cases]
 

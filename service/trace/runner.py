@@ -35,7 +35,9 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
+from service.core.units import DType
 from service.trace import kernels
+from service.trace.autocast import cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, materialize
 from service.trace.tracker import (
     CUDA_MIN_BLOCK_BYTES,
@@ -88,12 +90,10 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
     if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):
         raise NotTraceableError(f"loss {resolved.loss!r} is not traced (hf and plain are)")
     if spec.autocast:
-        raise NotTraceableError(
-            "autocast is not traced: the fake device is the CPU, whose autocast op lists differ "
-            "from CUDA's"
+        notes.append(
+            "autocast traced with CUDA's policy on the CPU (service/trace/autocast.py): "
+            f"{_autocast_dtype(spec)} for the forward and the loss, as HF Trainer runs them"
         )
-    if spec.gradient_accumulation_steps != 1:
-        raise NotTraceableError("gradient accumulation is not traced (one micro-batch per step)")
     if spec.optim in (Optim.PAGED_ADAMW_8BIT, Optim.PAGED_ADAMW_32BIT):
         raise NotTraceableError(
             "paged optimizers keep their state in CUDA managed memory, outside the allocated level"
@@ -296,6 +296,8 @@ def trace(
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
+            if spec.autocast:
+                stack.enter_context(cuda_autocast_policy())
             if real:
                 torch.manual_seed(0)
             stack.enter_context(tracker)
@@ -312,7 +314,7 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            _run_steps(model, optimizer, tracker, steering, spec)
+            _run_steps(model, params, optimizer, tracker, steering, spec)
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
             phase_reserved = tracker.phase_reserved()
@@ -351,39 +353,68 @@ def _numel(param: torch.Tensor) -> int:
     return param.numel()
 
 
+def _autocast_dtype(spec: TrainingSpec) -> torch.dtype:
+    """HF Trainer's mixed precision: fp16 for an fp16 model (fp16=True), else bf16."""
+    return torch.float16 if spec.dtype is DType.FP16 else torch.bfloat16
+
+
 def _run_steps(
     model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     tracker: StorageTracker,
     steering: _Steering,
     spec: TrainingSpec,
 ) -> None:
+    """HF Trainer's steps (trainer.py training_step and _inner_training_loop): the forward and
+    the loss under autocast when mixed precision is on (accelerate's autocast), backward
+    outside it (fp16: of the GradScaler's scaled loss), the detached loss added to the logged
+    total, the gradients unscaled (fp16) and clipped to `max_grad_norm`
+    (torch.nn.utils.clip_grad_norm_), the optimizer step, zero_grad(set_to_none=True)."""
     host_scalars = spec.optim is not Optim.ADAMW_TORCH_FUSED
+    dtype = _autocast_dtype(spec)
+    scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
     with tracker.labelling(Component.INPUTS):
         input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
         labels = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
+        logged = torch.zeros(())  # Trainer's tr_loss
     for step in range(1, STEPS + 1):
         steering.step = step
-        tracker.begin_phase(step, Phase.FORWARD_END)
-        tracker.component = Component.ACTIVATIONS
-        tracker.blas_handle = "forward"
-        loss = model(input_ids=input_ids, labels=labels).loss
-        tracker.mark(step, Phase.FORWARD_END)
+        # Each optimizer step runs gradient_accumulation_steps micro-batches (the inputs of
+        # each the same shape); gradients add up in .grad until the step.
+        for _ in range(spec.gradient_accumulation_steps):
+            tracker.begin_phase(step, Phase.FORWARD_END)
+            tracker.component = Component.ACTIVATIONS
+            tracker.blas_handle = "forward"
+            with torch.autocast("cpu", dtype=dtype, enabled=spec.autocast):
+                loss = model(input_ids=input_ids, labels=labels).loss
+            tracker.mark(step, Phase.FORWARD_END)
 
-        tracker.begin_phase(step, Phase.BACKWARD_START)
-        tracker.component = Component.LOGITS_LOSS
-        steering.in_backward = True
-        # On a GPU the autograd engine runs backward on its device thread: another cuBLAS handle.
-        tracker.blas_handle = "backward"
-        loss.backward()
-        del loss
-        steering.in_backward = False
-        tracker.blas_handle = None
+            tracker.begin_phase(step, Phase.BACKWARD_START)
+            tracker.component = Component.LOGITS_LOSS
+            steering.in_backward = True
+            # On a GPU the autograd engine runs backward on its device thread: another cuBLAS
+            # handle.
+            tracker.blas_handle = "backward"
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            steering.in_backward = False
+            tracker.blas_handle = None
+            logged = logged + loss.detach()
+            del loss
 
         tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
         tracker.component = Component.OPTIMIZER_TEMPORARIES
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if spec.max_grad_norm > 0:
+            # foreach, as clip_grad_norm_ picks for CUDA tensors (fake ones fail its type check)
+            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
         tracker.host_scalar_ops = host_scalars
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         tracker.host_scalar_ops = False
         optimizer.zero_grad(set_to_none=True)
         tracker.end_phase()

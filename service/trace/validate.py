@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
+from service.core.units import DType
 from service.trace.reference import reference_name
 
 VALIDATION_PATH = Path(__file__).with_name("VALIDATION.md")
@@ -121,6 +122,50 @@ def validation_cases() -> list[tuple[str, TrainingSpec]]:
                 ),
             )
         )
+    # HF Trainer's mixed precision under the emulated CUDA autocast policy: bf16 (LoRA with and
+    # without checkpointing, QLoRA), and fp16 with its GradScaler.
+    for model in ("tiny-qwen2", "tiny-llama"):
+        for ckpt in (False, True):
+            cases.append(
+                (
+                    model,
+                    TrainingSpec(
+                        method=Method.LORA,
+                        batch_size=BATCH,
+                        seq_len=SEQ,
+                        lora=_LORA,
+                        gradient_checkpointing=ckpt,
+                        autocast=True,
+                    ),
+                )
+            )
+    cases.append(
+        (
+            "tiny-qwen2",
+            TrainingSpec(
+                method=Method.QLORA,
+                batch_size=BATCH,
+                seq_len=SEQ,
+                lora=_LORA,
+                quantization=QuantSpec(double_quant=True),
+                gradient_checkpointing=True,
+                autocast=True,
+            ),
+        )
+    )
+    cases.append(
+        (
+            "tiny-llama",
+            TrainingSpec(
+                method=Method.LORA,
+                batch_size=BATCH,
+                seq_len=SEQ,
+                lora=_LORA,
+                dtype=DType.FP16,
+                autocast=True,
+            ),
+        )
+    )
     return cases
 
 
@@ -305,32 +350,47 @@ def format_report(reports: list[CaseReport]) -> str:
         "",
         "## Known limits of the fake trace",
         "",
-        "- **Allocated level only.** Reserved (caching-allocator segments, fragmentation) and",
-        "  device memory (CUDA context, NCCL, paged optimizer state) are not traced.",
-        "- **GPU kernels are chosen, not run.** The references use the ops a GPU runs (CUDA",
-        "  flash / mem-efficient SDPA, bitsandbytes' dequantize + F.linear for 4-bit matmuls);",
-        "  their outputs come from the meta kernels of PyTorch and bitsandbytes, which this",
-        "  validation cannot execute on a CPU. SDPA `auto` is flash for fp16/bf16 without a mask",
-        "  and head_dim <= 256, else mem-efficient (key/value heads expanded); cuDNN attention is",
-        "  not modelled. bitsandbytes' fused 4-bit GEMM is assumed at <= 512 rows for large",
-        "  weights (its SM-count branches for small weights are not modelled).",
-        "- **Kernel scratch is not seen.** What a CUDA kernel allocates inside itself through",
-        "  the caching allocator and frees before returning: flash-attention backward's fp32 dq",
-        "  accumulator and softmax_d, expanded dk/dv under GQA, mem-efficient backward's",
-        "  workspace, cuBLAS/cuBLASLt workspaces (up to tens of MiB, allocated once per handle).",
-        "  None of it is live at a LoRA/QLoRA peak (the loss gradient), but a backward-phase",
-        "  peak on a GPU can sit higher by that op's scratch.",
+        "- **Allocated and reserved levels.** Reserved is the tracer's allocations and frees",
+        "  replayed through the allocator model (default `PYTORCH_CUDA_ALLOC_CONF` unless the",
+        "  spec sets one), from a model whose weights were allocated in their final form. Device",
+        "  memory (CUDA context, NCCL, paged optimizer state) is not traced: it comes from",
+        "  measured rows.",
+        "- **GPU kernels are chosen, not run.** The references use the ops a GPU runs (CUDA flash",
+        "  / mem-efficient SDPA, SDPA's math composite as CUDA runs it, bitsandbytes' dequantize",
+        "  + F.linear for 4-bit matmuls); their outputs come from the meta kernels of PyTorch and",
+        "  bitsandbytes, which this validation cannot execute on a CPU. SDPA `auto` follows what",
+        "  an H200 with torch 2.11 chose (`torch._fused_sdp_choice`, recorded in",
+        "  `tests/data/gpu/h200_environment.json`): flash for fp16/bf16 without a mask and",
+        "  head_dim <= 256, math for fp32 with grouped key/value heads and no mask, else",
+        "  mem-efficient; cuDNN attention is counted as flash (the same saved tensors).",
+        "  bitsandbytes' fused 4-bit GEMM is assumed at <= 512 rows for large weights and <= 1536",
+        "  rows otherwise (its SM-count branches for small weights are not modelled).",
+        "- **Kernel scratch.** The cuBLAS workspace of each handle (32 MiB on compute capability",
+        "  9.0: the forward thread's and the autograd thread's) and cuBLASLt's 1 MiB are",
+        "  allocated at the first GEMM of each, as on the GPU; the math kernel's softmax backward",
+        "  scratch is allocated. Other scratch a CUDA kernel allocates and frees inside itself",
+        "  (flash-attention backward's fp32 dq accumulator and softmax_d, mem-efficient",
+        "  backward's workspace) is not seen; none of it is live at a LoRA/QLoRA peak (the loss",
+        "  gradient), but a backward-phase peak on a GPU can sit higher by that op's scratch.",
         "- **Host tensors stay on the host.** Flash/efficient philox seed and offset, the step",
         "  counters and scalars of foreach/for-loop optimizers, checkpointing's RNG state and",
         "  wrapped Python scalars are not counted (they are CPU tensors on a GPU run).",
-        "- **Not traced** (refused with a reason): autocast (the CPU autocast op lists differ",
-        "  from CUDA's), multi-GPU strategies, gradient accumulation, paged optimizers,",
+        "- **Mixed precision is CUDA's policy, emulated.** With `autocast` the step runs as HF",
+        "  Trainer runs it under bf16/fp16 mixed precision, through CPU autocast made to act as",
+        "  CUDA's (`service/trace/autocast.py`): the ops CUDA registers autocast kernels for,",
+        "  with their policies, read from the pinned torch (a test checks the list against its",
+        "  registrations); every other op uncast; lower-precision casts of fp32 weights cached",
+        "  for the autocast region; CUDA's autocast queries answered. fp16 adds the GradScaler",
+        "  (scaled loss, unscale, inf checks); gradients are clipped to `max_grad_norm` as the",
+        "  Trainer clips them.",
+        "- **Not traced** (refused with a reason): multi-GPU strategies, paged optimizers,",
         "  Adafactor, LLM.int8 bases, LitGPT/torchtune presets, chunked and fused losses.",
-        "  `flash_attention_2` is traced as SDPA's flash op (the same saved tensors).",
+        "  `flash_attention_2` is traced as SDPA's flash op (the same saved tensors). Gradient",
+        "  accumulation runs its micro-batches as the Trainer does, the gradients added in place.",
         "- **Unpacked, unpadded batches.** No attention mask is passed and transformers'",
-        "  packed-sequence check is answered as a real run of unpacked rows answers it (its",
-        "  few 512-B transients are not counted); with padding a GPU run builds a mask and takes",
-        "  the mem-efficient kernel.",
+        "  packed-sequence check is answered as a real run of unpacked rows answers it (its few",
+        "  512-B transients are not counted); with padding a GPU run builds a mask and takes the",
+        "  mem-efficient kernel.",
         "- **Checkpointing is non-reentrant** (`use_reentrant=False`); HF's default without",
         "  `gradient_checkpointing_kwargs` is reentrant.",
         "- **Versions.** torch 2.13.0, transformers 5.24.0, peft 0.21.2, bitsandbytes 0.50.2;",

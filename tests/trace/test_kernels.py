@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,6 +36,44 @@ def test_sdpa_backend_choice_follows_cuda(
 ) -> None:
     got = kernels.choose_sdpa_kernel(requested, dtype=dtype, head_dim=head_dim, has_mask=mask)
     assert got is chosen
+
+
+# torch._fused_sdp_choice's codes (torch.nn.attention.SDPBackend): math, flash, efficient, cuDNN.
+_MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
+_H200 = Path(__file__).resolve().parents[1] / "data" / "gpu" / "h200_environment.json"
+
+
+def _h200_choices() -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = json.loads(_H200.read_text())["sdpa_choices"]
+    return rows
+
+
+@pytest.mark.parametrize(
+    "row",
+    _h200_choices(),
+    ids=lambda r: f"{r['dtype']}-d{r['head_dim']}-{r['mask']}-gqa{int(bool(r['enable_gqa']))}",
+)
+def test_the_tracer_picks_what_the_pinned_torch_picked_on_an_h200(row: dict[str, object]) -> None:
+    """Every case torch._fused_sdp_choice answered on an H200 (fp32/bf16/fp16 x no mask,
+    boolean or additive mask x grouped key/value heads or not x head dims 64-256): the tracer
+    picks the same kernel, or for cuDNN's the one that keeps the same tensors (flash's
+    without a mask, the mem-efficient kernel's with one: the mask as a saved bias)."""
+    dtype = getattr(torch, str(row["dtype"]).removeprefix("torch."))
+    has_mask = row["mask"] != "none"
+    expected = {
+        _MATH: SdpaKernel.MATH,
+        _FLASH: SdpaKernel.FLASH,
+        _EFFICIENT: SdpaKernel.EFFICIENT,
+        _CUDNN: SdpaKernel.EFFICIENT if has_mask else SdpaKernel.FLASH,
+    }[int(row["choice"])]  # type: ignore[call-overload]
+    got = kernels.choose_sdpa_kernel(
+        AUTO,
+        dtype=dtype,
+        head_dim=int(row["head_dim"]),  # type: ignore[call-overload]
+        has_mask=has_mask,
+        gqa=bool(row["enable_gqa"]) and row["kv_heads"] != row["heads"],
+    )
+    assert got is expected
 
 
 def test_flash_cannot_be_forced_where_cuda_has_no_flash_kernel() -> None:

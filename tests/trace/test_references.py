@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from service.core.result import Component, Phase
-from service.core.units import GIB
+from service.core.units import GIB, DType
 from service.trace.reference import (
     REFERENCE_DIR,
     iter_references,
@@ -26,6 +26,7 @@ REFERENCES = dict((path.stem, doc) for path, doc in iter_references())
 RETRACED = (
     "qwen2_5-0_5b__lora__r16-all-linear__b1-s128__ckpt",
     "qwen2_5-0_5b__qlora__r16-all-linear__nf4-dq__b1-s128",
+    "qwen2_5-0_5b__lora__r16-all-linear__b1-s128__ckpt__autocast",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these
@@ -55,6 +56,9 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
     specs = [c.spec for c in cases]
     assert {s.method.value for s in specs} == {"full", "lora", "qlora"}
     assert {s.gradient_checkpointing for s in specs} == {True, False}
+    assert {s.autocast for s in specs} == {True, False}
+    assert {s.dtype for s in specs if s.autocast} >= {DType.BF16, DType.FP16, DType.FP32}
+    assert {s.max_grad_norm for s in specs} >= {0.0, 1.0}
     assert {s.optim.value for s in specs} >= {"adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit"}
     assert {s.attn_implementation.value for s in specs} >= {"sdpa", "eager"}
     assert {s.sdpa_kernel.value for s in specs} >= {"auto", "efficient", "math"}
