@@ -642,7 +642,12 @@ def _attention_saves(led: _Ledger, f: _Flow, arch: ModelArch, spec: _AttnChoice)
         # Gemma-2's eager attention caps the scores: tanh saves its output.
         led.add("scores_tanh", n_h * f.attn, _Kind.SQUARE)
     led.add("k_rep", q_bytes)
-    led.add("v_rep", q_bytes)
+    if f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
+        # The value, a strided view of the fused projection's output, reshapes for probs @ v
+        # without a copy when there is one sequence: the matmul keeps that whole output.
+        led.add("qkv_out", q_bytes + 2 * kv_bytes)
+    else:
+        led.add("v_rep", q_bytes)
     led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)  # softmax(dtype=float32) output
     if f.attn != FP32_BYTES:
         # .to(query.dtype), saved by probs @ v; a no-op (the same storage) when q is fp32
@@ -673,21 +678,24 @@ def _mlp_saves(
         _moe_saves(led, f, arch, x_key)
         return
     if arch.mlp is MlpKind.GATED:
-        # act(gate) saves gate; act(gate) * up saves both operands.
-        led.add("mlp.gate_out", i_size * out)
-        led.add("mlp.act_out", i_size * out)
+        fused = len(mlp_in) == 1  # one gate_up projection (Phi-3): its act comes after it
+        if not fused or not at_up_proj:
+            # act(gate) saves gate; act(gate) * up saves both operands.
+            led.add("mlp.gate_out", i_size * out)
+            led.add("mlp.act_out", i_size * out)
         if at_up_proj:
             up = mlp_in[-1]
+            width = up.out_features
             # Live beside the saved tensors: the MLP's input and the residual it will be added
             # to, and up_proj's output in the making: the base output, lora_B's output and
             # its scaled copy (peft lora.Linear.forward), as the reference traces show.
             led.add(x_key, arch.hidden_size * out)
             led.add("x_mid", arch.hidden_size * f.residual)
-            led.add("up.base_out", i_size * out)
+            led.add("up.base_out", width * out)
             if up.name in f.lora_targets:
                 ad = AUTOCAST_BYTES if f.autocast else f.adapter
-                led.add("up.lora_b_out", i_size * ad)
-                led.add("up.lora_scaled", i_size * ad)
+                led.add("up.lora_b_out", width * ad)
+                led.add("up.lora_scaled", width * ad)
             return
         led.add("mlp.up_out", i_size * out)
     else:
@@ -752,6 +760,7 @@ def _layer_recipe(
     at_up_proj: bool = False,
     windowed: bool = False,
     until_attention: bool = False,
+    single: bool = False,
 ) -> tuple[tuple[int, _Kind, int], ...]:
     """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
     shapes depend on the model and settings, not on b or s).
@@ -762,7 +771,7 @@ def _layer_recipe(
     its fp32 LoRA branch."""
     led = _Ledger()
     h = arch.hidden_size
-    spec_like = _AttnChoice(attn, kernel, windowed)
+    spec_like = _AttnChoice(attn, kernel, windowed, single)
     if input_needs_grad:
         _norm_saves(led, f, "norm1", "x_in", h, arch)
     for lin in arch.linears:
@@ -771,9 +780,11 @@ def _layer_recipe(
     _attention_saves(led, f, arch, spec_like)
     if until_attention:
         # What the scores' backward still finds: o_proj's backward has consumed its input, and
-        # probs @ v's backward the repeated value.
-        led.items.pop("attn_out", None)
-        led.items.pop("v_rep", None)
+        # probs @ v's backward the repeated value (eager: and the probabilities' copy in the
+        # attention dtype, or the fused projection's output that the value view held).
+        for key in ("attn_out", "v_rep", "probs", "qkv_out"):
+            if key != "probs" or attn is AttnImpl.EAGER:
+                led.items.pop(key, None)
         return led.recipe()
     proj_key = "attn_out.reshaped" if f.proj_input_copy else "attn_out"
     for lin in arch.linears:
@@ -808,6 +819,7 @@ class _AttnChoice:
     attn_implementation: AttnImpl
     sdpa_kernel: SdpaKernel
     windowed: bool  # a sliding window shorter than the sequence: an explicit mask
+    single: bool = False  # one sequence per micro-batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1000,19 +1012,31 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             "LitGPT adapts the query and value parts of the fused qkv projection "
             "(finetune/lora.py's lora_query and lora_value defaults)",
         )
+    single = key.single_sequence
     return _Plan(
         rs=rs,
         adapted=adapted,
         flow=f,
         params=p,
         optimizer=_optimizer_state(p, unit.optim),
-        layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed),
-        first_layer=_layer_recipe(arch, f, attn, kernel, False, windowed=key.windowed),
-        up_proj_moment=_layer_recipe(arch, f, attn, kernel, True, True, windowed=key.windowed)
+        layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
+        first_layer=_layer_recipe(
+            arch, f, attn, kernel, False, windowed=key.windowed, single=single
+        ),
+        up_proj_moment=_layer_recipe(
+            arch, f, attn, kernel, True, True, windowed=key.windowed, single=single
+        )
         if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
         else (),
         attention_part=_layer_recipe(
-            arch, f, attn, kernel, True, windowed=key.windowed, until_attention=True
+            arch,
+            f,
+            attn,
+            kernel,
+            True,
+            windowed=key.windowed,
+            until_attention=True,
+            single=single,
         ),
         dequant=dequant,
         lt_workspaces=_lt_workspaces(arch, unit),
@@ -1022,8 +1046,10 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
 
 
 def _materialises_scores(arch: ModelArch, spec: TrainingSpec, f: _Flow) -> bool:
-    """Whether attention builds b x heads x s x s scores (SDPA's math kernel; eager has its
-    own saved-tensor accounting)."""
+    """Whether attention builds b x heads x s x s scores (eager attention, SDPA's math
+    kernel)."""
+    if spec.attn_implementation is AttnImpl.EAGER:
+        return True
     if spec.attn_implementation is not AttnImpl.SDPA:
         return False
     if spec.sdpa_kernel is SdpaKernel.MATH:
@@ -1170,6 +1196,9 @@ class _PlanKey(NamedTuple):
     # micro-batches per step the reserved level's replay runs: the third and later repeat
     # the second's allocations on the allocator state it leaves
     replayed_micro_batches: int
+    # one sequence per micro-batch: a strided view of a fused projection reshapes without a
+    # copy (eager attention's value)
+    single_sequence: bool
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -1189,11 +1218,13 @@ class _PlanKey(NamedTuple):
             spec.allocator,
             spec.max_grad_norm > 0,
             min(spec.gradient_accumulation_steps, REPLAYED_MICRO_BATCHES),
+            spec.batch_size == 1,
         )
 
     def unit_spec(self) -> TrainingSpec:
         fields = self._asdict()
         del fields["windowed"]
+        del fields["single_sequence"]
         clip = fields.pop("clip")
         accumulation = fields.pop("replayed_micro_batches")
         return TrainingSpec(
@@ -1423,7 +1454,30 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # the embedding's gradient comes last. The phase's peak is the largest of these moments.
     # (Each tuple lacks the optimizer state, which steps 1 and 2 add alike.)
     in_flight = 2 * grad_hidden + dequant
-    top = (grads if ga_grads else head_grads, activations, recompute, 0, in_flight, 0)
+    recompute_end = recompute
+    down = next((lin for lin in arch.linears if lin.kind is LinearKind.MLP_OUT), None)
+    if (
+        ckpt
+        and f.autocast
+        and down is not None
+        and down.name in f.lora_targets
+        and not f.quantized
+        and f.adapter != f.norm_out
+        and not arch.is_moe
+    ):
+        # The recomputation stops at down_proj's saved half copy of its input (non-reentrant
+        # checkpointing): alive then beside the layer's saved tensors are the MLP's input and
+        # the residual it will join, the product down_proj takes, its base output, and
+        # PEFT's cast of the product to the adapters' dtype.
+        out = f.norm_out
+        recompute_end += (
+            _blk(tokens * h * out)
+            + _blk(tokens * h * f.residual)
+            + _blk(tokens * down.in_features * out)
+            + _blk(tokens * h * out)
+            + _blk(tokens * down.in_features * f.adapter)
+        )
+    top = (grads if ga_grads else head_grads, activations, recompute_end, 0, in_flight, 0)
     bottom_acts = checkpoint if ckpt else first_layer
     bottom_grads = grads if ga_grads else grads - embed_grads
     bottom = (bottom_grads, bottom_acts, recompute, 0, in_flight, 0)
@@ -1466,7 +1520,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         # math kernel) beside the saved probabilities, with the output's gradient made
         # contiguous and the residual stream's gradient (reference traces *qlora*b1-s8192*,
         # peak at _softmax_backward_data).
-        score_bytes = FP32_BYTES if spec.attn_implementation is AttnImpl.SDPA else f.attn
+        score_bytes = FP32_BYTES
         scores = _blk(b * arch.num_attention_heads * s * s * score_bytes)
         # (SDPA's fp32 softmax backward also takes a scores-sized scratch on CUDA: an H200
         # allocator history, service/trace/kernels.py _SafeSoftmax.)

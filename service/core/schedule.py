@@ -595,7 +595,7 @@ class _Step:
         fused = len(outs) == 1
         if not fused:
             self.f(q, k)  # the projections' outputs, rebound to the rotated ones
-        elif sh.kernel in (Kernel.EAGER, Kernel.MATH):
+        elif sh.kernel in (Kernel.EAGER, Kernel.MATH) and (sh.batch > 1 or sh.heads != sh.kv_heads):
             v = self.a(qb * kvd)  # the strided value view made contiguous for the matmul
         else:
             v = self.p.hold(v)  # the fused kernels take the strided view as it is

@@ -442,6 +442,33 @@ def matrix() -> list[Case]:
         _spec(lora, 2, 512, ckpt=True, gradient_accumulation_steps=2, **mixed),
         _spec(full, 1, 512, ckpt=True, gradient_accumulation_steps=2),
     )
+    # Every family's LoRA step with checkpointing on and off, SDPA (the kernel PyTorch picks)
+    # and eager attention, mixed precision on and off: the combinations the cases above do
+    # not already cover, at one sequence of 1024 tokens.
+    covered = {
+        (m, s.gradient_checkpointing, s.attn_implementation, s.autocast)
+        for m, s in cases
+        if s.method is lora
+    }
+    for model_id in (QWEN_7B, LLAMA_8B, MISTRAL_7B, GEMMA_2B, PHI_3, QWEN_MOE, QWEN_05B):
+        # transformers 5.24 runs Gemma-2 with eager attention only (it refuses SDPA)
+        attentions = (AttnImpl.EAGER,) if model_id == GEMMA_2B else (AttnImpl.SDPA, AttnImpl.EAGER)
+        for ckpt in (True, False):
+            for attention in attentions:
+                for mixed_precision in (False, True):
+                    if (model_id, ckpt, attention, mixed_precision) in covered:
+                        continue
+                    add(
+                        model_id,
+                        _spec(
+                            lora,
+                            1,
+                            1024,
+                            ckpt=ckpt,
+                            attn_implementation=attention,
+                            autocast=mixed_precision,
+                        ),
+                    )
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 
