@@ -22,8 +22,6 @@ from service.api.problems import (
     invalid_request,
 )
 from service.api.schemas import (
-    MAX_BATCH_SIZE,
-    MAX_SEQ_LEN,
     BatchIn,
     BatchOut,
     BatchResultOut,
@@ -51,6 +49,7 @@ from service.core.estimator import (
     peak_levels,
 )
 from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
+from service.core.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from service.core.result import Levels
 from service.core.spec import TrainingSpec
 from service.core.units import MIB, DType

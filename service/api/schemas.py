@@ -35,6 +35,16 @@ from service.catalog.models import CatalogEntry, ModelCatalog
 from service.core.allocator import AllocatorConfig
 from service.core.calibration import Level
 from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion, usable_bytes
+from service.core.limits import (
+    MAX_BATCH_SIZE,
+    MAX_GPUS,
+    MAX_GRAD_NORM,
+    MAX_GRADIENT_ACCUMULATION,
+    MAX_LORA_ALPHA,
+    MAX_LORA_R,
+    MAX_MODULES,
+    MAX_SEQ_LEN,
+)
 from service.core.result import PHASE_WORDS, Component, Estimate, Overhead, Phase
 from service.core.spec import (
     ALL_LINEAR,
@@ -54,16 +64,6 @@ from service.core.spec import (
 )
 from service.core.units import DType
 
-# Bounds of the job spec: beyond them no single-node fine-tuning job exists, and the solver's
-# answers (max_batch_size, max_seq_len) never exceed them.
-MAX_BATCH_SIZE = 4096
-MAX_SEQ_LEN = 1_048_576  # 1M tokens
-MAX_GRADIENT_ACCUMULATION = 65_536
-MAX_GRAD_NORM = 1e6  # far above any clipping threshold in use
-MAX_LORA_R = 16_384
-MAX_LORA_ALPHA = 1_000_000
-MAX_GPUS = 1024
-MAX_MODULES = 64
 MAX_BATCH_JOBS = 1000
 MAX_FIT_GPUS = 64
 # Reported totals: from 1 GiB (nothing smaller trains a model) to 4 TiB.

@@ -1,0 +1,25 @@
+"""Bounds of a job spec: what the REST API accepts and the spec codec checks.
+
+Beyond them no single-node fine-tuning job exists, and the fit solver's answers
+(max_batch_size, max_seq_len) never exceed them.
+"""
+
+from __future__ import annotations
+
+MAX_BATCH_SIZE = 4096
+MAX_SEQ_LEN = 1_048_576  # 1M tokens
+MAX_GRADIENT_ACCUMULATION = 65_536
+MAX_GRAD_NORM = 1e6  # far above any clipping threshold in use
+MAX_LORA_R = 16_384
+MAX_LORA_ALPHA = 1_000_000
+MAX_GPUS = 1024
+MAX_MODULES = 64
+
+# A module name as transformers names it ("q_proj", "model.layers.0.mlp").
+MAX_MODULE_NAME_CHARS = 128
+MODULE_NAME_PATTERN = r"^[A-Za-z0-9_.]+$"
+
+# PYTORCH_CUDA_ALLOC_CONF settings, as the API's allocator object bounds them: split sizes up
+# to 1 TiB in MB, power-of-two divisions up to 1024.
+MAX_ALLOC_SETTING_MB = 1 << 20
+MAX_ROUNDUP_POWER2_DIVISIONS = 1 << 10
