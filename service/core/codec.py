@@ -1,0 +1,296 @@
+"""A training spec as JSON values and back, with the checks and limits the REST API applies.
+
+`spec_to_dict` writes every field (enums by value, tuples as lists, nested specs as objects);
+`spec_from_dict` reads such a dict, fields it lacks taking their defaults, and raises
+InvalidSpecError naming the first field that is wrong and why, in the words the API uses for
+the same input (a too large batch size is "Input should be less than or equal to 4096").
+Values must have their JSON types: unlike the API's lax parsing, strings are not read as
+numbers or booleans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from service.core.allocator import MIN_SPLIT_SETTING_MB, AllocatorConfig
+from service.core.errors import InvalidSpecError
+from service.core.limits import (
+    MAX_ALLOC_SETTING_MB,
+    MAX_BATCH_SIZE,
+    MAX_GPUS,
+    MAX_GRAD_NORM,
+    MAX_GRADIENT_ACCUMULATION,
+    MAX_LORA_ALPHA,
+    MAX_LORA_R,
+    MAX_MODULE_NAME_CHARS,
+    MAX_MODULES,
+    MAX_ROUNDUP_POWER2_DIVISIONS,
+    MAX_SEQ_LEN,
+    MODULE_NAME_PATTERN,
+)
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    Framework,
+    LoraSpec,
+    LossImpl,
+    Method,
+    Offload,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    QuantType,
+    SdpaKernel,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.units import DType
+
+# One field's check: (JSON value, dotted field name) -> the spec's value, or InvalidSpecError.
+Check = Callable[[Any, str], Any]
+
+_MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
+
+
+# -- spec -> dict ---------------------------------------------------------------------------
+
+
+def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
+    """The spec as plain JSON values, every field included, in the spec's field order."""
+    plain = _plain(spec)
+    assert isinstance(plain, dict)
+    return plain
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- dict -> spec ---------------------------------------------------------------------------
+
+
+def spec_from_dict(data: Mapping[str, Any]) -> TrainingSpec:
+    """The spec `data` describes; raises InvalidSpecError (dotted field, reason).
+
+    As the API does, every field is checked on its own first; only then are the specs built,
+    inner ones first, and their checks of fields against each other run."""
+    checked = _object(TrainingSpec, _TRAINING, required=("batch_size", "seq_len"))(data, "")
+    spec = _build(checked)
+    assert isinstance(spec, TrainingSpec)
+    return spec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Unbuilt:
+    """A spec object whose fields passed their checks, not yet constructed."""
+
+    kind: type
+    fields: dict[str, Any]
+
+
+def _build(value: Any) -> Any:
+    if isinstance(value, _Unbuilt):
+        return value.kind(**{name: _build(item) for name, item in value.fields.items()})
+    return value
+
+
+def _number_text(value: float) -> str:
+    """A bound as the API prints it: 1e6 as 1000000, 1.0 as 1."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _bounds(value: float, field: str, ge: float | None, le: float | None, lt: float | None) -> None:
+    if ge is not None and not value >= ge:
+        raise InvalidSpecError(
+            field, f"Input should be greater than or equal to {_number_text(ge)}"
+        )
+    if le is not None and not value <= le:
+        raise InvalidSpecError(field, f"Input should be less than or equal to {_number_text(le)}")
+    if lt is not None and not value < lt:
+        raise InvalidSpecError(field, f"Input should be less than {_number_text(lt)}")
+
+
+def _integer(*, ge: int | None = None, le: int | None = None) -> Check:
+    def check(value: Any, field: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidSpecError(field, "Input should be a valid integer")
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidSpecError(field, "Input should be a finite number")
+            if not value.is_integer():
+                raise InvalidSpecError(
+                    field, "Input should be a valid integer, got a number with a fractional part"
+                )
+        number = int(value)
+        _bounds(number, field, ge, le, None)
+        return number
+
+    return check
+
+
+def _number(*, ge: float | None = None, le: float | None = None, lt: float | None = None) -> Check:
+    def check(value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidSpecError(field, "Input should be a valid number")
+        if not math.isfinite(value):
+            raise InvalidSpecError(field, "Input should be a finite number")
+        _bounds(value, field, ge, le, lt)
+        return float(value)
+
+    return check
+
+
+def _boolean(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidSpecError(field, "Input should be a valid boolean")
+    return value
+
+
+def _choice(kind: type[enum.Enum]) -> Check:
+    values = [member.value for member in kind]
+    quoted = [f"'{v}'" for v in values]
+    words = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+    def check(value: Any, field: str) -> enum.Enum:
+        if isinstance(value, kind):
+            return value
+        if not isinstance(value, str) or value not in values:
+            raise InvalidSpecError(field, f"Input should be {words}")
+        return kind(value)
+
+    return check
+
+
+def _optional(inner: Check) -> Check:
+    def check(value: Any, field: str) -> Any:
+        return None if value is None else inner(value, field)
+
+    return check
+
+
+def _module_name(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidSpecError(field, "Input should be a valid string")
+    if not value:
+        raise InvalidSpecError(field, "String should have at least 1 character")
+    if len(value) > MAX_MODULE_NAME_CHARS:
+        raise InvalidSpecError(
+            field, f"String should have at most {MAX_MODULE_NAME_CHARS} characters"
+        )
+    if not _MODULE_NAME.match(value):
+        raise InvalidSpecError(field, f"String should match pattern '{MODULE_NAME_PATTERN}'")
+    return value
+
+
+def _module_names(*, min_length: int) -> Check:
+    def check(value: Any, field: str) -> tuple[str, ...]:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise InvalidSpecError(field, "Input should be a valid array")
+        if len(value) < min_length:
+            raise InvalidSpecError(
+                field,
+                f"List should have at least {min_length} item{'s' if min_length != 1 else ''} "
+                f"after validation, not {len(value)}",
+            )
+        if len(value) > MAX_MODULES:
+            raise InvalidSpecError(
+                field,
+                f"List should have at most {MAX_MODULES} items after validation, not {len(value)}",
+            )
+        return tuple(_module_name(name, field) for name in value)
+
+    return check
+
+
+def _target_modules(value: Any, field: str) -> tuple[str, ...] | str | None:
+    """'all-linear', a non-empty list of module names, or None (PEFT's default)."""
+    if value is None or value == ALL_LINEAR:
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, str):
+        raise InvalidSpecError(field, f"Input should be '{ALL_LINEAR}'")
+    names: tuple[str, ...] = _module_names(min_length=1)(value, field)
+    return names
+
+
+def _object(kind: type, checks: Mapping[str, Check], *, required: tuple[str, ...] = ()) -> Check:
+    """A JSON object of `kind`'s fields; unknown keys are refused, absent ones take defaults."""
+
+    def check(value: Any, field: str) -> Any:
+        prefix = f"{field}." if field else ""
+        if not isinstance(value, Mapping):
+            raise InvalidSpecError(field, "Input should be an object")
+        for key in value:
+            if key not in checks:
+                raise InvalidSpecError(f"{prefix}{key}", "Extra inputs are not permitted")
+        kwargs: dict[str, Any] = {}
+        for name, check_field in checks.items():
+            if name in value:
+                kwargs[name] = check_field(value[name], f"{prefix}{name}")
+            elif name in required:
+                raise InvalidSpecError(f"{prefix}{name}", "Field required")
+        return _Unbuilt(kind, kwargs)
+
+    return check
+
+
+_LORA: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "lora_alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "lora_dropout": _optional(_number(ge=0.0, lt=1.0)),
+    "target_modules": _target_modules,
+    "modules_to_save": _module_names(min_length=0),
+    "adapter_dtype": _optional(_choice(DType)),
+}
+_QUANTIZATION: dict[str, Check] = {
+    "type": _choice(QuantType),
+    "double_quant": _boolean,
+    "compute_dtype": _optional(_choice(DType)),
+    "prepare_kbit": _boolean,
+}
+_PARALLEL: dict[str, Check] = {
+    "gpus": _integer(ge=1, le=MAX_GPUS),
+    "strategy": _choice(Strategy),
+    "offload": _choice(Offload),
+}
+_ALLOCATOR: dict[str, Check] = {
+    "max_split_size_mb": _optional(_integer(ge=MIN_SPLIT_SETTING_MB, le=MAX_ALLOC_SETTING_MB)),
+    "max_non_split_rounding_mb": _optional(
+        _integer(ge=MIN_SPLIT_SETTING_MB, le=MAX_ALLOC_SETTING_MB)
+    ),
+    "roundup_power2_divisions": _integer(ge=0, le=MAX_ROUNDUP_POWER2_DIVISIONS),
+    "garbage_collection_threshold": _number(ge=0.0, lt=1.0),
+    "expandable_segments": _boolean,
+    "per_process_memory_fraction": _optional(_number(ge=0.0, le=1.0)),
+}
+_TRAINING: dict[str, Check] = {
+    "method": _choice(Method),
+    "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
+    "seq_len": _integer(ge=1, le=MAX_SEQ_LEN),
+    "lora": _optional(_object(LoraSpec, _LORA)),
+    "quantization": _optional(_object(QuantSpec, _QUANTIZATION)),
+    "dtype": _choice(DType),
+    "autocast": _boolean,
+    "optim": _choice(Optim),
+    "gradient_accumulation_steps": _integer(ge=1, le=MAX_GRADIENT_ACCUMULATION),
+    "max_grad_norm": _number(ge=0, le=MAX_GRAD_NORM),
+    "gradient_checkpointing": _boolean,
+    "attn_implementation": _choice(AttnImpl),
+    "sdpa_kernel": _choice(SdpaKernel),
+    "loss": _optional(_choice(LossImpl)),
+    "framework": _choice(Framework),
+    "parallel": _object(ParallelSpec, _PARALLEL),
+    "allocator": _object(AllocatorConfig, _ALLOCATOR),
+}

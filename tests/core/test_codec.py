@@ -1,0 +1,195 @@
+"""The spec codec: every valid spec survives dict and JSON round trips; bad values are refused
+naming the field and the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.core.allocator import MIN_SPLIT_SETTING_MB, AllocatorConfig
+from service.core.codec import spec_from_dict, spec_to_dict
+from service.core.errors import InvalidSpecError
+from service.core.limits import (
+    MAX_ALLOC_SETTING_MB,
+    MAX_BATCH_SIZE,
+    MAX_GPUS,
+    MAX_GRAD_NORM,
+    MAX_GRADIENT_ACCUMULATION,
+    MAX_LORA_ALPHA,
+    MAX_LORA_R,
+    MAX_MODULES,
+    MAX_SEQ_LEN,
+)
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    Framework,
+    LoraSpec,
+    LossImpl,
+    Method,
+    Offload,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    QuantType,
+    SdpaKernel,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.units import DType
+
+module_names = st.from_regex(r"[A-Za-z0-9_.]{1,20}", fullmatch=True)
+loras = st.builds(
+    LoraSpec,
+    r=st.integers(1, MAX_LORA_R),
+    lora_alpha=st.integers(1, MAX_LORA_ALPHA),
+    lora_dropout=st.none() | st.floats(0.0, 1.0, exclude_max=True),
+    target_modules=st.none()
+    | st.just(ALL_LINEAR)
+    | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
+    modules_to_save=st.lists(module_names, max_size=MAX_MODULES).map(tuple),
+    adapter_dtype=st.none() | st.sampled_from(DType),
+)
+quantizations = st.builds(
+    QuantSpec,
+    type=st.sampled_from(QuantType),
+    double_quant=st.booleans(),
+    compute_dtype=st.none() | st.sampled_from(DType),
+    prepare_kbit=st.booleans(),
+)
+parallels = st.one_of(
+    st.builds(
+        ParallelSpec,
+        gpus=st.integers(1, MAX_GPUS),
+        strategy=st.sampled_from(Strategy),
+        offload=st.sampled_from([Offload.NONE, Offload.OPTIMIZER]),
+    ),
+    st.builds(
+        ParallelSpec,
+        gpus=st.integers(1, MAX_GPUS),
+        strategy=st.sampled_from([Strategy.ZERO3, Strategy.FSDP]),
+        offload=st.just(Offload.OPTIMIZER_AND_PARAMS),
+    ),
+)
+split_sizes = st.none() | st.integers(MIN_SPLIT_SETTING_MB, MAX_ALLOC_SETTING_MB)
+allocators = st.builds(
+    AllocatorConfig,
+    max_split_size_mb=split_sizes,
+    max_non_split_rounding_mb=split_sizes,
+    roundup_power2_divisions=st.sampled_from([0, 1, 2, 4, 8, 16, 1024]),
+    garbage_collection_threshold=st.floats(0.0, 1.0, exclude_max=True),
+    expandable_segments=st.booleans(),
+    per_process_memory_fraction=st.none() | st.floats(0.0, 1.0),
+)
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> TrainingSpec:
+    method = draw(st.sampled_from(Method))
+    return TrainingSpec(
+        method=method,
+        batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
+        seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
+        lora=None if method is Method.FULL else draw(st.none() | loras),
+        quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
+        dtype=draw(st.sampled_from(DType)),
+        autocast=draw(st.booleans()),
+        optim=draw(st.sampled_from(Optim)),
+        gradient_accumulation_steps=draw(st.integers(1, MAX_GRADIENT_ACCUMULATION)),
+        max_grad_norm=draw(st.floats(0.0, MAX_GRAD_NORM)),
+        gradient_checkpointing=draw(st.booleans()),
+        attn_implementation=draw(st.sampled_from(AttnImpl)),
+        sdpa_kernel=draw(st.sampled_from(SdpaKernel)),
+        loss=draw(st.none() | st.sampled_from(LossImpl)),
+        framework=draw(st.sampled_from(Framework)),
+        parallel=draw(parallels),
+        allocator=draw(allocators),
+    )
+
+
+@settings(max_examples=80)
+@given(specs())
+def test_every_spec_round_trips_through_json(spec: TrainingSpec) -> None:
+    data = spec_to_dict(spec)
+    assert spec_from_dict(data) == spec
+    assert spec_from_dict(json.loads(json.dumps(data))) == spec
+
+
+@settings(max_examples=80)
+@given(specs())
+def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
+    data = spec_to_dict(spec)
+    assert list(data) == [f.name for f in dataclasses.fields(TrainingSpec)]
+    assert list(data["allocator"]) == [f.name for f in dataclasses.fields(AllocatorConfig)]
+
+
+def test_left_out_fields_take_their_defaults() -> None:
+    assert spec_from_dict({"batch_size": 2, "seq_len": 16}) == TrainingSpec(
+        batch_size=2, seq_len=16
+    )
+
+
+BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "reason"),
+    [
+        ({"batch_size": 10**9}, "batch_size", "Input should be less than or equal to 4096"),
+        ({"batch_size": 0}, "batch_size", "Input should be greater than or equal to 1"),
+        ({"batch_size": "2"}, "batch_size", "Input should be a valid integer"),
+        (
+            {"batch_size": 2.5},
+            "batch_size",
+            "Input should be a valid integer, got a number with a fractional part",
+        ),
+        ({"seq_len": None}, "seq_len", "Input should be a valid integer"),
+        ({"max_grad_norm": 1e7}, "max_grad_norm", "Input should be less than or equal to 1000000"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm", "Input should be a finite number"),
+        ({"lora": {"lora_dropout": 1.0}}, "lora.lora_dropout", "Input should be less than 1"),
+        ({"lora": {"target_modules": "x"}}, "lora.target_modules", "Input should be 'all-linear'"),
+        (
+            {"lora": {"target_modules": []}},
+            "lora.target_modules",
+            "List should have at least 1 item after validation, not 0",
+        ),
+        (
+            {"lora": {"modules_to_save": ["x"] * 65}},
+            "lora.modules_to_save",
+            "List should have at most 64 items after validation, not 65",
+        ),
+        ({"lora": 5}, "lora", "Input should be an object"),
+        ({"method": "nope"}, "method", "Input should be 'full', 'lora' or 'qlora'"),
+        ({"autocast": "yes"}, "autocast", "Input should be a valid boolean"),
+        (
+            {"parallel": {"gpus": 2000}},
+            "parallel.gpus",
+            "Input should be less than or equal to 1024",
+        ),
+        (
+            {"allocator": {"roundup_power2_divisions": 3}},
+            "allocator.roundup_power2_divisions",
+            "must be 0 or a power of two",
+        ),
+        ({"surprise": 1}, "surprise", "Extra inputs are not permitted"),
+        ({"lora": {"rank": 8}}, "lora.rank", "Extra inputs are not permitted"),
+        ({"method": "full", "lora": {}}, "lora", "LoRA options need method 'lora' or 'qlora'"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_reason(
+    change: dict[str, Any], field: str, reason: str
+) -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        spec_from_dict({**BASE, **change})
+    assert (caught.value.field, caught.value.reason) == (field, reason)
+
+
+def test_the_job_size_is_required() -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        spec_from_dict({"batch_size": 2})
+    assert (caught.value.field, caught.value.reason) == ("seq_len", "Field required")
