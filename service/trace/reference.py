@@ -8,14 +8,13 @@ trace made, and the library versions it ran with. The estimator's tests compare 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
-import types
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
@@ -45,58 +44,12 @@ TRACED_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
 
 def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
     """The spec as plain JSON values (enums by value, tuples as lists), every field included."""
-    return typing.cast(dict[str, Any], _plain(spec))
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
+    return spec_to_dict(spec)
 
 
 def spec_from_json(data: Mapping[str, Any]) -> TrainingSpec:
     """Inverse of `spec_to_json`; fields the JSON lacks take their defaults."""
-    return typing.cast(TrainingSpec, _build(TrainingSpec, data))
-
-
-def _build(cls: type, data: Mapping[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    kwargs = {
-        f.name: _coerce(hints[f.name], data[f.name])
-        for f in dataclasses.fields(cls)
-        if f.name in data
-    }
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
-    for option in options:
-        origin = typing.get_origin(option) or option
-        if (
-            isinstance(origin, type)
-            and dataclasses.is_dataclass(origin)
-            and isinstance(value, dict)
-        ):
-            return _build(origin, value)
-        if isinstance(origin, type) and issubclass(origin, enum.Enum):
-            try:
-                return origin(value)
-            except ValueError:
-                continue
-        if origin is tuple and isinstance(value, list):
-            return tuple(value)
-    return value
-
-
-def _is_union(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return spec_from_dict(data)
 
 
 # -- result <-> JSON ------------------------------------------------------------------------
