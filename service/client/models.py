@@ -195,10 +195,10 @@ class AppliedCalibration(_Result):
 
     applied: bool
     scope: str
-    nodes: int
-    samples: int
     factor: float | None = None
     upper_multiplier: float | None = None
+    nodes: int
+    samples: int
     levels: list[LevelCalibration] = []
     state: str = "none"
 
@@ -234,10 +234,10 @@ class Estimate(_Result):
     params: Params
     upper_margin: float
     calibration: AppliedCalibration
+    gpu: GpuFitSummary | None = None
     assumptions: list[str]
     warnings: list[str]
     estimator_version: str
-    gpu: GpuFitSummary | None = None
 
 
 class BatchResult(_Result):
@@ -270,6 +270,7 @@ class GpuMatch(_Result):
     matched_by: str
     bf16: bool | None = None
     fp8: bool | None = None
+    compute_capability: str | None = None
 
 
 class Suggestion(_Result):
