@@ -123,6 +123,12 @@ _CONF_IGNORED = (
 def parse_alloc_conf(text: str) -> AllocatorConfig:
     """An `AllocatorConfig` from a PYTORCH_CUDA_ALLOC_CONF string ("key:value,key:value");
     InvalidSpecError names the key that is wrong."""
+    return AllocatorConfig(**alloc_conf_values(text))  # type: ignore[arg-type]
+
+
+def alloc_conf_values(text: str) -> dict[str, object]:
+    """The settings a PYTORCH_CUDA_ALLOC_CONF string gives, by `AllocatorConfig` field, not yet
+    checked against each other; InvalidSpecError names a key that is unknown or unreadable."""
     values: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition(":")
@@ -145,7 +151,7 @@ def parse_alloc_conf(text: str) -> AllocatorConfig:
                 raise InvalidSpecError(field, "not a PYTORCH_CUDA_ALLOC_CONF setting")
         except ValueError as exc:
             raise InvalidSpecError(field, f"{raw!r} is not a valid value") from exc
-    return AllocatorConfig(**values)  # type: ignore[arg-type]
+    return values
 
 
 def round_size(nbytes: int, config: AllocatorConfig = DEFAULT_ALLOCATOR) -> int:

@@ -313,7 +313,7 @@ def format_report(reports: list[CaseReport]) -> str:
     lines = [
         "# Reference tracer: validation",
         "",
-        "`python -m service.trace --validate` (`vramcast trace --validate`) runs each case twice",
+        "`vramcast trace --validate` runs each case twice",
         "with the CPU-runnable kernels (CPU flash attention, bitsandbytes' own 4-bit matmul): on",
         "fake tensors and on real CPU tensors, two steps each, and compares everything the tracker",
         "records. The real run is then profiled (`torch.profiler`, `profile_memory=True`) with the",

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete, event, func, select
 
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
-from service.cli import main as vramcast
+from service.cli.main import main as vramcast
 from service.core.calibration import (
     FACTOR_MAX,
     FACTOR_MIN,

@@ -45,9 +45,7 @@ MEMORY_MODEL_TABLE = {
 def test_every_matrix_case_has_a_reference_and_nothing_else_is_there() -> None:
     names = {case.name for case in matrix()}
     assert len(names) >= 80
-    assert set(REFERENCES) == names, (
-        f"regenerate: python -m service.trace --matrix ({REFERENCE_DIR})"
-    )
+    assert set(REFERENCES) == names, f"regenerate: vramcast trace --matrix ({REFERENCE_DIR})"
 
 
 def test_the_matrix_spans_the_axes_it_promises() -> None:

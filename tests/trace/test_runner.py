@@ -115,7 +115,7 @@ def test_options_the_tracer_cannot_reproduce_are_refused(
 def test_the_trace_command_prints_reference_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from service.cli import main
+    from service.cli.main import main
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
@@ -131,7 +131,7 @@ def test_the_trace_command_prints_reference_json(
 def test_the_trace_command_refuses_what_it_cannot_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from service.cli import main
+    from service.cli.main import main
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session
 
-from service.store.cli import register
+from service.cli.store import register
 from service.store.db import create_engine_from_url
 from service.store.keys import KeyScope, allows, authenticate
 

@@ -21,6 +21,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from service.cli.options import (
+    CliError,
+    add_spec_options,
+    job_fields,
+    load_model,
+    option_error,
+    spec_from_args,
+)
+from service.core.codec import spec_to_dict
+from service.core.errors import InvalidSpecError
 from service.core.units import GIB
 
 if TYPE_CHECKING:
@@ -43,9 +53,7 @@ _INSTALL = "pip install 'vramcast[trace,node]'"
 
 
 def register(sub: Any) -> None:
-    """Add `probe` to the `vramcast` subcommands (called by service/cli.py)."""
-    from service.cli import add_spec_options
-
+    """Add `probe` to the `vramcast` subcommands."""
     parser = sub.add_parser(
         "probe",
         help="measure a job's peaks on the local GPU (random weights) against the estimate",
@@ -86,7 +94,6 @@ def open_readings(device: str) -> DeviceReadings | None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from service.cli import CliError, load_model, spec_from_args
     from service.trace.probe import NotProbeableError, Runner, check_probeable, default_runner
 
     spec = spec_from_args(args)
@@ -123,21 +130,16 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _estimate(arch: ModelArch, spec: TrainingSpec) -> Estimate:
-    from service.cli import _OPTION_FOR_FIELD, CliError
-    from service.core.errors import InvalidSpecError
     from service.core.estimator import estimate
 
     try:
         return estimate(arch, spec)
     except InvalidSpecError as exc:
-        option = _OPTION_FOR_FIELD.get(exc.field, "--" + exc.field.split(".")[-1].replace("_", "-"))
-        raise CliError(f"{option}: {exc.reason}") from None
+        raise option_error(exc) from None
 
 
 def _require(package: str) -> None:
     """Import `package`, a dependency of the [trace] extra, or say how to install it."""
-    from service.cli import CliError
-
     try:
         importlib.import_module(package)
     except ImportError:
@@ -271,7 +273,6 @@ class Probe:
 
     def derivation_mismatch(self, upload: CalibrationUpload) -> str | None:
         """None when the service estimates the uploaded job as the job that ran; else why not."""
-        from service.api.cli import job_fields
         from service.api.schemas import JobSpec
         from service.api.uploads import job_estimator
         from service.catalog.models import default_catalog
@@ -344,7 +345,6 @@ def _described(spec: TrainingSpec) -> dict[str, Any]:
     from dataclasses import replace
 
     from service.core.spec import resolve
-    from service.trace.reference import spec_to_json
 
     resolved = resolve(spec)
     lora = resolved.lora
@@ -360,7 +360,7 @@ def _described(spec: TrainingSpec) -> dict[str, Any]:
     if quantization is not None:
         quantization = replace(quantization, compute_dtype=resolved.compute_dtype)
     filled = replace(spec, lora=lora, quantization=quantization, loss=resolved.loss)
-    return dict(_flatten(spec_to_json(filled)))
+    return dict(_flatten(spec_to_dict(filled)))
 
 
 def _flatten(value: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

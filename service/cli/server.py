@@ -14,29 +14,30 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
 from pydantic import ValidationError
 
 from service.api.settings import Settings
 from service.calibration_service import EstimateFn
-from service.cli import CliError, add_spec_options, spec_from_args
+from service.cli.options import CliError, add_spec_options, job_fields, read_config, spec_from_args
+from service.client.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, URL_ENV, VramcastClient
+from service.client.errors import (
+    Problem,
+    ProblemError,
+    ServiceUnreachableError,
+    UnexpectedResponseError,
+    VramcastError,
+)
+from service.client.models import GpuFit
+from service.client.retry import NO_RETRY
 from service.core.spec import TrainingSpec
 from service.core.units import GIB
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
 EXIT_UNDECIDED = 2
-
-DEFAULT_URL = "http://127.0.0.1:8000"
-URL_ENV = "VRAMCAST_URL"
-# A scheduler hook must not hold a submission for long: a fit-check answers in milliseconds,
-# so a service that takes longer than this is treated as down (exit 2).
-DEFAULT_TIMEOUT_S = 10.0
 
 
 def stored_job_estimator() -> EstimateFn:
@@ -104,48 +105,44 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+    # A scheduler hook must not hold a submission for long: a service slower than --timeout
+    # is treated as down (exit 2) and nothing is retried. The check sends no API key.
+    with VramcastClient(args.url, api_key="", timeout=args.timeout, retry=NO_RETRY) as client:
         return run_fit(args, client)
 
 
-def run_fit(args: argparse.Namespace, client: httpx.Client) -> int:
+def run_fit(args: argparse.Namespace, client: VramcastClient) -> int:
     """POST the job to /v1/fit-checks and print the answer; returns the exit status."""
     try:
-        body = fit_request(args, spec_from_args(args))
+        job, gpus = fit_request(args, spec_from_args(args))
     except CliError as exc:
         return _undecided(f"error: {exc}")
     try:
-        response = client.post("/v1/fit-checks", json=body)
-    except httpx.HTTPError as exc:
+        answer = client.fit_check(job, gpus)
+    except ServiceUnreachableError as exc:
         return _undecided(f"service unreachable at {args.url}: {exc}")
-    if response.status_code != 200:
-        return _undecided(_problem_text(response))
-    try:
-        answer = response.json()
-        results = answer["results"]
-    except (ValueError, KeyError, TypeError):
+    except ProblemError as exc:
+        return _undecided(_problem_text(exc.problem))
+    except UnexpectedResponseError:
         return _undecided("the service's answer is not a fit-check")
+    except VramcastError as exc:
+        return _undecided(str(exc))
     if args.json:
-        print(json.dumps(answer, indent=2))
+        print(json.dumps(answer.model_dump(mode="json", exclude_unset=True), indent=2))
     else:
-        for result in results:
+        for result in answer.results:
             print(format_result(result))
-    fits = [bool(r.get("fits")) for r in results]
-    decided = any(fits) if args.any else all(fits)
+    decided = answer.fits_any if args.any else answer.fits_all
     return EXIT_FITS if decided else EXIT_DOES_NOT_FIT
 
 
-def fit_request(args: argparse.Namespace, spec: TrainingSpec) -> dict[str, Any]:
-    """The /v1/fit-checks body for the parsed options."""
-    if args.config is not None:
-        if args.model:
-            raise CliError("give a model id or --config, not both")
-        try:
-            model: Any = {"hf_config": json.loads(Path(args.config).read_text())}
-        except OSError as exc:
-            raise CliError(f"--config: cannot read {args.config}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise CliError(f"--config: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+def fit_request(
+    args: argparse.Namespace, spec: TrainingSpec
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The /v1/fit-checks job and GPUs for the parsed options."""
+    config = read_config(args)
+    if config is not None:
+        model: Any = {"hf_config": config}
     elif args.model:
         model = args.model
     else:
@@ -155,51 +152,30 @@ def fit_request(args: argparse.Namespace, spec: TrainingSpec) -> dict[str, Any]:
     extra: dict[str, Any] = {} if args.count is None else {"count": args.count}
     gpus = [{"name": name, **extra} for name in args.gpu]
     gpus += [{"memory_mib": mib, **extra} for mib in args.gpu_memory_mib]
-    return {"job": {"model": model, **job_fields(spec)}, "gpus": gpus}
+    return {"model": model, **job_fields(spec)}, gpus
 
 
-def job_fields(spec: TrainingSpec) -> dict[str, Any]:
-    """A spec as the API's job fields (same names as the core's), unset options left out."""
-    return {f.name: v for f in fields(spec) if (v := _plain(getattr(spec, f.name))) is not None}
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "__dataclass_fields__"):
-        return {
-            f.name: v for f in fields(value) if (v := _plain(getattr(value, f.name))) is not None
-        }
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, str):
-        return str(value)  # enum members as their plain value
-    return value
-
-
-def format_result(result: dict[str, Any]) -> str:
-    gpu = result["gpu"]
-    name = gpu.get("name") or f"{gpu['memory_mib']} MiB GPU"
-    need = result["required_bytes"] / GIB
-    usable = result["usable_bytes"] / GIB
+def format_result(result: GpuFit) -> str:
+    gpu = result.gpu
+    name = gpu.name or f"{gpu.memory_mib} MiB GPU"
+    need = result.required_bytes / GIB
+    usable = result.usable_bytes / GIB
     head = (
-        f"{name}: {'fits' if result['fits'] else 'does not fit'} "
+        f"{name}: {'fits' if result.fits else 'does not fit'} "
         f"(needs {need:.1f} GiB of {usable:.1f} GiB usable; "
-        f"max batch {result['max_batch_size']}, max seq {result['max_seq_len']})"
+        f"max batch {result.max_batch_size}, max seq {result.max_seq_len})"
     )
-    fixes = [s for s in result.get("suggestions", []) if s.get("fits")][:3]
+    fixes = [s for s in result.suggestions if s.fits][:3]
     lines = [head]
-    lines += [f"  try: {s['description']} ({s['required_bytes'] / GIB:.1f} GiB)" for s in fixes]
+    lines += [f"  try: {s.description} ({s.required_bytes / GIB:.1f} GiB)" for s in fixes]
     return "\n".join(lines)
 
 
-def _problem_text(response: httpx.Response) -> str:
-    try:
-        problem = response.json()
-        detail = problem.get("detail") or problem.get("title")
-        locs = [".".join(str(p) for p in e["loc"]) for e in problem.get("errors") or []]
-    except (ValueError, AttributeError, KeyError, TypeError):
-        return f"the service answered {response.status_code}"
+def _problem_text(problem: Problem) -> str:
+    detail = problem.detail or problem.title
+    locs = [".".join(str(p) for p in e.loc) for e in problem.errors or []]
     where = f" ({', '.join(locs)})" if locs else ""
-    return f"the service answered {response.status_code}: {detail}{where}"
+    return f"the service answered {problem.status}: {detail}{where}"
 
 
 def _undecided(message: str) -> int:

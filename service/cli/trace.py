@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from service.cli.options import CliError, add_spec_options, load_model, spec_from_args
 from service.core.spec import TrainingSpec
 from service.core.units import GIB
 
@@ -43,9 +44,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
-    """Add `trace` to the `vramcast` subcommands (called by service/cli.py)."""
-    from service.cli import add_spec_options
-
+    """Add `trace` to the `vramcast` subcommands."""
     parser = sub.add_parser(
         "trace",
         help="trace the real HF/PEFT training step on fake tensors (allocated level, exact)",
@@ -56,8 +55,6 @@ def register(sub: Any) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from service.cli import CliError, load_model, spec_from_args
-
     if args.matrix or args.validate:
         return run_trace_command(args, None, None, "")
     if args.batch_size is None or args.seq_len is None:

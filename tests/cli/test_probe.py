@@ -18,14 +18,16 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from service.api.schemas import JobSpec
-from service.cli import build_parser, main, spec_from_args
+from service.cli import probe as probe_cli
+from service.cli.main import build_parser, main
+from service.cli.options import spec_from_args
 from service.client.reporter import Reporter
 from service.core.architecture import from_hf_config
 from service.core.estimator import estimate
 from service.core.result import Estimate
 from service.core.spec import LoraSpec, Method, TrainingSpec
 from service.store.keys import KeyScope
-from service.trace import probe, probe_cli
+from service.trace import probe
 from service.trace.probe import ProbeCase, build_on_device, training_arguments
 from service.trace.validate import TINY_CONFIGS
 from tests.client.conftest import Service, ServiceProcess, Store

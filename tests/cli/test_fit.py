@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api.cli import (
-    EXIT_DOES_NOT_FIT,
-    EXIT_FITS,
-    EXIT_UNDECIDED,
-    job_fields,
-    run_fit,
-)
 from service.api.schemas import JobSpec
-from service.cli import build_parser, main, spec_from_args
+from service.cli.main import build_parser, main
+from service.cli.options import job_fields, spec_from_args
+from service.cli.server import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_UNDECIDED, run_fit
+from service.client.client import VramcastClient
+from service.client.retry import NO_RETRY
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
 from tests.api.conftest import make_app
 
@@ -32,9 +29,24 @@ def service() -> Iterator[TestClient]:
         yield client
 
 
+def _through(service: TestClient) -> httpx.MockTransport:
+    """A transport that hands each request to the app under test."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = service.request(
+            request.method, request.url.path, content=request.content, headers=request.headers
+        )
+        headers = {"content-type": answer.headers.get("content-type", "application/json")}
+        return httpx.Response(answer.status_code, headers=headers, content=answer.content)
+
+    return httpx.MockTransport(handler)
+
+
 def _fit(service: TestClient, *argv: str) -> int:
     args = build_parser().parse_args(["fit", *argv])
-    return run_fit(args, cast(httpx.Client, service))
+    transport = _through(service)
+    with VramcastClient("http://testserver", transport=transport, retry=NO_RETRY) as client:
+        return run_fit(args, client)
 
 
 def test_fits_exits_0(service: TestClient, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,6 +72,20 @@ def test_json_prints_the_answer(service: TestClient, capsys: pytest.CaptureFixtu
     assert _fit(service, *SMALL, "--gpu", "L4", "--json") == EXIT_FITS
     answer = json.loads(capsys.readouterr().out)
     assert answer["results"][0]["gpu"]["name"] == "L4"
+
+
+def test_json_is_the_services_answer_as_sent(
+    service: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["Qwen/Qwen2.5-7B", "-b", "4", "-s", "2048", "--gpu", "H200", "--gpu", "L4"]
+    assert _fit(service, *argv, "--json") == EXIT_DOES_NOT_FIT
+    spec = spec_from_args(build_parser().parse_args(["fit", *argv]))
+    body = {
+        "job": {"model": "Qwen/Qwen2.5-7B", **job_fields(spec)},
+        "gpus": [{"name": "H200"}, {"name": "L4"}],
+    }
+    answer = service.post("/v1/fit-checks", json=body).json()
+    assert capsys.readouterr().out == json.dumps(answer, indent=2) + "\n"
 
 
 @pytest.mark.parametrize(
@@ -89,7 +115,8 @@ def test_an_answer_that_is_not_a_fit_check_exits_2() -> None:
     def handler(_request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"unexpected": True})
 
-    with httpx.Client(transport=httpx.MockTransport(handler), base_url="http://x") as client:
+    transport = httpx.MockTransport(handler)
+    with VramcastClient("http://x", transport=transport, retry=NO_RETRY) as client:
         args = build_parser().parse_args(["fit", *SMALL, "--gpu", "L4"])
         assert run_fit(args, client) == EXIT_UNDECIDED
 

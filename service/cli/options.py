@@ -1,0 +1,233 @@
+"""The job-spec options `estimate`, `fit`, `trace` and `probe` share, and what they build: the
+spec (through the core's spec codec, so the command line refuses what the API refuses, for the
+same reason), and the model from a catalog id or `--config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from service.core.allocator import alloc_conf_values
+from service.core.architecture import ModelArch, from_hf_config
+from service.core.codec import spec_from_dict, spec_to_dict
+from service.core.errors import EstimatorError, InvalidConfigError, InvalidSpecError
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    Framework,
+    LossImpl,
+    Method,
+    Offload,
+    Optim,
+    QuantType,
+    SdpaKernel,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.units import DType
+
+# Spec field (dotted, as errors name it) -> the option that sets it.
+_OPTION_FOR_FIELD = {
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+    "gradient_accumulation_steps": "--gradient-accumulation-steps",
+    "max_grad_norm": "--max-grad-norm",
+    "lora": "--r/--target-modules",
+    "lora.r": "--r",
+    "lora.lora_dropout": "--lora-dropout",
+    "lora.target_modules": "--target-modules",
+    "quantization": "--quant",
+    "parallel.gpus": "--gpus",
+    "parallel.offload": "--offload",
+}
+
+
+class CliError(Exception):
+    """A one-line reason to print before exiting with status 2."""
+
+
+def option_error(exc: InvalidSpecError) -> CliError:
+    """The error naming the option that sets the spec field `exc` names, and the field."""
+    if exc.field.startswith("allocator"):
+        return CliError(f"--alloc-conf: {exc}")
+    option = _OPTION_FOR_FIELD.get(exc.field, "--" + exc.field.split(".")[-1].replace("_", "-"))
+    return CliError(f"{option} ({exc.field}): {exc.reason}")
+
+
+def _choices(enum: type[Any]) -> list[str]:
+    return [e.value for e in enum]
+
+
+def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = True) -> None:
+    """The job-spec options shared by `estimate`, `fit` and `trace`; with `require_job`
+    False, batch size and sequence length may be left out (`trace --matrix`)."""
+    parser.add_argument("model", nargs="?", help="catalog id, e.g. Qwen/Qwen2.5-7B-Instruct")
+    parser.add_argument("--config", type=Path, help="a model config.json instead of a catalog id")
+    parser.add_argument("--method", choices=_choices(Method), default=Method.LORA.value)
+    parser.add_argument(
+        "-b", "--batch-size", type=int, required=require_job, help="micro-batch per GPU"
+    )
+    parser.add_argument(
+        "-s", "--seq-len", type=int, required=require_job, help="tokens per sequence"
+    )
+    lora = parser.add_argument_group("LoRA (PEFT LoraConfig)")
+    lora.add_argument("--r", type=int, help="LoRA rank (PEFT default 8)")
+    lora.add_argument("--lora-alpha", type=int)
+    lora.add_argument("--lora-dropout", type=float)
+    lora.add_argument("--target-modules", help=f"comma-separated module names, or {ALL_LINEAR}")
+    lora.add_argument("--modules-to-save", help="comma-separated, e.g. embed_tokens,lm_head")
+    lora.add_argument("--adapter-dtype", choices=_choices(DType))
+    quant = parser.add_argument_group("QLoRA (bitsandbytes)")
+    quant.add_argument("--quant", choices=_choices(QuantType))
+    quant.add_argument("--double-quant", action="store_true")
+    quant.add_argument("--compute-dtype", choices=_choices(DType))
+    quant.add_argument(
+        "--no-prepare-kbit", action="store_true", help="skip prepare_model_for_kbit_training"
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--dtype", choices=_choices(DType), default=DType.BF16.value)
+    train.add_argument("--autocast", action="store_true", help="bf16/fp16 mixed precision")
+    train.add_argument("--optim", choices=_choices(Optim), default=Optim.ADAMW_TORCH_FUSED.value)
+    train.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    train.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="gradient clipping as HF Trainer's max_grad_norm (default 1.0; 0: none)",
+    )
+    train.add_argument("--gradient-checkpointing", action="store_true")
+    train.add_argument(
+        "--attn-implementation", choices=_choices(AttnImpl), default=AttnImpl.SDPA.value
+    )
+    train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
+    train.add_argument("--loss", choices=_choices(LossImpl))
+    train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
+    par = parser.add_argument_group("parallelism")
+    par.add_argument("--gpus", type=int, default=1)
+    par.add_argument("--strategy", choices=_choices(Strategy), default=Strategy.DDP.value)
+    par.add_argument("--offload", choices=_choices(Offload), default=Offload.NONE.value)
+    parser.add_argument(
+        "--alloc-conf",
+        default="",
+        help="PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True (default: PyTorch's)",
+    )
+
+
+def _names(raw: str | None) -> list[str] | str | None:
+    if raw is None:
+        return None
+    if raw.strip() == ALL_LINEAR:
+        return ALL_LINEAR
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def _given(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The options set, so the spec's defaults fill the rest."""
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
+    """Build a TrainingSpec from parsed options; raises CliError naming the option."""
+    method = Method(args.method)
+    lora_given = any(
+        getattr(args, n) is not None
+        for n in ("r", "lora_alpha", "lora_dropout", "target_modules", "adapter_dtype")
+    ) or bool(args.modules_to_save)
+    if method is Method.FULL and lora_given:
+        raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
+    if method is not Method.QLORA and (args.quant or args.double_quant or args.compute_dtype):
+        raise CliError("--quant: quantization options need --method qlora")
+    data = _given(
+        {
+            "method": method.value,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "dtype": args.dtype,
+            "autocast": args.autocast,
+            "optim": args.optim,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "max_grad_norm": args.max_grad_norm,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "attn_implementation": args.attn_implementation,
+            "sdpa_kernel": args.sdpa_kernel,
+            "loss": args.loss,
+            "framework": args.framework,
+            "parallel": {"gpus": args.gpus, "strategy": args.strategy, "offload": args.offload},
+        }
+    )
+    if method is not Method.FULL:
+        saved = _names(args.modules_to_save)
+        data["lora"] = _given(
+            {
+                "r": args.r,
+                "lora_alpha": args.lora_alpha,
+                "lora_dropout": args.lora_dropout,
+                "target_modules": _names(args.target_modules),
+                "modules_to_save": saved if isinstance(saved, list) else [],
+                "adapter_dtype": args.adapter_dtype,
+            }
+        )
+    if method is Method.QLORA:
+        data["quantization"] = _given(
+            {
+                "type": args.quant or QuantType.NF4.value,
+                "double_quant": args.double_quant,
+                "compute_dtype": args.compute_dtype,
+                "prepare_kbit": not args.no_prepare_kbit,
+            }
+        )
+    try:
+        data["allocator"] = alloc_conf_values(getattr(args, "alloc_conf", "") or "")
+        return spec_from_dict(data)
+    except InvalidSpecError as exc:
+        raise option_error(exc) from None
+
+
+def job_fields(spec: TrainingSpec) -> dict[str, Any]:
+    """A spec as the API's job fields (the codec's names), options left unset left out."""
+    fields: dict[str, Any] = _without_nulls(spec_to_dict(spec))
+    return fields
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def read_config(args: argparse.Namespace) -> Mapping[str, Any] | None:
+    """The `--config` file's JSON, None without --config; refuses a model id beside it."""
+    if args.config is None:
+        return None
+    if args.model:
+        raise CliError("give a model id or --config, not both")
+    try:
+        raw: Mapping[str, Any] = json.loads(Path(args.config).read_text())
+    except OSError as exc:
+        raise CliError(f"--config: cannot read {args.config}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--config: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    return raw
+
+
+def load_model(args: argparse.Namespace) -> tuple[str, Mapping[str, Any], ModelArch]:
+    """(model id, config.json mapping, architecture) from `model` or `--config`."""
+    raw = read_config(args)
+    if raw is not None:
+        try:
+            return str(args.config), raw, from_hf_config(raw)
+        except InvalidConfigError as exc:
+            raise CliError(f"--config: {exc}") from None
+    if not args.model:
+        raise CliError("model: give a catalog id or --config config.json")
+    from service.catalog.models import default_catalog
+
+    try:
+        entry = default_catalog().resolve(args.model)
+    except EstimatorError as exc:
+        raise CliError(f"model: {exc}") from None
+    return entry.id, entry.config, entry.arch

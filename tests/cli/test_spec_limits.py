@@ -1,0 +1,76 @@
+"""The command line refuses the job specs the REST API refuses, naming the same field with the
+same reason: both go through the core's limits (the CLI through the spec codec)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.cli.main import EXIT_USAGE, main
+from tests.api.conftest import make_app
+
+MODEL = "Qwen/Qwen2.5-0.5B"
+JOB: dict[str, Any] = {"model": MODEL, "batch_size": 2, "seq_len": 512}
+ARGV = ["estimate", MODEL, "-b", "2", "-s", "512"]
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[TestClient]:
+    with TestClient(make_app()) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("options", "job"),
+    [
+        (["-b", "1000000000"], {"batch_size": 1_000_000_000}),
+        (["-b", "0"], {"batch_size": 0}),
+        (["-s", "2000000"], {"seq_len": 2_000_000}),
+        (["--gradient-accumulation-steps", "100000"], {"gradient_accumulation_steps": 100_000}),
+        (["--max-grad-norm", "1e7"], {"max_grad_norm": 1e7}),
+        (["--max-grad-norm", "-1"], {"max_grad_norm": -1.0}),
+        (["--r", "100000"], {"lora": {"r": 100_000}}),
+        (["--lora-alpha", "0"], {"lora": {"lora_alpha": 0}}),
+        (["--lora-dropout", "1.5"], {"lora": {"lora_dropout": 1.5}}),
+        (["--gpus", "5000"], {"parallel": {"gpus": 5000}}),
+        (
+            ["--gpus", "2", "--offload", "optimizer_and_params"],
+            {"parallel": {"gpus": 2, "offload": "optimizer_and_params"}},
+        ),
+        (["--alloc-conf", "max_split_size_mb:10"], {"allocator": {"max_split_size_mb": 10}}),
+        (
+            ["--alloc-conf", "roundup_power2_divisions:4096"],
+            {"allocator": {"roundup_power2_divisions": 4096}},
+        ),
+    ],
+)
+def test_the_cli_refuses_what_the_api_refuses_for_the_same_reason(
+    service: TestClient,
+    capsys: pytest.CaptureFixture[str],
+    options: list[str],
+    job: dict[str, Any],
+) -> None:
+    response = service.post("/v1/estimates", json={**JOB, **job})
+    assert response.status_code == 422
+    [error] = response.json()["errors"]
+    field = ".".join(str(part) for part in error["loc"][1:])
+
+    assert main([*ARGV, *options]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("vramcast estimate: error: ")
+    assert field in captured.err
+    assert captured.err.rstrip("\n").endswith(f": {error['detail']}")
+
+
+def test_a_huge_batch_is_a_usage_error_naming_batch_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*ARGV[:2], "-b", "1000000000", "-s", "512"]) == EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "vramcast estimate: error: --batch-size (batch_size): "
+        "Input should be less than or equal to 4096\n"
+    )
