@@ -17,13 +17,13 @@ from fastapi.openapi.utils import get_openapi
 
 from service.api import problems
 from service.api.answers import AnswerCache
-from service.api.calibration import CachedFactors, FactorProvider, keep_fresh
 from service.api.deps import Services, require_read_key
 from service.api.limits import BodyLimitMiddleware
 from service.api.metrics import Metrics, MetricsMiddleware
 from service.api.routes import calibrations, catalog, estimates, factors, fit_checks, health
 from service.api.settings import Settings
-from service.calibration_service import FactorCache, factor_loader
+from service.calibration.factors import FactorCache, factor_loader, keep_fresh
+from service.calibration.provider import CachedFactors, FactorProvider
 from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
 from service.core.estimator import ESTIMATOR_VERSION

@@ -13,12 +13,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.answers import AnswerCache
 from service.api.auth import api_key, require_key
-from service.api.calibration import FactorProvider
 from service.api.estimation import Estimation
 from service.api.metrics import Metrics
 from service.api.settings import Settings
-from service.api.uploads import Calibrations
-from service.calibration_service import FactorCache
+from service.calibration.factors import FactorCache
+from service.calibration.provider import FactorProvider
+from service.calibration.service import Calibrations
 from service.catalog.gpus import GpuCatalog
 from service.catalog.models import ModelCatalog
 from service.store.keys import KeyScope
@@ -47,20 +47,12 @@ def services_of(request: Request) -> Services:
 
 
 # Dependencies are coroutines so that FastAPI calls them inline, not in its thread pool.
-async def get_settings(request: Request) -> Settings:
-    return services_of(request).settings
-
-
 async def get_model_catalog(request: Request) -> ModelCatalog:
     return services_of(request).models
 
 
 async def get_gpu_catalog(request: Request) -> GpuCatalog:
     return services_of(request).gpus
-
-
-async def get_factor_provider(request: Request) -> FactorProvider:
-    return services_of(request).factors
 
 
 async def get_metrics(request: Request) -> Metrics:
@@ -71,23 +63,16 @@ async def get_engine(request: Request) -> Engine:
     return services_of(request).engine
 
 
-async def get_factor_cache(request: Request) -> FactorCache:
-    return services_of(request).factor_cache
-
-
 def get_session(request: Request) -> Iterator[Session]:
     """One session per request; the route commits (once, before its 201) or nothing is kept."""
     with services_of(request).sessions() as session:
         yield session
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 ModelCatalogDep = Annotated[ModelCatalog, Depends(get_model_catalog)]
 GpuCatalogDep = Annotated[GpuCatalog, Depends(get_gpu_catalog)]
-FactorProviderDep = Annotated[FactorProvider, Depends(get_factor_provider)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
-FactorCacheDep = Annotated[FactorCache, Depends(get_factor_cache)]
 SessionDep = Annotated[Session, Depends(get_session)]
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(api_key)]
 
@@ -123,10 +108,9 @@ def require_read_key(session: SessionDep, credentials: CredentialsDep) -> None:
 UploadKeyDep = Annotated[ApiKey, Depends(get_upload_key)]
 
 
-async def get_calibrations(
-    models: ModelCatalogDep, gpus: GpuCatalogDep, cache: FactorCacheDep
-) -> Calibrations:
-    return Calibrations(models=models, gpus=gpus, cache=cache)
+async def get_calibrations(request: Request) -> Calibrations:
+    services = services_of(request)
+    return Calibrations(models=services.models, gpus=services.gpus, cache=services.factor_cache)
 
 
 CalibrationsDep = Annotated[Calibrations, Depends(get_calibrations)]

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
-from service.api.calibration import CalibratedPeaks, FactorProvider
 from service.api.metrics import CUSTOM_MODEL, Metrics
 from service.api.problems import (
     Loc,
@@ -39,6 +38,7 @@ from service.api.schemas import (
     RejectedJob,
     SuggestionOut,
 )
+from service.calibration.provider import CalibratedPeaks, FactorProvider
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
 from service.catalog.models import CatalogEntry, ModelCatalog
 from service.core.architecture import ModelArch, from_hf_config
@@ -195,12 +195,10 @@ class Estimation:
         return _Job(spec, model, arch)
 
     def _model(self, ref: ModelRef, loc_prefix: Loc) -> tuple[str, ModelArch]:
-        if ref.id is not None:
-            entry = _remembered(self._entries, ref.id, self.models.resolve, UnknownModelError)
-            return entry.id, entry.arch
-        arch = from_hf_config(ref.hf_config or {})
-        check_config_limits(arch, (*loc_prefix, "model", "hf_config"))
-        return CUSTOM_MODEL, arch
+        return resolve_model(ref, loc_prefix, self._entry)
+
+    def _entry(self, model_id: str) -> CatalogEntry:
+        return _remembered(self._entries, model_id, self.models.resolve, UnknownModelError)
 
     def _gpu(self, ref: GpuRef) -> GpuOut:
         if ref.name is not None:
@@ -223,6 +221,22 @@ class Estimation:
 
     def _peaks(self, est: Levels, job: _Job, gpu: str | None) -> CalibratedPeaks:
         return self.factors.peaks(est, model=job.model, method=job.spec.method.value, gpu=gpu)
+
+
+def resolve_model(
+    ref: ModelRef, loc_prefix: Loc, resolve: Callable[[str], CatalogEntry]
+) -> tuple[str, ModelArch]:
+    """The model a job names: its catalog id (`resolve` finds it) and architecture, or
+    CUSTOM_MODEL and the architecture of the config.json it gives.
+
+    Raises UnknownModelError and InvalidSpecError, and a 422 problem at `loc_prefix` for a
+    config.json beyond this service's limits."""
+    if ref.id is not None:
+        entry = resolve(ref.id)
+        return entry.id, entry.arch
+    arch = from_hf_config(ref.hf_config or {})
+    check_config_limits(arch, (*loc_prefix, "model", "hf_config"))
+    return CUSTOM_MODEL, arch
 
 
 def _remembered(memo: dict[str, T | E], key: str, lookup: Callable[[str], T], error: type[E]) -> T:

@@ -44,7 +44,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from service.calibration_service import IdempotencyKeyReusedError, InvalidCursorError
+from service.calibration.uploads import IdempotencyKeyReusedError, InvalidCursorError
 from service.catalog.gpus import UnknownGpuError
 from service.core.calibration import ImplausibleMeasurementError
 from service.core.errors import (

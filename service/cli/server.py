@@ -20,7 +20,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from service.api.settings import Settings
-from service.calibration_service import EstimateFn
+from service.calibration import EstimateFn
 from service.cli.options import CliError, add_spec_options, job_fields, read_config, spec_from_args
 from service.client.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, URL_ENV, VramcastClient
 from service.client.errors import (

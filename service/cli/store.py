@@ -17,7 +17,7 @@ from alembic import command
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.calibration_service import EstimateFn, rederive_ratios
+from service.calibration import EstimateFn, rederive_ratios
 from service.core.estimator import ESTIMATOR_VERSION
 from service.store.db import create_engine_from_url, create_session_factory, database_url_from_env
 from service.store.keys import KeyScope, create_key, list_keys, revoke_key

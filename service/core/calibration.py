@@ -472,9 +472,9 @@ class FactorTable:
 
     factors: Mapping[GroupKey, Factor]
     # Every job of a model, method and GPU is calibrated alike: each calibrator is found once
-    # per table (a table never changes; a refit makes a new one). Uploads name GPUs and
-    # environments freely, so the memo is emptied when it holds CALIBRATOR_MEMO_ENTRIES.
-    _calibrators: dict[tuple[str, str, str | None, str | None], Calibrator] = field(
+    # per table (a table never changes; a refit makes a new one). Uploads name GPUs
+    # freely, so the memo is emptied when it holds CALIBRATOR_MEMO_ENTRIES.
+    _calibrators: dict[tuple[str, str, str | None], Calibrator] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -507,20 +507,19 @@ class FactorTable:
                 return AppliedFactor(key=key, factor=factor)
         return None
 
-    def calibrator(
-        self, *, model: str, method: str, gpu: str | None = None, environment: str | None = None
-    ) -> Calibrator:
-        """The factors that apply, level by level, to one model, method, GPU, environment."""
-        key = (model, method, gpu, environment)
+    def calibrator(self, *, model: str, method: str, gpu: str | None = None) -> Calibrator:
+        """The factors that apply, level by level, to one model, method and GPU.
+
+        An estimate names no environment, so the environment's factors (which flag uploads'
+        ratios as outliers) never apply to it."""
+        key = (model, method, gpu)
         found = self._calibrators.get(key)
         if found is None:
             if len(self._calibrators) >= CALIBRATOR_MEMO_ENTRIES:
                 self._calibrators.clear()
             applied = {}
             for level in Level:
-                factor = self.lookup(
-                    model=model, method=method, level=level, gpu=gpu, environment=environment
-                )
+                factor = self.lookup(model=model, method=method, level=level, gpu=gpu)
                 if factor is not None:
                     applied[level] = factor
             found = self._calibrators[key] = Calibrator(MappingProxyType(applied))
@@ -585,7 +584,7 @@ def flag_outlier(ratio: float, outcome: Outcome, applied: AppliedFactor | None) 
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CalibratedPeaks:
+class CalibratedLevels:
     """An estimate's peaks after calibration; a level without a factor keeps its estimate."""
 
     allocated_bytes: int
@@ -601,7 +600,7 @@ class Calibrator:
 
     applied: Mapping[Level, AppliedFactor]
 
-    def apply(self, estimate: Levels) -> CalibratedPeaks:
+    def apply(self, estimate: Levels) -> CalibratedLevels:
         """Each level's factor applied, keeping allocated <= reserved <= device."""
         applied = self.applied
         device_factor = applied.get(Level.DEVICE)
@@ -615,7 +614,7 @@ class Calibrator:
             upper = -(-estimate.device_bytes_upper * device // estimate.device_bytes)
         else:
             upper = estimate.device_bytes_upper
-        return CalibratedPeaks(
+        return CalibratedLevels(
             allocated_bytes=allocated,
             reserved_bytes=reserved,
             device_bytes=device,
@@ -635,8 +634,7 @@ def calibrate(
     model: str,
     method: str,
     gpu: str | None = None,
-    environment: str | None = None,
-) -> CalibratedPeaks:
+) -> CalibratedLevels:
     """Apply each level's factor to an estimate, keeping allocated <= reserved <= device."""
-    calibrator = table.calibrator(model=model, method=method, gpu=gpu, environment=environment)
+    calibrator = table.calibrator(model=model, method=method, gpu=gpu)
     return calibrator.apply(estimate)

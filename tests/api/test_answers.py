@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 
 from service.api.answers import MAX_KEPT_BODY_BYTES, Answer, AnswerCache
 from service.api.app import create_app
-from service.api.calibration import CachedFactors, CalibratedPeaks
 from service.api.settings import Settings
+from service.calibration.provider import CachedFactors, CalibratedPeaks
 from service.core.result import Levels
 from tests.api.conftest import SMALL_JOB, make_app
 from tests.api.test_operations import _sample

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.api.calibration import AppliedCalibration, CalibratedPeaks
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
 from service.api.settings import Settings
+from service.calibration.provider import AppliedCalibration, CalibratedPeaks
 from service.core.result import Estimate
 from tests.api.conftest import SMALL_JOB, make_app
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.calibration_service import NewUpload, UploadReceipt
+from service.calibration.uploads import NewUpload, UploadReceipt
 from service.core.calibration import Measured, Outcome
 from service.core.errors import UnknownModelError
 from service.core.result import Estimate, ParamCounts, Phase

@@ -14,15 +14,17 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from service.calibration_service import (
+from service.calibration.factors import (
     FactorCache,
     FactorState,
+    environment_key,
+    load_factor_table,
+)
+from service.calibration.uploads import (
     IdempotencyKeyReusedError,
     InvalidCursorError,
     Submission,
-    environment_key,
     list_calibrations,
-    load_factor_table,
     rederive_ratios,
     submit_upload,
 )

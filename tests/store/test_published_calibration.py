@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
-from service.calibration_service import NewUpload, load_factor_table, submit_upload
+from service.calibration.factors import load_factor_table
+from service.calibration.uploads import NewUpload, submit_upload
 from service.catalog.gpus import UnknownGpuError, default_gpu_catalog
 from service.catalog.models import default_catalog
 from service.core.calibration import (

@@ -8,16 +8,17 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import Response
 
-from service.api.calibration_schemas import (
+from service.api import uploads
+from service.api.deps import CalibrationsDep, SessionDep, UploadKeyDep
+from service.api.problems import responses
+from service.api.responses import json_response
+from service.api.schemas.calibrations import (
     CalibrationFilterIn,
     CalibrationPageOut,
     CalibrationReceiptOut,
     CalibrationUploadIn,
 )
-from service.api.deps import CalibrationsDep, SessionDep, UploadKeyDep
-from service.api.problems import responses
-from service.api.responses import json_response
-from service.calibration_service import Submission
+from service.calibration.uploads import Submission
 
 router = APIRouter(prefix="/v1", tags=["calibrations"])
 # Reads: the app adds a read-key dependency when the service requires one.
@@ -61,7 +62,9 @@ def create_calibration(
     calibrations: CalibrationsDep,
     idempotency_key: IdempotencyKey = None,
 ) -> Response:
-    submission = calibrations.submit(session, body, key=key, idempotency_key=idempotency_key)
+    submission = uploads.submit(
+        calibrations, session, body, key=key, idempotency_key=idempotency_key
+    )
     return _answer(submission)
 
 
@@ -78,7 +81,15 @@ def list_calibrations(
     session: SessionDep,
     calibrations: CalibrationsDep,
 ) -> Response:
-    return json_response(calibrations.page(session, filters))
+    page = calibrations.page(
+        session,
+        limit=filters.limit,
+        model=filters.model,
+        node_id=filters.node_id,
+        since=filters.since,
+        cursor=filters.cursor,
+    )
+    return json_response(CalibrationPageOut.from_core(page))
 
 
 def _answer(submission: Submission) -> Response:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from service.api.calibration_schemas import FactorTableOut
 from service.api.deps import CalibrationsDep
 from service.api.problems import responses
 from service.api.responses import json_response
+from service.api.schemas.calibrations import FactorTableOut
+from service.core.estimator import ESTIMATOR_VERSION
 
 # A read: the app adds a read-key dependency when the service requires one.
 router = APIRouter(prefix="/v1", tags=["calibrations"])
@@ -24,4 +25,10 @@ router = APIRouter(prefix="/v1", tags=["calibrations"])
     responses=responses(401, 403, 503),
 )
 async def get_factors(calibrations: CalibrationsDep) -> Response:
-    return json_response(calibrations.factors())
+    cache = calibrations.cache
+    snapshot = cache.peek()
+    return json_response(
+        FactorTableOut.from_core(
+            snapshot, age_s=cache.age_s(snapshot), estimator_version=ESTIMATOR_VERSION
+        )
+    )

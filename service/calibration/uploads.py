@@ -1,4 +1,4 @@
-"""Calibration uploads end to end: store the raw upload, derive its ratios, refit factors.
+"""Calibration uploads end to end: store the raw upload, derive its ratios, list uploads.
 
 The estimator comes in as a callable (job spec JSON -> Estimate), so this module needs
 neither the catalog nor the API. Callers own the transaction: these functions flush, the
@@ -11,29 +11,23 @@ import base64
 import binascii
 import hashlib
 import json
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from service.calibration.factors import environment_key, load_factor_table
 from service.core.calibration import (
     EMPTY_TABLE,
     AppliedFactor,
     FactorTable,
     Level,
     Measured,
-    Observation,
     Outcome,
-    Sample,
     check_measured,
     estimated_at,
-    fit_table,
     flag_outlier,
 )
 from service.core.errors import EstimatorError
@@ -44,12 +38,6 @@ from service.store.repositories import CalibrationRepository, DuplicateIdempoten
 EstimateFn = Callable[[Mapping[str, Any]], Estimate]
 Clock = Callable[[], datetime]
 
-# Factors a replica serves are at most this old: with one load it stays within the 10 s in
-# which an upload must reach every replica's answers.
-FACTOR_TTL_S = 5.0
-# After a failed load (database down), wait this long before trying again, so requests keep
-# answering from the cache instead of each waiting on a connection timeout.
-FACTOR_RETRY_S = 2.0
 MAX_PAGE = 500
 
 
@@ -129,18 +117,6 @@ class Submission:
     upload_id: int
     body: dict[str, Any]  # the response body: the first one, for a replay
     replayed: bool
-
-
-def environment_key(environment: Mapping[str, Any]) -> str:
-    """The part of an environment that changes memory: torch and CUDA, major.minor."""
-
-    def major_minor(name: str) -> str:
-        value = environment.get(name)
-        if not isinstance(value, str) or not value:
-            return "?"
-        return ".".join(value.split("+")[0].split(".")[:2])
-
-    return f"torch {major_minor('torch')}, cuda {major_minor('cuda')}"
 
 
 def derive_ratios(
@@ -280,23 +256,6 @@ def submit_upload(
     return Submission(upload_id=row.id, body=body, replayed=False)
 
 
-def _observation(row: Any) -> Observation:
-    return Observation(
-        model=row.model,
-        method=row.method,
-        level=row.level,
-        gpu=row.gpu_name,
-        environment=environment_key(row.environment),
-        sample=Sample(node_id=row.node_id, ratio=row.ratio, outcome=row.outcome),
-    )
-
-
-def load_factor_table(session: Session, estimator_version: str) -> FactorTable:
-    """Fit every factor afresh from the raw ratios of one estimator version."""
-    rows = CalibrationRepository(session).observations(estimator_version)
-    return fit_table(_observation(row) for row in rows)
-
-
 def rederive_ratios(
     session: Session,
     *,
@@ -389,105 +348,3 @@ def list_calibrations(
     return CalibrationPage(
         uploads=page, next_cursor=encode_cursor(page[-1].id) if more and page else None
     )
-
-
-class FactorState(StrEnum):
-    FRESH = "fresh"  # loaded from the store within the TTL
-    STALE = "stale"  # the store could not be read: the last factors loaded
-    NONE = "none"  # the store could not be read and nothing was ever loaded: uncalibrated
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FactorSnapshot:
-    table: FactorTable
-    state: FactorState
-    loaded_at: float | None  # clock reading of the last successful load
-    error: str | None  # why the last load failed, while not fresh
-
-
-class FactorCache:
-    """A replica's factors, reloaded from the store when older than `ttl_s`.
-
-    When the store is down, it keeps answering with the last factors (or none) and says so.
-    One thread reloads at a time; the others meanwhile get what is cached.
-    """
-
-    def __init__(
-        self,
-        load: Callable[[], FactorTable],
-        *,
-        ttl_s: float = FACTOR_TTL_S,
-        retry_s: float = FACTOR_RETRY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._load = load
-        self._ttl_s = ttl_s
-        self._retry_s = retry_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._snapshot = FactorSnapshot(
-            table=EMPTY_TABLE, state=FactorState.NONE, loaded_at=None, error="not loaded yet"
-        )
-        self._next_load = float("-inf")
-        self._invalidations = 0
-
-    def get(self) -> FactorSnapshot:
-        if self._clock() < self._next_load:
-            return self._snapshot
-        # The first load is waited for; later reloads are not, the cached table serves.
-        if not self._lock.acquire(blocking=self._snapshot.loaded_at is None):
-            return self._snapshot
-        try:
-            now = self._clock()
-            if now >= self._next_load:
-                self._refresh(now)
-            return self._snapshot
-        finally:
-            self._lock.release()
-
-    def peek(self) -> FactorSnapshot:
-        """The cached factors, never loading: for request paths that must not wait on the
-        database, while a background task calls `get` to keep them fresh."""
-        return self._snapshot
-
-    def age_s(self, snapshot: FactorSnapshot) -> float | None:
-        """Seconds since `snapshot` was loaded, by this cache's clock; None: never loaded."""
-        return None if snapshot.loaded_at is None else max(self._clock() - snapshot.loaded_at, 0.0)
-
-    def invalidate(self) -> None:
-        """Reload on the next `get` (after this replica stored an upload), also when a load
-        that began before the upload was stored is under way."""
-        self._invalidations += 1
-        self._next_load = float("-inf")
-
-    def _refresh(self, now: float) -> None:
-        invalidations = self._invalidations
-        try:
-            table = self._load()
-        except SQLAlchemyError as error:
-            previous = self._snapshot
-            self._snapshot = FactorSnapshot(
-                table=previous.table,
-                state=FactorState.NONE if previous.loaded_at is None else FactorState.STALE,
-                loaded_at=previous.loaded_at,
-                error=f"calibration store unavailable: {type(error).__name__}",
-            )
-            self._next_load = now + self._retry_s
-            return
-        self._snapshot = FactorSnapshot(
-            table=table, state=FactorState.FRESH, loaded_at=now, error=None
-        )
-        invalidated = self._invalidations != invalidations
-        self._next_load = float("-inf") if invalidated else now + self._ttl_s
-
-
-def factor_loader(
-    sessions: sessionmaker[Session], estimator_version: str
-) -> Callable[[], FactorTable]:
-    """A FactorCache loader reading the store in its own short session."""
-
-    def load() -> FactorTable:
-        with sessions() as session:
-            return load_factor_table(session, estimator_version)
-
-    return load

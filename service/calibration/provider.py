@@ -1,31 +1,21 @@
 """The seam through which measured peaks correct estimates: a provider of calibrated peaks.
 
-Every estimate and fit-check asks the app's one `FactorProvider` (the `FactorProviderDep`
-dependency) for its peaks. `CachedFactors` applies the factors that a replica's
-`FactorCache` holds: requests only read that cache, never the database, and `keep_fresh`
-reloads it in a worker thread. When the store is down, estimates carry the last factors
-loaded (`stale`) or none (`none`), and say which.
+Every estimate and fit-check asks the app's one `FactorProvider` for its peaks.
+`CachedFactors` applies the factors that a replica's `FactorCache` holds, never waiting on a
+load; the estimate says which factors applied and whether they are fresh, stale or none.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from service.calibration_service import FactorCache, FactorState
+from service.calibration.factors import FactorCache, FactorState
 from service.core.calibration import AppliedFactor, Level, Scope
 from service.core.result import Levels
 
 SCOPE_NONE = "none"
-# How often a replica checks whether its factors are due for a reload (their TTL passed, or
-# an upload invalidated them): factors are at most the cache's TTL plus this old.
-REFRESH_TICK_S = 1.0
-
-logger = logging.getLogger(__name__)
-
 # How the calibration notes name a factor's scope.
 SCOPE_WORDS = {
     Scope.MODEL_GPU.value: "model+GPU",
@@ -46,18 +36,6 @@ _NONE_APPLIED = {
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LevelFactor:
-    """The factor that corrected one peak level."""
-
-    level: Level
-    scope: str  # the calibration scope the factor came from (model_gpu, model, global, ...)
-    factor: float  # measured / estimated, multiplied into the estimate
-    nodes: int  # training nodes whose measurements voted
-    samples: int  # measured runs behind the factor
-    models: int  # models whose measurements voted: 1 unless the factor is the global one
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class AppliedCalibration:
     """Which factors corrected the estimate. `scope` to `samples` describe the device level's
     (the safe bound's level) factor, if any; `levels` lists every level's."""
@@ -68,7 +46,7 @@ class AppliedCalibration:
     upper_multiplier: float | None  # the calibrated spread above the factor
     nodes: int  # training nodes whose measurements voted
     samples: int  # measured runs behind the factor
-    levels: tuple[LevelFactor, ...] = ()
+    levels: tuple[AppliedFactor, ...] = ()  # every level's factor, in Level order
     # The factor table used: fresh, stale (the store is unreachable: the last one loaded) or
     # none (nothing could be loaded).
     state: FactorState = FactorState.NONE
@@ -83,20 +61,30 @@ class AppliedCalibration:
         came from, the runs and nodes behind it, and the safe bound's margin; or that none
         applied, and why.
 
-        The API is the one place that says so: the core knows no factors.
+        Calibration is the one place that says so: the core knows no factors.
         """
         if not (self.applied or self.levels):
             return _NONE_APPLIED[self.state]
-        found = {level.level: level for level in self.levels}
+        found = {applied.key.level: applied for applied in self.levels}
         parts = []
         for level in Level:
-            factor = found.get(level)
+            applied = found.get(level)
             if level is Level.DEVICE and self.factor is not None:
-                models = factor.models if factor is not None else 1
-                parts.append(_level_words(level, self.scope, self.factor, models, self))
-            elif factor is not None:
+                models = applied.factor.models if applied is not None else 1
                 parts.append(
-                    _level_words(level, factor.scope, factor.factor, factor.models, factor)
+                    _level_words(level, self.scope, self.factor, models, self.samples, self.nodes)
+                )
+            elif applied is not None:
+                factor = applied.factor
+                parts.append(
+                    _level_words(
+                        level,
+                        applied.key.scope.value,
+                        factor.ratio,
+                        factor.models,
+                        factor.runs,
+                        factor.nodes,
+                    )
                 )
             else:
                 parts.append(f"{level} none (the estimator's own)")
@@ -109,12 +97,12 @@ class AppliedCalibration:
 
 
 def _level_words(
-    level: Level, scope: str, factor: float, models: int, counts: LevelFactor | AppliedCalibration
+    level: Level, scope: str, factor: float, models: int, samples: int, nodes: int
 ) -> str:
     voters = f"{models} models, " if models > 1 else ""
     return (
         f"{level} x{factor:.3f} from the {SCOPE_WORDS.get(scope, scope)} factor "
-        f"({voters}{counts.samples} runs on {counts.nodes} nodes)"
+        f"({voters}{samples} runs on {nodes} nodes)"
     )
 
 
@@ -181,17 +169,7 @@ def applied_calibration(
 ) -> AppliedCalibration:
     if not applied:
         return _UNCALIBRATED[state]
-    levels = tuple(
-        LevelFactor(
-            level=level,
-            scope=found.key.scope.value,
-            factor=found.factor.ratio,
-            nodes=found.factor.nodes,
-            samples=found.factor.runs,
-            models=found.factor.models,
-        )
-        for level, found in applied.items()
-    )
+    levels = tuple(applied.values())
     device = applied.get(Level.DEVICE)
     if device is None:
         return AppliedCalibration(
@@ -214,15 +192,3 @@ def applied_calibration(
         levels=levels,
         state=state,
     )
-
-
-async def keep_fresh(cache: FactorCache, tick_s: float = REFRESH_TICK_S) -> None:
-    """Reload `cache` in a worker thread whenever it is due; runs until cancelled."""
-    while True:
-        await asyncio.sleep(tick_s)
-        try:
-            await asyncio.to_thread(cache.get)
-        except Exception:
-            # The cache turns database errors into a stale state; anything else is a bug,
-            # and the next tick tries again.
-            logger.exception("reloading the calibration factors failed")

@@ -1,6 +1,6 @@
 """Bodies of the calibration routes: uploads from training nodes, their listing, the factors.
 
-An upload maps to the store's `NewUpload`; what the store returns maps back explicitly.
+An upload maps to the calibration package's `NewUpload`; what it returns maps back explicitly.
 """
 
 from __future__ import annotations
@@ -9,21 +9,15 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import (
-    AwareDatetime,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    JsonValue,
-    StringConstraints,
-)
+from pydantic import AwareDatetime, BeforeValidator, Field, JsonValue, StringConstraints
 
-from service.api.schemas import MAX_MEMORY_MIB, JobSpec
-from service.calibration_service import (
+from service.api.schemas.base import In, Out
+from service.api.schemas.jobs import MAX_MEMORY_MIB, JobSpec
+from service.calibration.factors import FactorSnapshot, FactorState
+from service.calibration.uploads import (
     MAX_PAGE,
     CalibrationPage,
-    FactorState,
+    NewUpload,
     RatioResult,
     UploadReceipt,
 )
@@ -34,7 +28,6 @@ from service.core.calibration import (
     UPPER_MULTIPLIER_MAX,
     UPPER_MULTIPLIER_MIN,
     Factor,
-    FactorTable,
     GroupKey,
     Level,
     Measured,
@@ -73,26 +66,18 @@ def _date_time_text(value: Any) -> Any:
 DateTimeText = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
 
 
-class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Uploads
 
 
-class ReportedGpuIn(_In):
+class ReportedGpuIn(In):
     """The GPU the run used, as its driver reports it."""
 
     name: NodeName = Field(description="The name nvidia-smi prints, e.g. 'NVIDIA A100-SXM4-80GB'.")
     memory_total_bytes: PeakBytes = Field(description="Total memory the driver reports, bytes.")
 
 
-class MeasuredIn(_In):
+class MeasuredIn(In):
     """Peaks one rank measured, bytes; leave out a level that was not measured."""
 
     allocated_bytes: PeakBytes | None = Field(
@@ -113,7 +98,7 @@ class MeasuredIn(_In):
         )
 
 
-class EnvironmentIn(_In):
+class EnvironmentIn(In):
     """The software a peak was measured with; leave out what the node does not know."""
 
     torch: VersionText | None = Field(
@@ -129,7 +114,7 @@ class EnvironmentIn(_In):
     )
 
 
-class CalibrationUploadIn(_In):
+class CalibrationUploadIn(In):
     """One rank's measured peaks for a job, and where they came from."""
 
     job: JobSpec = Field(description="The job, exactly as for POST /v1/estimates.")
@@ -145,8 +130,23 @@ class CalibrationUploadIn(_In):
     node_id: NodeName = Field(description="The training node (one vote per node in a factor).")
     run_id: NodeName = Field(description="The run and rank, e.g. 'job-4711-rank0'.")
 
+    def to_upload(self, *, model: str, gpu_name: str) -> NewUpload:
+        """The upload, its model and GPU named as estimates name them."""
+        return NewUpload(
+            job=self.job.model_dump(mode="json", exclude_unset=True),
+            model=model,
+            method=self.job.method.value,
+            gpu_name=gpu_name,
+            gpu_memory_total_bytes=self.gpu.memory_total_bytes,
+            measured=self.measured.to_core(),
+            outcome=self.outcome,
+            environment=self.environment.model_dump(mode="json", exclude_unset=True),
+            node_id=self.node_id,
+            run_id=self.run_id,
+        )
 
-class AppliedFactorOut(_Out):
+
+class AppliedFactorOut(Out):
     """The factor an upload's ratio was compared with."""
 
     scope: Scope = Field(description="Where the factor comes from: model_gpu, model, global ...")
@@ -156,7 +156,7 @@ class AppliedFactorOut(_Out):
     nodes: int = Field(ge=0, description="Nodes whose vote counted.")
 
 
-class UploadRatioOut(_Out):
+class UploadRatioOut(Out):
     """measured / estimated at one level of an upload."""
 
     level: Level = Field(description="allocated, reserved or device.")
@@ -189,7 +189,7 @@ class UploadRatioOut(_Out):
         )
 
 
-class CalibrationReceiptOut(_Out):
+class CalibrationReceiptOut(Out):
     """What an upload stored; a replay (same Idempotency-Key and body) answers the same."""
 
     id: int = Field(ge=1, description="The stored upload.")
@@ -221,7 +221,7 @@ class CalibrationReceiptOut(_Out):
 # The listing
 
 
-class CalibrationFilterIn(_In):
+class CalibrationFilterIn(In):
     """Which uploads to list, newest first."""
 
     limit: int = Field(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE, description="Uploads per page.")
@@ -241,18 +241,18 @@ class CalibrationFilterIn(_In):
     )
 
 
-class ReportedGpuOut(_Out):
+class ReportedGpuOut(Out):
     name: str = Field(max_length=MAX_NAME, description="Catalog name, or the driver's if unknown.")
     memory_total_bytes: int = Field(ge=1, description="Total memory the driver reported.")
 
 
-class MeasuredOut(_Out):
+class MeasuredOut(Out):
     allocated_bytes: int | None = Field(description="Measured allocated peak; null: not measured.")
     reserved_bytes: int | None = Field(description="Measured reserved peak; null: not measured.")
     device_bytes: int | None = Field(description="Measured device peak; null: not measured.")
 
 
-class StoredRatioOut(_Out):
+class StoredRatioOut(Out):
     """A ratio derived from an upload by one estimator version."""
 
     estimator_version: str = Field(max_length=MAX_VERSION, description="The estimator's version.")
@@ -274,7 +274,7 @@ class StoredRatioOut(_Out):
         )
 
 
-class CalibrationRecordOut(_Out):
+class CalibrationRecordOut(Out):
     """A stored upload, as the node sent it, with the ratios derived from it."""
 
     id: int = Field(ge=1, description="The upload.")
@@ -317,7 +317,7 @@ class CalibrationRecordOut(_Out):
         )
 
 
-class CalibrationPageOut(_Out):
+class CalibrationPageOut(Out):
     """Uploads, newest first."""
 
     calibrations: list[CalibrationRecordOut] = Field(
@@ -339,7 +339,7 @@ class CalibrationPageOut(_Out):
 # Factors
 
 
-class FactorOut(_Out):
+class FactorOut(Out):
     """One group's factor: estimates are multiplied by `ratio`, the safe bound further by
     `upper_multiplier`."""
 
@@ -389,7 +389,7 @@ class FactorOut(_Out):
         )
 
 
-class FactorTableOut(_Out):
+class FactorTableOut(Out):
     """The factors this replica applies to estimates and fit-checks."""
 
     state: FactorState = Field(
@@ -409,22 +409,18 @@ class FactorTableOut(_Out):
 
     @classmethod
     def from_core(
-        cls,
-        *,
-        state: FactorState,
-        age_s: float | None,
-        error: str | None,
-        estimator_version: str,
-        table: FactorTable,
+        cls, snapshot: FactorSnapshot, *, age_s: float | None, estimator_version: str
     ) -> FactorTableOut:
         return cls(
-            state=state,
+            state=snapshot.state,
             age_s=age_s,
-            error=error,
+            error=snapshot.error,
             estimator_version=estimator_version,
             factors=[
                 FactorOut.from_core(key, factor)
-                for key, factor in sorted(table.factors.items(), key=lambda kv: _order(kv[0]))
+                for key, factor in sorted(
+                    snapshot.table.factors.items(), key=lambda kv: _order(kv[0])
+                )
             ],
         )
 

@@ -1,0 +1,292 @@
+"""Bodies of the estimate routes: one estimate, or a batch of them."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import Field, GetCoreSchemaHandler, PlainValidator, ValidationError
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import core_schema
+
+from service.api.problems import FieldError, Problem, field_error
+from service.api.schemas.base import Bytes, In, Out
+from service.api.schemas.jobs import MAX_BATCH_JOBS, JobSpec
+from service.calibration.factors import FactorState
+from service.calibration.provider import AppliedCalibration, CalibratedPeaks
+from service.core.calibration import AppliedFactor, Level
+from service.core.result import PHASE_WORDS, Component, Estimate, Overhead, Phase
+
+
+class PeakOut(Out):
+    """The peak of one GPU of the job at the three levels, and the safe bound."""
+
+    allocated_bytes: Bytes = Field(description="torch.cuda.max_memory_allocated() at the peak.")
+    reserved_bytes: Bytes = Field(description="torch.cuda.max_memory_reserved() at the peak.")
+    device_bytes: Bytes = Field(description="What nvidia-smi shows for the process (median).")
+    device_bytes_upper: Bytes = Field(
+        description="The safe bound to compare with a GPU: calibrated spread, or the prior margin."
+    )
+    step: int = Field(ge=1, le=2, description="1: no optimizer state yet; 2: the steady state.")
+    phase: Phase = Field(description="Where in the step the peak happens.")
+    phase_words: str = Field(max_length=256, description="The phase, in words.")
+
+
+class LevelsOut(Out):
+    """The estimator's own peaks, before calibration."""
+
+    allocated_bytes: Bytes = Field(description="Allocated level.")
+    reserved_bytes: Bytes = Field(description="Reserved level.")
+    device_bytes: Bytes = Field(description="Device level.")
+    device_bytes_upper: Bytes = Field(description="Device level with the prior margin.")
+
+
+class PhaseOut(Out):
+    """The allocated bytes at one phase of the step."""
+
+    step: int = Field(ge=1, le=2, description="1: no optimizer state yet; 2: the steady state.")
+    phase: Phase = Field(description="The phase.")
+    allocated_bytes: Bytes = Field(description="Live bytes at this phase.")
+
+
+class ParamsOut(Out):
+    total: int = Field(ge=0, description="Parameters of the model.")
+    trainable: int = Field(ge=0, description="Parameters that take a gradient.")
+
+
+class LevelCalibrationOut(Out):
+    """The factor that corrected one peak level."""
+
+    level: Level = Field(description="allocated, reserved or device.")
+    scope: str = Field(max_length=64, description="Where it came from (model_gpu, model, ...).")
+    factor: float = Field(ge=0.0, description="measured / estimated, multiplied into the level.")
+    nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
+    samples: int = Field(ge=0, description="Measured runs behind the factor.")
+    models: int = Field(
+        ge=1, description="Models whose measurements voted: 1 unless the scope is global."
+    )
+
+    @classmethod
+    def from_core(cls, applied: AppliedFactor) -> LevelCalibrationOut:
+        factor = applied.factor
+        return cls(
+            level=applied.key.level,
+            scope=applied.key.scope.value,
+            factor=factor.ratio,
+            nodes=factor.nodes,
+            samples=factor.runs,
+            models=factor.models,
+        )
+
+
+class CalibrationOut(Out):
+    """The calibration applied: the device level's factor (the safe bound's), every level's
+    factors, and whether the factors are fresh, stale (the store is down) or missing."""
+
+    applied: bool = Field(description="Whether measured peaks corrected this estimate.")
+    scope: str = Field(
+        max_length=64,
+        description="'none', or where the device level's factor came from (model, global, ...).",
+    )
+    factor: float | None = Field(
+        default=None, ge=0.0, description="measured / estimated, multiplied into the estimate."
+    )
+    upper_multiplier: float | None = Field(
+        default=None,
+        ge=1.0,
+        description="The safe bound over the calibrated device level: the measured spread, "
+        "widened for few nodes.",
+    )
+    nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
+    samples: int = Field(ge=0, description="Measured runs behind the factor.")
+    levels: list[LevelCalibrationOut] = Field(
+        max_length=3, description="Every level a factor corrected (allocated, reserved, device)."
+    )
+    state: FactorState = Field(
+        description="The factors used: fresh (loaded from the store within seconds), stale (the "
+        "store is unreachable: the last ones loaded) or none (none could be loaded)."
+    )
+
+    @classmethod
+    def from_core(cls, applied: AppliedCalibration) -> CalibrationOut:
+        return cls(
+            applied=applied.applied,
+            scope=applied.scope,
+            factor=applied.factor,
+            upper_multiplier=applied.upper_multiplier,
+            nodes=applied.nodes,
+            samples=applied.samples,
+            levels=[LevelCalibrationOut.from_core(level) for level in applied.levels],
+            state=applied.state,
+        )
+
+
+class GpuFitSummary(Out):
+    """Whether the job fits the GPU named in the spec."""
+
+    name: str | None = Field(max_length=128, description="Catalog name; null: by memory only.")
+    memory_bytes: Bytes = Field(description="Total memory as the driver reports it.")
+    usable_bytes: Bytes = Field(description="Memory a process can fill (total - driver's share).")
+    fits: bool = Field(description="device_bytes_upper <= usable_bytes.")
+    headroom_bytes: int = Field(description="usable - device_bytes_upper; negative: no fit.")
+
+
+ComponentBytes = dict[Component, Bytes]
+# Iterating an enum runs Python code per member: the members, once.
+_COMPONENTS = tuple(Component)
+_OVERHEADS = tuple(Overhead)
+
+
+class EstimateOut(Out):
+    """The peak memory of one GPU of the job, where it goes and when it happens."""
+
+    model: str = Field(max_length=256, description="The catalog id, or 'hf_config'.")
+    peak: PeakOut = Field(description="The peak, calibrated when calibration applies.")
+    estimated: LevelsOut = Field(description="The estimator's peaks before calibration.")
+    components: ComponentBytes = Field(
+        description="Allocated bytes at the peak by role; they sum to estimated.allocated_bytes."
+    )
+    overheads: dict[Overhead, Bytes] = Field(
+        description="Bytes above allocated: reserved and device levels add these."
+    )
+    phases: list[PhaseOut] = Field(max_length=16, description="Allocated bytes per phase.")
+    params: ParamsOut = Field(description="Parameter counts.")
+    upper_margin: float = Field(
+        ge=0.0,
+        description="The safe bound's margin over peak.device_bytes: the device factor's when "
+        "calibration applied one, else the estimator's own.",
+    )
+    calibration: CalibrationOut = Field(description="The calibration applied.")
+    gpu: GpuFitSummary | None = Field(default=None, description="Fit on the spec's GPU, if any.")
+    assumptions: list[str] = Field(
+        max_length=64,
+        description="Defaults the estimate assumed; the last says what calibration applied: per "
+        "level the factor, its scope, runs and nodes, and the safe bound's margin, or that none "
+        "applied.",
+    )
+    warnings: list[str] = Field(max_length=64, description="What may make it wrong.")
+    estimator_version: str = Field(max_length=32, description="Version of the estimator.")
+
+    @classmethod
+    def from_core(
+        cls,
+        model: str,
+        est: Estimate,
+        peaks: CalibratedPeaks,
+        gpu: GpuFitSummary | None = None,
+        warnings: tuple[str, ...] = (),
+    ) -> EstimateOut:
+        calibration = peaks.calibration
+        upper_margin = calibration.upper_margin(est.upper_margin)
+        # One validation of plain values (pydantic-core) is cheaper than building each
+        # nested model in Python.
+        return cls.model_validate(
+            {
+                "model": model,
+                "peak": {
+                    "allocated_bytes": peaks.allocated_bytes,
+                    "reserved_bytes": peaks.reserved_bytes,
+                    "device_bytes": peaks.device_bytes,
+                    "device_bytes_upper": peaks.device_bytes_upper,
+                    "step": est.peak_step,
+                    "phase": est.peak_phase,
+                    "phase_words": PHASE_WORDS[est.peak_phase],
+                },
+                "estimated": {
+                    "allocated_bytes": est.allocated_bytes,
+                    "reserved_bytes": est.reserved_bytes,
+                    "device_bytes": est.device_bytes,
+                    "device_bytes_upper": est.device_bytes_upper,
+                },
+                "components": {c: est.components.get(c, 0) for c in _COMPONENTS},
+                "overheads": {o: est.overheads.get(o, 0) for o in _OVERHEADS},
+                "phases": [
+                    {"step": ph.step, "phase": ph.phase, "allocated_bytes": ph.allocated_bytes}
+                    for ph in est.phases
+                ],
+                "params": {"total": est.params.total, "trainable": est.params.trainable},
+                "upper_margin": upper_margin,
+                "calibration": CalibrationOut.from_core(calibration),
+                "gpu": gpu,
+                # Calibration alone says what it applied: the core knows no factors.
+                "assumptions": [*_core_notes(est.assumptions), calibration.note(upper_margin)],
+                "warnings": [*est.warnings, *warnings],
+                "estimator_version": est.estimator_version,
+            }
+        )
+
+
+# A parenthesis of a core note that speaks of calibration is left out: the calibration note,
+# which the API adds, says what applied.
+_CORE_CALIBRATION_WORDS = re.compile(r"\s*\([^()]*calibrat[^()]*\)", re.IGNORECASE)
+
+
+def _core_notes(notes: tuple[str, ...]) -> list[str]:
+    return [_CORE_CALIBRATION_WORDS.sub("", n) if "calibrat" in n.lower() else n for n in notes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+class RejectedJob:
+    """A batch entry that failed the schema; its errors are relative to the job."""
+
+    __slots__ = ("errors",)
+
+    def __init__(self, errors: tuple[FieldError, ...]) -> None:
+        self.errors = errors
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, _source: type[Any], _handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        # Never validated from input (the batch's validator builds it), never in the schema.
+        return core_schema.is_instance_schema(cls)
+
+
+def _job_or_rejection(value: Any) -> JobSpec | RejectedJob:
+    try:
+        return JobSpec.model_validate(value)
+    except ValidationError as exc:
+        return RejectedJob(
+            tuple(
+                field_error(
+                    tuple(p for p in err["loc"] if isinstance(p, str | int)),
+                    err["msg"],
+                    err["type"],
+                )
+                for err in exc.errors()
+            )
+        )
+
+
+BatchJob = Annotated[
+    JobSpec | SkipJsonSchema[RejectedJob],
+    PlainValidator(_job_or_rejection, json_schema_input_type=JobSpec),
+]
+
+
+class BatchIn(In):
+    """Up to 1000 jobs estimated in one call; each job fails on its own."""
+
+    jobs: list[BatchJob] = Field(
+        min_length=1, max_length=MAX_BATCH_JOBS, description="The jobs, answered in this order."
+    )
+
+
+class BatchResultOut(Out):
+    """One job's answer: its estimate, or the problem that stopped it."""
+
+    index: int = Field(ge=0, lt=MAX_BATCH_JOBS, description="Position of the job in `jobs`.")
+    status: int = Field(ge=200, le=599, description="200, or the problem's status.")
+    estimate: EstimateOut | None = Field(default=None, description="The estimate, on success.")
+    problem: Problem | None = Field(default=None, description="The problem, on failure.")
+
+
+class BatchOut(Out):
+    results: list[BatchResultOut] = Field(
+        max_length=MAX_BATCH_JOBS, description="One result per job, in order."
+    )
+    succeeded: int = Field(ge=0, le=MAX_BATCH_JOBS, description="Jobs estimated.")
+    failed: int = Field(ge=0, le=MAX_BATCH_JOBS, description="Jobs answered with a problem.")

@@ -1,0 +1,382 @@
+"""The job spec: pydantic at the edge, mapped to the core's TrainingSpec explicitly.
+
+Single-field bounds live here (a 422 names the field); combinations of fields are checked by
+the core, whose errors `problems` locates in the request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, Self
+
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    model_validator,
+)
+
+from service.api.schemas.base import In
+from service.core.allocator import AllocatorConfig
+from service.core.limits import (
+    MAX_ALLOC_SETTING_MB,
+    MAX_BATCH_SIZE,
+    MAX_GPUS,
+    MAX_GRAD_NORM,
+    MAX_GRADIENT_ACCUMULATION,
+    MAX_LORA_ALPHA,
+    MAX_LORA_R,
+    MAX_MODULE_NAME_CHARS,
+    MAX_MODULES,
+    MAX_ROUNDUP_POWER2_DIVISIONS,
+    MAX_SEQ_LEN,
+    MODULE_NAME_PATTERN,
+)
+from service.core.spec import (
+    ALL_LINEAR,
+    AttnImpl,
+    Framework,
+    LoraSpec,
+    LossImpl,
+    Method,
+    Offload,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    QuantType,
+    SdpaKernel,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.units import DType
+
+MAX_BATCH_JOBS = 1000
+MAX_FIT_GPUS = 64
+# Reported totals: from 1 GiB (nothing smaller trains a model) to 4 TiB.
+MIN_MEMORY_MIB = 1024
+MAX_MEMORY_MIB = 4 * 1024 * 1024
+MAX_PRICE_PER_HOUR = 1_000_000.0
+MAX_CONFIG_KEYS = 1024
+
+ModuleName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_MODULE_NAME_CHARS, pattern=MODULE_NAME_PATTERN),
+    Field(description="A module name as transformers names it, e.g. 'q_proj'."),
+]
+ModelId = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"),
+    Field(description="A catalog model id, e.g. 'Qwen/Qwen2.5-7B-Instruct' (see /v1/models)."),
+]
+GpuName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=128),
+    Field(description="A catalog GPU name ('A100-80GB') or the name nvidia-smi prints."),
+]
+ModuleList = Annotated[list[ModuleName], Field(min_length=1, max_length=MAX_MODULES)]
+ConfigKey = Annotated[str, StringConstraints(max_length=256)]
+ConfigJson = Annotated[dict[ConfigKey, JsonValue], Field(max_length=MAX_CONFIG_KEYS)]
+MemoryMib = Annotated[int, Field(ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)]
+
+# ---------------------------------------------------------------------------------------------
+# The job spec
+
+
+class LoraIn(In):
+    """PEFT LoraConfig; the defaults are PEFT's."""
+
+    r: int = Field(default=8, ge=1, le=MAX_LORA_R, description="LoRA rank.")
+    lora_alpha: int = Field(
+        default=8, ge=1, le=MAX_LORA_ALPHA, description="LoRA scaling numerator (no memory)."
+    )
+    lora_dropout: float | None = Field(
+        default=None,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter input; null: the framework's (PEFT 0.0, LitGPT 0.05).",
+    )
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+    modules_to_save: list[ModuleName] = Field(
+        default_factory=list,
+        max_length=MAX_MODULES,
+        description="Modules trained in full beside the adapters, e.g. 'embed_tokens'.",
+    )
+    adapter_dtype: DType | None = Field(
+        default=None,
+        description="Adapter weights' dtype; null: the framework's (fp32 for HF + PEFT).",
+    )
+
+    def to_spec(self) -> LoraSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return LoraSpec(
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=targets,
+            modules_to_save=tuple(self.modules_to_save),
+            adapter_dtype=self.adapter_dtype,
+        )
+
+
+class QuantizationIn(In):
+    """bitsandbytes quantization of the frozen base (BitsAndBytesConfig); QLoRA only."""
+
+    type: QuantType = Field(default=QuantType.NF4, description="Quantized weight format.")
+    double_quant: bool = Field(
+        default=False, description="bnb_4bit_use_double_quant (quantized absmax)."
+    )
+    compute_dtype: DType | None = Field(
+        default=None, description="bnb_4bit_compute_dtype; null: the model's dtype."
+    )
+    prepare_kbit: bool = Field(
+        default=True, description="peft.prepare_model_for_kbit_training is applied."
+    )
+
+    def to_spec(self) -> QuantSpec:
+        return QuantSpec(
+            type=self.type,
+            double_quant=self.double_quant,
+            compute_dtype=self.compute_dtype,
+            prepare_kbit=self.prepare_kbit,
+        )
+
+
+class ParallelIn(In):
+    """How the job spans GPUs."""
+
+    gpus: int = Field(default=1, ge=1, le=MAX_GPUS, description="GPUs (ranks) the job spans.")
+    strategy: Strategy = Field(default=Strategy.DDP, description="Data-parallel strategy.")
+    offload: Offload = Field(default=Offload.NONE, description="What is offloaded to the host.")
+
+    def to_spec(self) -> ParallelSpec:
+        return ParallelSpec(gpus=self.gpus, strategy=self.strategy, offload=self.offload)
+
+
+class AllocatorIn(In):
+    """PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF); PyTorch's defaults
+    when left out."""
+
+    max_split_size_mb: int | None = Field(
+        default=None,
+        ge=20,
+        le=MAX_ALLOC_SETTING_MB,
+        description="Blocks this large are never split.",
+    )
+    max_non_split_rounding_mb: int | None = Field(
+        default=None,
+        ge=20,
+        le=MAX_ALLOC_SETTING_MB,
+        description="How much larger an unsplit block may be than a large request.",
+    )
+    roundup_power2_divisions: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_ROUNDUP_POWER2_DIVISIONS,
+        description="Round sizes to power-of-two divisions.",
+    )
+    garbage_collection_threshold: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Free cached blocks past this share of the allowed memory (needs a fraction).",
+    )
+    expandable_segments: bool = Field(
+        default=False, description="Grow segments page by page instead of new ones."
+    )
+    per_process_memory_fraction: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="torch.cuda.set_per_process_memory_fraction, if the job sets one.",
+    )
+
+    def to_spec(self) -> AllocatorConfig:
+        return AllocatorConfig(**self.model_dump())
+
+
+def _model_shorthand(value: Any) -> Any:
+    return {"id": value} if isinstance(value, str) else value
+
+
+def _exactly_one(*names: str) -> dict[str, JsonValue]:
+    """JSON Schema for "exactly one of these fields" (the model validator enforces it)."""
+    return {"oneOf": [{"required": [name]} for name in names]}
+
+
+def _absent_not_null(schema: dict[str, JsonValue]) -> None:
+    """A field that is left out rather than sent as null: no null branch, no null default."""
+    schema.pop("default", None)
+    branches = schema.pop("anyOf", None)
+    if isinstance(branches, list):
+        kept = [b for b in branches if isinstance(b, dict) and b.get("type") != "null"]
+        if len(kept) == 1 and isinstance(kept[0], dict):
+            schema.update(kept[0])
+
+
+class _OneOf(In):
+    """Exactly one of `_choices` is given; none of them may be null."""
+
+    _choices: ClassVar[tuple[str, str]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = [name for name in cls._choices if name in data and data[name] is None]
+            if nulls:
+                raise ValueError(f"{nulls[0]} must not be null; leave it out instead")
+        return data
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Self:
+        first, second = self._choices
+        if (getattr(self, first) is None) == (getattr(self, second) is None):
+            raise ValueError(f"give either {first} or {second}")
+        return self
+
+
+class ModelRef(_OneOf):
+    """The model: a catalog id, or a config.json as published on the Hugging Face Hub."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one("id", "hf_config"))
+    _choices = ("id", "hf_config")
+
+    id: ModelId | None = Field(
+        default=None, description="A catalog model id.", json_schema_extra=_absent_not_null
+    )
+    hf_config: ConfigJson | None = Field(
+        default=None,
+        description="A model's config.json, as published (model_type, hidden_size, ...).",
+        json_schema_extra=_absent_not_null,
+    )
+
+
+def _gpu_shorthand(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+class GpuRef(_OneOf):
+    """A GPU: by name (catalog or nvidia-smi's), or by the total memory the node reports."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one("name", "memory_mib"))
+    _choices = ("name", "memory_mib")
+
+    name: GpuName | None = Field(
+        default=None, description="Catalog or nvidia-smi name.", json_schema_extra=_absent_not_null
+    )
+    memory_mib: MemoryMib | None = Field(
+        default=None,
+        description="Total memory as the driver reports it, MiB (nvidia.com/gpu.memory).",
+        json_schema_extra=_absent_not_null,
+    )
+
+
+class GpuOfferIn(GpuRef):
+    """A GPU type to check, with how many the job spans and what one costs."""
+
+    count: int | None = Field(
+        default=None, ge=1, le=MAX_GPUS, description="GPUs the job spans; null: parallel.gpus."
+    )
+    price_per_hour: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=MAX_PRICE_PER_HOUR,
+        allow_inf_nan=False,
+        description="Price of one GPU per hour, any currency; enables the cheapest answer.",
+    )
+
+
+ModelField = Annotated[
+    ModelRef, BeforeValidator(_model_shorthand, json_schema_input_type=ModelId | ModelRef)
+]
+GpuField = Annotated[
+    GpuRef, BeforeValidator(_gpu_shorthand, json_schema_input_type=GpuName | GpuRef)
+]
+GpuOfferField = Annotated[
+    GpuOfferIn, BeforeValidator(_gpu_shorthand, json_schema_input_type=GpuName | GpuOfferIn)
+]
+
+
+class JobSpec(In):
+    """A fine-tuning job; everything but model, batch_size and seq_len defaults to what
+    HF Trainer + PEFT do."""
+
+    model: ModelField = Field(
+        description="A catalog id (string), or {'hf_config': config.json}.",
+    )
+    method: Method = Field(default=Method.LORA, description="full, lora or qlora.")
+    lora: LoraIn | None = Field(
+        default=None, description="LoRA options (lora and qlora); null: PEFT's defaults."
+    )
+    quantization: QuantizationIn | None = Field(
+        default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
+    )
+    dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
+    autocast: bool = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
+    optim: Optim = Field(default=Optim.ADAMW_TORCH_FUSED, description="TrainingArguments.optim.")
+    batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE, description="Micro-batch per GPU.")
+    seq_len: int = Field(ge=1, le=MAX_SEQ_LEN, description="Tokens per sequence.")
+    gradient_accumulation_steps: int = Field(
+        default=1, ge=1, le=MAX_GRADIENT_ACCUMULATION, description="Micro-batches per step."
+    )
+    max_grad_norm: float = Field(
+        default=1.0,
+        ge=0,
+        le=MAX_GRAD_NORM,
+        allow_inf_nan=False,
+        description="TrainingArguments.max_grad_norm: gradient clipping, 0 for none.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="TrainingArguments.gradient_checkpointing."
+    )
+    attn_implementation: AttnImpl = Field(
+        default=AttnImpl.SDPA, description="transformers attn_implementation."
+    )
+    sdpa_kernel: SdpaKernel = Field(
+        default=SdpaKernel.AUTO, description="Which SDPA backend runs; auto: PyTorch's pick."
+    )
+    loss: LossImpl | None = Field(
+        default=None, description="Causal-LM loss implementation; null: the framework's."
+    )
+    framework: Framework = Field(default=Framework.HF, description="Training framework preset.")
+    parallel: ParallelIn = Field(
+        default_factory=ParallelIn, description="Multi-GPU layout; default one GPU."
+    )
+    allocator: AllocatorIn = Field(
+        default_factory=AllocatorIn,
+        description="PYTORCH_CUDA_ALLOC_CONF settings; default: PyTorch's.",
+    )
+    gpu: GpuField | None = Field(
+        default=None,
+        description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
+    )
+
+    def to_spec(self) -> TrainingSpec:
+        """The core spec; raises InvalidSpecError for invalid combinations."""
+        return TrainingSpec(
+            method=self.method,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            lora=None if self.lora is None else self.lora.to_spec(),
+            quantization=None if self.quantization is None else self.quantization.to_spec(),
+            dtype=self.dtype,
+            autocast=self.autocast,
+            optim=self.optim,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            max_grad_norm=self.max_grad_norm,
+            gradient_checkpointing=self.gradient_checkpointing,
+            attn_implementation=self.attn_implementation,
+            sdpa_kernel=self.sdpa_kernel,
+            loss=self.loss,
+            framework=self.framework,
+            parallel=self.parallel.to_spec(),
+            allocator=self.allocator.to_spec(),
+        )
