@@ -499,8 +499,9 @@ class _Step:
         k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
         v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
         # the query made contiguous for the score matmul (rope's output keeps the projection's
-        # (batch, seq, heads, dim) layout)
-        q_c = self.a(nbytes * qd)
+        # (batch, seq, heads, dim) layout): torch.matmul folds (batch, heads) into the bmm's
+        # batch with a reshape, a view when the batch is one
+        q_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(q)
         s1 = self.a(nbytes * scores)
         self.gemm()
         s2 = self.a(nbytes * scores)
@@ -1010,7 +1011,9 @@ class _Step:
             return dq, dk, dv
         if kernel is Kernel.MATH:
             return self._math_backward(g, nbytes, saved)
-        g_c = self.a(nbytes * qd)  # the transposed output's gradient made contiguous
+        # the transposed output's gradient made contiguous for the bmm (a view when the
+        # batch is one, as in the forward)
+        g_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(g)
         self.f(g)
         dv_rep = self.a(nbytes * qd)
         dprobs = self.a(nbytes * scores)
