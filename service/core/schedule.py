@@ -615,11 +615,11 @@ class _Step:
         self.f(o)
         n2 = self.norm(r1, saved, "norm2")
         d = self.moe(n2, saved) if sh.experts else self.mlp(n2, saved)
+        self.f(n2)  # `hidden_states = self.mlp(hidden_states)` rebinds the MLP's input
         if sh.sandwich_norms:
             normed = self.norm(d, saved, "norm4")
             self.f(d)
             d = normed
-        self.f(n2)
         out = self.a(nb * sh.hidden)
         self.f(d, r1)
         return out
