@@ -765,9 +765,11 @@ class _Step:
             )
             before_saved = None
         elif lin.adapted:
+            # the output cast's backward (g in the adapters' dtype; autograd lets go of g),
+            # then the promoting add's: g cast back for the base branch
             g32 = self.a(ad * lin.d_out) if ad != nbytes else self.p.hold(g)
-            g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g)
             self.f(g)
+            g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g32)
             scaled = self.a(ad * lin.d_out)
             self.f(g32)
             if before_saved is not None:
