@@ -1231,6 +1231,12 @@ class _Step:
             self.f(gq, gk, dv)
             gx = self.linear_backward(joined, qb, sh.qkv[0], saved, x_grad=x_grad, in_bytes=nb)
         else:
+            if sh.kernel is Kernel.EAGER:
+                # eager's value gradient comes out of the bmm in (batch, heads, seq, dim)
+                # order: the view's backward copies it to the projection's layout
+                contiguous = self.a(qb * sh.qkv[2].d_out)
+                self.f(dv)
+                dv = contiguous
             gx = self.linear_backward(dv, qb, sh.qkv[2], saved, x_grad=x_grad, in_bytes=nb)
             for g, lin in ((gk, sh.qkv[1]), (gq, sh.qkv[0])):
                 contiguous = self.a(qb * lin.d_out)
