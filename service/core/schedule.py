@@ -1276,9 +1276,23 @@ class _Step:
             self.f(embed)
             embed = scaled
         mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
+        bools = sh.batch * sh.seq * sh.seq
         masks = []
-        for _ in range(sh.masks if sh.window_mask else 0):
-            if sh.mask_bytes == 1:
+        for index in range(sh.masks if sh.window_mask else 0):
+            if sh.mask_bytes != 1:
+                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
+                # comparison; a sliding one's window comparison and its ands too), then where
+                boolean = self.p.alloc(bools)
+                if index:
+                    window = boolean
+                    first = self.p.alloc(bools)
+                    self.f(window)
+                    causal = self.p.alloc(bools)
+                    boolean = self.p.alloc(bools)
+                    self.f(causal, first)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(boolean)
+            else:
                 # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
                 # window's comparison, its and with the padding term, the causal comparison and
                 # the final and
@@ -1288,8 +1302,6 @@ class _Step:
                 causal = self.p.alloc(mask_bytes)
                 masks.append(self.p.alloc(mask_bytes))
                 self.f(causal, first)
-            else:
-                masks.append(self.p.alloc(mask_bytes))
         layers: list[_Saved] = []
         checkpoints: list[int] = []
         x = self.p.hold(embed)
