@@ -356,10 +356,11 @@ class _Step:
         exits) and its input's, both saved by the matmul; a half output."""
         sh = self.sh
         weight = 0
+        # autocast casts the linear's arguments in order: the input, then the weight
+        half = self.p.hold(x) if nbytes == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
         if sh.param_bytes != HALF_BYTES:
             weight = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
             self.region.append(weight)
-        half = self.p.hold(x) if nbytes == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
         if saved is not None:
             saved.save(f"{lin.name}.x", half)
             saved.save(f"{lin.name}.w", weight)
@@ -828,23 +829,24 @@ class _Step:
         gradient cast to the weight's dtype into its .grad, the half input gradient cast back
         to the input's dtype."""
         sh = self.sh
+        # the matmul's node: the weight's and the input's half gradients; its saved tensors
+        # and g go once it has run; then the casts' nodes: the weight's, the input's
         half_grad = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
+        gin = 0
+        if x_grad:
+            gin = self.a(HALF_BYTES * lin.d_in)
+            self.gemm()
+        saved.release(f"{lin.name}.x", f"{lin.name}.w")
+        self.f(g)
         if sh.param_bytes != HALF_BYTES:
             self.grad(lin.weight_bytes)
             self.f(half_grad)
         else:
             self.grads.append(half_grad)
-        saved.release(f"{lin.name}.w")
-        gin = 0
-        if x_grad:
-            gin = self.a(HALF_BYTES * lin.d_in)
-            self.gemm()
-            if in_bytes != HALF_BYTES:
-                wide = self.a(in_bytes * lin.d_in)
-                self.f(gin)
-                gin = wide
-        saved.release(f"{lin.name}.x")
-        self.f(g)
+        if x_grad and in_bytes != HALF_BYTES:
+            wide = self.a(in_bytes * lin.d_in)
+            self.f(gin)
+            gin = wide
         if not x_grad:
             return acc
         if acc:
