@@ -750,6 +750,8 @@ class _Step:
             and sh.autocast
             and (sh.param_bytes != HALF_BYTES or in_bytes != HALF_BYTES)
         ):
+            if before_saved is not None:  # a checkpoint's recomputation, before the matmul's
+                before_saved()
             return self._trainable_autocast_backward(
                 g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
             )
