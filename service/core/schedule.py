@@ -434,31 +434,38 @@ class _Step:
             out = back
         return out
 
-    def rope(self, x: int, dim: int, nbytes: int) -> int:
+    def rope(self, x: int, dim: int, nbytes: int, out_bytes: int = 0) -> int:
         """x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb); where the
-        model's version concatenates the pass-through dimensions back (Phi-3), that copy."""
-        t1 = self.a(nbytes * dim)
+        model's version concatenates the pass-through dimensions back (Phi-3), that copy.
+        The products promote to `out_bytes` (cos and sin come in the embeddings' dtype: a half
+        x under autocast in an fp32 model gives fp32)."""
+        wide = out_bytes or nbytes
+        t1 = self.a(wide * dim)
         neg = self.a(nbytes * dim // 2)
         cat = self.a(nbytes * dim)
         self.f(neg)
-        t2 = self.a(nbytes * dim)
+        t2 = self.a(wide * dim)
         self.f(cat)
-        out = self.a(nbytes * dim)
+        out = self.a(wide * dim)
         self.f(t1, t2)
         if self.sh.rope_pass_cat:
-            joined = self.a(nbytes * dim)
+            joined = self.a(wide * dim)
             self.f(out)
             out = joined
         return out
 
-    def attention(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
-        """The kernel on post-RoPE q, k and v; returns the (b, s, heads x head_dim) output.
-        Under autocast SDPA (and eager's matmuls) take half copies of wider inputs."""
+    def attention(
+        self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None, v_bytes: int = 0
+    ) -> int:
+        """The kernel on post-RoPE q, k and v (`v_bytes` per element of v, by default
+        `nbytes`); returns the (b, s, heads x head_dim) output. Under autocast SDPA (and
+        eager's matmuls) take half copies of wider inputs."""
         sh = self.sh
         if sh.autocast and nbytes != HALF_BYTES:
             qd = sh.heads * sh.head_dim
             kvd = sh.kv_heads * sh.head_dim
-            q16, k16, v16 = (self.a(HALF_BYTES * d) for d in (qd, kvd, kvd))
+            q16, k16 = (self.a(HALF_BYTES * d) for d in (qd, kvd))
+            v16 = self.p.hold(v) if v_bytes == HALF_BYTES else self.a(HALF_BYTES * kvd)
             out = self._attention(q16, k16, v16, HALF_BYTES, saved)
             self.f(q16, k16, v16)
             return out
@@ -592,8 +599,9 @@ class _Step:
             q = k = v = outs[0]
         else:
             q, k, v = outs
-        q_e = self.rope(q, qd, qb)
-        k_e = self.rope(k, kvd, qb)
+        rb = max(qb, nb)  # RoPE's products' dtype: q's promoted with the embeddings'
+        q_e = self.rope(q, qd, qb, rb)
+        k_e = self.rope(k, kvd, qb, rb)
         fused = len(outs) == 1
         if not fused:
             self.f(q, k)  # the projections' outputs, rebound to the rotated ones
@@ -601,7 +609,7 @@ class _Step:
             v = self.a(qb * kvd)  # the strided value view made contiguous for the matmul
         else:
             v = self.p.hold(v)  # the fused kernels take the strided view as it is
-        attn = self.attention(q_e, k_e, v, qb, saved)
+        attn = self.attention(q_e, k_e, v, rb, saved, v_bytes=qb)
         ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
         o = self.linear(attn, ab, sh.out_proj, saved)
         self.f(attn)
@@ -961,8 +969,15 @@ class _Step:
         self.f(total)
         return out
 
-    def rope_backward(self, g: int, dim: int, nbytes: int) -> int:
-        t1 = self.a(nbytes * dim)
+    def rope_backward(self, g: int, dim: int, nbytes: int, wide: int = 0) -> int:
+        """RoPE's backward on g (in `wide`, by default `nbytes`, released); returns x's
+        gradient in `nbytes` (each product's gradient cast back where it promoted)."""
+        wide = wide or nbytes
+        t1 = self.a(wide * dim)
+        if wide != nbytes:
+            back = self.a(nbytes * dim)
+            self.f(t1)
+            t1 = back
         neg = self.a(nbytes * dim // 2)
         s1 = self.a(nbytes * dim)
         self.f(neg)
@@ -970,24 +985,36 @@ class _Step:
         self.f(t1)
         added = self.a(nbytes * dim)
         self.f(s1, s2)
-        t2 = self.a(nbytes * dim)
+        t2 = self.a(wide * dim)
+        if wide != nbytes:
+            back = self.a(nbytes * dim)
+            self.f(t2)
+            t2 = back
         self.f(g)
         out = self.a(nbytes * dim)
         self.f(added, t2)
         return out
 
-    def attention_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
+    def attention_backward(
+        self, g: int, nbytes: int, saved: _Saved, v_bytes: int = 0
+    ) -> tuple[int, int, int]:
         """The kernel's backward (g released); returns dq, dk, dv at the kv heads' width, in
-        `nbytes` (under autocast the half gradients are cast back, v's first)."""
+        `nbytes` (dv in `v_bytes`, by default `nbytes`; under autocast the half gradients are
+        cast back, v's first)."""
         sh = self.sh
         if sh.autocast and nbytes != HALF_BYTES:
             dq, dk, dv = self._attention_backward(g, HALF_BYTES, saved)
             qd = sh.heads * sh.head_dim
             kvd = sh.kv_heads * sh.head_dim
+            grads = [(dk, kvd), (dq, qd)]
+            if v_bytes != HALF_BYTES:
+                grads.insert(0, (dv, kvd))
             wide = []
-            for grad, dim in ((dv, kvd), (dk, kvd), (dq, qd)):
+            for grad, dim in grads:
                 wide.append(self.a(nbytes * dim))
                 self.f(grad)
+            if v_bytes == HALF_BYTES:
+                wide.insert(0, dv)
             dv, dk, dq = wide
             return dq, dk, dv
         return self._attention_backward(g, nbytes, saved)
@@ -1225,11 +1252,12 @@ class _Step:
         if sh.sandwich_norms:
             g_o = self.norm_backward(g_o, saved, "norm3")
         g_attn = self.linear_backward(g_o, ob, sh.out_proj, saved, x_grad=True, in_bytes=ab)
-        dq, dk, dv = self.attention_backward(g_attn, qb, saved)
+        rb = max(qb, nb)  # RoPE's products' dtype, as in the forward
+        dq, dk, dv = self.attention_backward(g_attn, rb, saved, v_bytes=qb)
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
-        gk = self.rope_backward(dk, kvd, qb)
-        gq = self.rope_backward(dq, qd, qb)
+        gk = self.rope_backward(dk, kvd, qb, rb)
+        gq = self.rope_backward(dq, qd, qb, rb)
         if len(sh.qkv) == 1:
             joined = self.a(qb * (qd + 2 * kvd))
             self.f(gq, gk, dv)
