@@ -937,8 +937,11 @@ class _Step:
             out = back
         return out
 
-    def norm_backward(self, g: int, saved: _Saved, name: str) -> int:
-        """RMSNorm's backward (g released here); returns the input's gradient."""
+    def norm_backward(self, g: int, saved: _Saved, name: str, residual: int = 0) -> int:
+        """RMSNorm's backward (g released here); returns the input's gradient. In fp32 no
+        cast ends it: the first product's gradient reaches the input's buffer directly and
+        is added to the `residual` branch's gradient waiting there (released), the second's
+        then to that sum, which is returned."""
         sh = self.sh
         h = sh.hidden
         r = sh.residual
@@ -955,6 +958,10 @@ class _Step:
         t1 = self.a(FP32_BYTES * h)
         t2 = self.a(FP32_BYTES * h)
         self.f(t1, g32)
+        if residual and r == FP32_BYTES:
+            summed = self.a(FP32_BYTES * h)
+            self.f(residual, t2)
+            t2 = summed
         t3 = self.a(FP32_BYTES * h)
         t4 = self.a(FP32_BYTES * h)
         t5 = self.a(FP32_BYTES * h)
@@ -1242,9 +1249,12 @@ class _Step:
             gx = self.moe_backward(g_d, saved)
         else:
             gx = self.mlp_backward(g_d, saved, recompute)
-        g_n2 = self.norm_backward(gx, saved, "norm2")
-        g_r1 = self.a(nb * sh.hidden)
-        self.f(g_out, g_n2)
+        if nb == FP32_BYTES:  # the residual's gradient is added inside the norm's backward
+            g_r1 = self.norm_backward(gx, saved, "norm2", residual=g_out)
+        else:
+            g_n2 = self.norm_backward(gx, saved, "norm2")
+            g_r1 = self.a(nb * sh.hidden)
+            self.f(g_out, g_n2)
         ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
         ob = self.out_bytes(sh.out_proj, ab)
         # the residual add's gradient, cast to the narrower o_proj output's dtype
@@ -1280,9 +1290,12 @@ class _Step:
             self.f(g_r1)
             saved.release_all()
             return 0
-        g_n1 = self.norm_backward(gx, saved, "norm1")
-        g_in = self.a(nb * sh.hidden)
-        self.f(g_r1, g_n1)
+        if nb == FP32_BYTES:
+            g_in = self.norm_backward(gx, saved, "norm1", residual=g_r1)
+        else:
+            g_n1 = self.norm_backward(gx, saved, "norm1")
+            g_in = self.a(nb * sh.hidden)
+            self.f(g_r1, g_n1)
         saved.release_all()
         return g_in
 
