@@ -356,10 +356,11 @@ class _Step:
         exits) and its input's, both saved by the matmul; a half output."""
         sh = self.sh
         weight = 0
+        # autocast casts the linear's arguments in order: the input, then the weight
+        half = self.p.hold(x) if nbytes == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
         if sh.param_bytes != HALF_BYTES:
             weight = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
             self.region.append(weight)
-        half = self.p.hold(x) if nbytes == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
         if saved is not None:
             saved.save(f"{lin.name}.x", half)
             saved.save(f"{lin.name}.w", weight)
@@ -433,31 +434,38 @@ class _Step:
             out = back
         return out
 
-    def rope(self, x: int, dim: int, nbytes: int) -> int:
+    def rope(self, x: int, dim: int, nbytes: int, out_bytes: int = 0) -> int:
         """x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb); where the
-        model's version concatenates the pass-through dimensions back (Phi-3), that copy."""
-        t1 = self.a(nbytes * dim)
+        model's version concatenates the pass-through dimensions back (Phi-3), that copy.
+        The products promote to `out_bytes` (cos and sin come in the embeddings' dtype: a half
+        x under autocast in an fp32 model gives fp32)."""
+        wide = out_bytes or nbytes
+        t1 = self.a(wide * dim)
         neg = self.a(nbytes * dim // 2)
         cat = self.a(nbytes * dim)
         self.f(neg)
-        t2 = self.a(nbytes * dim)
+        t2 = self.a(wide * dim)
         self.f(cat)
-        out = self.a(nbytes * dim)
+        out = self.a(wide * dim)
         self.f(t1, t2)
         if self.sh.rope_pass_cat:
-            joined = self.a(nbytes * dim)
+            joined = self.a(wide * dim)
             self.f(out)
             out = joined
         return out
 
-    def attention(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
-        """The kernel on post-RoPE q, k and v; returns the (b, s, heads x head_dim) output.
-        Under autocast SDPA (and eager's matmuls) take half copies of wider inputs."""
+    def attention(
+        self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None, v_bytes: int = 0
+    ) -> int:
+        """The kernel on post-RoPE q, k and v (`v_bytes` per element of v, by default
+        `nbytes`); returns the (b, s, heads x head_dim) output. Under autocast SDPA (and
+        eager's matmuls) take half copies of wider inputs."""
         sh = self.sh
         if sh.autocast and nbytes != HALF_BYTES:
             qd = sh.heads * sh.head_dim
             kvd = sh.kv_heads * sh.head_dim
-            q16, k16, v16 = (self.a(HALF_BYTES * d) for d in (qd, kvd, kvd))
+            q16, k16 = (self.a(HALF_BYTES * d) for d in (qd, kvd))
+            v16 = self.p.hold(v) if v_bytes == HALF_BYTES else self.a(HALF_BYTES * kvd)
             out = self._attention(q16, k16, v16, HALF_BYTES, saved)
             self.f(q16, k16, v16)
             return out
@@ -499,8 +507,9 @@ class _Step:
         k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
         v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
         # the query made contiguous for the score matmul (rope's output keeps the projection's
-        # (batch, seq, heads, dim) layout)
-        q_c = self.a(nbytes * qd)
+        # (batch, seq, heads, dim) layout): torch.matmul folds (batch, heads) into the bmm's
+        # batch with a reshape, a view when the batch is one
+        q_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(q)
         s1 = self.a(nbytes * scores)
         self.gemm()
         s2 = self.a(nbytes * scores)
@@ -590,8 +599,9 @@ class _Step:
             q = k = v = outs[0]
         else:
             q, k, v = outs
-        q_e = self.rope(q, qd, qb)
-        k_e = self.rope(k, kvd, qb)
+        rb = max(qb, nb)  # RoPE's products' dtype: q's promoted with the embeddings'
+        q_e = self.rope(q, qd, qb, rb)
+        k_e = self.rope(k, kvd, qb, rb)
         fused = len(outs) == 1
         if not fused:
             self.f(q, k)  # the projections' outputs, rebound to the rotated ones
@@ -599,7 +609,7 @@ class _Step:
             v = self.a(qb * kvd)  # the strided value view made contiguous for the matmul
         else:
             v = self.p.hold(v)  # the fused kernels take the strided view as it is
-        attn = self.attention(q_e, k_e, v, qb, saved)
+        attn = self.attention(q_e, k_e, v, rb, saved, v_bytes=qb)
         ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
         o = self.linear(attn, ab, sh.out_proj, saved)
         self.f(attn)
@@ -614,11 +624,11 @@ class _Step:
         self.f(o)
         n2 = self.norm(r1, saved, "norm2")
         d = self.moe(n2, saved) if sh.experts else self.mlp(n2, saved)
+        self.f(n2)  # `hidden_states = self.mlp(hidden_states)` rebinds the MLP's input
         if sh.sandwich_norms:
             normed = self.norm(d, saved, "norm4")
             self.f(d)
             d = normed
-        self.f(n2)
         out = self.a(nb * sh.hidden)
         self.f(d, r1)
         return out
@@ -748,6 +758,8 @@ class _Step:
             and sh.autocast
             and (sh.param_bytes != HALF_BYTES or in_bytes != HALF_BYTES)
         ):
+            if before_saved is not None:  # a checkpoint's recomputation, before the matmul's
+                before_saved()
             return self._trainable_autocast_backward(
                 g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
             )
@@ -764,9 +776,11 @@ class _Step:
             )
             before_saved = None
         elif lin.adapted:
+            # the output cast's backward (g in the adapters' dtype; autograd lets go of g),
+            # then the promoting add's: g cast back for the base branch
             g32 = self.a(ad * lin.d_out) if ad != nbytes else self.p.hold(g)
-            g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g)
             self.f(g)
+            g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g32)
             scaled = self.a(ad * lin.d_out)
             self.f(g32)
             if before_saved is not None:
@@ -825,23 +839,24 @@ class _Step:
         gradient cast to the weight's dtype into its .grad, the half input gradient cast back
         to the input's dtype."""
         sh = self.sh
+        # the matmul's node: the weight's and the input's half gradients; its saved tensors
+        # and g go once it has run; then the casts' nodes: the weight's, the input's
         half_grad = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
+        gin = 0
+        if x_grad:
+            gin = self.a(HALF_BYTES * lin.d_in)
+            self.gemm()
+        saved.release(f"{lin.name}.x", f"{lin.name}.w")
+        self.f(g)
         if sh.param_bytes != HALF_BYTES:
             self.grad(lin.weight_bytes)
             self.f(half_grad)
         else:
             self.grads.append(half_grad)
-        saved.release(f"{lin.name}.w")
-        gin = 0
-        if x_grad:
-            gin = self.a(HALF_BYTES * lin.d_in)
-            self.gemm()
-            if in_bytes != HALF_BYTES:
-                wide = self.a(in_bytes * lin.d_in)
-                self.f(gin)
-                gin = wide
-        saved.release(f"{lin.name}.x")
-        self.f(g)
+        if x_grad and in_bytes != HALF_BYTES:
+            wide = self.a(in_bytes * lin.d_in)
+            self.f(gin)
+            gin = wide
         if not x_grad:
             return acc
         if acc:
@@ -922,8 +937,11 @@ class _Step:
             out = back
         return out
 
-    def norm_backward(self, g: int, saved: _Saved, name: str) -> int:
-        """RMSNorm's backward (g released here); returns the input's gradient."""
+    def norm_backward(self, g: int, saved: _Saved, name: str, residual: int = 0) -> int:
+        """RMSNorm's backward (g released here); returns the input's gradient. In fp32 no
+        cast ends it: the first product's gradient reaches the input's buffer directly and
+        is added to the `residual` branch's gradient waiting there (released), the second's
+        then to that sum, which is returned."""
         sh = self.sh
         h = sh.hidden
         r = sh.residual
@@ -940,6 +958,10 @@ class _Step:
         t1 = self.a(FP32_BYTES * h)
         t2 = self.a(FP32_BYTES * h)
         self.f(t1, g32)
+        if residual and r == FP32_BYTES:
+            summed = self.a(FP32_BYTES * h)
+            self.f(residual, t2)
+            t2 = summed
         t3 = self.a(FP32_BYTES * h)
         t4 = self.a(FP32_BYTES * h)
         t5 = self.a(FP32_BYTES * h)
@@ -954,8 +976,15 @@ class _Step:
         self.f(total)
         return out
 
-    def rope_backward(self, g: int, dim: int, nbytes: int) -> int:
-        t1 = self.a(nbytes * dim)
+    def rope_backward(self, g: int, dim: int, nbytes: int, wide: int = 0) -> int:
+        """RoPE's backward on g (in `wide`, by default `nbytes`, released); returns x's
+        gradient in `nbytes` (each product's gradient cast back where it promoted)."""
+        wide = wide or nbytes
+        t1 = self.a(wide * dim)
+        if wide != nbytes:
+            back = self.a(nbytes * dim)
+            self.f(t1)
+            t1 = back
         neg = self.a(nbytes * dim // 2)
         s1 = self.a(nbytes * dim)
         self.f(neg)
@@ -963,24 +992,36 @@ class _Step:
         self.f(t1)
         added = self.a(nbytes * dim)
         self.f(s1, s2)
-        t2 = self.a(nbytes * dim)
+        t2 = self.a(wide * dim)
+        if wide != nbytes:
+            back = self.a(nbytes * dim)
+            self.f(t2)
+            t2 = back
         self.f(g)
         out = self.a(nbytes * dim)
         self.f(added, t2)
         return out
 
-    def attention_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
+    def attention_backward(
+        self, g: int, nbytes: int, saved: _Saved, v_bytes: int = 0
+    ) -> tuple[int, int, int]:
         """The kernel's backward (g released); returns dq, dk, dv at the kv heads' width, in
-        `nbytes` (under autocast the half gradients are cast back, v's first)."""
+        `nbytes` (dv in `v_bytes`, by default `nbytes`; under autocast the half gradients are
+        cast back, v's first)."""
         sh = self.sh
         if sh.autocast and nbytes != HALF_BYTES:
             dq, dk, dv = self._attention_backward(g, HALF_BYTES, saved)
             qd = sh.heads * sh.head_dim
             kvd = sh.kv_heads * sh.head_dim
+            grads = [(dk, kvd), (dq, qd)]
+            if v_bytes != HALF_BYTES:
+                grads.insert(0, (dv, kvd))
             wide = []
-            for grad, dim in ((dv, kvd), (dk, kvd), (dq, qd)):
+            for grad, dim in grads:
                 wide.append(self.a(nbytes * dim))
                 self.f(grad)
+            if v_bytes == HALF_BYTES:
+                wide.insert(0, dv)
             dv, dk, dq = wide
             return dq, dk, dv
         return self._attention_backward(g, nbytes, saved)
@@ -1010,7 +1051,9 @@ class _Step:
             return dq, dk, dv
         if kernel is Kernel.MATH:
             return self._math_backward(g, nbytes, saved)
-        g_c = self.a(nbytes * qd)  # the transposed output's gradient made contiguous
+        # the transposed output's gradient made contiguous for the bmm (a view when the
+        # batch is one, as in the forward)
+        g_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(g)
         self.f(g)
         dv_rep = self.a(nbytes * qd)
         dprobs = self.a(nbytes * scores)
@@ -1206,9 +1249,12 @@ class _Step:
             gx = self.moe_backward(g_d, saved)
         else:
             gx = self.mlp_backward(g_d, saved, recompute)
-        g_n2 = self.norm_backward(gx, saved, "norm2")
-        g_r1 = self.a(nb * sh.hidden)
-        self.f(g_out, g_n2)
+        if nb == FP32_BYTES:  # the residual's gradient is added inside the norm's backward
+            g_r1 = self.norm_backward(gx, saved, "norm2", residual=g_out)
+        else:
+            g_n2 = self.norm_backward(gx, saved, "norm2")
+            g_r1 = self.a(nb * sh.hidden)
+            self.f(g_out, g_n2)
         ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
         ob = self.out_bytes(sh.out_proj, ab)
         # the residual add's gradient, cast to the narrower o_proj output's dtype
@@ -1216,16 +1262,23 @@ class _Step:
         if sh.sandwich_norms:
             g_o = self.norm_backward(g_o, saved, "norm3")
         g_attn = self.linear_backward(g_o, ob, sh.out_proj, saved, x_grad=True, in_bytes=ab)
-        dq, dk, dv = self.attention_backward(g_attn, qb, saved)
+        rb = max(qb, nb)  # RoPE's products' dtype, as in the forward
+        dq, dk, dv = self.attention_backward(g_attn, rb, saved, v_bytes=qb)
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
-        gk = self.rope_backward(dk, kvd, qb)
-        gq = self.rope_backward(dq, qd, qb)
+        gk = self.rope_backward(dk, kvd, qb, rb)
+        gq = self.rope_backward(dq, qd, qb, rb)
         if len(sh.qkv) == 1:
             joined = self.a(qb * (qd + 2 * kvd))
             self.f(gq, gk, dv)
             gx = self.linear_backward(joined, qb, sh.qkv[0], saved, x_grad=x_grad, in_bytes=nb)
         else:
+            if sh.kernel is Kernel.EAGER:
+                # eager's value gradient comes out of the bmm in (batch, heads, seq, dim)
+                # order: the view's backward copies it to the projection's layout
+                contiguous = self.a(qb * sh.qkv[2].d_out)
+                self.f(dv)
+                dv = contiguous
             gx = self.linear_backward(dv, qb, sh.qkv[2], saved, x_grad=x_grad, in_bytes=nb)
             for g, lin in ((gk, sh.qkv[1]), (gq, sh.qkv[0])):
                 contiguous = self.a(qb * lin.d_out)
@@ -1237,9 +1290,12 @@ class _Step:
             self.f(g_r1)
             saved.release_all()
             return 0
-        g_n1 = self.norm_backward(gx, saved, "norm1")
-        g_in = self.a(nb * sh.hidden)
-        self.f(g_r1, g_n1)
+        if nb == FP32_BYTES:
+            g_in = self.norm_backward(gx, saved, "norm1", residual=g_r1)
+        else:
+            g_n1 = self.norm_backward(gx, saved, "norm1")
+            g_in = self.a(nb * sh.hidden)
+            self.f(g_r1, g_n1)
         saved.release_all()
         return g_in
 
@@ -1265,9 +1321,23 @@ class _Step:
             self.f(embed)
             embed = scaled
         mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
+        bools = sh.batch * sh.seq * sh.seq
         masks = []
-        for _ in range(sh.masks if sh.window_mask else 0):
-            if sh.mask_bytes == 1:
+        for index in range(sh.masks if sh.window_mask else 0):
+            if sh.mask_bytes != 1:
+                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
+                # comparison; a sliding one's window comparison and its ands too), then where
+                boolean = self.p.alloc(bools)
+                if index:
+                    window = boolean
+                    first = self.p.alloc(bools)
+                    self.f(window)
+                    causal = self.p.alloc(bools)
+                    boolean = self.p.alloc(bools)
+                    self.f(causal, first)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(boolean)
+            else:
                 # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
                 # window's comparison, its and with the padding term, the causal comparison and
                 # the final and
@@ -1277,8 +1347,6 @@ class _Step:
                 causal = self.p.alloc(mask_bytes)
                 masks.append(self.p.alloc(mask_bytes))
                 self.f(causal, first)
-            else:
-                masks.append(self.p.alloc(mask_bytes))
         layers: list[_Saved] = []
         checkpoints: list[int] = []
         x = self.p.hold(embed)

@@ -21,19 +21,7 @@ PEAK_TOLERANCE = 0.01  # each reference's allocated peak
 RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model's replay)
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
 # that grows fails, one that closes fails too.
-RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
-    "gemma-2-2b__lora__r16-all-linear__b1-s1024__eager__autocast": (
-        0.07,
-        "the schedule's step 2 puts a forward tensor into a cached block the traced step keeps "
-        "for the soft-capped logits, so its loss takes a new 1000 MiB segment (+6.1 %)",
-    ),
-    "qwen2_5-0_5b__full__b1-s512__ckpt__fp32__autocast": (
-        0.035,
-        "fp32 weights under bf16 autocast: where the weights' half casts and half gradients "
-        "are freed decides which cached blocks the optimizer states reuse; the schedule "
-        "over-estimates it (+2.9 %)",
-    ),
-}
+RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {}
 MEDIAN_TOLERANCE = 0.003  # median over all references
 COMPONENT_TOLERANCE = 0.02  # each component, or within COMPONENT_SLACK_BYTES
 COMPONENT_SLACK_BYTES = 16 * MIB
