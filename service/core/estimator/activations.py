@@ -8,14 +8,7 @@ from functools import lru_cache
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
 from service.core.estimator.weights import adapted_linears
-from service.core.spec import (
-    AttnImpl,
-    Framework,
-    Method,
-    QuantType,
-    ResolvedSpec,
-    SdpaKernel,
-)
+from service.core.spec import AttnImpl, Framework, Method, QuantType, ResolvedSpec, SdpaKernel
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,

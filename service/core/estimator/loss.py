@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.weights import NF4_BLOCK
-from service.core.spec import (
-    Framework,
-    LossImpl,
-    Method,
-    ResolvedSpec,
-)
-from service.core.units import (
-    AUTOCAST_BYTES,
-    DTYPE_BYTES,
-    FP32_BYTES,
-    DType,
-)
+from service.core.spec import Framework, LossImpl, Method, ResolvedSpec
+from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, FP32_BYTES, DType
 
 # torchtune CEWithChunkedOutputLoss splits the sequence in 8 chunks
 # (torchtune/modules/loss/ce_chunked_output_loss.py num_output_chunks=8).
@@ -43,8 +33,7 @@ LITGPT_LOGITS_BYTES = FP32_BYTES
 LITGPT_QUANT_STATE_BYTES = DTYPE_BYTES[DType.FP16]
 
 
-@dataclass(frozen=True, slots=True)
-class _LossBytes:
+class _LossBytes(NamedTuple):
     forward_peak: int  # extra live bytes at the loss's forward peak
     saved: int  # kept from the end of forward into backward
     backward_peak: int  # live bytes at the loss gradient

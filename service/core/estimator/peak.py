@@ -7,18 +7,14 @@ from dataclasses import replace
 from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.estimator.plan import _Plan
-from service.core.estimator.step import _step
+from service.core.estimator.step import PHASES, _step
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import (
-    TrainingSpec,
-)
-from service.core.units import (
-    FP32_BYTES,
-)
+from service.core.spec import TrainingSpec
+from service.core.units import FP32_BYTES
 
 ESTIMATOR_VERSION = "0.1.0"
 
@@ -28,14 +24,15 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
-    plan, fixed, rows, paged_state, assumptions, warnings = _step(arch, spec, compute_capability)
+    st = _step(arch, spec, compute_capability)
+    plan = st.plan
     p = plan.params
-    fixed_sum = sum(fixed)
     phases = tuple(
-        PhasePeak(step, phase, fixed_sum + sum(vec), fixed + vec) for step, phase, vec in rows
+        PhasePeak(step, phase, sum(parts), parts)
+        for (step, phase), parts in zip(PHASES, st.parts(), strict=True)
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    over = _above(arch, spec, plan, peak.allocated_bytes, paged_state, compute_capability)
+    over = _above(arch, spec, plan, peak.allocated_bytes, st.paged_state, compute_capability)
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -48,8 +45,8 @@ def estimate(
         phases=phases,
         params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
-        assumptions=tuple(assumptions) + over.assumptions,
-        warnings=tuple(warnings),
+        assumptions=tuple(st.assumptions) + over.assumptions,
+        warnings=tuple(st.warnings),
         estimator_version=ESTIMATOR_VERSION,
     )
 
@@ -63,7 +60,7 @@ def peak_levels(
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
     step = _step(arch, spec, compute_capability)
-    allocated = sum(step.fixed) + max(sum(vec) for _s, _p, vec in step.rows)
+    allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
     return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
 

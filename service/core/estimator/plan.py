@@ -27,11 +27,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.units import (
-    DTYPE_BYTES,
-    FP32_BYTES,
-    DType,
-)
+from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
 # Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
 # optimizer step (the first creates the gradients, later ones add into them in place).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
@@ -11,7 +10,7 @@ from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
 from service.core.estimator.weights import _gradients
-from service.core.result import COMPONENT_ORDER, Phase
+from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
     Framework,
@@ -22,13 +21,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.units import (
-    BOOL_BYTES,
-    FP32_BYTES,
-    GIB,
-    HALF_BYTES,
-    INT64_BYTES,
-)
+from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
 
 
 def _validate(arch: ModelArch, spec: TrainingSpec) -> list[str]:
@@ -76,41 +69,36 @@ class _FixedParts(NamedTuple):
 
 
 class _Moment(NamedTuple):
-    """The allocated bytes of one moment of a phase that vary by moment, by component (the
-    phase adds its workspaces and optimizer state, alike for each of its moments)."""
+    """The allocated bytes at one moment of a phase, by component, beyond what the phase holds
+    throughout (the fixed parts, the workspaces and the optimizer state)."""
 
     gradients: int
     activations: int
     recompute: int = 0
     logits_loss: int = 0
     backward_temporaries: int = 0
+    optimizer_temporaries: int = 0
 
 
-class _PhaseParts(NamedTuple):
-    """A phase's allocated bytes beyond the fixed parts, by component."""
-
-    workspaces: int
-    optimizer_state: int
-    gradients: int
-    activations: int
-    recompute: int
-    logits_loss: int
-    backward_temporaries: int
-    optimizer_temporaries: int
-
-
+# What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).
+_HELD = (Component.WORKSPACES, Component.OPTIMIZER_STATE)
 # An estimate keeps a phase's parts as one tuple in COMPONENT_ORDER (`PhasePeak.parts`): the
-# fixed parts, then the phase's own, a moment's in the middle. Checked once, here.
-if (*_FixedParts._fields, *_PhaseParts._fields) != tuple(COMPONENT_ORDER) or (
-    _Moment._fields != _PhaseParts._fields[2:7]
-):
+# fixed parts, the held ones, then a moment's. Checked once, here.
+if (*_FixedParts._fields, *_HELD, *_Moment._fields) != COMPONENT_ORDER:
     raise AssertionError("the phase records' fields are not in COMPONENT_ORDER")
 
 
-class _PhaseRow(NamedTuple):
-    step: int  # 1: no optimizer state yet; 2: the steady state
-    phase: Phase
-    parts: _PhaseParts
+# An estimate's phases, in order: step 1 (no optimizer state yet), step 2 (the steady state),
+# then step 1's optimizer step.
+PHASES: tuple[tuple[int, Phase], ...] = (
+    (1, Phase.FORWARD_END),
+    (1, Phase.BACKWARD_START),
+    (1, Phase.BACKWARD),
+    (2, Phase.FORWARD_END),
+    (2, Phase.BACKWARD_START),
+    (2, Phase.BACKWARD),
+    (1, Phase.OPTIMIZER_STEP),
+)
 
 
 class _Step(NamedTuple):
@@ -118,10 +106,33 @@ class _Step(NamedTuple):
 
     plan: _Plan
     fixed: _FixedParts
-    rows: list[_PhaseRow]
+    # cuBLAS workspaces: the forward thread's handle's alone (it takes one at the step's first
+    # GEMM), and with the autograd thread's (at its first: the LM head's backward)
+    workspaces: tuple[int, int]
+    optimizer_state: int  # from the first optimizer step on
+    forward_end: _Moment
+    backward_start: _Moment
+    backward: _Moment  # the largest moment inside the layers' backward
+    optimizer_step: _Moment
     paged_state: int  # optimizer state outside the allocator (paged optimizers)
     assumptions: list[str]
     warnings: list[str]
+
+    def parts(self) -> list[tuple[int, ...]]:
+        """The parts of each of `PHASES`, in COMPONENT_ORDER."""
+        one, both = self.workspaces
+        fixed = self.fixed
+        first = (*fixed, one, 0)
+        steady = (*fixed, both, self.optimizer_state)
+        return [
+            first + self.forward_end,
+            first + self.backward_start,
+            (*fixed, both, 0, *self.backward),
+            steady + self.forward_end,
+            steady + self.backward_start,
+            steady + self.backward,
+            steady + self.optimizer_step,
+        ]
 
 
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
@@ -215,7 +226,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
     # of the largest quantized weight.
     dequant = plan.dequant
-    fixed = _FixedParts(frozen_weights=frozen, trainable_params=trainable, inputs=inputs)
+    fixed = _FixedParts(frozen, trainable, inputs)
     # Inside the layers' backward: at the top layer every activation is still alive (plus
     # one recomputed layer when checkpointing) and only the head's gradients exist; at the
     # first layer the activations are gone and every gradient but the embedding's exists;
@@ -343,47 +354,32 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                     backward_temporaries=grads_now,
                 )
             )
-    inside = max(candidates, key=sum)
-    forward_end = _Moment(
-        gradients=ga_grads, activations=activations, logits_loss=loss.forward_peak
-    )
-    backward_start = _Moment(
-        gradients=ga_grads, activations=activations, logits_loss=loss.backward_peak
-    )
-
-    rows: list[_PhaseRow] = []
-    # cuBLAS workspaces: the forward thread's handle takes one at the step's first GEMM, the
-    # autograd thread's at its first (the LM head's backward, after the loss gradient).
-    one, both = _workspaces(plan, compute_capability)
-    for step in (1, 2):
-        st = state if step == 2 else 0
-        early = one if step == 1 else both
-        # A moment's parts fill the phase's from gradients to backward temporaries.
-        rows.append(_PhaseRow(step, Phase.FORWARD_END, _PhaseParts(early, st, *forward_end, 0)))
-        rows.append(
-            _PhaseRow(step, Phase.BACKWARD_START, _PhaseParts(early, st, *backward_start, 0))
-        )
-        rows.append(_PhaseRow(step, Phase.BACKWARD, _PhaseParts(both, st, *inside, 0)))
-    optimizer_step = _PhaseParts(
-        workspaces=both,
+    return _Step(
+        plan=plan,
+        fixed=fixed,
+        workspaces=_workspaces(plan, compute_capability),
         optimizer_state=state,
-        gradients=grads,
-        activations=0,
-        recompute=0,
-        logits_loss=0,
-        backward_temporaries=0,
-        optimizer_temporaries=temps,
+        forward_end=_Moment(
+            gradients=ga_grads, activations=activations, logits_loss=loss.forward_peak
+        ),
+        backward_start=_Moment(
+            gradients=ga_grads, activations=activations, logits_loss=loss.backward_peak
+        ),
+        backward=max(candidates, key=sum),
+        optimizer_step=_Moment(gradients=grads, activations=0, optimizer_temporaries=temps),
+        paged_state=state_outside,
+        assumptions=assumptions,
+        warnings=warnings,
     )
-    rows.append(_PhaseRow(1, Phase.OPTIMIZER_STEP, optimizer_step))
-
-    return _Step(plan, fixed, rows, state_outside, assumptions, warnings)
 
 
-@dataclass(frozen=True, slots=True)
-class _Shards:
+class _Shards(NamedTuple):
     params: int
     grads: int
     state: int
+
+
+_UNSHARDED = _Shards(1, 1, 1)
 
 
 def _sharding(spec: TrainingSpec) -> _Shards:
@@ -392,7 +388,7 @@ def _sharding(spec: TrainingSpec) -> _Shards:
     n = spec.parallel.gpus
     strategy = spec.parallel.strategy
     if n == 1 or strategy is Strategy.DDP:
-        return _Shards(1, 1, 1)
+        return _UNSHARDED
     if strategy is Strategy.ZERO1:
         return _Shards(1, 1, n)
     if strategy is Strategy.ZERO2:

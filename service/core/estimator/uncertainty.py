@@ -7,15 +7,8 @@ from functools import lru_cache
 
 from service.core.architecture import ModelArch
 from service.core.overhead import Uncertainty
-from service.core.spec import (
-    Framework,
-    Method,
-    TrainingSpec,
-)
-from service.core.units import (
-    DTYPE_BYTES,
-    DType,
-)
+from service.core.spec import Framework, Method, TrainingSpec
+from service.core.units import DTYPE_BYTES, DType
 
 # The estimate's stated uncertainty (relative standard deviations; the safe bound adds 1.645 of
 # them, `service.core.overhead`). Allocated level: the traced HF + PEFT step (HF Trainer's mixed

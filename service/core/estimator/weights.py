@@ -17,13 +17,7 @@ from service.core.spec import (
     QuantType,
     ResolvedSpec,
 )
-from service.core.units import (
-    DTYPE_BYTES,
-    FP32_BYTES,
-    INT8_BYTES,
-    UINT8_BYTES,
-    DType,
-)
+from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, UINT8_BYTES, DType
 
 # bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
 # (bitsandbytes/functional.py quantize_4bit, blocksize=64); double quant stores the absmax
