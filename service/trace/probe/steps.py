@@ -8,13 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from service.core.spec import (
-    LossImpl,
-    Optim,
-    SdpaKernel,
-    TrainingSpec,
-    resolve,
-)
+from service.core.spec import LossImpl, Optim, SdpaKernel, TrainingSpec, resolve
 from service.core.units import DType
 from service.trace.probe.readings import DeviceReadings
 
