@@ -27,7 +27,8 @@ class _Kind(StrEnum):
 
 class _Ledger:
     """A layer's saved tensors by identity (a storage saved by several ops counts once), each
-    as bytes per unit of its `_Kind`; `bytes_at(b, s)` rounds each tensor to the block."""
+    as bytes per unit of its `_Kind`; `_recipe_bytes(recipe, b, s)` rounds each tensor to the
+    block."""
 
     __slots__ = ("items",)
 
