@@ -21,6 +21,9 @@ class DType(StrEnum):
 DTYPE_BYTES: dict[DType, int] = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2}
 FP32_BYTES = 4
 HALF_BYTES = 2
+# HF Trainer's mixed precision computes in bf16 or fp16 (TrainingArguments bf16/fp16).
+AUTOCAST_BYTES = HALF_BYTES
 INT64_BYTES = 8  # token ids and labels are torch.long
 BOOL_BYTES = 1  # torch.bool dropout masks
 UINT8_BYTES = 1
+INT8_BYTES = 1  # torch.int8, LLM.int8's quantized weights

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from service.core.architecture import from_hf_config
 from service.core.estimator import (
-    _flow,
-    _litgpt_zero_pad_width,
     adapted_linears,
     estimate,
+    layer_flow,
     layer_saved_bytes,
+    litgpt_zero_pad_width,
 )
 from service.core.result import Component, Phase
 from service.core.spec import (
@@ -146,10 +146,10 @@ def test_litgpt_zero_pad_copies_the_adapted_part_of_qkv() -> None:
     # LitGPT's zero_pad index_copies the adapters' q/k/v output into the fused width when not
     # all of q, k and v are adapted; index_copy's backward keeps that source.
     qv = adapted_linears(ARCH, resolve(_spec(framework=Framework.LITGPT)))
-    assert _litgpt_zero_pad_width(ARCH, qv) == 64 + 32  # q_dim + kv_dim
+    assert litgpt_zero_pad_width(ARCH, qv) == 64 + 32  # q_dim + kv_dim
     qkv = LoraSpec(r=4, target_modules=("q_proj", "k_proj", "v_proj"))
     every = adapted_linears(ARCH, resolve(_spec(framework=Framework.LITGPT, lora=qkv)))
-    assert _litgpt_zero_pad_width(ARCH, every) == 0
+    assert litgpt_zero_pad_width(ARCH, every) == 0
     neox = from_hf_config(
         {
             "model_type": "gpt_neox",
@@ -163,13 +163,13 @@ def test_litgpt_zero_pad_copies_the_adapted_part_of_qkv() -> None:
     )
     fused = LoraSpec(r=4, target_modules=("query_key_value",))
     adapted = adapted_linears(neox, resolve(_spec(framework=Framework.LITGPT, lora=fused)))
-    assert _litgpt_zero_pad_width(neox, adapted) == 64 + 64  # query and value parts
+    assert litgpt_zero_pad_width(neox, adapted) == 64 + 64  # query and value parts
     said = estimate(neox, _spec(framework=Framework.LITGPT, lora=fused)).assumptions
     assert any("query and value parts of the fused qkv" in a for a in said)
     # The copy is LitGPT's alone: the same layer under HF + PEFT keeps it not.
     for framework, width in ((Framework.LITGPT, 64 + 32), (Framework.HF, 0)):
         rs = resolve(_spec(framework=framework))
-        assert _flow(ARCH, rs, adapted_linears(ARCH, rs)).zero_pad_width == width
+        assert layer_flow(ARCH, rs, adapted_linears(ARCH, rs)).zero_pad_width == width
 
 
 def test_litgpt_qlora_warns_that_inputs_outlive_the_step() -> None:

@@ -1,0 +1,35 @@
+"""Peak GPU memory of one training step, computed from tensor shapes and dtypes.
+
+The allocated level is modelled tensor by tensor, as the HF Trainer + PEFT step creates and
+frees them: each tensor's bytes rounded to the caching allocator's 512 B block, shared
+storages counted once. The peak is the maximum over the step's phases, for step 1 (no
+optimizer state yet) and the steady state. Reserved and device levels add priors that
+calibration refines (`service.core.overhead`).
+
+By concern: `weights` (which modules train; parameters, gradients, optimizer state),
+`activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
+(what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
+by phase), `uncertainty` and `peak` (the estimate and its levels). Other code imports the
+names below from this package, not from its modules.
+"""
+
+from service.core.estimator.activations import (
+    LayerFlow,
+    layer_flow,
+    layer_saved_bytes,
+    litgpt_zero_pad_width,
+)
+from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
+from service.core.estimator.weights import adapted_linears, default_target_modules
+
+__all__ = [
+    "ESTIMATOR_VERSION",
+    "LayerFlow",
+    "adapted_linears",
+    "default_target_modules",
+    "estimate",
+    "layer_flow",
+    "layer_saved_bytes",
+    "litgpt_zero_pad_width",
+    "peak_levels",
+]

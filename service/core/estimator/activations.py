@@ -1,0 +1,406 @@
+"""What a decoder layer saves for backward, tensor by tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
+from service.core.estimator.weights import adapted_linears
+from service.core.spec import AttnImpl, Framework, Method, QuantType, ResolvedSpec, SdpaKernel
+from service.core.units import (
+    AUTOCAST_BYTES,
+    BOOL_BYTES,
+    DTYPE_BYTES,
+    FP32_BYTES,
+    HALF_BYTES,
+    INT64_BYTES,
+    DType,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFlow:
+    """Element sizes of the tensors flowing through a layer."""
+
+    residual: int  # the residual stream
+    norm_out: int  # what the norms hand to the linears
+    attn: int  # q/k/v after RoPE, attention output
+    adapter: int
+    lora_targets: frozenset[str]
+    full: bool
+    r: int
+    dropout: bool
+    autocast: bool
+    # q, k, v come from one fused projection, so the saved v view keeps its whole output alive.
+    fused_qkv: bool
+    quantized: bool
+    # bitsandbytes <= 0.41 (MatMul4Bit.forward: ctx.tensors = (A, B)) kept the 4-bit
+    # linear's input for backward; LitGPT's published QLoRA tables were measured with 0.41.1.
+    quant_saves_input: bool
+    # LitGPT's LoRAQKVLinear.zero_pad (lit_gpt/lora.py) index_copies the adapters' q/k/v output,
+    # `zero_pad_width` features per token, into the fused qkv width when q, k and v are not all
+    # adapted; index_copy's backward keeps that source (autograd's index_copy formula,
+    # grad.index_select(dim, index).expand_as(source)). 0: no such copy.
+    zero_pad_width: int = 0
+    # LitGPT's CausalSelfAttention reshapes SDPA's (B, nh, T, hs) output to (B, T, C) through
+    # y.transpose(1, 2).reshape(...), a copy: the output projection's input is its own storage.
+    proj_input_copy: bool = False
+    # The LM head is a 4-bit linear that keeps its input (LitGPT QLoRA with bitsandbytes 0.41.1).
+    head_quantized: bool = False
+
+
+def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
+    """Features per token of the adapters' q/k/v output that LitGPT's zero_pad index_copies; 0
+    when q, k and v are all adapted (zero_pad then returns its input unchanged)."""
+    qkv = [lin for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV and not lin.expert]
+    names = {lin.name for lin in adapted}
+    if arch.fused_qkv_linear:
+        # One fused projection (GPT-NeoX's query_key_value): LitGPT adapts its parts through
+        # to_query / to_key / to_value, and finetune/lora.py enables query and value.
+        return arch.q_dim + arch.kv_dim if qkv[0].name in names else 0
+    chosen = [lin for lin in qkv if lin.name in names]
+    if not chosen or len(chosen) == len(qkv):
+        return 0
+    return sum(lin.out_features for lin in chosen)
+
+
+def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> LayerFlow:
+    spec = rs.spec
+    md = DTYPE_BYTES[spec.dtype]
+    prep = (
+        spec.method is Method.QLORA and rs.quantization is not None and rs.quantization.prepare_kbit
+    )
+    # prepare_model_for_kbit_training leaves embeddings and norms in fp32, so the residual
+    # stream and every 4-bit linear's output (cast back to its input dtype by bnb's
+    # Linear4bit.forward) run in fp32.
+    residual = FP32_BYTES if prep else md
+    norm_out = residual
+    # Autocast runs q/k/v and attention in half precision: bf16 for an fp32 model.
+    if spec.autocast:
+        attn = DTYPE_BYTES[DType.BF16] if spec.dtype is DType.FP32 else md
+    else:
+        attn = residual
+    lora = rs.lora
+    targets = frozenset(lin.name for lin in adapted)
+    litgpt = spec.framework is Framework.LITGPT
+    return LayerFlow(
+        residual=residual,
+        norm_out=norm_out,
+        attn=attn,
+        adapter=DTYPE_BYTES[rs.adapter_dtype],
+        lora_targets=targets,
+        full=spec.method is Method.FULL,
+        r=lora.r if lora else 0,
+        dropout=bool(lora and rs.lora_dropout > 0),
+        fused_qkv=spec.framework is Framework.LITGPT
+        or sum(1 for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV) == 1,
+        quantized=spec.method is Method.QLORA,
+        quant_saves_input=spec.method is Method.QLORA and spec.framework is Framework.LITGPT,
+        autocast=spec.autocast,
+        zero_pad_width=litgpt_zero_pad_width(arch, adapted) if litgpt and lora else 0,
+        proj_input_copy=litgpt,
+        head_quantized=litgpt
+        and spec.method is Method.QLORA
+        and not arch.tie_word_embeddings
+        and rs.quantization is not None
+        and rs.quantization.type is not QuantType.INT8,
+    )
+
+
+def _linear_saves(
+    led: _Ledger, f: LayerFlow, lin: Linear, x_key: str, x_bytes: int, *, input_grad: bool = True
+) -> None:
+    """What one linear keeps for backward, given its input tensor `x_key` (`input_grad`: whether
+    that input needs a gradient; bitsandbytes 0.41.1 keeps it only then)."""
+    if f.full or (f.quant_saves_input and input_grad and not lin.expert):
+        led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
+    if lin.name not in f.lora_targets:
+        return
+    # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
+    lin_key = "qkv" if f.fused_qkv and lin.kind is LinearKind.ATTN_QKV else lin.name
+    # PEFT lora.Linear.forward: x = self._cast_input_dtype(x, lora_A.weight.dtype), then
+    # lora_B(lora_A(dropout(x))): lora_A saves its input, lora_B saves lora_A's output.
+    in_bytes = f.adapter
+    shared = in_bytes == x_bytes
+    if f.autocast:
+        # Autocast runs lora_A in half precision: it casts its input to a half copy that the
+        # matmul saves, one per adapted linear (the input is no leaf, so the cast is not
+        # cached). PEFT's lora.Linear first casts the input to the adapters' dtype (always);
+        # its bitsandbytes layers do not under autocast (peft/tuners/lora/bnb.py
+        # requires_conversion). The layer's own input is saved when nothing casts it.
+        in_bytes = AUTOCAST_BYTES
+        peft_dtype = x_bytes if f.quantized and not lin.expert else f.adapter
+        shared = x_bytes == peft_dtype == AUTOCAST_BYTES
+    cast_key = x_key if shared else f"{x_key}>{lin_key}"
+    if f.dropout:
+        led.add(f"{lin_key}.dropout_out", lin.in_features * in_bytes)
+        led.add(f"{lin_key}.dropout_mask", lin.in_features * BOOL_BYTES)
+    else:
+        led.add(cast_key, lin.in_features * in_bytes)
+    led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
+    if lin.kind is LinearKind.ATTN_QKV and f.zero_pad_width:
+        led.add("qkv.zero_pad_source", f.zero_pad_width * in_bytes)
+
+
+def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: ModelArch) -> None:
+    """RMSNorm (LlamaRMSNorm): saves an fp32 copy of its input and the rsqrt per token."""
+    if arch.norm is NormKind.RMS:
+        fp32_key = x_key if f.residual == FP32_BYTES else f"{key}.fp32"
+        led.add(fp32_key, h * FP32_BYTES)
+        led.add(f"{key}.rstd", FP32_BYTES)
+        if f.full:
+            led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
+    else:
+        # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
+        led.add(x_key, h * f.residual)
+        led.add(f"{key}.mean", FP32_BYTES)
+        led.add(f"{key}.rstd", FP32_BYTES)
+
+
+def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnChoice) -> None:
+    q_bytes = arch.q_dim * f.attn
+    kv_bytes = arch.kv_dim * f.attn
+    n_h = arch.num_attention_heads
+    impl = spec.attn_implementation
+    kernel = spec.sdpa_kernel
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.AUTO:
+        # On a GPU, PyTorch picks the flash kernel for fp16/bf16 without an explicit mask (a
+        # sliding window shorter than the sequence makes transformers build one); for fp32,
+        # the math kernel when transformers passes grouped key/value heads (enable_gqa, with
+        # no mask), else the memory-efficient one (torch._fused_sdp_choice on an H200,
+        # tests/data/gpu/h200_environment.json; service/trace/kernels.py).
+        half = f.attn == HALF_BYTES
+        gqa = arch.num_key_value_heads < n_h and not spec.windowed
+        if half and not spec.windowed:
+            kernel = SdpaKernel.FLASH
+        else:
+            kernel = SdpaKernel.MATH if gqa and not half else SdpaKernel.EFFICIENT
+    led.add("q_rope", q_bytes)
+    v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
+    if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
+        # flash saves q, k, v (GQA native), output and the fp32 logsumexp (b, n_h, s).
+        led.add("k_rope", kv_bytes)
+        led.add(v_key, v_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("lse", n_h * FP32_BYTES)
+        return
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.EFFICIENT:
+        # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
+        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda).
+        led.add("k_rep", q_bytes)
+        led.add("v_rep", q_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
+        if spec.windowed:
+            # the boolean window mask, converted to an additive bias in the attention dtype
+            # per call and saved by the kernel (b, 1, s, s)
+            led.add("attn_bias", f.attn, _Kind.SQUARE)
+        return
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH and f.attn == FP32_BYTES:
+        # SDPA's math composite on fp32 q, k, v (aten _scaled_dot_product_attention_math, as
+        # the tracer runs it op by op): value repeated to n_h heads, the scaled key's
+        # contiguous copy (saved by the score matmul), the fp32 probabilities, and the
+        # output's contiguous copy (saved by o_proj's LoRA, which takes fp32 as it is).
+        led.add("v_rep", q_bytes)
+        led.add("k_contiguous", q_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("probs", n_h * FP32_BYTES, _Kind.SQUARE)
+        return
+    if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH:
+        # SDPA's math backend (aten _scaled_dot_product_attention_math) decomposes into
+        # ops that keep, per the reference tracer (tests/data/traces/*sdpa-math*): k and v
+        # repeated to n_h heads, scaled copies of q and k, the output, and two score-sized
+        # tensors in the attention dtype (the softmax output and _safe_softmax's masked copy).
+        led.add("k_rep", q_bytes)
+        led.add("v_rep", q_bytes)
+        led.add("q_scaled", q_bytes)
+        led.add("k_scaled", q_bytes)
+        led.add("attn_out", q_bytes)
+        led.add("probs", n_h * f.attn, _Kind.SQUARE)
+        led.add("probs_safe", n_h * f.attn, _Kind.SQUARE)
+        return
+    # eager: scores and probabilities materialised per head.
+    if arch.attn_logit_softcapping is not None:
+        # Gemma-2's eager attention caps the scores: tanh saves its output.
+        led.add("scores_tanh", n_h * f.attn, _Kind.SQUARE)
+    led.add("k_rep", q_bytes)
+    if f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
+        # The value, a strided view of the fused projection's output, reshapes for probs @ v
+        # without a copy when there is one sequence: the matmul keeps that whole output.
+        led.add("qkv_out", q_bytes + 2 * kv_bytes)
+    else:
+        led.add("v_rep", q_bytes)
+    led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)  # softmax(dtype=float32) output
+    if f.attn != FP32_BYTES:
+        # .to(query.dtype), saved by probs @ v; a no-op (the same storage) when q is fp32
+        led.add("probs", n_h * f.attn, _Kind.SQUARE)
+    # probs @ v saves its inputs, not its output: the output (transposed into o_proj's input,
+    # "attn_out") is kept only if o_proj saves its input.
+
+
+def _mlp_saves(
+    led: _Ledger,
+    f: LayerFlow,
+    arch: ModelArch,
+    x_key: str,
+    *,
+    at_up_proj: bool = False,
+    input_grad: bool = True,
+) -> None:
+    """The MLP's saved tensors; with `at_up_proj`, what is live while the last input
+    projection's LoRA output is formed (see `_layer_recipe`)."""
+    i_size = arch.intermediate_size
+    out = f.norm_out
+    by_kind = {lin.kind: lin for lin in arch.linears if not lin.expert}
+    mlp_in = [lin for lin in arch.linears if lin.kind is LinearKind.MLP_IN and not lin.expert]
+    down = by_kind.get(LinearKind.MLP_OUT)
+    for lin in mlp_in:
+        _linear_saves(led, f, lin, x_key, out, input_grad=input_grad)
+    if arch.is_moe:
+        _moe_saves(led, f, arch, x_key)
+        return
+    if arch.mlp is MlpKind.GATED:
+        fused = len(mlp_in) == 1  # one gate_up projection (Phi-3): its act comes after it
+        if not fused or not at_up_proj:
+            # act(gate) saves gate; act(gate) * up saves both operands.
+            led.add("mlp.gate_out", i_size * out)
+            led.add("mlp.act_out", i_size * out)
+        if at_up_proj:
+            up = mlp_in[-1]
+            width = up.out_features
+            # Live beside the saved tensors: the MLP's input and the residual it will be added
+            # to, and up_proj's output in the making: the base output, lora_B's output and
+            # its scaled copy (peft lora.Linear.forward), as the reference traces show.
+            led.add(x_key, arch.hidden_size * out)
+            led.add("x_mid", arch.hidden_size * f.residual)
+            led.add("up.base_out", width * out)
+            if up.name in f.lora_targets:
+                ad = AUTOCAST_BYTES if f.autocast else f.adapter
+                led.add("up.lora_b_out", width * ad)
+                led.add("up.lora_scaled", width * ad)
+            return
+        led.add("mlp.up_out", i_size * out)
+    else:
+        led.add("mlp.fc1_out", i_size * out)  # GELU saves its input
+    if down is not None:
+        _linear_saves(led, f, down, "mlp.product", out)
+
+
+def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
+    """Routed experts (transformers 5 MixtralExperts / Qwen2MoeExperts, frozen 3-D weights):
+    per token, its k experts' gate_up output (kept whole by the chunked views that act and
+    mul save), the activation, and the down output that the routing weight multiplies; the
+    router's fp32 softmax and top-k indices; a shared expert like a dense MLP, gated by a
+    sigmoid that saves its output and the shared output it multiplies."""
+    e = arch.num_experts
+    k = arch.num_experts_per_tok
+    i_size = arch.expert_intermediate_size
+    out = f.norm_out
+    led.add("moe.router_probs", e * FP32_BYTES)  # softmax(router_logits, dtype=float)
+    led.add("moe.topk_indices", k * INT64_BYTES)
+    led.add("moe.gate_up", k * 2 * i_size * out)
+    led.add("moe.act", k * i_size * out)
+    led.add("moe.down_out", k * arch.hidden_size * out)
+    if arch.shared_expert_intermediate_size:
+        si = arch.shared_expert_intermediate_size
+        led.add("shared.gate_out", si * out)
+        led.add("shared.up_out", si * out)
+        led.add("shared.act_out", si * out)
+        led.add("shared.sigmoid", out)
+        led.add("shared.out", arch.hidden_size * out)
+        for lin in arch.linears:
+            if lin.kind is LinearKind.MLP_OUT and not lin.expert:
+                _linear_saves(led, f, lin, "shared.product", out)
+            if lin.kind is LinearKind.SHARED_GATE:
+                _linear_saves(led, f, lin, x_key, out)
+
+
+def layer_saved_bytes(
+    arch: ModelArch, rs: ResolvedSpec, b: int, s: int, *, input_needs_grad: bool = True
+) -> int:
+    """Bytes one decoder layer keeps for backward, without checkpointing.
+
+    `input_needs_grad` is False for the first layer of a LoRA/QLoRA model without
+    checkpointing: the frozen embedding's output takes no gradient, so autograd records
+    nothing for the first norm (its fp32 copy and rstd are never saved).
+    """
+    f = layer_flow(arch, rs, adapted_linears(arch, rs))
+    return _recipe_bytes(
+        _layer_recipe(arch, f, rs.spec.attn_implementation, rs.spec.sdpa_kernel, input_needs_grad),
+        b,
+        s,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _layer_recipe(
+    arch: ModelArch,
+    f: LayerFlow,
+    attn: AttnImpl,
+    kernel: SdpaKernel,
+    input_needs_grad: bool,
+    at_up_proj: bool = False,
+    windowed: bool = False,
+    until_attention: bool = False,
+    single: bool = False,
+) -> tuple[tuple[int, _Kind, int], ...]:
+    """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
+    shapes depend on the model and settings, not on b or s).
+
+    With `at_up_proj`: what is live when the layer's forward (or its recomputation under
+    checkpointing) forms the MLP's last input projection, the largest moment of a LoRA
+    layer's forward: every tensor saved so far, the MLP's inputs and up_proj's output with
+    its fp32 LoRA branch."""
+    led = _Ledger()
+    h = arch.hidden_size
+    spec_like = _AttnChoice(attn, kernel, windowed, single)
+    if input_needs_grad:
+        _norm_saves(led, f, "norm1", "x_in", h, arch)
+    for lin in arch.linears:
+        if lin.kind is LinearKind.ATTN_QKV:
+            _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)
+    _attention_saves(led, f, arch, spec_like)
+    if until_attention:
+        # What the scores' backward still finds: o_proj's backward has consumed its input, and
+        # probs @ v's backward the repeated value (eager: and the probabilities' copy in the
+        # attention dtype, or the fused projection's output that the value view held).
+        for key in ("attn_out", "v_rep", "probs", "qkv_out"):
+            if key != "probs" or attn is AttnImpl.EAGER:
+                led.items.pop(key, None)
+        return led.recipe()
+    proj_key = "attn_out.reshaped" if f.proj_input_copy else "attn_out"
+    for lin in arch.linears:
+        if lin.kind is LinearKind.ATTN_OUT:
+            _linear_saves(led, f, lin, proj_key, f.attn)
+    # A parallel-residual MLP reads the layer input: in a first layer whose input takes no
+    # gradient, the MLP records nothing for backward unless one of its linears trains.
+    mlp_trains = f.full or any(
+        lin.name in f.lora_targets
+        for lin in arch.linears
+        if lin.kind in (LinearKind.MLP_IN, LinearKind.MLP_OUT)
+    )
+    mlp_input_grad = input_needs_grad or not arch.parallel_residual
+    if arch.parallel_residual and arch.norms_per_layer == 1:
+        mlp_in_key = "norm1.out"
+    else:
+        # GPT-NeoX's parallel residual feeds both norms the layer input.
+        if mlp_input_grad:
+            _norm_saves(led, f, "norm2", "x_in" if arch.parallel_residual else "x_mid", h, arch)
+        mlp_in_key = "norm2.out"
+    if arch.norms_per_layer == 4:
+        # Gemma-2's post-attention and post-feedforward norms act on branch outputs.
+        _norm_saves(led, f, "norm3", "attn_proj", h, arch)
+        _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
+    if mlp_input_grad or mlp_trains:
+        _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
+    return led.recipe()
+
+
+@dataclass(frozen=True, slots=True)
+class _AttnChoice:
+    attn_implementation: AttnImpl
+    sdpa_kernel: SdpaKernel
+    windowed: bool  # a sliding window shorter than the sequence: an explicit mask
+    single: bool = False  # one sequence per micro-batch

@@ -1,0 +1,57 @@
+"""The caching allocator's block and the ledger of a layer's saved tensors."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import lru_cache
+
+# CUDACachingAllocator rounds every block up to kMinBlockSize = 512 B
+# (c10/cuda/CUDACachingAllocator.cpp).
+ALLOC_BLOCK = 512
+
+
+def _blk(nbytes: int) -> int:
+    """Bytes the allocator hands out for a request of `nbytes`."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // ALLOC_BLOCK) * ALLOC_BLOCK
+
+
+class _Kind(StrEnum):
+    """How a saved tensor's size scales with the micro-batch b and sequence length s."""
+
+    TOKENS = "b*s"
+    TOKENS_PAD32 = "b*ceil32(s)"  # memory-efficient attention pads its logsumexp
+    SQUARE = "b*s*s"  # eager attention's scores and probabilities
+
+
+class _Ledger:
+    """A layer's saved tensors by identity (a storage saved by several ops counts once), each
+    as bytes per unit of its `_Kind`; `_recipe_bytes(recipe, b, s)` rounds each tensor to the
+    block."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple[int, _Kind]] = {}
+
+    def add(self, key: str, per_token: int, kind: _Kind = _Kind.TOKENS) -> None:
+        if key not in self.items:
+            self.items[key] = (per_token, kind)
+
+    def recipe(self) -> tuple[tuple[int, _Kind, int], ...]:
+        """(bytes per unit, kind, how many tensors of that size)."""
+        counts: dict[tuple[int, _Kind], int] = {}
+        for item in self.items.values():
+            counts[item] = counts.get(item, 0) + 1
+        return tuple((coef, kind, n) for (coef, kind), n in counts.items())
+
+
+@lru_cache(maxsize=4096)
+def _recipe_bytes(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int) -> int:
+    units = {
+        _Kind.TOKENS: b * s,
+        _Kind.TOKENS_PAD32: b * (-(-s // 32) * 32),
+        _Kind.SQUARE: b * s * s,
+    }
+    return sum(n * _blk(coef * units[kind]) for coef, kind, n in recipe)

@@ -1,0 +1,90 @@
+"""The estimate: the allocated peak over the phases and the levels above it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from service.core.architecture import ModelArch
+from service.core.device import device_row
+from service.core.estimator.plan import _Plan
+from service.core.estimator.step import PHASES, _step
+from service.core.estimator.uncertainty import _uncertainty
+from service.core.overhead import AboveAllocated, levels
+from service.core.reserved import reserved_gap, resolve_kernel
+from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
+from service.core.schedule import Kernel
+from service.core.spec import TrainingSpec
+from service.core.units import FP32_BYTES
+
+ESTIMATOR_VERSION = "0.1.0"
+
+
+def estimate(
+    arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None = None
+) -> Estimate:
+    """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
+    the device level's row when the GPU is known."""
+    st = _step(arch, spec, compute_capability)
+    plan = st.plan
+    p = plan.params
+    phases = tuple(
+        PhasePeak(step, phase, sum(parts), parts)
+        for (step, phase), parts in zip(PHASES, st.parts(), strict=True)
+    )
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    over = _above(arch, spec, plan, peak.allocated_bytes, st.paged_state, compute_capability)
+    return Estimate(
+        allocated_bytes=peak.allocated_bytes,
+        reserved_bytes=over.reserved,
+        device_bytes=over.device,
+        device_bytes_upper=over.device_upper,
+        components=peak.components,
+        overheads=over.overheads,
+        peak_step=peak.step,
+        peak_phase=peak.phase,
+        phases=phases,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        upper_margin=over.upper_margin,
+        assumptions=tuple(st.assumptions) + over.assumptions,
+        warnings=tuple(st.warnings),
+        estimator_version=ESTIMATOR_VERSION,
+    )
+
+
+def peak_levels(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    *,
+    compute_capability: str | None = None,
+) -> PeakLevels:
+    """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
+    fit-check evaluates dozens of times per request."""
+    step = _step(arch, spec, compute_capability)
+    allocated = max(map(sum, step.parts()))
+    over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
+    return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
+
+
+def _above(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    plan: _Plan,
+    allocated: int,
+    paged_state: int,
+    compute_capability: str | None,
+) -> AboveAllocated:
+    rplan = plan.reserved
+    gap, gap_note = reserved_gap(rplan, spec.batch_size, spec.seq_len)
+    kernel, _windowed = resolve_kernel(rplan, spec.seq_len)
+    fused = kernel is Kernel.FLASH and plan.flow.attn != FP32_BYTES
+    over = levels(
+        allocated=allocated,
+        reserved=allocated + gap,
+        paged_state=paged_state,
+        gpus=spec.parallel.gpus,
+        row=device_row(compute_capability, fused_attention=fused),
+        uncertainty=_uncertainty(arch, spec),
+    )
+    if gap_note:
+        return replace(over, assumptions=(gap_note, *over.assumptions))
+    return over

@@ -1,0 +1,293 @@
+"""What an estimate needs that does not depend on batch or sequence length, cached."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from service.core.allocator import AllocatorConfig
+from service.core.architecture import Linear, MlpKind, ModelArch, NormKind
+from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
+from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_flow
+from service.core.estimator.ledger import _blk, _Kind
+from service.core.estimator.loss import _litgpt_dequant_bytes
+from service.core.estimator.weights import _optimizer_state, _Params, _params, adapted_linears
+from service.core.reserved import ReservedPlan
+from service.core.spec import (
+    AttnImpl,
+    Framework,
+    LoraSpec,
+    LossImpl,
+    Method,
+    Optim,
+    QuantSpec,
+    ResolvedSpec,
+    SdpaKernel,
+    TrainingSpec,
+    resolve,
+)
+from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
+
+# Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
+# optimizer step (the first creates the gradients, later ones add into them in place).
+REPLAYED_MICRO_BATCHES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What an estimate needs that depends on the model and settings but not on the batch or
+    sequence length; cached, so a scheduler's many calls pay for it once."""
+
+    rs: ResolvedSpec  # resolved with batch_size = seq_len = 1
+    adapted: tuple[Linear, ...]
+    flow: LayerFlow
+    params: _Params
+    optimizer: tuple[int, int, int]
+    layer: tuple[tuple[int, _Kind, int], ...]
+    first_layer: tuple[tuple[int, _Kind, int], ...]
+    # live at up_proj in a recomputed layer, when that moment is modelled (else empty)
+    up_proj_moment: tuple[tuple[int, _Kind, int], ...]
+    # a recomputed layer's saved tensors that its attention's backward still finds
+    attention_part: tuple[tuple[int, _Kind, int], ...]
+    dequant: int  # a transient dequantized copy of the largest 4-bit weight (QLoRA)
+    lt_workspaces: tuple[int, int]  # cuBLASLt workspaces: the forward thread's, the backward's
+    reserved: ReservedPlan  # what the reserved level's allocation schedule needs
+    assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
+
+
+@lru_cache(maxsize=4096)
+def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
+    unit = key.unit_spec()
+    rs = resolve(unit)
+    adapted = adapted_linears(arch, rs)
+    f = layer_flow(arch, rs, adapted)
+    p = _params(
+        arch,
+        unit.method,
+        unit.dtype,
+        rs.lora,
+        rs.quantization,
+        rs.adapter_dtype,
+        adapted,
+        f.head_quantized,
+    )
+    attn, kernel = unit.attn_implementation, unit.sdpa_kernel
+    largest = max(
+        (lin for lin in arch.linears if not lin.expert),
+        key=lambda lin: lin.in_features * lin.out_features,
+    )
+    if unit.method is not Method.QLORA:
+        dequant = 0
+    elif unit.framework is Framework.LITGPT:
+        dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
+    else:
+        dequant = _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
+    assumptions = rs.assumptions
+    if f.zero_pad_width and arch.fused_qkv_linear:
+        assumptions += (
+            "LitGPT adapts the query and value parts of the fused qkv projection "
+            "(finetune/lora.py's lora_query and lora_value defaults)",
+        )
+    single = key.single_sequence
+    return _Plan(
+        rs=rs,
+        adapted=adapted,
+        flow=f,
+        params=p,
+        optimizer=_optimizer_state(p, unit.optim),
+        layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
+        first_layer=_layer_recipe(
+            arch, f, attn, kernel, False, windowed=key.windowed, single=single
+        ),
+        up_proj_moment=_layer_recipe(
+            arch, f, attn, kernel, True, True, windowed=key.windowed, single=single
+        )
+        if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
+        else (),
+        attention_part=_layer_recipe(
+            arch,
+            f,
+            attn,
+            kernel,
+            True,
+            windowed=key.windowed,
+            until_attention=True,
+            single=single,
+        ),
+        dequant=dequant,
+        lt_workspaces=_lt_workspaces(arch, unit),
+        reserved=_reserved_plan(arch, rs, f, p, key.gradient_checkpointing),
+        assumptions=assumptions,
+    )
+
+
+def _lt_workspaces(arch: ModelArch, spec: TrainingSpec) -> tuple[int, int]:
+    """cuBLASLt workspaces in the allocator: one once a linear with a bias runs through addmm
+    (not bitsandbytes' 4-bit path) on the Python thread, one more when checkpointing reruns
+    such a linear on the autograd thread."""
+    biased = any(lin.bias for lin in arch.linears if not lin.expert)
+    lt = _blk(CUBLASLT_WORKSPACE) if biased and spec.method is not Method.QLORA else 0
+    return lt, lt if spec.gradient_checkpointing else 0
+
+
+def _workspaces(plan: _Plan, compute_capability: str | None) -> tuple[int, int]:
+    """cuBLAS(Lt) workspace bytes with the forward thread's handle alone, and with the
+    autograd thread's too (each handle takes one at its first GEMM)."""
+    workspace = _blk(cublas_workspace(compute_capability))
+    forward_lt, backward_lt = plan.lt_workspaces
+    return workspace + forward_lt, 2 * workspace + forward_lt + backward_lt
+
+
+def _model_order(
+    arch: ModelArch, rs: ResolvedSpec, f: LayerFlow, adapted: tuple[Linear, ...]
+) -> list[tuple[int, int]]:
+    """The trainable tensors (bytes, elements) in model.parameters() order, the order an
+    optimizer creates their state in: the embedding, then layer by layer each linear's weight
+    and bias (or its adapters' A and B) and the layer's norms, the final norm, the LM head."""
+    spec = rs.spec
+    full = spec.method is Method.FULL
+    md = DTYPE_BYTES[spec.dtype]
+    quant = rs.quantization
+    prep = spec.method is Method.QLORA and quant is not None and quant.prepare_kbit
+    other = FP32_BYTES if prep else md
+    saved = set(rs.lora.modules_to_save) if rs.lora else set()
+    h, v = arch.hidden_size, arch.vocab_size
+
+    def tensor(count: int, itemsize: int) -> tuple[int, int]:
+        return _blk(count * itemsize), count
+
+    out: list[tuple[int, int]] = []
+    if full or "embed_tokens" in saved:
+        out.append(tensor(v * h, other))
+    layer: list[tuple[int, int]] = []
+    for lin in arch.linears:
+        if full:
+            layer.append(tensor(lin.weight_elements, md))
+            if lin.bias:
+                layer.append(tensor(lin.out_features * lin.count, md))
+        elif lin in adapted:
+            layer.append(tensor(f.r * lin.in_features, f.adapter))
+            layer.append(tensor(lin.out_features * f.r, f.adapter))
+    if full:
+        norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+        layer += [tensor(h, other)] * norm_tensors
+        if arch.qk_norm:
+            layer += [tensor(arch.head_dim, other)] * 2
+    out += layer * arch.num_hidden_layers
+    if full:
+        out += [tensor(h, other)] * (2 if arch.norm is NormKind.LAYER else 1)
+        if not arch.tie_word_embeddings:
+            out.append(tensor(v * h, other))
+            if arch.lm_head_bias:
+                out.append(tensor(v, other))
+    elif "lm_head" in saved and not arch.tie_word_embeddings:
+        out.append(tensor(v * h, other))
+    return out
+
+
+def _reserved_plan(
+    arch: ModelArch, rs: ResolvedSpec, f: LayerFlow, p: _Params, checkpointing: bool
+) -> ReservedPlan:
+    spec = rs.spec
+    lora = rs.lora
+    quant = rs.quantization
+    prep = spec.method is Method.QLORA and quant is not None and quant.prepare_kbit
+    sizes = []
+    elements = []
+    for t in p.tensors:
+        sizes += [_blk(t.elements * t.itemsize)] * t.count
+        elements += [t.elements] * t.count
+    ordered = _model_order(arch, rs, f, adapted_linears(arch, rs))
+    if sorted(ordered) == sorted(zip(sizes, elements, strict=True)):
+        sizes = [n for n, _ in ordered]
+        elements = [e for _, e in ordered]
+    saved = set(lora.modules_to_save) if lora else set()
+    return ReservedPlan(
+        arch=arch,
+        method=spec.method,
+        dtype_bytes=DTYPE_BYTES[spec.dtype],
+        residual=f.residual,
+        compute=DTYPE_BYTES[rs.compute_dtype],
+        adapter=f.adapter if lora else 0,
+        rank=lora.r if lora else 0,
+        dropout=f.dropout,
+        adapted=f.lora_targets,
+        quant_type=quant.type if quant else None,
+        double_quant=bool(quant and quant.double_quant),
+        attn=f.attn,
+        attn_implementation=spec.attn_implementation,
+        sdpa_kernel=spec.sdpa_kernel,
+        loss=rs.loss,
+        head_bytes=FP32_BYTES if prep else DTYPE_BYTES[spec.dtype],
+        head_trainable=spec.method is Method.FULL or "lm_head" in saved,
+        embed_trainable=spec.method is Method.FULL or "embed_tokens" in saved,
+        optim=spec.optim,
+        trainable=tuple(sizes),
+        trainable_elements=tuple(elements),
+        checkpointing=checkpointing,
+        allocator=spec.allocator,
+        autocast=spec.autocast,
+        clip=spec.max_grad_norm > 0,
+        accumulation=spec.gradient_accumulation_steps,
+    )
+
+
+class _PlanKey(NamedTuple):
+    """The fields a plan depends on (everything but sizes, steps and parallelism)."""
+
+    method: Method
+    lora: LoraSpec | None
+    quantization: QuantSpec | None
+    dtype: DType
+    autocast: bool
+    optim: Optim
+    attn_implementation: AttnImpl
+    sdpa_kernel: SdpaKernel
+    loss: LossImpl | None
+    framework: Framework
+    windowed: bool  # the sequence reaches the model's sliding window (an explicit mask)
+    gradient_checkpointing: bool
+    allocator: AllocatorConfig
+    clip: bool  # max_grad_norm > 0
+    # micro-batches per step the reserved level's replay runs: the third and later repeat
+    # the second's allocations on the allocator state it leaves
+    replayed_micro_batches: int
+    # one sequence per micro-batch: a strided view of a fused projection reshapes without a
+    # copy (eager attention's value)
+    single_sequence: bool
+
+    @classmethod
+    def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
+        return cls(
+            spec.method,
+            spec.lora,
+            spec.quantization,
+            spec.dtype,
+            spec.autocast,
+            spec.optim,
+            spec.attn_implementation,
+            spec.sdpa_kernel,
+            spec.loss,
+            spec.framework,
+            arch.windowed(spec.seq_len),
+            spec.gradient_checkpointing,
+            spec.allocator,
+            spec.max_grad_norm > 0,
+            min(spec.gradient_accumulation_steps, REPLAYED_MICRO_BATCHES),
+            spec.batch_size == 1,
+        )
+
+    def unit_spec(self) -> TrainingSpec:
+        fields = self._asdict()
+        del fields["windowed"]
+        del fields["single_sequence"]
+        clip = fields.pop("clip")
+        accumulation = fields.pop("replayed_micro_batches")
+        return TrainingSpec(
+            batch_size=1,
+            seq_len=1,
+            max_grad_norm=1.0 if clip else 0.0,
+            gradient_accumulation_steps=accumulation,
+            **fields,
+        )

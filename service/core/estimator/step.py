@@ -1,0 +1,396 @@
+"""The step's allocated bytes, phase by phase."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
+from service.core.estimator.activations import LayerFlow
+from service.core.estimator.ledger import _blk, _recipe_bytes
+from service.core.estimator.loss import _loss_bytes
+from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
+from service.core.estimator.weights import _gradients
+from service.core.result import COMPONENT_ORDER, Component, Phase
+from service.core.spec import (
+    AttnImpl,
+    Framework,
+    Method,
+    Offload,
+    QuantType,
+    SdpaKernel,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
+
+
+def _validate(arch: ModelArch, spec: TrainingSpec) -> list[str]:
+    warnings: list[str] = []
+    if spec.seq_len > arch.max_position_embeddings:
+        warnings.append(
+            f"seq_len {spec.seq_len} is longer than the model's max_position_embeddings "
+            f"({arch.max_position_embeddings}); quality may suffer without RoPE scaling"
+        )
+    if (
+        spec.method is Method.QLORA
+        and spec.quantization
+        and spec.quantization.type is QuantType.INT8
+    ):
+        warnings.append("int8 (LLM.int8) base weights: activations modelled as for 4-bit")
+    if spec.method is Method.QLORA and spec.framework is Framework.LITGPT:
+        warnings.append(
+            "LitGPT with bitsandbytes <= 0.41 keeps each 4-bit layer's input until the next "
+            "forward pass: a later iteration as long as the first can peak above this estimate"
+        )
+    return warnings
+
+
+def _materialises_scores(arch: ModelArch, spec: TrainingSpec, f: LayerFlow) -> bool:
+    """Whether attention builds b x heads x s x s scores (eager attention, SDPA's math
+    kernel)."""
+    if spec.attn_implementation is AttnImpl.EAGER:
+        return True
+    if spec.attn_implementation is not AttnImpl.SDPA:
+        return False
+    if spec.sdpa_kernel is SdpaKernel.MATH:
+        return True
+    if spec.sdpa_kernel is not SdpaKernel.AUTO or f.attn != FP32_BYTES:
+        return False
+    windowed = arch.windowed(spec.seq_len)
+    return arch.num_key_value_heads < arch.num_attention_heads and not windowed
+
+
+class _FixedParts(NamedTuple):
+    """The allocated bytes that every phase holds alike, by component."""
+
+    frozen_weights: int
+    trainable_params: int
+    inputs: int
+
+
+class _Moment(NamedTuple):
+    """The allocated bytes at one moment of a phase, by component, beyond what the phase holds
+    throughout (the fixed parts, the workspaces and the optimizer state)."""
+
+    gradients: int
+    activations: int
+    recompute: int = 0
+    logits_loss: int = 0
+    backward_temporaries: int = 0
+    optimizer_temporaries: int = 0
+
+
+# What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).
+_HELD = (Component.WORKSPACES, Component.OPTIMIZER_STATE)
+# An estimate keeps a phase's parts as one tuple in COMPONENT_ORDER (`PhasePeak.parts`): the
+# fixed parts, the held ones, then a moment's. Checked once, here.
+if (*_FixedParts._fields, *_HELD, *_Moment._fields) != COMPONENT_ORDER:
+    raise AssertionError("the phase records' fields are not in COMPONENT_ORDER")
+
+
+# An estimate's phases, in order: step 1 (no optimizer state yet), step 2 (the steady state),
+# then step 1's optimizer step.
+PHASES: tuple[tuple[int, Phase], ...] = (
+    (1, Phase.FORWARD_END),
+    (1, Phase.BACKWARD_START),
+    (1, Phase.BACKWARD),
+    (2, Phase.FORWARD_END),
+    (2, Phase.BACKWARD_START),
+    (2, Phase.BACKWARD),
+    (1, Phase.OPTIMIZER_STEP),
+)
+
+
+class _Step(NamedTuple):
+    """A step's allocated bytes phase by phase, before they become an `Estimate`."""
+
+    plan: _Plan
+    fixed: _FixedParts
+    # cuBLAS workspaces: the forward thread's handle's alone (it takes one at the step's first
+    # GEMM), and with the autograd thread's (at its first: the LM head's backward)
+    workspaces: tuple[int, int]
+    optimizer_state: int  # from the first optimizer step on
+    forward_end: _Moment
+    backward_start: _Moment
+    backward: _Moment  # the largest moment inside the layers' backward
+    optimizer_step: _Moment
+    paged_state: int  # optimizer state outside the allocator (paged optimizers)
+    assumptions: list[str]
+    warnings: list[str]
+
+    def parts(self) -> list[tuple[int, ...]]:
+        """The parts of each of `PHASES`, in COMPONENT_ORDER."""
+        one, both = self.workspaces
+        fixed = self.fixed
+        first = (*fixed, one, 0)
+        steady = (*fixed, both, self.optimizer_state)
+        return [
+            first + self.forward_end,
+            first + self.backward_start,
+            (*fixed, both, 0, *self.backward),
+            steady + self.forward_end,
+            steady + self.backward_start,
+            steady + self.backward,
+            steady + self.optimizer_step,
+        ]
+
+
+def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+    plan = _plan(arch, _PlanKey.of(spec, arch))
+    rs = plan.rs
+    warnings = _validate(arch, spec)
+    assumptions = list(plan.assumptions)
+    b, s = spec.batch_size, spec.seq_len
+    tokens = b * s
+    h = arch.hidden_size
+    L = arch.num_hidden_layers
+    f = plan.flow
+    p = plan.params
+    shard = _sharding(spec)
+
+    frozen = p.frozen // shard.params
+    trainable = p.trainable // shard.params
+    grads = _gradients(p) // shard.grads
+    state, state_outside, temps = plan.optimizer
+    state //= shard.state
+    state_outside //= shard.state
+    temps //= shard.state
+    if spec.parallel.offload is not Offload.NONE:
+        state = temps = state_outside = 0
+        assumptions.append("optimizer state offloaded to host memory")
+
+    per_layer = _recipe_bytes(plan.layer, b, s)
+    # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
+    # it (and with a frozen embedding) the first layer's input takes no gradient.
+    embed_trains = spec.method is Method.FULL or (
+        rs.lora is not None and "embed_tokens" in rs.lora.modules_to_save
+    )
+    first_layer = (
+        per_layer
+        if embed_trains or spec.gradient_checkpointing
+        else _recipe_bytes(plan.first_layer, b, s)
+    )
+    checkpoint = _blk(tokens * h * f.residual)
+    inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
+    final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
+    # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
+    rope = 2 * _blk(s * arch.head_dim * f.residual)
+    final_norm += rope
+    head_trains = spec.method is Method.FULL or (
+        rs.lora is not None and "lm_head" in rs.lora.modules_to_save
+    )
+    if head_trains or f.head_quantized:
+        # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
+        # MatMul4Bit's ctx.tensors)
+        final_norm += _blk(tokens * h * f.residual)
+    loss = _loss_bytes(arch, rs, b, s)
+    grad_hidden = _blk(tokens * h * max(f.residual, HALF_BYTES))  # gradient flowing down the stack
+
+    windowed_sdpa = arch.windowed(s) and spec.attn_implementation is AttnImpl.SDPA
+    # Masks that checkpointing keeps as every layer's input until backward ends.
+    masks = 0
+    if spec.gradient_checkpointing and windowed_sdpa:
+        # transformers' boolean sliding-window mask (b, 1, s, s)
+        masks = _blk(b * s * s * BOOL_BYTES)
+    if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
+        # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
+        # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
+        kinds = 2 if arch.model_type in ("gemma2", "gemma3_text") else 1
+        masks = kinds * _blk(b * s * s * f.residual)
+    final_norm += masks
+    if spec.gradient_checkpointing:
+        activations = L * checkpoint + final_norm
+        # The recomputed first norm saves the layer's input itself when it needs no fp32 copy
+        # (an fp32 residual stream, or LayerNorm): that storage is the checkpoint.
+        shares_input = arch.norm is NormKind.LAYER or f.residual == FP32_BYTES
+        recompute = per_layer - (checkpoint if shares_input else 0)
+        assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
+    else:
+        activations = (L - 1) * per_layer + first_layer + final_norm
+        recompute = 0
+    if spec.attn_implementation is AttnImpl.EAGER:
+        extra = (FP32_BYTES + HALF_BYTES) * b * arch.num_attention_heads * s * s
+        warnings.append(
+            f"eager attention stores heads*s^2 scores and probabilities: about "
+            f"{extra * (1 if spec.gradient_checkpointing else L) / GIB:.1f} GiB"
+        )
+
+    ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
+    head_grads = p.head_trainable // shard.grads
+    embed_grads = p.embed_trainable // shard.grads
+    ckpt = spec.gradient_checkpointing
+    rs_r = rs.lora.r if rs.lora else 0
+    tied_head = arch.tie_word_embeddings
+    # bitsandbytes' 4-bit matmul dequantizes one weight to the compute dtype for each forward
+    # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
+    # of the largest quantized weight.
+    dequant = plan.dequant
+    fixed = _FixedParts(frozen, trainable, inputs)
+    # Inside the layers' backward: at the top layer every activation is still alive (plus
+    # one recomputed layer when checkpointing) and only the head's gradients exist; at the
+    # first layer the activations are gone and every gradient but the embedding's exists;
+    # the embedding's gradient comes last. The phase's peak is the largest of these moments.
+    in_flight = 2 * grad_hidden + dequant
+    recompute_end = recompute
+    down = next((lin for lin in arch.linears if lin.kind is LinearKind.MLP_OUT), None)
+    if (
+        ckpt
+        and f.autocast
+        and down is not None
+        and down.name in f.lora_targets
+        and not f.quantized
+        and f.adapter != f.norm_out
+        and not arch.is_moe
+    ):
+        # The recomputation stops at down_proj's saved half copy of its input (non-reentrant
+        # checkpointing): alive then beside the layer's saved tensors are the MLP's input and
+        # the residual it will join, the product down_proj takes, its base output, and
+        # PEFT's cast of the product to the adapters' dtype.
+        out = f.norm_out
+        recompute_end += (
+            _blk(tokens * h * out)
+            + _blk(tokens * h * f.residual)
+            + _blk(tokens * down.in_features * out)
+            + _blk(tokens * h * out)
+            + _blk(tokens * down.in_features * f.adapter)
+        )
+    top = _Moment(
+        gradients=grads if ga_grads else head_grads,
+        activations=activations,
+        recompute=recompute_end,
+        backward_temporaries=in_flight,
+    )
+    bottom_acts = checkpoint if ckpt else first_layer
+    bottom_grads = grads if ga_grads else grads - embed_grads
+    bottom = _Moment(
+        gradients=bottom_grads,
+        activations=bottom_acts,
+        recompute=recompute,
+        backward_temporaries=in_flight,
+    )
+    # The embedding's gradient is a temporary until it lands in .grad, with the gradient
+    # flowing into the embedding's backward beside it. A tied embedding already holds the LM
+    # head's gradient: AccumulateGrad adds out of place, so the old gradient, the new one and
+    # their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full fine-tuning).
+    if embed_grads and tied_head:
+        end = _Moment(
+            gradients=grads - embed_grads, activations=0, backward_temporaries=3 * embed_grads
+        )
+    elif embed_grads:
+        end = _Moment(
+            gradients=grads - embed_grads,
+            activations=0,
+            backward_temporaries=embed_grads + grad_hidden,
+        )
+    else:
+        end = _Moment(gradients=grads, activations=0)
+    candidates = [top, bottom, end]
+    if ckpt and plan.up_proj_moment:
+        # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
+        # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
+        # tensors, per the reference traces) and the recomputed layer at its up_proj.
+        arriving = _blk(tokens * h * FP32_BYTES) + 2 * _blk(tokens * h * HALF_BYTES)
+        moment = _recipe_bytes(plan.up_proj_moment, b, s)
+        candidates.append(
+            _Moment(
+                gradients=ga_grads,
+                activations=L * checkpoint + rope + masks,
+                recompute=moment,
+                backward_temporaries=arriving,
+            )
+        )
+    if spec.method is Method.QLORA and arch.mlp is MlpKind.GATED and not arch.is_moe:
+        # down_proj's backward in the top layer: its saved input is consumed, and the
+        # gradient of that input exists three times in the MLP's dtype: through the LoRA
+        # branch, through the 4-bit matmul (upcast back from the compute dtype), and their
+        # sum (reference trace mistral-7b-v0_1__qlora__...__ckpt); with the gradient of the
+        # layer's output, in the residual dtype.
+        i_bytes = tokens * arch.intermediate_size
+        down_input = _blk(i_bytes * f.norm_out) + _blk(tokens * rs_r * f.adapter)
+        grads_in = 3 * _blk(i_bytes * f.norm_out) + _blk(tokens * h * f.residual)
+        layer_now = (recompute if ckpt else per_layer) - down_input
+        if ckpt:
+            acts_now = L * checkpoint + rope + masks
+        else:
+            acts_now = activations - final_norm + rope + masks - per_layer
+        candidates.append(
+            _Moment(
+                gradients=ga_grads,
+                activations=acts_now,
+                recompute=layer_now,
+                backward_temporaries=grads_in,
+            )
+        )
+    if _materialises_scores(arch, spec, f):
+        # The attention's backward in the top layer (recomputed under checkpointing) with the
+        # scores materialised: the probabilities' gradient and the scores' (fp32 for SDPA's
+        # math kernel) beside the saved probabilities, with the output's gradient made
+        # contiguous and the residual stream's gradient (reference traces *qlora*b1-s8192*,
+        # peak at _softmax_backward_data).
+        score_bytes = FP32_BYTES
+        scores = _blk(b * arch.num_attention_heads * s * s * score_bytes)
+        # (SDPA's fp32 softmax backward also takes a scores-sized scratch on CUDA: an H200
+        # allocator history, service/trace/kernels.py _SafeSoftmax.)
+        copies = 2 if spec.attn_implementation is not AttnImpl.SDPA else 3
+        grads_now = copies * scores + 2 * _blk(tokens * arch.q_dim * max(f.attn, f.residual))
+        if ckpt:
+            attention_part = _recipe_bytes(plan.attention_part, b, s)
+            if f.residual == FP32_BYTES or arch.norm is NormKind.LAYER:
+                attention_part -= checkpoint  # the first norm saved the checkpoint itself
+            candidates.append(
+                _Moment(
+                    gradients=ga_grads,
+                    activations=L * checkpoint + rope + masks,
+                    recompute=attention_part,
+                    backward_temporaries=grads_now,
+                )
+            )
+        else:
+            candidates.append(
+                _Moment(
+                    gradients=ga_grads,
+                    activations=activations - final_norm + rope + masks,
+                    backward_temporaries=grads_now,
+                )
+            )
+    return _Step(
+        plan=plan,
+        fixed=fixed,
+        workspaces=_workspaces(plan, compute_capability),
+        optimizer_state=state,
+        forward_end=_Moment(
+            gradients=ga_grads, activations=activations, logits_loss=loss.forward_peak
+        ),
+        backward_start=_Moment(
+            gradients=ga_grads, activations=activations, logits_loss=loss.backward_peak
+        ),
+        backward=max(candidates, key=sum),
+        optimizer_step=_Moment(gradients=grads, activations=0, optimizer_temporaries=temps),
+        paged_state=state_outside,
+        assumptions=assumptions,
+        warnings=warnings,
+    )
+
+
+class _Shards(NamedTuple):
+    params: int
+    grads: int
+    state: int
+
+
+_UNSHARDED = _Shards(1, 1, 1)
+
+
+def _sharding(spec: TrainingSpec) -> _Shards:
+    """Divisors over ranks: ZeRO-1 shards optimizer state, ZeRO-2 also gradients, ZeRO-3 and
+    FSDP also parameters (Rajbhandari et al. 2020, ZeRO, section 5)."""
+    n = spec.parallel.gpus
+    strategy = spec.parallel.strategy
+    if n == 1 or strategy is Strategy.DDP:
+        return _UNSHARDED
+    if strategy is Strategy.ZERO1:
+        return _Shards(1, 1, n)
+    if strategy is Strategy.ZERO2:
+        return _Shards(1, n, n)
+    return _Shards(n, n, n)

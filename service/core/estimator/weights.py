@@ -1,0 +1,280 @@
+"""Which modules train, and the bytes of parameters, gradients and optimizer state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from service.core.architecture import Linear, ModelArch, NormKind
+from service.core.errors import InvalidSpecError
+from service.core.estimator.ledger import _blk
+from service.core.spec import (
+    ALL_LINEAR,
+    LoraSpec,
+    Method,
+    Optim,
+    QuantSpec,
+    QuantType,
+    ResolvedSpec,
+)
+from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, UINT8_BYTES, DType
+
+# bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
+# (bitsandbytes/functional.py quantize_4bit, blocksize=64); double quant stores the absmax
+# as uint8 with one fp32 absmax per 256 of them plus a 256-entry fp32 code and an fp32 offset
+# (quantize_blockwise, blocksize=256).
+NF4_VALUES_PER_BYTE = 2
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+NESTED_CODE_ENTRIES = 256
+NF4_CODE_ENTRIES = 16  # quant_state.code: the 16 NF4/FP4 levels, fp32
+# LLM.int8 (bitsandbytes Linear8bitLt): int8 weight plus one fp32 scale per output row (SCB).
+
+# bitsandbytes 8-bit optimizers: uint8 state per element, one fp32 absmax per 256-element
+# block (bitsandbytes/optim/optimizer.py Optimizer2State, blockwise=True); parameters with
+# fewer than min_8bit_size = 4096 elements keep fp32 states.
+BNB_8BIT_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
+    """PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py)."""
+    defaults = {
+        "llama": ("q_proj", "v_proj"),
+        "mistral": ("q_proj", "v_proj"),
+        "mixtral": ("q_proj", "v_proj"),
+        "qwen2": ("q_proj", "v_proj"),
+        "qwen3": ("q_proj", "v_proj"),
+        "gemma": ("q_proj", "v_proj"),
+        "gemma2": ("q_proj", "v_proj"),
+        "gemma3_text": ("q_proj", "v_proj"),
+        "stablelm": ("q_proj", "v_proj"),
+        "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+        "gpt_neox": ("query_key_value",),
+        "chatglm": ("query_key_value",),
+    }
+    if arch.model_type not in defaults:
+        raise InvalidSpecError(
+            "lora.target_modules",
+            f"PEFT has no default target modules for model_type {arch.model_type!r}; name them",
+        )
+    return defaults[arch.model_type]
+
+
+def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
+    """The decoder-layer linears that carry a LoRA adapter."""
+    if rs.lora is None:
+        return ()
+    targets = rs.lora.target_modules
+    candidates = [lin for lin in arch.linears if not lin.expert]
+    if targets == ALL_LINEAR:
+        return tuple(candidates)
+    names = default_target_modules(arch) if targets is None else tuple(targets)
+    chosen = tuple(
+        lin for lin in candidates if lin.name in names or lin.name.split(".")[-1] in names
+    )
+    unknown = [
+        n
+        for n in names
+        if not any(n in (lin.name, lin.name.split(".")[-1]) for lin in arch.linears)
+    ]
+    if unknown or not chosen:
+        known = ", ".join(sorted({lin.name for lin in candidates}))
+        raise InvalidSpecError(
+            "lora.target_modules",
+            f"{', '.join(unknown or names)} not in this model (its linear layers: {known})",
+        )
+    return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    """`count` trainable tensors of one shape: (rows, cols) or (rows,) when cols is 0."""
+
+    rows: int
+    cols: int
+    itemsize: int
+    count: int
+
+    @property
+    def elements(self) -> int:
+        return self.rows * (self.cols or 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * _blk(self.elements * self.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class _Params:
+    frozen: int  # bytes of frozen weights (quantized ones included)
+    trainable: int  # bytes of trainable parameters
+    tensors: tuple[_Tensor, ...]  # the trainable tensors
+    total_count: int
+    trainable_count: int
+    embed_trainable: int  # bytes of a trainable input embedding (its gradient comes last)
+    head_trainable: int  # bytes of a trainable lm_head and final norm (gradients come first)
+
+
+def _quantized_weight_bytes(lin: Linear, quant: QuantSpec | None) -> int:
+    return _quantized_matrix_bytes(lin.in_features, lin.out_features, quant)
+
+
+def _quantized_matrix_bytes(in_features: int, out_features: int, quant: QuantSpec | None) -> int:
+    if quant is None:
+        raise InvalidSpecError("quantization", "required for method 'qlora'")
+    n = in_features * out_features
+    if quant.type is QuantType.INT8:
+        return _blk(n * INT8_BYTES) + _blk(out_features * FP32_BYTES)
+    packed = _blk(n // NF4_VALUES_PER_BYTE)
+    blocks = -(-n // NF4_BLOCK)
+    code = _blk(NF4_CODE_ENTRIES * FP32_BYTES)
+    if not quant.double_quant:
+        return packed + _blk(blocks * FP32_BYTES) + code
+    nested = -(-blocks // NESTED_BLOCK)
+    return (
+        packed
+        + _blk(blocks * UINT8_BYTES)
+        + _blk(nested * FP32_BYTES)
+        + _blk(NESTED_CODE_ENTRIES * FP32_BYTES)
+        + _blk(FP32_BYTES)  # the nested offset
+        + code
+    )
+
+
+@lru_cache(maxsize=1024)
+def _params(
+    arch: ModelArch,
+    method: Method,
+    dtype: DType,
+    lora: LoraSpec | None,
+    quant: QuantSpec | None,
+    adapter_dtype: DType,
+    adapted: tuple[Linear, ...],
+    head_quantized: bool = False,
+) -> _Params:
+    """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
+    Cached: it depends on the model and method, not on batch or sequence length.
+
+    `head_quantized`: the LM head is a 4-bit linear too (LitGPT's QLoRA: Fabric's
+    BitsandbytesPrecision replaces every torch.nn.Linear, lm_head included)."""
+    md = DTYPE_BYTES[dtype]
+    kbit = method is Method.QLORA
+    prep = kbit and quant is not None and quant.prepare_kbit
+    # prepare_model_for_kbit_training casts every parameter that is not 4/8-bit to fp32
+    # (peft/utils/other.py: param.data = param.data.to(torch.float32)).
+    other = FP32_BYTES if prep else md
+    full = method is Method.FULL
+    saved_modules = set(lora.modules_to_save) if lora else set()
+    L = arch.num_hidden_layers
+
+    frozen = 0
+    trainable: list[_Tensor] = []
+
+    def put(rows: int, cols: int, itemsize: int, count: int, train: bool) -> None:
+        nonlocal frozen
+        tensor = _Tensor(rows, cols, itemsize, count)
+        if train:
+            trainable.append(tensor)
+        else:
+            frozen += tensor.nbytes
+
+    for lin in arch.linears:
+        if kbit and not lin.expert:
+            frozen += L * _quantized_weight_bytes(lin, quant)
+        else:
+            # transformers 5 keeps a stack of experts as one 3-D parameter.
+            put(lin.out_features * lin.count, lin.in_features, md, L, full)
+        if lin.bias:
+            put(lin.out_features * lin.count, 0, other if kbit else md, L, full)
+    norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+    put(arch.hidden_size, 0, other, L * norm_tensors, full)
+    if arch.qk_norm:
+        put(arch.head_dim, 0, other, 2 * L, full)
+
+    layers_end = len(trainable)
+    put(arch.vocab_size, arch.hidden_size, other, 1, full)
+    if "embed_tokens" in saved_modules and not full:
+        # ModulesToSaveWrapper trains a copy and keeps the original.
+        trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
+    embed_trainable = sum(t.nbytes for t in trainable[layers_end:])
+    head_start = len(trainable)
+    put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full)
+    if not arch.tie_word_embeddings:
+        if head_quantized:
+            frozen += _quantized_matrix_bytes(arch.hidden_size, arch.vocab_size, quant)
+        else:
+            put(arch.vocab_size, arch.hidden_size, other, 1, full)
+        if arch.lm_head_bias:
+            put(arch.vocab_size, 0, other, 1, full)
+        if "lm_head" in saved_modules and not full:
+            trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
+    head_trainable = sum(t.nbytes for t in trainable[head_start:])
+
+    if lora is not None:
+        ad = DTYPE_BYTES[adapter_dtype]
+        r = lora.r
+        for lin in adapted:
+            trainable.append(_Tensor(r, lin.in_features, ad, L))  # lora_A
+            trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
+    return _Params(
+        frozen=frozen,
+        trainable=sum(t.nbytes for t in trainable),
+        tensors=tuple(trainable),
+        total_count=arch.total_params,
+        trainable_count=sum(t.elements * t.count for t in trainable),
+        embed_trainable=embed_trainable,
+        head_trainable=head_trainable,
+    )
+
+
+def _gradients(p: _Params) -> int:
+    """One gradient per trainable tensor, in the parameter's dtype."""
+    return p.trainable
+
+
+def _optimizer_state(p: _Params, optim: Optim) -> tuple[int, int, int]:
+    """(state bytes inside torch's allocator, state bytes outside it, step temporaries)."""
+    tensors = p.tensors
+    if optim is Optim.SGD:
+        # HF "sgd" is torch.optim.SGD with momentum 0: no state (transformers/trainer.py).
+        return 0, 0, 0
+    if optim in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
+        # exp_avg and exp_avg_sq take the parameter's dtype (torch/optim/adamw.py _init_group).
+        state = 2 * p.trainable
+        if optim is Optim.ADAMW_TORCH_FUSED:
+            # fused AdamW keeps each parameter's `step` as an fp32 scalar on the device
+            # (torch/optim/adamw.py _init_group: device=p.device if capturable or fused);
+            # foreach keeps it on the host.
+            state += sum(t.count for t in p.tensors) * _blk(FP32_BYTES)
+        # foreach AdamW's torch._foreach_sqrt(exp_avg_sqs) allocates one state-sized copy
+        # (torch/optim/adamw.py _multi_tensor_adamw); fused and for-loop do not.
+        temps = p.trainable if optim is Optim.ADAMW_TORCH else 0
+        return state, 0, temps
+    if optim in (Optim.ADAMW_BNB_8BIT, Optim.PAGED_ADAMW_8BIT):
+        state = 0
+        for t in tensors:
+            e = t.elements
+            if e < BNB_MIN_8BIT_SIZE:
+                state += t.count * 2 * _blk(e * FP32_BYTES)
+            else:
+                absmax = _blk(-(-e // BNB_8BIT_BLOCK) * FP32_BYTES)
+                state += t.count * 2 * (_blk(e * UINT8_BYTES) + absmax)
+        paged = optim is Optim.PAGED_ADAMW_8BIT
+        return (0, state, 0) if paged else (state, 0, 0)
+    if optim is Optim.PAGED_ADAMW_32BIT:
+        # bitsandbytes 32-bit states are fp32 whatever the parameter's dtype; paged states live
+        # in CUDA managed memory, outside torch's allocator counters (bitsandbytes/optim).
+        return 0, sum(t.count * 2 * _blk(t.elements * FP32_BYTES) for t in tensors), 0
+    # Adafactor (transformers/optimization.py, beta1=None as HF Trainer builds it): for a 2-D
+    # parameter, row and column second moments in the gradient's dtype; for 1-D, a full one.
+    # step() works one parameter at a time on fp32 copies of the gradient and the parameter
+    # and an fp32 update: three fp32 copies of the largest parameter.
+    state = 0
+    for t in tensors:
+        if t.cols:
+            state += t.count * (_blk(t.rows * t.itemsize) + _blk(t.cols * t.itemsize))
+        else:
+            state += t.count * _blk(t.rows * t.itemsize)
+    largest = max((t.elements for t in tensors), default=0)
+    return state, 0, 3 * _blk(largest * FP32_BYTES)

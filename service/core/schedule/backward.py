@@ -1,0 +1,582 @@
+"""Each module's backward: the gradients it allocates and what it frees."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from service.core.schedule.forward import _Forward
+from service.core.schedule.program import _Saved
+from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
+from service.core.units import FP32_BYTES
+
+
+class _Backward(_Forward):
+    """Appends the events of each module's backward."""
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def linear_backward(
+        self,
+        g: int,
+        nbytes: int,
+        lin: LinearShape,
+        saved: _Saved,
+        *,
+        x_grad: bool,
+        acc: int = 0,
+        before_saved: Callable[[], None] | None = None,
+        in_bytes: int = 0,
+    ) -> int:
+        """The backward of one linear given its output's gradient `g` (released here, in
+        `nbytes`); returns the input's gradient (in `in_bytes`, by default `nbytes`) added to
+        `acc` (0 when the input takes none)."""
+        sh = self.sh
+        ad = sh.adapter
+        gx_lora = 0
+        g_base = g
+        in_bytes = in_bytes or nbytes
+        if (
+            lin.trainable
+            and sh.autocast
+            and (sh.param_bytes != HALF_BYTES or in_bytes != HALF_BYTES)
+        ):
+            if before_saved is not None:  # a checkpoint's recomputation, before the matmul's
+                before_saved()
+            return self._trainable_autocast_backward(
+                g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
+            )
+        if lin.adapted and sh.autocast:
+            g_base, gx_lora, acc = self._lora_autocast_backward(
+                g,
+                nbytes,
+                lin,
+                saved,
+                x_grad=x_grad,
+                acc=acc,
+                before_saved=before_saved,
+                in_bytes=in_bytes,
+            )
+            before_saved = None
+        elif lin.adapted:
+            # the output cast's backward (g in the adapters' dtype; autograd lets go of g),
+            # then the promoting add's: g cast back for the base branch
+            g32 = self.a(ad * lin.d_out) if ad != nbytes else self.p.hold(g)
+            self.f(g)
+            g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g32)
+            scaled = self.a(ad * lin.d_out)
+            self.f(g32)
+            if before_saved is not None:
+                before_saved()
+                before_saved = None
+            self.grad(ad * lin.d_out * sh.rank)  # lora_B.weight.grad
+            g_a = self.a(ad * sh.rank)
+            self.f(scaled)
+            saved.release(f"{lin.name}.lora_a")
+            self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
+            if x_grad:
+                gx32 = self.a(ad * lin.d_in)
+                self.f(g_a)
+                saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+                gx_lora = gx32
+                if ad != nbytes:
+                    gx_lora = self.a(nbytes * lin.d_in)
+                    self.f(gx32)
+                if acc:
+                    total = self.a(nbytes * lin.d_in)
+                    self.f(acc, gx_lora)
+                    gx_lora, acc = total, 0
+            else:
+                self.f(g_a)
+                saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        elif before_saved is not None:
+            before_saved()
+        if lin.trainable:
+            self.grad(lin.weight_bytes)
+        gin = 0
+        if x_grad:
+            if lin.quantized:
+                gin = self._grad_4bit(g_base, nbytes, lin)
+            else:
+                gin = self.a(nbytes * lin.d_in)
+                self.gemm()
+                if in_bytes != nbytes:  # autocast's input cast, backwards
+                    wide = self.a(in_bytes * lin.d_in)
+                    self.f(gin)
+                    gin = wide
+        saved.release(f"{lin.name}.x")
+        self.f(g_base)
+        if not x_grad:
+            return acc
+        for other in (gx_lora, acc):
+            if other:
+                total = self.a(in_bytes * lin.d_in)
+                self.f(other, gin)
+                gin = total
+        return gin
+
+    def _trainable_autocast_backward(
+        self, g: int, lin: LinearShape, saved: _Saved, *, x_grad: bool, acc: int, in_bytes: int
+    ) -> int:
+        """A trained linear's backward under autocast (g, half, released): the half weight
+        gradient cast to the weight's dtype into its .grad, the half input gradient cast back
+        to the input's dtype."""
+        sh = self.sh
+        # the matmul's node: the weight's and the input's half gradients; its saved tensors
+        # and g go once it has run; then the casts' nodes: the weight's, the input's
+        half_grad = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
+        gin = 0
+        if x_grad:
+            gin = self.a(HALF_BYTES * lin.d_in)
+            self.gemm()
+        saved.release(f"{lin.name}.x", f"{lin.name}.w")
+        self.f(g)
+        if sh.param_bytes != HALF_BYTES:
+            self.grad(lin.weight_bytes)
+            self.f(half_grad)
+        else:
+            self.grads.append(half_grad)
+        if x_grad and in_bytes != HALF_BYTES:
+            wide = self.a(in_bytes * lin.d_in)
+            self.f(gin)
+            gin = wide
+        if not x_grad:
+            return acc
+        if acc:
+            total = self.a(in_bytes * lin.d_in)
+            self.f(acc, gin)
+            gin = total
+        return gin
+
+    def _lora_autocast_backward(
+        self,
+        g: int,
+        nbytes: int,
+        lin: LinearShape,
+        saved: _Saved,
+        *,
+        x_grad: bool,
+        acc: int,
+        before_saved: Callable[[], None] | None,
+        in_bytes: int,
+    ) -> tuple[int, int, int]:
+        """The adapter's backward under autocast (g, in `nbytes`, released): the add's gradient
+        cast to half for the adapter branch when the result is wider, the scaling's, lora_B's
+        and lora_A's in half, the casts' backwards back to the input's dtype (`in_bytes`).
+        Returns the base branch's gradient, the adapter branch's input gradient and the
+        accumulator."""
+        sh = self.sh
+        ad = sh.adapter
+        srcb = in_bytes if lin.quantized else ad
+        g_half = self.a(HALF_BYTES * lin.d_out) if nbytes != HALF_BYTES else self.p.hold(g)
+        g_base = self.p.hold(g)
+        self.f(g)
+        g_b = self.a(HALF_BYTES * lin.d_out)  # the scaling's backward
+        self.f(g_half)
+        if before_saved is not None:
+            before_saved()
+        self.grad(ad * lin.d_out * sh.rank)  # lora_B.weight.grad
+        g_a = self.a(HALF_BYTES * sh.rank)
+        self.f(g_b)
+        saved.release(f"{lin.name}.lora_a")
+        self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
+        gx_lora = 0
+        if x_grad:
+            gx = self.a(HALF_BYTES * lin.d_in)
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            if srcb != HALF_BYTES:
+                nxt = self.a(srcb * lin.d_in)
+                self.f(gx)
+                gx = nxt
+            if srcb != in_bytes:
+                nxt = self.a(in_bytes * lin.d_in)
+                self.f(gx)
+                gx = nxt
+            gx_lora = gx
+            if acc:
+                total = self.a(in_bytes * lin.d_in)
+                self.f(acc, gx_lora)
+                gx_lora, acc = total, 0
+        else:
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        return g_base, gx_lora, acc
+
+    def _grad_4bit(self, g: int, nbytes: int, lin: LinearShape) -> int:
+        sh = self.sh
+        compute = sh.compute
+        cast = self.a(compute * lin.d_out) if nbytes != compute else 0
+        elements = lin.d_in * lin.d_out
+        absmax = self.p.alloc(-(-elements // 64) * FP32_BYTES) if sh.double_quant else 0
+        weight = self.p.alloc(elements * compute)
+        self.f(absmax)
+        out = self.a(compute * lin.d_in)
+        self.gemm()
+        self.f(weight, cast)
+        if nbytes != compute:
+            back = self.a(nbytes * lin.d_in)
+            self.f(out)
+            out = back
+        return out
+
+    def norm_backward(self, g: int, saved: _Saved, name: str, residual: int = 0) -> int:
+        """RMSNorm's backward (g released here); returns the input's gradient. In fp32 no
+        cast ends it: the first product's gradient reaches the input's buffer directly and
+        is added to the `residual` branch's gradient waiting there (released), the second's
+        then to that sum, which is returned."""
+        sh = self.sh
+        h = sh.hidden
+        r = sh.residual
+        g1 = self.a((FP32_BYTES if sh.gemma_norm else r) * h)  # grad * weight (or its cast)
+        if sh.norm_trainable:
+            self.f(self.a(r * h))  # grad * normed, summed into the weight's gradient
+            self.grad(h * r)
+            saved.release(f"{name}.normed")
+        self.f(g)
+        g32 = g1
+        if r != FP32_BYTES:
+            g32 = self.a(FP32_BYTES * h)
+            self.f(g1)
+        t1 = self.a(FP32_BYTES * h)
+        t2 = self.a(FP32_BYTES * h)
+        self.f(t1, g32)
+        if residual and r == FP32_BYTES:
+            summed = self.a(FP32_BYTES * h)
+            self.f(residual, t2)
+            t2 = summed
+        t3 = self.a(FP32_BYTES * h)
+        t4 = self.a(FP32_BYTES * h)
+        t5 = self.a(FP32_BYTES * h)
+        t6 = self.a(FP32_BYTES * h)
+        self.f(t5, t4, t3)
+        saved.release(f"{name}.x")
+        total = self.a(FP32_BYTES * h)
+        self.f(t2, t6)
+        if r == FP32_BYTES:
+            return total
+        out = self.a(r * h)
+        self.f(total)
+        return out
+
+    def rope_backward(self, g: int, dim: int, nbytes: int, wide: int = 0) -> int:
+        """RoPE's backward on g (in `wide`, by default `nbytes`, released); returns x's
+        gradient in `nbytes` (each product's gradient cast back where it promoted)."""
+        wide = wide or nbytes
+        t1 = self.a(wide * dim)
+        if wide != nbytes:
+            back = self.a(nbytes * dim)
+            self.f(t1)
+            t1 = back
+        neg = self.a(nbytes * dim // 2)
+        s1 = self.a(nbytes * dim)
+        self.f(neg)
+        s2 = self.a(nbytes * dim)
+        self.f(t1)
+        added = self.a(nbytes * dim)
+        self.f(s1, s2)
+        t2 = self.a(wide * dim)
+        if wide != nbytes:
+            back = self.a(nbytes * dim)
+            self.f(t2)
+            t2 = back
+        self.f(g)
+        out = self.a(nbytes * dim)
+        self.f(added, t2)
+        return out
+
+    def attention_backward(
+        self, g: int, nbytes: int, saved: _Saved, v_bytes: int = 0
+    ) -> tuple[int, int, int]:
+        """The kernel's backward (g released); returns dq, dk, dv at the kv heads' width, in
+        `nbytes` (dv in `v_bytes`, by default `nbytes`; under autocast the half gradients are
+        cast back, v's first)."""
+        sh = self.sh
+        if sh.autocast and nbytes != HALF_BYTES:
+            dq, dk, dv = self._attention_backward(g, HALF_BYTES, saved)
+            qd = sh.heads * sh.head_dim
+            kvd = sh.kv_heads * sh.head_dim
+            grads = [(dk, kvd), (dq, qd)]
+            if v_bytes != HALF_BYTES:
+                grads.insert(0, (dv, kvd))
+            wide = []
+            for grad, dim in grads:
+                wide.append(self.a(nbytes * dim))
+                self.f(grad)
+            if v_bytes == HALF_BYTES:
+                wide.insert(0, dv)
+            dv, dk, dq = wide
+            return dq, dk, dv
+        return self._attention_backward(g, nbytes, saved)
+
+    def _attention_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        gqa = sh.heads > sh.kv_heads
+        kernel = sh.kernel
+        if kernel is Kernel.FLASH:
+            dq, dk, dv = self.a(nbytes * qd), self.a(nbytes * kvd), self.a(nbytes * kvd)
+            self.f(g)
+            saved.release("v", "q", "k", "lse", "out")
+            return dq, dk, dv
+        if kernel is Kernel.EFFICIENT:
+            dq, dk, dv = self.a(nbytes * qd), self.a(nbytes * qd), self.a(nbytes * qd)
+            self.f(g)
+            saved.release("k", "q", "v", "lse", "out", "bias")
+            if gqa:
+                sk = self.a(nbytes * kvd)
+                self.f(dv)
+                sv = self.a(nbytes * kvd)
+                self.f(dk)
+                dk, dv = sv, sk
+            return dq, dk, dv
+        if kernel is Kernel.MATH:
+            return self._math_backward(g, nbytes, saved)
+        # the transposed output's gradient made contiguous for the bmm (a view when the
+        # batch is one, as in the forward)
+        g_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(g)
+        self.f(g)
+        dv_rep = self.a(nbytes * qd)
+        dprobs = self.a(nbytes * scores)
+        self.gemm()
+        self.f(g_c)
+        saved.release("v", "probs")
+        d32 = self.a(FP32_BYTES * scores)
+        self.f(dprobs)
+        dsm = self.a(FP32_BYTES * scores)
+        self.f(d32)
+        saved.release("probs32")
+        ds = self.a(nbytes * scores)
+        self.f(dsm)
+        if sh.softcap:  # * cap, tanh's backward, / cap
+            for release in (False, True, False):
+                nxt = self.a(nbytes * scores)
+                self.f(ds)
+                if release:
+                    saved.release("tanh")
+                ds = nxt
+        scaled = self.a(nbytes * scores)
+        self.f(ds)
+        dq = self.a(nbytes * qd)
+        dk_rep = self.a(nbytes * qd)
+        self.f(scaled)
+        saved.release("k", "q")
+        if gqa:
+            dk = self.a(nbytes * kvd)
+            self.f(dk_rep)
+            dv = self.a(nbytes * kvd)
+            self.f(dv_rep)
+            return dq, dk, dv
+        return dq, dk_rep, dv_rep
+
+    def _math_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        gqa = sh.heads > sh.kv_heads
+        g32 = self.a(FP32_BYTES * qd) if nbytes != FP32_BYTES else self.p.hold(g)
+        g_c = self.a(FP32_BYTES * qd)
+        self.f(g, g32)
+        dv_rep = self.a(FP32_BYTES * qd)
+        dprobs = self.a(FP32_BYTES * scores)
+        self.gemm()
+        self.f(g_c)
+        dscores = self.a(FP32_BYTES * scores)
+        self.f(self.a(FP32_BYTES * scores))  # the CUDA backward's scratch (kernels.py)
+        self.f(dprobs)
+        saved.release("probs")
+        dq_s = self.a(FP32_BYTES * qd)
+        dk_c = self.a(FP32_BYTES * qd)
+        self.f(dscores)
+        saved.release("k_s", "k_c")
+        dq = self.a(FP32_BYTES * qd)
+        self.f(dq_s)
+        dk_t = self.a(FP32_BYTES * qd)
+        self.f(dk_c)
+        saved.release("v")
+        dk = self.a(FP32_BYTES * kvd) if gqa else dk_t
+        dv = self.a(FP32_BYTES * kvd) if gqa else dv_rep
+        if gqa:
+            self.f(dk_t, dv_rep)
+        if nbytes != FP32_BYTES:
+            casts = [self.a(nbytes * qd), self.a(nbytes * kvd), self.a(nbytes * kvd)]
+            self.f(dq, dk, dv)
+            dq, dk, dv = casts
+        return dq, dk, dv
+
+    def mlp_backward(
+        self,
+        g_d: int,
+        saved: _Saved,
+        recompute: Callable[[], None] | None,
+        prefix: str = "",
+    ) -> int:
+        """The MLP's backward given its output's gradient (released); returns its input's."""
+        sh = self.sh
+        nb = sh.residual
+        mb = self.out_bytes(sh.mlp_in[0], nb)
+        db = self.out_bytes(sh.mlp_out, mb)
+        g_prod = self.linear_backward(
+            g_d, db, sh.mlp_out, saved, x_grad=True, before_saved=recompute, in_bytes=mb
+        )
+        if sh.gated:
+            g_first = self.a(mb * sh.intermediate)  # grad of up = g * act
+            g_second = self.a(mb * sh.intermediate)  # grad of act = g * up
+            self.f(g_prod)
+            saved.release(f"{prefix}up", f"{prefix}act")
+            if len(sh.mlp_in) > 1:
+                acc = self.linear_backward(
+                    g_first, mb, sh.mlp_in[1], saved, x_grad=True, in_bytes=nb
+                )
+                g_gate = self.a(mb * sh.intermediate)  # act's backward
+                self.f(g_second)
+                saved.release(f"{prefix}gate")
+                return self.linear_backward(
+                    g_gate, mb, sh.mlp_in[0], saved, x_grad=True, acc=acc, in_bytes=nb
+                )
+            g_gate = self.a(mb * sh.intermediate)
+            self.f(g_second)
+            saved.release(f"{prefix}gate")
+            joined = self.a(mb * 2 * sh.intermediate)  # the fused gate_up's gradient
+            self.f(g_first, g_gate)
+            return self.linear_backward(joined, mb, sh.mlp_in[0], saved, x_grad=True, in_bytes=nb)
+        g_fc1 = self.a(mb * sh.intermediate)
+        self.f(g_prod)
+        saved.release(f"{prefix}act", f"{prefix}gate")
+        return self.linear_backward(g_fc1, mb, sh.mlp_in[0], saved, x_grad=True, in_bytes=nb)
+
+    def moe_backward(self, g: int, saved: _Saved) -> int:
+        """The MoE block's backward (g released): the shared expert and its gate, then the
+        routed experts in reverse, the router; returns the input's gradient."""
+        sh = self.sh
+        nb = sh.residual
+        k, h, ie = sh.top_k, sh.hidden, sh.expert_intermediate
+        gx = 0
+        if sh.intermediate:
+            g_shared = self.a(nb * h)  # g * sigmoid
+            self.f(self.a(nb * h))  # g * shared out, summed into the gate's gradient
+            saved.release("shared.sigmoid", "shared.out")
+            if sh.shared_gate is not None:
+                gx = self.linear_backward(self.a(nb), nb, sh.shared_gate, saved, x_grad=True)
+            gs = self.mlp_backward(g_shared, saved, None, "shared.")
+            if gx:
+                total = self.a(nb * h)
+                self.f(gx, gs)
+                gx = total
+            else:
+                gx = gs
+        expanded = self.a(nb * h * k)  # the scatter's backward: gather the gradient per slot
+        zeros = self.a(nb * h * k)
+        g_slots = self.a(nb * h * k)
+        self.f(zeros, expanded, g)
+        g_down = self.a(nb * h * k)  # * routing weights
+        g_weights = self.a(nb * h * k)
+        self.f(g_weights, g_slots)
+        saved.release("moe.down", "moe.routing")
+        if sh.experts_trainable:
+            self.grad(sh.expert_down_bytes)
+        g_product = self.a(nb * ie * k)
+        self.gemm()
+        self.f(g_down)
+        g_act = self.a(nb * ie * k)
+        g_up = self.a(nb * ie * k)
+        self.f(g_product)
+        saved.release("moe.product")
+        g_gate = self.a(nb * ie * k)
+        self.f(g_act)
+        saved.release("moe.act")
+        g_gate_up = self.a(nb * 2 * ie * k)
+        self.f(g_gate, g_up)
+        saved.release("moe.gate_up")
+        if sh.experts_trainable:
+            self.grad(sh.expert_gate_up_bytes)
+        g_gathered = self.a(nb * h * k)
+        self.f(g_gate_up)
+        saved.release("moe.gathered")
+        g_routed = self.a(nb * h)
+        self.f(g_gathered)
+        saved.release("moe.order", "moe.index", "moe.probs")
+        g_router = self.a(nb * h)  # through the router's logits
+        total = self.a(nb * h)
+        self.f(g_routed, g_router)
+        if gx:
+            both = self.a(nb * h)
+            self.f(total, gx)
+            total = both
+        return total
+
+    def layer_backward(
+        self, g_out: int, saved: _Saved, *, x_grad: bool, recompute: Callable[[], None] | None
+    ) -> int:
+        """One layer's backward given its output's gradient; returns its input's gradient
+        (0 when it takes none). `recompute` runs the layer's forward again first (under
+        checkpointing, when the first saved tensor is needed)."""
+        sh = self.sh
+        nb = sh.residual
+        qb = self.out_bytes(sh.qkv[0], nb)
+        db = self.out_bytes(sh.mlp_out, self.out_bytes(sh.mlp_in[0], nb))
+        # the residual add's gradient, cast to the MLP output's dtype where narrower
+        narrower = db != nb and not sh.sandwich_norms and not sh.experts
+        g_d = self.a(db * sh.hidden) if narrower else self.p.hold(g_out)
+        if sh.sandwich_norms:
+            if recompute is not None:
+                recompute()
+                recompute = None
+            g_d = self.norm_backward(g_d, saved, "norm4")
+        if sh.experts:
+            if recompute is not None:
+                recompute()
+            gx = self.moe_backward(g_d, saved)
+        else:
+            gx = self.mlp_backward(g_d, saved, recompute)
+        if nb == FP32_BYTES:  # the residual's gradient is added inside the norm's backward
+            g_r1 = self.norm_backward(gx, saved, "norm2", residual=g_out)
+        else:
+            g_n2 = self.norm_backward(gx, saved, "norm2")
+            g_r1 = self.a(nb * sh.hidden)
+            self.f(g_out, g_n2)
+        ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
+        ob = self.out_bytes(sh.out_proj, ab)
+        # the residual add's gradient, cast to the narrower o_proj output's dtype
+        g_o = self.p.hold(g_r1) if ob == nb or sh.sandwich_norms else self.a(ob * sh.hidden)
+        if sh.sandwich_norms:
+            g_o = self.norm_backward(g_o, saved, "norm3")
+        g_attn = self.linear_backward(g_o, ob, sh.out_proj, saved, x_grad=True, in_bytes=ab)
+        rb = max(qb, nb)  # RoPE's products' dtype, as in the forward
+        dq, dk, dv = self.attention_backward(g_attn, rb, saved, v_bytes=qb)
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        gk = self.rope_backward(dk, kvd, qb, rb)
+        gq = self.rope_backward(dq, qd, qb, rb)
+        if len(sh.qkv) == 1:
+            joined = self.a(qb * (qd + 2 * kvd))
+            self.f(gq, gk, dv)
+            gx = self.linear_backward(joined, qb, sh.qkv[0], saved, x_grad=x_grad, in_bytes=nb)
+        else:
+            if sh.kernel is Kernel.EAGER:
+                # eager's value gradient comes out of the bmm in (batch, heads, seq, dim)
+                # order: the view's backward copies it to the projection's layout
+                contiguous = self.a(qb * sh.qkv[2].d_out)
+                self.f(dv)
+                dv = contiguous
+            gx = self.linear_backward(dv, qb, sh.qkv[2], saved, x_grad=x_grad, in_bytes=nb)
+            for g, lin in ((gk, sh.qkv[1]), (gq, sh.qkv[0])):
+                contiguous = self.a(qb * lin.d_out)
+                self.f(g)
+                gx = self.linear_backward(
+                    contiguous, qb, lin, saved, x_grad=x_grad, acc=gx, in_bytes=nb
+                )
+        if not x_grad:
+            self.f(g_r1)
+            saved.release_all()
+            return 0
+        if nb == FP32_BYTES:
+            g_in = self.norm_backward(gx, saved, "norm1", residual=g_r1)
+        else:
+            g_n1 = self.norm_backward(gx, saved, "norm1")
+            g_in = self.a(nb * sh.hidden)
+            self.f(g_r1, g_n1)
+        saved.release_all()
+        return g_in

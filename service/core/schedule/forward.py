@@ -1,0 +1,512 @@
+"""Each module's forward: the tensors it allocates, saves and frees."""
+
+from __future__ import annotations
+
+from service.core.bnb import uses_dequant_fallback
+from service.core.schedule.program import _Saved, _StepBase, _Stop
+from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
+from service.core.units import FP32_BYTES, INT64_BYTES
+
+
+class _Forward(_StepBase):
+    """Appends the events of each module's forward."""
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def norm(self, x: int, saved: _Saved | None, name: str) -> int:
+        """RMSNorm (LlamaRMSNorm): x.float(), pow(2).mean, x * rsqrt, .to(dtype), weight *."""
+        sh = self.sh
+        h = sh.hidden
+        fp32 = sh.residual == FP32_BYTES
+        x32 = x if fp32 else self.a(FP32_BYTES * h)
+        self.f(self.a(FP32_BYTES * h))  # pow
+        normed = self.a(FP32_BYTES * h)
+        if saved is not None:
+            saved.save(f"{name}.x", x32)
+        if not fp32:
+            self.f(x32)
+        if fp32:
+            out = self.a(FP32_BYTES * h)
+            if saved is not None and sh.norm_trainable:
+                saved.save(f"{name}.normed", normed)
+            self.f(normed)
+            return out
+        if sh.gemma_norm:
+            # Gemma2RMSNorm: output * (1 + weight.float()), then type_as(x).
+            scaled = self.a(FP32_BYTES * h)
+            if saved is not None and sh.norm_trainable:
+                saved.save(f"{name}.normed", normed)
+            self.f(normed)
+            out = self.a(sh.residual * h)
+            self.f(scaled)
+            return out
+        cast = self.a(sh.residual * h)
+        out = self.a(sh.residual * h)
+        if saved is not None and sh.norm_trainable:
+            saved.save(f"{name}.normed", cast)
+        self.f(cast, normed)
+        return out
+
+    def out_bytes(self, lin: LinearShape, nbytes: int) -> int:
+        """The dtype of `lin`'s output for an input of `nbytes`: half under autocast, but a
+        4-bit base casts its output back to its input's dtype (bitsandbytes Linear4bit)."""
+        if not self.sh.autocast:
+            return nbytes
+        return max(nbytes, HALF_BYTES) if lin.quantized else HALF_BYTES
+
+    def end_region(self) -> None:
+        """An autocast region exits: its cache lets go of the weight casts."""
+        self.f(*self.region)
+        self.region.clear()
+
+    def linear(self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None) -> int:
+        """One linear call on `x` (`nbytes` per element); returns its output (in
+        `out_bytes`)."""
+        sh = self.sh
+        stop = saved is not None and self.stop_at == lin.name
+        if lin.trainable:
+            if sh.autocast and (sh.param_bytes != HALF_BYTES or nbytes != HALF_BYTES):
+                return self._trainable_autocast(x, nbytes, lin, saved, stop)
+            if saved is not None:
+                saved.save(f"{lin.name}.x", x)
+            if stop:
+                raise _Stop
+            self.gemm()
+            return self.a(nbytes * lin.d_out)
+        if lin.quantized:
+            base = self._linear_4bit(x, nbytes, lin)
+        else:
+            self.gemm()
+            base = self.a(self.out_bytes(lin, nbytes) * lin.d_out)
+        if not lin.adapted:
+            return base
+        ad = sh.adapter
+        if lin.quantized:
+            # PEFT's 4-bit LoRA layer clones the base output (peft/tuners/lora/bnb.py).
+            clone = self.a(nbytes * lin.d_out)
+            self.f(base)
+            base = clone
+        if sh.autocast:
+            return self._lora_autocast(x, nbytes, lin, saved, base, stop)
+        cast = self.p.hold(x) if ad == nbytes else self.a(ad * lin.d_in)
+        if sh.dropout:
+            mask = self.a(lin.d_in)
+            dropped = self.a(ad * lin.d_in)
+            if saved is not None:
+                saved.save(f"{lin.name}.mask", mask)
+            self.f(mask, cast)
+            cast = dropped
+        if saved is not None:
+            saved.save(f"{lin.name}.cast", cast)
+        lora_a = self.a(ad * sh.rank)
+        if saved is not None:
+            saved.save(f"{lin.name}.lora_a", lora_a)
+            if stop:
+                raise _Stop
+        lora_b = self.a(ad * lin.d_out)
+        self.f(lora_a)
+        scaled = self.a(ad * lin.d_out)
+        self.f(lora_b)
+        if lin.quantized:
+            # peft/tuners/lora/bnb.py: the adapter's output is cast to the result's dtype
+            # before `result = result + output`.
+            if ad != nbytes:
+                back = self.a(nbytes * lin.d_out)
+                self.f(scaled)
+                scaled = back
+            out = self.a(nbytes * lin.d_out)
+            self.f(base, cast, scaled)
+            return out
+        # peft/tuners/lora/layer.py: `result + lora_B(...) * scaling` promotes to the wider
+        # dtype, cast back to the result's afterwards.
+        wide = max(nbytes, ad)
+        summed = self.a(wide * lin.d_out)
+        self.f(scaled, base)
+        out = summed
+        if wide != nbytes:
+            out = self.a(nbytes * lin.d_out)
+            self.f(summed)
+        self.f(cast)
+        return out
+
+    def _trainable_autocast(
+        self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, stop: bool
+    ) -> int:
+        """A trained linear under autocast: its weight's half cast (cached until the region
+        exits) and its input's, both saved by the matmul; a half output."""
+        sh = self.sh
+        weight = 0
+        # autocast casts the linear's arguments in order: the input, then the weight
+        half = self.p.hold(x) if nbytes == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
+        if sh.param_bytes != HALF_BYTES:
+            weight = self.p.alloc(lin.weight_bytes * HALF_BYTES // sh.param_bytes)
+            self.region.append(weight)
+        if saved is not None:
+            saved.save(f"{lin.name}.x", half)
+            saved.save(f"{lin.name}.w", weight)
+        if stop:
+            raise _Stop
+        self.gemm()
+        out = self.a(HALF_BYTES * lin.d_out)
+        self.f(half)
+        return out
+
+    def _lora_autocast(
+        self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
+    ) -> int:
+        """The adapter under autocast: PEFT's lora.Linear casts the input to the adapters'
+        dtype (its 4-bit layers do not, peft/tuners/lora/bnb.py requires_conversion); lora_A
+        casts that to half precision (the copy it saves) and lora_A, lora_B and the scaling
+        run in half; `result + output` promotes to the wider dtype."""
+        sh = self.sh
+        srcb = nbytes if lin.quantized else sh.adapter
+        src = self.p.hold(x) if srcb == nbytes else self.a(srcb * lin.d_in)
+        if sh.dropout:
+            mask = self.a(lin.d_in)
+            dropped = self.a(srcb * lin.d_in)
+            if saved is not None:
+                saved.save(f"{lin.name}.mask", mask)
+            self.f(mask, src)
+            src = dropped
+        half = self.p.hold(src) if srcb == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
+        if saved is not None:
+            saved.save(f"{lin.name}.cast", half)
+        lora_a = self.a(HALF_BYTES * sh.rank)
+        self.f(half)  # the autocast kernel's cast, unless the matmul saved it
+        if saved is not None:
+            saved.save(f"{lin.name}.lora_a", lora_a)
+            if stop:
+                raise _Stop
+        lora_b = self.a(HALF_BYTES * lin.d_out)
+        self.f(lora_a)
+        scaled = self.a(HALF_BYTES * lin.d_out)
+        self.f(lora_b)
+        out = self.a(self.out_bytes(lin, nbytes) * lin.d_out)
+        self.f(scaled, base, src)
+        return out
+
+    def _linear_4bit(self, x: int, nbytes: int, lin: LinearShape) -> int:
+        """bitsandbytes' 4-bit linear on a training-sized input (backends/cuda/ops.py
+        _dequant_linear_fallback): the input in the compute dtype, the absmax rebuilt in fp32
+        (double quant), the weight dequantized, F.linear, the output cast back."""
+        sh = self.sh
+        compute = sh.compute
+        cast = self.a(compute * lin.d_in) if nbytes != compute else 0
+        if not uses_dequant_fallback(sh.tokens, lin.d_out, lin.d_in):
+            out = self.a(compute * lin.d_out)  # the fused kernel
+            if nbytes != compute:
+                back = self.a(nbytes * lin.d_out)
+                self.f(out, cast)
+                out = back
+            return out
+        elements = lin.d_in * lin.d_out
+        absmax = []
+        if sh.double_quant:
+            blocks = -(-elements // 64) * FP32_BYTES
+            absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
+        weight = self.p.alloc(elements * compute)
+        out = self.a(compute * lin.d_out)
+        self.gemm()
+        self.f(*reversed(absmax), weight)
+        if nbytes != compute:
+            back = self.a(nbytes * lin.d_out)
+            self.f(out, cast)
+            out = back
+        return out
+
+    def rope(self, x: int, dim: int, nbytes: int, out_bytes: int = 0) -> int:
+        """x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb); where the
+        model's version concatenates the pass-through dimensions back (Phi-3), that copy.
+        The products promote to `out_bytes` (cos and sin come in the embeddings' dtype: a half
+        x under autocast in an fp32 model gives fp32)."""
+        wide = out_bytes or nbytes
+        t1 = self.a(wide * dim)
+        neg = self.a(nbytes * dim // 2)
+        cat = self.a(nbytes * dim)
+        self.f(neg)
+        t2 = self.a(wide * dim)
+        self.f(cat)
+        out = self.a(wide * dim)
+        self.f(t1, t2)
+        if self.sh.rope_pass_cat:
+            joined = self.a(wide * dim)
+            self.f(out)
+            out = joined
+        return out
+
+    def attention(
+        self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None, v_bytes: int = 0
+    ) -> int:
+        """The kernel on post-RoPE q, k and v (`v_bytes` per element of v, by default
+        `nbytes`); returns the (b, s, heads x head_dim) output. Under autocast SDPA (and
+        eager's matmuls) take half copies of wider inputs."""
+        sh = self.sh
+        if sh.autocast and nbytes != HALF_BYTES:
+            qd = sh.heads * sh.head_dim
+            kvd = sh.kv_heads * sh.head_dim
+            q16, k16 = (self.a(HALF_BYTES * d) for d in (qd, kvd))
+            v16 = self.p.hold(v) if v_bytes == HALF_BYTES else self.a(HALF_BYTES * kvd)
+            out = self._attention(q16, k16, v16, HALF_BYTES, saved)
+            self.f(q16, k16, v16)
+            return out
+        return self._attention(q, k, v, nbytes, saved)
+
+    def _attention(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        scores = sh.heads * sh.seq  # per token: one row of scores per head
+        gqa = sh.heads > sh.kv_heads
+        kernel = sh.kernel
+        if kernel is Kernel.FLASH:
+            out = self.a(nbytes * qd)
+            lse = self.a(FP32_BYTES * sh.heads)
+            if saved is not None:
+                for name, key in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+                    saved.save(name, key)
+            self.f(lse)
+            return out
+        if kernel is Kernel.EFFICIENT:
+            k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
+            v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
+            # A boolean window mask becomes an additive (b, 1, s, s) bias in the query's dtype
+            # on every call (attention.cpp convert_boolean_attn_mask), which the kernel saves.
+            bias = self.a(nbytes * sh.seq) if sh.window_mask else 0
+            out = self.a(nbytes * qd)
+            lse = self.a(FP32_BYTES * sh.heads)
+            if saved is not None:
+                for name, key in (("q", q), ("k", k_rep), ("v", v_rep), ("out", out)):
+                    saved.save(name, key)
+                saved.save("lse", lse)
+                saved.save("bias", bias)
+            self.f(lse, k_rep, v_rep, bias)
+            return out
+        if kernel is Kernel.MATH:
+            return self._math(q, k, v, nbytes, saved)
+        # eager (transformers' eager_attention_forward): repeat_kv copies, q @ k^T (q made
+        # contiguous), * scaling, (softcap), + mask, fp32 softmax, cast, probs @ v, transpose.
+        k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
+        v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
+        # the query made contiguous for the score matmul (rope's output keeps the projection's
+        # (batch, seq, heads, dim) layout): torch.matmul folds (batch, heads) into the bmm's
+        # batch with a reshape, a view when the batch is one
+        q_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(q)
+        s1 = self.a(nbytes * scores)
+        self.gemm()
+        s2 = self.a(nbytes * scores)
+        self.f(s1)
+        if sh.softcap:
+            div = self.a(nbytes * scores)
+            self.f(s2)
+            tanh = self.a(nbytes * scores)
+            if saved is not None:
+                saved.save("tanh", tanh)
+            self.f(div)
+            s2 = self.a(nbytes * scores)
+            self.f(tanh)
+        s3 = self.a(nbytes * scores)
+        self.f(s2)
+        up = self.a(FP32_BYTES * scores)
+        probs32 = self.a(FP32_BYTES * scores)
+        self.f(up)
+        probs = self.a(nbytes * scores) if nbytes != FP32_BYTES else self.p.hold(probs32)
+        self.f(s3)
+        out = self.a(nbytes * qd)
+        if saved is not None:
+            for name, key in (("q", q_c), ("k", k_rep), ("probs32", probs32), ("probs", probs)):
+                saved.save(name, key)
+            saved.save("v", v_rep)
+        self.f(q_c, k_rep, probs32, probs, v_rep)
+        out_t = self.a(nbytes * qd)
+        self.f(out)
+        return out_t
+
+    def _math(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
+        """aten's composite on CUDA (attention.cpp _scaled_dot_product_attention_math): fp32
+        (half inputs upcast), q scaled, a boolean causal tril made additive, key and value
+        repeated for GQA, the key scaled, transposed and made contiguous, scores, the mask
+        added in place, `_safe_softmax` (softmax and an eq(-inf) mask), probs @ v."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        gqa = sh.heads > sh.kv_heads
+        ups = []
+        if nbytes != FP32_BYTES:
+            ups = [self.a(FP32_BYTES * qd), self.a(FP32_BYTES * kvd), self.a(FP32_BYTES * kvd)]
+        q_s = self.a(FP32_BYTES * qd)
+        ones = self.p.alloc(sh.seq * sh.seq)
+        tril = self.p.alloc(sh.seq * sh.seq)
+        self.f(ones)
+        mask = self.p.alloc(sh.seq * sh.seq * FP32_BYTES)
+        self.f(tril)
+        k_rep = self.a(FP32_BYTES * qd) if gqa else 0
+        v_rep = self.a(FP32_BYTES * qd) if gqa else 0
+        k_s = self.a(FP32_BYTES * qd)
+        k_c = self.a(FP32_BYTES * qd)
+        self.gemm()
+        s1 = self.a(FP32_BYTES * scores)
+        if saved is None:
+            self.f(k_c, k_s)
+        probs = self.a(FP32_BYTES * scores)
+        self.f(self.a(scores))  # _safe_softmax: eq(-inf)
+        self.f(s1)
+        out = self.a(FP32_BYTES * qd)
+        if saved is not None:
+            for name, key in (("k_s", k_s), ("k_c", k_c), ("probs", probs)):
+                saved.save(name, key)
+            saved.save("v", v_rep or (ups[2] if ups else v))
+            self.f(k_s, k_c)
+        self.f(q_s, k_rep, v_rep, mask, probs, *ups)
+        out_t = self.a(FP32_BYTES * qd)
+        self.f(out)
+        if nbytes != FP32_BYTES:
+            cast = self.a(nbytes * qd)
+            self.f(out_t)
+            out_t = cast
+        return out_t
+
+    def layer(self, x: int, saved: _Saved | None) -> int:
+        """One decoder layer's forward; `saved` collects what its backward needs (None: no
+        autograd). Raises _Stop where a recomputation would stop."""
+        sh = self.sh
+        n1 = self.norm(x, saved if (saved is not None and self.input_grad) else None, "norm1")
+        outs = [self.linear(n1, sh.residual, lin, saved) for lin in sh.qkv]
+        nb = sh.residual
+        qb = self.out_bytes(sh.qkv[0], nb)  # q, k and v's dtype
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        if len(outs) == 1:  # one fused projection: q, k and v are its views
+            q = k = v = outs[0]
+        else:
+            q, k, v = outs
+        rb = max(qb, nb)  # RoPE's products' dtype: q's promoted with the embeddings'
+        q_e = self.rope(q, qd, qb, rb)
+        k_e = self.rope(k, kvd, qb, rb)
+        fused = len(outs) == 1
+        if not fused:
+            self.f(q, k)  # the projections' outputs, rebound to the rotated ones
+        elif sh.kernel in (Kernel.EAGER, Kernel.MATH) and (sh.batch > 1 or sh.heads != sh.kv_heads):
+            v = self.a(qb * kvd)  # the strided value view made contiguous for the matmul
+        else:
+            v = self.p.hold(v)  # the fused kernels take the strided view as it is
+        attn = self.attention(q_e, k_e, v, rb, saved, v_bytes=qb)
+        ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
+        o = self.linear(attn, ab, sh.out_proj, saved)
+        self.f(attn)
+        if fused:
+            self.f(outs[0])  # the module's `qkv` local, until it returns
+        self.f(q_e, k_e, v, n1)
+        if sh.sandwich_norms:
+            normed = self.norm(o, saved, "norm3")
+            self.f(o)
+            o = normed
+        r1 = self.a(nb * sh.hidden)
+        self.f(o)
+        n2 = self.norm(r1, saved, "norm2")
+        d = self.moe(n2, saved) if sh.experts else self.mlp(n2, saved)
+        self.f(n2)  # `hidden_states = self.mlp(hidden_states)` rebinds the MLP's input
+        if sh.sandwich_norms:
+            normed = self.norm(d, saved, "norm4")
+            self.f(d)
+            d = normed
+        out = self.a(nb * sh.hidden)
+        self.f(d, r1)
+        return out
+
+    def mlp(self, n2: int, saved: _Saved | None, prefix: str = "") -> int:
+        """The gated (or plain) MLP: act(gate) * up, then down."""
+        sh = self.sh
+        nb = sh.residual
+        mb = self.out_bytes(sh.mlp_in[0], nb)  # the intermediate activations' dtype
+        # down(act(gate(x)) * up(x)): Python evaluates act(gate(x)) before up(x), and without
+        # autograd saving them, gate(x) dies once act returns and act and up once multiplied.
+        # A fused gate_up (Phi-3) is chunked into views that keep it alive until the return.
+        gate = self.linear(n2, nb, sh.mlp_in[0], saved)
+        act = self.a(mb * sh.intermediate)  # act(gate): SiLU / GELU keeps its input
+        fused = len(sh.mlp_in) == 1
+        if saved is not None:
+            saved.save(f"{prefix}gate", gate)
+        if not sh.gated:
+            if saved is not None:
+                saved.save(f"{prefix}act", act)
+            self.f(gate)
+            d = self.linear(act, mb, sh.mlp_out, saved)
+            self.f(act)
+            return d
+        if fused:
+            up = self.p.hold(gate)
+        else:
+            self.f(gate)  # alive in `saved` when autograd keeps it
+            up = self.linear(n2, nb, sh.mlp_in[1], saved)
+        if saved is not None:
+            saved.save(f"{prefix}act", act)
+            saved.save(f"{prefix}up", up)
+        product = self.a(mb * sh.intermediate)
+        self.f(act, up)
+        d = self.linear(product, mb, sh.mlp_out, saved)
+        self.f(product)
+        if fused:
+            self.f(gate)
+        return d
+
+    def moe(self, n2: int, saved: _Saved | None) -> int:
+        """A sparse MoE block (transformers 5 Qwen2MoeSparseMoeBlock with grouped GEMMs): the
+        shared expert, the router's fp32 softmax and top-k, the tokens gathered per expert,
+        the experts' gate_up, act, product and down, weighted and scattered back, summed; the
+        shared expert's sigmoid gate."""
+        sh = self.sh
+        nb = sh.residual
+        k, h, ie = sh.top_k, sh.hidden, sh.expert_intermediate
+        shared = self.mlp(n2, saved, "shared.") if sh.intermediate else 0
+        logits = self.a(nb * sh.experts)
+        self.gemm()
+        up32 = self.a(FP32_BYTES * sh.experts)
+        probs = self.a(FP32_BYTES * sh.experts)
+        self.f(up32, logits)
+        weights = self.a(FP32_BYTES * k)
+        index = self.a(INT64_BYTES * k)
+        routing = self.a(nb * k)
+        self.f(weights)
+        order = [self.a(INT64_BYTES * k), self.a(INT64_BYTES * k)]
+        gathered = self.a(nb * h * k)
+        gate_up = self.a(nb * 2 * ie * k)
+        self.gemm()
+        act = self.a(nb * ie * k)
+        product = self.a(nb * ie * k)
+        down = self.a(nb * h * k)
+        weighted = self.a(nb * h * k)
+        scattered = self.a(nb * h * k)
+        self.f(weighted)
+        routed = self.a(nb * h)
+        if saved is not None:
+            for name, key in (
+                ("moe.probs", probs),
+                ("moe.index", index),
+                ("moe.routing", routing),
+                ("moe.order", order[0]),
+                ("moe.gate_up", gate_up),
+                ("moe.act", act),
+                ("moe.down", down),
+            ):
+                saved.save(name, key)
+            if sh.experts_trainable:
+                saved.save("moe.gathered", gathered)
+                saved.save("moe.product", product)
+        self.f(probs, index, routing, *order, gathered, gate_up, act, product, down, scattered)
+        if not shared:
+            return routed
+        gate_lin = sh.shared_gate
+        g = self.linear(n2, nb, gate_lin, saved) if gate_lin is not None else 0
+        sig = self.a(nb)
+        mixed = self.a(nb * h)
+        if saved is not None:
+            saved.save("shared.sigmoid", sig)
+            saved.save("shared.out", shared)
+        self.f(g, sig, shared)
+        out = self.a(nb * h)
+        self.f(routed, mixed)
+        return out
+
+    @property
+    def input_grad(self) -> bool:
+        return self._input_grad

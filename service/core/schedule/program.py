@@ -1,0 +1,111 @@
+"""The events being built, the tensors a layer saves, and the builder's own state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.core.schedule.shapes import Event, StepShape
+
+
+@dataclass(slots=True)
+class _Program:
+    """The events and each live tensor's holders."""
+
+    events: list[Event] = field(default_factory=list)
+    refs: dict[int, int] = field(default_factory=dict)
+    next_key: int = 1
+
+    def alloc(self, nbytes: int) -> int:
+        if nbytes <= 0:
+            return 0
+        key = self.next_key
+        self.next_key += 1
+        self.events.append((key, nbytes))
+        self.refs[key] = 1
+        return key
+
+    def hold(self, key: int) -> int:
+        if key:
+            self.refs[key] += 1
+        return key
+
+    def free(self, *keys: int) -> None:
+        refs = self.refs
+        for key in keys:
+            if not key:
+                continue
+            count = refs[key] - 1
+            if count:
+                refs[key] = count
+            else:
+                del refs[key]
+                self.events.append((key, 0))
+
+
+@dataclass(slots=True)
+class _Saved:
+    """What a layer's forward saved for its backward, by name (each slot holds its tensor)."""
+
+    prog: _Program
+    slots: dict[str, int] = field(default_factory=dict)
+
+    def save(self, name: str, key: int) -> None:
+        if key:
+            self.slots[name] = self.prog.hold(key)
+
+    def release(self, *names: str) -> None:
+        for name in names:
+            self.prog.free(self.slots.pop(name, 0))
+
+    def release_all(self) -> None:
+        self.prog.free(*self.slots.values())
+        self.slots.clear()
+
+
+class _Stop(Exception):
+    """Non-reentrant checkpointing stops recomputing once the last saved tensor exists."""
+
+
+class _StepBase:
+    """The builder's state and its allocation primitives."""
+
+    def __init__(self, shape: StepShape, prog: _Program) -> None:
+        self.sh = shape
+        self.p = prog
+        self.t = shape.tokens
+        self.grads: list[int] = []
+        self.handles: set[str] = set()
+        self.handle = "forward"
+        self.states: list[int] = []
+        self.stop_at: str | None = None  # the linear where a recomputation stops
+        self.softcap_tanh = 0
+        self.head_copy = 0
+        self.region: list[int] = []  # autocast's cached weight casts in the current region
+        self.accumulated = False  # a previous micro-batch of this step made the gradients
+        self.head_grad = 0  # a tied LM head's gradient waiting for the embedding's
+        self._input_grad = True
+
+    def a(self, per_token: int) -> int:
+        return self.p.alloc(self.t * per_token)
+
+    def f(self, *keys: int) -> None:
+        self.p.free(*keys)
+
+    def gemm(self, bias: bool = False) -> None:
+        """A GEMM on the current handle: its workspaces the first time (after the output)."""
+        handle = self.handle
+        if handle not in self.handles:
+            self.handles.add(handle)
+            self.p.alloc(self.sh.workspace)
+        if bias and self.sh.lt_workspace and f"{handle}.lt" not in self.handles:
+            self.handles.add(f"{handle}.lt")
+            self.p.alloc(self.sh.lt_workspace)
+
+    def grad(self, nbytes: int) -> None:
+        """A trainable tensor's gradient, held until `zero_grad`; a later micro-batch's is
+        added into it in place and freed."""
+        key = self.p.alloc(nbytes)
+        if self.accumulated:
+            self.f(key)
+        elif key:
+            self.grads.append(key)

@@ -1,0 +1,109 @@
+"""What a step's schedule is built from: the kernels, the optimizer's updater, the shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+HALF_BYTES = 2  # autocast's bf16 / fp16
+
+Event = tuple[int, int]
+
+
+class Kernel(StrEnum):
+    """The attention computation a layer runs (after SDPA's own backend choice)."""
+
+    FLASH = "flash"  # flash / cuDNN: q, k, v, output and an fp32 log-sum-exp saved
+    EFFICIENT = "efficient"  # mem-efficient: key/value repeated to the query heads
+    MATH = "math"  # SDPA's math composite: fp32 scores materialised
+    EAGER = "eager"  # transformers' eager attention: scores, fp32 softmax, cast
+
+
+class Updater(StrEnum):
+    """What the optimizer step allocates (`Optim` grouped by memory behaviour)."""
+
+    ADAMW_FUSED = "adamw_fused"  # two states per parameter, no temporaries
+    ADAMW_FOREACH = "adamw_foreach"  # two states, and one state-sized list of temporaries
+    STATELESS = "stateless"  # SGD without momentum
+    BNB_8BIT = "bnb_8bit"  # uint8 states with fp32 absmax blocks
+    ADAFACTOR = "adafactor"  # factored second moment; fp32 copies of one parameter
+    OUTSIDE = "outside"  # paged optimizers: state in managed memory, outside the allocator
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinearShape:
+    """One linear call of a decoder layer."""
+
+    name: str
+    d_in: int
+    d_out: int
+    adapted: bool  # carries a LoRA adapter
+    trainable: bool  # its weight trains (full fine-tuning)
+    weight_bytes: int  # a trainable weight's gradient bytes
+    quantized: bool = False  # a bitsandbytes 4-bit weight
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepShape:
+    """Everything the schedule depends on; sizes per token unless named otherwise."""
+
+    tokens: int  # b * s
+    batch: int
+    seq: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    qkv: tuple[LinearShape, ...]  # q, k, v (or one fused projection)
+    out_proj: LinearShape
+    mlp_in: tuple[LinearShape, ...]  # gate, up (or one fused gate_up, or fc1)
+    mlp_out: LinearShape
+    gated: bool
+    intermediate: int  # the MLP's (a MoE's shared expert's; 0 without one)
+    experts: int = 0  # routed experts of a MoE block (0: a dense MLP)
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_gate: LinearShape | None = None  # a MoE's shared-expert gate (h -> 1)
+    experts_trainable: bool = False
+    expert_gate_up_bytes: int = 0
+    expert_down_bytes: int = 0
+    residual: int  # bytes per element of the residual stream
+    compute: int  # the 4-bit linears' compute dtype bytes
+    adapter: int  # bytes per element of the LoRA adapters (0 without LoRA)
+    rank: int
+    dropout: bool
+    double_quant: bool
+    kernel: Kernel
+    window_mask: bool  # an explicit (b, 1, s, s) mask is built for the model's forward
+    masks: int  # how many (one per kind of layer: Gemma-2 has global and sliding ones)
+    mask_bytes: int  # per element: 1 for SDPA's boolean mask, the attention dtype's for eager
+    rope_pass_cat: bool  # RoPE concatenates the rotated and pass-through dimensions
+    softcap: bool  # Gemma-2's attention-logit softcapping (eager)
+    final_softcap: bool  # Gemma-2's final-logit softcapping
+    gemma_norm: bool  # Gemma's RMSNorm: (1 + weight) applied in fp32, then the cast
+    sandwich_norms: bool  # Gemma-2's norms after the attention and the MLP too
+    embed_scale: bool  # Gemma scales the embedding output by sqrt(hidden_size)
+    checkpointing: bool
+    input_grad: bool  # the first layer's input needs a gradient
+    norm_trainable: bool
+    loss_upcast: bool  # HF's loss: logits.float() (no copy when they are fp32 already)
+    loss_materialised: bool  # the loss builds b*s*V logits (not chunked or fused)
+    head_bytes: int  # bytes per element of the logits
+    head_trainable: bool
+    embed_trainable: bool
+    tied: bool  # the LM head is the embedding
+    updater: Updater
+    trainable: tuple[int, ...]  # trainable tensors' bytes, in parameter order
+    states: tuple[int, ...]  # optimizer state tensors' bytes, in creation order
+    largest_trainable: int  # elements of the largest trainable tensor (Adafactor)
+    workspace: int  # one cuBLAS handle's workspace
+    lt_workspace: int  # the cuBLASLt workspace (addmm with a bias), 0 when no linear has one
+    # HF Trainer's mixed precision: matmuls and SDPA in half precision (autocast), the LM
+    # head's half copy of a weight that is not half (0: none), and clipping's norms.
+    autocast: bool = False
+    head_weight_copy: int = 0
+    clip: bool = False
+    param_bytes: int = 2  # bytes per element of the model's (trainable) weights
+    accumulation: int = 1  # micro-batches per optimizer step

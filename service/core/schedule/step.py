@@ -1,0 +1,262 @@
+"""A training step's events: micro-batches, the loss, checkpointing, the optimizer."""
+
+from __future__ import annotations
+
+from service.core.schedule.backward import _Backward
+from service.core.schedule.program import _Program, _Saved, _Stop
+from service.core.schedule.shapes import HALF_BYTES, Event, StepShape, Updater
+from service.core.units import FP32_BYTES, INT64_BYTES
+
+
+class _Step(_Backward):
+    """Appends the events of training steps to a program."""
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One optimizer step: `accumulation` micro-batches, their gradients added up in
+        .grad (the first creates it; later ones are added in place and freed), then the
+        optimizer."""
+        self.accumulated = False
+        for _ in range(self.sh.accumulation):
+            self._micro_batch()
+            self.accumulated = True
+        self.optimizer()
+
+    def _micro_batch(self) -> None:
+        sh = self.sh
+        h = sh.hidden
+        self.handle = "forward"
+        embed = self.a(sh.residual * h)
+        if sh.embed_scale:
+            scaled = self.a(sh.residual * h)
+            self.f(embed)
+            embed = scaled
+        mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
+        bools = sh.batch * sh.seq * sh.seq
+        masks = []
+        for index in range(sh.masks if sh.window_mask else 0):
+            if sh.mask_bytes != 1:
+                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
+                # comparison; a sliding one's window comparison and its ands too), then where
+                boolean = self.p.alloc(bools)
+                if index:
+                    window = boolean
+                    first = self.p.alloc(bools)
+                    self.f(window)
+                    causal = self.p.alloc(bools)
+                    boolean = self.p.alloc(bools)
+                    self.f(causal, first)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(boolean)
+            else:
+                # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
+                # window's comparison, its and with the padding term, the causal comparison and
+                # the final and
+                window = self.p.alloc(mask_bytes)
+                first = self.p.alloc(mask_bytes)
+                self.f(window)
+                causal = self.p.alloc(mask_bytes)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(causal, first)
+        layers: list[_Saved] = []
+        checkpoints: list[int] = []
+        x = self.p.hold(embed)
+        for index in range(sh.layers):
+            self._input_grad = index > 0 or sh.input_grad
+            if sh.checkpointing:
+                checkpoints.append(self.p.hold(x))
+                out = self.layer(x, None)
+            else:
+                saved = _Saved(self.p)
+                out = self.layer(x, saved)
+                layers.append(saved)
+            self.f(x)
+            x = out
+        self._input_grad = True
+        final = _Saved(self.p)
+        fn = self.norm(x, final, "final")
+        self.f(x, embed)
+        if not sh.checkpointing:
+            self.f(*masks)
+        logits, logp = self.loss_forward(fn)
+        self.end_region()  # the forward's autocast region exits
+        self.handle = "backward"
+        g = self.loss_backward(logits, logp, fn, final)
+        for index in reversed(range(sh.layers)):
+            self._input_grad = index > 0 or sh.input_grad
+            x_grad = self._input_grad
+            if sh.checkpointing:
+                saved = _Saved(self.p)
+                checkpoint = checkpoints[index]
+
+                def recompute(saved: _Saved = saved, checkpoint: int = checkpoint) -> None:
+                    self._recompute(checkpoint, saved)
+
+                g = self.layer_backward(g, saved, x_grad=x_grad, recompute=recompute)
+                self.f(checkpoint)
+            else:
+                g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
+        if g:
+            if sh.embed_trainable and sh.tied and (self.grads or self.accumulated):
+                # The tied weight's LM-head gradient waits in AccumulateGrad's input buffer (or
+                # in .grad): the embedding's is added out of place (old, new and their sum
+                # coexist).
+                new = self.p.alloc(sh.vocab * h * sh.residual)
+                self.f(g)
+                total = self.p.alloc(sh.vocab * h * sh.residual)
+                if self.accumulated:
+                    self.f(self.head_grad, new, total)  # then added into .grad in place
+                else:
+                    self.f(self.grads.pop(0), new)
+                    self.grads.append(total)
+            elif sh.embed_trainable:
+                self.grad(sh.vocab * h * sh.residual)
+                self.f(g)
+            else:
+                self.f(g)
+        if sh.checkpointing:
+            self.f(*masks)
+
+    def _recompute(self, checkpoint: int, saved: _Saved) -> None:
+        """Run the layer again with autograd until its last saved tensor exists (non-reentrant
+        checkpointing stops there), then drop everything it made that nothing saved."""
+        down = self.sh.mlp_out
+        self.stop_at = down.name if (down.adapted or down.trainable) else None
+        live_before = set(self.p.refs)
+        try:
+            self.f(self.layer(checkpoint, saved))
+            self.end_region()  # the recomputation's own autocast region
+        except _Stop:
+            # What the unwound forward held goes; what the saved slots hold stays.
+            held: dict[int, int] = {}
+            for key in saved.slots.values():
+                held[key] = held.get(key, 0) + 1
+            refs = self.p.refs
+            for key in [k for k in refs if k not in live_before]:
+                while refs.get(key, 0) > held.get(key, 0):
+                    self.p.free(key)
+            self.region.clear()
+        finally:
+            self.stop_at = None
+
+    def loss_forward(self, fn: int) -> tuple[int, int]:
+        sh = self.sh
+        v = sh.vocab
+        if not sh.loss_materialised:
+            self.f(fn) if not sh.head_trainable else None
+            return 0, 0
+        x_half = 0
+        if sh.autocast:
+            # F.linear under autocast: the head's half weight copy (kept for the backward) and
+            # the input's half copy (kept only when the head trains)
+            self.head_copy = self.p.alloc(sh.head_weight_copy)
+            x_half = self.a(HALF_BYTES * sh.hidden) if sh.residual != HALF_BYTES else 0
+        logits = self.a(sh.head_bytes * v)
+        self.gemm()
+        if not sh.head_trainable:
+            self.f(x_half)
+        self.softcap_tanh = 0
+        if sh.final_softcap:  # logits / cap, tanh (kept for backward), * cap
+            divided = self.a(sh.head_bytes * v)
+            self.f(logits)
+            self.softcap_tanh = self.a(sh.head_bytes * v)
+            self.f(divided)
+            logits = self.a(sh.head_bytes * v)
+        upcast = self.a(FP32_BYTES * v) if sh.loss_upcast and sh.head_bytes != FP32_BYTES else 0
+        logp = self.a((FP32_BYTES if sh.loss_upcast else sh.head_bytes) * v)
+        self.f(upcast)
+        if not sh.head_trainable:
+            self.f(fn)
+        self.f(logits)  # the outputs object is dropped once `.loss` is read
+        return logits, logp
+
+    def loss_backward(self, logits: int, logp: int, fn: int, final: _Saved) -> int:
+        sh = self.sh
+        v = sh.vocab
+        g = 0
+        if sh.loss_materialised:
+            lb = FP32_BYTES if sh.loss_upcast else sh.head_bytes
+            g1 = self.a(lb * v)
+            g2 = self.a(lb * v)
+            self.f(g1, logp)
+            g = g2
+            if lb != sh.head_bytes:
+                g = self.a(sh.head_bytes * v)
+                self.f(g2)
+            if sh.final_softcap:  # * cap, tanh's backward, / cap
+                for release in (False, True, False):
+                    nxt = self.a(sh.head_bytes * v)
+                    self.f(g)
+                    if release:
+                        self.f(self.softcap_tanh)
+                    g = nxt
+        weight = sh.vocab * sh.hidden
+        half_weight = sh.head_trainable and sh.autocast and sh.param_bytes != HALF_BYTES
+        if sh.head_trainable and not half_weight:
+            self._head_gradient(weight * (sh.param_bytes if sh.autocast else sh.head_bytes))
+        gh = self.a(sh.head_bytes * sh.hidden)
+        self.gemm()
+        half = self.p.alloc(weight * HALF_BYTES) if half_weight else 0
+        self.f(g)
+        if half_weight:
+            # the half weight's gradient, cast to the weight's dtype into its .grad
+            self._head_gradient(weight * sh.param_bytes)
+            self.f(half)
+        if sh.head_trainable:
+            self.f(fn)
+        if sh.autocast:
+            self.f(self.head_copy)
+            self.head_copy = 0
+            if sh.residual != sh.head_bytes:  # the input cast's backward
+                wide = self.a(sh.residual * sh.hidden)
+                self.f(gh)
+                gh = wide
+        return self.norm_backward(gh, final, "final")
+
+    def _head_gradient(self, nbytes: int) -> None:
+        """The LM head's weight gradient; a tied one that a later micro-batch makes waits
+        for the embedding's (AccumulateGrad's input buffer)."""
+        sh = self.sh
+        if self.accumulated and sh.tied and sh.embed_trainable:
+            self.head_grad = self.p.alloc(nbytes)
+        else:
+            self.grad(nbytes)
+
+    def optimizer(self) -> None:
+        sh = self.sh
+        up = sh.updater
+        if sh.clip and self.grads:
+            # clip_grad_norm_ (foreach): a norm per gradient, their stack, the total norm, the
+            # clip coefficient and its clamp; the gradients are scaled in place.
+            norms = [self.p.alloc(FP32_BYTES) for _ in self.grads]
+            stacked = self.p.alloc(FP32_BYTES * len(norms))
+            total = self.p.alloc(FP32_BYTES)
+            self.f(stacked, *norms)
+            shifted = self.p.alloc(FP32_BYTES)
+            coef = self.p.alloc(FP32_BYTES)
+            self.f(shifted)
+            clamped = self.p.alloc(FP32_BYTES)
+            self.f(coef, clamped, total)
+        if up not in (Updater.STATELESS, Updater.OUTSIDE) and not self.states:
+            self.states = [key for key in map(self.p.alloc, sh.states) if key]
+        if up is Updater.ADAMW_FOREACH:
+            self.f(*[self.p.alloc(n) for n in sh.trainable])
+        elif up is Updater.ADAFACTOR:
+            self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(3)])
+        self.f(*reversed(self.grads))
+        self.grads.clear()
+
+
+def step_events(shape: StepShape, steps: int = 2) -> tuple[list[Event], list[int]]:
+    """The events of `steps` training steps once the weights exist (the inputs first), and
+    where in them each step ends."""
+    prog = _Program()
+    builder = _Step(shape, prog)
+    prog.alloc(shape.tokens * INT64_BYTES)  # input_ids
+    prog.alloc(shape.tokens * INT64_BYTES)  # labels
+    ends = []
+    for _ in range(steps):
+        builder.step()
+        ends.append(len(prog.events))
+    return prog.events, ends
