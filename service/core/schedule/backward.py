@@ -516,7 +516,8 @@ class _Backward(_Forward):
         sh = self.sh
         nb = sh.residual
         qb = self.out_bytes(sh.qkv[0], nb)
-        db = self.out_bytes(sh.mlp_out, self.out_bytes(sh.mlp_in[0], nb))
+        # a MoE without a shared expert has no dense MLP: its output keeps the residual's dtype
+        db = self.out_bytes(sh.mlp_out, self.out_bytes(sh.mlp_in[0], nb)) if sh.mlp_in else nb
         # the residual add's gradient, cast to the MLP output's dtype where narrower
         narrower = db != nb and not sh.sandwich_norms and not sh.experts
         g_d = self.a(db * sh.hidden) if narrower else self.p.hold(g_out)
