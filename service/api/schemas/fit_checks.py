@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields, is_dataclass
-from enum import Enum
 from typing import Literal
 
 from pydantic import Field, JsonValue
@@ -16,6 +14,7 @@ from service.api.schemas.jobs import (
     GpuOfferField,
     JobSpec,
 )
+from service.core.codec import spec_to_dict
 from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion
 from service.core.limits import MAX_BATCH_SIZE, MAX_GPUS, MAX_SEQ_LEN
 from service.core.spec import TrainingSpec
@@ -139,29 +138,14 @@ class FitCheckOut(Out):
 
 def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
     """The job fields that differ, named and valued as in the request body."""
+    before, after = spec_to_dict(old), spec_to_dict(new)
     changed: dict[str, JsonValue] = {}
-    for f in fields(old):
-        before, after = getattr(old, f.name), getattr(new, f.name)
-        if before == after:
+    for name, value in after.items():
+        was = before[name]
+        if value == was:
             continue
-        if is_dataclass(before) and is_dataclass(after):
-            changed[f.name] = {
-                g.name: _json(getattr(after, g.name))
-                for g in fields(after)
-                if getattr(before, g.name) != getattr(after, g.name)
-            }
+        if isinstance(value, dict) and isinstance(was, dict):
+            changed[name] = {k: v for k, v in value.items() if was.get(k) != v}
         else:
-            changed[f.name] = _json(after)
+            changed[name] = value
     return changed
-
-
-def _json(value: object) -> JsonValue:
-    if isinstance(value, Enum):
-        return str(value.value)
-    if isinstance(value, tuple):
-        return [_json(v) for v in value]
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _json(getattr(value, f.name)) for f in fields(value)}
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
