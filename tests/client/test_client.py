@@ -263,7 +263,7 @@ def test_retry_after_header_forms() -> None:
 
 def test_importing_the_client_needs_no_ml_framework() -> None:
     """The client and the reporter import, and a client runs, with torch, transformers,
-    peft and lightning unimportable."""
+    peft and lightning unimportable; nothing of the service is imported."""
     script = """
 import sys
 class Block:
@@ -276,6 +276,8 @@ from vramcast_client import Reporter, VramcastClient
 from vramcast_client.measure import CudaProbe
 assert CudaProbe().read() is None
 Reporter(probe=CudaProbe(), spool_dir=sys.argv[1])
+service = sorted(m for m in sys.modules if m == "service" or m.startswith("service."))
+assert not service, service
 print("ok")
 """
     done = subprocess.run(
