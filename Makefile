@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint typecheck unit bench traces openapi clean
 
-$(STAMP): pyproject.toml
+# The client distribution (clients/python) first on the command line: the service depends on
+# it, and pip takes this local copy rather than looking for one on an index.
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,trace]'
+	$(BIN)/python -m pip install --quiet -e ./clients/python -e '.[dev,trace]'
 	touch $(STAMP)
 
 # The service on the embedded SQLite default (VRAMCAST_DATABASE_URL overrides), at
@@ -25,8 +27,8 @@ openapi: $(STAMP)
 	$(BIN)/python -m service.openapi
 
 lint: $(STAMP)
-	$(BIN)/ruff check service tests bench
-	$(BIN)/ruff format --check service tests bench
+	$(BIN)/ruff check service clients tests bench
+	$(BIN)/ruff format --check service clients tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -34,13 +34,13 @@ from service.core.errors import InvalidSpecError
 from service.core.units import GIB
 
 if TYPE_CHECKING:
-    from service.client.measure import GpuPeaks
-    from service.client.models import CalibrationReceipt, CalibrationUpload
-    from service.client.reporter import Reporter
     from service.core.architecture import ModelArch
     from service.core.result import Estimate
     from service.core.spec import TrainingSpec
     from service.trace.probe import DeviceReadings, ProbeRun, Runner
+    from vramcast_client.measure import GpuPeaks
+    from vramcast_client.models import CalibrationReceipt, CalibrationUpload
+    from vramcast_client.reporter import Reporter
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -169,7 +169,7 @@ class Probe:
         try:
             run = run_case(case, self.config, record, readings)
         except Exception as error:  # the run's failure is the result: reported, not raised
-            from service.client.measure import is_out_of_memory
+            from vramcast_client.measure import is_out_of_memory
 
             record["error"] = f"{type(error).__name__}: {error}"[:600]
             return self._failed(record, est, args, out_of_memory=is_out_of_memory(error))
@@ -244,9 +244,9 @@ class Probe:
         """Send the run as a training node's reporter would; (what became of it, exit status).
         Refused, before anything is sent, when the job the node's derivation reads from the
         model is not estimated as the job that ran: it would calibrate the wrong estimate."""
-        from service.client.derive import UndescribableJobError
-        from service.client.errors import VramcastError
-        from service.client.reporter import Reporter
+        from vramcast_client.derive import UndescribableJobError
+        from vramcast_client.errors import VramcastError
+        from vramcast_client.reporter import Reporter
 
         reporter = Reporter(args.url, model_id=self.catalog_id, seq_len=self.spec.seq_len)
         try:
@@ -308,7 +308,7 @@ def node_upload(reporter: Reporter, run: ProbeRun) -> CalibrationUpload:
 def measured_peaks(record: Mapping[str, Any]) -> GpuPeaks:
     """The record's peaks as a node's probe reads them; device: NVML used at the end of step 2
     (the reserved peak still held), less what the GPU held before this process."""
-    from service.client.measure import GpuPeaks
+    from vramcast_client.measure import GpuPeaks
 
     versions = record["versions"]
     return GpuPeaks(

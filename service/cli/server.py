@@ -22,18 +22,18 @@ from pydantic import ValidationError
 from service.api.settings import Settings
 from service.calibration import EstimateFn
 from service.cli.options import CliError, add_spec_options, job_fields, read_config, spec_from_args
-from service.client.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, URL_ENV, VramcastClient
-from service.client.errors import (
+from service.core.spec import TrainingSpec
+from service.core.units import GIB
+from vramcast_client.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, URL_ENV, VramcastClient
+from vramcast_client.errors import (
     Problem,
     ProblemError,
     ServiceUnreachableError,
     UnexpectedResponseError,
     VramcastError,
 )
-from service.client.models import GpuFit
-from service.client.retry import NO_RETRY
-from service.core.spec import TrainingSpec
-from service.core.units import GIB
+from vramcast_client.models import GpuFit
+from vramcast_client.retry import NO_RETRY
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1

@@ -14,10 +14,10 @@ from service.api.schemas import JobSpec
 from service.cli.main import build_parser, main
 from service.cli.options import job_fields, spec_from_args
 from service.cli.server import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_UNDECIDED, run_fit
-from service.client.client import VramcastClient
-from service.client.retry import NO_RETRY
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
 from tests.api.conftest import make_app
+from vramcast_client.client import VramcastClient
+from vramcast_client.retry import NO_RETRY
 
 SMALL = ["Qwen/Qwen2.5-0.5B", "-b", "2", "-s", "512"]
 BIG = ["Qwen/Qwen2.5-7B", "--method", "full", "-b", "8", "-s", "4096"]

@@ -21,7 +21,6 @@ from service.api.schemas import JobSpec
 from service.cli import probe as probe_cli
 from service.cli.main import build_parser, main
 from service.cli.options import spec_from_args
-from service.client.reporter import Reporter
 from service.core.architecture import from_hf_config
 from service.core.estimator import estimate
 from service.core.result import Estimate
@@ -31,6 +30,7 @@ from service.trace import probe
 from service.trace.probe import ProbeCase, build_on_device, training_arguments
 from service.trace.validate import TINY_CONFIGS
 from tests.client.conftest import Service, ServiceProcess, Store
+from vramcast_client.reporter import Reporter
 
 pytestmark = pytest.mark.trace
 

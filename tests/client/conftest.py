@@ -25,10 +25,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.client.measure import GpuPeaks
 from service.store.db import create_engine_from_url
 from service.store.keys import KeyScope, create_key
 from service.store.models import CalibrationUpload
+from vramcast_client.measure import GpuPeaks
 
 GIB = 1024**3
 A100_80GB = GpuPeaks(

@@ -14,7 +14,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from service.client import (
+from tests.client.conftest import (
+    SMALL_JOB,
+    FlakyFactory,
+    Service,
+    free_port,
+)
+from vramcast_client import (
     AsyncVramcastClient,
     AuthenticationError,
     InvalidRequestError,
@@ -26,14 +32,8 @@ from service.client import (
     UnexpectedResponseError,
     VramcastClient,
 )
-from service.client.models import GpuOffer, Lora
-from service.client.retry import retry_after_s
-from tests.client.conftest import (
-    SMALL_JOB,
-    FlakyFactory,
-    Service,
-    free_port,
-)
+from vramcast_client.models import GpuOffer, Lora
+from vramcast_client.retry import retry_after_s
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.05)
 
@@ -263,7 +263,7 @@ def test_retry_after_header_forms() -> None:
 
 def test_importing_the_client_needs_no_ml_framework() -> None:
     """The client and the reporter import, and a client runs, with torch, transformers,
-    peft and lightning unimportable."""
+    peft and lightning unimportable; nothing of the service is imported."""
     script = """
 import sys
 class Block:
@@ -271,11 +271,13 @@ class Block:
         if name.split(".")[0] in {"torch", "transformers", "peft", "lightning", "pynvml"}:
             raise ImportError(f"{name} is blocked")
 sys.meta_path.insert(0, Block())
-import service.client
-from service.client import Reporter, VramcastClient
-from service.client.measure import CudaProbe
+import vramcast_client
+from vramcast_client import Reporter, VramcastClient
+from vramcast_client.measure import CudaProbe
 assert CudaProbe().read() is None
 Reporter(probe=CudaProbe(), spool_dir=sys.argv[1])
+service = sorted(m for m in sys.modules if m == "service" or m.startswith("service."))
+assert not service, service
 print("ok")
 """
     done = subprocess.run(

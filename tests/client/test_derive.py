@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from service.client import VramcastClient
-from service.client.derive import (
+from tests.client.conftest import Service
+from vramcast_client import VramcastClient
+from vramcast_client.derive import (
     InputShapes,
     UndescribableJobError,
     job_from_hf,
     name_or_path,
 )
-from tests.client.conftest import Service
 
 
 class Config:

@@ -16,10 +16,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from service.client import Delivery, RetryPolicy
-from service.client.derive import job_from_hf
-from service.client.hf_callback import VramcastCallback
 from tests.client.conftest import FakeProbe, Service, ServiceProcess
+from vramcast_client import Delivery, RetryPolicy
+from vramcast_client.derive import job_from_hf
+from vramcast_client.hf_callback import VramcastCallback
 
 # peft 0.21 reads the attribute transformers 5 deprecated; neither is this project's code.
 pytestmark = pytest.mark.filterwarnings(

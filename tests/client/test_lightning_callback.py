@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from service.client import Delivery, RetryPolicy
-from service.client.lightning_callback import VramcastLightningCallback
 from tests.client.conftest import FakeProbe, Service
 from tests.client.test_hf_callback import SEQ_LEN, tiny_lora_model
+from vramcast_client import Delivery, RetryPolicy
+from vramcast_client.lightning_callback import VramcastLightningCallback
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),

@@ -11,9 +11,6 @@ from typing import Any
 
 import pytest
 
-from service.client import Delivery, Job, Reporter, RetryPolicy, report_peaks
-from service.client.measure import GpuPeaks, is_out_of_memory
-from service.client.reporter import default_run_id, idempotency_key
 from tests.client.conftest import (
     A100_80GB,
     GIB,
@@ -23,6 +20,9 @@ from tests.client.conftest import (
     Service,
     free_port,
 )
+from vramcast_client import Delivery, Job, Reporter, RetryPolicy, report_peaks
+from vramcast_client.measure import GpuPeaks, is_out_of_memory
+from vramcast_client.reporter import default_run_id, idempotency_key
 
 FAST = RetryPolicy(attempts=2, backoff_s=0.01, max_backoff_s=0.05)
 

@@ -3,11 +3,11 @@ tools, and `Reporter` for training nodes.
 
 Importing this package needs httpx and pydantic only; torch, transformers, peft and
 lightning are used when a training process already has them. The framework callbacks live
-in `service.client.hf_callback` and `service.client.lightning_callback`.
+in `vramcast_client.hf_callback` and `vramcast_client.lightning_callback`.
 """
 
-from service.client.client import AsyncVramcastClient, VramcastClient
-from service.client.errors import (
+from vramcast_client.client import AsyncVramcastClient, VramcastClient
+from vramcast_client.errors import (
     AuthenticationError,
     InvalidRequestError,
     NotFoundError,
@@ -19,8 +19,8 @@ from service.client.errors import (
     UnexpectedResponseError,
     VramcastError,
 )
-from service.client.measure import CudaProbe, GpuPeaks, MemoryProbe
-from service.client.models import (
+from vramcast_client.measure import CudaProbe, GpuPeaks, MemoryProbe
+from vramcast_client.models import (
     BatchEstimates,
     CalibrationReceipt,
     CalibrationUpload,
@@ -32,8 +32,8 @@ from service.client.models import (
     Model,
     ModelList,
 )
-from service.client.reporter import Delivery, Reporter, report_peaks
-from service.client.retry import RetryPolicy
+from vramcast_client.reporter import Delivery, Reporter, report_peaks
+from vramcast_client.retry import RetryPolicy
 
 __all__ = [
     "AsyncVramcastClient",

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, get_args
 
-from service.client.models import (
+from vramcast_client.models import (
     AttnImplName,
     DTypeName,
     Job,

@@ -27,16 +27,16 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from service.client.client import VramcastClient
-from service.client.derive import (
+from vramcast_client.client import VramcastClient
+from vramcast_client.derive import (
     InputShapes,
     UndescribableJobError,
     job_from_hf,
     name_or_path,
     world_size,
 )
-from service.client.environment import collect_environment
-from service.client.errors import (
+from vramcast_client.environment import collect_environment
+from vramcast_client.errors import (
     AuthenticationError,
     ProblemError,
     ServerError,
@@ -44,16 +44,16 @@ from service.client.errors import (
     UnexpectedResponseError,
     VramcastError,
 )
-from service.client.measure import CudaProbe, GpuPeaks, MemoryProbe, is_out_of_memory
-from service.client.models import (
+from vramcast_client.measure import CudaProbe, GpuPeaks, MemoryProbe, is_out_of_memory
+from vramcast_client.models import (
     CalibrationUpload,
     Job,
     MeasuredPeaks,
     OutcomeName,
     UploadGpu,
 )
-from service.client.retry import RetryPolicy
-from service.client.spool import Spool, default_spool_dir
+from vramcast_client.retry import RetryPolicy
+from vramcast_client.spool import Spool, default_spool_dir
 
 logger = logging.getLogger("vramcast.reporter")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from service.client.models import Environment
+from vramcast_client.models import Environment
 
 
 def package_version(name: str) -> str | None:

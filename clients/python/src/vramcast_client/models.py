@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.client.errors import Problem
+from vramcast_client.errors import Problem
 
 MethodName = Literal["full", "lora", "qlora"]
 DTypeName = Literal["fp32", "bf16", "fp16"]

@@ -1,6 +1,6 @@
 """A Hugging Face `TrainerCallback` that uploads each rank's measured peaks when training ends.
 
-    from service.client.hf_callback import VramcastCallback
+    from vramcast_client.hf_callback import VramcastCallback
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[VramcastCallback()])
     trainer.train()
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from service.client.reporter import Delivery, Reporter
+from vramcast_client.reporter import Delivery, Reporter
 
 
 class VramcastCallback(TrainerCallback):

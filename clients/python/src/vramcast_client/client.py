@@ -5,7 +5,7 @@
                                gpus=["A100-80GB", {"memory_mib": 46068}])
         if not fit.fits_all: ...
 
-Every method raises a `VramcastError` (see `service.client.errors`); failures a later
+Every method raises a `VramcastError` (see `vramcast_client.errors`); failures a later
 attempt can fix are retried first, as `RetryPolicy` says. The two clients share everything
 but the sending loop.
 """
@@ -24,13 +24,13 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from service.client.errors import (
+from vramcast_client.errors import (
     Problem,
     ServiceUnreachableError,
     UnexpectedResponseError,
     problem_error,
 )
-from service.client.models import (
+from vramcast_client.models import (
     BatchEstimates,
     CalibrationReceipt,
     CalibrationUpload,
@@ -42,7 +42,7 @@ from service.client.models import (
     Model,
     ModelList,
 )
-from service.client.retry import RetryPolicy, retry_after_s, retryable_status
+from vramcast_client.retry import RetryPolicy, retry_after_s, retryable_status
 
 URL_ENV = "VRAMCAST_URL"
 API_KEY_ENV = "VRAMCAST_API_KEY"

@@ -1,6 +1,6 @@
 """A Lightning `Callback` that uploads each rank's measured peaks when `fit` ends or dies of OOM.
 
-    from service.client.lightning_callback import VramcastLightningCallback
+    from vramcast_client.lightning_callback import VramcastLightningCallback
     trainer = L.Trainer(..., callbacks=[VramcastLightningCallback(seq_len=2048)])
     trainer.fit(module)
 
@@ -17,10 +17,10 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from service.client.derive import find_hf_model, job_from_lightning
-from service.client.measure import is_out_of_memory
-from service.client.models import Job
-from service.client.reporter import Reporter
+from vramcast_client.derive import find_hf_model, job_from_lightning
+from vramcast_client.measure import is_out_of_memory
+from vramcast_client.models import Job
+from vramcast_client.reporter import Reporter
 
 
 class VramcastLightningCallback(Callback):
