@@ -455,7 +455,7 @@ class _Solver:
         while dropped and len(current.changes) > 1:
             dropped = False
             for change in sorted(current.changes, key=_RANK.__getitem__, reverse=True):
-                spec = without(change, current.spec, job)
+                spec = _without(change, current.spec, job)
                 need = None if spec is None else self.requirements.valid(spec)
                 if spec is None or need is None:
                     continue
@@ -515,7 +515,7 @@ def _apply(
             return None
 
 
-def without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingSpec | None:
+def _without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingSpec | None:
     """`spec`, a changed `job`, with `change` taken back: the fields it set get `job`'s values
     again, every other change stays. None when the rest does not make a valid spec."""
     try:
