@@ -43,6 +43,19 @@ SECANT_STALL_STEPS = 2
 # keeping the effective batch exact.
 MICRO_BATCH_TRIES = 3
 
+# A part of a suggested change must lower the safe bound by at least the larger of these, or
+# be needed to fit, to be offered: a smaller saving is within the estimate's own spread (the
+# CUDA context alone varies by 0.3-0.6 GiB with the driver and lazy loading, and the reserved
+# level is matched to 2 % on the references), so it would cost the run for nothing.
+MIN_PART_BYTES = 256 * MIB
+MIN_PART_SHARE = 0.01  # of the job's safe bound
+
+# Optimizer changes (8-bit, paged) are offered only when the optimizer's state makes up at
+# least this share of the job's safe bound: 8-bit AdamW saves at most three quarters of the
+# state (2 of 8 B per fp32 parameter), so below 5 % the saving stays under 4 % of the peak
+# while the run changes optimizer (LoRA adapters on a large base: 0.05 GiB of 17 GiB).
+MIN_OPTIMIZER_SHARE = 0.05
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Requirement:
@@ -112,6 +125,13 @@ _RANK = {change: rank for rank, change in enumerate(Change)}
 # Stacked on the first, the second change makes it redundant (QLoRA trains adapters too; the
 # paged optimizer is 8-bit too).
 _SUPERSEDES = {Change.QLORA: Change.LORA, Change.PAGED_OPTIMIZER: Change.OPTIMIZER_8BIT}
+_OPTIMIZER_CHANGES = frozenset({Change.OPTIMIZER_8BIT, Change.PAGED_OPTIMIZER})
+
+
+def part_threshold(required_bytes: int) -> int:
+    """What one part of a change must save to be offered, for a job needing `required_bytes`
+    (its safe bound) when the part is not needed to fit."""
+    return max(MIN_PART_BYTES, math.ceil(required_bytes * MIN_PART_SHARE))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,9 +358,12 @@ class _Solver:
         return candidate
 
     def suggestions(self, spec: TrainingSpec, usable: int) -> tuple[Suggestion, ...]:
-        """Single changes that lower the safe bound, those that fit first; when none fits,
-        first the changes stacked in rank order up to the first combination that fits."""
+        """Single changes that fit or save more than `part_threshold`, those that fit first;
+        when none fits, first the changes stacked in rank order up to the first combination
+        that fits, less every part the combination fits without (or, when nothing fits, every
+        part that saves less than the threshold)."""
         current = self.requirements(spec).device_bytes_upper
+        threshold = part_threshold(current)
         singles = [
             self._suggestion((change,), changed, need, usable)
             for change, changed, need in self._lowering(spec)
@@ -349,12 +372,17 @@ class _Solver:
         need = None if smaller is None else self.requirements.valid(smaller)
         if smaller is not None and need is not None and need.device_bytes_upper < current:
             singles.append(self._suggestion((Change.SMALLER_MICRO_BATCH,), smaller, need, usable))
+        singles = [
+            s for s in singles if s.fits or current - s.requirement.device_bytes_upper > threshold
+        ]
         singles.sort(
             key=lambda s: (not s.fits, _RANK[s.changes[0]], s.requirement.device_bytes_upper)
         )
-        if not singles or singles[0].fits:
+        if singles and singles[0].fits:
             return tuple(singles)
         stacked = self._stacked(spec, usable)
+        if stacked is not None:
+            stacked = self._pruned(stacked, spec, usable, threshold)
         if stacked is None or len(stacked.changes) < 2:
             return tuple(singles)
         return (stacked, *singles)
@@ -367,7 +395,7 @@ class _Solver:
             current = self.requirements(spec).device_bytes_upper
             found = []
             for change in Change:
-                if change is Change.SMALLER_MICRO_BATCH:
+                if change is Change.SMALLER_MICRO_BATCH or not self._worth_trying(change, spec):
                     continue
                 changed = self._spec_change(change, spec)
                 need = None if changed is None else self.requirements.valid(changed)
@@ -376,6 +404,23 @@ class _Solver:
             self._lowering_memo[spec] = found
         return found
 
+    def _worth_trying(self, change: Change, spec: TrainingSpec) -> bool:
+        """False for an optimizer change when the optimizer's share of `spec`'s safe bound is
+        under MIN_OPTIMIZER_SHARE."""
+        return change not in _OPTIMIZER_CHANGES or self._optimizer_share(spec) >= (
+            MIN_OPTIMIZER_SHARE
+        )
+
+    def _optimizer_share(self, spec: TrainingSpec) -> float:
+        """The share of `spec`'s safe bound that its optimizer accounts for: what the bound
+        drops by with a stateless optimizer (HF's "sgd", momentum 0). 1.0 when that cannot be
+        estimated, so optimizer changes stay on offer."""
+        current = self.requirements(spec).device_bytes_upper
+        stateless = self.requirements.valid(replace(spec, optim=Optim.SGD))
+        if stateless is None or current <= 0:
+            return 1.0
+        return max(0, current - stateless.device_bytes_upper) / current
+
     def _stacked(self, spec: TrainingSpec, usable: int) -> Suggestion | None:
         """Changes applied on top of each other in rank order, each kept only when it lowers
         the stacked requirement, until the job fits."""
@@ -383,6 +428,8 @@ class _Solver:
         best: Suggestion | None = None
         current = self.requirements(spec).device_bytes_upper
         for change in Change:
+            if not self._worth_trying(change, spec):
+                continue
             changed = self.apply(change, spec, usable)
             need = None if changed is None else self.requirements.valid(changed)
             if changed is None or need is None or need.device_bytes_upper >= current:
@@ -396,6 +443,30 @@ class _Solver:
             if best.fits:
                 break
         return best
+
+    def _pruned(
+        self, stacked: Suggestion, job: TrainingSpec, usable: int, threshold: int
+    ) -> Suggestion:
+        """`stacked` less the parts it can do without: a part goes when the change without it
+        still fits (or neither fits) and needs at most `threshold` more. The most disruptive
+        parts are tried first; the loop ends when every part is needed."""
+        current = stacked
+        dropped = True
+        while dropped and len(current.changes) > 1:
+            dropped = False
+            for change in sorted(current.changes, key=_RANK.__getitem__, reverse=True):
+                spec = _without(change, current.spec, job)
+                need = None if spec is None else self.requirements.valid(spec)
+                if spec is None or need is None:
+                    continue
+                rise = need.device_bytes_upper - current.requirement.device_bytes_upper
+                fits = need.device_bytes_upper <= usable
+                if rise <= threshold and (fits or not current.fits):
+                    parts = tuple(c for c in current.changes if c is not change)
+                    current = self._suggestion(parts, spec, need, usable)
+                    dropped = True
+                    break
+        return current
 
     @staticmethod
     def _suggestion(
@@ -442,6 +513,36 @@ def _apply(
             return replace(spec, method=Method.QLORA, quantization=quant)
         case Change.SMALLER_MICRO_BATCH:
             return None
+
+
+def _without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingSpec | None:
+    """`spec`, a changed `job`, with `change` taken back: the fields it set get `job`'s values
+    again, every other change stays. None when the rest does not make a valid spec."""
+    try:
+        match change:
+            case Change.FUSED_LOSS:
+                return replace(spec, loss=job.loss)
+            case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:
+                return replace(spec, optim=job.optim)
+            case Change.GRADIENT_CHECKPOINTING:
+                return replace(spec, gradient_checkpointing=job.gradient_checkpointing)
+            case Change.SMALLER_MICRO_BATCH:
+                return replace(
+                    spec,
+                    batch_size=job.batch_size,
+                    gradient_accumulation_steps=job.gradient_accumulation_steps,
+                )
+            case Change.FEWER_TARGET_MODULES:
+                if spec.lora is None or job.lora is None:
+                    return None
+                return replace(
+                    spec, lora=replace(spec.lora, target_modules=job.lora.target_modules)
+                )
+            case Change.LORA | Change.QLORA:
+                lora = None if job.method is Method.FULL else spec.lora
+                return replace(spec, method=job.method, quantization=job.quantization, lora=lora)
+    except InvalidSpecError:
+        return None
 
 
 def _fewer_targets(spec: TrainingSpec, narrower: tuple[str, ...] | None) -> TrainingSpec | None:

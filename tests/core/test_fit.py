@@ -16,10 +16,13 @@ from service.core.errors import InvalidSpecError
 from service.core.estimator import default_target_modules, estimate
 from service.core.fit import (
     DRIVER_RESERVED_BYTES,
+    MIN_OPTIMIZER_SHARE,
+    MIN_PART_BYTES,
     Change,
     GpuOffer,
     Requirement,
     check_fit,
+    part_threshold,
     usable_bytes,
 )
 from service.core.spec import LoraSpec, Method, Optim, ParallelSpec, Strategy, TrainingSpec
@@ -307,3 +310,133 @@ def test_no_cheapest_without_prices() -> None:
         spec, OFFERS[:3], _requirement(QWEN_05B), max_batch_size=64, max_seq_len=1024
     )
     assert report.cheapest is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Suggestions are minimal
+
+
+LLAMA_8B = default_catalog().resolve("meta-llama/Llama-3.1-8B").arch
+RTX_4090 = next(g for g in default_gpu_catalog().gpus() if g.name == "RTX4090")
+
+
+def _taken_back(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingSpec:
+    """`spec` with the fields `change` sets back at the job's values."""
+    match change:
+        case Change.FUSED_LOSS:
+            return replace(spec, loss=job.loss)
+        case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:
+            return replace(spec, optim=job.optim)
+        case Change.GRADIENT_CHECKPOINTING:
+            return replace(spec, gradient_checkpointing=job.gradient_checkpointing)
+        case Change.SMALLER_MICRO_BATCH:
+            return replace(
+                spec,
+                batch_size=job.batch_size,
+                gradient_accumulation_steps=job.gradient_accumulation_steps,
+            )
+        case Change.FEWER_TARGET_MODULES:
+            assert spec.lora is not None and job.lora is not None
+            return replace(spec, lora=replace(spec.lora, target_modules=job.lora.target_modules))
+        case Change.LORA | Change.QLORA:
+            lora = None if job.method is Method.FULL else spec.lora
+            return replace(spec, method=job.method, quantization=job.quantization, lora=lora)
+
+
+def _optimizer_share(arch: ModelArch, spec: TrainingSpec) -> float:
+    need = estimate(arch, spec).device_bytes_upper
+    stateless = estimate(arch, replace(spec, optim=Optim.SGD)).device_bytes_upper
+    return (need - stateless) / need
+
+
+def _assert_minimal(arch: ModelArch, job: TrainingSpec, offers: list[GpuOffer]) -> None:
+    requirement = _requirement(arch)
+    report = check_fit(
+        job,
+        offers,
+        requirement,
+        max_batch_size=4096,
+        max_seq_len=arch.max_position_embeddings,
+        narrower_target_modules=default_target_modules(arch),
+    )
+    threshold = part_threshold(requirement(job).device_bytes_upper)
+    assert threshold >= MIN_PART_BYTES
+    optimizer_matters = _optimizer_share(arch, job) >= MIN_OPTIMIZER_SHARE
+    for fit in report.gpus:
+        for suggestion in fit.suggestions:
+            need = suggestion.requirement.device_bytes_upper
+            assert requirement(suggestion.spec).device_bytes_upper == need
+            if not optimizer_matters:
+                assert not {Change.OPTIMIZER_8BIT, Change.PAGED_OPTIMIZER} & set(
+                    suggestion.changes
+                ), suggestion.changes
+            for part in suggestion.changes:
+                if len(suggestion.changes) == 1:
+                    # Without its one part a suggestion is the job, which does not fit.
+                    without = requirement(job).device_bytes_upper
+                    assert without > fit.usable_bytes
+                    assert suggestion.fits or without - need > threshold
+                    continue
+                without = requirement(_taken_back(part, suggestion.spec, job)).device_bytes_upper
+                no_longer_fits = suggestion.fits and without > fit.usable_bytes
+                assert no_longer_fits or without - need > threshold, (part, suggestion.changes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from([QWEN_05B, QWEN_7B, LLAMA_8B]),
+    method=st.sampled_from(list(Method)),
+    batch_size=st.sampled_from([1, 2, 4, 8]),
+    seq_len=st.sampled_from([512, 1024, 2048, 4096]),
+    optim=st.sampled_from([Optim.ADAMW_TORCH_FUSED, Optim.ADAMW_TORCH, Optim.ADAMW_BNB_8BIT]),
+    checkpointing=st.booleans(),
+    all_linear=st.booleans(),
+    shares=st.lists(st.floats(0.2, 0.99), min_size=1, max_size=3),
+)
+def test_every_part_of_a_suggestion_is_needed_or_saves_more_than_the_threshold(
+    model: ModelArch,
+    method: Method,
+    batch_size: int,
+    seq_len: int,
+    optim: Optim,
+    checkpointing: bool,
+    all_linear: bool,
+    shares: list[float],
+) -> None:
+    lora = (
+        LoraSpec(r=16, target_modules="all-linear" if all_linear else None)
+        if method is not Method.FULL
+        else None
+    )
+    job = TrainingSpec(
+        method=method,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optim=optim,
+        gradient_checkpointing=checkpointing,
+        lora=lora,
+    )
+    need = estimate(model, job).device_bytes_upper
+    # GPUs a share of the job's need: the job fits none of them, so each gets suggestions.
+    offers = [GpuOffer(memory_bytes=DRIVER_RESERVED_BYTES + int(need * s) + 1) for s in shares]
+    _assert_minimal(model, job, offers)
+
+
+def test_llama_8b_qlora_on_an_rtx_4090_gets_no_part_that_changes_nothing() -> None:
+    job = TrainingSpec(method=Method.QLORA, batch_size=4, seq_len=2048)
+    offer = GpuOffer(memory_bytes=RTX_4090.memory_bytes)
+    _assert_minimal(LLAMA_8B, job, [offer])
+    report = check_fit(
+        job,
+        [offer],
+        _requirement(LLAMA_8B),
+        max_batch_size=4096,
+        max_seq_len=LLAMA_8B.max_position_embeddings,
+        narrower_target_modules=default_target_modules(LLAMA_8B),
+    )
+    fit = report.gpus[0]
+    assert not fit.fits and fit.suggestions
+    # LoRA adapters' AdamW state is a sliver of the peak: no optimizer change is offered.
+    assert _optimizer_share(LLAMA_8B, job) < MIN_OPTIMIZER_SHARE
+    offered = {change for s in fit.suggestions for change in s.changes}
+    assert not offered & {Change.OPTIMIZER_8BIT, Change.PAGED_OPTIMIZER}

@@ -108,6 +108,17 @@ def merged(job: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def gpu_label(result: dict[str, Any]) -> str:
+    """How the page names a fit-check result's GPU: a GPU given by its memory says so."""
+    gpu = result["gpu"]
+    if gpu["matched_by"] != "memory_mib":
+        return str(gpu["name"])
+    size = f"{gib(gpu['memory_bytes'])} GiB"
+    if gpu["name"] is None:
+        return f"by size: {size} (no catalog GPU of this size)"
+    return f"matched by size: {size} → {gpu['driver_name'].removeprefix('NVIDIA ')}"
+
+
 def assert_estimate_shown(shown: dict[str, Any], est: dict[str, Any]) -> None:
     peak = est["peak"]
     for level, key in (
@@ -124,6 +135,10 @@ def assert_estimate_shown(shown: dict[str, Any], est: dict[str, Any]) -> None:
         {"key": k, "bytes": v, "text": gib_text(v)} for k, v in parts.items()
     ]
     assert f"Safe bound {gib(peak['device_bytes_upper'])} GiB" in shown["levelLabels"]
+    # The hatched part is what the safe bound adds to the device level, not the bound itself.
+    margin = peak["device_bytes_upper"] - peak["device_bytes"]
+    assert shown["margin"] == {"bytes": margin, "text": gib_text(margin)}
+    assert shown["marginLabel"] == "Safe bound: margin over device"
     calibration = est["calibration"]
     assert shown["calibration"]["applied"] == ("yes" if calibration["applied"] else "no")
     assert shown["calibration"]["scope"] == calibration["scope"]
@@ -148,6 +163,7 @@ def assert_fit_shown(shown: dict[str, Any], fit: dict[str, Any]) -> None:
     assert len(shown["fit"]) == len(fit["results"])
     for i, (row, result) in enumerate(zip(shown["fit"], fit["results"], strict=True)):
         assert row["gpu"] == result["gpu"]["name"]
+        assert row["label"].startswith(gpu_label(result))
         assert row["fits"] is result["fits"]
         assert row["fitsText"].endswith("yes" if result["fits"] else "no")
         assert row["usable"] == {

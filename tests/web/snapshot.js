@@ -26,6 +26,8 @@
       bytes: Number(li.dataset.bytes),
       text: text(q(".legend-value", li)),
     })),
+    margin: shown(q('#breakdown-legend li[data-component="safe_margin"] .legend-value')),
+    marginLabel: text(q('#breakdown-legend li[data-component="safe_margin"] .legend-label')),
     levelLabels: qa("#breakdown-chart text.level-label").map(text),
     calibration: {
       ...Object.fromEntries(
@@ -39,6 +41,7 @@
     },
     fit: qa("#fit-table tbody tr").map((tr) => ({
       gpu: tr.dataset.gpu,
+      label: text(q("th", tr)),
       fits: tr.dataset.fits === "true",
       fitsText: text(q("td.fits", tr)),
       usable: shown(q("td.usable", tr)),

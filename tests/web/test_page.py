@@ -306,3 +306,70 @@ def test_screenshots(driver: Driver, name: str, viewport: dict[str, int]) -> Non
     path: Path = SCREENSHOTS / f"web-{name}.png"
     d.page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 10_000
+
+
+def test_at_phone_width_the_results_come_before_the_form(driver: Driver) -> None:
+    d = driver
+    d.page.set_viewport_size(PHONE)
+    d.open("?model=meta-llama%2FLlama-3.1-8B&gpu=RTX4090")
+    results = d.page.locator("#results").bounding_box()
+    form = d.page.locator("#spec-form").bounding_box()
+    assert results is not None and form is not None
+    assert results["y"] < form["y"]
+    assert d.page.locator("#peak-safe").bounding_box()["y"] < PHONE["height"]  # type: ignore[index]
+    # At desktop width the form stays on the left of the results.
+    d.page.set_viewport_size(DESKTOP)
+    results = d.page.locator("#results").bounding_box()
+    form = d.page.locator("#spec-form").bounding_box()
+    assert results is not None and form is not None
+    assert form["x"] < results["x"]
+
+
+def test_a_gpu_given_by_memory_is_labelled_as_matched_by_size(
+    driver: Driver, api: httpx.Client
+) -> None:
+    d = driver
+    d.open("?model=meta-llama%2FLlama-3.1-8B&gpu=RTX4090")
+    d.page.fill("#gpu-memory", "24564")
+    d.page.click("#add-gpu-memory")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    offers = [{"memory_mib": 24564}, "RTX4090"]
+    assert d.last_post("/v1/fit-checks") == {"job": job, "gpus": offers}
+    fit = api.post("/v1/fit-checks", json={"job": job, "gpus": offers}).json()
+    by_size = fit["results"][0]
+    assert by_size["gpu"]["matched_by"] == "memory_mib" and by_size["gpu"]["name"] == "RTXA5000"
+    shown = d.shown()
+    assert_fit_shown(shown, fit)
+    labels = [row["label"] for row in shown["fit"]]
+    assert labels == ["matched by size: 23.99 GiB → RTX A5000", "RTX4090"]
+    # The other catalog GPUs of that size are named on the row.
+    title = d.page.locator("#fit-table tbody tr").first.locator("th").get_attribute("title")
+    assert title is not None and "RTX4090" in title
+    assert "gpu=24564MiB" in urlsplit(d.page.url).query
+
+    # A size no catalog GPU reports, priced, and a link that keeps both.
+    d.page.fill("#gpu-memory", "12345")
+    d.page.keyboard.press("Enter")
+    d.wait_ready()
+    d.price("12345MiB", "0.5")
+    d.wait_ready()
+    posted = d.last_post("/v1/fit-checks")["gpus"]
+    assert posted == [
+        {"memory_mib": 24564},
+        {"memory_mib": 12345, "price_per_hour": 0.5},
+        "RTX4090",
+    ]
+    shown = d.shown()
+    assert shown["fit"][1]["label"] == "by size: 12.06 GiB (no catalog GPU of this size)"
+    assert "gpu=12345MiB%400.5" in urlsplit(d.page.url).query
+
+    # Unchecking a GPU given by size removes it; a size that is not a number is refused.
+    d.page.locator('input.gpu-check[value="24564MiB"]').uncheck()
+    d.wait_ready()
+    assert d.last_post("/v1/fit-checks")["gpus"][0] == {"memory_mib": 12345, "price_per_hour": 0.5}
+    assert "24564MiB" not in urlsplit(d.page.url).query
+    d.page.fill("#gpu-memory", "0")
+    d.page.click("#add-gpu-memory")
+    assert d.page.get_attribute("#gpu-memory", "aria-invalid") == "true"
+    assert "whole number of MiB" in d.text("#gpu-memory-hint")

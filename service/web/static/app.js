@@ -18,6 +18,8 @@
   const MAX_SEQ_LEN = 1048576;
   const PREFERRED_MODEL = "meta-llama/Llama-3.1-8B";
   const PREFERRED_GPUS = ["RTX4090", "A100-80GB", "H100-SXM"];
+  // A GPU given by the total memory nvidia-smi reports, in MiB; the API matches it by size.
+  const MEMORY_GPU = /^([1-9][0-9]{0,6})MiB$/;
 
   // Form state: every field, its default, and how it reads from/writes to the URL.
   const DEFAULTS = {
@@ -152,11 +154,16 @@
         .filter((v) => v)
         .map((v) => {
           const at = v.lastIndexOf("@");
-          if (at < 0) return { name: v, price: "" };
-          return { name: v.slice(0, at), price: v.slice(at + 1) };
+          return gpuEntry(at < 0 ? v : v.slice(0, at), at < 0 ? "" : v.slice(at + 1));
         });
     }
     return state;
+  }
+
+  // A chosen GPU: a catalog name, or a memory total written as in the link ("24564MiB").
+  function gpuEntry(name, price) {
+    const size = MEMORY_GPU.exec(name);
+    return size ? { name, memory_mib: Number.parseInt(size[1], 10), price } : { name, price };
   }
 
   function urlFromState(state) {
@@ -271,9 +278,9 @@
   function offersFromState(s) {
     return s.gpus.map((gpu) => {
       const price = Number.parseFloat(gpu.price);
-      return Number.isFinite(price) && price >= 0
-        ? { name: gpu.name, price_per_hour: price }
-        : gpu.name;
+      const priced = Number.isFinite(price) && price >= 0 ? { price_per_hour: price } : {};
+      if (gpu.memory_mib) return { memory_mib: gpu.memory_mib, ...priced };
+      return priced.price_per_hour === undefined ? gpu.name : { name: gpu.name, ...priced };
     });
   }
 
@@ -585,6 +592,11 @@
     renderCalibration(est);
   }
 
+  // What the safe bound adds to the device level (the legend's hatched part), not the bound.
+  function safeMargin(est) {
+    return Math.max(0, est.peak.device_bytes_upper - est.peak.device_bytes);
+  }
+
   function breakdownSegments(est) {
     const segments = [];
     for (const [key, bytes] of Object.entries(est.components)) {
@@ -612,8 +624,8 @@
         "li",
         { dataset: { component: "safe_margin" } },
         el("span", { class: "swatch margin", "aria-hidden": "true" }),
-        el("span", { class: "legend-label", text: "Safe bound (margin over device)" }),
-        el("span", { class: "legend-value", text: gibText(est.peak.device_bytes_upper) }),
+        el("span", { class: "legend-label", text: "Safe bound: margin over device" }),
+        el("span", { class: "legend-value", dataset: { bytes: String(safeMargin(est)) }, text: gibText(safeMargin(est)) }),
       ),
     );
     $("breakdown-figure").hidden = false;
@@ -667,7 +679,7 @@
         x: x(at), y: barY, width: x(est.peak.device_bytes_upper) - x(at), height: barH,
         fill: "url(#hatch)", stroke: "#475569", "stroke-width": 1,
       });
-      rect.append(svg("title", {}, `Margin up to the safe bound: ${gibText(est.peak.device_bytes_upper)}`));
+      rect.append(svg("title", {}, `Safe bound: margin over device ${gibText(safeMargin(est))}`));
       root.append(rect);
     }
     // One row per level. End-anchored labels sit left of their marker, so rows run from the
@@ -750,9 +762,25 @@
   // ------------------------------------------------------------------------------------------
   // Rendering: the fit check
 
+  // A GPU given by its memory says so: the catalog GPU it was matched to is one of those that
+  // report that total, not necessarily the one the job runs on.
   function gpuLabel(result) {
-    const name = result.gpu.name || result.gpu.requested;
+    const gpu = result.gpu;
+    let name = gpu.name || gpu.requested;
+    if (gpu.matched_by === "memory_mib") {
+      const size = `${gib(gpu.memory_bytes)} GiB`;
+      name = gpu.name
+        ? `matched by size: ${size} → ${gpu.driver_name ? gpu.driver_name.replace(/^NVIDIA /, "") : gpu.name}`
+        : `by size: ${size} (no catalog GPU of this size)`;
+    }
     return result.count > 1 ? `${name} ×${result.count}` : name;
+  }
+
+  // The other catalog GPUs that report the same total as a GPU matched by size.
+  function sameSize(result) {
+    if (result.gpu.matched_by !== "memory_mib") return null;
+    const others = page.gpus.filter((g) => g.memory_mib === result.gpu.memory_mib && g.name !== result.gpu.name);
+    return others.length ? `Same size: ${others.map((g) => g.name).join(", ")}` : null;
   }
 
   function renderFit(fit) {
@@ -772,7 +800,7 @@
       return el(
         "tr",
         { role: "row", dataset: { gpu: r.gpu.name || r.gpu.requested, fits: String(r.fits) }, class: i === cheapest ? "cheapest" : null },
-        el("th", { role: "rowheader", scope: "row", text: gpuLabel(r) }),
+        el("th", { role: "rowheader", scope: "row", class: r.gpu.matched_by === "memory_mib" ? "by-size" : null, title: sameSize(r), text: gpuLabel(r) }),
         cell("Fits", { class: r.fits ? "fits yes" : "fits no" }, el("span", { "aria-hidden": "true", text: r.fits ? "✓ " : "✗ " }), r.fits ? "yes" : "no"),
         cell("Usable GiB", { class: "num usable", dataset: { bytes: String(r.usable_bytes) }, text: gib(r.usable_bytes) }),
         cell("Headroom GiB", { class: `num headroom${r.headroom_bytes < 0 ? " negative" : ""}`, dataset: { bytes: String(r.headroom_bytes) }, text: signedGib(r.headroom_bytes) }),
@@ -793,7 +821,7 @@
         el(
           "li",
           { class: "suggestion-group", dataset: { gpu: r.gpu.name || r.gpu.requested } },
-          el("h4", { text: `On ${gpuLabel(r)} (usable ${gibText(r.usable_bytes)})` }),
+          el("h4", { text: `On ${r.gpu.matched_by === "memory_mib" ? "the GPU " : ""}${gpuLabel(r)} (usable ${gibText(r.usable_bytes)})` }),
           el(
             "ol",
             {},
@@ -1034,46 +1062,76 @@
     const list = $("gpu-list");
     const terms = normalize($("gpu-search").value).split(" ").filter(Boolean);
     const chosen = new Map(page.state.gpus.map((g) => [g.name, g]));
+    const bySize = page.state.gpus.filter((g) => g.memory_mib);
     const chosenFirst = [
       ...page.state.gpus.map((c) => page.gpus.find((g) => g.name === c.name)).filter(Boolean),
       ...page.gpus.filter((g) => !chosen.has(g.name)),
     ];
-    const rows = chosenFirst
-      .filter((g) => {
-        if (chosen.has(g.name)) return true;
-        const hay = normalize(`${g.name} ${g.driver_name}`).replace(/ /g, "");
-        return terms.every((t) => hay.includes(t));
-      })
-      .map((g) => {
-        const id = `gpu-${g.name.replace(/[^A-Za-z0-9]/g, "_")}`;
-        const pick = chosen.get(g.name);
-        const box = el("input", { type: "checkbox", id, value: g.name, checked: Boolean(pick), class: "gpu-check" });
-        const price = el("input", {
-          type: "number", min: "0", step: "0.01", inputmode: "decimal", class: "gpu-price",
-          id: `${id}-price`, value: pick ? pick.price : "", placeholder: "price / h",
-          "aria-label": `${g.name} price per GPU-hour`, hidden: !pick,
-        });
-        box.addEventListener("change", () => {
-          const next = page.state.gpus.filter((x) => x.name !== g.name);
-          if (box.checked) next.push({ name: g.name, price: "" });
-          page.state.gpus = page.gpus.map((x) => next.find((n) => n.name === x.name)).filter(Boolean);
-          price.hidden = !box.checked;
-          changed();
-        });
-        price.addEventListener("input", () => {
-          const entry = page.state.gpus.find((x) => x.name === g.name);
-          if (entry) entry.price = price.value;
-          changed();
-        });
-        return el(
-          "div",
-          { class: "gpu-row" },
-          box,
-          el("label", { for: id }, el("span", { class: "gpu-name", text: g.name }), el("span", { class: "gpu-mem", text: `${gib(g.memory_bytes)} GiB` })),
-          price,
-        );
-      });
+    const rows = [
+      ...bySize.map((g) => gpuRow(g.name, `${g.memory_mib} MiB`, `${gib(g.memory_mib * 1024 * 1024)} GiB`, g)),
+      ...chosenFirst
+        .filter((g) => {
+          if (chosen.has(g.name)) return true;
+          const hay = normalize(`${g.name} ${g.driver_name}`).replace(/ /g, "");
+          return terms.every((t) => hay.includes(t));
+        })
+        .map((g) => gpuRow(g.name, g.name, `${gib(g.memory_bytes)} GiB`, chosen.get(g.name))),
+    ];
     list.replaceChildren(...rows);
+  }
+
+  // Chosen GPUs in the order the list shows them: by size first, then the catalog's order.
+  function setChosenGpus(next) {
+    page.state.gpus = [
+      ...next.filter((n) => n.memory_mib),
+      ...page.gpus.map((x) => next.find((n) => n.name === x.name)).filter(Boolean),
+    ];
+  }
+
+  function gpuRow(key, label, memText, pick) {
+    const id = `gpu-${key.replace(/[^A-Za-z0-9]/g, "_")}`;
+    const box = el("input", { type: "checkbox", id, value: key, checked: Boolean(pick), class: "gpu-check" });
+    const price = el("input", {
+      type: "number", min: "0", step: "0.01", inputmode: "decimal", class: "gpu-price",
+      id: `${id}-price`, value: pick ? pick.price : "", placeholder: "price / h",
+      "aria-label": `${label} price per GPU-hour`, hidden: !pick,
+    });
+    box.addEventListener("change", () => {
+      const next = page.state.gpus.filter((x) => x.name !== key);
+      if (box.checked) next.push(gpuEntry(key, ""));
+      setChosenGpus(next);
+      price.hidden = !box.checked;
+      changed();
+    });
+    price.addEventListener("input", () => {
+      const entry = page.state.gpus.find((x) => x.name === key);
+      if (entry) entry.price = price.value;
+      changed();
+    });
+    return el(
+      "div",
+      { class: "gpu-row" },
+      box,
+      el("label", { for: id }, el("span", { class: "gpu-name", text: label }), el("span", { class: "gpu-mem", text: memText })),
+      price,
+    );
+  }
+
+  // "Add": a GPU by the memory nvidia-smi reports; the API says which catalog GPU matches it.
+  function addGpuBySize() {
+    const input = $("gpu-memory");
+    const mib = Number(input.value);
+    const valid = Number.isInteger(mib) && MEMORY_GPU.test(`${mib}MiB`);
+    input.setAttribute("aria-invalid", valid ? "false" : "true");
+    $("gpu-memory-hint").textContent = valid
+      ? "The total memory nvidia-smi reports, in MiB (an RTX 4090: 24564)."
+      : "Enter a whole number of MiB, 1 or more (an RTX 4090: 24564).";
+    if (!valid) return;
+    const key = `${mib}MiB`;
+    if (!page.state.gpus.some((g) => g.name === key)) setChosenGpus([...page.state.gpus, gpuEntry(key, "")]);
+    input.value = "";
+    renderGpuList();
+    changed();
   }
 
   // ------------------------------------------------------------------------------------------
@@ -1085,8 +1143,16 @@
       if (e.target.classList.contains("gpu-check") || e.target.classList.contains("gpu-price")) return;
       if (e.target.id === "model-search") return renderModelOptions();
       if (e.target.id === "gpu-search") return renderGpuList();
+      if (e.target.id === "gpu-memory") return;
       if (e.target.id === "share-link") return;
       changed();
+    });
+    $("add-gpu-memory").addEventListener("click", addGpuBySize);
+    $("gpu-memory").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") {
+        e.preventDefault();
+        addGpuBySize();
+      }
     });
     $("copy-link").addEventListener("click", async () => {
       const link = $("share-link");
@@ -1125,7 +1191,7 @@
       const ids = page.models.map((m) => m.id);
       fromUrl.model = ids.includes(PREFERRED_MODEL) ? PREFERRED_MODEL : ids[0] || "";
     }
-    if (fromUrl.gpus !== null) fromUrl.gpus = fromUrl.gpus.filter((g) => known.has(g.name));
+    if (fromUrl.gpus !== null) fromUrl.gpus = fromUrl.gpus.filter((g) => g.memory_mib || known.has(g.name));
     if (fromUrl.gpus === null) {
       fromUrl.gpus = PREFERRED_GPUS.filter((n) => known.has(n)).map((name) => ({ name, price: "" }));
     }
