@@ -41,7 +41,7 @@ def problem_lines(problem: ProblemLike) -> list[str]:
     for error in problem.errors or []:
         where = ".".join(str(part) for part in error.loc) or error.pointer
         lines.append(f"  {where}: {error.detail}" if where else f"  {error.detail}")
-    if problem.suggestions:
+    if problem.suggestions and not all(name in problem.detail for name in problem.suggestions):
         lines.append(f"  did you mean: {', '.join(problem.suggestions)}")
     return lines
 
