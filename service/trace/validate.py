@@ -421,13 +421,17 @@ def run_validation(path: Path = VALIDATION_PATH) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from service.cli.progress import Progress
+
     reports = []
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
         futures = [pool.submit(_check_named_case, m, s) for m, s in validation_cases()]
-        for future in futures:
-            report = future.result()
-            reports.append(report)
+        with Progress(len(futures), "validating", unit="case") as progress:
+            for future in futures:
+                report = future.result()
+                reports.append(report)
+                progress.step()
         print(
             f"{'ok ' if report.passed else 'BAD'} {report.name}: {report.fake_peak:,} B, "
             f"allocator at op boundaries {report.allocator.boundary_peak:,} B "
