@@ -218,9 +218,18 @@ def _yaml(value: object, indent: int = 0) -> list[str]:
     return lines
 
 
+# Strings YAML reads back as the same string when written plain: a letter first, no spaces or
+# characters that start YAML syntax, and none of YAML 1.1's booleans and nulls.
+_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9._/-]*")
+_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}
+
+
 def _scalar(value: object) -> str:
     if isinstance(value, list):  # empty, or of scalars: flow style
         return "[" + ", ".join(_scalar(v) for v in value) + "]"
     if isinstance(value, bool | int):
         return json.dumps(value)
-    return json.dumps(str(value))  # quoted: "31564" stays a string
+    text = str(value)
+    if _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS:
+        return text
+    return json.dumps(text)  # quoted: "31564" stays a string
