@@ -140,7 +140,7 @@ def run_fit(args: argparse.Namespace, client: VramcastClient) -> int:
     except VramcastError as exc:
         return _undecided(str(exc))
     if args.format is not None:
-        request = resource_request(_model_name(job), answer)
+        request = resource_request(args.model or str(args.config), answer)
         print(FORMATS[args.format](request))
         if not request.fitting:
             print("vramcast fit: the job fits none of the GPUs checked", file=sys.stderr)
@@ -166,11 +166,6 @@ def resource_request(model: str, answer: FitCheck) -> ResourceRequest:
             GpuChoice(name=r.gpu.name, memory_mib=r.gpu.memory_mib, fits=r.fits) for r in results
         ),
     )
-
-
-def _model_name(job: dict[str, Any]) -> str:
-    model = job["model"]
-    return model if isinstance(model, str) else "the model of --config"
 
 
 def fit_request(

@@ -155,6 +155,17 @@ def test_json_and_format_together_are_refused(live_url: str) -> None:
     assert "--json: give --json or --format, not both" in err
 
 
+def test_a_config_model_is_named_by_its_file(live_url: str, tmp_path: Path) -> None:
+    from service.catalog.models import default_catalog
+
+    config = tmp_path / "config.json"
+    entry = default_catalog().resolve("Qwen/Qwen2.5-0.5B")
+    config.write_text(json.dumps(entry.config, default=dict))
+    request = request_json(live_url, "--config", str(config), "-b", "2", "-s", "512", *SITE)
+    assert request["model"] == str(config)
+    assert request["fits"] == ["L4", "L40S", "A100-80GB", "H100-SXM"]
+
+
 # -- the docs ------------------------------------------------------------------------------
 
 
