@@ -29,6 +29,7 @@ from service.cli.options import (
     option_error,
     spec_from_args,
 )
+from service.cli.problems import problem_text
 from service.core.codec import spec_to_dict
 from service.core.errors import InvalidSpecError
 from service.core.units import GIB
@@ -245,7 +246,7 @@ class Probe:
         Refused, before anything is sent, when the job the node's derivation reads from the
         model is not estimated as the job that ran: it would calibrate the wrong estimate."""
         from vramcast_client.derive import UndescribableJobError
-        from vramcast_client.errors import VramcastError
+        from vramcast_client.errors import ProblemError, VramcastError
         from vramcast_client.reporter import Reporter
 
         reporter = Reporter(args.url, model_id=self.catalog_id, seq_len=self.spec.seq_len)
@@ -261,6 +262,9 @@ class Probe:
                 receipt = reporter.client.upload_calibration(
                     upload, idempotency_key=reporter.idempotency_key
                 )
+            except ProblemError as exc:
+                reason = problem_text(exc.problem)
+                return self._not_uploaded(f"the service did not store it: {reason}")
             except VramcastError as exc:
                 return self._not_uploaded(f"the service did not store it: {exc}")
         finally:

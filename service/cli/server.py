@@ -6,6 +6,11 @@ script's first line): it exits
     0  the job fits (every GPU given, or any with --any),
     1  it does not fit,
     2  it could not decide: the service is unreachable or answered an error, or the input is bad.
+
+`--format k8s | slurm | skypilot | dstack | json` prints the resource request each scheduler
+takes instead: GPUs with the memory that holds the job's safe bound plus the driver's reserve,
+and the GPU types that fit. Without --gpu, every GPU of the catalog is checked (and the exit
+status is that of --any).
 """
 
 from __future__ import annotations
@@ -22,17 +27,18 @@ from pydantic import ValidationError
 from service.api.settings import Settings
 from service.calibration import EstimateFn
 from service.cli.options import CliError, add_spec_options, job_fields, read_config, spec_from_args
+from service.cli.problems import problem_text
+from service.cli.schedulers import FORMATS, GpuChoice, ResourceRequest
 from service.core.spec import TrainingSpec
 from service.core.units import GIB
 from vramcast_client.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, URL_ENV, VramcastClient
 from vramcast_client.errors import (
-    Problem,
     ProblemError,
     ServiceUnreachableError,
     UnexpectedResponseError,
     VramcastError,
 )
-from vramcast_client.models import GpuFit
+from vramcast_client.models import FitCheck, GpuFit
 from vramcast_client.retry import NO_RETRY
 
 EXIT_FITS = 0
@@ -86,6 +92,11 @@ def register(subparsers: Any) -> None:
     )
     where.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds")
     where.add_argument("--json", action="store_true", help="print the service's answer as JSON")
+    where.add_argument(
+        "--format",
+        choices=sorted(FORMATS),
+        help="print the resource request of this scheduler (json: as plain JSON)",
+    )
     fit.set_defaults(handler=_cmd_fit)
 
 
@@ -117,23 +128,44 @@ def run_fit(args: argparse.Namespace, client: VramcastClient) -> int:
         job, gpus = fit_request(args, spec_from_args(args))
     except CliError as exc:
         return _undecided(f"error: {exc}")
+    whole_catalog = args.format is not None and not (args.gpu or args.gpu_memory_mib)
     try:
         answer = client.fit_check(job, gpus)
     except ServiceUnreachableError as exc:
         return _undecided(f"service unreachable at {args.url}: {exc}")
     except ProblemError as exc:
-        return _undecided(_problem_text(exc.problem))
+        return _undecided(problem_text(exc.problem))
     except UnexpectedResponseError:
         return _undecided("the service's answer is not a fit-check")
     except VramcastError as exc:
         return _undecided(str(exc))
-    if args.json:
+    if args.format is not None:
+        request = resource_request(args.model or str(args.config), answer)
+        print(FORMATS[args.format](request))
+        if not request.fitting:
+            print("vramcast fit: the job fits none of the GPUs checked", file=sys.stderr)
+    elif args.json:
         print(json.dumps(answer.model_dump(mode="json", exclude_unset=True), indent=2))
     else:
         for result in answer.results:
             print(format_result(result))
-    decided = answer.fits_any if args.any else answer.fits_all
+    decided = answer.fits_any if args.any or whole_catalog else answer.fits_all
     return EXIT_FITS if decided else EXIT_DOES_NOT_FIT
+
+
+def resource_request(model: str, answer: FitCheck) -> ResourceRequest:
+    """What a scheduler must give the job: per GPU, the largest safe bound and driver reserve
+    of the GPUs checked (they differ only by the device level's row for a GPU's generation)."""
+    results = answer.results
+    return ResourceRequest(
+        model=model,
+        count=max(r.count for r in results),
+        required_bytes=max(r.required_bytes for r in results),
+        driver_reserved_bytes=max(r.gpu.memory_bytes - r.usable_bytes for r in results),
+        gpus=tuple(
+            GpuChoice(name=r.gpu.name, memory_mib=r.gpu.memory_mib, fits=r.fits) for r in results
+        ),
+    )
 
 
 def fit_request(
@@ -147,10 +179,17 @@ def fit_request(
         model = args.model
     else:
         raise CliError("model: give a catalog id or --config config.json")
-    if not args.gpu and not args.gpu_memory_mib:
-        raise CliError("--gpu: name at least one GPU (or --gpu-memory-mib)")
+    if args.json and args.format is not None:
+        raise CliError("--json: give --json or --format, not both")
+    names = list(args.gpu)
+    if not names and not args.gpu_memory_mib:
+        if args.format is None:
+            raise CliError("--gpu: name at least one GPU (or --gpu-memory-mib)")
+        from service.catalog.gpus import default_gpu_catalog
+
+        names = [gpu.name for gpu in default_gpu_catalog().gpus()]
     extra: dict[str, Any] = {} if args.count is None else {"count": args.count}
-    gpus = [{"name": name, **extra} for name in args.gpu]
+    gpus = [{"name": name, **extra} for name in names]
     gpus += [{"memory_mib": mib, **extra} for mib in args.gpu_memory_mib]
     return {"model": model, **job_fields(spec)}, gpus
 
@@ -169,13 +208,6 @@ def format_result(result: GpuFit) -> str:
     lines = [head]
     lines += [f"  try: {s.description} ({s.required_bytes / GIB:.1f} GiB)" for s in fixes]
     return "\n".join(lines)
-
-
-def _problem_text(problem: Problem) -> str:
-    detail = problem.detail or problem.title
-    locs = [".".join(str(p) for p in e.loc) for e in problem.errors or []]
-    where = f" ({', '.join(locs)})" if locs else ""
-    return f"the service answered {problem.status}: {detail}{where}"
 
 
 def _undecided(message: str) -> int:

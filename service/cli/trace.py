@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service.cli.options import CliError, add_spec_options, load_model, spec_from_args
+from service.cli.progress import Progress
 from service.core.spec import TrainingSpec
 from service.core.units import GIB
 
@@ -74,8 +75,6 @@ def run_trace_command(
     if args.matrix:
         return run_matrix(args.out, only=args.only)
     if args.validate:
-        from service.trace.validate import run_validation
-
         return run_validation()
     if spec is None or config is None:
         print("vramcast trace: error: a job spec and a model are required", file=sys.stderr)
@@ -110,21 +109,24 @@ def run_matrix(out: Path | None, *, only: str | None = None) -> int:
         return EXIT_FAILED
     started = time.perf_counter()
     failed = []
-    for index, case in enumerate(cases, 1):
-        entry = catalog.resolve(case.model_id)
-        began = time.perf_counter()
-        try:
-            result = trace(case.spec, entry.config, entry.id)
-        except Exception as exc:  # report every failing case, then fail the run
-            failed.append(case.name)
-            print(f"[{index}/{len(cases)}] FAILED {case.name}: {exc!r}", flush=True)
-            continue
-        path = write_reference(result_to_json(case.name, result), directory)
-        print(
-            f"[{index}/{len(cases)}] {result.peak.allocated_bytes / GIB:8.2f} GiB "
-            f"{time.perf_counter() - began:5.1f}s  {path.name}",
-            flush=True,
-        )
+    with Progress(len(cases), "tracing", unit="case") as progress:
+        for index, case in enumerate(cases, 1):
+            progress.now(case.name)
+            entry = catalog.resolve(case.model_id)
+            began = time.perf_counter()
+            try:
+                result = trace(case.spec, entry.config, entry.id)
+            except Exception as exc:  # report every failing case, then fail the run
+                failed.append(case.name)
+                progress.echo(f"[{index}/{len(cases)}] FAILED {case.name}: {exc!r}")
+                progress.step()
+                continue
+            path = write_reference(result_to_json(case.name, result), directory)
+            progress.echo(
+                f"[{index}/{len(cases)}] {result.peak.allocated_bytes / GIB:8.2f} GiB "
+                f"{time.perf_counter() - began:5.1f}s  {path.name}"
+            )
+            progress.step()
     if failed:
         print(f"{len(failed)} of {len(cases)} cases failed", file=sys.stderr)
         return EXIT_FAILED
@@ -159,3 +161,24 @@ def format_trace(document: Mapping[str, Any]) -> str:
     lines += ["", f"  parameters: {params['total']:,} total, {params['trainable']:,} trainable"]
     lines += [f"  assumes: {note}" for note in document["assumptions"]]
     return "\n".join(lines)
+
+
+def run_validation() -> int:
+    """Check the fake step against the real one case by case and write the report."""
+    from service.trace.validate import (
+        VALIDATION_PATH,
+        check_all_cases,
+        format_report,
+        report_line,
+        validation_cases,
+    )
+
+    reports = []
+    with Progress(len(validation_cases()), "validating", unit="case") as progress:
+        for report in check_all_cases():
+            reports.append(report)
+            progress.echo(report_line(report))
+            progress.step()
+    VALIDATION_PATH.write_text(format_report(reports))
+    print(f"wrote {VALIDATION_PATH}")
+    return 0 if all(r.passed for r in reports) else 1

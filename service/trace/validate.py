@@ -9,7 +9,7 @@ difference at the allocator's peak is attributed to allocations no dispatched op
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -411,8 +411,8 @@ def _check_named_case(model: str, spec: TrainingSpec) -> CaseReport:
     return check_case(model, spec, TINY_CONFIGS[model])
 
 
-def run_validation(path: Path = VALIDATION_PATH) -> int:
-    """Check every case, each in a fresh process.
+def check_all_cases() -> Iterator[CaseReport]:
+    """Check every case of `validation_cases()`, each in a fresh process, in order.
 
     A real run leaves process-wide caches behind (bitsandbytes' 4-bit code tables,
     `backends/utils.py` `_code_4bit_cache`); a later case would reach them without allocating,
@@ -421,19 +421,17 @@ def run_validation(path: Path = VALIDATION_PATH) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    reports = []
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
         futures = [pool.submit(_check_named_case, m, s) for m, s in validation_cases()]
         for future in futures:
-            report = future.result()
-            reports.append(report)
-        print(
-            f"{'ok ' if report.passed else 'BAD'} {report.name}: {report.fake_peak:,} B, "
-            f"allocator at op boundaries {report.allocator.boundary_peak:,} B "
-            f"(tracker {report.allocator.tracker_peak:,} B)",
-            flush=True,
-        )
-    path.write_text(format_report(reports))
-    print(f"wrote {path}")
-    return 0 if all(r.passed for r in reports) else 1
+            yield future.result()
+
+
+def report_line(report: CaseReport) -> str:
+    """One case's outcome on one line."""
+    return (
+        f"{'ok ' if report.passed else 'BAD'} {report.name}: {report.fake_peak:,} B, "
+        f"allocator at op boundaries {report.allocator.boundary_peak:,} B "
+        f"(tracker {report.allocator.tracker_peak:,} B)"
+    )
