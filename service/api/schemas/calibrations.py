@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import AwareDatetime, BeforeValidator, Field, JsonValue, StringConstraints
 
-from service.api.schemas.base import In, Out
+from service.api.schemas.base import In, Out, StrictInt
 from service.api.schemas.jobs import MAX_MEMORY_MIB, JobSpec
 from service.calibration.factors import FactorSnapshot, FactorState
 from service.calibration.uploads import (
@@ -52,7 +52,7 @@ NodeName = Annotated[
 VersionText = Annotated[
     str, StringConstraints(max_length=MAX_VERSION, pattern=r"^[^\x00-\x1f\x7f]*$")
 ]
-PeakBytes = Annotated[int, Field(ge=1, le=MAX_REPORTED_BYTES)]
+PeakBytes = Annotated[StrictInt, Field(ge=1, le=MAX_REPORTED_BYTES)]
 _DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
 
 
@@ -109,7 +109,7 @@ class EnvironmentIn(In):
     transformers: VersionText | None = Field(default=None, description="transformers.__version__.")
     peft: VersionText | None = Field(default=None, description="peft.__version__.")
     bitsandbytes: VersionText | None = Field(default=None, description="bitsandbytes.__version__.")
-    world_size: int | None = Field(
+    world_size: StrictInt | None = Field(
         default=None, ge=1, le=1_000_000, description="Ranks of the job (torch.distributed)."
     )
 
