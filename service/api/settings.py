@@ -61,19 +61,20 @@ def _bounds(field: FieldInfo) -> str:
         low = getattr(constraint, "ge", None) if low is None else low
         high = getattr(constraint, "le", None) if high is None else high
     if low is not None and high is not None:
-        return f" ({low} to {high})"
+        return f"{low} to {high}"
     return ""
 
 
 def settings_table() -> str:
-    """The settings as a Markdown table: variable, default, what it does (README lists it)."""
+    """The settings as a Markdown table: variable, default, range, what it does (README lists
+    it)."""
     prefix = Settings.model_config.get("env_prefix", "")
-    lines = ["| variable | default | what |", "|---|---|---|"]
+    lines = ["| variable | default | range | what |", "|---|---|---|---|"]
     for name, field in Settings.model_fields.items():
         description = (field.description or "").replace("|", "\\|")
         lines.append(
-            f"| `{prefix}{name.upper()}` | `{_default(field.default)}` "
-            f"| {description}{_bounds(field)} |"
+            f"| `{prefix}{name.upper()}` | `{_default(field.default)}` | {_bounds(field)} "
+            f"| {description} |"
         )
     return "\n".join(lines) + "\n"
 
