@@ -45,6 +45,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
+from service.api.access import REQUEST_ID_HEADER
 from service.calibration.uploads import IdempotencyKeyReusedError, InvalidCursorError
 from service.catalog.gpus import UnknownGpuError
 from service.core.calibration import ImplausibleMeasurementError
@@ -373,11 +374,28 @@ def _validation_errors(errors: Sequence[Any]) -> list[FieldError]:
 
 async def _on_error(request: Request, exc: Exception) -> Response:
     problem = from_exception(exc)
+    # The id the response carries (`access.AccessMiddleware`), to find the request's log lines.
+    request_id = getattr(request.state, "request_id", None)
     if problem.type == ProblemType.INTERNAL_ERROR:
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        logger.error(
+            "unhandled error on %s %s (request %s)",
+            request.method,
+            request.url.path,
+            request_id,
+            exc_info=exc,
+        )
     elif problem.type == ProblemType.STORE_UNAVAILABLE:
-        logger.warning("store unreachable on %s %s: %s", request.method, request.url.path, exc)
+        logger.warning(
+            "store unreachable on %s %s (request %s): %s",
+            request.method,
+            request.url.path,
+            request_id,
+            exc,
+        )
     response = render(problem, request.url.path)
+    if request_id is not None:
+        # A 500 is answered outside every middleware: the id is set here for it.
+        response.headers[REQUEST_ID_HEADER] = request_id
     if isinstance(exc, StarletteHTTPException) and exc.headers:
         response.headers.update(exc.headers)
     if problem.status == HTTPStatus.METHOD_NOT_ALLOWED:
