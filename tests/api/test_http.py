@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from fastapi.testclient import TestClient
 
 from service.api.access import ACCESS_LOGGER, REQUEST_ID_HEADER
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
+from service.api.schemas import JobSpec
+from service.api.schemas.base import In
+from service.api.schemas.calibrations import CalibrationFilterIn
 from tests.api.conftest import SMALL_JOB, make_app
 
 JSON_ROUTES: dict[str, dict[str, Any]] = {
@@ -62,7 +65,7 @@ def test_json_content_types_are_accepted(client: TestClient, content_type: str) 
     [
         ("batch_size", True, "int_type"),
         ("batch_size", "8", "int_type"),
-        ("batch_size", 8.0, "int_type"),
+        ("batch_size", 8.5, "int_from_float"),
         ("seq_len", False, "int_type"),
         ("gradient_checkpointing", 1, "bool_type"),
         ("gradient_checkpointing", "true", "bool_type"),
@@ -97,9 +100,11 @@ def test_nested_and_batched_fields_are_strict_too(client: TestClient) -> None:
     assert result["problem"]["errors"][0]["loc"] == ["body", "jobs", 0, "batch_size"]
 
 
-def test_an_integer_is_still_a_float(client: TestClient) -> None:
-    job = {**SMALL_JOB, "max_grad_norm": 1, "lora": {"lora_dropout": 0}}
-    assert client.post("/v1/estimates", json=job).status_code == 200
+def test_numbers_are_numbers_whichever_way_json_writes_them(client: TestClient) -> None:
+    as_written = {**SMALL_JOB, "max_grad_norm": 1, "lora": {"lora_dropout": 0}}
+    assert client.post("/v1/estimates", json=as_written).status_code == 200
+    integral = client.post("/v1/estimates", json={**SMALL_JOB, "batch_size": 2.0})
+    assert integral.json() == client.post("/v1/estimates", json=SMALL_JOB).json()
 
 
 class TestRequestId:
@@ -186,3 +191,30 @@ def test_each_request_is_one_json_line_with_route_status_latency_and_id(
         assert record.name == ACCESS_LOGGER
         assert record.levelno == logging.INFO
         assert record.access == line  # type: ignore[attr-defined]
+
+
+def _subclasses(model: type[In]) -> Iterator[type[In]]:
+    for sub in model.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _takes_int(annotation: Any) -> bool:
+    return annotation is int or any(_takes_int(arg) for arg in get_args(annotation))
+
+
+def test_every_integer_of_a_request_body_refuses_booleans_and_text() -> None:
+    # Query parameters arrive as text: their model reads "50" as 50.
+    bodies = {m for m in _subclasses(In) if m is not CalibrationFilterIn}
+    assert JobSpec in bodies
+    unchecked = [
+        f"{model.__name__}.{name}"
+        for model in bodies
+        for name, field in model.model_fields.items()
+        if _takes_int(field.annotation)
+        and not any(
+            name in validator.info.fields
+            for validator in model.__pydantic_decorators__.field_validators.values()
+        )
+    ]
+    assert not unchecked, f"add these to the model's `integers(...)`: {unchecked}"

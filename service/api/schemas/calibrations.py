@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import AwareDatetime, BeforeValidator, Field, JsonValue, StringConstraints
 
-from service.api.schemas.base import In, Out, StrictInt
+from service.api.schemas.base import In, Out, integers
 from service.api.schemas.jobs import MAX_MEMORY_MIB, JobSpec
 from service.calibration.factors import FactorSnapshot, FactorState
 from service.calibration.uploads import (
@@ -52,7 +52,7 @@ NodeName = Annotated[
 VersionText = Annotated[
     str, StringConstraints(max_length=MAX_VERSION, pattern=r"^[^\x00-\x1f\x7f]*$")
 ]
-PeakBytes = Annotated[StrictInt, Field(ge=1, le=MAX_REPORTED_BYTES)]
+PeakBytes = Annotated[int, Field(ge=1, le=MAX_REPORTED_BYTES)]
 _DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
 
 
@@ -73,12 +73,16 @@ DateTimeText = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
 class ReportedGpuIn(In):
     """The GPU the run used, as its driver reports it."""
 
+    integer_fields = integers("memory_total_bytes")
+
     name: NodeName = Field(description="The name nvidia-smi prints, e.g. 'NVIDIA A100-SXM4-80GB'.")
     memory_total_bytes: PeakBytes = Field(description="Total memory the driver reports, bytes.")
 
 
 class MeasuredIn(In):
     """Peaks one rank measured, bytes; leave out a level that was not measured."""
+
+    integer_fields = integers("allocated_bytes", "reserved_bytes", "device_bytes")
 
     allocated_bytes: PeakBytes | None = Field(
         default=None, description="torch.cuda.max_memory_allocated() over the run."
@@ -101,6 +105,8 @@ class MeasuredIn(In):
 class EnvironmentIn(In):
     """The software a peak was measured with; leave out what the node does not know."""
 
+    integer_fields = integers("world_size")
+
     torch: VersionText | None = Field(
         default=None, description="torch.__version__, e.g. '2.5.1+cu124'."
     )
@@ -109,7 +115,7 @@ class EnvironmentIn(In):
     transformers: VersionText | None = Field(default=None, description="transformers.__version__.")
     peft: VersionText | None = Field(default=None, description="peft.__version__.")
     bitsandbytes: VersionText | None = Field(default=None, description="bitsandbytes.__version__.")
-    world_size: StrictInt | None = Field(
+    world_size: int | None = Field(
         default=None, ge=1, le=1_000_000, description="Ranks of the job (torch.distributed)."
     )
 
