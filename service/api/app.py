@@ -16,8 +16,10 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.api import problems
+from service.api.access import AccessMiddleware, configure_access_log
 from service.api.answers import AnswerCache
 from service.api.deps import Services, require_read_key
+from service.api.docs import mount_docs
 from service.api.limits import BodyLimitMiddleware
 from service.api.metrics import Metrics, MetricsMiddleware
 from service.api.routes import calibrations, catalog, estimates, factors, fit_checks, health
@@ -78,7 +80,19 @@ def create_app(
                 await refresher
             engine.dispose()
 
-    app = FastAPI(title=TITLE, description=DESCRIPTION, version=_version(), lifespan=lifespan)
+    configure_access_log()
+    # FastAPI's own /docs and /redoc load their assets from a CDN: `mount_docs` serves them.
+    app = FastAPI(
+        title=TITLE,
+        description=DESCRIPTION,
+        version=_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        # A body without a content type is read as JSON on every route, as POST /v1/estimates
+        # reads it; one with another content type is refused with 415 (`body.require_json`).
+        strict_content_type=False,
+    )
     app.state.services = services
     reads = [Depends(require_read_key)] if settings.require_read_key else []
     # Routes are matched in order: probes and estimates, the most frequent requests, first.
@@ -89,11 +103,14 @@ def create_app(
     app.include_router(calibrations.reads, dependencies=reads)
     app.include_router(factors.router, dependencies=reads)
     app.include_router(catalog.router)
+    mount_docs(app)
     mount_web(app)
     problems.install(app)
-    # The last added is the outermost: metrics see every answer, 413s included.
+    # The last added is the outermost: metrics see every answer, 413s included, and every
+    # answer carries its request id and is logged.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(AccessMiddleware)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -4,6 +4,7 @@ FastAPI decodes a body with `json.loads`, validates the Python objects and resol
 a dependency; for the routes a scheduler calls before every placement, `validate_body` parses
 and validates in one pass of pydantic-core and answers the same errors, located under "body".
 `request_body` documents such a body in OpenAPI exactly as a declared body parameter would be.
+A body sent as anything but JSON is refused with 415 (`require_json`), on every JSON route.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 from email.message import Message
 from typing import Any, TypeVar
 
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+
+from service.api import problems
+from service.api.problems import ProblemError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -32,23 +37,33 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 def validate_body(body: bytes, content_type: str | None, model: type[M]) -> M:
     """`body` as `model`, or a `RequestValidationError` located under "body".
 
-    As FastAPI does: a body without a content type, or with a JSON one (application/json,
-    application/*+json), is parsed as JSON; any other body is validated as raw bytes (and so
-    refused); an empty body is a missing field.
+    As FastAPI does, a body without a content type, or with a JSON one (application/json,
+    application/*+json), is parsed as JSON; any other is refused with 415 (a `ProblemError`);
+    an empty body is a missing field.
     """
+    check_json(content_type)
     if not body:
         raise RequestValidationError(
             [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
         )
     try:
-        if is_json(content_type):
-            return model.model_validate_json(body)
-        return model.model_validate(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_context=False)
         raise RequestValidationError(
             [{**error, "loc": ("body", *error["loc"])} for error in errors]
         ) from None
+
+
+def check_json(content_type: str | None) -> None:
+    """Raises the 415 problem unless a body of this content type is read as JSON."""
+    if not is_json(content_type):
+        raise ProblemError(problems.unsupported_media_type(content_type or ""))
+
+
+async def require_json(request: Request) -> None:
+    """A route dependency: the 415 problem for a body sent as anything but JSON."""
+    check_json(request.headers.get("content-type"))
 
 
 def is_json(content_type: str | None) -> bool:

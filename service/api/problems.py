@@ -9,6 +9,7 @@ Problem types (the `type` member; tag URIs, RFC 4151, identify them without a we
 | unknown-model         | 404    | a model id is in no catalog; `suggestions` are the closest  |
 | unknown-gpu           | 404    | a GPU name is in no catalog; `suggestions` are the closest  |
 | body-too-large        | 413    | the body is over the configured limit (`max_body_bytes`)    |
+| unsupported-media-type| 415    | a body that is not JSON; `content_type` names what was sent |
 | unauthorized          | 401    | no API key, or an unknown or revoked one (WWW-Authenticate) |
 | forbidden             | 403    | the key lacks the scope the route needs; `scope` names it   |
 | store-unavailable     | 503    | the calibration store cannot be reached; retry after the    |
@@ -44,6 +45,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
+from service.api.access import REQUEST_ID_HEADER
 from service.calibration.uploads import IdempotencyKeyReusedError, InvalidCursorError
 from service.catalog.gpus import UnknownGpuError
 from service.core.calibration import ImplausibleMeasurementError
@@ -80,6 +82,7 @@ class ProblemType(StrEnum):
     UNKNOWN_MODEL = _TYPE_PREFIX + "unknown-model"
     UNKNOWN_GPU = _TYPE_PREFIX + "unknown-gpu"
     BODY_TOO_LARGE = _TYPE_PREFIX + "body-too-large"
+    UNSUPPORTED_MEDIA_TYPE = _TYPE_PREFIX + "unsupported-media-type"
     UNAUTHORIZED = _TYPE_PREFIX + "unauthorized"
     FORBIDDEN = _TYPE_PREFIX + "forbidden"
     STORE_UNAVAILABLE = _TYPE_PREFIX + "store-unavailable"
@@ -139,6 +142,11 @@ class Problem(BaseModel):
     )
     max_body_bytes: int | None = Field(
         default=None, description="body-too-large: the limit in bytes.", ge=0
+    )
+    content_type: str | None = Field(
+        default=None,
+        description="unsupported-media-type: the content type the request sent.",
+        max_length=MAX_NAME,
     )
     scope: str | None = Field(
         default=None, description="forbidden: the scope the key lacks.", max_length=32
@@ -214,6 +222,19 @@ def body_too_large(limit: int) -> Problem:
         status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
         detail=f"the body is over the limit of {limit} bytes",
         max_body_bytes=limit,
+    )
+
+
+def unsupported_media_type(content_type: str) -> Problem:
+    sent = _clip(content_type, MAX_NAME)
+    return Problem(
+        type=ProblemType.UNSUPPORTED_MEDIA_TYPE,
+        title="The request body is not JSON",
+        status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+        detail=_clip(
+            f"the body's content type is {sent!r}; send it as application/json", MAX_DETAIL
+        ),
+        content_type=sent,
     )
 
 
@@ -353,11 +374,28 @@ def _validation_errors(errors: Sequence[Any]) -> list[FieldError]:
 
 async def _on_error(request: Request, exc: Exception) -> Response:
     problem = from_exception(exc)
+    # The id the response carries (`access.AccessMiddleware`), to find the request's log lines.
+    request_id = getattr(request.state, "request_id", None)
     if problem.type == ProblemType.INTERNAL_ERROR:
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        logger.error(
+            "unhandled error on %s %s (request %s)",
+            request.method,
+            request.url.path,
+            request_id,
+            exc_info=exc,
+        )
     elif problem.type == ProblemType.STORE_UNAVAILABLE:
-        logger.warning("store unreachable on %s %s: %s", request.method, request.url.path, exc)
+        logger.warning(
+            "store unreachable on %s %s (request %s): %s",
+            request.method,
+            request.url.path,
+            request_id,
+            exc,
+        )
     response = render(problem, request.url.path)
+    if request_id is not None:
+        # A 500 is answered outside every middleware: the id is set here for it.
+        response.headers[REQUEST_ID_HEADER] = request_id
     if isinstance(exc, StarletteHTTPException) and exc.headers:
         response.headers.update(exc.headers)
     if problem.status == HTTPStatus.METHOD_NOT_ALLOWED:
@@ -402,6 +440,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         403: "The API key lacks the scope this route needs.",
         404: "Unknown model or GPU; `suggestions` lists the closest catalog entries.",
         413: "The body is over the configured limit.",
+        415: "The body is not sent as JSON (`Content-Type: application/json`).",
         422: "Invalid input; `errors` locates each invalid field.",
         503: "The calibration store is unreachable; retry after `Retry-After` seconds.",
     }

@@ -1,8 +1,15 @@
-"""Service settings, read from the environment (`VRAMCAST_` prefix) or passed to `create_app`."""
+"""Service settings, read from the environment (`VRAMCAST_` prefix) or passed to `create_app`.
+
+`python -m service.api.settings --markdown` prints them as the table README.md lists.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 from pydantic import Field
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.units import MIB
@@ -35,7 +42,57 @@ class Settings(BaseSettings):
         "leave first; new calibration factors make them stale); 0 keeps none.",
     )
     require_read_key: bool = Field(
-        default=False,
-        description="GET /v1/calibrations and /v1/factors need a key with the read scope. "
-        "Estimates and fit-checks stay open: they must answer while the store is down.",
+        default=True,
+        description="GET /v1/calibrations and /v1/factors need a key with the read scope "
+        "(they list node and run ids); false opens them. Estimates, fit-checks and the "
+        "catalogs stay open: they must answer while the store is down.",
     )
+
+
+def _default(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _bounds(field: FieldInfo) -> str:
+    low = high = None
+    for constraint in field.metadata:
+        low = getattr(constraint, "ge", None) if low is None else low
+        high = getattr(constraint, "le", None) if high is None else high
+    if low is not None and high is not None:
+        return f"{low} to {high}"
+    return ""
+
+
+def settings_table() -> str:
+    """The settings as a Markdown table: variable, default, range, what it does (README lists
+    it)."""
+    prefix = Settings.model_config.get("env_prefix", "")
+    lines = ["| variable | default | range | what |", "|---|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        description = (field.description or "").replace("|", "\\|")
+        lines.append(
+            f"| `{prefix}{name.upper()}` | `{_default(field.default)}` | {_bounds(field)} "
+            f"| {description} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m service.api.settings", description="The service's settings."
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print them as README's Markdown table"
+    )
+    args = parser.parse_args(argv)
+    if not args.markdown:
+        parser.print_help()
+        return 2
+    sys.stdout.write(settings_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

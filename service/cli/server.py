@@ -111,6 +111,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=args.host or settings.host,
         port=args.port or settings.port,
         workers=args.workers,
+        access_log=False,  # the app logs each request as one JSON line (service/api/access.py)
     )
     return 0
 

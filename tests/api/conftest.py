@@ -66,7 +66,10 @@ def read_only_store_url() -> str:
 
 
 def make_app(**settings: Any) -> FastAPI:
-    return create_app(Settings(**{"database_url": read_only_store_url(), **settings}))
+    """An app on the read-only store; its listings open unless a test asks for read keys
+    (`TestReadKeys` checks the keyed default)."""
+    defaults = {"database_url": read_only_store_url(), "require_read_key": False}
+    return create_app(Settings(**{**defaults, **settings}))
 
 
 def issue_key(app: FastAPI, *scopes: KeyScope) -> str:

@@ -13,7 +13,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, event, func, select
 
+from service.api.app import create_app
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
+from service.api.settings import Settings
 from service.cli.main import main as vramcast
 from service.core.calibration import (
     FACTOR_MAX,
@@ -24,7 +26,7 @@ from service.core.calibration import (
 from service.core.estimator import ESTIMATOR_VERSION
 from service.store.keys import KeyScope, revoke_key
 from service.store.models import CalibrationRatio, CalibrationUpload
-from tests.api.conftest import SMALL_JOB, issue_key, make_app
+from tests.api.conftest import SMALL_JOB, issue_key
 
 A100_DRIVER_NAME = "NVIDIA A100-SXM4-80GB"
 A100_BYTES = 85_899_345_920
@@ -384,8 +386,8 @@ class TestFactors:
 
 
 class TestReadKeys:
-    def test_reads_need_a_read_key_when_the_service_requires_one(self, database_url: str) -> None:
-        app = make_app(database_url=database_url, require_read_key=True)
+    def test_reads_need_a_read_key_by_default(self, database_url: str) -> None:
+        app = create_app(Settings(database_url=database_url))
         with TestClient(app) as client:
             reader = issue_key(app, KeyScope.READ)
             uploader = issue_key(app, KeyScope.UPLOAD)
@@ -395,9 +397,13 @@ class TestReadKeys:
                 assert client.get(path, headers=bearer(reader)).status_code == 200
             assert client.post("/v1/estimates", json=SMALL_JOB).status_code == 200
 
-    def test_reads_are_open_by_default(self, store_client: TestClient) -> None:
-        assert store_client.get("/v1/calibrations").status_code == 200
-        assert store_client.get("/v1/factors").status_code == 200
+    def test_require_read_key_false_opens_them(
+        self, database_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("VRAMCAST_REQUIRE_READ_KEY", "false")
+        with TestClient(create_app(Settings(database_url=database_url))) as client:
+            assert client.get("/v1/calibrations").status_code == 200
+            assert client.get("/v1/factors").status_code == 200
 
 
 def test_vramcast_db_rederive_derives_what_a_version_lacks(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
@@ -97,14 +98,19 @@ class _Broken:
         return self
 
 
-def test_a_bug_is_a_500_problem_without_a_traceback() -> None:
+def test_a_bug_is_a_500_problem_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
     app = create_app(Settings(database_url="sqlite://"), factor_provider=_Broken())
     with TestClient(app, raise_server_exceptions=False) as client:
-        response = client.post("/v1/estimates", json=SMALL_JOB)
+        response = client.post("/v1/estimates", json=SMALL_JOB, headers={"X-Request-ID": "r-500"})
     assert response.status_code == 500
     assert response.headers["content-type"] == PROBLEM_MEDIA_TYPE
     assert response.json()["type"] == ProblemType.INTERNAL_ERROR
     assert "secret" not in response.text and "Traceback" not in response.text
+    # The log has the traceback, under the id the answer carries.
+    assert response.headers["X-Request-ID"] == "r-500"
+    [logged] = [r for r in caplog.records if r.name == "service.api.problems"]
+    assert "(request r-500)" in logged.getMessage()
+    assert logged.exc_info is not None
 
 
 def test_the_factor_provider_is_the_calibration_seam() -> None:

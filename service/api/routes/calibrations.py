@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import Response
 
 from service.api import uploads
+from service.api.body import require_json
 from service.api.deps import CalibrationsDep, SessionDep, UploadKeyDep
 from service.api.problems import responses
 from service.api.responses import json_response
@@ -52,8 +53,9 @@ IdempotencyKey = Annotated[
             "model": CalibrationReceiptOut,
             "description": f"A replay of an earlier upload (header `{REPLAYED_HEADER}: true`).",
         },
-        **responses(401, 403, 413, 422, 503),
+        **responses(401, 403, 413, 415, 422, 503),
     },
+    dependencies=[Depends(require_json)],
 )
 def create_calibration(
     body: CalibrationUploadIn,

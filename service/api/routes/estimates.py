@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from service.api.answers import Answer
-from service.api.body import is_json, request_body, validate_body
+from service.api.body import is_json, request_body, require_json, validate_body
 from service.api.deps import EstimationDep, estimation_for, services_of
 from service.api.problems import responses
 from service.api.responses import JSON_MEDIA_TYPE, json_response
@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1", tags=["estimates"])
     summary="Estimate a job's peak GPU memory",
     description="The peak of one GPU of the job at the allocated, reserved and device levels, "
     "the safe bound, where the bytes go and when the peak happens.",
-    responses=responses(404, 413, 422),
+    responses=responses(404, 413, 415, 422),
     openapi_extra=request_body(JobSpec),
 )
 async def create_estimate(request: Request) -> Response:
@@ -53,7 +53,8 @@ async def create_estimate(request: Request) -> Response:
     summary="Estimate up to 1000 jobs in one call",
     description="Results come in the jobs' order; a job that fails gets its own problem entry "
     "(status 404 or 422) and the others are still answered.",
-    responses=responses(413, 422),
+    responses=responses(413, 415, 422),
+    dependencies=[Depends(require_json)],
 )
 def create_estimates_batch(body: BatchIn, estimation: EstimationDep) -> Response:
     return json_response(estimation.batch(body))

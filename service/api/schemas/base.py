@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic_core import PydanticCustomError
 
 Bytes = Annotated[int, Field(ge=0, description="Bytes.")]
+
+
+def _not_boolean_or_text(value: Any) -> Any:
+    if isinstance(value, bool | str | bytes):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+def integers(*fields: str) -> Any:
+    """A model's validator that refuses booleans and text for these integer fields.
+
+    Request numbers and booleans are taken only as themselves (as the core's spec codec takes
+    them): pydantic's lax mode would read JSON's true as the integer 1 and "8" as 8. An integer
+    may still be written 8.0 (JSON has one number type). Checked around the fields rather than
+    inside their type, so that their bounds stay pydantic's own, and the JSON schema's.
+    """
+    return field_validator(*fields, mode="before")(_not_boolean_or_text)
+
+
+# A number may be written as an integer (2 is 2.0), not as true or text; a boolean is only one.
+Number = Annotated[float, Strict()]
+Boolean = Annotated[bool, Strict()]
 
 
 class In(BaseModel):

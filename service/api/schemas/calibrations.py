@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import AwareDatetime, BeforeValidator, Field, JsonValue, StringConstraints
 
-from service.api.schemas.base import In, Out
+from service.api.schemas.base import In, Out, integers
 from service.api.schemas.jobs import MAX_MEMORY_MIB, JobSpec
 from service.calibration.factors import FactorSnapshot, FactorState
 from service.calibration.uploads import (
@@ -73,12 +73,16 @@ DateTimeText = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
 class ReportedGpuIn(In):
     """The GPU the run used, as its driver reports it."""
 
+    integer_fields = integers("memory_total_bytes")
+
     name: NodeName = Field(description="The name nvidia-smi prints, e.g. 'NVIDIA A100-SXM4-80GB'.")
     memory_total_bytes: PeakBytes = Field(description="Total memory the driver reports, bytes.")
 
 
 class MeasuredIn(In):
     """Peaks one rank measured, bytes; leave out a level that was not measured."""
+
+    integer_fields = integers("allocated_bytes", "reserved_bytes", "device_bytes")
 
     allocated_bytes: PeakBytes | None = Field(
         default=None, description="torch.cuda.max_memory_allocated() over the run."
@@ -100,6 +104,8 @@ class MeasuredIn(In):
 
 class EnvironmentIn(In):
     """The software a peak was measured with; leave out what the node does not know."""
+
+    integer_fields = integers("world_size")
 
     torch: VersionText | None = Field(
         default=None, description="torch.__version__, e.g. '2.5.1+cu124'."

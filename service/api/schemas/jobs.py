@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from service.api.schemas.base import In
+from service.api.schemas.base import Boolean, In, Number, integers
 from service.core.allocator import AllocatorConfig
 from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
@@ -86,11 +86,13 @@ MemoryMib = Annotated[int, Field(ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)]
 class LoraIn(In):
     """PEFT LoraConfig; the defaults are PEFT's."""
 
+    integer_fields = integers("r", "lora_alpha")
+
     r: int = Field(default=8, ge=1, le=MAX_LORA_R, description="LoRA rank.")
     lora_alpha: int = Field(
         default=8, ge=1, le=MAX_LORA_ALPHA, description="LoRA scaling numerator (no memory)."
     )
-    lora_dropout: float | None = Field(
+    lora_dropout: Number | None = Field(
         default=None,
         ge=0.0,
         lt=1.0,
@@ -130,13 +132,13 @@ class QuantizationIn(In):
     """bitsandbytes quantization of the frozen base (BitsAndBytesConfig); QLoRA only."""
 
     type: QuantType = Field(default=QuantType.NF4, description="Quantized weight format.")
-    double_quant: bool = Field(
+    double_quant: Boolean = Field(
         default=False, description="bnb_4bit_use_double_quant (quantized absmax)."
     )
     compute_dtype: DType | None = Field(
         default=None, description="bnb_4bit_compute_dtype; null: the model's dtype."
     )
-    prepare_kbit: bool = Field(
+    prepare_kbit: Boolean = Field(
         default=True, description="peft.prepare_model_for_kbit_training is applied."
     )
 
@@ -152,6 +154,8 @@ class QuantizationIn(In):
 class ParallelIn(In):
     """How the job spans GPUs."""
 
+    integer_fields = integers("gpus")
+
     gpus: int = Field(default=1, ge=1, le=MAX_GPUS, description="GPUs (ranks) the job spans.")
     strategy: Strategy = Field(default=Strategy.DDP, description="Data-parallel strategy.")
     offload: Offload = Field(default=Offload.NONE, description="What is offloaded to the host.")
@@ -163,6 +167,10 @@ class ParallelIn(In):
 class AllocatorIn(In):
     """PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF); PyTorch's defaults
     when left out."""
+
+    integer_fields = integers(
+        "max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions"
+    )
 
     max_split_size_mb: int | None = Field(
         default=None,
@@ -182,16 +190,16 @@ class AllocatorIn(In):
         le=MAX_ROUNDUP_POWER2_DIVISIONS,
         description="Round sizes to power-of-two divisions.",
     )
-    garbage_collection_threshold: float = Field(
+    garbage_collection_threshold: Number = Field(
         default=0.0,
         ge=0.0,
         lt=1.0,
         description="Free cached blocks past this share of the allowed memory (needs a fraction).",
     )
-    expandable_segments: bool = Field(
+    expandable_segments: Boolean = Field(
         default=False, description="Grow segments page by page instead of new ones."
     )
-    per_process_memory_fraction: float | None = Field(
+    per_process_memory_fraction: Number | None = Field(
         default=None,
         ge=0.0,
         le=1.0,
@@ -266,6 +274,8 @@ def _gpu_shorthand(value: Any) -> Any:
 class GpuRef(_OneOf):
     """A GPU: by name (catalog or nvidia-smi's), or by the total memory the node reports."""
 
+    integer_fields = integers("memory_mib")
+
     model_config = ConfigDict(json_schema_extra=_exactly_one("name", "memory_mib"))
     _choices = ("name", "memory_mib")
 
@@ -282,10 +292,12 @@ class GpuRef(_OneOf):
 class GpuOfferIn(GpuRef):
     """A GPU type to check, with how many the job spans and what one costs."""
 
+    offer_integer_fields = integers("count")
+
     count: int | None = Field(
         default=None, ge=1, le=MAX_GPUS, description="GPUs the job spans; null: parallel.gpus."
     )
-    price_per_hour: float | None = Field(
+    price_per_hour: Number | None = Field(
         default=None,
         ge=0.0,
         le=MAX_PRICE_PER_HOUR,
@@ -309,6 +321,8 @@ class JobSpec(In):
     """A fine-tuning job; everything but model, batch_size and seq_len defaults to what
     HF Trainer + PEFT do."""
 
+    integer_fields = integers("batch_size", "seq_len", "gradient_accumulation_steps")
+
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
     )
@@ -320,21 +334,21 @@ class JobSpec(In):
         default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
-    autocast: bool = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
+    autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
     optim: Optim = Field(default=Optim.ADAMW_TORCH_FUSED, description="TrainingArguments.optim.")
     batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE, description="Micro-batch per GPU.")
     seq_len: int = Field(ge=1, le=MAX_SEQ_LEN, description="Tokens per sequence.")
     gradient_accumulation_steps: int = Field(
         default=1, ge=1, le=MAX_GRADIENT_ACCUMULATION, description="Micro-batches per step."
     )
-    max_grad_norm: float = Field(
+    max_grad_norm: Number = Field(
         default=1.0,
         ge=0,
         le=MAX_GRAD_NORM,
         allow_inf_nan=False,
         description="TrainingArguments.max_grad_norm: gradient clipping, 0 for none.",
     )
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: Boolean = Field(
         default=False, description="TrainingArguments.gradient_checkpointing."
     )
     attn_implementation: AttnImpl = Field(
