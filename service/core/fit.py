@@ -427,8 +427,9 @@ class _Solver:
         changes: list[Change] = []
         best: Suggestion | None = None
         current = self.requirements(spec).device_bytes_upper
+        job = spec  # the optimizer's share is the job's, not that of the changes stacked so far
         for change in Change:
-            if not self._worth_trying(change, spec):
+            if not self._worth_trying(change, job):
                 continue
             changed = self.apply(change, spec, usable)
             need = None if changed is None else self.requirements.valid(changed)
