@@ -391,8 +391,12 @@ def reserved_gap(plan: ReservedPlan, batch: int, seq: int) -> tuple[int, str]:
             weight = weight_b * weight_s
             if weight:
                 gap += weight * _replayed_gap(plan, b, s)
-    note = (
+    return round(gap), _interpolated_note(b0, b1, s0, s1)
+
+
+@lru_cache(maxsize=256)
+def _interpolated_note(b0: int, b1: int, s0: int, s1: int) -> str:
+    return (
         f"reserved: the allocator replay interpolated between batch {b0}-{b1} and sequence "
         f"length {s0}-{s1} (replayed exactly at powers of two)"
     )
-    return round(gap), note

@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from service.core.allocator import AllocatorConfig
-from service.core.architecture import Linear, MlpKind, ModelArch, NormKind
+from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_flow
 from service.core.estimator.ledger import _blk, _Kind
@@ -22,6 +22,7 @@ from service.core.spec import (
     Method,
     Optim,
     QuantSpec,
+    QuantType,
     ResolvedSpec,
     SdpaKernel,
     TrainingSpec,
@@ -54,6 +55,27 @@ class _Plan:
     lt_workspaces: tuple[int, int]  # cuBLASLt workspaces: the forward thread's, the backward's
     reserved: ReservedPlan  # what the reserved level's allocation schedule needs
     assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
+    traits: _StepTraits  # the step's shape-independent choices (`_step_traits`)
+
+
+@dataclass(frozen=True, slots=True)
+class _StepTraits:
+    """The choices of `estimator.step._step` that depend on the plan's key alone, made once per
+    plan rather than on every estimate."""
+
+    embed_trains: bool  # the embedding takes a gradient (full fine-tuning, modules_to_save)
+    head_trains: bool  # the LM head does
+    # The recomputed first norm saves the layer's input itself (an fp32 residual stream, or
+    # LayerNorm): that storage is the checkpoint.
+    shares_input: bool
+    # down_proj's in_features when checkpointing's recomputation stops at its saved half copy
+    # of its input (an autocast LoRA on down_proj, see `_step`), else 0
+    down_stop: int
+    qlora_gated_down: bool  # QLoRA on a dense gated MLP: down_proj's backward is a moment
+    scores: bool  # attention materialises b x heads x s x s scores
+    eager_mask_kinds: int  # eager attention's explicit masks: one per kind of layer
+    windowed: bool  # the sequence reaches the sliding window (`_PlanKey.windowed`)
+    warnings: tuple[str, ...]  # warnings that hold for every batch and sequence length
 
 
 @lru_cache(maxsize=4096)
@@ -119,7 +141,61 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         lt_workspaces=_lt_workspaces(arch, unit),
         reserved=_reserved_plan(arch, rs, f, p, key.gradient_checkpointing),
         assumptions=assumptions,
+        traits=_step_traits(arch, key, rs, f),
     )
+
+
+def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow) -> _StepTraits:
+    saved = rs.lora.modules_to_save if rs.lora is not None else ()
+    full = key.method is Method.FULL
+    down = next((lin for lin in arch.linears if lin.kind is LinearKind.MLP_OUT), None)
+    down_stop = (
+        down.in_features
+        if key.gradient_checkpointing
+        and f.autocast
+        and down is not None
+        and down.name in f.lora_targets
+        and not f.quantized
+        and f.adapter != f.norm_out
+        and not arch.is_moe
+        else 0
+    )
+    warnings: list[str] = []
+    quant = key.quantization
+    if key.method is Method.QLORA and quant is not None and quant.type is QuantType.INT8:
+        warnings.append("int8 (LLM.int8) base weights: activations modelled as for 4-bit")
+    if key.method is Method.QLORA and key.framework is Framework.LITGPT:
+        warnings.append(
+            "LitGPT with bitsandbytes <= 0.41 keeps each 4-bit layer's input until the next "
+            "forward pass: a later iteration as long as the first can peak above this estimate"
+        )
+    return _StepTraits(
+        embed_trains=full or "embed_tokens" in saved,
+        head_trains=full or "lm_head" in saved,
+        shares_input=arch.norm is NormKind.LAYER or f.residual == FP32_BYTES,
+        down_stop=down_stop,
+        qlora_gated_down=key.method is Method.QLORA
+        and arch.mlp is MlpKind.GATED
+        and not arch.is_moe,
+        scores=_materialises_scores(arch, key, f),
+        eager_mask_kinds=2 if arch.model_type in ("gemma2", "gemma3_text") else 1,
+        windowed=key.windowed,
+        warnings=tuple(warnings),
+    )
+
+
+def _materialises_scores(arch: ModelArch, key: _PlanKey, f: LayerFlow) -> bool:
+    """Whether attention builds b x heads x s x s scores (eager attention, SDPA's math
+    kernel)."""
+    if key.attn_implementation is AttnImpl.EAGER:
+        return True
+    if key.attn_implementation is not AttnImpl.SDPA:
+        return False
+    if key.sdpa_kernel is SdpaKernel.MATH:
+        return True
+    if key.sdpa_kernel is not SdpaKernel.AUTO or f.attn != FP32_BYTES:
+        return False
+    return arch.num_key_value_heads < arch.num_attention_heads and not key.windowed
 
 
 def _lt_workspaces(arch: ModelArch, spec: TrainingSpec) -> tuple[int, int]:

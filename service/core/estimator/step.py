@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
-from service.core.estimator.activations import LayerFlow
+from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
@@ -13,51 +12,21 @@ from service.core.estimator.weights import _gradients
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
-    Framework,
-    Method,
     Offload,
-    QuantType,
-    SdpaKernel,
     Strategy,
     TrainingSpec,
 )
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
 
 
-def _validate(arch: ModelArch, spec: TrainingSpec) -> list[str]:
-    warnings: list[str] = []
+def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
+    warnings = list(plan.traits.warnings)
     if spec.seq_len > arch.max_position_embeddings:
         warnings.append(
             f"seq_len {spec.seq_len} is longer than the model's max_position_embeddings "
             f"({arch.max_position_embeddings}); quality may suffer without RoPE scaling"
         )
-    if (
-        spec.method is Method.QLORA
-        and spec.quantization
-        and spec.quantization.type is QuantType.INT8
-    ):
-        warnings.append("int8 (LLM.int8) base weights: activations modelled as for 4-bit")
-    if spec.method is Method.QLORA and spec.framework is Framework.LITGPT:
-        warnings.append(
-            "LitGPT with bitsandbytes <= 0.41 keeps each 4-bit layer's input until the next "
-            "forward pass: a later iteration as long as the first can peak above this estimate"
-        )
     return warnings
-
-
-def _materialises_scores(arch: ModelArch, spec: TrainingSpec, f: LayerFlow) -> bool:
-    """Whether attention builds b x heads x s x s scores (eager attention, SDPA's math
-    kernel)."""
-    if spec.attn_implementation is AttnImpl.EAGER:
-        return True
-    if spec.attn_implementation is not AttnImpl.SDPA:
-        return False
-    if spec.sdpa_kernel is SdpaKernel.MATH:
-        return True
-    if spec.sdpa_kernel is not SdpaKernel.AUTO or f.attn != FP32_BYTES:
-        return False
-    windowed = arch.windowed(spec.seq_len)
-    return arch.num_key_value_heads < arch.num_attention_heads and not windowed
 
 
 class _FixedParts(NamedTuple):
@@ -138,7 +107,8 @@ class _Step(NamedTuple):
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
-    warnings = _validate(arch, spec)
+    traits = plan.traits
+    warnings = _warnings(arch, spec, plan)
     assumptions = list(plan.assumptions)
     b, s = spec.batch_size, spec.seq_len
     tokens = b * s
@@ -162,12 +132,9 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     per_layer = _recipe_bytes(plan.layer, b, s)
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
     # it (and with a frozen embedding) the first layer's input takes no gradient.
-    embed_trains = spec.method is Method.FULL or (
-        rs.lora is not None and "embed_tokens" in rs.lora.modules_to_save
-    )
     first_layer = (
         per_layer
-        if embed_trains or spec.gradient_checkpointing
+        if traits.embed_trains or spec.gradient_checkpointing
         else _recipe_bytes(plan.first_layer, b, s)
     )
     checkpoint = _blk(tokens * h * f.residual)
@@ -177,17 +144,14 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
     final_norm += rope
-    head_trains = spec.method is Method.FULL or (
-        rs.lora is not None and "lm_head" in rs.lora.modules_to_save
-    )
-    if head_trains or f.head_quantized:
+    if traits.head_trains or f.head_quantized:
         # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
         # MatMul4Bit's ctx.tensors)
         final_norm += _blk(tokens * h * f.residual)
     loss = _loss_bytes(arch, rs, b, s)
     grad_hidden = _blk(tokens * h * max(f.residual, HALF_BYTES))  # gradient flowing down the stack
 
-    windowed_sdpa = arch.windowed(s) and spec.attn_implementation is AttnImpl.SDPA
+    windowed_sdpa = traits.windowed and spec.attn_implementation is AttnImpl.SDPA
     # Masks that checkpointing keeps as every layer's input until backward ends.
     masks = 0
     if spec.gradient_checkpointing and windowed_sdpa:
@@ -196,15 +160,13 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
         # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
         # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
-        kinds = 2 if arch.model_type in ("gemma2", "gemma3_text") else 1
-        masks = kinds * _blk(b * s * s * f.residual)
+        masks = traits.eager_mask_kinds * _blk(b * s * s * f.residual)
     final_norm += masks
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
         # The recomputed first norm saves the layer's input itself when it needs no fp32 copy
         # (an fp32 residual stream, or LayerNorm): that storage is the checkpoint.
-        shares_input = arch.norm is NormKind.LAYER or f.residual == FP32_BYTES
-        recompute = per_layer - (checkpoint if shares_input else 0)
+        recompute = per_layer - (checkpoint if traits.shares_input else 0)
         assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
     else:
         activations = (L - 1) * per_layer + first_layer + final_norm
@@ -233,27 +195,19 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # the embedding's gradient comes last. The phase's peak is the largest of these moments.
     in_flight = 2 * grad_hidden + dequant
     recompute_end = recompute
-    down = next((lin for lin in arch.linears if lin.kind is LinearKind.MLP_OUT), None)
-    if (
-        ckpt
-        and f.autocast
-        and down is not None
-        and down.name in f.lora_targets
-        and not f.quantized
-        and f.adapter != f.norm_out
-        and not arch.is_moe
-    ):
+    if traits.down_stop:
         # The recomputation stops at down_proj's saved half copy of its input (non-reentrant
-        # checkpointing): alive then beside the layer's saved tensors are the MLP's input and
-        # the residual it will join, the product down_proj takes, its base output, and
-        # PEFT's cast of the product to the adapters' dtype.
+        # checkpointing; an autocast LoRA on down_proj, `plan._step_traits`): alive then
+        # beside the layer's saved tensors are the MLP's input and the residual it will join,
+        # the product down_proj takes, its base output, and PEFT's cast of the product to the
+        # adapters' dtype.
         out = f.norm_out
         recompute_end += (
             _blk(tokens * h * out)
             + _blk(tokens * h * f.residual)
-            + _blk(tokens * down.in_features * out)
+            + _blk(tokens * traits.down_stop * out)
             + _blk(tokens * h * out)
-            + _blk(tokens * down.in_features * f.adapter)
+            + _blk(tokens * traits.down_stop * f.adapter)
         )
     top = _Moment(
         gradients=grads if ga_grads else head_grads,
@@ -300,7 +254,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                 backward_temporaries=arriving,
             )
         )
-    if spec.method is Method.QLORA and arch.mlp is MlpKind.GATED and not arch.is_moe:
+    if traits.qlora_gated_down:
         # down_proj's backward in the top layer: its saved input is consumed, and the
         # gradient of that input exists three times in the MLP's dtype: through the LoRA
         # branch, through the 4-bit matmul (upcast back from the compute dtype), and their
@@ -322,7 +276,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                 backward_temporaries=grads_in,
             )
         )
-    if _materialises_scores(arch, spec, f):
+    if traits.scores:
         # The attention's backward in the top layer (recomputed under checkpointing) with the
         # scores materialised: the probabilities' gradient and the scores' (fp32 for SDPA's
         # math kernel) beside the saved probabilities, with the output's gradient made
@@ -336,7 +290,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         grads_now = copies * scores + 2 * _blk(tokens * arch.q_dim * max(f.attn, f.residual))
         if ckpt:
             attention_part = _recipe_bytes(plan.attention_part, b, s)
-            if f.residual == FP32_BYTES or arch.norm is NormKind.LAYER:
+            if traits.shares_input:
                 attention_part -= checkpoint  # the first norm saved the checkpoint itself
             candidates.append(
                 _Moment(
