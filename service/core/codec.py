@@ -35,6 +35,7 @@ from service.core.limits import (
 )
 from service.core.spec import (
     ALL_LINEAR,
+    SAVABLE_MODULES,
     AttnImpl,
     Framework,
     LoraSpec,
@@ -195,7 +196,14 @@ def _module_name(value: Any, field: str) -> str:
     return value
 
 
-def _module_names(*, min_length: int) -> Check:
+def _savable_module(value: Any, field: str) -> str:
+    if not isinstance(value, str) or value not in SAVABLE_MODULES:
+        words = " or ".join(f"'{name}'" for name in SAVABLE_MODULES)
+        raise InvalidSpecError(field, f"Input should be {words}")
+    return value
+
+
+def _module_names(*, min_length: int, item: Check = _module_name) -> Check:
     def check(value: Any, field: str) -> tuple[str, ...]:
         if isinstance(value, str) or not isinstance(value, Sequence):
             raise InvalidSpecError(field, "Input should be a valid array")
@@ -210,7 +218,7 @@ def _module_names(*, min_length: int) -> Check:
                 field,
                 f"List should have at most {MAX_MODULES} items after validation, not {len(value)}",
             )
-        return tuple(_module_name(name, field) for name in value)
+        return tuple(item(name, field) for name in value)
 
     return check
 
@@ -251,7 +259,7 @@ _LORA: dict[str, Check] = {
     "lora_alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
     "lora_dropout": _optional(_number(ge=0.0, lt=1.0)),
     "target_modules": _target_modules,
-    "modules_to_save": _module_names(min_length=0),
+    "modules_to_save": _module_names(min_length=0, item=_savable_module),
     "adapter_dtype": _optional(_choice(DType)),
 }
 _QUANTIZATION: dict[str, Check] = {

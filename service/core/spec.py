@@ -92,6 +92,10 @@ class Offload(StrEnum):
 
 
 ALL_LINEAR = "all-linear"
+# What `modules_to_save` can name: the input embedding and the LM head, by their module names in
+# transformers' decoder models (modeling_llama.py LlamaModel.embed_tokens,
+# LlamaForCausalLM.lm_head). PEFT trains a full copy of each (ModulesToSaveWrapper).
+SAVABLE_MODULES = ("embed_tokens", "lm_head")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +123,13 @@ class LoraSpec:
             )
         if isinstance(self.target_modules, tuple) and not self.target_modules:
             raise InvalidSpecError("lora.target_modules", "must not be empty")
+        unknown = [name for name in self.modules_to_save if name not in SAVABLE_MODULES]
+        if unknown:
+            raise InvalidSpecError(
+                "lora.modules_to_save",
+                f"{', '.join(map(repr, unknown))}: only the embedding and the LM head can be "
+                f"trained in full beside the adapters ({', '.join(SAVABLE_MODULES)})",
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

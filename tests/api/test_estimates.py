@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
 from service.api.schemas import JobSpec
 from service.catalog.models import default_catalog
+from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
 from service.core.result import Component
-from service.core.spec import TrainingSpec
+from service.core.spec import LoraSpec, TrainingSpec
 from tests.api.conftest import FULL_JOB, SMALL_JOB
 
 
@@ -143,6 +145,20 @@ def test_target_module_the_model_lacks_is_422(client: TestClient) -> None:
     job = {**SMALL_JOB, "lora": {"target_modules": ["query_key_value"]}}
     body = _problem(client.post("/v1/estimates", json=job), 422)
     assert body["errors"][0]["loc"] == ["body", "lora", "target_modules"]
+
+
+def test_a_module_to_save_that_is_not_counted_is_422(client: TestClient) -> None:
+    job = {**SMALL_JOB, "lora": {"modules_to_save": ["lm_head", "foo"]}}
+    body = _problem(client.post("/v1/estimates", json=job), 422)
+    assert [e["loc"] for e in body["errors"]] == [["body", "lora", "modules_to_save", 1]]
+    assert body["errors"][0]["detail"] == "Input should be 'embed_tokens' or 'lm_head'"
+
+
+def test_the_core_refuses_a_module_to_save_it_would_not_count() -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        LoraSpec(modules_to_save=("embed_tokens", "foo"))
+    assert caught.value.field == "lora.modules_to_save"
+    assert "'foo'" in caught.value.reason
 
 
 def test_invalid_config_is_422_inside_hf_config(client: TestClient) -> None:

@@ -37,6 +37,9 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "target_modules": st.none()
             | st.sampled_from(["all-linear", "q_proj"])
             | st.lists(st.sampled_from(["q_proj", "v_proj", "bad name", ""]), max_size=3),
+            "modules_to_save": st.lists(
+                st.sampled_from(["embed_tokens", "lm_head", "foo", "", 3]), max_size=3
+            ),
         },
     ),
     "parallel": st.fixed_dictionaries(

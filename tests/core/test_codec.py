@@ -27,6 +27,7 @@ from service.core.limits import (
 )
 from service.core.spec import (
     ALL_LINEAR,
+    SAVABLE_MODULES,
     AttnImpl,
     Framework,
     LoraSpec,
@@ -52,7 +53,7 @@ loras = st.builds(
     target_modules=st.none()
     | st.just(ALL_LINEAR)
     | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
-    modules_to_save=st.lists(module_names, max_size=MAX_MODULES).map(tuple),
+    modules_to_save=st.lists(st.sampled_from(SAVABLE_MODULES), max_size=2).map(tuple),
     adapter_dtype=st.none() | st.sampled_from(DType),
 )
 quantizations = st.builds(

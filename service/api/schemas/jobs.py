@@ -102,10 +102,10 @@ class LoraIn(In):
         default=None,
         description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
     )
-    modules_to_save: list[ModuleName] = Field(
+    modules_to_save: list[Literal["embed_tokens", "lm_head"]] = Field(
         default_factory=list,
         max_length=MAX_MODULES,
-        description="Modules trained in full beside the adapters, e.g. 'embed_tokens'.",
+        description="Modules trained in full beside the adapters: the embedding, the LM head.",
     )
     adapter_dtype: DType | None = Field(
         default=None,
