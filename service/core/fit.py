@@ -199,6 +199,31 @@ class _Requirements:
         return len(self._cache)
 
 
+class _Capacity:
+    """One GPU's usable bytes, and the capacities [lo, hi) that answer every comparison made for
+    it so far the same way: a GPU whose capacity lies in that range gets the same answers from
+    the same evaluations, so they are worked out once per range, not once per GPU."""
+
+    __slots__ = ("hi", "lo", "usable")
+
+    def __init__(self, usable: int) -> None:
+        self.usable = usable
+        self.lo = 0
+        self.hi: int | None = None
+
+    def holds(self, need: int) -> bool:
+        """Whether `need` bytes fit, narrowing the range to the capacities that agree."""
+        if need <= self.usable:
+            self.lo = max(self.lo, need)
+            return True
+        if self.hi is None or need < self.hi:
+            self.hi = need
+        return False
+
+    def covers(self, usable: int) -> bool:
+        return self.lo <= usable and (self.hi is None or usable < self.hi)
+
+
 class _Curve:
     """The safe bound along one dimension of a spec, evaluated lazily, points kept in order of
     x (and so of their values: the bound is nondecreasing in x)."""
@@ -234,8 +259,17 @@ class _Curve:
         self.values.insert(i, value)
         return value
 
-    def largest_fitting(self, capacity: int) -> int:
-        """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does)."""
+    def largest_fitting(self, capacity: _Capacity) -> int:
+        """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does); the
+        bounds at x and x + 1 that decide it narrow `capacity`'s range."""
+        x = self._solve(capacity.usable)
+        if x > 0:
+            capacity.holds(self._value(x))
+        if x < self.limit:
+            capacity.holds(self._value(x + 1))
+        return x
+
+    def _solve(self, capacity: int) -> int:
         i = bisect_right(self.values, capacity)
         lo = self.xs[i - 1] if i else 0
         hi = self.xs[i] if i < len(self.xs) else None
@@ -320,16 +354,16 @@ class _Solver:
             found = self._curves[key] = _Curve(spec, dimension, limit, self.requirements)
         return found
 
-    def max_batch(self, spec: TrainingSpec, usable: int) -> int:
-        return self.curve(spec, "batch_size").largest_fitting(usable)
+    def max_batch(self, spec: TrainingSpec, capacity: _Capacity) -> int:
+        return self.curve(spec, "batch_size").largest_fitting(capacity)
 
-    def max_seq(self, spec: TrainingSpec, usable: int) -> int:
-        return self.curve(spec, "seq_len").largest_fitting(usable)
+    def max_seq(self, spec: TrainingSpec, capacity: _Capacity) -> int:
+        return self.curve(spec, "seq_len").largest_fitting(capacity)
 
-    def apply(self, change: Change, spec: TrainingSpec, usable: int) -> TrainingSpec | None:
+    def apply(self, change: Change, spec: TrainingSpec, capacity: _Capacity) -> TrainingSpec | None:
         """`spec` with `change` made, or None when the change does not apply to it."""
         if change is Change.SMALLER_MICRO_BATCH:
-            return self._smaller_micro_batch(spec, usable)
+            return self._smaller_micro_batch(spec, capacity)
         return self._spec_change(change, spec)
 
     def _spec_change(self, change: Change, spec: TrainingSpec) -> TrainingSpec | None:
@@ -339,10 +373,10 @@ class _Solver:
             self._changed[key] = _apply(change, spec, self.narrower_target_modules)
         return self._changed[key]
 
-    def _smaller_micro_batch(self, spec: TrainingSpec, usable: int) -> TrainingSpec | None:
+    def _smaller_micro_batch(self, spec: TrainingSpec, capacity: _Capacity) -> TrainingSpec | None:
         """The largest micro-batch that divides the effective batch and fits, accumulating
         the rest; without one that fits, the last one tried."""
-        largest = min(self.max_batch(spec, usable), spec.batch_size - 1)
+        largest = min(self.max_batch(spec, capacity), spec.batch_size - 1)
         if largest < 1:
             return None
         effective = spec.batch_size * spec.gradient_accumulation_steps
@@ -353,11 +387,11 @@ class _Solver:
                 spec, batch_size=micro, gradient_accumulation_steps=effective // micro
             )
             need = self.requirements.valid(candidate)
-            if need is not None and need.device_bytes_upper <= usable:
+            if need is not None and capacity.holds(need.device_bytes_upper):
                 break
         return candidate
 
-    def suggestions(self, spec: TrainingSpec, usable: int) -> tuple[Suggestion, ...]:
+    def suggestions(self, spec: TrainingSpec, capacity: _Capacity) -> tuple[Suggestion, ...]:
         """Single changes that fit or save more than `part_threshold`, those that fit first;
         when none fits, first the changes stacked in rank order up to the first combination
         that fits, less every part the combination fits without (or, when nothing fits, every
@@ -365,13 +399,13 @@ class _Solver:
         current = self.requirements(spec).device_bytes_upper
         threshold = part_threshold(current)
         singles = [
-            self._suggestion((change,), changed, need, usable)
+            self._suggestion((change,), changed, need, capacity)
             for change, changed, need in self._lowering(spec)
         ]
-        smaller = self._smaller_micro_batch(spec, usable)
+        smaller = self._smaller_micro_batch(spec, capacity)
         need = None if smaller is None else self.requirements.valid(smaller)
         if smaller is not None and need is not None and need.device_bytes_upper < current:
-            singles.append(self._suggestion((Change.SMALLER_MICRO_BATCH,), smaller, need, usable))
+            singles.append(self._suggestion((Change.SMALLER_MICRO_BATCH,), smaller, need, capacity))
         singles = [
             s for s in singles if s.fits or current - s.requirement.device_bytes_upper > threshold
         ]
@@ -380,9 +414,9 @@ class _Solver:
         )
         if singles and singles[0].fits:
             return tuple(singles)
-        stacked = self._stacked(spec, usable)
+        stacked = self._stacked(spec, capacity)
         if stacked is not None:
-            stacked = self._pruned(stacked, spec, usable, threshold)
+            stacked = self._pruned(stacked, spec, capacity, threshold)
         if stacked is None or len(stacked.changes) < 2:
             return tuple(singles)
         return (stacked, *singles)
@@ -421,7 +455,7 @@ class _Solver:
             return 1.0
         return max(0, current - stateless.device_bytes_upper) / current
 
-    def _stacked(self, spec: TrainingSpec, usable: int) -> Suggestion | None:
+    def _stacked(self, spec: TrainingSpec, capacity: _Capacity) -> Suggestion | None:
         """Changes applied on top of each other in rank order, each kept only when it lowers
         the stacked requirement, until the job fits."""
         changes: list[Change] = []
@@ -431,7 +465,7 @@ class _Solver:
         for change in Change:
             if not self._worth_trying(change, job):
                 continue
-            changed = self.apply(change, spec, usable)
+            changed = self.apply(change, spec, capacity)
             need = None if changed is None else self.requirements.valid(changed)
             if changed is None or need is None or need.device_bytes_upper >= current:
                 continue
@@ -440,13 +474,13 @@ class _Solver:
             if superseded in changes:
                 changes.remove(superseded)
             changes.append(change)
-            best = self._suggestion(tuple(changes), spec, need, usable)
+            best = self._suggestion(tuple(changes), spec, need, capacity)
             if best.fits:
                 break
         return best
 
     def _pruned(
-        self, stacked: Suggestion, job: TrainingSpec, usable: int, threshold: int
+        self, stacked: Suggestion, job: TrainingSpec, capacity: _Capacity, threshold: int
     ) -> Suggestion:
         """`stacked` less the parts it can do without: a part goes when the change without it
         still fits (or neither fits) and needs at most `threshold` more. The most disruptive
@@ -461,23 +495,23 @@ class _Solver:
                 if spec is None or need is None:
                     continue
                 rise = need.device_bytes_upper - current.requirement.device_bytes_upper
-                fits = need.device_bytes_upper <= usable
+                fits = capacity.holds(need.device_bytes_upper)
                 if rise <= threshold and (fits or not current.fits):
                     parts = tuple(c for c in current.changes if c is not change)
-                    current = self._suggestion(parts, spec, need, usable)
+                    current = self._suggestion(parts, spec, need, capacity)
                     dropped = True
                     break
         return current
 
     @staticmethod
     def _suggestion(
-        changes: tuple[Change, ...], spec: TrainingSpec, need: Requirement, usable: int
+        changes: tuple[Change, ...], spec: TrainingSpec, need: Requirement, capacity: _Capacity
     ) -> Suggestion:
         return Suggestion(
             changes=changes,
             spec=spec,
             requirement=need,
-            fits=need.device_bytes_upper <= usable,
+            fits=capacity.holds(need.device_bytes_upper),
         )
 
 
@@ -581,9 +615,15 @@ def check_fit(
     )
     # Smaller GPUs first: their answers bracket the larger ones' from below.
     order = sorted(range(len(offers)), key=lambda i: offers[i].memory_bytes)
+    jobs: dict[int, _Job] = {}
     answers: dict[int, GpuFit] = {}
     for index in order:
-        answers[index] = _fit_one(spec, offers[index], solver)
+        offer = offers[index]
+        count = spec.parallel.gpus if offer.count is None else offer.count
+        job = jobs.get(count)
+        if job is None:
+            job = jobs[count] = _Job(spec, count, solver)
+        answers[index] = job.fit(offer)
     fits = tuple(answers[i] for i in range(len(offers)))
     priced = [
         (fit.cost_per_hour, i)
@@ -594,26 +634,49 @@ def check_fit(
     return FitCheck(gpus=fits, cheapest=cheapest, evaluations=requirements.evaluations)
 
 
-def _fit_one(spec: TrainingSpec, offer: GpuOffer, solver: _Solver) -> GpuFit:
-    count = spec.parallel.gpus if offer.count is None else offer.count
-    job = (
-        spec
-        if count == spec.parallel.gpus
-        else replace(spec, parallel=replace(spec.parallel, gpus=count))
-    )
-    usable = usable_bytes(offer.memory_bytes)
-    need = solver.requirements(job)
-    fits = need.device_bytes_upper <= usable
-    return GpuFit(
-        offer=offer,
-        count=count,
-        usable_bytes=usable,
-        requirement=need,
-        fits=fits,
-        headroom_bytes=usable - need.device_bytes_upper,
-        utilisation=need.device_bytes_upper / usable,
-        max_batch_size=solver.max_batch(job, usable),
-        max_seq_len=solver.max_seq(job, usable),
-        suggestions=() if fits else solver.suggestions(job, usable),
-        cost_per_hour=None if offer.price_per_hour is None else offer.price_per_hour * count,
-    )
+class _Job:
+    """The job on one GPU count: its requirement, and the suggestions already worked out, each
+    with the range of capacities it holds for."""
+
+    __slots__ = ("count", "need", "solver", "spec", "suggested")
+
+    def __init__(self, spec: TrainingSpec, count: int, solver: _Solver) -> None:
+        self.count = count
+        self.spec = (
+            spec
+            if count == spec.parallel.gpus
+            else replace(spec, parallel=replace(spec.parallel, gpus=count))
+        )
+        self.solver = solver
+        self.need = solver.requirements(self.spec)
+        self.suggested: list[tuple[_Capacity, tuple[Suggestion, ...]]] = []
+
+    def fit(self, offer: GpuOffer) -> GpuFit:
+        usable = usable_bytes(offer.memory_bytes)
+        capacity = _Capacity(usable)
+        upper = self.need.device_bytes_upper
+        fits = upper <= usable
+        return GpuFit(
+            offer=offer,
+            count=self.count,
+            usable_bytes=usable,
+            requirement=self.need,
+            fits=fits,
+            headroom_bytes=usable - upper,
+            utilisation=upper / usable,
+            max_batch_size=self.solver.max_batch(self.spec, capacity),
+            max_seq_len=self.solver.max_seq(self.spec, capacity),
+            suggestions=() if fits else self._suggestions(usable),
+            cost_per_hour=(
+                None if offer.price_per_hour is None else offer.price_per_hour * self.count
+            ),
+        )
+
+    def _suggestions(self, usable: int) -> tuple[Suggestion, ...]:
+        for window, found in self.suggested:
+            if window.covers(usable):
+                return found
+        capacity = _Capacity(usable)
+        found = self.solver.suggestions(self.spec, capacity)
+        self.suggested.append((capacity, found))
+        return found

@@ -442,3 +442,29 @@ def test_llama_8b_qlora_on_an_rtx_4090_gets_no_part_that_changes_nothing() -> No
     assert _optimizer_share(LLAMA_8B, job) < MIN_OPTIMIZER_SHARE
     offered = {change for s in fit.suggestions for change in s.changes}
     assert not offered & {Change.OPTIMIZER_8BIT, Change.PAGED_OPTIMIZER}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TrainingSpec(batch_size=4, seq_len=2048, lora=LoraSpec(r=16, target_modules="all-linear")),
+        TrainingSpec(method=Method.QLORA, batch_size=2, seq_len=4096, gradient_checkpointing=True),
+        TrainingSpec(method=Method.FULL, batch_size=1, seq_len=1024),
+    ],
+    ids=["lora", "qlora", "full"],
+)
+def test_every_gpu_gets_the_answer_it_gets_alone(spec: TrainingSpec) -> None:
+    # Suggestions worked out for one GPU are handed to every GPU whose capacity answers the
+    # same comparisons: each must equal what that GPU gets when checked on its own.
+    requirement = _requirement(QWEN_7B)
+    kwargs = {
+        "max_batch_size": 4096,
+        "max_seq_len": QWEN_7B.max_position_embeddings,
+        "narrower_target_modules": default_target_modules(QWEN_7B),
+    }
+    together = check_fit(spec, OFFERS, requirement, **kwargs)  # type: ignore[arg-type]
+    shared = sum(1 for fit in together.gpus if fit.suggestions)
+    assert shared > 1
+    for offer, fit in zip(OFFERS, together.gpus, strict=True):
+        alone = check_fit(spec, [offer], requirement, **kwargs).gpus[0]  # type: ignore[arg-type]
+        assert fit == alone
