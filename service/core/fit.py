@@ -3,10 +3,13 @@
 The requirement is passed in as a function of the spec (the estimator, calibrated by the
 caller), so this module only decides and solves. Solving: the peak is a maximum over phases of
 terms affine in the micro-batch and affine or quadratic in the sequence length, so the safe
-bound is nondecreasing and piecewise smooth in each. Per GPU the answer is bracketed by the
-evaluations already made (shared by every GPU of one check), the next point is proposed by
-secant interpolation (or extrapolation above the bracket), with bisection once the secant stalls;
-an answer x is final when x fits and x + 1 does not, both evaluated for real.
+bound is nondecreasing and piecewise smooth in each. GPUs are taken smallest first, so each
+answer is bracketed by the evaluations already made for the smaller ones (shared by every GPU
+of one check); the next point is proposed by inverse quadratic interpolation through the
+bracket's ends and their nearest neighbour (linear extrapolation beyond the bracket), with
+bisection once the proposals stall; an answer x is final when x fits and x + 1 does not, both
+evaluated for real. Suggestions are worked out once per range of capacities that answers every
+comparison they make alike, not once per GPU.
 """
 
 from __future__ import annotations
@@ -297,13 +300,29 @@ class _Curve:
         if hi is not None and bisect:
             return (lo + hi) // 2
         if hi is not None and lo > 0:
-            g_lo, g_hi = self._value(lo), self._value(hi)
-            x = lo + (capacity - g_lo) * (hi - lo) // (g_hi - g_lo)
+            x = self._interpolate(lo, hi, capacity)
         elif hi is not None:
             x = self._extrapolate_down(hi, capacity)
         else:
             x = self._extrapolate_up(lo, capacity)
         return min(max(x, lo + 1), top)
+
+    def _interpolate(self, lo: int, hi: int, capacity: int) -> int:
+        """Where the bound crosses `capacity` inside (lo, hi): through lo, hi and the nearest
+        point beyond them (the s^2 terms and the reserved level's slope make the bound curve
+        gently), or the secant without a third point."""
+        i = bisect_left(self.xs, lo)
+        g_lo, g_hi = self.values[i], self.values[i + 1]
+        secant = lo + (capacity - g_lo) * (hi - lo) // (g_hi - g_lo)
+        below = i - 1 if i > 0 else None
+        above = i + 2 if i + 2 < len(self.xs) else None
+        if below is None or (above is not None and self.xs[above] - hi < lo - self.xs[below]):
+            third = above
+        else:
+            third = below
+        if third is None:
+            return secant
+        return self._through((i, i + 1, third), capacity, secant)
 
     def _extrapolate_up(self, lo: int, capacity: int) -> int:
         i = bisect_left(self.xs, lo)
@@ -324,6 +343,22 @@ class _Curve:
         if rise <= 0:
             return hi // 2
         return hi - -(-(g_hi - capacity) * (b - hi) // rise)
+
+    def _through(self, indices: tuple[int, int, int], capacity: int, fallback: int) -> int:
+        """Where the bound reaches `capacity` by inverse quadratic interpolation (Lagrange's
+        form of x as a function of the bound) through three evaluated points; `fallback`
+        when two of them share a value."""
+        points = [(self.values[j], self.xs[j]) for j in indices]
+        if len({g for g, _ in points}) < 3:
+            return fallback
+        x = 0.0
+        for j, (g_j, x_j) in enumerate(points):
+            term = float(x_j)
+            for k, (g_k, _) in enumerate(points):
+                if k != j:
+                    term *= (capacity - g_k) / (g_j - g_k)
+            x += term
+        return math.floor(x) if math.isfinite(x) else fallback
 
 
 class _Solver:
