@@ -144,13 +144,15 @@ class Estimation:
                 gpus.append(gpu)
                 offers.append(_offer(gpu, entry))
 
+        peaks = self._peaks(job_estimate, resolved, None)
+        job_requirement = _requirement(peaks)
+
         def requirement(spec: TrainingSpec) -> Requirement:
+            if spec is resolved.spec:
+                return job_requirement  # the job as given: its levels are the estimate's
             levels = peak_levels(resolved.arch, spec)
-            peaks = self.factors.peaks(
-                levels, model=resolved.model, method=spec.method.value, gpu=None
-            )
-            return Requirement(
-                device_bytes=peaks.device_bytes, device_bytes_upper=peaks.device_bytes_upper
+            return _requirement(
+                self.factors.peaks(levels, model=resolved.model, method=spec.method.value, gpu=None)
             )
 
         with _located(job_loc):
@@ -163,7 +165,6 @@ class Estimation:
                 narrower_target_modules=_narrower_targets(resolved.arch),
             )
         self.metrics.count_estimate(resolved.model)
-        peaks = self._peaks(job_estimate, resolved, None)
         cheapest = None
         if report.cheapest is not None:
             best = report.gpus[report.cheapest]
@@ -172,12 +173,15 @@ class Estimation:
                 name=gpus[report.cheapest].requested,
                 cost_per_hour=best.cost_per_hour or 0.0,
             )
-        described: dict[Suggestion, SuggestionOut] = {}
+        # GPUs whose capacities answer alike share one Suggestion object: described once.
+        described: dict[int, SuggestionOut] = {}
 
         def describe(suggestion: Suggestion) -> SuggestionOut:
-            found = described.get(suggestion)
+            found = described.get(id(suggestion))
             if found is None:
-                found = described[suggestion] = SuggestionOut.from_core(resolved.spec, suggestion)
+                found = described[id(suggestion)] = SuggestionOut.from_core(
+                    resolved.spec, suggestion
+                )
             return found
 
         return FitCheckOut(
@@ -264,6 +268,10 @@ def _gpu_out(requested: str, gpu: Gpu, matched_by: str) -> GpuOut:
         fp8=gpu.fp8,
         compute_capability=gpu.compute_capability,
     )
+
+
+def _requirement(peaks: CalibratedPeaks) -> Requirement:
+    return Requirement(device_bytes=peaks.device_bytes, device_bytes_upper=peaks.device_bytes_upper)
 
 
 def _offer(gpu: GpuOut, entry: GpuOfferIn) -> GpuOffer:

@@ -68,6 +68,11 @@ def test_every_catalog_gpu_answers_exactly(client: TestClient) -> None:
             assert estimate(arch, replace(spec, batch_size=b)).device_bytes_upper <= usable
         if s:
             assert estimate(arch, replace(spec, seq_len=s)).device_bytes_upper <= usable
+        if s < arch.max_position_embeddings:
+            assert estimate(arch, replace(spec, seq_len=s + 1)).device_bytes_upper > usable
+        # One GPU each: every result needs what the job as given needs.
+        assert result["required_bytes"] == body["job"]["peak"]["device_bytes_upper"]
+        assert result["required_bytes_median"] == body["job"]["peak"]["device_bytes"]
         if not result["fits"]:
             assert result["suggestions"], result["gpu"]["name"]
         else:
