@@ -173,15 +173,12 @@ class Estimation:
                 name=gpus[report.cheapest].requested,
                 cost_per_hour=best.cost_per_hour or 0.0,
             )
-        # GPUs whose capacities answer alike share one Suggestion object: described once.
-        described: dict[int, SuggestionOut] = {}
+        described: dict[Suggestion, SuggestionOut] = {}
 
         def describe(suggestion: Suggestion) -> SuggestionOut:
-            found = described.get(id(suggestion))
+            found = described.get(suggestion)
             if found is None:
-                found = described[id(suggestion)] = SuggestionOut.from_core(
-                    resolved.spec, suggestion
-                )
+                found = described[suggestion] = SuggestionOut.from_core(resolved.spec, suggestion)
             return found
 
         return FitCheckOut(
