@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from service.api import problems
 from service.api.access import AccessMiddleware, configure_access_log
 from service.api.answers import AnswerCache
+from service.api.body import DOCUMENTED_BODIES
 from service.api.deps import Services, require_read_key
 from service.api.docs import mount_docs
 from service.api.limits import BodyLimitMiddleware
@@ -133,6 +134,16 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
             for name, definition in problem.pop("$defs", {}).items():
                 components.setdefault(name, definition)
             components.setdefault("Problem", problem)
+            # Bodies the routes read themselves, documented as declared bodies would be.
+            for name, model in DOCUMENTED_BODIES.items():
+                if name in components:
+                    continue
+                body = model.model_json_schema(
+                    ref_template="#/components/schemas/{model}", mode="validation"
+                )
+                for sub, definition in body.pop("$defs", {}).items():
+                    components.setdefault(sub, definition)
+                components[name] = body
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic_core import to_json
+from starlette.concurrency import run_in_threadpool
 
 from service.api.answers import Answer
-from service.api.body import is_json, request_body, require_json, validate_body
-from service.api.deps import EstimationDep, estimation_for, services_of
+from service.api.body import is_json, request_body, validate_body, validate_body_or
+from service.api.deps import estimation_for, services_of
 from service.api.problems import responses
-from service.api.responses import JSON_MEDIA_TYPE, json_response
-from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobSpec
+from service.api.responses import JSON_MEDIA_TYPE
+from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobsIn, JobSpec
 
 router = APIRouter(prefix="/v1", tags=["estimates"])
 
@@ -40,10 +42,11 @@ async def create_estimate(request: Request) -> Response:
             services.metrics.count_estimate(kept.model)
             return Response(kept.content, media_type=JSON_MEDIA_TYPE)
     job = validate_body(body, content_type, JobSpec)
-    out = estimation_for(services).estimate(job)
-    content = out.__pydantic_serializer__.to_json(out)
+    # The answer's values are encoded in one pass, as the response model would write them.
+    values = estimation_for(services).values(job)
+    content = to_json(values)
     if cacheable:
-        services.answers.put(body, Answer(content, out.model, generation))
+        services.answers.put(body, Answer(content, values["model"], generation))
     return Response(content, media_type=JSON_MEDIA_TYPE)
 
 
@@ -54,7 +57,20 @@ async def create_estimate(request: Request) -> Response:
     description="Results come in the jobs' order; a job that fails gets its own problem entry "
     "(status 404 or 422) and the others are still answered.",
     responses=responses(413, 415, 422),
-    dependencies=[Depends(require_json)],
+    openapi_extra=request_body(BatchIn),
 )
-def create_estimates_batch(body: BatchIn, estimation: EstimationDep) -> Response:
-    return json_response(estimation.batch(body))
+async def create_estimates_batch(request: Request) -> Response:
+    # One pass of pydantic-core reads a batch whose jobs are all valid; any other is read as
+    # FastAPI reads a `BatchIn` body, each job failing on its own. The estimates share the
+    # request's lookups and are encoded in one pass; the work runs in the thread pool, as a
+    # plain route's would, so that the event loop keeps answering meanwhile.
+    services = services_of(request)
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+    estimation = estimation_for(services)
+
+    def answer() -> bytes:
+        jobs = validate_body_or(body, content_type, JobsIn, BatchIn).jobs
+        return to_json(estimation.batch(jobs))
+
+    return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
