@@ -108,7 +108,12 @@ def create_app(
     mount_web(app)
     problems.install(app)
     # The last added is the outermost: metrics see every answer, 413s included, and every
-    # answer carries its request id and is logged.
+    # answer carries its request id and is logged. Innermost, estimates skip the router.
+    app.add_middleware(
+        estimates.EstimateShortcut,
+        route=estimates.estimate_route(),
+        handlers=app.exception_handlers,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(AccessMiddleware)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic_core import to_json
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.answers import Answer
 from service.api.body import is_json, request_body, validate_body, validate_body_or
@@ -14,11 +19,13 @@ from service.api.problems import responses
 from service.api.responses import JSON_MEDIA_TYPE
 from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobsIn, JobSpec
 
-router = APIRouter(prefix="/v1", tags=["estimates"])
+PREFIX = "/v1"
+router = APIRouter(prefix=PREFIX, tags=["estimates"])
+ESTIMATE_PATH = f"{PREFIX}/estimates"
 
 
 @router.post(
-    "/estimates",
+    ESTIMATE_PATH.removeprefix(PREFIX),
     response_model=EstimateOut,
     summary="Estimate a job's peak GPU memory",
     description="The peak of one GPU of the job at the allocated, reserved and device levels, "
@@ -74,3 +81,70 @@ async def create_estimates_batch(request: Request) -> Response:
         return to_json(estimation.batch(jobs))
 
     return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
+
+
+class EstimateShortcut:
+    """POST /v1/estimates handed to its endpoint straight from the middleware (pure ASGI).
+
+    Schedulers send this request before every placement, and the router's matching, request
+    wrapping and dependency solving would cost a good part of what the estimate itself does.
+    The request keeps everything else: it passes the same middleware (body limit, metrics,
+    access log) labelled with the same route, its errors are answered by the app's handlers as
+    the exception middleware would answer them, and those without one go on to the server-error
+    middleware. Every other request goes to the router.
+    """
+
+    def __init__(self, app: ASGIApp, route: APIRoute, handlers: Mapping[Any, Any]) -> None:
+        self.app = app
+        self.route = route
+        self.path = route.path
+        self.handlers = handlers  # the app's, looked up when an error happens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or _route_path(scope) != self.path:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = self.route
+        scope["endpoint"] = self.route.endpoint
+        scope["path_params"] = {}
+        request = Request(scope, receive)
+        try:
+            response = await create_estimate(request)
+        except Exception as exc:
+            handler = self._handler(exc)
+            if handler is None:
+                raise
+            response = await handler(request, exc)
+        await response(scope, receive, send)
+
+    def _handler(self, exc: Exception) -> Any:
+        """The handler the exception middleware would call: the app's for the closest class,
+        none for those only the server-error middleware handles (`Exception`)."""
+        for kind in type(exc).__mro__:
+            if kind is Exception:
+                return None
+            if kind in self.handlers:
+                return self.handlers[kind]
+        return None
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: the request's, less the app's root path (as Starlette's
+    routing reads it)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path != root and path[len(root)] == "/":
+        return path[len(root) :]
+    return path
+
+
+def estimate_route() -> APIRoute:
+    """The POST /v1/estimates route: the one the router would put in the request's scope."""
+    for route in router.routes:
+        if (
+            isinstance(route, APIRoute)
+            and route.path == ESTIMATE_PATH
+            and "POST" in (route.methods or ())
+        ):
+            return route
+    raise LookupError("no estimate route")
