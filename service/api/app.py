@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -72,6 +73,7 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The first factors are loaded before the first request; requests never load them.
         await asyncio.to_thread(cache.get)
+        _freeze_startup_heap()
         refresher = asyncio.create_task(keep_fresh(cache))
         try:
             yield
@@ -119,6 +121,21 @@ def create_app(
     app.add_middleware(AccessMiddleware)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+_heap_frozen = False
+
+
+def _freeze_startup_heap() -> None:
+    """Once per process, when its first app has started: what start-up built (modules,
+    catalogs, schemas, the first factors) leaves the garbage collector's generations, so
+    that the collections that a request's many short-lived objects set off stop scanning
+    it again and again (`gc.freeze`; measured: about a third of a batch request's parsing)."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
