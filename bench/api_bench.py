@@ -133,7 +133,14 @@ class Replica:
 
 
 @contextlib.contextmanager
-def _server(port: int, database_url: str) -> Iterator[Replica]:
+def _server(port: int, database_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A started server's process (the store benchmark's servers)."""
+    with _replica(port, database_url) as replica:
+        yield replica.process
+
+
+@contextlib.contextmanager
+def _replica(port: int, database_url: str) -> Iterator[Replica]:
     env = {**os.environ, "VRAMCAST_DATABASE_URL": database_url}
     command = [
         sys.executable,
@@ -617,7 +624,7 @@ class OverHttp:
 
 def over_http(database_url: str) -> OverHttp:
     port = _free_port()
-    with _server(port, database_url) as replica:
+    with _replica(port, database_url) as replica:
         pid = replica.process.pid
         _prime(port)
         trivial = _load("GET /livez", port, pid, LIVEZ_REQUESTS)
