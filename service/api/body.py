@@ -13,7 +13,7 @@ import json
 from email.message import Message
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
@@ -96,6 +96,8 @@ def validate_body_or(body: bytes, content_type: str | None, fast: type[F], model
             ],
             body=exc.doc,
         ) from None
+    except Exception as exc:  # not UTF-8, nested past the decoder's depth: FastAPI's 400
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
     try:
         return model.model_validate(value, from_attributes=True)
     except ValidationError as exc:

@@ -68,6 +68,8 @@ def test_a_body_that_is_not_a_batch_is_answered_as_a_declared_body_would_be(
         (b"", "application/json", 422, ["body"]),  # empty: the body is missing
         (b"null", "application/json", 422, ["body"]),
         (b'{"jobs": [], "extra": 1}', "application/json", 422, ["body", "jobs"]),
+        (b'{"jobs": "\xff"}', "application/json", 422, ["body"]),  # not UTF-8
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 422, ["body"]),  # too deep
     ]
     for content, content_type, status, loc in cases:
         response = client.post(
