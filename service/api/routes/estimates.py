@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,7 +115,10 @@ class EstimateShortcut:
             handler = self._handler(exc)
             if handler is None:
                 raise
-            response = await handler(request, exc)
+            if inspect.iscoroutinefunction(handler):
+                response = await handler(request, exc)
+            else:
+                response = await run_in_threadpool(handler, request, exc)
         await response(scope, receive, send)
 
     def _handler(self, exc: Exception) -> Any:
