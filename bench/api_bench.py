@@ -1,13 +1,17 @@
-"""Throughput and latency of the API on a real server, and the core's in-process costs.
+"""Throughput and latency of the API on a real server, its start-up and memory, and the core's
+in-process costs.
 
 One uvicorn server process on a loopback port (one worker, an embedded SQLite store in a
-temporary directory) is driven by keep-alive connections that send pre-encoded requests and read
-no more of each response than its status and length, so that the clients cost a fraction of
-what the server does per request and the server is what saturates. First a trivial endpoint
-(GET /livez), then POST /v1/estimates with a few repeated job bodies (answers kept), then with a
-new job on every request, each after a warm-up, all on the same server in one run. The server's
-own CPU time per request is read from /proc where available. In process: one `estimate()`
-call, and a fit-check over every catalog GPU with its max-batch and max-seq answers.
+temporary directory) is timed from its start to the first 200 from /readyz, then driven by
+keep-alive connections that send pre-encoded requests and read no more of each response than
+its status and length (asyncio protocols, one callback per response), so that the clients cost
+a fraction of what the server does per request and the server is what saturates. First a
+trivial endpoint (GET /livez), then POST /v1/estimates with a few repeated job bodies (answers
+kept), then with a new job on every request, each after a warm-up; then the batch route with
+1000 distinct jobs a request, no job of the run asked twice; all on the same server in one
+run, whose resident memory is read after start-up and after the loads. The server's own CPU
+time per request is read from /proc where available. In process: one `estimate()` call, and a
+fit-check over every catalog GPU with its max-batch and max-seq answers.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 CONCURRENCY = 32  # clients with a request in flight at any time
 # Processes the clients run in: all CPUs but the server's, at most 8.
 CLIENT_PROCESSES = max(1, min(8, (os.cpu_count() or 2) - 1))
@@ -40,6 +42,7 @@ SATURATED = 0.8
 WARMUP_S = 1.0
 DURATION_S = 5.0  # per endpoint
 STARTUP_TIMEOUT_S = 30.0
+READY_POLL_S = 0.01  # start-up is timed to within this
 # The issue's example job; the batch size and sequence length vary between requests, as a
 # scheduler's jobs do.
 ESTIMATE_JOB: dict[str, Any] = {
@@ -56,8 +59,18 @@ SHAPES = [(b, s) for b in (1, 2, 4, 8) for s in (512, 1024, 2048, 4096)]
 # A new job on every request: more distinct bodies than the server keeps answers for
 # (Settings.estimate_cache_entries, 4096 by default), sent in a cycle, so that none is kept.
 NEW_JOB_SHAPES = [(b, s) for b in range(1, 9) for s in range(1024, 2048)]
-# Targets from the issue and the core.
-ESTIMATE_OVERHEAD_TARGET = 0.20
+# The batch route: BATCH_JOBS distinct jobs a request, every job of the run a new shape
+# (batch sizes 1-16, sequences from 2048 up), so that no job is asked twice; the first
+# BATCH_WARMUP requests replay the allocator at the powers of two around these shapes.
+BATCH_JOBS = 1000
+BATCH_WARMUP = 2
+BATCH_REQUESTS = 8
+BATCH_SIZES = 16
+BATCH_FIRST_SEQ = 2048
+# Targets from the issues and the core.
+ESTIMATE_OVERHEAD_TARGET = 0.20  # repeated bodies: time per request over GET /livez
+NEW_JOB_RATIO_TARGET = 0.75  # new bodies: at least this share of GET /livez's requests/s
+BATCH_TARGET_PER_S = 20_000  # estimates a second through the batch route
 CORE_ESTIMATE_TARGET_S = 50e-6
 FIT_CHECK_TARGET_S = 5e-3
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -110,8 +123,24 @@ def _store() -> Iterator[str]:
         yield url
 
 
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A started server: its process and how long it took to answer /readyz with a 200."""
+
+    process: subprocess.Popen[bytes]
+    startup_s: float
+    rss_started_bytes: int | None  # resident memory once ready
+
+
 @contextlib.contextmanager
 def _server(port: int, database_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A started server's process (the store benchmark's servers)."""
+    with _replica(port, database_url) as replica:
+        yield replica.process
+
+
+@contextlib.contextmanager
+def _replica(port: int, database_url: str) -> Iterator[Replica]:
     env = {**os.environ, "VRAMCAST_DATABASE_URL": database_url}
     command = [
         sys.executable,
@@ -127,10 +156,12 @@ def _server(port: int, database_url: str) -> Iterator[subprocess.Popen[bytes]]:
         "warning",
         "--no-access-log",
     ]
+    started = time.perf_counter()
     process = subprocess.Popen(command, env=env)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", process)
-        yield process
+        _wait_ready(port, process)
+        startup_s = time.perf_counter() - started
+        yield Replica(process, startup_s, _rss_bytes(process.pid))
     finally:
         process.terminate()
         try:
@@ -140,16 +171,32 @@ def _server(port: int, database_url: str) -> Iterator[subprocess.Popen[bytes]]:
             process.wait()
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
+def _wait_ready(port: int, process: subprocess.Popen[bytes]) -> None:
+    """Until GET /readyz answers 200 (the catalogs, the store and the first factors loaded),
+    asking every READY_POLL_S on a new connection."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    request = _http_request("GET", "/readyz", close=True)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with status {process.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/livez", timeout=1.0).status_code == 200:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as c:
+            c.sendall(request)
+            if c.recv(64).startswith(b"HTTP/1.1 200 "):
                 return
-        time.sleep(0.1)
-    raise RuntimeError(f"the server did not answer within {STARTUP_TIMEOUT_S} s")
+        time.sleep(READY_POLL_S)
+    raise RuntimeError(f"the server was not ready within {STARTUP_TIMEOUT_S} s")
+
+
+def _rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident memory (VmRSS), or its peak (VmHWM), from /proc; None elsewhere."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # proc(5): in kB
+    return None
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -162,48 +209,96 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-async def _read_status(reader: asyncio.StreamReader) -> int:
-    """One HTTP/1.1 response off a keep-alive connection: its status; the body is read whole."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    await reader.readexactly(length)
-    return status
+_LENGTH_FIELD = b"\r\ncontent-length:"  # as the head reads once lowered
+
+
+class _Client(asyncio.Protocol):
+    """One keep-alive connection sending pre-encoded requests one after another: a protocol
+    (callbacks on the event loop, no stream objects or awaits per request) that parses no
+    more of a response than its status and length, so that it costs far less per request
+    than the server does."""
+
+    def __init__(
+        self,
+        requests: list[bytes],
+        offset: int,
+        step: int,
+        measure_from: float,
+        measure_to: float,
+        done: asyncio.Future[None],
+    ) -> None:
+        self.requests = requests
+        self.i = offset
+        self.step = step
+        self.measure_from = measure_from
+        self.measure_to = measure_to
+        self.done = done
+        self.buffer = bytearray()
+        self.latencies: list[float] = []
+        self.errors = 0
+        self.counting = False
+        self.sent_at = 0.0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self._send()
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        now = time.time()
+        if now >= self.measure_to:
+            self.transport.close()
+            return
+        self.counting = now >= self.measure_from
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.requests[self.i % len(self.requests)])
+        self.i += self.step
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        while True:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buffer[:end]).lower()
+            at = head.find(_LENGTH_FIELD)
+            length = 0
+            if at >= 0:  # the value runs to the next line, or to the end of the head
+                stop = head.find(b"\r\n", at + 2)
+                length = int(head[at + len(_LENGTH_FIELD) : stop if stop >= 0 else None])
+            total = end + 4 + length
+            if len(buffer) < total:
+                return
+            status = int(head[9:12])
+            del buffer[:total]
+            if self.counting:
+                self.latencies.append(time.perf_counter() - self.sent_at)
+                self.errors += status != 200
+            self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 async def _drive(
     port: int, requests: list[bytes], concurrency: int, measure_from: float, measure_to: float
 ) -> tuple[int, int, list[float]]:
     """Requests from `concurrency` keep-alive connections until `measure_to` (wall clock);
-    those that start after `measure_from` are counted. The requests are encoded once and the
-    responses parsed no further than their status and length, so that the clients cost far
-    less per request than the server and the server is what the figures measure."""
-    latencies: list[float] = []
-    errors = 0
-
-    async def worker(offset: int) -> None:
-        nonlocal errors
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        i = offset
-        try:
-            while (now := time.time()) < measure_to:
-                started = time.perf_counter()
-                writer.write(requests[i % len(requests)])
-                status = await _read_status(reader)
-                if now >= measure_from:
-                    latencies.append(time.perf_counter() - started)
-                    errors += status != 200
-                i += concurrency
-        finally:
-            writer.close()
-
-    await asyncio.gather(*(worker(k) for k in range(concurrency)))
-    return len(latencies), errors, latencies
+    those that start after `measure_from` are counted."""
+    loop = asyncio.get_running_loop()
+    clients: list[_Client] = []
+    for k in range(concurrency):
+        done: asyncio.Future[None] = loop.create_future()
+        client = _Client(requests, k, concurrency, measure_from, measure_to, done)
+        await loop.create_connection(lambda client=client: client, "127.0.0.1", port)  # type: ignore[misc]
+        clients.append(client)
+    await asyncio.gather(*(client.done for client in clients))
+    latencies = [latency for client in clients for latency in client.latencies]
+    return len(latencies), sum(client.errors for client in clients), latencies
 
 
 def _client_process(
@@ -237,8 +332,10 @@ def _load(name: str, port: int, pid: int, requests: list[bytes]) -> Load:
     return Load(name, len(latencies), errors, DURATION_S, latencies, cpu)
 
 
-def _http_request(method: str, path: str, body: bytes = b"") -> bytes:
+def _http_request(method: str, path: str, body: bytes = b"", *, close: bool = False) -> bytes:
     head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\n"
+    if close:
+        head += "Connection: close\r\n"
     if body:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     return head.encode() + b"\r\n" + body
@@ -424,13 +521,120 @@ def app_cpu_per_request(database_url: str, repeat: int = 3000) -> dict[str, floa
     return asyncio.run(measure())
 
 
-def over_http(database_url: str) -> tuple[Load, Load, Load]:
+def _batch_request(first: int) -> bytes:
+    """BATCH_JOBS jobs, the `first`-th to the next BATCH_JOBS of the run's distinct shapes."""
+    jobs = [
+        {
+            **ESTIMATE_JOB,
+            "batch_size": 1 + k % BATCH_SIZES,
+            "seq_len": BATCH_FIRST_SEQ + k // BATCH_SIZES,
+        }
+        for k in range(first, first + BATCH_JOBS)
+    ]
+    body = json.dumps({"jobs": jobs}).encode()
+    return _http_request("POST", "/v1/estimates:batch", body)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLoad:
+    """Batch requests one after another on one connection."""
+
+    estimates: int
+    seconds: list[float]  # each request's, from sending it to the end of its answer
+    server_cpu_s: float | None
+    errors: int
+
+    @property
+    def per_s(self) -> float:
+        return self.estimates / sum(self.seconds)
+
+    @property
+    def server_cpu_per_estimate_s(self) -> float | None:
+        return None if self.server_cpu_s is None else self.server_cpu_s / self.estimates
+
+
+def _post_and_read(connection: socket.socket, request: bytes) -> tuple[int, bytes]:
+    """One request on a keep-alive connection: the status and the body."""
+    connection.sendall(request)
+    data = bytearray()
+    while (end := data.find(b"\r\n\r\n")) < 0:
+        data += connection.recv(1 << 16)
+    head = bytes(data[:end]).lower()
+    at = head.find(_LENGTH_FIELD)
+    stop = head.find(b"\r\n", at + 2)
+    total = end + 4 + int(head[at + len(_LENGTH_FIELD) : stop if stop >= 0 else None])
+    while len(data) < total:
+        data += connection.recv(1 << 20)
+    return int(head[9:12]), bytes(data[end + 4 : total])
+
+
+def _batch_load(port: int, pid: int) -> BatchLoad:
+    """BATCH_WARMUP, then BATCH_REQUESTS measured batch requests, each of new jobs."""
+    requests = [_batch_request(i * BATCH_JOBS) for i in range(BATCH_WARMUP + BATCH_REQUESTS)]
+    seconds: list[float] = []
+    errors = 0
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        for request in requests[:BATCH_WARMUP]:
+            _post_and_read(connection, request)
+        cpu_before = _cpu_seconds(pid)
+        for request in requests[BATCH_WARMUP:]:
+            started = time.perf_counter()
+            status, body = _post_and_read(connection, request)
+            seconds.append(time.perf_counter() - started)
+            answer = json.loads(body) if status == 200 else {}
+            errors += BATCH_JOBS - answer.get("succeeded", 0)
+        cpu_after = _cpu_seconds(pid)
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return BatchLoad(BATCH_REQUESTS * BATCH_JOBS, seconds, cpu, errors)
+
+
+# The shapes whose allocator replays every load's shapes interpolate between (the powers of
+# two around them): replayed before the loads, as a replica that has run a while has them.
+REPLAYED_BATCH_SIZES = (1, 2, 4, 8, 16)
+REPLAYED_SEQ_LENS = (512, 1024, 2048, 4096)
+
+
+def _prime(port: int) -> None:
+    """Asks once, through the batch route (which keeps no answers), for the jobs at the
+    replayed shapes: the first estimate of a shape costs a replay of the allocator (the
+    in-process figures time it apart), which the loads' warm-ups are too short to absorb."""
+    jobs = [
+        {**ESTIMATE_JOB, "batch_size": b, "seq_len": s}
+        for b in REPLAYED_BATCH_SIZES
+        for s in REPLAYED_SEQ_LENS
+    ]
+    body = json.dumps({"jobs": jobs}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        status, _ = _post_and_read(connection, _http_request("POST", "/v1/estimates:batch", body))
+    if status != 200:
+        raise RuntimeError(f"priming the server answered {status}")
+
+
+@dataclass(frozen=True, slots=True)
+class OverHttp:
+    trivial: Load
+    repeated: Load
+    new: Load
+    batch: BatchLoad
+    startup_s: float
+    rss_started_bytes: int | None
+    rss_loaded_bytes: int | None
+    rss_peak_bytes: int | None
+
+
+def over_http(database_url: str) -> OverHttp:
     port = _free_port()
-    with _server(port, database_url) as process:
-        trivial = _load("GET /livez", port, process.pid, LIVEZ_REQUESTS)
-        repeated = _load("estimates, repeated", port, process.pid, ESTIMATE_REQUESTS)
-        new = _load("estimates, new jobs", port, process.pid, NEW_JOB_REQUESTS)
-    return trivial, repeated, new
+    with _replica(port, database_url) as replica:
+        pid = replica.process.pid
+        _prime(port)
+        trivial = _load("GET /livez", port, pid, LIVEZ_REQUESTS)
+        repeated = _load("estimates, repeated", port, pid, ESTIMATE_REQUESTS)
+        new = _load("estimates, new jobs", port, pid, NEW_JOB_REQUESTS)
+        batch = _batch_load(port, pid)
+        loaded, peak = _rss_bytes(pid), _rss_bytes(pid, "VmHWM")
+    return OverHttp(
+        trivial, repeated, new, batch, replica.startup_s, replica.rss_started_bytes, loaded, peak
+    )
 
 
 def _verdict(overhead: float) -> str:
@@ -438,12 +642,17 @@ def _verdict(overhead: float) -> str:
     return f"(target <= {ESTIMATE_OVERHEAD_TARGET:.0%}: {met})"
 
 
+def _mib(size: int | None) -> str:
+    return "n/a" if size is None else f"{size / (1 << 20):.0f} MiB"
+
+
 def run() -> list[str]:
     """Run everything; the report's lines."""
     with _store() as database_url:
-        trivial, repeated, new = over_http(database_url)
+        http = over_http(database_url)
         app_cpu = app_cpu_per_request(database_url)
         core = in_process(database_url)
+    trivial, repeated, new, batch = http.trivial, http.repeated, http.new, http.batch
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     lines = [
         f"API on one uvicorn worker, {CONCURRENCY} keep-alive connections from "
@@ -464,12 +673,18 @@ def run() -> list[str]:
             f"{'n/a' if cpu is None else f'{cpu * 1e6:.0f}':>20}{measured.errors:>8}"
         )
     lines.append("")
+    overhead = trivial.rps / repeated.rps - 1
+    lines.append(
+        f"  {repeated.name} vs GET /livez: {overhead:+.1%} time per request by req/s "
+        f"{_verdict(overhead)}"
+    )
+    ratio = new.rps / trivial.rps
+    met = "met" if ratio >= NEW_JOB_RATIO_TARGET else "NOT met"
+    lines.append(
+        f"  {new.name} / GET /livez: {ratio:.2f} of the requests/s "
+        f"(target >= {NEW_JOB_RATIO_TARGET:.2f}: {met})"
+    )
     for measured in (repeated, new):
-        overhead = trivial.rps / measured.rps - 1
-        lines.append(
-            f"  {measured.name} vs GET /livez: {overhead:+.1%} time per request by req/s "
-            f"{_verdict(overhead)}"
-        )
         if trivial.server_cpu_per_request_s and measured.server_cpu_per_request_s:
             cpu_ratio = measured.server_cpu_per_request_s / trivial.server_cpu_per_request_s - 1
             lines.append(
@@ -481,6 +696,23 @@ def run() -> list[str]:
             f"  the server was busy only {min(busy):.0%} of the time: req/s measure the "
             "clients here, compare the server's CPU per request instead"
         )
+    batch_met = "met" if batch.per_s >= BATCH_TARGET_PER_S else "NOT met"
+    cpu_each = batch.server_cpu_per_estimate_s
+    lines += [
+        "",
+        f"Batch route, same server: {BATCH_REQUESTS} requests of {BATCH_JOBS} distinct new "
+        f"jobs each, one after another (after {BATCH_WARMUP} warm-up requests)",
+        f"  estimates/s {batch.per_s:>10.0f}  (target >= {BATCH_TARGET_PER_S}: {batch_met})",
+        f"  request median {statistics.median(batch.seconds) * 1e3:.0f} ms, server CPU "
+        f"{'n/a' if cpu_each is None else f'{cpu_each * 1e6:.0f} µs'} per estimate, "
+        f"{batch.errors} failed jobs",
+        "",
+        "One replica (the same server)",
+        f"  start-up, process start to the first 200 from /readyz  {http.startup_s:.2f} s",
+        f"  resident memory after start-up   {_mib(http.rss_started_bytes)}",
+        f"  resident memory after the loads  {_mib(http.rss_loaded_bytes)}  "
+        f"(peak {_mib(http.rss_peak_bytes)})",
+    ]
     livez = app_cpu["GET /livez"]
     lines += ["", "The app alone, called as ASGI in process (CPU per request)"]
     lines.append(f"  {'GET /livez':<22}{livez * 1e6:8.0f} µs")

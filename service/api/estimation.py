@@ -6,10 +6,11 @@ so a batch can turn each into its own entry and the routes stay thin.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from functools import lru_cache
+from typing import Any, TypeVar, cast
 
 from service.api.metrics import CUSTOM_MODEL, Metrics
 from service.api.problems import (
@@ -21,15 +22,11 @@ from service.api.problems import (
     invalid_request,
 )
 from service.api.schemas import (
-    BatchIn,
-    BatchOut,
-    BatchResultOut,
     CheapestOut,
     EstimateOut,
     FitCheckIn,
     FitCheckOut,
     GpuFitOut,
-    GpuFitSummary,
     GpuOfferIn,
     GpuOut,
     GpuRef,
@@ -37,6 +34,7 @@ from service.api.schemas import (
     ModelRef,
     RejectedJob,
     SuggestionOut,
+    estimate_values,
 )
 from service.calibration.provider import CalibratedPeaks, FactorProvider
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
@@ -97,7 +95,9 @@ class Estimation:
     _entries: dict[str, CatalogEntry | UnknownModelError] = field(default_factory=dict)
     _named_gpus: dict[str, Gpu | UnknownGpuError] = field(default_factory=dict)
 
-    def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
+    def values(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> dict[str, Any]:
+        """The job's estimate as the plain values of an `EstimateOut` (`estimate_values`),
+        ready to encode."""
         with _located(loc_prefix):
             resolved = self._job(job, loc_prefix)
             gpu = None if job.gpu is None else self._gpu(job.gpu)
@@ -107,29 +107,39 @@ class Estimation:
                 compute_capability=None if gpu is None else gpu.compute_capability,
             )
         peaks = self._peaks(est, resolved, gpu.name if gpu else None)
-        summary: GpuFitSummary | None = None
+        summary: dict[str, Any] | None = None
         warnings: tuple[str, ...] = ()
         if gpu is not None:
             summary = _fit_summary(gpu, peaks)
             warnings = _gpu_warnings(gpu, resolved.spec)
         self.metrics.count_estimate(resolved.model)
-        return EstimateOut.from_core(resolved.model, est, peaks, summary, warnings)
+        return estimate_values(resolved.model, est, peaks, summary, warnings)
 
-    def batch(self, body: BatchIn) -> BatchOut:
-        results: list[BatchResultOut] = []
-        for index, job in enumerate(body.jobs):
+    def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
+        return EstimateOut.model_validate(self.values(job, loc_prefix))
+
+    def batch(self, jobs: Sequence[JobSpec | RejectedJob]) -> dict[str, Any]:
+        """A `BatchOut`'s plain values: each job's estimate, or the problem that stopped it.
+
+        The batch's jobs share this request's model and GPU lookups, and the core's plans and
+        the calibration's descriptions; the routes encode the whole answer in one pass."""
+        results: list[dict[str, Any]] = []
+        failed = 0
+        for index, job in enumerate(jobs):
             loc: Loc = ("body", "jobs", index)
             try:
                 if isinstance(job, RejectedJob):
                     raise _rejected(job, loc)
-                out = self.estimate(job, loc)
+                values = self.values(job, loc)
             except ProblemError as exc:
                 problem = exc.problem
-                results.append(BatchResultOut(index=index, status=problem.status, problem=problem))
+                failed += 1
+                results.append(
+                    {"index": index, "status": problem.status, "estimate": None, "problem": problem}
+                )
             else:
-                results.append(BatchResultOut(index=index, status=200, estimate=out))
-        failed = sum(1 for r in results if r.problem is not None)
-        return BatchOut(results=results, succeeded=len(results) - failed, failed=failed)
+                results.append({"index": index, "status": 200, "estimate": values, "problem": None})
+        return {"results": results, "succeeded": len(results) - failed, "failed": failed}
 
     def fit_check(self, body: FitCheckIn) -> FitCheckOut:
         job_loc: Loc = ("body", "job")
@@ -253,7 +263,10 @@ def _remembered(memo: dict[str, T | E], key: str, lookup: Callable[[str], T], er
     return cast(T, found)  # not an error: the lookup's result
 
 
+@lru_cache(maxsize=1024)
 def _gpu_out(requested: str, gpu: Gpu, matched_by: str) -> GpuOut:
+    """A catalog GPU as asked for; remembered (the model is frozen), as most requests name one
+    of a few GPUs in one of a few spellings."""
     return GpuOut(
         requested=requested,
         name=gpu.name,
@@ -277,15 +290,16 @@ def _offer(gpu: GpuOut, entry: GpuOfferIn) -> GpuOffer:
     )
 
 
-def _fit_summary(gpu: GpuOut, peaks: CalibratedPeaks) -> GpuFitSummary:
+def _fit_summary(gpu: GpuOut, peaks: CalibratedPeaks) -> dict[str, Any]:
+    """A `GpuFitSummary`'s values."""
     usable = usable_bytes(gpu.memory_bytes)
-    return GpuFitSummary(
-        name=gpu.name,
-        memory_bytes=gpu.memory_bytes,
-        usable_bytes=usable,
-        fits=peaks.device_bytes_upper <= usable,
-        headroom_bytes=usable - peaks.device_bytes_upper,
-    )
+    return {
+        "name": gpu.name,
+        "memory_bytes": gpu.memory_bytes,
+        "usable_bytes": usable,
+        "fits": peaks.device_bytes_upper <= usable,
+        "headroom_bytes": usable - peaks.device_bytes_upper,
+    }
 
 
 def _gpu_warnings(gpu: GpuOut, spec: TrainingSpec) -> tuple[str, ...]:

@@ -58,3 +58,30 @@ def test_over_the_limit_or_empty_is_422(client: TestClient) -> None:
         response = client.post("/v1/estimates:batch", json=payload)
         assert response.status_code == 422
         assert response.json()["errors"][0]["loc"][:2] == ["body", "jobs"]
+
+
+def test_a_body_that_is_not_a_batch_is_answered_as_a_declared_body_would_be(
+    client: TestClient,
+) -> None:
+    cases: list[tuple[bytes, str, int, list[str | int]]] = [
+        (b'{"jobs": [', "application/json", 422, ["body", 10]),  # malformed: where it broke
+        (b"", "application/json", 422, ["body"]),  # empty: the body is missing
+        (b"null", "application/json", 422, ["body"]),
+        (b'{"jobs": [], "extra": 1}', "application/json", 422, ["body", "jobs"]),
+        (b'{"jobs": "\xff"}', "application/json", 422, ["body"]),  # not UTF-8
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 422, ["body"]),  # too deep
+    ]
+    for content, content_type, status, loc in cases:
+        response = client.post(
+            "/v1/estimates:batch", content=content, headers={"content-type": content_type}
+        )
+        assert response.status_code == status, content
+        assert response.headers["content-type"] == "application/problem+json"
+        assert response.json()["errors"][0]["loc"] == loc, content
+    as_text = client.post(
+        "/v1/estimates:batch",
+        content=b'{"jobs": [{"model": "m", "batch_size": 1, "seq_len": 1}]}',
+        headers={"content-type": "text/plain"},
+    )
+    assert as_text.status_code == 415
+    assert as_text.json()["content_type"] == "text/plain"

@@ -192,3 +192,18 @@ def test_malformed_json_is_422(client: TestClient) -> None:
 def test_body_that_is_not_an_object_is_422(client: TestClient) -> None:
     for payload in ([1, 2], "text", None, 3.5):
         _problem(client.post("/v1/estimates", json=payload), 422)
+
+
+def test_other_methods_and_mounted_paths_are_answered_as_the_router_does(
+    client: TestClient,
+) -> None:
+    """POST /v1/estimates skips the router; any other request on its path is routed."""
+    for method in ("GET", "PUT", "DELETE"):
+        response = client.request(method, "/v1/estimates")
+        assert response.status_code == 405
+        assert response.headers["allow"] == "POST"
+        assert response.headers["content-type"] == "application/problem+json"
+    answer = client.post("/v1/estimates", json=SMALL_JOB).json()
+    # Served under a root path, the estimate is found at the same route.
+    with TestClient(client.app, root_path="/api") as mounted:
+        assert mounted.post("/api/v1/estimates", json=SMALL_JOB).json() == answer

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from pydantic_core import to_json
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.answers import Answer
-from service.api.body import is_json, request_body, require_json, validate_body
-from service.api.deps import EstimationDep, estimation_for, services_of
+from service.api.body import is_json, request_body, validate_body, validate_body_or
+from service.api.deps import estimation_for, services_of
 from service.api.problems import responses
-from service.api.responses import JSON_MEDIA_TYPE, json_response
-from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobSpec
+from service.api.responses import JSON_MEDIA_TYPE
+from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobsIn, JobSpec
 
-router = APIRouter(prefix="/v1", tags=["estimates"])
+PREFIX = "/v1"
+router = APIRouter(prefix=PREFIX, tags=["estimates"])
+ESTIMATE_PATH = f"{PREFIX}/estimates"
 
 
 @router.post(
-    "/estimates",
+    ESTIMATE_PATH.removeprefix(PREFIX),
     response_model=EstimateOut,
     summary="Estimate a job's peak GPU memory",
     description="The peak of one GPU of the job at the allocated, reserved and device levels, "
@@ -40,10 +50,11 @@ async def create_estimate(request: Request) -> Response:
             services.metrics.count_estimate(kept.model)
             return Response(kept.content, media_type=JSON_MEDIA_TYPE)
     job = validate_body(body, content_type, JobSpec)
-    out = estimation_for(services).estimate(job)
-    content = out.__pydantic_serializer__.to_json(out)
+    # The answer's values are encoded in one pass, as the response model would write them.
+    values = estimation_for(services).values(job)
+    content = to_json(values)
     if cacheable:
-        services.answers.put(body, Answer(content, out.model, generation))
+        services.answers.put(body, Answer(content, values["model"], generation))
     return Response(content, media_type=JSON_MEDIA_TYPE)
 
 
@@ -54,7 +65,90 @@ async def create_estimate(request: Request) -> Response:
     description="Results come in the jobs' order; a job that fails gets its own problem entry "
     "(status 404 or 422) and the others are still answered.",
     responses=responses(413, 415, 422),
-    dependencies=[Depends(require_json)],
+    openapi_extra=request_body(BatchIn),
 )
-def create_estimates_batch(body: BatchIn, estimation: EstimationDep) -> Response:
-    return json_response(estimation.batch(body))
+async def create_estimates_batch(request: Request) -> Response:
+    # One pass of pydantic-core reads a batch whose jobs are all valid; any other is read as
+    # FastAPI reads a `BatchIn` body, each job failing on its own. The estimates share the
+    # request's lookups and are encoded in one pass; the work runs in the thread pool, as a
+    # plain route's would, so that the event loop keeps answering meanwhile.
+    services = services_of(request)
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+    estimation = estimation_for(services)
+
+    def answer() -> bytes:
+        jobs = validate_body_or(body, content_type, JobsIn, BatchIn).jobs
+        return to_json(estimation.batch(jobs))
+
+    return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
+
+
+class EstimateShortcut:
+    """POST /v1/estimates handed to its endpoint straight from the middleware (pure ASGI).
+
+    Schedulers send this request before every placement, and the router's matching, request
+    wrapping and dependency solving would cost a good part of what the estimate itself does.
+    The request keeps everything else: it passes the same middleware (body limit, metrics,
+    access log) labelled with the same route, its errors are answered by the app's handlers as
+    the exception middleware would answer them, and those without one go on to the server-error
+    middleware. Every other request goes to the router.
+    """
+
+    def __init__(self, app: ASGIApp, route: APIRoute, handlers: Mapping[Any, Any]) -> None:
+        self.app = app
+        self.route = route
+        self.path = route.path
+        self.handlers = handlers  # the app's, looked up when an error happens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or _route_path(scope) != self.path:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = self.route
+        scope["endpoint"] = self.route.endpoint
+        scope["path_params"] = {}
+        request = Request(scope, receive)
+        try:
+            response = await create_estimate(request)
+        except Exception as exc:
+            handler = self._handler(exc)
+            if handler is None:
+                raise
+            if inspect.iscoroutinefunction(handler):
+                response = await handler(request, exc)
+            else:
+                response = await run_in_threadpool(handler, request, exc)
+        await response(scope, receive, send)
+
+    def _handler(self, exc: Exception) -> Any:
+        """The handler the exception middleware would call: the app's for the closest class,
+        none for those only the server-error middleware handles (`Exception`)."""
+        for kind in type(exc).__mro__:
+            if kind is Exception:
+                return None
+            if kind in self.handlers:
+                return self.handlers[kind]
+        return None
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: the request's, less the app's root path (as Starlette's
+    routing reads it)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path != root and path[len(root)] == "/":
+        return path[len(root) :]
+    return path
+
+
+def estimate_route() -> APIRoute:
+    """The POST /v1/estimates route: the one the router would put in the request's scope."""
+    for route in router.routes:
+        if (
+            isinstance(route, APIRoute)
+            and route.path == ESTIMATE_PATH
+            and "POST" in (route.methods or ())
+        ):
+            return route
+    raise LookupError("no estimate route")

@@ -23,12 +23,14 @@ from service.api.schemas.estimates import (
     ComponentBytes,
     EstimateOut,
     GpuFitSummary,
+    JobsIn,
     LevelCalibrationOut,
     LevelsOut,
     ParamsOut,
     PeakOut,
     PhaseOut,
     RejectedJob,
+    estimate_values,
 )
 from service.api.schemas.fit_checks import (
     CheapestOut,
@@ -99,6 +101,7 @@ __all__ = [
     "GpuRef",
     "HealthOut",
     "JobSpec",
+    "JobsIn",
     "LevelCalibrationOut",
     "LevelsOut",
     "LoraIn",
@@ -119,5 +122,6 @@ __all__ = [
     "QuantizationIn",
     "RejectedJob",
     "SuggestionOut",
+    "estimate_values",
     "spec_changes",
 ]

@@ -132,9 +132,11 @@ class GpuFitSummary(Out):
 
 
 ComponentBytes = dict[Component, Bytes]
-# Iterating an enum runs Python code per member: the members, once.
-_COMPONENTS = tuple(Component)
-_OVERHEADS = tuple(Overhead)
+# Iterating an enum runs Python code per member: the members, once, with their values (the
+# encoder takes a plain string at a fraction of an enum member's cost).
+_COMPONENTS = tuple((c, c.value) for c in Component)
+_OVERHEADS = tuple((o, o.value) for o in Overhead)
+_PHASES = {phase: phase.value for phase in Phase}
 
 
 class EstimateOut(Out):
@@ -176,44 +178,87 @@ class EstimateOut(Out):
         gpu: GpuFitSummary | None = None,
         warnings: tuple[str, ...] = (),
     ) -> EstimateOut:
-        calibration = peaks.calibration
-        upper_margin = calibration.upper_margin(est.upper_margin)
+        gpu_values = None if gpu is None else gpu.model_dump(mode="json")
         # One validation of plain values (pydantic-core) is cheaper than building each
         # nested model in Python.
-        return cls.model_validate(
-            {
-                "model": model,
-                "peak": {
-                    "allocated_bytes": peaks.allocated_bytes,
-                    "reserved_bytes": peaks.reserved_bytes,
-                    "device_bytes": peaks.device_bytes,
-                    "device_bytes_upper": peaks.device_bytes_upper,
-                    "step": est.peak_step,
-                    "phase": est.peak_phase,
-                    "phase_words": PHASE_WORDS[est.peak_phase],
-                },
-                "estimated": {
-                    "allocated_bytes": est.allocated_bytes,
-                    "reserved_bytes": est.reserved_bytes,
-                    "device_bytes": est.device_bytes,
-                    "device_bytes_upper": est.device_bytes_upper,
-                },
-                "components": {c: est.components.get(c, 0) for c in _COMPONENTS},
-                "overheads": {o: est.overheads.get(o, 0) for o in _OVERHEADS},
-                "phases": [
-                    {"step": ph.step, "phase": ph.phase, "allocated_bytes": ph.allocated_bytes}
-                    for ph in est.phases
-                ],
-                "params": {"total": est.params.total, "trainable": est.params.trainable},
-                "upper_margin": upper_margin,
-                "calibration": CalibrationOut.from_core(calibration),
-                "gpu": gpu,
-                # Calibration alone says what it applied: the core knows no factors.
-                "assumptions": [*_core_notes(est.assumptions), calibration.note(upper_margin)],
-                "warnings": [*est.warnings, *warnings],
-                "estimator_version": est.estimator_version,
-            }
+        return cls.model_validate(estimate_values(model, est, peaks, gpu_values, warnings))
+
+
+def estimate_values(
+    model: str,
+    est: Estimate,
+    peaks: CalibratedPeaks,
+    gpu: dict[str, Any] | None = None,
+    warnings: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """An `EstimateOut` as the plain values it serialises to, in its fields' order.
+
+    The estimate routes encode these straight to JSON (`pydantic_core.to_json`): the same
+    bytes as the model's serialiser writes (tests/api/test_encoding.py holds them to it),
+    without building and validating a model per answer. `gpu` is a `GpuFitSummary`'s values.
+    """
+    calibration = peaks.calibration
+    upper_margin = calibration.upper_margin(est.upper_margin)
+    described = _calibration_values(calibration)
+    components = est.components
+    overheads = est.overheads
+    phases = _PHASES
+    return {
+        "model": model,
+        "peak": {
+            "allocated_bytes": peaks.allocated_bytes,
+            "reserved_bytes": peaks.reserved_bytes,
+            "device_bytes": peaks.device_bytes,
+            "device_bytes_upper": peaks.device_bytes_upper,
+            "step": est.peak_step,
+            "phase": phases[est.peak_phase],
+            "phase_words": PHASE_WORDS[est.peak_phase],
+        },
+        "estimated": {
+            "allocated_bytes": est.allocated_bytes,
+            "reserved_bytes": est.reserved_bytes,
+            "device_bytes": est.device_bytes,
+            "device_bytes_upper": est.device_bytes_upper,
+        },
+        "components": {key: components.get(c, 0) for c, key in _COMPONENTS},
+        "overheads": {key: overheads.get(o, 0) for o, key in _OVERHEADS},
+        "phases": [
+            {"step": ph.step, "phase": phases[ph.phase], "allocated_bytes": ph.allocated_bytes}
+            for ph in est.phases
+        ],
+        "params": {"total": est.params.total, "trainable": est.params.trainable},
+        "upper_margin": upper_margin,
+        "calibration": described,
+        "gpu": gpu,
+        # Calibration alone says what it applied: the core knows no factors.
+        "assumptions": [*_core_notes(est.assumptions), calibration.note(upper_margin)],
+        "warnings": [*est.warnings, *warnings],
+        "estimator_version": est.estimator_version,
+    }
+
+
+# Calibrations described: a replica applies a few factor groups to many jobs. Forgotten whole
+# when full; a new factor table brings new calibrations.
+_MAX_DESCRIBED = 4096
+_described: dict[AppliedCalibration, dict[str, Any]] = {}
+_last_described: list[tuple[AppliedCalibration, dict[str, Any]]] = []
+
+
+def _calibration_values(calibration: AppliedCalibration) -> dict[str, Any]:
+    """A `CalibrationOut`'s values, shared between answers, which only encode them."""
+    if _last_described:
+        last, values = _last_described[0]
+        if last is calibration:  # the same uncalibrated state, job after job
+            return values
+    found = _described.get(calibration)
+    if found is None:
+        if len(_described) >= _MAX_DESCRIBED:
+            _described.clear()
+        found = _described[calibration] = CalibrationOut.from_core(calibration).model_dump(
+            mode="json"
         )
+    _last_described[:] = [(calibration, found)]
+    return found
 
 
 # A parenthesis of a core note that speaks of calibration is left out: the calibration note,
@@ -221,8 +266,21 @@ class EstimateOut(Out):
 _CORE_CALIBRATION_WORDS = re.compile(r"\s*\([^()]*calibrat[^()]*\)", re.IGNORECASE)
 
 
+_MAX_NOTE_SETS = 4096
+_notes: dict[tuple[str, ...], list[str]] = {}
+
+
 def _core_notes(notes: tuple[str, ...]) -> list[str]:
-    return [_CORE_CALIBRATION_WORDS.sub("", n) if "calibrat" in n.lower() else n for n in notes]
+    """The core's notes without their words on calibration, remembered per set of notes (jobs
+    of one kind share theirs): callers copy the list, never change it."""
+    found = _notes.get(notes)
+    if found is None:
+        if len(_notes) >= _MAX_NOTE_SETS:
+            _notes.clear()
+        found = _notes[notes] = [
+            _CORE_CALIBRATION_WORDS.sub("", n) if "calibrat" in n.lower() else n for n in notes
+        ]
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +331,14 @@ class BatchIn(In):
     jobs: list[BatchJob] = Field(
         min_length=1, max_length=MAX_BATCH_JOBS, description="The jobs, answered in this order."
     )
+
+
+class JobsIn(In):
+    """A batch whose every job passes the schema, read in one pass from the body's bytes;
+    any other is read as `BatchIn`, whose jobs fail one by one. Not in the OpenAPI schema
+    (`BatchIn` documents the body)."""
+
+    jobs: list[JobSpec] = Field(min_length=1, max_length=MAX_BATCH_JOBS)
 
 
 class BatchResultOut(Out):

@@ -161,6 +161,8 @@ class ParallelIn(In):
     offload: Offload = Field(default=Offload.NONE, description="What is offloaded to the host.")
 
     def to_spec(self) -> ParallelSpec:
+        if not self.model_fields_set:  # the default layout: one spec for every such job
+            return _DEFAULT_PARALLEL
         return ParallelSpec(gpus=self.gpus, strategy=self.strategy, offload=self.offload)
 
 
@@ -207,7 +209,16 @@ class AllocatorIn(In):
     )
 
     def to_spec(self) -> AllocatorConfig:
+        if not self.model_fields_set:  # PyTorch's defaults: one config for every such job
+            return _DEFAULT_ALLOCATOR
         return AllocatorConfig(**self.model_dump())
+
+
+# The specs of the defaults, built once from the models' own defaults (frozen, so shared).
+_DEFAULT_PARALLEL = ParallelSpec(
+    gpus=ParallelIn().gpus, strategy=ParallelIn().strategy, offload=ParallelIn().offload
+)
+_DEFAULT_ALLOCATOR = AllocatorConfig(**AllocatorIn().model_dump())
 
 
 def _model_shorthand(value: Any) -> Any:
