@@ -150,5 +150,10 @@ def estimate_route() -> APIRoute:
             and route.path == ESTIMATE_PATH
             and "POST" in (route.methods or ())
         ):
+            if route.dependencies or route.dependant.dependencies:
+                # The shortcut calls the endpoint itself: a dependency would be skipped.
+                raise RuntimeError(
+                    f"{ESTIMATE_PATH} has dependencies, which EstimateShortcut would not run"
+                )
             return route
     raise LookupError("no estimate route")
