@@ -38,6 +38,7 @@ from service.core.calibration import (
     Scope,
     fit_table,
 )
+from service.store.db import read_only_sessions
 from service.store.models import CalibrationFactor
 from service.store.repositories import CalibrationRepository
 
@@ -135,26 +136,65 @@ def _stored(row: CalibrationFactor) -> tuple[GroupKey, Factor]:
     return key, factor
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Refit:
+    """Partitions fitted from the ratios a session saw, and the changes that fit covers."""
+
+    change_ids: dict[tuple[str, str], list[int]]  # (method, level) -> its changes' ids
+    tables: dict[tuple[str, str], FactorTable]
+
+
+def _fit_changed(session: Session, estimator_version: str) -> _Refit:
+    changes = CalibrationRepository(session).changes(estimator_version)
+    change_ids: dict[tuple[str, str], list[int]] = {}
+    for change_id, method, level in changes:
+        change_ids.setdefault((method, level), []).append(change_id)
+    # The ratios are read after the changes: every change seen is covered by the fit.
+    tables = {
+        (method, level): fit_factor_table(
+            session, estimator_version, method=method, level=Level(level)
+        )
+        for method, level in sorted(change_ids)
+    }
+    return _Refit(change_ids=change_ids, tables=tables)
+
+
+def _store_refit(
+    session: Session, estimator_version: str, refit: _Refit, fitted_at: datetime
+) -> int:
+    """Store the fitted partitions whose changes no other refit has covered meanwhile (one
+    that did read more ratios than this one); returns how many were stored."""
+    repository = CalibrationRepository(session)
+    repository.lock_refit(estimator_version)
+    pending = {change_id for change_id, _method, _level in repository.changes(estimator_version)}
+    stored = 0
+    for partition, ids in refit.change_ids.items():
+        if not pending.intersection(ids):
+            continue
+        method, level = partition
+        rows = _factor_rows(estimator_version, refit.tables[partition], fitted_at)
+        repository.replace_factors(estimator_version, method, level, rows)
+        repository.forget_changes(ids)
+        stored += 1
+    session.flush()
+    return stored
+
+
 def refresh_factors(
     session: Session, estimator_version: str, *, now: Callable[[], datetime] | None = None
 ) -> int:
     """Refit the partitions whose ratios changed since their last refit and store their
-    factors; returns how many partitions were refitted. The caller commits."""
-    repository = CalibrationRepository(session)
-    repository.lock_refit(estimator_version)
-    changes = repository.changes(estimator_version)
-    if not changes:
+    factors, in one transaction; returns how many partitions were refitted. The caller
+    commits."""
+    CalibrationRepository(session).lock_refit(estimator_version)
+    refit = _fit_changed(session, estimator_version)
+    if not refit.change_ids:
         return 0
-    fitted_at = (now or (lambda: datetime.now(UTC)))()
-    partitions = sorted({(method, level) for _id, method, level in changes})
-    for method, level in partitions:
-        table = fit_factor_table(session, estimator_version, method=method, level=Level(level))
-        repository.replace_factors(
-            estimator_version, method, level, _factor_rows(estimator_version, table, fitted_at)
-        )
-    repository.forget_changes([change_id for change_id, _method, _level in changes])
-    session.flush()
-    return len(partitions)
+    return _store_refit(session, estimator_version, refit, (now or _utc_now)())
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
 
 
 def stored_factor_table(session: Session, estimator_version: str) -> FactorTable:
@@ -264,13 +304,18 @@ def factor_loader(
 ) -> Callable[[], FactorTable]:
     """A FactorCache loader reading the store in its own short session."""
 
+    readers = read_only_sessions(sessions)
+
     def load() -> FactorTable:
-        with sessions() as session:
-            changed = CalibrationRepository(session).has_changes(estimator_version)
-        if changed:
+        # The fit reads in a read-only transaction (on SQLite, one that neither takes nor
+        # waits for the write lock, so uploads go on meanwhile); only storing its result
+        # writes, briefly.
+        with readers() as session:
+            refit = _fit_changed(session, estimator_version)
+        if refit.change_ids:
             with sessions.begin() as session:
-                refresh_factors(session, estimator_version)
-        with sessions() as session:
+                _store_refit(session, estimator_version, refit, _utc_now())
+        with readers() as session:
             return stored_factor_table(session, estimator_version)
 
     return load

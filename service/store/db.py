@@ -72,8 +72,15 @@ class SqliteWriteLock:
             self._lock.release()
 
 
+# The execution option of connections that only read (see `read_only_sessions`).
+READ_ONLY_OPTION = "vramcast_read_only"
+
+
 def _sqlite_begin(lock: SqliteWriteLock) -> Any:
     def begin(connection: Any) -> None:
+        if connection.get_execution_options().get(READ_ONLY_OPTION):
+            connection.exec_driver_sql("BEGIN")
+            return
         # IMMEDIATE takes the write lock at BEGIN: a transaction that reads and then writes
         # (the idempotency check, then the insert) waits for the lock instead of failing
         # with SQLITE_BUSY when another writer committed in between.
@@ -125,3 +132,13 @@ def create_engine_from_url(url: str | URL, **kwargs: Any) -> Engine:
 
 def create_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def read_only_sessions(sessions: sessionmaker[Session]) -> sessionmaker[Session]:
+    """Sessions on the same engine that only read: on SQLite their transactions begin
+    DEFERRED, neither taking nor waiting for the write lock (WAL lets them read while another
+    connection writes). Writing through them on SQLite may fail with "database is locked"."""
+    engine = sessions.kw["bind"]
+    return sessionmaker(
+        engine.execution_options(**{READ_ONLY_OPTION: True}), expire_on_commit=False
+    )
