@@ -555,7 +555,7 @@ def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
                         for offset, level in enumerate(_LEVELS):
                             copy.write_row(
                                 (
-                                    3 * upload_id + offset,
+                                    first_ratio_id + 3 * (upload_id - first_id) + offset,
                                     upload_id,
                                     SCALE_VERSION,
                                     level,
