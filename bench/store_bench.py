@@ -59,6 +59,7 @@ class Load:
     uploads_per_client: int = 20
     replay_share: float = 0.25  # uploads sent twice at once, once to each server
     deadline_s: float = 120.0  # no new upload starts after this
+    servers: int = SERVERS
 
 
 @dataclass(slots=True, kw_only=True)
@@ -248,7 +249,7 @@ def run_load(database_url: str, load: Load = Load()) -> LoadResult:
     """Migrate `database_url`, start the servers on it, run `load`, and count what is stored."""
     upgrade(database_url)
     token = _upload_key(database_url)
-    with servers(database_url) as started:
+    with servers(database_url, load.servers) as started:
         cpu_before = _cpu_of(started)
         tally, seconds = asyncio.run(_drive([server.url for server in started], token, load))
         cpu_after = _cpu_of(started)
@@ -271,7 +272,16 @@ def run_load(database_url: str, load: Load = Load()) -> LoadResult:
 
 
 def run(load: Load = Load()) -> dict[str, Any]:
-    """The `make bench` figures, on a scratch database of the local PostgreSQL server."""
+    """The `make bench` figures: the two-server load and the stored ratios' scale on a scratch
+    database of the local PostgreSQL server, and the embedded SQLite store's fleet."""
+    figures = {f"two servers: {k}": v for k, v in run_two_servers(load).items()}
+    figures.update(fleet_figures(run_sqlite_fleet()))
+    figures.update(scale_figures(os.environ.get(POSTGRES_URL_ENV) or DEFAULT_POSTGRES_URL))
+    return figures
+
+
+def run_two_servers(load: Load = Load()) -> dict[str, Any]:
+    """Two servers on one PostgreSQL database: throughput, latency, exactly once."""
     server_url = os.environ.get(POSTGRES_URL_ENV) or DEFAULT_POSTGRES_URL
     with contextlib.ExitStack() as stack:
         try:
@@ -281,8 +291,8 @@ def run(load: Load = Load()) -> dict[str, Any]:
         result = run_load(database_url, load)
     cpu = result.server_cpu_ms_per_upload
     return {
-        "setup": f"{load.clients} nodes x {load.uploads_per_client} uploads, {SERVERS} uvicorn "
-        f"servers, one PostgreSQL, loopback, {os.cpu_count()} CPUs",
+        "setup": f"{load.clients} nodes x {load.uploads_per_client} uploads, "
+        f"{load.servers} uvicorn servers, one PostgreSQL, loopback, {os.cpu_count()} CPUs",
         "uploads/s": round(result.uploads_per_s, 1),
         "p50 ms": round(result.percentile_ms(0.50), 1),
         "p99 ms": round(result.percentile_ms(0.99), 1),
@@ -297,6 +307,414 @@ def run(load: Load = Load()) -> dict[str, Any]:
     }
 
 
+# --- The embedded SQLite store under a fleet's uploads --------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fleet:
+    """Uploads from many nodes through a few concurrent clients to one server on SQLite."""
+
+    uploads: int = 20_000
+    clients: int = 16
+    nodes: int = 60
+    window: int = 2_000  # the first and the last this many uploads are compared
+    deadline_s: float = 1_200.0  # no new upload starts after this
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetResult:
+    fleet: Fleet
+    statuses: dict[int, int]  # status -> count, every request
+    finished_at: list[float]  # seconds from the start at which each 201 came back, in order
+    stored: int  # uploads in the database afterwards
+    stored_keys: int  # distinct Idempotency-Keys among them
+    ratios: int  # ratios in the database afterwards
+    latencies: list[float]
+
+    @property
+    def created(self) -> int:
+        return self.statuses.get(201, 0)
+
+    def rate(self, first: bool) -> float:
+        """Uploads per second over the first (or last) `window` uploads created."""
+        times = self.finished_at
+        window = min(self.fleet.window, len(times) - 1)
+        if window < 1:
+            return 0.0
+        span = times[window] - times[0] if first else times[-1] - times[-1 - window]
+        return window / span if span > 0 else float("inf")
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.stored == self.stored_keys == self.created
+
+
+async def _fleet_client(
+    client: httpx.AsyncClient,
+    fleet: Fleet,
+    counter: Iterator[int],
+    devices: dict[str, int],
+    started: float,
+    tally: dict[str, Any],
+) -> None:
+    for index in counter:
+        if time.perf_counter() - started > fleet.deadline_s:
+            return
+        node = index % fleet.nodes
+        job = JOBS[node % len(JOBS)]
+        rng = random.Random(index)
+        body = {
+            "job": job,
+            "gpu": GPU,
+            "measured": {"device_bytes": round(devices[job["model"]] * rng.uniform(0.95, 1.25))},
+            "environment": {"torch": "2.5.1+cu124", "cuda": "12.4"},
+            "node_id": f"fleet-node-{node}",
+            "run_id": f"fleet-run-{index}",
+        }
+        sent = time.perf_counter()
+        response = await client.post(
+            "/v1/calibrations", json=body, headers={"Idempotency-Key": f"fleet-{index}"}
+        )
+        done = time.perf_counter()
+        tally["latencies"].append(done - sent)
+        tally["statuses"][response.status_code] += 1
+        if response.status_code == 201:
+            tally["finished_at"].append(done - started)
+
+
+async def _drive_fleet(url: str, token: str, fleet: Fleet) -> dict[str, Any]:
+    tally: dict[str, Any] = {"latencies": [], "statuses": Counter(), "finished_at": []}
+    limits = httpx.Limits(max_connections=fleet.clients, max_keepalive_connections=fleet.clients)
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=REQUEST_TIMEOUT_S
+    ) as client:
+        devices = {}
+        for job in JOBS:
+            estimate = await client.post("/v1/estimates", json=job)
+            devices[job["model"]] = estimate.json()["estimated"]["device_bytes"]
+        counter = iter(range(fleet.uploads))  # shared: each client takes the next upload
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(
+                _fleet_client(client, fleet, counter, devices, started, tally)
+                for _ in range(fleet.clients)
+            )
+        )
+    tally["finished_at"].sort()
+    return tally
+
+
+def run_sqlite_fleet(fleet: Fleet = Fleet(), directory: str | None = None) -> FleetResult:
+    """`fleet` against one server on a fresh SQLite file (in `directory`, or a temporary one)."""
+    import tempfile
+
+    from service.store.models import CalibrationRatio
+
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        database_url = f"sqlite:///{scratch}/fleet.db"
+        upgrade(database_url)
+        token = _upload_key(database_url)
+        with servers(database_url, 1) as started:
+            tally = asyncio.run(_drive_fleet(started[0].url, token, fleet))
+        engine = create_engine(database_url, poolclass=NullPool)
+        try:
+            with engine.connect() as connection:
+                stored = connection.scalar(select(func.count()).select_from(CalibrationUpload))
+                keys = connection.scalar(
+                    select(func.count(CalibrationUpload.idempotency_key.distinct()))
+                )
+                ratios = connection.scalar(select(func.count()).select_from(CalibrationRatio))
+        finally:
+            engine.dispose()
+    return FleetResult(
+        fleet=fleet,
+        statuses=dict(sorted(tally["statuses"].items())),
+        finished_at=tally["finished_at"],
+        stored=stored or 0,
+        stored_keys=keys or 0,
+        ratios=ratios or 0,
+        latencies=tally["latencies"],
+    )
+
+
+# Targets the fleet figures are printed next to.
+FLEET_RATE_KEPT = 2 / 3  # the last window's rate over the first's, at least
+SCALE_P99_GROWTH = 2.0  # upload p99 at the largest size over the smallest's, at most
+
+
+def fleet_figures(result: FleetResult) -> dict[str, Any]:
+    fleet = result.fleet
+    first, last = result.rate(first=True), result.rate(first=False)
+    ordered = sorted(result.latencies)
+    p99 = 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
+    failures = {s: n for s, n in result.statuses.items() if s != 201}
+    kept = last / first if first else 0.0
+    return {
+        "sqlite fleet: setup": f"{fleet.uploads} uploads, {fleet.clients} concurrent clients, "
+        f"{fleet.nodes} nodes, 1 uvicorn server, loopback",
+        "sqlite fleet: created (target: all)": f"{result.created} of {fleet.uploads}",
+        "sqlite fleet: 503s (target: 0)": result.statuses.get(503, 0),
+        "sqlite fleet: other failures": failures or "none",
+        "sqlite fleet: stored exactly once": result.exactly_once,
+        f"sqlite fleet: first {fleet.window} uploads/s": round(first, 1),
+        f"sqlite fleet: last {fleet.window} uploads/s": round(last, 1),
+        f"sqlite fleet: last/first (target >= {FLEET_RATE_KEPT:.2f})": round(kept, 2),
+        "sqlite fleet: upload p99 ms": round(p99, 1),
+        "sqlite fleet: load average": " ".join(f"{v:.1f}" for v in os.getloadavg()),
+    }
+
+
+# --- Uploads and factor loads over many stored ratios (PostgreSQL) --------------------------
+
+SCALE_SIZES = (10_000, 100_000, 1_000_000)  # stored ratios
+SCALE_MODELS = 30
+SCALE_NODES = 60
+SCALE_UPLOADS = 300  # uploads timed at each size
+SCALE_THREADS = 8  # concurrent uploaders
+SCALE_VERSION = "bench-scale"
+_LEVELS = ("allocated", "reserved", "device")  # three ratios per synthetic upload
+
+
+def _stand_in_estimate(job: Any) -> Any:
+    """An estimate read off the job (the store's cost is timed, not the estimator's)."""
+    from service.core.result import Estimate, ParamCounts, Phase
+
+    gib = 2**30
+    allocated = int(job["estimate_gib"] * gib)
+    return Estimate(
+        allocated_bytes=allocated,
+        reserved_bytes=allocated * 11 // 10,
+        device_bytes=allocated * 12 // 10,
+        device_bytes_upper=allocated * 14 // 10,
+        components={},
+        overheads={},
+        peak_step=1,
+        peak_phase=Phase.BACKWARD_START,
+        phases=(),
+        params=ParamCounts(total=1, trainable=1),
+        upper_margin=0.15,
+        assumptions=(),
+        warnings=(),
+        estimator_version=SCALE_VERSION,
+    )
+
+
+def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
+    """`count` synthetic uploads with three ratios each, by COPY (psycopg's)."""
+    import json
+
+    rng = random.Random(count)
+    now = datetime.now(UTC).isoformat()
+    environment = json.dumps({"torch": "2.5.1+cu124", "cuda": "12.4"})
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        raw = engine.raw_connection()
+        try:
+            connection = raw.driver_connection
+            assert connection is not None
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT coalesce(max(id), 0) + 1 FROM calibration_upload")
+                first_id = int(cursor.fetchone()[0])
+                cursor.execute("SELECT coalesce(max(id), 0) + 1 FROM calibration_ratio")
+                first_ratio_id = int(cursor.fetchone()[0])
+                with cursor.copy(
+                    "COPY calibration_upload (id, received_at, api_key_id, request_hash, model,"
+                    " method, job, gpu_name, gpu_memory_total_bytes, measured_allocated_bytes,"
+                    " measured_reserved_bytes, measured_device_bytes, outcome, environment,"
+                    " node_id, run_id) FROM STDIN"
+                ) as copy:
+                    for upload_id in range(first_id, first_id + count):
+                        node = rng.randrange(SCALE_NODES)
+                        base = 10 * 2**30
+                        copy.write_row(
+                            (
+                                upload_id,
+                                now,
+                                api_key_id,
+                                "0" * 64,
+                                f"bench/model-{rng.randrange(SCALE_MODELS)}",
+                                "lora",
+                                "{}",
+                                GPU["name"],
+                                GPU["memory_total_bytes"],
+                                base,
+                                base * 11 // 10,
+                                base * 12 // 10,
+                                "oom" if rng.random() < 0.05 else "completed",
+                                environment,
+                                f"scale-node-{node}",
+                                f"scale-run-{upload_id}",
+                            )
+                        )
+                with cursor.copy(
+                    "COPY calibration_ratio (id, upload_id, estimator_version, level,"
+                    " estimated_bytes, ratio, computed_at) FROM STDIN"
+                ) as copy:
+                    for upload_id in range(first_id, first_id + count):
+                        for offset, level in enumerate(_LEVELS):
+                            copy.write_row(
+                                (
+                                    first_ratio_id + 3 * (upload_id - first_id) + offset,
+                                    upload_id,
+                                    SCALE_VERSION,
+                                    level,
+                                    10 * 2**30,
+                                    rng.lognormvariate(0.1, 0.05),
+                                    now,
+                                )
+                            )
+                last = first_id + count - 1
+                cursor.execute(
+                    "SELECT setval(pg_get_serial_sequence('calibration_upload', 'id'), %s)",
+                    (last,),
+                )
+                cursor.execute(
+                    "SELECT setval(pg_get_serial_sequence('calibration_ratio', 'id'), %s)",
+                    (first_ratio_id + 3 * count - 1,),
+                )
+                cursor.execute(
+                    "INSERT INTO calibration_change (estimator_version, method, level) "
+                    "SELECT %s, 'lora', unnest(%s::text[])",
+                    (SCALE_VERSION, list(_LEVELS)),
+                )
+                cursor.execute("ANALYZE")
+            connection.commit()
+        finally:
+            raw.close()
+    finally:
+        engine.dispose()
+
+
+def _time_uploads(sessions: Any, api_key_id: int, tag: str) -> list[float]:
+    """SCALE_UPLOADS uploads through the store, SCALE_THREADS at a time; each one's seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service.calibration.uploads import NewUpload, submit_upload
+    from service.core.calibration import EMPTY_TABLE, Measured, Outcome
+
+    def one(index: int) -> float:
+        upload = NewUpload(
+            job={"estimate_gib": 10.0},
+            model=f"bench/model-{index % SCALE_MODELS}",
+            method="lora",
+            gpu_name=str(GPU["name"]),
+            gpu_memory_total_bytes=int(str(GPU["memory_total_bytes"])),
+            measured=Measured(device_bytes=13 * 2**30),
+            outcome=Outcome.COMPLETED,
+            environment={"torch": "2.5.1+cu124", "cuda": "12.4"},
+            node_id=f"scale-node-{index % SCALE_NODES}",
+            run_id=f"timed-{tag}-{index}",
+        )
+        started = time.perf_counter()
+        with sessions() as session:
+            submit_upload(
+                session,
+                upload,
+                api_key_id=api_key_id,
+                idempotency_key=f"timed-{tag}-{index}",
+                estimate=_stand_in_estimate,
+                factors=EMPTY_TABLE,
+                render=lambda receipt: {"id": receipt.upload_id},
+            )
+            session.commit()
+        return time.perf_counter() - started
+
+    with ThreadPoolExecutor(SCALE_THREADS) as pool:
+        return list(pool.map(one, range(SCALE_UPLOADS)))
+
+
+def run_scale(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> list[dict[str, Any]]:
+    """At each size of stored ratios: upload throughput and p99, the refit of one changed
+    partition, and the load of the stored factors a replica does every few seconds."""
+    from service.calibration.factors import (
+        fit_factor_table,
+        refresh_factors,
+        stored_factor_table,
+    )
+    from service.core.calibration import Level
+
+    rows = []
+    with scratch_postgres_database(server_url) as database_url:
+        upgrade(database_url)
+        engine = create_engine_from_url(database_url, pool_size=SCALE_THREADS + 2)
+        sessions = create_session_factory(engine)
+        try:
+            with sessions.begin() as session:
+                api_key_id = create_key(
+                    session, scopes=[KeyScope.UPLOAD], name="scale", now=datetime.now(UTC)
+                ).key.id
+            stored_uploads = 0
+            for size in sizes:
+                count = size // len(_LEVELS) - stored_uploads
+                started = time.perf_counter()
+                _bulk_insert(database_url, api_key_id, count)
+                insert_s = time.perf_counter() - started
+                stored_uploads += count
+                with sessions.begin() as session:  # the bulk rows' factors, before timing
+                    started = time.perf_counter()
+                    refresh_factors(session, SCALE_VERSION)
+                    refit_all_s = time.perf_counter() - started
+                wall = time.perf_counter()
+                latencies = _time_uploads(sessions, api_key_id, str(size))
+                wall = time.perf_counter() - wall
+                with sessions.begin() as session:
+                    started = time.perf_counter()
+                    refitted = refresh_factors(session, SCALE_VERSION)
+                    refit_s = time.perf_counter() - started
+                with sessions() as session:
+                    started = time.perf_counter()
+                    table = stored_factor_table(session, SCALE_VERSION)
+                    load_ms = 1e3 * (time.perf_counter() - started)
+                    started = time.perf_counter()
+                    full = fit_factor_table(
+                        session, SCALE_VERSION, method="lora", level=Level.DEVICE
+                    )
+                    full_s = time.perf_counter() - started
+                    assert all(table.factors[key] == factor for key, factor in full.factors.items())
+                ordered = sorted(latencies)
+                rows.append(
+                    {
+                        "ratios": size,
+                        "bulk insert s": round(insert_s, 1),
+                        "uploads/s": round(SCALE_UPLOADS / wall, 1),
+                        "upload p50 ms": round(1e3 * ordered[len(ordered) // 2], 1),
+                        "upload p99 ms": round(1e3 * ordered[int(0.99 * len(ordered))], 1),
+                        "refit of the changed partition s": round(refit_s, 2),
+                        "partitions refitted": refitted,
+                        "refit of all partitions s": round(refit_all_s, 2),
+                        "load of stored factors ms": round(load_ms, 1),
+                        "factors": len(table.factors),
+                        "full refit of one partition s": round(full_s, 2),
+                    }
+                )
+        finally:
+            engine.dispose()
+    return rows
+
+
+def scale_figures(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> dict[str, Any]:
+    try:
+        rows = run_scale(server_url, sizes)
+    except OperationalError as error:
+        return {"scale: skipped": f"PostgreSQL unreachable at {server_url}: {error.orig}"}
+    figures: dict[str, Any] = {
+        "scale: setup": f"PostgreSQL, synthetic ratios ({SCALE_MODELS} models, {SCALE_NODES} "
+        f"nodes, 3 levels) by COPY; {SCALE_UPLOADS} uploads timed, {SCALE_THREADS} at a time, "
+        "in process (stand-in estimator)",
+    }
+    for row in rows:
+        size = row.pop("ratios")
+        for name, value in row.items():
+            figures[f"scale {size:>9,}: {name}"] = value
+    if len(rows) >= 2:
+        growth = rows[-1]["upload p99 ms"] / max(rows[0]["upload p99 ms"], 1e-9)
+        figures[
+            f"scale: p99 at {sizes[-1]:,} / at {sizes[0]:,} (target <= {SCALE_P99_GROWTH:g})"
+        ] = round(growth, 2)
+    return figures
+
+
 if __name__ == "__main__":
     for name, value in run().items():
-        print(f"{name:<26}{value}")
+        print(f"{name:<44}{value}")

@@ -1,4 +1,12 @@
-"""The factors a replica applies: fitted from the store's ratios, cached with a TTL.
+"""The factors a replica applies: fitted from the store's ratios, stored, cached with a TTL.
+
+An upload adds its ratios and notes which (estimator version, method, level) partitions they
+changed, in its own transaction, and nothing more: its cost does not grow with the ratios
+stored. A load (`load_factor_table`) first refits the partitions changed since the last
+refit (`refresh_factors`: `fit_table` on each such partition's ratios, the same factors a
+refit of everything gives, since every group lies within one method and level) and stores
+their factors; then it reads the stored factors, whose number does not grow with the ratios.
+Replicas refit one at a time (an advisory lock on PostgreSQL); the others read.
 
 Requests only read the cache (`FactorCache.peek`); `keep_fresh` reloads it in a worker thread.
 When the store is down, the cache keeps the last factors loaded (`stale`) or none (`none`).
@@ -12,13 +20,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.core.calibration import EMPTY_TABLE, FactorTable, Observation, Sample, fit_table
+from service.core.calibration import (
+    EMPTY_TABLE,
+    Factor,
+    FactorTable,
+    GroupKey,
+    Level,
+    Observation,
+    Sample,
+    Scope,
+    fit_table,
+)
+from service.store.db import read_only_sessions
+from service.store.models import CalibrationFactor
 from service.store.repositories import CalibrationRepository
 
 # Factors a replica serves are at most this old: with one load it stays within the 10 s in
@@ -52,10 +73,140 @@ def _observation(row: Any) -> Observation:
     )
 
 
-def load_factor_table(session: Session, estimator_version: str) -> FactorTable:
-    """Fit every factor afresh from the raw ratios of one estimator version."""
-    rows = CalibrationRepository(session).observations(estimator_version)
+def fit_factor_table(
+    session: Session,
+    estimator_version: str,
+    *,
+    method: str | None = None,
+    level: Level | None = None,
+) -> FactorTable:
+    """Fit every factor (of one method and level, if given) afresh from the raw ratios of one
+    estimator version: the definition the stored factors are kept equal to."""
+    rows = CalibrationRepository(session).observations(
+        estimator_version, method=method, level=level
+    )
     return fit_table(_observation(row) for row in rows)
+
+
+def _factor_rows(
+    estimator_version: str, table: FactorTable, fitted_at: datetime
+) -> list[CalibrationFactor]:
+    return [
+        CalibrationFactor(
+            estimator_version=estimator_version,
+            method=key.method,
+            level=key.level.value,
+            scope=key.scope.value,
+            model=key.model or "",
+            variant=key.variant or "",
+            ratio=factor.ratio,
+            upper_multiplier=factor.upper_multiplier,
+            nodes=factor.nodes,
+            models=factor.models,
+            rejected_nodes=list(factor.rejected_nodes),
+            runs=factor.runs,
+            oom_runs=factor.oom_runs,
+            log_spread=factor.log_spread,
+            clamped=factor.clamped,
+            fitted_at=fitted_at,
+        )
+        for key, factor in table.factors.items()
+    ]
+
+
+def _stored(row: CalibrationFactor) -> tuple[GroupKey, Factor]:
+    key = GroupKey(
+        scope=Scope(row.scope),
+        method=row.method,
+        level=Level(row.level),
+        model=row.model or None,
+        variant=row.variant or None,
+    )
+    factor = Factor(
+        ratio=row.ratio,
+        upper_multiplier=row.upper_multiplier,
+        nodes=row.nodes,
+        models=row.models,
+        rejected_nodes=tuple(row.rejected_nodes),
+        runs=row.runs,
+        oom_runs=row.oom_runs,
+        log_spread=row.log_spread,
+        clamped=row.clamped,
+    )
+    return key, factor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Refit:
+    """Partitions fitted from the ratios a session saw, and the changes that fit covers."""
+
+    change_ids: dict[tuple[str, str], list[int]]  # (method, level) -> its changes' ids
+    tables: dict[tuple[str, str], FactorTable]
+
+
+def _fit_changed(session: Session, estimator_version: str) -> _Refit:
+    changes = CalibrationRepository(session).changes(estimator_version)
+    change_ids: dict[tuple[str, str], list[int]] = {}
+    for change_id, method, level in changes:
+        change_ids.setdefault((method, level), []).append(change_id)
+    # The ratios are read after the changes: every change seen is covered by the fit.
+    tables = {
+        (method, level): fit_factor_table(
+            session, estimator_version, method=method, level=Level(level)
+        )
+        for method, level in sorted(change_ids)
+    }
+    return _Refit(change_ids=change_ids, tables=tables)
+
+
+def _store_refit(
+    session: Session, estimator_version: str, refit: _Refit, fitted_at: datetime
+) -> int:
+    """Store the fitted partitions whose changes no other refit has covered meanwhile (one
+    that did read more ratios than this one); returns how many were stored."""
+    repository = CalibrationRepository(session)
+    repository.lock_refit(estimator_version)
+    pending = {change_id for change_id, _method, _level in repository.changes(estimator_version)}
+    stored = 0
+    for partition, ids in refit.change_ids.items():
+        if not pending.intersection(ids):
+            continue
+        method, level = partition
+        rows = _factor_rows(estimator_version, refit.tables[partition], fitted_at)
+        repository.replace_factors(estimator_version, method, level, rows)
+        repository.forget_changes(ids)
+        stored += 1
+    session.flush()
+    return stored
+
+
+def refresh_factors(
+    session: Session, estimator_version: str, *, now: Callable[[], datetime] | None = None
+) -> int:
+    """Refit the partitions whose ratios changed since their last refit and store their
+    factors, in one transaction; returns how many partitions were refitted. The caller
+    commits."""
+    CalibrationRepository(session).lock_refit(estimator_version)
+    refit = _fit_changed(session, estimator_version)
+    if not refit.change_ids:
+        return 0
+    return _store_refit(session, estimator_version, refit, (now or _utc_now)())
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def stored_factor_table(session: Session, estimator_version: str) -> FactorTable:
+    """The stored factors of one estimator version, as the last refit left them."""
+    rows = CalibrationRepository(session).factors(estimator_version)
+    return FactorTable(dict(_stored(row) for row in rows)) if rows else EMPTY_TABLE
+
+
+def load_factor_table(session: Session, estimator_version: str) -> FactorTable:
+    """The factors of one estimator version, refitting the partitions that changed first."""
+    refresh_factors(session, estimator_version)
+    return stored_factor_table(session, estimator_version)
 
 
 class FactorState(StrEnum):
@@ -153,9 +304,19 @@ def factor_loader(
 ) -> Callable[[], FactorTable]:
     """A FactorCache loader reading the store in its own short session."""
 
+    readers = read_only_sessions(sessions)
+
     def load() -> FactorTable:
-        with sessions() as session:
-            return load_factor_table(session, estimator_version)
+        # The fit reads in a read-only transaction (on SQLite, one that neither takes nor
+        # waits for the write lock, so uploads go on meanwhile); only storing its result
+        # writes, briefly.
+        with readers() as session:
+            refit = _fit_changed(session, estimator_version)
+        if refit.change_ids:
+            with sessions.begin() as session:
+                _store_refit(session, estimator_version, refit, _utc_now())
+        with readers() as session:
+            return stored_factor_table(session, estimator_version)
 
     return load
 

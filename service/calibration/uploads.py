@@ -14,11 +14,12 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.calibration.factors import environment_key, load_factor_table
+from service.calibration.factors import environment_key, refresh_factors, stored_factor_table
 from service.core.calibration import (
     EMPTY_TABLE,
     AppliedFactor,
@@ -32,7 +33,7 @@ from service.core.calibration import (
 )
 from service.core.errors import EstimatorError
 from service.core.result import Estimate
-from service.store.models import CalibrationRatio, CalibrationUpload
+from service.store.models import CalibrationRatio, CalibrationRederivation, CalibrationUpload
 from service.store.repositories import CalibrationRepository, DuplicateIdempotencyKeyError
 
 EstimateFn = Callable[[Mapping[str, Any]], Estimate]
@@ -244,6 +245,8 @@ def submit_upload(
         version = estimated.estimator_version
         results = derive_ratios(upload, estimated, factors)
         repository.add_ratios(_ratio_rows(row.id, version, results, received_at))
+        if results:
+            repository.mark_changed(version, {(upload.method, r.level.value) for r in results})
     receipt = UploadReceipt(
         upload_id=row.id,
         received_at=received_at,
@@ -256,6 +259,67 @@ def submit_upload(
     return Submission(upload_id=row.id, body=body, replayed=False)
 
 
+class RederivePhase(StrEnum):
+    DERIVE = "derive"  # deriving the ratios of uploads that have none of the version
+    FLAG = "flag"  # flagging the derived ratios against the factors they gave
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RederiveProgress:
+    """Where a re-derivation stands (committed, so a restart resumes from here)."""
+
+    estimator_version: str
+    phase: RederivePhase
+    total: int  # uploads that had no ratio of the version when the job started
+    done: int  # of them, uploads looked at
+    derived: int  # of them, uploads that got ratios (the others' jobs the estimator rejects)
+    started_at: datetime
+    finished_at: datetime | None
+
+    @property
+    def percent(self) -> float:
+        return 100.0 if self.total == 0 else 100.0 * self.done / self.total
+
+
+def _progress(job: CalibrationRederivation) -> RederiveProgress:
+    return RederiveProgress(
+        estimator_version=job.estimator_version,
+        phase=RederivePhase(job.phase),
+        total=job.total,
+        done=job.done,
+        derived=job.derived,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    )
+
+
+def rederivation_status(session: Session, estimator_version: str) -> RederiveProgress | None:
+    """The last (or running) re-derivation of `estimator_version`, or None if none ran."""
+    job = CalibrationRepository(session).rederivation(estimator_version)
+    return None if job is None else _progress(job)
+
+
+def _start_rederivation(
+    repository: CalibrationRepository, estimator_version: str, now: datetime
+) -> CalibrationRederivation:
+    job = repository.rederivation(estimator_version)
+    through = repository.newest_upload_id()
+    total = repository.count_uploads_without_ratios(estimator_version, through_id=through)
+    if job is None:
+        job = CalibrationRederivation(estimator_version=estimator_version)
+        repository.session.add(job)
+    job.through_upload_id = through
+    job.cursor_id = 0
+    job.total = total
+    job.done = job.derived = 0
+    job.phase = RederivePhase.DERIVE.value
+    job.started_at = job.updated_at = now
+    job.finished_at = None
+    repository.session.flush()
+    return job
+
+
 def rederive_ratios(
     session: Session,
     *,
@@ -263,15 +327,41 @@ def rederive_ratios(
     estimator_version: str,
     batch_size: int = 500,
     now: Clock = utc_now,
+    progress: Callable[[RederiveProgress], None] | None = None,
 ) -> int:
-    """Derive ratios for every upload that has none of `estimator_version`; returns how many
-    uploads got them. Outliers are flagged against the factors the new ratios give."""
+    """Derive ratios of `estimator_version` for every upload that has none, as a job that
+    commits after each batch and resumes where it stopped (a crash, a restart); returns how
+    many uploads the job gave ratios. `progress` is told after each batch.
+
+    The job covers the uploads stored when it started (later ones got their ratios as they
+    came in). Its ratios are first flagged against no factor; once all are derived, the
+    partitions they changed are refitted and the ratios are flagged against those factors.
+    A finished job's second run starts afresh and finds only uploads still without ratios.
+    """
     repository = CalibrationRepository(session)
-    derived: list[tuple[CalibrationUpload, CalibrationRatio]] = []
-    after_id = 0
-    while batch := repository.uploads_without_ratios(
-        estimator_version, after_id=after_id, limit=batch_size
-    ):
+    job = repository.rederivation(estimator_version)
+    if job is None or job.phase == RederivePhase.FINISHED.value:
+        job = _start_rederivation(repository, estimator_version, now())
+        session.commit()
+
+    def step() -> None:
+        job.updated_at = now()
+        session.commit()
+        if progress is not None:
+            progress(_progress(job))
+
+    while job.phase == RederivePhase.DERIVE.value:
+        batch = repository.uploads_without_ratios(
+            estimator_version,
+            after_id=job.cursor_id,
+            through_id=job.through_upload_id,
+            limit=batch_size,
+        )
+        if not batch:
+            job.phase, job.cursor_id = RederivePhase.FLAG.value, 0
+            refresh_factors(session, estimator_version)
+            step()
+            break
         for upload in batch:
             try:
                 estimated = estimate(upload.job)
@@ -281,25 +371,41 @@ def rederive_ratios(
                 raise ValueError(
                     f"the estimator is {estimated.estimator_version!r}, not {estimator_version!r}"
                 )
-            rows = _ratio_rows(
-                upload.id, estimator_version, derive_ratios(upload, estimated, EMPTY_TABLE), now()
-            )
-            repository.add_ratios(rows)
-            derived.extend((upload, row) for row in rows)
-        after_id = batch[-1].id
-    if derived:
-        table = load_factor_table(session, estimator_version)
-        for upload, row in derived:
-            applied = table.lookup(
-                model=upload.model,
-                method=upload.method,
-                level=row.level,
-                gpu=upload.gpu_name,
-                environment=environment_key(upload.environment),
-            )
-            row.outlier_reason = flag_outlier(row.ratio, upload.outcome, applied)
-        session.flush()
-    return len({upload.id for upload, _ in derived})
+            results = derive_ratios(upload, estimated, EMPTY_TABLE)
+            repository.add_ratios(_ratio_rows(upload.id, estimator_version, results, now()))
+            if results:
+                job.derived += 1
+                repository.mark_changed(
+                    estimator_version, {(upload.method, r.level.value) for r in results}
+                )
+        job.cursor_id = batch[-1].id
+        job.done += len(batch)
+        step()
+
+    if job.phase == RederivePhase.FLAG.value:
+        refresh_factors(session, estimator_version)
+        table = stored_factor_table(session, estimator_version)
+        while ratios := repository.ratios_after(
+            estimator_version,
+            after_id=job.cursor_id,
+            through_upload_id=job.through_upload_id,
+            limit=batch_size,
+        ):
+            for row in ratios:
+                upload = row.upload
+                applied = table.lookup(
+                    model=upload.model,
+                    method=upload.method,
+                    level=row.level,
+                    gpu=upload.gpu_name,
+                    environment=environment_key(upload.environment),
+                )
+                row.outlier_reason = flag_outlier(row.ratio, upload.outcome, applied)
+            job.cursor_id = ratios[-1].id
+            step()
+        job.phase, job.finished_at = RederivePhase.FINISHED.value, now()
+        step()
+    return job.derived
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

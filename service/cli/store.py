@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.calibration import EstimateFn, rederive_ratios
+from service.calibration.uploads import RederiveProgress, rederivation_status
 from service.core.estimator import ESTIMATOR_VERSION
 from service.store.db import create_engine_from_url, create_session_factory, database_url_from_env
 from service.store.keys import KeyScope, create_key, list_keys, revoke_key
@@ -126,13 +127,39 @@ def _db_current(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _progress_line(progress: RederiveProgress) -> str:
+    finished = f", finished {progress.finished_at.isoformat()}" if progress.finished_at else ""
+    return (
+        f"rederive {progress.estimator_version}: {progress.phase}, {progress.done}/"
+        f"{progress.total} uploads looked at ({progress.percent:.1f} %), {progress.derived} "
+        f"given ratios; started {progress.started_at.isoformat()}{finished}"
+    )
+
+
+def _print_progress(progress: RederiveProgress) -> None:
+    # Progress goes to stderr: stdout keeps the one-line result for scripts.
+    print(_progress_line(progress), file=sys.stderr, flush=True)
+
+
 def _db_rederive(job_estimator: JobEstimatorFactory) -> Handler:
     @_with_store
     def handler(args: argparse.Namespace) -> int:
+        if args.status:
+            with _sessions(args) as sessions, sessions() as session:
+                status = rederivation_status(session, ESTIMATOR_VERSION)
+            if status is None:
+                print(f"rederive {ESTIMATOR_VERSION}: never run")
+            else:
+                print(_progress_line(status))
+            return EXIT_OK
         estimate = job_estimator()
-        with _sessions(args) as sessions, sessions.begin() as session:
+        # The job commits after each batch: stopped, it resumes where it was on the next run.
+        with _sessions(args) as sessions, sessions() as session:
             derived = rederive_ratios(
-                session, estimate=estimate, estimator_version=ESTIMATOR_VERSION
+                session,
+                estimate=estimate,
+                estimator_version=ESTIMATOR_VERSION,
+                progress=_print_progress,
             )
         print(f"derived ratios of {derived} uploads for estimator {ESTIMATOR_VERSION}")
         return EXIT_OK
@@ -192,7 +219,11 @@ def add_db_parser(subparsers: Any, job_estimator: JobEstimatorFactory | None = N
         rederive = actions.add_parser(
             "rederive",
             help=f"derive ratios of estimator {ESTIMATOR_VERSION} for uploads that lack them "
-            "(run once per deployment of a new estimator)",
+            "(run once per deployment of a new estimator); progress on stderr, and a stopped "
+            "run resumes where it was",
+        )
+        rederive.add_argument(
+            "--status", action="store_true", help="print the job's progress and exit"
         )
         _add_database_url(rederive)
         rederive.set_defaults(handler=_db_rederive(job_estimator))

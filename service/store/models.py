@@ -188,3 +188,78 @@ class CalibrationRatio(Base):
     @property
     def is_outlier(self) -> bool:
         return self.outlier_reason is not None
+
+
+class CalibrationFactor(Base):
+    """One group's fitted factor for one estimator version: what replicas load and apply.
+
+    Rows of a (version, method, level) are replaced together whenever a ratio of that
+    partition is added (see `CalibrationChange`); `model` and `variant` are '' where the
+    group has none (the global scope; a model's own factor), so the unique key holds.
+    """
+
+    __tablename__ = "calibration_factor"
+    __table_args__ = (
+        Index(
+            "ix_calibration_factor_group",
+            "estimator_version",
+            "method",
+            "level",
+            "scope",
+            "model",
+            "variant",
+            unique=True,
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntegerPK, primary_key=True)
+    estimator_version: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(16))
+    level: Mapped[str] = mapped_column(String(16))
+    scope: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))
+    variant: Mapped[str] = mapped_column(String(200))
+    ratio: Mapped[float] = mapped_column(Float)
+    upper_multiplier: Mapped[float] = mapped_column(Float)
+    nodes: Mapped[int] = mapped_column(Integer)
+    models: Mapped[int] = mapped_column(Integer)
+    rejected_nodes: Mapped[list[str]] = mapped_column(JSON)
+    runs: Mapped[int] = mapped_column(Integer)
+    oom_runs: Mapped[int] = mapped_column(Integer)
+    log_spread: Mapped[float] = mapped_column(Float)
+    clamped: Mapped[bool]
+    fitted_at: Mapped[datetime]
+
+
+class CalibrationChange(Base):
+    """A ratio partition (version, method, level) whose factors are out of date: written in
+    the transaction that adds its ratios (insert only, so concurrent uploads never wait on
+    each other), deleted by the refit that covered it."""
+
+    __tablename__ = "calibration_change"
+    __table_args__ = (Index("ix_calibration_change_estimator_version", "estimator_version"),)
+
+    id: Mapped[int] = mapped_column(BigIntegerPK, primary_key=True)
+    estimator_version: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(16))
+    level: Mapped[str] = mapped_column(String(16))
+
+
+class CalibrationRederivation(Base):
+    """Progress of re-deriving every upload's ratios for one estimator version, committed
+    with each batch, so the job resumes where it stopped: in the `derive` phase, uploads up
+    to `cursor_id` are done; in the `flag` phase, ratios up to `cursor_id` are flagged."""
+
+    __tablename__ = "calibration_rederivation"
+
+    estimator_version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # The newest upload when the job started: later ones got their ratios as they came in.
+    through_upload_id: Mapped[int] = mapped_column(BigInteger)
+    cursor_id: Mapped[int] = mapped_column(BigInteger)
+    total: Mapped[int] = mapped_column(BigInteger)  # uploads without ratios at the start
+    done: Mapped[int] = mapped_column(BigInteger)  # of them, uploads looked at so far
+    derived: Mapped[int] = mapped_column(BigInteger)  # of them, uploads that got ratios
+    phase: Mapped[str] = mapped_column(String(16))  # derive, flag, finished
+    started_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]

@@ -7,12 +7,23 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, select
+from sqlalchemy import delete, exists, func, select, text
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, joinedload
 
 from service.core.calibration import Level, Outcome
-from service.store.models import ApiKey, CalibrationRatio, CalibrationUpload
+from service.store.models import (
+    ApiKey,
+    CalibrationChange,
+    CalibrationFactor,
+    CalibrationRatio,
+    CalibrationRederivation,
+    CalibrationUpload,
+)
+
+# PostgreSQL advisory lock class (the first key) that serialises refits of one estimator
+# version's factors (the second key: hashtext of the version) across replicas.
+REFIT_LOCK_CLASS = 0x76726D63  # "vrmc"
 
 
 class DuplicateIdempotencyKeyError(Exception):
@@ -127,9 +138,12 @@ class CalibrationRepository:
             query = query.where(CalibrationUpload.id < before_id)
         return self.session.scalars(query).all()
 
-    def observations(self, estimator_version: str) -> list[ObservationRow]:
-        """Every ratio of one estimator version with its group and node, for a refit."""
-        rows = self.session.execute(
+    def observations(
+        self, estimator_version: str, *, method: str | None = None, level: str | None = None
+    ) -> list[ObservationRow]:
+        """Every ratio of one estimator version (of one method and level, if given) with its
+        group and node, for a refit."""
+        query = (
             select(
                 CalibrationUpload.model,
                 CalibrationUpload.method,
@@ -143,6 +157,11 @@ class CalibrationRepository:
             .join(CalibrationRatio.upload)
             .where(CalibrationRatio.estimator_version == estimator_version)
         )
+        if method is not None:
+            query = query.where(CalibrationUpload.method == method)
+        if level is not None:
+            query = query.where(CalibrationRatio.level == level)
+        rows = self.session.execute(query)
         return [
             ObservationRow(
                 model=row.model,
@@ -158,16 +177,135 @@ class CalibrationRepository:
         ]
 
     def uploads_without_ratios(
-        self, estimator_version: str, *, after_id: int = 0, limit: int = 500
+        self,
+        estimator_version: str,
+        *,
+        after_id: int = 0,
+        through_id: int | None = None,
+        limit: int = 500,
     ) -> Sequence[CalibrationUpload]:
-        """Uploads with no ratio of `estimator_version` yet, oldest first, after `after_id`."""
-        derived = exists().where(
+        """Uploads with no ratio of `estimator_version` yet, oldest first, after `after_id`
+        (and up to `through_id`)."""
+        query = (
+            select(CalibrationUpload)
+            .where(~self._derived(estimator_version), CalibrationUpload.id > after_id)
+            .order_by(CalibrationUpload.id)
+            .limit(limit)
+        )
+        if through_id is not None:
+            query = query.where(CalibrationUpload.id <= through_id)
+        return self.session.scalars(query).all()
+
+    def count_uploads_without_ratios(self, estimator_version: str, *, through_id: int) -> int:
+        return (
+            self.session.scalar(
+                select(func.count())
+                .select_from(CalibrationUpload)
+                .where(~self._derived(estimator_version), CalibrationUpload.id <= through_id)
+            )
+            or 0
+        )
+
+    @staticmethod
+    def _derived(estimator_version: str) -> Any:
+        return exists().where(
             CalibrationRatio.upload_id == CalibrationUpload.id,
             CalibrationRatio.estimator_version == estimator_version,
         )
+
+    def mark_changed(self, estimator_version: str, partitions: set[tuple[str, str]]) -> None:
+        """Note that ratios of these (method, level) partitions were added: an insert only,
+        so that concurrent uploads never wait on one another's row."""
+        self.session.add_all(
+            CalibrationChange(estimator_version=estimator_version, method=method, level=level)
+            for method, level in sorted(partitions)
+        )
+        self.session.flush()
+
+    def lock_refit(self, estimator_version: str) -> None:
+        """Serialise refits of one version until the transaction ends (PostgreSQL; SQLite
+        transactions are serialised already)."""
+        if self.session.get_bind().dialect.name == "postgresql":
+            self.session.execute(
+                text("SELECT pg_advisory_xact_lock(:lock_class, hashtext(:version))"),
+                {"lock_class": REFIT_LOCK_CLASS, "version": estimator_version},
+            )
+
+    def changes(self, estimator_version: str) -> list[tuple[int, str, str]]:
+        """(id, method, level) of each change not yet covered by a refit."""
+        rows = self.session.execute(
+            select(CalibrationChange.id, CalibrationChange.method, CalibrationChange.level).where(
+                CalibrationChange.estimator_version == estimator_version
+            )
+        )
+        return [(row.id, row.method, row.level) for row in rows]
+
+    def has_changes(self, estimator_version: str) -> bool:
+        return (
+            self.session.scalar(
+                select(CalibrationChange.id)
+                .where(CalibrationChange.estimator_version == estimator_version)
+                .limit(1)
+            )
+            is not None
+        )
+
+    def forget_changes(self, ids: Sequence[int]) -> None:
+        for start in range(0, len(ids), 1000):
+            self.session.execute(
+                delete(CalibrationChange).where(CalibrationChange.id.in_(ids[start : start + 1000]))
+            )
+
+    def replace_factors(
+        self, estimator_version: str, method: str, level: str, factors: Sequence[CalibrationFactor]
+    ) -> None:
+        """The factors of one partition, instead of those stored."""
+        self.session.execute(
+            delete(CalibrationFactor).where(
+                CalibrationFactor.estimator_version == estimator_version,
+                CalibrationFactor.method == method,
+                CalibrationFactor.level == level,
+            )
+        )
+        self.session.add_all(factors)
+        self.session.flush()
+
+    def factors(self, estimator_version: str) -> Sequence[CalibrationFactor]:
         return self.session.scalars(
-            select(CalibrationUpload)
-            .where(~derived, CalibrationUpload.id > after_id)
-            .order_by(CalibrationUpload.id)
+            select(CalibrationFactor).where(
+                CalibrationFactor.estimator_version == estimator_version
+            )
+        ).all()
+
+    def ratio_count(self, estimator_version: str) -> int:
+        return (
+            self.session.scalar(
+                select(func.count())
+                .select_from(CalibrationRatio)
+                .where(CalibrationRatio.estimator_version == estimator_version)
+            )
+            or 0
+        )
+
+    def rederivation(self, estimator_version: str) -> CalibrationRederivation | None:
+        return self.session.get(CalibrationRederivation, estimator_version)
+
+    def newest_upload_id(self) -> int:
+        return self.session.scalar(select(func.max(CalibrationUpload.id))) or 0
+
+    def ratios_after(
+        self, estimator_version: str, *, after_id: int, through_upload_id: int, limit: int
+    ) -> Sequence[CalibrationRatio]:
+        """Ratios of one version with id > after_id whose upload is up to through_upload_id,
+        by id, with their uploads."""
+        return self.session.scalars(
+            select(CalibrationRatio)
+            .options(joinedload(CalibrationRatio.upload))
+            .where(
+                CalibrationRatio.estimator_version == estimator_version,
+                CalibrationRatio.id > after_id,
+                CalibrationRatio.upload_id <= through_upload_id,
+            )
+            .order_by(CalibrationRatio.id)
             .limit(limit)
         ).all()

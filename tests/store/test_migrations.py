@@ -15,7 +15,14 @@ from service.store.db import create_engine_from_url
 from service.store.migrate import MIGRATIONS_DIR, alembic_config, downgrade, upgrade
 from service.store.models import Base
 
-TABLES = {"api_key", "calibration_upload", "calibration_ratio"}
+TABLES = {
+    "api_key",
+    "calibration_upload",
+    "calibration_ratio",
+    "calibration_factor",
+    "calibration_change",
+    "calibration_rederivation",
+}
 
 
 def tables(url: str) -> set[str]:

@@ -1,0 +1,265 @@
+"""Stored factors: kept equal to a full refit (`fit_table` on every ratio) as uploads come in,
+refitted only where ratios changed, built for ratios stored before the upgrade, and re-derived
+for a new estimator version by a job that resumes where it stopped."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import func, insert, select
+from sqlalchemy.orm import Session
+
+from service.calibration.factors import (
+    fit_factor_table,
+    load_factor_table,
+    refresh_factors,
+    stored_factor_table,
+)
+from service.calibration.uploads import (
+    RederivePhase,
+    RederiveProgress,
+    rederivation_status,
+    rederive_ratios,
+    submit_upload,
+)
+from service.core.calibration import EMPTY_TABLE, FACTOR_MAX, Level, Outcome, Scope
+from service.core.errors import UnknownModelError
+from service.store.db import create_engine_from_url, create_session_factory
+from service.store.keys import KeyScope, create_key
+from service.store.migrate import upgrade
+from service.store.models import (
+    ApiKey,
+    CalibrationChange,
+    CalibrationFactor,
+    CalibrationRatio,
+    CalibrationUpload,
+)
+from tests.store.factories import VERSION, fake_estimate, new_upload, render
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+LATER = datetime(2026, 12, 1, 12, 5, tzinfo=UTC)
+MODELS = ("org/alpha-7b", "org/beta-8b", "org/gamma-13b", "org/delta-3b")
+GPUS = ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3")
+TORCH = ("2.4.1", "2.5.1")
+# Each model's true ratio: delta's lies above FACTOR_MAX, so its factor is clamped.
+TRUE_RATIO = {"org/alpha-7b": 1.10, "org/beta-8b": 0.95, "org/gamma-13b": 1.15, "org/delta-3b": 1.8}
+# Nodes on the H100 measure this much more, so a GPU split appears.
+H100_EXTRA = 1.12
+NODES = 9
+
+
+@pytest.fixture
+def api_key(session: Session) -> ApiKey:
+    return create_key(session, scopes=[KeyScope.UPLOAD], name="fleet", now=NOW).key
+
+
+def _upload(session: Session, api_key: ApiKey, upload: Any, estimate: Any = fake_estimate) -> None:
+    submit_upload(
+        session,
+        upload,
+        api_key_id=api_key.id,
+        idempotency_key=None,
+        estimate=estimate,
+        factors=EMPTY_TABLE,
+        render=render,
+        now=lambda: NOW,
+    )
+
+
+def _fleet_round(session: Session, api_key: ApiKey, rng: random.Random, round_no: int) -> None:
+    """One round of uploads: every node runs a few jobs of several models and methods, at all
+    three levels; one node is rogue, and some runs die of OOM."""
+    for node in range(NODES):
+        node_id = f"node-{node}"
+        gpu = GPUS[node % 2]
+        torch = TORCH[(node // 2) % 2]
+        for run in range(2):
+            model = MODELS[rng.randrange(len(MODELS))]
+            ratio = TRUE_RATIO[model] * rng.lognormvariate(0.0, 0.03)
+            if gpu == GPUS[1] and model == MODELS[0]:
+                ratio *= H100_EXTRA
+            if node == NODES - 1:
+                ratio *= 3.0  # a node whose measurements no other node shares
+            estimate_gib = 10.0
+            device_gib = 12.0 * ratio  # the stand-in's device estimate is 12 GiB
+            upload = new_upload(
+                model=model,
+                estimate_gib=estimate_gib,
+                device_gib=device_gib,
+                allocated_gib=estimate_gib * ratio * rng.uniform(0.97, 1.0),
+                reserved_gib=11.0 * ratio,
+                node_id=node_id,
+                run_id=f"{node_id}-{round_no}-{run}",
+                gpu_name=gpu,
+                torch=torch,
+                outcome=Outcome.OOM if rng.random() < 0.1 else Outcome.COMPLETED,
+            )
+            if run == 1:
+                upload = replace(upload, method="full", job={**upload.job, "method": "full"})
+            _upload(session, api_key, upload)
+
+
+def test_stored_factors_equal_a_full_refit_as_uploads_come_in(
+    session: Session, api_key: ApiKey
+) -> None:
+    rng = random.Random(20261201)
+    for round_no in range(6):
+        _fleet_round(session, api_key, rng, round_no)
+        stored = load_factor_table(session, VERSION)
+        assert stored == fit_factor_table(session, VERSION), f"round {round_no}"
+    # The data exercised every path of the fit: all scopes, rejection, clamps, OOM runs.
+    scopes = {key.scope for key in stored.factors}
+    assert {Scope.GLOBAL, Scope.MODEL, Scope.MODEL_GPU} <= scopes
+    assert any(f.rejected_nodes == (f"node-{NODES - 1}",) for f in stored.factors.values())
+    assert any(f.clamped and f.ratio == FACTOR_MAX for f in stored.factors.values())
+    assert {key.method for key in stored.factors} == {"lora", "full"}
+    assert {key.level for key in stored.factors} == set(Level)
+
+
+def test_a_load_refits_only_the_partitions_whose_ratios_changed(
+    session: Session, api_key: ApiKey
+) -> None:
+    for node in range(3):
+        for method in ("lora", "full"):
+            upload = new_upload(node_id=f"n{node}", run_id=f"{method}-{node}", device_gib=26.4)
+            _upload(session, api_key, replace(upload, method=method))
+    assert refresh_factors(session, VERSION, now=lambda: NOW) == 2
+    assert session.scalar(select(func.count()).select_from(CalibrationChange)) == 0
+
+    _upload(session, api_key, new_upload(node_id="n9", run_id="one-more", device_gib=30.0))
+    changes = session.execute(select(CalibrationChange.method, CalibrationChange.level)).all()
+    assert [(row.method, row.level) for row in changes] == [("lora", "device")]
+    assert refresh_factors(session, VERSION, now=lambda: LATER) == 1
+    fitted = session.execute(select(CalibrationFactor.method, CalibrationFactor.fitted_at)).all()
+    # The other method's factors were left as they were; the changed partition's refitted.
+    assert sorted(fitted) == [("full", NOW), ("lora", LATER)]
+    assert stored_factor_table(session, VERSION) == fit_factor_table(session, VERSION)
+    assert refresh_factors(session, VERSION) == 0
+
+
+def test_the_upgrade_builds_factors_for_ratios_stored_before_it(blank_database_url: str) -> None:
+    upgrade(blank_database_url, "6f74beb0cf54")
+    engine = create_engine_from_url(blank_database_url)
+    try:
+        with engine.begin() as connection:
+            key_id = connection.execute(
+                insert(ApiKey.__table__).returning(ApiKey.__table__.c.id),
+                {
+                    "prefix": "vc_old",
+                    "key_hash": "0" * 64,
+                    "name": "",
+                    "scopes": ["upload"],
+                    "created_at": NOW,
+                },
+            ).scalar_one()
+            for node, ratio in enumerate((1.10, 1.12, 1.08)):
+                upload_id = connection.execute(
+                    insert(CalibrationUpload.__table__).returning(CalibrationUpload.__table__.c.id),
+                    {
+                        "received_at": NOW,
+                        "api_key_id": key_id,
+                        "request_hash": "0" * 64,
+                        "model": "org/alpha-7b",
+                        "method": "lora",
+                        "job": {},
+                        "gpu_name": GPUS[0],
+                        "gpu_memory_total_bytes": 80 * 2**30,
+                        "measured_device_bytes": int(ratio * 2**30),
+                        "outcome": Outcome.COMPLETED,
+                        "environment": {},
+                        "node_id": f"node-{node}",
+                        "run_id": f"run-{node}",
+                    },
+                ).scalar_one()
+                connection.execute(
+                    insert(CalibrationRatio.__table__),
+                    {
+                        "upload_id": upload_id,
+                        "estimator_version": VERSION,
+                        "level": Level.DEVICE,
+                        "estimated_bytes": 2**30,
+                        "ratio": ratio,
+                        "computed_at": NOW,
+                    },
+                )
+        upgrade(blank_database_url)
+        with create_session_factory(engine).begin() as session:
+            table = load_factor_table(session, VERSION)
+            assert table != EMPTY_TABLE
+            assert table == fit_factor_table(session, VERSION)
+    finally:
+        engine.dispose()
+
+
+class Crash(Exception):
+    """The job's process dies (raised from the estimator, mid-batch)."""
+
+
+def test_rederivation_resumes_where_it_stopped_and_reports_progress(
+    session: Session, api_key: ApiKey
+) -> None:
+    for node in range(4):
+        for run in range(5):
+            upload = new_upload(
+                node_id=f"n{node}",
+                run_id=f"r{node}-{run}",
+                estimate_gib=10.0,
+                device_gib=13.2 + 0.1 * run,
+            )
+            _upload(session, api_key, upload)
+    _upload(session, api_key, new_upload(model="unknown/model", run_id="unknown"))
+    seen: list[RederiveProgress] = []
+    calls = 0
+
+    def estimate_v2(job: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 8:
+            raise Crash
+        if job.get("model") == "unknown/model":
+            raise UnknownModelError("unknown/model")
+        estimate = fake_estimate(job, version="test-2")
+        return replace(estimate, device_bytes=estimate.device_bytes * 11 // 10)
+
+    with pytest.raises(Crash):
+        rederive_ratios(
+            session,
+            estimate=estimate_v2,
+            estimator_version="test-2",
+            batch_size=3,
+            progress=seen.append,
+        )
+    session.rollback()  # the process died: what it had not committed is gone
+    stopped = rederivation_status(session, "test-2")
+    assert stopped is not None and stopped.phase is RederivePhase.DERIVE
+    assert stopped.total == 21 and stopped.done == 6 and stopped.derived == 6
+    assert [p.done for p in seen] == [3, 6]
+
+    derived = rederive_ratios(
+        session,
+        estimate=estimate_v2,
+        estimator_version="test-2",
+        batch_size=3,
+        progress=seen.append,
+    )
+    assert derived == 20
+    finished = rederivation_status(session, "test-2")
+    assert finished is not None and finished.phase is RederivePhase.FINISHED
+    assert finished.done == finished.total == 21 and finished.percent == 100.0
+    # Resumed, not restarted: uploads derived before the crash were not estimated again.
+    assert calls == 8 + 21 - 6
+    assert [p.done for p in seen if p.phase is RederivePhase.DERIVE] == [3, 6, 9, 12, 15, 18, 21]
+    assert seen[-1].phase is RederivePhase.FINISHED
+    ratios = session.scalars(
+        select(CalibrationRatio).where(CalibrationRatio.estimator_version == "test-2")
+    ).all()
+    assert len(ratios) == len({r.upload_id for r in ratios}) == 20
+    # The job built the new version's factors, equal to a full refit.
+    table = stored_factor_table(session, "test-2")
+    assert table != EMPTY_TABLE and table == fit_factor_table(session, "test-2")
+    # Flagged against those factors: none of these ratios is far from its model's.
+    assert [r.outlier_reason for r in ratios] == [None] * len(ratios)
