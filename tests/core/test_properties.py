@@ -61,8 +61,8 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
 
 # Examples per property: each estimate of a new model, method or shape replays the step
 # through the allocator model (up to a second for an 8B model), so the suite keeps to this
-# many (seven properties, about a minute and a half together).
-EXAMPLES = 50
+# many (seven properties, about a minute together).
+EXAMPLES = 30
 
 
 def _peak(model: str, spec: TrainingSpec) -> int:
