@@ -72,7 +72,7 @@ ESTIMATE_OVERHEAD_TARGET = 0.20  # repeated bodies: time per request over GET /l
 NEW_JOB_RATIO_TARGET = 0.75  # new bodies: at least this share of GET /livez's requests/s
 BATCH_TARGET_PER_S = 20_000  # estimates a second through the batch route
 CORE_ESTIMATE_TARGET_S = 50e-6
-FIT_CHECK_TARGET_S = 5e-3
+FIT_CHECK_TARGET_S = 1e-3  # the 37-GPU catalog, solved in process
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -727,7 +727,7 @@ def run() -> list[str]:
         f"  estimate(), new batch/seq each call {core['estimate_new_shape_s'] * 1e6:8.1f} µs",
         f"  fit-check, {core['gpus']:.0f} GPUs, core, QLoRA job  "
         f"{core['fit_check_core_qlora_s'] * 1e3:8.2f} ms"
-        f"  (target < {FIT_CHECK_TARGET_S * 1e3:.0f} ms)",
+        f"  (target ≤ {FIT_CHECK_TARGET_S * 1e3:.0f} ms)",
         f"  fit-check, {core['gpus']:.0f} GPUs, core, LoRA job   "
         f"{core['fit_check_core_lora_s'] * 1e3:8.2f} ms",
         f"  fit-check, {core['gpus']:.0f} GPUs, API handler      "
