@@ -22,6 +22,7 @@ from service.core.errors import InvalidSpecError
 from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
+    MAX_BUCKET_CAP_MB,
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
@@ -31,6 +32,7 @@ from service.core.limits import (
     MAX_MODULES,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
 from service.core.spec import (
@@ -38,6 +40,8 @@ from service.core.spec import (
     SAVABLE_MODULES,
     AttnImpl,
     Framework,
+    FsdpBackwardPrefetch,
+    FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
@@ -272,6 +276,22 @@ _PARALLEL: dict[str, Check] = {
     "gpus": _integer(ge=1, le=MAX_GPUS),
     "strategy": _choice(Strategy),
     "offload": _choice(Offload),
+    "gpus_per_node": _optional(_integer(ge=1, le=MAX_GPUS)),
+    "bucket_cap_mb": _integer(ge=1, le=MAX_BUCKET_CAP_MB),
+    "gradient_as_bucket_view": _boolean,
+    "sharding_strategy": _choice(FsdpSharding),
+    "use_orig_params": _boolean,
+    "limit_all_gathers": _boolean,
+    "forward_prefetch": _boolean,
+    "backward_prefetch": _choice(FsdpBackwardPrefetch),
+    "reshard_after_forward": _boolean,
+    "reduce_bucket_size": _optional(_integer(ge=1, le=MAX_ZERO_ELEMENTS)),
+    "allgather_bucket_size": _integer(ge=1, le=MAX_ZERO_ELEMENTS),
+    "stage3_prefetch_bucket_size": _optional(_integer(ge=1, le=MAX_ZERO_ELEMENTS)),
+    "stage3_max_live_parameters": _integer(ge=1, le=MAX_ZERO_ELEMENTS),
+    "stage3_param_persistence_threshold": _optional(_integer(ge=0, le=MAX_ZERO_ELEMENTS)),
+    "contiguous_gradients": _boolean,
+    "overlap_comm": _optional(_boolean),
 }
 _ALLOCATOR: dict[str, Check] = {
     "max_split_size_mb": _optional(_integer(ge=MIN_SPLIT_SETTING_MB, le=MAX_ALLOC_SETTING_MB)),

@@ -13,6 +13,9 @@ MAX_GRAD_NORM = 1e6  # far above any clipping threshold in use
 MAX_LORA_R = 16_384
 MAX_LORA_ALPHA = 1_000_000
 MAX_GPUS = 1024
+MAX_BUCKET_CAP_MB = 1 << 20  # DDP's bucket cap, in MB: up to 1 TiB
+# DeepSpeed's bucket sizes and live-parameter limits, in elements: up to 1e12 (a 1T model)
+MAX_ZERO_ELEMENTS = 1_000_000_000_000
 MAX_MODULES = 64
 
 # A module name as transformers names it ("q_proj", "model.layers.0.mlp").

@@ -21,6 +21,9 @@ class Component(StrEnum):
     BACKWARD_TEMPORARIES = "backward_temporaries"  # grads in flight, 4-bit dequant transients
     INPUTS = "inputs"  # token ids, labels, masks
     WORKSPACES = "workspaces"  # cuBLAS/cuBLASLt workspaces, taken from the caching allocator
+    # Several GPUs: parameters gathered from other ranks (FSDP, ZeRO-3) and the collectives'
+    # buffers (DDP's gradient buckets, FSDP's reduce-scatter input, ZeRO's reduce buckets).
+    COMMUNICATION = "communication"
 
 
 class Overhead(StrEnum):
@@ -59,6 +62,7 @@ COMPONENT_ORDER = (
     Component.LOGITS_LOSS,
     Component.BACKWARD_TEMPORARIES,
     Component.OPTIMIZER_TEMPORARIES,
+    Component.COMMUNICATION,
 )
 
 

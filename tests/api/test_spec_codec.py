@@ -46,8 +46,13 @@ fields: dict[str, st.SearchStrategy[Any]] = {
         {},
         optional={
             "gpus": integers,
-            "strategy": st.sampled_from(["ddp", "zero3"]),
-            "offload": st.sampled_from(["none", "optimizer_and_params"]),
+            "strategy": st.sampled_from(["ddp", "fsdp", "fsdp2", "zero2", "zero3", "zero4"]),
+            "offload": st.sampled_from(["none", "optimizer", "optimizer_and_params"]),
+            "gpus_per_node": st.none() | integers,
+            "sharding_strategy": st.sampled_from(["FULL_SHARD", "HYBRID_SHARD", "full_shard"]),
+            "reduce_bucket_size": st.none() | integers,
+            "stage3_param_persistence_threshold": st.none() | integers,
+            "overlap_comm": st.none() | st.booleans(),
         },
     ),
     "allocator": st.fixed_dictionaries(

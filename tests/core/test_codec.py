@@ -17,6 +17,7 @@ from service.core.errors import InvalidSpecError
 from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
+    MAX_BUCKET_CAP_MB,
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
@@ -24,12 +25,17 @@ from service.core.limits import (
     MAX_LORA_R,
     MAX_MODULES,
     MAX_SEQ_LEN,
+    MAX_ZERO_ELEMENTS,
 )
 from service.core.spec import (
     ALL_LINEAR,
     SAVABLE_MODULES,
+    SHARDING_STRATEGIES,
+    ZERO_STAGES,
     AttnImpl,
     Framework,
+    FsdpBackwardPrefetch,
+    FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
@@ -63,20 +69,45 @@ quantizations = st.builds(
     compute_dtype=st.none() | st.sampled_from(DType),
     prepare_kbit=st.booleans(),
 )
-parallels = st.one_of(
-    st.builds(
-        ParallelSpec,
-        gpus=st.integers(1, MAX_GPUS),
-        strategy=st.sampled_from(Strategy),
-        offload=st.sampled_from([Offload.NONE, Offload.OPTIMIZER]),
-    ),
-    st.builds(
-        ParallelSpec,
-        gpus=st.integers(1, MAX_GPUS),
-        strategy=st.sampled_from([Strategy.ZERO3, Strategy.FSDP]),
-        offload=st.just(Offload.OPTIMIZER_AND_PARAMS),
-    ),
-)
+zero_elements = st.integers(1, MAX_ZERO_ELEMENTS)
+
+
+@st.composite
+def parallels(draw: st.DrawFn, strategies: list[Strategy] | None = None) -> ParallelSpec:
+    strategy = draw(st.sampled_from(strategies or list(Strategy)))
+    offloads = [Offload.NONE]
+    if strategy in ZERO_STAGES:
+        offloads.append(Offload.OPTIMIZER)
+    if strategy in SHARDING_STRATEGIES:
+        offloads.append(Offload.OPTIMIZER_AND_PARAMS)
+    gpus = draw(st.integers(1, MAX_GPUS))
+    sharding = draw(st.sampled_from(FsdpSharding))
+    per_node = draw(st.none() | st.integers(1, MAX_GPUS))
+    if sharding is FsdpSharding.HYBRID_SHARD and strategy is Strategy.FSDP:
+        per_node = draw(st.sampled_from([d for d in (1, 2, 4, 8) if gpus % d == 0]))
+    return ParallelSpec(
+        gpus=gpus,
+        strategy=strategy,
+        offload=draw(st.sampled_from(offloads)),
+        gpus_per_node=per_node,
+        bucket_cap_mb=draw(st.integers(1, MAX_BUCKET_CAP_MB)),
+        gradient_as_bucket_view=draw(st.booleans()),
+        sharding_strategy=sharding,
+        use_orig_params=draw(st.booleans()),
+        limit_all_gathers=draw(st.booleans()),
+        forward_prefetch=draw(st.booleans()),
+        backward_prefetch=draw(st.sampled_from(FsdpBackwardPrefetch)),
+        reshard_after_forward=draw(st.booleans()),
+        reduce_bucket_size=draw(st.none() | zero_elements),
+        allgather_bucket_size=draw(zero_elements),
+        stage3_prefetch_bucket_size=draw(st.none() | zero_elements),
+        stage3_max_live_parameters=draw(zero_elements),
+        stage3_param_persistence_threshold=draw(st.none() | st.integers(0, MAX_ZERO_ELEMENTS)),
+        contiguous_gradients=draw(st.booleans()),
+        overlap_comm=draw(st.none() | st.booleans()),
+    )
+
+
 split_sizes = st.none() | st.integers(MIN_SPLIT_SETTING_MB, MAX_ALLOC_SETTING_MB)
 allocators = st.builds(
     AllocatorConfig,
@@ -108,7 +139,13 @@ def specs(draw: st.DrawFn) -> TrainingSpec:
         sdpa_kernel=draw(st.sampled_from(SdpaKernel)),
         loss=draw(st.none() | st.sampled_from(LossImpl)),
         framework=draw(st.sampled_from(Framework)),
-        parallel=draw(parallels),
+        parallel=draw(
+            parallels(
+                [s for s in Strategy if s not in SHARDING_STRATEGIES]
+                if method is Method.QLORA
+                else None
+            )
+        ),
         allocator=draw(allocators),
     )
 

@@ -22,6 +22,7 @@ from service.core.allocator import AllocatorConfig
 from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
+    MAX_BUCKET_CAP_MB,
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
@@ -31,12 +32,19 @@ from service.core.limits import (
     MAX_MODULES,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
 from service.core.spec import (
     ALL_LINEAR,
+    DDP_BUCKET_CAP_MB,
+    DEFAULT_GPUS_PER_NODE,
+    ZERO3_MAX_LIVE_PARAMETERS,
+    ZERO_ALLGATHER_BUCKET_SIZE,
     AttnImpl,
     Framework,
+    FsdpBackwardPrefetch,
+    FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
@@ -152,18 +160,89 @@ class QuantizationIn(In):
 
 
 class ParallelIn(In):
-    """How the job spans GPUs."""
+    """How the job spans GPUs, with each strategy's settings by its library's names and
+    defaults (torch DDP and FSDP, accelerate's FSDP plugin, DeepSpeed's zero_optimization)."""
 
-    integer_fields = integers("gpus")
+    integer_fields = integers(
+        "gpus",
+        "gpus_per_node",
+        "bucket_cap_mb",
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters",
+        "stage3_param_persistence_threshold",
+    )
 
     gpus: int = Field(default=1, ge=1, le=MAX_GPUS, description="GPUs (ranks) the job spans.")
-    strategy: Strategy = Field(default=Strategy.DDP, description="Data-parallel strategy.")
+    strategy: Strategy = Field(
+        default=Strategy.DDP,
+        description="ddp, fsdp (FSDP1), fsdp2 (fully_shard), or DeepSpeed zero1/zero2/zero3.",
+    )
     offload: Offload = Field(default=Offload.NONE, description="What is offloaded to the host.")
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GPUS,
+        description=f"GPUs per node; null: min(gpus, {DEFAULT_GPUS_PER_NODE}).",
+    )
+    bucket_cap_mb: int = Field(
+        default=DDP_BUCKET_CAP_MB, ge=1, le=MAX_BUCKET_CAP_MB, description="DDP's bucket cap (MB)."
+    )
+    gradient_as_bucket_view: Boolean = Field(
+        default=False, description="DDP: gradients are views into the buckets."
+    )
+    sharding_strategy: FsdpSharding = Field(
+        default=FsdpSharding.FULL_SHARD, description="FSDP1's sharding strategy."
+    )
+    use_orig_params: Boolean = Field(default=True, description="FSDP1's use_orig_params.")
+    limit_all_gathers: Boolean = Field(default=True, description="FSDP1's limit_all_gathers.")
+    forward_prefetch: Boolean = Field(default=False, description="FSDP1's forward_prefetch.")
+    backward_prefetch: FsdpBackwardPrefetch = Field(
+        default=FsdpBackwardPrefetch.BACKWARD_PRE, description="FSDP1's backward_prefetch."
+    )
+    reshard_after_forward: Boolean = Field(
+        default=True, description="FSDP2's reshard_after_forward."
+    )
+    reduce_bucket_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+        description="ZeRO's reduce_bucket_size (elements); null: 'auto' (hidden_size²).",
+    )
+    allgather_bucket_size: int = Field(
+        default=ZERO_ALLGATHER_BUCKET_SIZE,
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+        description="ZeRO-1/2's allgather_bucket_size (elements).",
+    )
+    stage3_prefetch_bucket_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+        description="ZeRO-3's prefetch bucket (elements); null: 'auto' (0.9 hidden_size²).",
+    )
+    stage3_max_live_parameters: int = Field(
+        default=ZERO3_MAX_LIVE_PARAMETERS,
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+        description="ZeRO-3's stage3_max_live_parameters (elements).",
+    )
+    stage3_param_persistence_threshold: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_ZERO_ELEMENTS,
+        description="ZeRO-3's persistence threshold (elements); null: 'auto' (10 hidden_size).",
+    )
+    contiguous_gradients: Boolean = Field(default=True, description="ZeRO's contiguous_gradients.")
+    overlap_comm: Boolean | None = Field(
+        default=None, description="ZeRO's overlap_comm; null: DeepSpeed's default for the stage."
+    )
 
     def to_spec(self) -> ParallelSpec:
         if not self.model_fields_set:  # the default layout: one spec for every such job
             return _DEFAULT_PARALLEL
-        return ParallelSpec(gpus=self.gpus, strategy=self.strategy, offload=self.offload)
+        return ParallelSpec(**{name: getattr(self, name) for name in ParallelIn.model_fields})
 
 
 class AllocatorIn(In):
@@ -216,7 +295,7 @@ class AllocatorIn(In):
 
 # The specs of the defaults, built once from the models' own defaults (frozen, so shared).
 _DEFAULT_PARALLEL = ParallelSpec(
-    gpus=ParallelIn().gpus, strategy=ParallelIn().strategy, offload=ParallelIn().offload
+    **{name: getattr(ParallelIn(), name) for name in ParallelIn.model_fields}
 )
 _DEFAULT_ALLOCATOR = AllocatorConfig(**AllocatorIn().model_dump())
 

@@ -47,6 +47,7 @@ class _Moment(NamedTuple):
     logits_loss: int = 0
     backward_temporaries: int = 0
     optimizer_temporaries: int = 0
+    communication: int = 0
 
 
 # What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).

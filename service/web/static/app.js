@@ -56,6 +56,7 @@
     gradients: { label: "Gradients", color: "#b45309" },
     optimizer_state: { label: "Optimizer state", color: "#047857" },
     optimizer_temporaries: { label: "Optimizer temporaries", color: "#4d7c0f" },
+    communication: { label: "Gathered parameters and buckets", color: "#be185d" },
     activations: { label: "Activations", color: "#7c3aed" },
     recompute: { label: "Recompute", color: "#a21caf" },
     logits_loss: { label: "Logits and loss", color: "#be123c" },
