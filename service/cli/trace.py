@@ -31,7 +31,8 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--matrix",
         action="store_true",
-        help="regenerate every committed reference (tests/data/traces/)",
+        help="regenerate every committed reference (tests/data/traces/ and, for several "
+        "GPUs, tests/data/traces_parallel/)",
     )
     group.add_argument("--only", help="with --matrix: only the references whose name has this")
     group.add_argument(
@@ -97,20 +98,33 @@ def run_trace_command(
 def run_matrix(out: Path | None, *, only: str | None = None) -> int:
     """Trace every case of the reference matrix and write its JSON; prints one line per case."""
     from service.catalog.models import default_catalog
-    from service.trace.reference import REFERENCE_DIR, matrix, result_to_json, write_reference
+    from service.trace.reference import (
+        PARALLEL_REFERENCE_DIR,
+        REFERENCE_DIR,
+        matrix,
+        parallel_matrix,
+        result_to_json,
+        write_reference,
+    )
     from service.trace.runner import trace
 
-    directory = out or REFERENCE_DIR
     catalog = default_catalog()
-    cases = [c for c in matrix() if only is None or only in c.name]
-    names = {c.name for c in cases}
+    # One GPU's references and rank 0 of multi-GPU jobs, each set in its own directory.
+    sets = ((REFERENCE_DIR, matrix()), (PARALLEL_REFERENCE_DIR, parallel_matrix()))
+    cases = [
+        (out or directory, case)
+        for directory, every in sets
+        for case in every
+        if only is None or only in case.name
+    ]
+    names = {c.name for _, c in cases}
     if len(names) != len(cases):
         print("vramcast trace: error: two matrix cases share a name", file=sys.stderr)
         return EXIT_FAILED
     started = time.perf_counter()
     failed = []
     with Progress(len(cases), "tracing", unit="case") as progress:
-        for index, case in enumerate(cases, 1):
+        for index, (directory, case) in enumerate(cases, 1):
             progress.now(case.name)
             entry = catalog.resolve(case.model_id)
             began = time.perf_counter()
@@ -131,10 +145,11 @@ def run_matrix(out: Path | None, *, only: str | None = None) -> int:
         print(f"{len(failed)} of {len(cases)} cases failed", file=sys.stderr)
         return EXIT_FAILED
     if only is None:
-        for stale in sorted(directory.glob("*.json")):
-            if stale.stem not in names:
-                stale.unlink()
-                print(f"removed stale {stale.name}")
+        for directory in {directory for directory, _ in cases}:
+            for stale in sorted(directory.glob("*.json")):
+                if stale.stem not in names:
+                    stale.unlink()
+                    print(f"removed stale {stale.name}")
     print(f"{len(cases)} references in {time.perf_counter() - started:.0f}s")
     return EXIT_OK
 

@@ -18,13 +18,18 @@ from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
+    FsdpBackwardPrefetch,
+    FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
+    Offload,
     Optim,
+    ParallelSpec,
     QuantSpec,
     QuantType,
     SdpaKernel,
+    Strategy,
     TrainingSpec,
 )
 from service.core.units import DType
@@ -34,6 +39,8 @@ if typing.TYPE_CHECKING:  # the JSON helpers need no torch
     from service.trace.tracker import PhaseSnapshot, Snapshot
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces"
+# Rank 0 of multi-GPU jobs (DDP, FSDP1, FSDP2 under a fake process group): `parallel_matrix()`.
+PARALLEL_REFERENCE_DIR = REFERENCE_DIR.parent / "traces_parallel"
 # Bumped whenever a change to the tracer changes what a trace measures.
 TRACER_VERSION = "2"
 TRACED_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
@@ -173,7 +180,36 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(f"ga{spec.gradient_accumulation_steps}")
     if spec.max_grad_norm != 1.0:
         parts.append(f"clip{spec.max_grad_norm:g}")
+    if spec.parallel.gpus != 1:
+        parts.append(_parallel_name(spec.parallel))
     return "__".join(parts).replace(".", "_")
+
+
+def _parallel_name(parallel: ParallelSpec) -> str:
+    """The strategy, the GPU count, and the strategy's settings that differ from the defaults
+    (FSDP1's sharding strategy always)."""
+    default = ParallelSpec()
+    parts = [f"{parallel.strategy.value}-{parallel.gpus}gpu"]
+    if parallel.strategy is Strategy.DDP:
+        if parallel.bucket_cap_mb != default.bucket_cap_mb:
+            parts.append(f"bucket{parallel.bucket_cap_mb}mb")
+        if parallel.gradient_as_bucket_view:
+            parts.append("bucket-view")
+    elif parallel.strategy is Strategy.FSDP:
+        parts.append(parallel.sharding_strategy.value.lower().replace("_", "-"))
+        if not parallel.use_orig_params:
+            parts.append("flat-params")
+        if not parallel.limit_all_gathers:
+            parts.append("unlimited-gathers")
+        if parallel.forward_prefetch:
+            parts.append("forward-prefetch")
+        if parallel.backward_prefetch is not default.backward_prefetch:
+            parts.append(parallel.backward_prefetch.value.lower().replace("_", "-"))
+    elif parallel.strategy is Strategy.FSDP2 and not parallel.reshard_after_forward:
+        parts.append("no-reshard")
+    if parallel.offload is not Offload.NONE:
+        parts.append(f"offload-{parallel.offload.value}")
+    return "-".join(parts)
 
 
 QWEN_7B = "Qwen/Qwen2.5-7B"
@@ -423,6 +459,57 @@ def matrix() -> list[Case]:
                         ),
                     )
     return [Case(model_id=m, spec=s) for m, s in cases]
+
+
+LLAMA_1B = "meta-llama/Llama-3.2-1B"
+
+
+def parallel_matrix() -> list[Case]:
+    """Rank 0 of multi-GPU jobs (tests/data/traces_parallel/): DDP, FSDP1 FULL_SHARD and
+    SHARD_GRAD_OP, FSDP2, on 2 and 8 GPUs, full fine-tuning and LoRA, over three families."""
+    lora, full = Method.LORA, Method.FULL
+    setups = (
+        ParallelSpec(strategy=Strategy.DDP),
+        ParallelSpec(strategy=Strategy.FSDP, sharding_strategy=FsdpSharding.FULL_SHARD),
+        ParallelSpec(strategy=Strategy.FSDP, sharding_strategy=FsdpSharding.SHARD_GRAD_OP),
+        ParallelSpec(strategy=Strategy.FSDP2),
+    )
+    cases: list[tuple[str, TrainingSpec]] = []
+
+    def add(model_id: str, spec: TrainingSpec, setup: ParallelSpec, gpus: int) -> None:
+        cases.append((model_id, dataclasses.replace(spec, parallel=_gpus(setup, gpus))))
+
+    eager = {"attn_implementation": AttnImpl.EAGER}
+    families = (
+        (QWEN_05B, 2, 1024, {}),
+        (LLAMA_1B, 1, 1024, {}),
+        (GEMMA_2B, 1, 512, eager),  # transformers runs Gemma-2 with eager attention only
+    )
+    for model_id, b, s, extra in families:
+        for setup in setups:
+            for gpus in (2, 8):
+                for method in (full, lora):
+                    add(model_id, _spec(method, b, s, ckpt=True, **extra), setup, gpus)
+    # Checkpointing off: every strategy once, on Qwen2.5-0.5B.
+    for setup in setups:
+        add(QWEN_05B, _spec(full, 1, 512), setup, 2)
+        add(QWEN_05B, _spec(lora, 1, 512), setup, 8)
+    # The settings each strategy honours, beyond its defaults.
+    base = _spec(full, 1, 512, ckpt=True)
+    for setup in (
+        ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True),
+        ParallelSpec(strategy=Strategy.DDP, bucket_cap_mb=100),
+        ParallelSpec(strategy=Strategy.FSDP, use_orig_params=False),
+        ParallelSpec(strategy=Strategy.FSDP, limit_all_gathers=False),
+        ParallelSpec(strategy=Strategy.FSDP, backward_prefetch=FsdpBackwardPrefetch.NO_PREFETCH),
+        ParallelSpec(strategy=Strategy.FSDP2, reshard_after_forward=False),
+    ):
+        add(QWEN_05B, base, setup, 4)
+    return [Case(model_id=m, spec=s) for m, s in cases]
+
+
+def _gpus(setup: ParallelSpec, gpus: int) -> ParallelSpec:
+    return dataclasses.replace(setup, gpus=gpus)
 
 
 def iter_references(directory: Path = REFERENCE_DIR) -> Iterator[tuple[Path, dict[str, Any]]]:

@@ -36,7 +36,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.units import DType
-from service.trace import kernels
+from service.trace import kernels, parallel
 from service.trace.autocast import cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, materialize
 from service.trace.tracker import (
@@ -84,7 +84,10 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
     spec = resolved.spec
     notes: list[str] = []
     if spec.parallel.gpus != 1:
-        raise NotTraceableError("the tracer runs one GPU; multi-GPU strategies are not traced")
+        reason = parallel.refusal(spec)
+        if reason is not None:
+            raise NotTraceableError(reason)
+        notes.extend(parallel.notes(spec))
     if spec.framework is not Framework.HF:
         raise NotTraceableError(f"framework {spec.framework!r} is not traced, only HF + PEFT")
     if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):
@@ -292,6 +295,10 @@ def trace(
         with ExitStack() as stack:
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
+            wrapping = None
+            if spec.parallel.gpus != 1:  # the process group and its mesh, outside fake mode
+                mesh = stack.enter_context(parallel.process_group(spec.parallel.gpus))
+                wrapping = parallel.Wrapping(spec, mesh, tracker)
             if not real:
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
@@ -300,14 +307,26 @@ def trace(
                 stack.enter_context(cuda_autocast_policy())
             if real:
                 torch.manual_seed(0)
+            params_total = sum(_numel(p) for p in model.parameters())
+            params_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            if wrapping is not None and wrapping.shards_before_tracking:
+                materialize(model)
+                model = wrapping.wrap(model)
             stack.enter_context(tracker)
-            with tracker.labelling(Component.FROZEN_WEIGHTS):
-                owned = materialize(model)
+            if wrapping is not None and wrapping.shards_before_tracking:
+                owned = list(wrapping.local_tensors(model))
+            else:
+                with tracker.labelling(Component.FROZEN_WEIGHTS):
+                    owned = materialize(model)
             for tensor, component in owned:
                 tracker.label(tensor, component)
+            if wrapping is not None and not wrapping.shards_before_tracking:
+                model = wrapping.wrap(model)
+            if wrapping is not None:
+                stack.enter_context(wrapping.labelling())
+            # The wrapped model's parameters: FSDP2's DTensors, FSDP1's flat parameters (or the
+            # original parameters, views of them, with use_orig_params).
             params = [p for p in model.parameters() if p.requires_grad]
-            params_total = sum(_numel(p) for p in model.parameters())
-            params_trainable = sum(p.numel() for p in params)
             optimizer = make_optimizer(params, spec.optim, fake=not real)
             optimizer.state = _LabelledState(tracker)
             for qmap in getattr(optimizer, "name2qmap", {}).values():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from service.core.allocator import CachingAllocator
@@ -43,6 +43,19 @@ def allocated_size(nbytes: int, unit: int = CUDA_MIN_BLOCK_BYTES) -> int:
     if nbytes <= 0:
         return 0
     return -(-nbytes // unit) * unit
+
+
+def _inner_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors holding `tensor`'s memory: itself, or for a wrapper subclass (a DTensor: its
+    local shard) the tensors it flattens to; the wrapper has no memory of its own."""
+    if not is_traceable_wrapper_subclass(tensor):
+        yield tensor
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):
+            yield from _inner_tensors(inner)
 
 
 def _empty_breakdown() -> dict[Component, int]:
@@ -175,7 +188,8 @@ class StorageTracker(TorchDispatchMode):
                 continue
             if self.host_scalar_ops and leaf.dim() == 0:
                 continue
-            self._record(leaf, self.component, name)
+            for inner in _inner_tensors(leaf):
+                self._record(inner, self.component, name)
         return out
 
     def _blas_workspaces(self, name: str, args: tuple[Any, ...]) -> None:
@@ -217,6 +231,10 @@ class StorageTracker(TorchDispatchMode):
 
     def label(self, tensor: torch.Tensor, component: Component) -> None:
         """Give the storage behind `tensor` a new role; counts it first if it is not yet tracked."""
+        if is_traceable_wrapper_subclass(tensor):
+            for inner in _inner_tensors(tensor):
+                self.label(inner, component)
+            return
         storage = tensor.untyped_storage()
         block = self._blocks.get(id(storage))
         if block is None:
@@ -229,24 +247,55 @@ class StorageTracker(TorchDispatchMode):
         block.component = component
 
     def component_of(self, tensor: torch.Tensor) -> Component | None:
+        tensor = next(_inner_tensors(tensor))
         block = self._blocks.get(id(tensor.untyped_storage()))
         return None if block is None else block.component
 
+    def resized(self, storage: torch.UntypedStorage, component: Component, op: str) -> None:
+        """Re-count `storage` after its size changed outside the dispatcher
+        (`UntypedStorage.resize_`, which FSDP uses to free and re-allocate its gathered
+        parameters): freed at size 0, counted again as `component` when it grows back."""
+        key = id(storage)
+        size = allocated_size(storage.nbytes(), self.unit)
+        block = self._blocks.get(key)
+        if block is None:
+            if size:
+                self._record_storage(storage, component, op)
+            return
+        if size and block.size == 0:  # allocated again: it holds what the caller says now
+            block.component = component
+        self._resize_block(block, storage, size, op, empty_frees=True)
+
+    def _resize_block(
+        self,
+        block: _Block,
+        storage: torch.UntypedStorage,
+        size: int,
+        op: str,
+        *,
+        empty_frees: bool = False,
+    ) -> None:
+        """A storage resized in place (resize_, set_): new memory, the old freed."""
+        allocator = self.allocator
+        if allocator is not None:
+            handle = -1 if empty_frees and not size else allocator.malloc(storage.nbytes())
+            if block.handle >= 0:
+                allocator.free(block.handle)
+            block.handle = handle
+        self._change(block.component, size - block.size, op)
+        block.size = size
+
     def _record(self, tensor: torch.Tensor, component: Component, op: str) -> None:
-        storage = tensor.untyped_storage()
+        self._record_storage(tensor.untyped_storage(), component, op)
+
+    def _record_storage(self, storage: torch.UntypedStorage, component: Component, op: str) -> None:
         key = id(storage)
         size = allocated_size(storage.nbytes(), self.unit)
         block = self._blocks.get(key)
         allocator = self.allocator
         if block is not None:
-            if block.size != size:  # resized in place (resize_, set_): new memory, old freed
-                if allocator is not None:
-                    handle = allocator.malloc(storage.nbytes())
-                    if block.handle >= 0:
-                        allocator.free(block.handle)
-                    block.handle = handle
-                self._change(block.component, size - block.size, op)
-                block.size = size
+            if block.size != size:
+                self._resize_block(block, storage, size, op)
             return
         finalizer = weakref.finalize(storage, self._free, key)
         finalizer.atexit = False

@@ -13,12 +13,14 @@ pytest.importorskip("peft")
 
 from service.core.result import Component, Phase
 from service.core.spec import (
+    FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
     Optim,
     ParallelSpec,
     QuantSpec,
+    Strategy,
     TrainingSpec,
     resolve,
 )
@@ -99,7 +101,15 @@ def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
-        ({"parallel": ParallelSpec(gpus=2)}, "one GPU"),
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.ZERO2)}, "zero2 is not traced"),
+        (
+            {
+                "parallel": ParallelSpec(
+                    gpus=2, strategy=Strategy.FSDP, sharding_strategy=FsdpSharding.HYBRID_SHARD
+                )
+            },
+            "HYBRID_SHARD is not traced",
+        ),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"optim": Optim.PAGED_ADAMW_8BIT}, "managed memory"),
     ],
