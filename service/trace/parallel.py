@@ -319,6 +319,15 @@ class Wrapping:
         # FSDP1 asks whether an unsharded flat parameter is allocated by its data pointer, which a
         # fake tensor's storage never has; its size says the same (FSDP frees by resizing to 0).
         stack.enter_context(_patched(_flat_param, "_data_ptr_allocated", _storage_allocated))
+        # Likewise it compares data pointers to tell whether two tensors share a storage
+        # (_flat_param._same_storage) and whether a flat parameter is back on its local shard
+        # (_runtime_utils._catch_all_reshard, which reshards what no post-backward hook did: the
+        # frozen units of a PEFT model); every fake storage's pointer is 0, so both would always
+        # answer yes. Storage identity answers what the pointers answer on a GPU.
+        stack.enter_context(_patched(_flat_param, "_same_storage", _same_storage))
+        stack.enter_context(
+            _patched(_runtime_utils, "_catch_all_reshard", _catch_all_reshard(_runtime_utils))
+        )
         handle_type = _flat_param.FlatParamHandle
         for name in ("unshard", "_use_unsharded_flat_param", "pre_unshard", "post_unshard"):
             wrapped = self._communication(getattr(handle_type, name))
@@ -390,6 +399,30 @@ def _allreduce_in_place(state, bucket):  # type: ignore[no-untyped-def]  # DDP c
 
 def _storage_allocated(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() > 0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(_local(a).untyped_storage()._cdata == _local(b).untyped_storage()._cdata)
+
+
+def _catch_all_reshard(runtime: Any) -> Callable[[Any], None]:
+    """FSDP1's end-of-backward reshard of a unit still unsharded, its "already resharded" test
+    by storage identity instead of data pointers."""
+
+    def reshard(state: Any) -> None:
+        handle = state._handle
+        if not handle:
+            return
+        flat = handle.flat_param
+        if _same_storage(flat, flat._local_shard) and not handle._skipped_use_sharded_views:
+            return
+        runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
+
+    return reshard
 
 
 @contextmanager
