@@ -3,6 +3,9 @@
 Each reference is `tests/data/traces/<name>.json`: the spec, the model id, the peak (bytes, step,
 phase, op, breakdown), the snapshot at each phase of each step, parameter counts, the notes the
 trace made, and the library versions it ran with. The estimator's tests compare against these.
+Rank 0 of multi-GPU jobs (DDP, FSDP1, FSDP2; service/trace/parallel.py) is kept apart, in
+`tests/data/traces_parallel/<name>.json` (`parallel_matrix()`), its spec carrying the strategy,
+the GPU count and the strategy's settings, its name ending in them (`__fsdp2-8gpu`).
 """
 
 from __future__ import annotations
