@@ -7,13 +7,11 @@ from typing import NamedTuple
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
+from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
-from service.core.estimator.weights import _gradients
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
-    Offload,
-    Strategy,
     TrainingSpec,
 )
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
@@ -85,6 +83,7 @@ class _Step(NamedTuple):
     backward: _Moment  # the largest moment inside the layers' backward
     optimizer_step: _Moment
     paged_state: int  # optimizer state outside the allocator (paged optimizers)
+    host: int  # host memory per rank (offloaded states)
     assumptions: list[str]
     warnings: list[str]
 
@@ -116,19 +115,14 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     h = arch.hidden_size
     L = arch.num_hidden_layers
     f = plan.flow
-    p = plan.params
-    shard = _sharding(spec)
-
-    frozen = p.frozen // shard.params
-    trainable = p.trainable // shard.params
-    grads = _gradients(p) // shard.grads
-    state, state_outside, temps = plan.optimizer
-    state //= shard.state
-    state_outside //= shard.state
-    temps //= shard.state
-    if spec.parallel.offload is not Offload.NONE:
-        state = temps = state_outside = 0
-        assumptions.append("optimizer state offloaded to host memory")
+    rank = rank_layout(spec, plan)
+    assumptions.extend(rank.assumptions)
+    frozen = rank.frozen
+    trainable = rank.trainable
+    grads = rank.gradients
+    state = rank.optimizer_state
+    state_outside = rank.state_outside
+    temps = rank.optimizer_temporaries
 
     per_layer = _recipe_bytes(plan.layer, b, s)
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
@@ -180,8 +174,8 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         )
 
     ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
-    head_grads = p.head_trainable // shard.grads
-    embed_grads = p.embed_trainable // shard.grads
+    head_grads = rank.head_gradients
+    embed_grads = rank.embed_gradients
     ckpt = spec.gradient_checkpointing
     rs_r = rs.lora.r if rs.lora else 0
     tied_head = arch.tie_word_embeddings
@@ -309,43 +303,34 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                     backward_temporaries=grads_now,
                 )
             )
+    if rank.comm_backward:
+        candidates = [moment._replace(communication=rank.comm_backward) for moment in candidates]
     return _Step(
         plan=plan,
         fixed=fixed,
         workspaces=_workspaces(plan, compute_capability),
         optimizer_state=state,
         forward_end=_Moment(
-            gradients=ga_grads, activations=activations, logits_loss=loss.forward_peak
+            gradients=ga_grads,
+            activations=activations,
+            logits_loss=loss.forward_peak,
+            communication=rank.comm_forward,
         ),
         backward_start=_Moment(
-            gradients=ga_grads, activations=activations, logits_loss=loss.backward_peak
+            gradients=ga_grads,
+            activations=activations,
+            logits_loss=loss.backward_peak,
+            communication=rank.comm_forward,
         ),
         backward=max(candidates, key=sum),
-        optimizer_step=_Moment(gradients=grads, activations=0, optimizer_temporaries=temps),
+        optimizer_step=_Moment(
+            gradients=grads,
+            activations=0,
+            optimizer_temporaries=temps,
+            communication=rank.comm_step,
+        ),
         paged_state=state_outside,
+        host=rank.host,
         assumptions=assumptions,
         warnings=warnings,
     )
-
-
-class _Shards(NamedTuple):
-    params: int
-    grads: int
-    state: int
-
-
-_UNSHARDED = _Shards(1, 1, 1)
-
-
-def _sharding(spec: TrainingSpec) -> _Shards:
-    """Divisors over ranks: ZeRO-1 shards optimizer state, ZeRO-2 also gradients, ZeRO-3 and
-    FSDP also parameters (Rajbhandari et al. 2020, ZeRO, section 5)."""
-    n = spec.parallel.gpus
-    strategy = spec.parallel.strategy
-    if n == 1 or strategy is Strategy.DDP:
-        return _UNSHARDED
-    if strategy is Strategy.ZERO1:
-        return _Shards(1, 1, n)
-    if strategy is Strategy.ZERO2:
-        return _Shards(1, n, n)
-    return _Shards(n, n, n)

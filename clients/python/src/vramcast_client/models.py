@@ -31,7 +31,9 @@ AttnImplName = Literal["eager", "sdpa", "flash_attention_2"]
 SdpaKernelName = Literal["auto", "flash", "efficient", "math"]
 LossName = Literal["hf", "plain", "chunked", "fused"]
 FrameworkName = Literal["hf", "litgpt", "torchtune"]
-StrategyName = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+StrategyName = Literal["ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3"]
+FsdpShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+FsdpBackwardPrefetchName = Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
 OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
@@ -90,6 +92,22 @@ class Parallel(_Request):
     gpus: int | None = Field(default=None, ge=1)
     strategy: StrategyName | None = None
     offload: OffloadName | None = None
+    gpus_per_node: int | None = Field(default=None, ge=1)
+    bucket_cap_mb: int | None = Field(default=None, ge=1)
+    gradient_as_bucket_view: bool | None = None
+    sharding_strategy: FsdpShardingName | None = None
+    use_orig_params: bool | None = None
+    limit_all_gathers: bool | None = None
+    forward_prefetch: bool | None = None
+    backward_prefetch: FsdpBackwardPrefetchName | None = None
+    reshard_after_forward: bool | None = None
+    reduce_bucket_size: int | None = Field(default=None, ge=1)
+    allgather_bucket_size: int | None = Field(default=None, ge=1)
+    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=1)
+    stage3_max_live_parameters: int | None = Field(default=None, ge=1)
+    stage3_param_persistence_threshold: int | None = Field(default=None, ge=0)
+    contiguous_gradients: bool | None = None
+    overlap_comm: bool | None = None
 
 
 class Job(_Request):
@@ -232,6 +250,7 @@ class Estimate(_Result):
     overheads: dict[str, int]
     phases: list[PhaseBytes]
     params: Params
+    host_bytes: int = 0
     upper_margin: float
     calibration: AppliedCalibration
     gpu: GpuFitSummary | None = None
