@@ -49,6 +49,9 @@ class RankLayout(NamedTuple):
     # The embedding's gradient as backward makes it, before any reduction shards it; None: as
     # held (`embed_gradients`).
     embed_gradient_made: int | None = None
+    # The gradients held between micro-batches under gradient accumulation; None: as after
+    # backward (`gradients`).
+    accumulated_gradients: int | None = None
 
 
 def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
@@ -205,6 +208,18 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
             "LitGPT wraps each Block with its adapters: every flat parameter takes a whole "
             "gradient, frozen weights included"
         )
+    accumulated = None
+    if spec.gradient_accumulation_steps > 1 and n > 1:
+        # Between optimizer steps the micro-batches' gradients add up unsharded: HF Trainer
+        # accumulates under accelerate's `no_sync` (FSDP1's no_sync, FSDP2's
+        # set_requires_gradient_sync(False); accelerate/accelerator.py `Accelerator.no_sync`),
+        # as LitGPT does under Fabric's `no_backward_sync`; only the last micro-batch's
+        # backward reduce-scatters them.
+        accumulated = grads
+        notes.append(
+            "gradient accumulation without synchronisation (accelerate's no_sync): the "
+            "accumulated gradients are held unsharded"
+        )
     state = whole.optimizer_state // n
     outside = whole.state_outside // n
     temps = whole.optimizer_temporaries // n
@@ -234,4 +249,5 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         host=host,
         assumptions=tuple(notes),
         embed_gradient_made=whole.embed_gradients,
+        accumulated_gradients=accumulated,
     )

@@ -173,7 +173,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
             f"{extra * (1 if spec.gradient_checkpointing else L) / GIB:.1f} GiB"
         )
 
-    ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
+    if spec.gradient_accumulation_steps > 1:
+        ga_grads = grads if rank.accumulated_gradients is None else rank.accumulated_gradients
+    else:
+        ga_grads = 0
     head_grads = rank.head_gradients
     embed_grads = rank.embed_gradients
     ckpt = spec.gradient_checkpointing
@@ -205,13 +208,13 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
             + _blk(tokens * traits.down_stop * f.adapter)
         )
     top = _Moment(
-        gradients=grads if ga_grads else head_grads,
+        gradients=ga_grads if ga_grads else head_grads,
         activations=activations,
         recompute=recompute_end,
         backward_temporaries=in_flight,
     )
     bottom_acts = checkpoint if ckpt else first_layer
-    bottom_grads = grads if ga_grads else grads - embed_grads
+    bottom_grads = ga_grads if ga_grads else grads - embed_grads
     bottom = _Moment(
         gradients=bottom_grads,
         activations=bottom_acts,
