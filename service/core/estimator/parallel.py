@@ -7,10 +7,9 @@ holds everything and adds nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 from service.core.architecture import ModelArch
-from service.core.estimator.weights import _gradients, _Params
+from service.core.estimator.layout import RankLayout
+from service.core.estimator.plan import _Plan
 from service.core.spec import (
     Framework,
     FsdpBackwardPrefetch,
@@ -21,38 +20,6 @@ from service.core.spec import (
     TrainingSpec,
 )
 
-if TYPE_CHECKING:
-    from service.core.estimator.plan import _Plan
-
-
-class RankLayout(NamedTuple):
-    """One rank's model states and communication buffers, bytes."""
-
-    frozen: int  # frozen weights held between uses (this rank's shard under FSDP, ZeRO-3)
-    trainable: int  # trainable parameters held between uses
-    gradients: int  # every gradient this rank holds once backward is done
-    head_gradients: int  # of which the LM head's and final norm's (they come first)
-    embed_gradients: int  # of which the input embedding's (it comes last)
-    optimizer_state: int  # optimizer state in the allocator (fp32 master weights included)
-    state_outside: int  # optimizer state outside the allocator (paged optimizers)
-    optimizer_temporaries: int  # the optimizer step's scratch
-    # The communication component (gathered parameters, buckets) at each moment of the step.
-    comm_forward: int  # at the forward's end and the backward's start
-    comm_backward: int  # inside the layers' backward
-    comm_step: int  # during the optimizer step
-    host: int  # host memory this rank keeps (offloaded states)
-    assumptions: tuple[str, ...]
-    # At the backward's start (the loss gradient), when it differs from comm_forward.
-    comm_backward_start: int | None = None
-    # At the backward's end (the embedding's gradient), when it differs from comm_backward.
-    comm_end: int | None = None
-    # The embedding's gradient as backward makes it, before any reduction shards it; None: as
-    # held (`embed_gradients`).
-    embed_gradient_made: int | None = None
-    # The gradients held between micro-batches under gradient accumulation; None: as after
-    # backward (`gradients`).
-    accumulated_gradients: int | None = None
-
 
 def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     """The layout of one rank of `spec` (per-GPU sizes), from the plan's parameters."""
@@ -62,26 +29,6 @@ def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     if par.strategy in (Strategy.FSDP, Strategy.FSDP2):
         return _fsdp(arch, spec, plan)
     return _sharded(spec, plan)
-
-
-def whole_layout(p: _Params, optimizer: tuple[int, int, int]) -> RankLayout:
-    """Every state whole on the one GPU, nothing to communicate."""
-    state, outside, temps = optimizer
-    return RankLayout(
-        frozen=p.frozen,
-        trainable=p.trainable,
-        gradients=_gradients(p),
-        head_gradients=p.head_trainable,
-        embed_gradients=p.embed_trainable,
-        optimizer_state=state,
-        state_outside=outside,
-        optimizer_temporaries=temps,
-        comm_forward=0,
-        comm_backward=0,
-        comm_step=0,
-        host=0,
-        assumptions=(),
-    )
 
 
 def _ddp(spec: TrainingSpec, plan: _Plan) -> RankLayout:
@@ -183,6 +130,13 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     root = p.outside_layers
     layer = p.layer
     layers = arch.num_hidden_layers * layer
+    # HF Trainer sets PEFT's wrap policy for a PEFT model (transformers/distributed/fsdp.py
+    # `update_fsdp_plugin_peft`), which accelerate's FSDP2 path does not translate
+    # (accelerate/utils/fsdp_utils.py `fsdp2_prepare_auto_wrap_policy` returns None): only the
+    # root is sharded, one group gathered whole from the forward through the backward.
+    one_group = not fsdp1 and spec.method is not Method.FULL and spec.framework is Framework.HF
+    if one_group:
+        root, layer, layers = p.frozen + p.trainable, 0, 0
     if n == 1:
         root = layers = layer = 0  # nothing is sharded, so nothing is gathered
     gathered_forward = root if reshard else root + layers
@@ -199,6 +153,11 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         + ": each rank keeps its shard of every parameter, gradient and optimizer state; one "
         "unit per decoder layer, the root holding the embedding, final norm and LM head"
     ]
+    if one_group and n > 1:
+        notes.append(
+            "FSDP2 with a PEFT model under HF Trainer: accelerate wraps no layer separately, so "
+            "the whole model is gathered on every GPU from the forward through the backward"
+        )
     if fsdp1 and spec.framework is Framework.LITGPT and spec.method is not Method.FULL and n > 1:
         # Fabric wraps whole Blocks, adapters inside: with use_orig_params a flat parameter
         # that holds any trainable tensor takes a gradient for all of it

@@ -10,9 +10,9 @@ from service.core.allocator import AllocatorConfig
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_flow
+from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
-from service.core.estimator.parallel import RankLayout, whole_layout
 from service.core.estimator.weights import _optimizer_state, _Params, _params, adapted_linears
 from service.core.reserved import ReservedPlan
 from service.core.spec import (
@@ -57,7 +57,7 @@ class _Plan:
     reserved: ReservedPlan  # what the reserved level's allocation schedule needs
     assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
     traits: _StepTraits  # the step's shape-independent choices (`_step_traits`)
-    whole: RankLayout  # the states of a job on one GPU (`parallel.whole_layout`)
+    whole: RankLayout  # the states of a job on one GPU (`layout.whole_layout`)
 
 
 @dataclass(frozen=True, slots=True)
