@@ -9,8 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from service.core.architecture import ModelArch
 from service.core.estimator.weights import _gradients, _Params
-from service.core.spec import Offload, Strategy, TrainingSpec
+from service.core.spec import (
+    Framework,
+    FsdpBackwardPrefetch,
+    FsdpSharding,
+    Method,
+    Offload,
+    Strategy,
+    TrainingSpec,
+)
 
 if TYPE_CHECKING:
     from service.core.estimator.plan import _Plan
@@ -33,13 +42,22 @@ class RankLayout(NamedTuple):
     comm_step: int  # during the optimizer step
     host: int  # host memory this rank keeps (offloaded states)
     assumptions: tuple[str, ...]
+    # At the backward's start (the loss gradient), when it differs from comm_forward.
+    comm_backward_start: int | None = None
+    # At the backward's end (the embedding's gradient), when it differs from comm_backward.
+    comm_end: int | None = None
+    # The embedding's gradient as backward makes it, before any reduction shards it; None: as
+    # held (`embed_gradients`).
+    embed_gradient_made: int | None = None
 
 
-def rank_layout(spec: TrainingSpec, plan: _Plan) -> RankLayout:
+def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     """The layout of one rank of `spec` (per-GPU sizes), from the plan's parameters."""
     par = spec.parallel
     if par.strategy is Strategy.DDP:
         return _ddp(spec, plan) if par.gpus > 1 else plan.whole
+    if par.strategy in (Strategy.FSDP, Strategy.FSDP2):
+        return _fsdp(arch, spec, plan)
     return _sharded(spec, plan)
 
 
@@ -125,4 +143,95 @@ def _sharded(spec: TrainingSpec, plan: _Plan) -> RankLayout:
         optimizer_temporaries=temps,
         host=host,
         assumptions=tuple(notes),
+    )
+
+
+def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
+    """FSDP1 and FSDP2, wrapped as HF Trainer + accelerate wrap a decoder: one unit per decoder
+    layer, the root holding what is outside the layers (embedding, final norm, LM head).
+
+    Each rank keeps 1/N of every parameter, gradient and optimizer state. A unit's parameters
+    are gathered whole for its forward and again for its backward; with resharding after
+    forward (FSDP1's FULL_SHARD and HYBRID_SHARD, FSDP2's reshard_after_forward) they are
+    freed after each, except the root's, which stay gathered from the forward through the
+    backward (torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`: not for the
+    root; _fully_shard/_fsdp_state.py: the root's group is not resharded after forward).
+    Backward prefetches the next unit's parameters, so two layers are gathered inside it
+    (FSDP1's BACKWARD_PRE and BACKWARD_POST, FSDP2's default). SHARD_GRAD_OP and
+    reshard_after_forward=False keep every unit gathered from its forward to its backward.
+    The embedding's gradient is made whole before it is reduce-scattered.
+    """
+    par = spec.parallel
+    p = plan.params
+    whole = plan.whole
+    fsdp1 = par.strategy is Strategy.FSDP
+    if fsdp1 and par.sharding_strategy is FsdpSharding.NO_SHARD:
+        n = 1
+    elif fsdp1 and par.sharding_strategy is FsdpSharding.HYBRID_SHARD:
+        n = par.node_size  # sharded within a node, replicated across nodes
+    else:
+        n = par.gpus
+    if fsdp1:
+        reshard = par.sharding_strategy in (FsdpSharding.FULL_SHARD, FsdpSharding.HYBRID_SHARD)
+        prefetch = par.backward_prefetch is not FsdpBackwardPrefetch.NO_PREFETCH
+    else:
+        reshard = par.reshard_after_forward
+        prefetch = True
+    root = p.outside_layers
+    layer = p.layer
+    layers = arch.num_hidden_layers * layer
+    if n == 1:
+        root = layers = layer = 0  # nothing is sharded, so nothing is gathered
+    gathered_forward = root if reshard else root + layers
+    in_backward = root + layer * (2 if prefetch else 1)
+    if not reshard:
+        in_backward = max(in_backward, gathered_forward)
+    # FSDP1 prefetches the last layer as the backward starts (its pre-backward hook on the
+    # root's output); FSDP2 gathers it when the layer's backward begins.
+    backward_start = root + layer if fsdp1 and prefetch and reshard else gathered_forward
+    grads = whole.gradients
+    notes = [
+        f"{'FSDP1' if fsdp1 else 'FSDP2'} over {par.gpus} GPUs"
+        + (f" (sharded within nodes of {n})" if n != par.gpus else "")
+        + ": each rank keeps its shard of every parameter, gradient and optimizer state; one "
+        "unit per decoder layer, the root holding the embedding, final norm and LM head"
+    ]
+    if fsdp1 and spec.framework is Framework.LITGPT and spec.method is not Method.FULL and n > 1:
+        # Fabric wraps whole Blocks, adapters inside: with use_orig_params a flat parameter
+        # that holds any trainable tensor takes a gradient for all of it
+        # (torch/distributed/fsdp/_flat_param.py `_validate_tensors_to_flatten`).
+        grads = p.frozen + p.trainable
+        notes.append(
+            "LitGPT wraps each Block with its adapters: every flat parameter takes a whole "
+            "gradient, frozen weights included"
+        )
+    state = whole.optimizer_state // n
+    outside = whole.state_outside // n
+    temps = whole.optimizer_temporaries // n
+    frozen = whole.frozen // n
+    trainable = whole.trainable // n
+    held_grads = grads // n
+    host = 0
+    if par.offload is Offload.OPTIMIZER_AND_PARAMS:
+        # CPUOffload / CPUOffloadPolicy: shards, their gradients and the optimizer on the host
+        host = frozen + trainable + held_grads + state + outside
+        frozen = trainable = held_grads = state = outside = temps = 0
+        notes.append("parameters, gradients and optimizer state offloaded to host memory")
+    return whole._replace(
+        frozen=frozen,
+        trainable=trainable,
+        gradients=held_grads,
+        head_gradients=whole.head_gradients // n,
+        embed_gradients=whole.embed_gradients // n,
+        optimizer_state=state,
+        state_outside=outside,
+        optimizer_temporaries=temps,
+        comm_forward=gathered_forward,
+        comm_backward_start=backward_start,
+        comm_backward=in_backward,
+        comm_end=root + layer,
+        comm_step=0,
+        host=host,
+        assumptions=tuple(notes),
+        embed_gradient_made=whole.embed_gradients,
     )

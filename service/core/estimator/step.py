@@ -115,7 +115,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     h = arch.hidden_size
     L = arch.num_hidden_layers
     f = plan.flow
-    rank = rank_layout(spec, plan)
+    rank = rank_layout(arch, spec, plan)
     assumptions.extend(rank.assumptions)
     frozen = rank.frozen
     trainable = rank.trainable
@@ -222,15 +222,15 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # flowing into the embedding's backward beside it. A tied embedding already holds the LM
     # head's gradient: AccumulateGrad adds out of place, so the old gradient, the new one and
     # their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full fine-tuning).
+    # Sharding strategies make it whole and shard it after.
+    made = embed_grads if rank.embed_gradient_made is None else rank.embed_gradient_made
     if embed_grads and tied_head:
-        end = _Moment(
-            gradients=grads - embed_grads, activations=0, backward_temporaries=3 * embed_grads
-        )
+        end = _Moment(gradients=grads - embed_grads, activations=0, backward_temporaries=3 * made)
     elif embed_grads:
         end = _Moment(
             gradients=grads - embed_grads,
             activations=0,
-            backward_temporaries=embed_grads + grad_hidden,
+            backward_temporaries=made + grad_hidden,
         )
     else:
         end = _Moment(gradients=grads, activations=0)
@@ -303,8 +303,15 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                     backward_temporaries=grads_now,
                 )
             )
-    if rank.comm_backward:
-        candidates = [moment._replace(communication=rank.comm_backward) for moment in candidates]
+    if rank.comm_backward or rank.comm_end:
+        end_comm = rank.comm_backward if rank.comm_end is None else rank.comm_end
+        candidates = [
+            moment._replace(communication=end_comm if moment is end else rank.comm_backward)
+            for moment in candidates
+        ]
+    backward_start_comm = (
+        rank.comm_forward if rank.comm_backward_start is None else rank.comm_backward_start
+    )
     return _Step(
         plan=plan,
         fixed=fixed,
@@ -320,7 +327,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
             gradients=ga_grads,
             activations=activations,
             logits_loss=loss.backward_peak,
-            communication=rank.comm_forward,
+            communication=backward_start_comm,
         ),
         backward=max(candidates, key=sum),
         optimizer_step=_Moment(
