@@ -105,9 +105,9 @@ class _Ladder:
         self.gpus_per_node = gpus_per_node
         self.requirement = requirement
         self.values: dict[int, Requirement | None] = {}  # ladder index -> requirement
-        self.error: InvalidSpecError | None = None
+        self.error: InvalidSpecError | None = None  # why the job cannot run under `strategy`
         try:
-            self.spec_at(0)
+            self.values[0] = requirement(self.spec_at(0))
         except InvalidSpecError as exc:
             self.error = exc
 
