@@ -3,6 +3,7 @@ checked against the requirement itself, and the cheapest and fewest placements."
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -237,3 +238,35 @@ def test_llama_70b_full_fine_tuning_under_ddp_does_not_fit_any_number_of_h100s()
     assert found.outcome is Outcome.DOES_NOT_FIT and found.count is None
     assert found.top_requirement is not None
     assert found.top_requirement.device_bytes_upper > usable_bytes(_gpu("H100-SXM").memory_bytes)
+
+
+def test_a_requirement_that_rises_before_it_falls_is_bracketed_and_verified() -> None:
+    # One GPU holds no collective buffers (lower than two); sharding pays off from a node on.
+    def need(n: int) -> int:
+        if n == 1:
+            return 100 * GIB
+        return 120 * GIB if n <= 8 else 4 * GIB + 900 * GIB // n
+
+    fn = Counted({Strategy.ZERO3: need})
+    check = place(JOB, [GpuOffer(memory_bytes=80 * GIB)], fn, strategies=[Strategy.ZERO3])
+    (found,) = check.placements
+    assert (found.count, found.previous_count) == (16, 8)
+    usable = found.usable_bytes
+    assert need(16) <= usable < need(8)
+
+
+def test_random_falling_requirements_get_the_first_fitting_count() -> None:
+    rng = random.Random(20261201)
+    counts = gpu_counts(DEFAULT_MAX_GPUS, 8)
+    for _ in range(200):
+        # Nonincreasing along the ladder, with plateaus, from one GPU on.
+        steps = sorted((rng.randrange(0, 64 * GIB) for _ in counts), reverse=True)
+        table = dict(zip(counts, (8 * GIB + s for s in steps), strict=True))
+        fn = Counted({Strategy.FSDP: table.__getitem__})
+        offers = [GpuOffer(memory_bytes=rng.randrange(9, 80) * GIB) for _ in range(4)]
+        check = place(JOB, offers, fn, strategies=[Strategy.FSDP])
+        for offer, found in zip(offers, check.placements, strict=True):
+            usable = usable_bytes(offer.memory_bytes)
+            fitting = [n for n in counts if table[n] <= usable]
+            assert found.count == (fitting[0] if fitting else None)
+        assert check.evaluations <= len(counts)
