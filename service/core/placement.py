@@ -60,7 +60,7 @@ class Placement:
     previous_count: int | None = None  # the ladder's count below `count`; it does not fit
     previous_requirement: Requirement | None = None
     top_requirement: Requirement | None = None  # at max_gpus' rung, when none fits
-    stops_falling: bool = False  # the requirement is no lower at the top than at two GPUs
+    stops_falling: bool = False  # the requirement is hardly lower at the top than on two GPUs
     reason: str | None = None  # why none fits, in words
 
 
@@ -161,9 +161,9 @@ class _Ladder:
         return hi, lo
 
     def stops_falling(self) -> bool:
-        """Whether the requirement at the top of the ladder is no lower than on two GPUs, but
-        for less than the estimate's own spread (`part_threshold`: what a change must save to
-        be worth suggesting)."""
+        """Whether the requirement at the top of the ladder is lower than on two GPUs by no more
+        than the estimate's own spread (`part_threshold`: what a change must save to be worth
+        suggesting)."""
         if len(self.counts) < 3:
             return False
         two, top = self.at(1), self.at(len(self.counts) - 1)
