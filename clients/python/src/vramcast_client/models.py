@@ -142,6 +142,15 @@ class GpuOffer(_Request):
     price_per_hour: float | None = Field(default=None, ge=0.0)
 
 
+class PlacementRequest(_Request):
+    """Ask a fit-check for the fewest GPUs per GPU type and strategy (null: the service's
+    defaults: the job's strategy, up to 64 GPUs, the job's node size or 8)."""
+
+    strategies: list[StrategyName] | None = Field(default=None, min_length=1)
+    max_gpus: int | None = Field(default=None, ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=1)
+
+
 class UploadGpu(_Request):
     name: str = Field(min_length=1, description="The name the driver reports.")
     memory_total_bytes: int = Field(gt=0, description="Total memory the driver reports.")
@@ -323,10 +332,48 @@ class Cheapest(_Result):
     cost_per_hour: float
 
 
+class Placement(_Result):
+    """One GPU type under one strategy: the fewest GPUs that hold the job, or why none."""
+
+    gpu_index: int
+    gpu: str
+    strategy: str
+    outcome: str  # fits, does_not_fit, not_possible
+    count: int | None = None
+    nodes: int | None = None
+    cost_per_hour: float | None = None
+    usable_bytes: int
+    required_bytes: int | None = None
+    headroom_bytes: int | None = None
+    previous_count: int | None = None
+    previous_required_bytes: int | None = None
+    reason: str | None = None
+    per_gpu: Estimate | None = None
+
+
+class PlacementPick(_Result):
+    index: int
+    gpu: str
+    strategy: str
+    count: int
+    cost_per_hour: float | None = None
+
+
+class Placements(_Result):
+    strategies: list[str]
+    max_gpus: int
+    gpus_per_node: int
+    counts: list[int]
+    placements: list[Placement]
+    cheapest: PlacementPick | None = None
+    fewest: PlacementPick | None = None
+
+
 class FitCheck(_Result):
     job: Estimate
     results: list[GpuFit]
     cheapest: Cheapest | None = None
+    placement: Placements | None = None
 
     @property
     def fits_all(self) -> bool:
