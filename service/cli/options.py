@@ -19,6 +19,7 @@ from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
     Framework,
+    FsdpSharding,
     LossImpl,
     Method,
     Offload,
@@ -110,6 +111,25 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     par.add_argument("--gpus", type=int, default=1)
     par.add_argument("--strategy", choices=_choices(Strategy), default=Strategy.DDP.value)
     par.add_argument("--offload", choices=_choices(Offload), default=Offload.NONE.value)
+    par.add_argument(
+        "--sharding-strategy",
+        choices=_choices(FsdpSharding),
+        help="FSDP1's sharding strategy (default FULL_SHARD)",
+    )
+    par.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        default=None,
+        help="FSDP2: keep each layer's gathered parameters from its forward to its backward",
+    )
+    par.add_argument("--bucket-cap-mb", type=int, help="DDP's bucket cap in MB (default 25)")
+    par.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        default=None,
+        help="DDP: gradients are views into the buckets",
+    )
     parser.add_argument(
         "--alloc-conf",
         default="",
@@ -156,7 +176,17 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,
             "framework": args.framework,
-            "parallel": {"gpus": args.gpus, "strategy": args.strategy, "offload": args.offload},
+            "parallel": _given(
+                {
+                    "gpus": args.gpus,
+                    "strategy": args.strategy,
+                    "offload": args.offload,
+                    "sharding_strategy": args.sharding_strategy,
+                    "reshard_after_forward": args.reshard_after_forward,
+                    "bucket_cap_mb": args.bucket_cap_mb,
+                    "gradient_as_bucket_view": args.gradient_as_bucket_view,
+                }
+            ),
         }
     )
     if method is not Method.FULL:

@@ -153,6 +153,11 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         + ": each rank keeps its shard of every parameter, gradient and optimizer state; one "
         "unit per decoder layer, the root holding the embedding, final norm and LM head"
     ]
+    if not reshard and not one_group and n > 1:
+        notes.append(
+            "every layer's gathered parameters kept from its forward to its backward "
+            + ("(SHARD_GRAD_OP)" if fsdp1 else "(reshard_after_forward=False)")
+        )
     if one_group and n > 1:
         notes.append(
             "FSDP2 with a PEFT model under HF Trainer: accelerate wraps no layer separately, so "
