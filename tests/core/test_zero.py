@@ -70,16 +70,47 @@ def _close(actual: int, expected: float, slack: int = MIB) -> None:
     assert abs(actual - expected) <= slack, (actual, expected)
 
 
+def _held_by_worst_rank(sizes: list[int], gpus: int) -> int:
+    """Elements of the parameters (in model order) that overlap a rank's slice, whole, for the
+    rank holding the most; slices of the group padded to 2 x gpus elements."""
+    align = NCCL_START_ALIGNMENT_FACTOR * gpus
+    size = -(-sum(sizes) // align) * align // gpus
+    held = []
+    for rank in range(gpus):
+        lo, hi = rank * size, (rank + 1) * size
+        start, total = 0, 0
+        for n in sizes:
+            if start < hi and start + n > lo:
+                total += n
+            start += n
+        held.append(total)
+    return max(held)
+
+
+# The model's trainable tensors in model.parameters() order, by HF Trainer's groups: matrices
+# (the embedding, each layer's q, k, v, o, gate, up, down, the LM head) and the norms.
+KV = ARCH.num_key_value_heads * ARCH.head_dim
+MLP = ARCH.intermediate_size
+MATRICES = [V * H] + [H * H, KV * H, KV * H, H * H, MLP * H, MLP * H, H * MLP] * 4 + [V * H]
+NORMS = [H] * (2 * 4 + 1)
+
+
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_zero2_full_fine_tuning_closed_form(gpus: int) -> None:
     """ZeRO-2, bf16, fused AdamW: 2P whole flat parameters; (4 + 4 + 4) P / N fp32 master slice
-    and exp_avg/exp_avg_sq; a 2-byte gradient partition of P / N plus the parameters its
-    boundaries cut (one embedding-sized matrix and one norm vector with several ranks)."""
+    and exp_avg/exp_avg_sq; a 2-byte gradient partition buffer holding every parameter that
+    overlaps the rank's slice, whole."""
+    assert sum(MATRICES) + sum(NORMS) == P
     lay = _layout(_spec("zero2", gpus))
     _close(lay.trainable, HALF * P)
     _close(lay.optimizer_state, (FP32 + FP32 + FP32) * P / gpus)
-    overhang = (V * H + H) if gpus > 1 else 0
-    _close(lay.gradients, HALF * (P / gpus + overhang))
+    held = _held_by_worst_rank(MATRICES, gpus) + _held_by_worst_rank(NORMS, gpus)
+    assert HALF * P / gpus <= lay.gradients <= HALF * (P / gpus + 2 * V * H) + MIB
+    if gpus == 1:
+        _close(lay.gradients, HALF * P)
+    else:
+        # one rank holds both groups' worst parts at most; never less than its own
+        _close(lay.gradients, HALF * held, slack=HALF * max(NORMS) * 2 + MIB)
     # one reduce bucket of hidden_size^2 elements (HF auto; no overlap_comm by default), the
     # newest gradient (the LM head's, V x H), and with several ranks the flat copy of it
     bucket = HALF * H * H
@@ -252,3 +283,13 @@ def test_estimate_holds_master_weights_and_reports_host() -> None:
     off = estimate(ARCH, _spec("zero3", gpus, offload=Offload.OPTIMIZER_AND_PARAMS))
     assert off.host_bytes > 0
     assert off.allocated_bytes < est.allocated_bytes
+
+
+def test_zero2_accumulation_fills_a_second_partition_buffer() -> None:
+    single = _layout(_spec("zero2", 4))
+    accumulating = _layout(_spec("zero2", 4, gradient_accumulation_steps=4))
+    assert accumulating.comm_backward - single.comm_backward == single.gradients
+    # ZeRO-3 accumulates into its one gradient partition buffer
+    z3 = _layout(_spec("zero3", 4))
+    z3_acc = _layout(_spec("zero3", 4, gradient_accumulation_steps=4))
+    assert z3_acc.gradients == z3.gradients

@@ -35,17 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
 from service.core.estimator.ledger import _blk
 from service.core.estimator.parallel import RankLayout
+from service.core.estimator.plan import _Plan, _plan, _PlanKey
 from service.core.estimator.weights import _optimizer_state, _Params, _params, _Tensor
-from service.core.spec import Method, Offload, ParallelSpec, Strategy, TrainingSpec
+from service.core.spec import Method, Offload, Optim, ParallelSpec, Strategy, TrainingSpec
 from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, DType
-
-if TYPE_CHECKING:
-    from service.core.estimator.plan import _Plan
 
 # stage_1_and_2.py __init__: `nccl_start_alignment_factor = 2` (4-byte alignment / 2-byte
 # elements); each flat group is padded to a multiple of this times the world size.
@@ -99,7 +98,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _cast_params(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> tuple[_Params, int]:
+def _cast_params(arch: ModelArch, spec: _Job, plan: _Plan) -> tuple[_Params, int]:
     """The parameters after DeepSpeed's cast (engine.py `_cast_module_mixed_precision`): with
     bf16/fp16 enabled every floating parameter takes that dtype, LoRA's fp32 adapters and the
     fp32 copies `prepare_model_for_kbit_training` made included; 4-bit weights stay as they
@@ -165,14 +164,36 @@ def _step_scratch(
     return worst
 
 
+class _Job(NamedTuple):
+    """What a rank's layout depends on besides the model and its plan."""
+
+    dtype: DType
+    method: Method
+    optim: Optim
+    parallel: ParallelSpec
+    accumulating: bool  # gradient_accumulation_steps > 1
+
+
 def zero_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
-    """One rank of DeepSpeed ZeRO stage 1, 2 or 3 (`spec.parallel.strategy`)."""
-    if spec.parallel.strategy is Strategy.ZERO3:
-        return _stage3(arch, spec, plan)
-    return _stage1_2(arch, spec, plan)
+    """One rank of DeepSpeed ZeRO stage 1, 2 or 3 (`spec.parallel.strategy`). `plan` is the
+    spec's plan (`_plan(arch, _PlanKey.of(spec, arch))`); the layout is cached by that key."""
+    return _zero_layout(
+        arch, _PlanKey.of(spec, arch), spec.parallel, spec.gradient_accumulation_steps > 1
+    )
 
 
-def _stage1_2(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
+@lru_cache(maxsize=1024)
+def _zero_layout(
+    arch: ModelArch, key: _PlanKey, par: ParallelSpec, accumulating: bool
+) -> RankLayout:
+    plan = _plan(arch, key)
+    job = _Job(key.dtype, key.method, key.optim, par, accumulating)
+    if par.strategy is Strategy.ZERO3:
+        return _stage3(arch, job, plan)
+    return _stage1_2(arch, job, plan)
+
+
+def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
     par = spec.parallel
     n = par.gpus
     stage2 = par.strategy is Strategy.ZERO2
@@ -186,13 +207,10 @@ def _stage1_2(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     largest_all = max(largest, default=0)
     trainable = sum(_blk(f * itemsize) for f in flat)
     master = sum(_blk(s * FP32_BYTES) for s in slices)
-    # The partition's two boundaries cut a parameter each, which this rank's gradient buffer
-    # holds whole (`params_in_partition`): counted as one whole largest parameter of the group.
-    overhang = [
-        min(big, _elements(g) - s) if n > 1 else 0
-        for g, s, big in zip(groups, slices, largest, strict=True)
-    ]
-    grads_in_partition = _blk(sum(s + o for s, o in zip(slices, overhang, strict=True)) * itemsize)
+    # `grads_in_partition` holds every parameter that overlaps this rank's slice whole
+    # (`params_in_partition`); the worst rank's, from the parameters' order.
+    held = _partition_elements(arch, plan, p, groups, slices, n)
+    grads_in_partition = _blk(held * itemsize)
     bucket = _blk(cfg.reduce_bucket_size * itemsize)
     ipg = (2 if cfg.overlap_comm else 1) * bucket if cfg.contiguous_gradients else 0
     # Reducing: the newest gradient (the largest parameter's, before its hook moves it into the
@@ -213,7 +231,7 @@ def _stage1_2(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         + (" (two: overlap_comm)" if ipg == 2 * bucket else "")
         + (" (HF auto: hidden_size squared)" if par.reduce_bucket_size is None else ""),
     ]
-    if spec.dtype is not DType.FP32 and (spec.lora is not None or spec.method is not Method.FULL):
+    if spec.dtype is not DType.FP32 and spec.method is not Method.FULL:
         notes.append(
             f"DeepSpeed casts every floating parameter, adapters included, to {spec.dtype}"
         )
@@ -264,6 +282,15 @@ def _stage1_2(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
             f"gradients reduced during backward into this rank's 1/{n} partition buffer "
             "(contiguous_gradients)"
         )
+        accumulated = 0
+        if spec.accumulating:
+            # `independent_gradient_partition_epilogue` keeps each micro-batch's reduced
+            # gradients (`all_grad_tensors`, views of its partition buffer) and adds the next
+            # micro-batch's into them: the next backward fills a second partition buffer.
+            accumulated = grads_in_partition
+            notes.append(
+                "gradient accumulation: a second partition buffer during each later backward"
+            )
         return RankLayout(
             frozen=p.frozen,
             trainable=trainable,
@@ -274,7 +301,7 @@ def _stage1_2(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
             state_outside=outside,
             optimizer_temporaries=scratch,
             comm_forward=0,
-            comm_backward=ipg + reducing,
+            comm_backward=ipg + reducing + accumulated,
             comm_step=0,
             host=0,
             assumptions=tuple(notes),
@@ -306,7 +333,78 @@ def _stage1_2(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     )
 
 
-def _module_params(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[tuple[int, ...]]:
+def _model_order(arch: ModelArch, plan: _Plan) -> list[tuple[int, bool]]:
+    """The trainable tensors in model.parameters() order, as (elements, is a matrix): the
+    embedding, each layer's linears (weight, bias; or a LoRA layer's lora_A and lora_B) and
+    norms, the final norm, the LM head (`plan._model_order`'s order)."""
+    full = plan.rs.spec.method is Method.FULL
+    saved = set(plan.rs.lora.modules_to_save) if plan.rs.lora is not None else set()
+    r = plan.rs.lora.r if plan.rs.lora is not None else 0
+    adapted = {lin.name for lin in plan.adapted}
+    h, v = arch.hidden_size, arch.vocab_size
+    norm_tensors = 2 if arch.norm is NormKind.LAYER else 1
+    out: list[tuple[int, bool]] = []
+    if full or "embed_tokens" in saved:
+        out.append((v * h, True))
+    layer: list[tuple[int, bool]] = []
+    for lin in arch.linears:
+        if full:
+            layer.append((lin.weight_elements, True))
+            if lin.bias:
+                layer.append((lin.out_features * lin.count, False))
+        elif lin.name in adapted:
+            layer += [(r * lin.in_features, True), (lin.out_features * r, True)]
+    if full:
+        layer += [(h, False)] * (arch.norms_per_layer * norm_tensors)
+        if arch.qk_norm:
+            layer += [(arch.head_dim, False)] * 2
+    out += layer * arch.num_hidden_layers
+    if full:
+        out += [(h, False)] * norm_tensors
+        if not arch.tie_word_embeddings:
+            out.append((v * h, True))
+            if arch.lm_head_bias:
+                out.append((v, False))
+    elif "lm_head" in saved and not arch.tie_word_embeddings:
+        out.append((v * h, True))
+    return out
+
+
+def _partition_elements(
+    arch: ModelArch,
+    plan: _Plan,
+    p: _Params,
+    groups: list[list[_Tensor]],
+    slices: list[int],
+    n: int,
+) -> int:
+    """Elements of the parameters overlapping one rank's slices, whole, for the rank that holds
+    the most (stage_1_and_2.py `get_partition_info`, `copy_grads_in_partition`). Each group
+    is laid out in model order; when that order cannot be rebuilt, each boundary is taken to
+    cut the group's largest parameter."""
+    order = _model_order(arch, plan)
+    expected = sorted((t.elements, bool(t.cols)) for t in p.tensors for _ in range(t.count))
+    if sorted(order) != expected:
+        return sum(
+            min(s + (2 * max(t.elements for t in g) if n > 1 else 0), _elements(g))
+            for g, s in zip(groups, slices, strict=True)
+        )
+    kinds = [kind for kind in (True, False) if any(m == kind for _, m in order)]
+    worst = [0] * n
+    for kind, size in zip(kinds, slices, strict=True):
+        start = 0
+        for elements, matrix in order:
+            if matrix is not kind:
+                continue
+            end = start + elements
+            # ranks whose [rank * size, (rank + 1) * size) this parameter overlaps
+            for rank in range(start // size, min(n - 1, (end - 1) // size) + 1):
+                worst[rank] += elements
+            start = end
+    return max(worst)
+
+
+def _module_params(arch: ModelArch, plan: _Plan) -> list[tuple[int, ...]]:
     """Each module's parameters (elements) in forward order, as ZeRO-3 fetches them: the
     embedding, each layer's linears (a LoRA layer's base linear, then lora_A and lora_B) and
     norms, the final norm, the LM head."""
@@ -370,7 +468,7 @@ def _gathered(
     return turn, peak
 
 
-def _stage3(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
+def _stage3(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
     par = spec.parallel
     n = par.gpus
     cfg = zero_settings(arch, par)
@@ -411,7 +509,7 @@ def _stage3(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     # copy `reduce_scatter_coalesced` makes of a bucket.
     reducing = _blk(largest * itemsize) + _blk(cfg.reduce_bucket_size * itemsize)
 
-    modules = _module_params(arch, spec, plan)
+    modules = _module_params(arch, plan)
     turn, layers_peak = _gathered(
         modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
     )
@@ -451,7 +549,7 @@ def _stage3(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         trainable_bytes = persistent(train_tensors)
         notes.append("parameters offloaded to CPU: only gathered ones on the GPU")
     forward = bucket + gathered_turn
-    if spec.gradient_accumulation_steps == 1:
+    if not spec.accumulating:
         # The gradient partition buffer exists from start-up, the forward included; the step
         # counts gradients at the forward's end only when accumulating, so it goes here.
         forward += grad_buffer
