@@ -430,30 +430,37 @@ def _module_params(arch: ModelArch, plan: _Plan) -> list[tuple[int, ...]]:
 
 
 def _gathered(
-    modules: list[tuple[int, ...]], threshold: int, prefetch: int, max_live: int
+    modules: Sequence[tuple[int, ...]], threshold: int, prefetch: int, max_live: int
 ) -> tuple[int, int]:
     """Gathered (non-persistent) elements at the forward's end, and the most at any module of
     the layers. At each module: its own parameters and the prefetched ones that follow in the
     trace, added while fewer than min(prefetch bucket, max live) are in flight
     (`fetch_sub_module`). At the forward's end, also every module whose next use, in the
     backward, comes within max_reuse_distance elements (`__params_to_release`): the trailing
-    modules' reuse lies twice the parameters after them away."""
+    modules' reuse lies twice the parameters after them away.
+
+    A prefetch of several parameters is one coalesced all-gather whose flat tensor stays beside
+    the parameters' own copies until the last of them is used (partition_parameters.py
+    `AllGatherCoalescedHandle.wait` keeps `partitions`): such a set counts twice."""
     sizes = [sum(e for e in m if e > threshold) for m in modules]
+    counts = [sum(1 for e in m if e > threshold) for m in modules]
     totals = [sum(m) for m in modules]
     cap = min(prefetch, max_live)
 
-    def ahead(order: list[int], at: int) -> int:
+    def ahead(order: list[int], params: list[int], at: int) -> int:
         got = 0
-        for size in order[at + 1 :]:
+        count = 0
+        for size, n in zip(order[at + 1 :], params[at + 1 :], strict=True):
             if got >= cap:
                 break
             got += size
-        return got
+            count += n
+        return 2 * got if count > 1 else got
 
     peak = 0
-    for order in (sizes, sizes[::-1]):
+    for order, params in ((sizes, counts), (sizes[::-1], counts[::-1])):
         for i, size in enumerate(order):
-            peak = max(peak, size + ahead(order, i))
+            peak = max(peak, size + ahead(order, params, i))
     retained = 0
     after = 0
     kept = 0
@@ -464,7 +471,7 @@ def _gathered(
         after += total
         kept += 1
     # and the backward's prefetch of the modules beyond those
-    turn = retained + ahead(sizes[::-1], kept - 1)
+    turn = retained + ahead(sizes[::-1], counts[::-1], kept - 1)
     return turn, peak
 
 
