@@ -44,7 +44,7 @@ from service.core.estimator.parallel import RankLayout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey
 from service.core.estimator.weights import _optimizer_state, _Params, _params, _Tensor
 from service.core.spec import Method, Offload, Optim, ParallelSpec, Strategy, TrainingSpec
-from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, DType
+from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, GIB, DType
 
 # stage_1_and_2.py __init__: `nccl_start_alignment_factor = 2` (4-byte alignment / 2-byte
 # elements); each flat group is padded to a multiple of this times the world size.
@@ -235,6 +235,10 @@ def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
         notes.append(
             f"DeepSpeed casts every floating parameter, adapters included, to {spec.dtype}"
         )
+    notes.append(
+        f"not a phase here: at start-up flattening holds the trainable parameters twice "
+        f"({2 * trainable / GIB:.2f} GiB) when the GPU has room for it"
+    )
 
     if par.offload is not Offload.NONE:
         # stage_1_and_2.py with offload_optimizer: the fp32 slice, its fp32 gradient, a half
@@ -529,9 +533,19 @@ def _stage3(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
         f"parameters gathered module by module, with up to {cfg.prefetch_bucket_size:,} elements "
         f"prefetched (at most {cfg.max_live_parameters:,} live); at the forward's end the last "
         f"modules stay gathered for the backward (max_reuse_distance "
-        f"{ZERO3_MAX_REUSE_DISTANCE:,}): {gathered_turn / 2**30:.2f} GiB",
+        f"{ZERO3_MAX_REUSE_DISTANCE:,}): {gathered_turn / GIB:.2f} GiB",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements for the whole run",
     ]
+    if par.offload is Offload.NONE and sub_groups:
+        # stage3.py `initialize_optimizer_states`: a zeroed fp32 buffer as large as the
+        # largest sub-group's parameters whole (`ds_numel`), freed once the states exist.
+        start_up = _blk(
+            min(sub_groups[0] * n, sum(t.elements * t.count for t in train_tensors)) * FP32_BYTES
+        )
+        notes.append(
+            f"not a phase here: at start-up DeepSpeed briefly allocates a {start_up / GIB:.2f} "
+            "GiB fp32 buffer for the optimizer's first sub-group (initialize_optimizer_states)"
+        )
     if spec.dtype is not DType.FP32 and not full:
         notes.append(
             f"DeepSpeed casts every floating parameter, adapters included, to {spec.dtype}"
