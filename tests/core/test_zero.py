@@ -1,23 +1,18 @@
 """DeepSpeed ZeRO per rank (service/core/estimator/zero.py) against closed forms derived from
-DeepSpeed v0.19.5's buffers, for a small Llama-style model trained in bf16."""
+DeepSpeed v0.19.5's buffers, for a small Llama-style model trained in bf16. Each rank's states
+are read from the estimate's phases: the parameters and optimizer state held throughout, the
+gradients, scratch and buffers of the optimizer step, the buffers inside backward and at the
+forward's end."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 
 from service.core.architecture import from_hf_config
-from service.core.estimator import estimate
-from service.core.estimator.parallel import RankLayout
-from service.core.estimator.plan import _plan, _PlanKey
-from service.core.estimator.zero import (
-    HF_AUTO_PERSISTENCE_FACTOR,
-    NCCL_START_ALIGNMENT_FACTOR,
-    OVERFLOW_CHECK_BYTES_PER_ELEMENT,
-    ZERO3_MAX_REUSE_DISTANCE,
-    _gathered,
-    zero_layout,
-    zero_settings,
-)
+from service.core.estimator import estimate, gathered_elements, zero_settings
+from service.core.result import Component, Phase
 from service.core.spec import (
     LoraSpec,
     Method,
@@ -47,6 +42,14 @@ P = ARCH.total_params  # every parameter trains in full fine-tuning
 HALF = 2  # bf16
 FP32 = 4
 MIB = 1024**2
+# DeepSpeed v0.19.5: stage_1_and_2.py nccl_start_alignment_factor; `_has_inf_or_nan` holds
+# x.float(), isnan, isinf, their or and its .float() (4 + 1 + 1 + 1 + 4 bytes per element);
+# zero/config.py max_reuse_distance default.
+ALIGNMENT = 2
+OVERFLOW_CHECK = 11
+MAX_REUSE_DISTANCE = 10**9
+# transformers/integrations/deepspeed.py: stage3_param_persistence_threshold "auto"
+PERSISTENCE_FACTOR = 10
 
 
 def _spec(strategy: str, gpus: int, **changes: object) -> TrainingSpec:
@@ -61,8 +64,35 @@ def _spec(strategy: str, gpus: int, **changes: object) -> TrainingSpec:
     return TrainingSpec(parallel=parallel, **fields)  # type: ignore[arg-type]
 
 
-def _layout(spec: TrainingSpec) -> RankLayout:
-    return zero_layout(ARCH, spec, _plan(ARCH, _PlanKey.of(spec, ARCH)))
+class Rank(NamedTuple):
+    frozen: int
+    trainable: int
+    optimizer_state: int
+    gradients: int  # during the optimizer step
+    optimizer_temporaries: int
+    comm_forward: int
+    comm_backward: int
+    comm_step: int
+    host: int
+
+
+def _layout(spec: TrainingSpec) -> Rank:
+    est = estimate(ARCH, spec)
+    parts = {(p.step, p.phase): p.components for p in est.phases}
+    step = parts[(1, Phase.OPTIMIZER_STEP)]
+    forward = parts[(1, Phase.FORWARD_END)]
+    backward = parts[(2, Phase.BACKWARD)]
+    return Rank(
+        frozen=step.get(Component.FROZEN_WEIGHTS, 0),
+        trainable=step.get(Component.TRAINABLE_PARAMS, 0),
+        optimizer_state=step.get(Component.OPTIMIZER_STATE, 0),
+        gradients=step.get(Component.GRADIENTS, 0),
+        optimizer_temporaries=step.get(Component.OPTIMIZER_TEMPORARIES, 0),
+        comm_forward=forward.get(Component.COMMUNICATION, 0),
+        comm_backward=backward.get(Component.COMMUNICATION, 0),
+        comm_step=step.get(Component.COMMUNICATION, 0),
+        host=est.host_bytes,
+    )
 
 
 def _close(actual: int, expected: float, slack: int = MIB) -> None:
@@ -73,7 +103,7 @@ def _close(actual: int, expected: float, slack: int = MIB) -> None:
 def _held_by_worst_rank(sizes: list[int], gpus: int) -> int:
     """Elements of the parameters (in model order) that overlap a rank's slice, whole, for the
     rank holding the most; slices of the group padded to 2 x gpus elements."""
-    align = NCCL_START_ALIGNMENT_FACTOR * gpus
+    align = ALIGNMENT * gpus
     size = -(-sum(sizes) // align) * align // gpus
     held = []
     for rank in range(gpus):
@@ -129,7 +159,7 @@ def test_zero2_step_scratch_is_the_larger_of_the_conversion_and_the_overflow_che
         norms = ARCH.num_hidden_layers * ARCH.norms_per_layer * H + H
         slice_ = (P - norms) / gpus
         conversion = (HALF + FP32) * slice_
-        check = OVERFLOW_CHECK_BYTES_PER_ELEMENT * min(V * H, slice_)
+        check = OVERFLOW_CHECK * min(V * H, slice_)
         _close(lay.optimizer_temporaries, max(conversion, check))
 
 
@@ -192,7 +222,7 @@ def test_auto_settings_follow_hidden_size() -> None:
     auto = zero_settings(ARCH, ParallelSpec(gpus=2, strategy=Strategy.ZERO3))
     assert auto.reduce_bucket_size == H * H
     assert auto.prefetch_bucket_size == int(0.9 * H * H)
-    assert auto.persistence_threshold == HF_AUTO_PERSISTENCE_FACTOR * H
+    assert auto.persistence_threshold == PERSISTENCE_FACTOR * H
     assert auto.overlap_comm  # DeepSpeed's default for stage 3
     assert not zero_settings(ARCH, ParallelSpec(gpus=2, strategy=Strategy.ZERO2)).overlap_comm
     given = zero_settings(
@@ -215,7 +245,7 @@ def test_auto_settings_follow_hidden_size() -> None:
 
 
 def test_flat_buffer_padding_follows_the_world_size() -> None:
-    align = NCCL_START_ALIGNMENT_FACTOR * 8
+    align = ALIGNMENT * 8
     lay = _layout(_spec("zero2", 8))
     assert lay.trainable >= HALF * P
     assert lay.trainable - HALF * P <= 2 * HALF * align + 2 * 512  # two groups, two blocks
@@ -227,20 +257,20 @@ def test_zero3_gathering_follows_prefetch_bucket_max_live_and_reuse_distance() -
     modules whose reuse lies within max_reuse_distance stay gathered."""
     modules = [(1000,), (10,), (2000,), (3000,), (4000,)]
     # threshold 10: the 10-element module is persistent, never gathered
-    turn, peak = _gathered(modules, 10, prefetch=1, max_live=10**9)
+    turn, peak = gathered_elements(modules, 10, prefetch=1, max_live=10**9)
     assert peak == 4000 + 3000  # the largest module and the next one prefetched
-    turn, wide = _gathered(modules, 10, prefetch=10**6, max_live=10**9)
+    turn, wide = gathered_elements(modules, 10, prefetch=10**6, max_live=10**9)
     # everything ahead prefetched as one coalesced set, counted twice (its flat tensor and
     # the parameters' copies)
     assert wide == 1000 + 2 * (2000 + 3000 + 4000)
-    turn, capped = _gathered(modules, 10, prefetch=10**6, max_live=1)
+    turn, capped = gathered_elements(modules, 10, prefetch=10**6, max_live=1)
     assert capped == peak
     assert turn == sum(m[0] for m in modules if m[0] > 10)  # a small model stays gathered
-    big = [(ZERO3_MAX_REUSE_DISTANCE // 4,)] * 8
-    turn, _ = _gathered(big, 0, prefetch=1, max_live=10**9)
+    big = [(MAX_REUSE_DISTANCE // 4,)] * 8
+    turn, _ = gathered_elements(big, 0, prefetch=1, max_live=10**9)
     # modules with fewer than max_reuse_distance / 2 elements after them: the last two, and
     # the one before them prefetched
-    assert turn == 3 * ZERO3_MAX_REUSE_DISTANCE // 4
+    assert turn == 3 * MAX_REUSE_DISTANCE // 4
 
 
 def test_zero3_gathered_parameters_grow_with_the_prefetch_bucket() -> None:
@@ -265,9 +295,9 @@ def test_qlora_under_zero2_casts_the_fp32_parameters_back_to_bf16() -> None:
     """prepare_model_for_kbit_training makes the embedding, head and norms fp32; DeepSpeed's
     bf16 cast makes them bf16 again; the 4-bit weights stay."""
     spec = _spec("zero2", 1, method=Method.QLORA, quantization=QuantSpec())
-    plan = _plan(ARCH, _PlanKey.of(spec, ARCH))
-    lay = zero_layout(ARCH, spec, plan)
-    _close(plan.params.frozen - lay.frozen, (FP32 - HALF) * (2 * V * H + 9 * H))
+    lay = _layout(spec)
+    plain = _layout(_spec("ddp", 1, method=Method.QLORA, quantization=QuantSpec()))
+    _close(plain.frozen - lay.frozen, (FP32 - HALF) * (2 * V * H + 9 * H))
 
 
 def test_zero3_lora_shards_the_frozen_base() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from service.core.estimator.weights import _gradients, _Params
+from service.core.estimator.zero import zero_layout
 from service.core.spec import ZERO_STAGES, Offload, Strategy, TrainingSpec
 
 if TYPE_CHECKING:
@@ -41,9 +42,7 @@ def rank_layout(spec: TrainingSpec, plan: _Plan) -> RankLayout:
     if par.strategy is Strategy.DDP:
         return _ddp(spec, plan) if par.gpus > 1 else plan.whole
     if par.strategy in ZERO_STAGES:
-        from service.core.estimator.zero import zero_layout
-
-        return zero_layout(plan.reserved.arch, spec, plan)
+        return RankLayout(**zero_layout(plan.reserved.arch, spec, plan)._asdict())
     return _sharded(spec, plan)
 
 

@@ -36,14 +36,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from service.core.architecture import ModelArch, NormKind
+from service.core.architecture import Linear, ModelArch, NormKind
+from service.core.estimator.activations import LayerFlow
 from service.core.estimator.ledger import _blk
-from service.core.estimator.parallel import RankLayout
-from service.core.estimator.plan import _Plan, _plan, _PlanKey
 from service.core.estimator.weights import _optimizer_state, _Params, _params, _Tensor
-from service.core.spec import Method, Offload, Optim, ParallelSpec, Strategy, TrainingSpec
+from service.core.spec import (
+    LoraSpec,
+    Method,
+    Offload,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    ResolvedSpec,
+    Strategy,
+    TrainingSpec,
+)
 from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, GIB, DType
 
 # stage_1_and_2.py __init__: `nccl_start_alignment_factor = 2` (4-byte alignment / 2-byte
@@ -98,27 +107,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _cast_params(arch: ModelArch, spec: _Job, plan: _Plan) -> tuple[_Params, int]:
+def _cast_params(arch: ModelArch, job: _Job) -> tuple[_Params, int]:
     """The parameters after DeepSpeed's cast (engine.py `_cast_module_mixed_precision`): with
     bf16/fp16 enabled every floating parameter takes that dtype, LoRA's fp32 adapters and the
     fp32 copies `prepare_model_for_kbit_training` made included; 4-bit weights stay as they
     are. Returns the parameters and the half itemsize."""
-    itemsize = DTYPE_BYTES[spec.dtype]
-    if spec.dtype is DType.FP32:
-        return plan.params, itemsize
-    rs = plan.rs
-    quant = rs.quantization
-    if quant is not None and quant.prepare_kbit:
-        quant = dataclasses.replace(quant, prepare_kbit=False)
+    itemsize = DTYPE_BYTES[job.dtype]
+    quant = job.quant
+    adapter_dtype = job.adapter_dtype
+    if job.dtype is not DType.FP32:
+        adapter_dtype = job.dtype
+        if quant is not None and quant.prepare_kbit:
+            quant = dataclasses.replace(quant, prepare_kbit=False)
     p = _params(
-        arch,
-        spec.method,
-        spec.dtype,
-        rs.lora,
-        quant,
-        spec.dtype,
-        plan.adapted,
-        plan.flow.head_quantized,
+        arch, job.method, job.dtype, job.lora, quant, adapter_dtype, job.adapted, job.head_quantized
     )
     return p, itemsize
 
@@ -165,40 +167,87 @@ def _step_scratch(
 
 
 class _Job(NamedTuple):
-    """What a rank's layout depends on besides the model and its plan."""
+    """What a rank's layout depends on besides the model (the plan's choices and the parallel
+    settings); the layouts are cached by it."""
 
     dtype: DType
     method: Method
     optim: Optim
+    lora: LoraSpec | None  # resolved
+    quant: QuantSpec | None  # resolved
+    adapter_dtype: DType
+    adapted: tuple[Linear, ...]
+    head_quantized: bool
     parallel: ParallelSpec
     accumulating: bool  # gradient_accumulation_steps > 1
 
 
-def zero_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
-    """One rank of DeepSpeed ZeRO stage 1, 2 or 3 (`spec.parallel.strategy`). `plan` is the
-    spec's plan (`_plan(arch, _PlanKey.of(spec, arch))`); the layout is cached by that key."""
-    return _zero_layout(
-        arch, _PlanKey.of(spec, arch), spec.parallel, spec.gradient_accumulation_steps > 1
+class _FlowView(Protocol):
+    @property
+    def head_quantized(self) -> bool: ...
+
+
+class PlanView(Protocol):
+    """What this module reads of the estimator's plan (`plan._Plan`)."""
+
+    @property
+    def rs(self) -> ResolvedSpec: ...
+    @property
+    def adapted(self) -> tuple[Linear, ...]: ...
+    @property
+    def flow(self) -> LayerFlow: ...
+
+
+class ZeroRank(NamedTuple):
+    """One rank's states and buffers, bytes: the fields of `parallel.RankLayout`, in order."""
+
+    frozen: int
+    trainable: int
+    gradients: int
+    head_gradients: int
+    embed_gradients: int
+    optimizer_state: int
+    state_outside: int
+    optimizer_temporaries: int
+    comm_forward: int
+    comm_backward: int
+    comm_step: int
+    host: int
+    assumptions: tuple[str, ...]
+
+
+def zero_layout(arch: ModelArch, spec: TrainingSpec, plan: PlanView) -> ZeroRank:
+    """One rank of DeepSpeed ZeRO stage 1, 2 or 3 (`spec.parallel.strategy`), `plan` being the
+    spec's plan."""
+    rs = plan.rs
+    job = _Job(
+        spec.dtype,
+        spec.method,
+        spec.optim,
+        rs.lora,
+        rs.quantization,
+        rs.adapter_dtype,
+        plan.adapted,
+        plan.flow.head_quantized,
+        spec.parallel,
+        spec.gradient_accumulation_steps > 1,
     )
+    return _zero_layout(arch, job)
 
 
 @lru_cache(maxsize=1024)
-def _zero_layout(
-    arch: ModelArch, key: _PlanKey, par: ParallelSpec, accumulating: bool
-) -> RankLayout:
-    plan = _plan(arch, key)
-    job = _Job(key.dtype, key.method, key.optim, par, accumulating)
-    if par.strategy is Strategy.ZERO3:
-        return _stage3(arch, job, plan)
-    return _stage1_2(arch, job, plan)
+def _zero_layout(arch: ModelArch, job: _Job) -> ZeroRank:
+    if job.parallel.strategy is Strategy.ZERO3:
+        return _stage3(arch, job)
+    return _stage1_2(arch, job)
 
 
-def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
+def _stage1_2(arch: ModelArch, spec: _Job) -> ZeroRank:
     par = spec.parallel
     n = par.gpus
     stage2 = par.strategy is Strategy.ZERO2
     cfg = zero_settings(arch, par)
-    p, itemsize = _cast_params(arch, spec, plan)
+    p, itemsize = _cast_params(arch, spec)
     groups = _groups(p)
     align = NCCL_START_ALIGNMENT_FACTOR * n
     flat = [_cdiv(_elements(g), align) * align for g in groups]
@@ -209,7 +258,7 @@ def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
     master = sum(_blk(s * FP32_BYTES) for s in slices)
     # `grads_in_partition` holds every parameter that overlaps this rank's slice whole
     # (`params_in_partition`); the worst rank's, from the parameters' order.
-    held = _partition_elements(arch, plan, p, groups, slices, n)
+    held = _partition_elements(arch, spec, p, groups, slices, n)
     grads_in_partition = _blk(held * itemsize)
     bucket = _blk(cfg.reduce_bucket_size * itemsize)
     ipg = (2 if cfg.overlap_comm else 1) * bucket if cfg.contiguous_gradients else 0
@@ -258,7 +307,7 @@ def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
             "state in pinned host memory; the optimizer step runs on the CPU"
         )
         comm = ipg + gpu_temp
-        return RankLayout(
+        return ZeroRank(
             frozen=p.frozen,
             trainable=trainable,
             gradients=0,
@@ -295,7 +344,7 @@ def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
             notes.append(
                 "gradient accumulation: a second partition buffer during each later backward"
             )
-        return RankLayout(
+        return ZeroRank(
             frozen=p.frozen,
             trainable=trainable,
             gradients=grads_in_partition,
@@ -319,7 +368,7 @@ def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
         "ZeRO-1: whole gradients until they are reduced after backward; the optimizer step "
         f"works on this rank's 1/{n}"
     )
-    return RankLayout(
+    return ZeroRank(
         frozen=p.frozen,
         trainable=trainable,
         gradients=whole,
@@ -337,14 +386,14 @@ def _stage1_2(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
     )
 
 
-def _model_order(arch: ModelArch, plan: _Plan) -> list[tuple[int, bool]]:
+def _model_order(arch: ModelArch, job: _Job) -> list[tuple[int, bool]]:
     """The trainable tensors in model.parameters() order, as (elements, is a matrix): the
     embedding, each layer's linears (weight, bias; or a LoRA layer's lora_A and lora_B) and
     norms, the final norm, the LM head (`plan._model_order`'s order)."""
-    full = plan.rs.spec.method is Method.FULL
-    saved = set(plan.rs.lora.modules_to_save) if plan.rs.lora is not None else set()
-    r = plan.rs.lora.r if plan.rs.lora is not None else 0
-    adapted = {lin.name for lin in plan.adapted}
+    full = job.method is Method.FULL
+    saved = set(job.lora.modules_to_save) if job.lora is not None else set()
+    r = job.lora.r if job.lora is not None else 0
+    adapted = {lin.name for lin in job.adapted}
     h, v = arch.hidden_size, arch.vocab_size
     norm_tensors = 2 if arch.norm is NormKind.LAYER else 1
     out: list[tuple[int, bool]] = []
@@ -376,7 +425,7 @@ def _model_order(arch: ModelArch, plan: _Plan) -> list[tuple[int, bool]]:
 
 def _partition_elements(
     arch: ModelArch,
-    plan: _Plan,
+    job: _Job,
     p: _Params,
     groups: list[list[_Tensor]],
     slices: list[int],
@@ -386,7 +435,7 @@ def _partition_elements(
     the most (stage_1_and_2.py `get_partition_info`, `copy_grads_in_partition`). Each group
     is laid out in model order; when that order cannot be rebuilt, each boundary is taken to
     cut the group's largest parameter."""
-    order = _model_order(arch, plan)
+    order = _model_order(arch, job)
     expected = sorted((t.elements, bool(t.cols)) for t in p.tensors for _ in range(t.count))
     if sorted(order) != expected:
         return sum(
@@ -408,13 +457,13 @@ def _partition_elements(
     return max(worst)
 
 
-def _module_params(arch: ModelArch, plan: _Plan) -> list[tuple[int, ...]]:
+def _module_params(arch: ModelArch, job: _Job) -> list[tuple[int, ...]]:
     """Each module's parameters (elements) in forward order, as ZeRO-3 fetches them: the
     embedding, each layer's linears (a LoRA layer's base linear, then lora_A and lora_B) and
     norms, the final norm, the LM head."""
     h, v = arch.hidden_size, arch.vocab_size
-    r = plan.rs.lora.r if plan.rs.lora is not None else 0
-    adapted = {lin.name for lin in plan.adapted}
+    r = job.lora.r if job.lora is not None else 0
+    adapted = {lin.name for lin in job.adapted}
     norm_tensors = 2 if arch.norm is NormKind.LAYER else 1
     layer: list[tuple[int, ...]] = []
     for lin in arch.linears:
@@ -433,7 +482,7 @@ def _module_params(arch: ModelArch, plan: _Plan) -> list[tuple[int, ...]]:
     return modules
 
 
-def _gathered(
+def gathered_elements(
     modules: Sequence[tuple[int, ...]], threshold: int, prefetch: int, max_live: int
 ) -> tuple[int, int]:
     """Gathered (non-persistent) elements at the forward's end, and the most at any module of
@@ -479,11 +528,11 @@ def _gathered(
     return turn, peak
 
 
-def _stage3(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
+def _stage3(arch: ModelArch, spec: _Job) -> ZeroRank:
     par = spec.parallel
     n = par.gpus
     cfg = zero_settings(arch, par)
-    p, itemsize = _cast_params(arch, spec, plan)
+    p, itemsize = _cast_params(arch, spec)
     threshold = cfg.persistence_threshold
     # Every parameter, frozen ones too, is split into ceil(numel / N)-element shards in one
     # flat buffer; parameters of at most `threshold` elements are also kept whole once gathered
@@ -520,8 +569,8 @@ def _stage3(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
     # copy `reduce_scatter_coalesced` makes of a bucket.
     reducing = _blk(largest * itemsize) + _blk(cfg.reduce_bucket_size * itemsize)
 
-    modules = _module_params(arch, plan)
-    turn, layers_peak = _gathered(
+    modules = _module_params(arch, spec)
+    turn, layers_peak = gathered_elements(
         modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
     )
     gathered_turn = _blk(turn * itemsize)
@@ -574,7 +623,7 @@ def _stage3(arch: ModelArch, spec: _Job, plan: _Plan) -> RankLayout:
         # The gradient partition buffer exists from start-up, the forward included; the step
         # counts gradients at the forward's end only when accumulating, so it goes here.
         forward += grad_buffer
-    return RankLayout(
+    return ZeroRank(
         frozen=frozen_bytes,
         trainable=trainable_bytes,
         gradients=grad_buffer,
