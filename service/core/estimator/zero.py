@@ -182,11 +182,6 @@ class _Job(NamedTuple):
     accumulating: bool  # gradient_accumulation_steps > 1
 
 
-class _FlowView(Protocol):
-    @property
-    def head_quantized(self) -> bool: ...
-
-
 class PlanView(Protocol):
     """What this module reads of the estimator's plan (`plan._Plan`)."""
 
@@ -242,12 +237,12 @@ def _zero_layout(arch: ModelArch, job: _Job) -> ZeroRank:
     return _stage1_2(arch, job)
 
 
-def _stage1_2(arch: ModelArch, spec: _Job) -> ZeroRank:
-    par = spec.parallel
+def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
+    par = job.parallel
     n = par.gpus
     stage2 = par.strategy is Strategy.ZERO2
     cfg = zero_settings(arch, par)
-    p, itemsize = _cast_params(arch, spec)
+    p, itemsize = _cast_params(arch, job)
     groups = _groups(p)
     align = NCCL_START_ALIGNMENT_FACTOR * n
     flat = [_cdiv(_elements(g), align) * align for g in groups]
@@ -258,7 +253,7 @@ def _stage1_2(arch: ModelArch, spec: _Job) -> ZeroRank:
     master = sum(_blk(s * FP32_BYTES) for s in slices)
     # `grads_in_partition` holds every parameter that overlaps this rank's slice whole
     # (`params_in_partition`); the worst rank's, from the parameters' order.
-    held = _partition_elements(arch, spec, p, groups, slices, n)
+    held = _partition_elements(arch, job, p, groups, slices, n)
     grads_in_partition = _blk(held * itemsize)
     bucket = _blk(cfg.reduce_bucket_size * itemsize)
     ipg = (2 if cfg.overlap_comm else 1) * bucket if cfg.contiguous_gradients else 0
@@ -269,21 +264,19 @@ def _stage1_2(arch: ModelArch, spec: _Job) -> ZeroRank:
     collective = _blk(max(cfg.reduce_bucket_size, largest_all) * itemsize) if n > 1 else 0
     reducing = in_flight + collective
 
-    state_parts = [_optimizer_state(_fp32_partitions([s]), spec.optim) for s in slices]
+    state_parts = [_optimizer_state(_fp32_partitions([s]), job.optim) for s in slices]
     state = sum(s for s, _, _ in state_parts)
     outside = sum(o for _, o, _ in state_parts)
     notes = [
         f"{par.strategy} over {n} GPUs (DeepSpeed v0.19.5 DeepSpeedZeroOptimizer): every rank "
-        f"holds the whole {spec.dtype} trainable parameters in one flat buffer; fp32 master "
+        f"holds the whole {job.dtype} trainable parameters in one flat buffer; fp32 master "
         f"weights and optimizer state for 1/{n} of them",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements"
         + (" (two: overlap_comm)" if ipg == 2 * bucket else "")
         + (" (HF auto: hidden_size squared)" if par.reduce_bucket_size is None else ""),
     ]
-    if spec.dtype is not DType.FP32 and spec.method is not Method.FULL:
-        notes.append(
-            f"DeepSpeed casts every floating parameter, adapters included, to {spec.dtype}"
-        )
+    if job.dtype is not DType.FP32 and job.method is not Method.FULL:
+        notes.append(f"DeepSpeed casts every floating parameter, adapters included, to {job.dtype}")
     notes.append(
         f"not a phase here: at start-up flattening holds the trainable parameters twice "
         f"({2 * trainable / GIB:.2f} GiB) when the GPU has room for it"
@@ -324,7 +317,7 @@ def _stage1_2(arch: ModelArch, spec: _Job) -> ZeroRank:
         )
 
     check = _blk(min(largest_all, max(slices, default=0)) * OVERFLOW_CHECK_BYTES_PER_ELEMENT)
-    if spec.dtype is DType.FP32:
+    if job.dtype is DType.FP32:
         check = 0  # engine.py `_configure_zero_optimizer`: no overflow check without bf16/fp16
     scratch = _step_scratch(slices, [t for _, _, t in state_parts], itemsize, check)
     state += master
@@ -336,7 +329,7 @@ def _stage1_2(arch: ModelArch, spec: _Job) -> ZeroRank:
             "(contiguous_gradients)"
         )
         accumulated = 0
-        if spec.accumulating:
+        if job.accumulating:
             # `independent_gradient_partition_epilogue` keeps each micro-batch's reduced
             # gradients (`all_grad_tensors`, views of its partition buffer) and adds the next
             # micro-batch's into them: the next backward fills a second partition buffer.
@@ -528,17 +521,17 @@ def gathered_elements(
     return turn, peak
 
 
-def _stage3(arch: ModelArch, spec: _Job) -> ZeroRank:
-    par = spec.parallel
+def _stage3(arch: ModelArch, job: _Job) -> ZeroRank:
+    par = job.parallel
     n = par.gpus
     cfg = zero_settings(arch, par)
-    p, itemsize = _cast_params(arch, spec)
+    p, itemsize = _cast_params(arch, job)
     threshold = cfg.persistence_threshold
     # Every parameter, frozen ones too, is split into ceil(numel / N)-element shards in one
     # flat buffer; parameters of at most `threshold` elements are also kept whole once gathered
     # (ds_persist).
-    base = _params(arch, Method.FULL, spec.dtype, None, None, spec.dtype, (), False)
-    full = spec.method is Method.FULL
+    base = _params(arch, Method.FULL, job.dtype, None, None, job.dtype, (), False)
+    full = job.method is Method.FULL
     frozen_tensors = () if full else base.tensors
     train_tensors = p.tensors
 
@@ -559,7 +552,7 @@ def _stage3(arch: ModelArch, spec: _Job) -> ZeroRank:
         min(ZERO3_SUB_GROUP_SIZE, train_shard - i)
         for i in range(0, train_shard, ZERO3_SUB_GROUP_SIZE)
     ]
-    state_parts = [_optimizer_state(_fp32_partitions([s]), spec.optim) for s in sub_groups]
+    state_parts = [_optimizer_state(_fp32_partitions([s]), job.optim) for s in sub_groups]
     master = sum(_blk(s * FP32_BYTES) for s in sub_groups)
     state = master + sum(s for s, _, _ in state_parts)
     outside = sum(o for _, o, _ in state_parts)
@@ -569,14 +562,14 @@ def _stage3(arch: ModelArch, spec: _Job) -> ZeroRank:
     # copy `reduce_scatter_coalesced` makes of a bucket.
     reducing = _blk(largest * itemsize) + _blk(cfg.reduce_bucket_size * itemsize)
 
-    modules = _module_params(arch, spec)
+    modules = _module_params(arch, job)
     turn, layers_peak = gathered_elements(
         modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
     )
     gathered_turn = _blk(turn * itemsize)
     gathered_layers = _blk(layers_peak * itemsize)
     notes = [
-        f"ZeRO-3 over {n} GPUs (DeepSpeed v0.19.5): {spec.dtype} parameters, gradients, fp32 "
+        f"ZeRO-3 over {n} GPUs (DeepSpeed v0.19.5): {job.dtype} parameters, gradients, fp32 "
         f"master weights and optimizer state each split over the {n} GPUs; parameters of at "
         f"most {threshold:,} elements kept whole",
         f"parameters gathered module by module, with up to {cfg.prefetch_bucket_size:,} elements "
@@ -595,11 +588,9 @@ def _stage3(arch: ModelArch, spec: _Job) -> ZeroRank:
             f"not a phase here: at start-up DeepSpeed briefly allocates a {start_up / GIB:.2f} "
             "GiB fp32 buffer for the optimizer's first sub-group (initialize_optimizer_states)"
         )
-    if spec.dtype is not DType.FP32 and not full:
-        notes.append(
-            f"DeepSpeed casts every floating parameter, adapters included, to {spec.dtype}"
-        )
-    check = _blk(train_shard * BOOL_BYTES) if spec.dtype is not DType.FP32 else 0
+    if job.dtype is not DType.FP32 and not full:
+        notes.append(f"DeepSpeed casts every floating parameter, adapters included, to {job.dtype}")
+    check = _blk(train_shard * BOOL_BYTES) if job.dtype is not DType.FP32 else 0
     scratch = _step_scratch(sub_groups, [t for _, _, t in state_parts], itemsize, check)
     host = 0
     if par.offload is not Offload.NONE:
@@ -619,10 +610,14 @@ def _stage3(arch: ModelArch, spec: _Job) -> ZeroRank:
         trainable_bytes = persistent(train_tensors)
         notes.append("parameters offloaded to CPU: only gathered ones on the GPU")
     forward = bucket + gathered_turn
-    if not spec.accumulating:
+    if not job.accumulating:
         # The gradient partition buffer exists from start-up, the forward included; the step
         # counts gradients at the forward's end only when accumulating, so it goes here.
         forward += grad_buffer
+        notes.append(
+            "the gradient partition buffer exists from start-up: at the forward's end it is "
+            "counted with the communication buffers"
+        )
     return ZeroRank(
         frozen=frozen_bytes,
         trainable=trainable_bytes,
