@@ -10,6 +10,7 @@ from __future__ import annotations
 from service.core.architecture import ModelArch
 from service.core.estimator.layout import RankLayout
 from service.core.estimator.plan import _Plan
+from service.core.estimator.zero import zero_layout
 from service.core.spec import (
     Framework,
     FsdpBackwardPrefetch,
@@ -28,7 +29,8 @@ def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         return _ddp(spec, plan) if par.gpus > 1 else plan.whole
     if par.strategy in (Strategy.FSDP, Strategy.FSDP2):
         return _fsdp(arch, spec, plan)
-    return _sharded(spec, plan)
+    # DeepSpeed ZeRO-1/2/3 (`ZERO_STAGES`), modelled from DeepSpeed's source
+    return RankLayout(**zero_layout(arch, spec, plan)._asdict())
 
 
 def _ddp(spec: TrainingSpec, plan: _Plan) -> RankLayout:
@@ -60,39 +62,6 @@ def _ddp(spec: TrainingSpec, plan: _Plan) -> RankLayout:
         )
     return whole._replace(
         comm_forward=buckets, comm_backward=buckets, comm_step=buckets, assumptions=tuple(notes)
-    )
-
-
-def _sharded(spec: TrainingSpec, plan: _Plan) -> RankLayout:
-    """ZeRO-1/2/3 and FSDP: optimizer state, then gradients, then parameters divided over the
-    ranks (Rajbhandari et al. 2020, ZeRO, section 5)."""
-    par = spec.parallel
-    n = par.gpus
-    params_n, grads_n, state_n = {
-        Strategy.ZERO1: (1, 1, n),
-        Strategy.ZERO2: (1, n, n),
-    }.get(par.strategy, (n, n, n))
-    whole = plan.whole
-    state = whole.optimizer_state // state_n
-    outside = whole.state_outside // state_n
-    temps = whole.optimizer_temporaries // state_n
-    host = 0
-    notes = [f"{par.strategy} over {n} GPUs"]
-    if par.offload is not Offload.NONE:
-        host = state + outside
-        state = outside = temps = 0
-        notes.append("optimizer state offloaded to host memory")
-    return whole._replace(
-        frozen=whole.frozen // params_n,
-        trainable=whole.trainable // params_n,
-        gradients=whole.gradients // grads_n,
-        head_gradients=whole.head_gradients // grads_n,
-        embed_gradients=whole.embed_gradients // grads_n,
-        optimizer_state=state,
-        state_outside=outside,
-        optimizer_temporaries=temps,
-        host=host,
-        assumptions=tuple(notes),
     )
 
 
