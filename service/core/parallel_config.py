@@ -125,3 +125,82 @@ def parallel_from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
             raise InvalidSpecError(_where(key), f"must be true or false, got {value!r}")
         out[key] = value
     return out
+
+
+# An FSDP config as HF Trainer takes it (TrainingArguments.fsdp_config, transformers 5.24
+# training_args.py `_fsdp_plugin_args`) or as `accelerate config` writes it (the same keys with
+# an `fsdp_` prefix, accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin).
+FSDP_DEFAULT_VERSION = 2  # HF Trainer's default `fsdp_config["version"]`
+ACCELERATE_DEFAULT_VERSION = 1  # accelerate's, for a config without `fsdp_version`
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+FSDP_BOOL_KEYS = ("use_orig_params", "limit_all_gathers", "forward_prefetch")
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise InvalidSpecError(key, f"must be true or false, got {value!r}")
+
+
+def parallel_from_fsdp(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """ParallelSpec field values, and job field values (`gradient_checkpointing` from FSDP's
+    activation checkpointing), from an FSDP config. Keys may carry accelerate's `fsdp_` prefix;
+    unknown keys are ignored; bad values raise InvalidSpecError naming the key as given."""
+    if not isinstance(config, Mapping):
+        raise InvalidSpecError("fsdp_config", "must be a JSON object")
+    given = {
+        (key[len("fsdp_") :] if isinstance(key, str) and key.startswith("fsdp_") else key): (
+            key,
+            value,
+        )
+        for key, value in config.items()
+    }
+    prefixed = any(isinstance(key, str) and key.startswith("fsdp_") for key in config)
+    default = ACCELERATE_DEFAULT_VERSION if prefixed else FSDP_DEFAULT_VERSION
+    version_key, version = given.get("version", ("version", default))
+    if isinstance(version, str) and version.isdigit():
+        version = int(version)
+    if version not in (1, 2) or isinstance(version, bool):
+        raise InvalidSpecError(version_key, f"must be 1 or 2, got {version!r}")
+    out: dict[str, Any] = {"strategy": Strategy.FSDP if version == 1 else Strategy.FSDP2}
+    job: dict[str, Any] = {}
+    for name in ("reshard_after_forward", "sharding_strategy"):
+        if name not in given:
+            continue
+        key, value = given[name]
+        if version == 2:
+            if name == "sharding_strategy":
+                raise InvalidSpecError(key, "FSDP2 takes reshard_after_forward (true or false)")
+            out["reshard_after_forward"] = _bool(value, key)
+            continue
+        text = str(value).upper()
+        if text.isdigit() and 1 <= int(text) <= len(FSDP1_STRATEGIES):
+            text = FSDP1_STRATEGIES[int(text) - 1]  # torch's ShardingStrategy numbering
+        if text not in FSDP1_STRATEGIES:
+            raise InvalidSpecError(
+                key, f"must be one of {', '.join(FSDP1_STRATEGIES)}, got {value!r}"
+            )
+        out["sharding_strategy"] = text
+    for name in ("cpu_offload", "offload_params"):
+        if name in given:
+            key, value = given[name]
+            if _bool(value, key):
+                out["offload"] = Offload.OPTIMIZER_AND_PARAMS
+    if "backward_prefetch" in given:
+        key, value = given["backward_prefetch"]
+        text = "NO_PREFETCH" if value is None else str(value).upper()
+        if text not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
+            raise InvalidSpecError(
+                key, f"must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {value!r}"
+            )
+        out["backward_prefetch"] = text
+    for name in FSDP_BOOL_KEYS:
+        if name in given:
+            key, value = given[name]
+            out[name] = _bool(value, key)
+    if "activation_checkpointing" in given:
+        key, value = given["activation_checkpointing"]
+        job["gradient_checkpointing"] = _bool(value, key)
+    return out, job

@@ -43,6 +43,7 @@ from service.core.estimator.activations import LayerFlow
 from service.core.estimator.ledger import _blk
 from service.core.estimator.weights import _optimizer_state, _Params, _params, _Tensor
 from service.core.spec import (
+    ZERO_STAGES,
     LoraSpec,
     Method,
     Offload,
@@ -268,8 +269,8 @@ def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
     state = sum(s for s, _, _ in state_parts)
     outside = sum(o for _, o, _ in state_parts)
     notes = [
-        f"{par.strategy} over {n} GPUs (DeepSpeed v0.19.5 DeepSpeedZeroOptimizer): every rank "
-        f"holds the whole {job.dtype} trainable parameters in one flat buffer; fp32 master "
+        f"ZeRO-{ZERO_STAGES[par.strategy]} over {n} GPUs (DeepSpeed v0.19.5 "
+        f"DeepSpeedZeroOptimizer): every rank holds the whole {job.dtype} trainable parameters in one flat buffer; fp32 master "
         f"weights and optimizer state for 1/{n} of them",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements"
         + (" (two: overlap_comm)" if ipg == 2 * bucket else "")
