@@ -270,8 +270,8 @@ def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
     outside = sum(o for _, o, _ in state_parts)
     notes = [
         f"ZeRO-{ZERO_STAGES[par.strategy]} over {n} GPUs (DeepSpeed v0.19.5 "
-        f"DeepSpeedZeroOptimizer): every rank holds the whole {job.dtype} trainable parameters in one flat buffer; fp32 master "
-        f"weights and optimizer state for 1/{n} of them",
+        f"DeepSpeedZeroOptimizer): every rank holds the whole {job.dtype} trainable parameters "
+        f"in one flat buffer; fp32 master weights and optimizer state for 1/{n} of them",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements"
         + (" (two: overlap_comm)" if ipg == 2 * bucket else "")
         + (" (HF auto: hidden_size squared)" if par.reduce_bucket_size is None else ""),
