@@ -108,6 +108,9 @@ class Parallel(_Request):
     stage3_param_persistence_threshold: int | None = Field(default=None, ge=0)
     contiguous_gradients: bool | None = None
     overlap_comm: bool | None = None
+    # A DeepSpeed config JSON, or HF Trainer's / accelerate's fsdp_config, as written.
+    deepspeed_config: dict[str, Any] | None = None
+    fsdp_config: dict[str, Any] | None = None
 
 
 class Job(_Request):
