@@ -29,6 +29,11 @@ class RankLayout(NamedTuple):
     comm_backward_start: int | None = None
     # At the backward's end (the embedding's gradient), when it differs from comm_backward.
     comm_end: int | None = None
+    # At the bottom layer's backward, when it differs from comm_backward (the top layer's).
+    comm_bottom: int | None = None
+    # At the forward's start, when gathering the first parameters is a moment of its own (no
+    # activations yet), else None.
+    comm_forward_start: int | None = None
     # The embedding's gradient as backward makes it, before any reduction shards it; None: as
     # held (`embed_gradients`).
     embed_gradient_made: int | None = None

@@ -109,9 +109,20 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     if n == 1:
         root = layers = layer = 0  # nothing is sharded, so nothing is gathered
     gathered_forward = root if reshard else root + layers
-    in_backward = root + layer * (2 if prefetch else 1)
-    if not reshard:
-        in_backward = max(in_backward, gathered_forward)
+    # inside one layer's backward: the root, the layer, and the next one when prefetched
+    one_layer_back = root + layer * (2 if prefetch else 1)
+    # At the top layer every layer is still gathered when none was resharded after forward;
+    # layers are resharded after their backward, so at the bottom only the last are left.
+    in_backward = one_layer_back if reshard else max(one_layer_back, gathered_forward)
+    # FSDP1 has resharded the first layer by the embedding's backward (reference traces
+    # *fsdp-*-full-shard, full fine-tuning); FSDP2 still holds it then (*fsdp2-*).
+    at_end = root if fsdp1 else root + layer
+    # FSDP2 all-gathers a group into one flat buffer and copies it out into the parameters'
+    # own tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+    # `foreach_all_gather`, `foreach_all_gather_copy_out`): both exist as the root's group is
+    # gathered at the forward's start. FSDP1 gathers straight into the unsharded flat
+    # parameter.
+    forward_start = None if fsdp1 or n == 1 else 2 * root
     # FSDP1 prefetches the last layer as the backward starts (its pre-backward hook on the
     # root's output); FSDP2 gathers it when the layer's backward begins.
     backward_start = root + layer if fsdp1 and prefetch and reshard else gathered_forward
@@ -177,7 +188,9 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         comm_forward=gathered_forward,
         comm_backward_start=backward_start,
         comm_backward=in_backward,
-        comm_end=root + layer,
+        comm_bottom=one_layer_back,
+        comm_end=at_end,
+        comm_forward_start=forward_start,
         comm_step=0,
         host=host,
         assumptions=tuple(notes),

@@ -306,12 +306,31 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                     backward_temporaries=grads_now,
                 )
             )
-    if rank.comm_backward or rank.comm_end:
-        end_comm = rank.comm_backward if rank.comm_end is None else rank.comm_end
+    if rank.comm_backward or rank.comm_end or rank.comm_bottom:
+        # Gathered parameters and buckets: the bottom layer's and the embedding's moments may
+        # have their own; every other moment is at the top layer.
+        comm_bottom = rank.comm_backward if rank.comm_bottom is None else rank.comm_bottom
+        comm_end = rank.comm_backward if rank.comm_end is None else rank.comm_end
         candidates = [
-            moment._replace(communication=end_comm if moment is end else rank.comm_backward)
+            moment._replace(
+                communication=comm_bottom
+                if moment is bottom
+                else comm_end
+                if moment is end
+                else rank.comm_backward
+            )
             for moment in candidates
         ]
+    forward_end = _Moment(
+        gradients=ga_grads,
+        activations=activations,
+        logits_loss=loss.forward_peak,
+        communication=rank.comm_forward,
+    )
+    if rank.comm_forward_start is not None:
+        # The forward phase's other candidate: its start, before any activation exists.
+        start = _Moment(gradients=ga_grads, activations=0, communication=rank.comm_forward_start)
+        forward_end = max(forward_end, start, key=sum)
     backward_start_comm = (
         rank.comm_forward if rank.comm_backward_start is None else rank.comm_backward_start
     )
@@ -320,12 +339,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         fixed=fixed,
         workspaces=_workspaces(plan, compute_capability),
         optimizer_state=state,
-        forward_end=_Moment(
-            gradients=ga_grads,
-            activations=activations,
-            logits_loss=loss.forward_peak,
-            communication=rank.comm_forward,
-        ),
+        forward_end=forward_end,
         backward_start=_Moment(
             gradients=ga_grads,
             activations=activations,
