@@ -169,6 +169,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     quantization=quant,
                     optim=_optim(raw["optimizer"], raw["framework"]),
                     gradient_checkpointing=raw["grad_checkpointing"].startswith("yes"),
+                    gradient_accumulation_steps=int(raw["grad_accum"] or 1),
                     attn_implementation=AttnImpl.EAGER
                     if "eager" in attn
                     else AttnImpl.FLASH_ATTENTION_2

@@ -32,6 +32,10 @@ from service.api.schemas import (
     GpuRef,
     JobSpec,
     ModelRef,
+    PlacementIn,
+    PlacementOut,
+    PlacementRefOut,
+    PlacementsOut,
     RejectedJob,
     SuggestionOut,
     estimate_values,
@@ -48,6 +52,7 @@ from service.core.estimator import (
 )
 from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
 from service.core.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN
+from service.core.placement import Placement, place
 from service.core.result import Levels
 from service.core.spec import TrainingSpec
 from service.core.units import MIB, DType
@@ -191,6 +196,9 @@ class Estimation:
                 found = described[suggestion] = SuggestionOut.from_core(resolved.spec, suggestion)
             return found
 
+        placement = None
+        if body.placement is not None:
+            placement = self._placements(body.placement, resolved, gpus, offers, requirement)
         return FitCheckOut(
             job=EstimateOut.from_core(resolved.model, job_estimate, peaks),
             results=[
@@ -198,6 +206,78 @@ class Estimation:
                 for gpu, fit in zip(gpus, report.gpus, strict=True)
             ],
             cheapest=cheapest,
+            placement=placement,
+        )
+
+    def _placements(
+        self,
+        asked: PlacementIn,
+        job: _Job,
+        gpus: Sequence[GpuOut],
+        offers: Sequence[GpuOffer],
+        requirement: Callable[[TrainingSpec], Requirement],
+    ) -> PlacementsOut:
+        """The fewest GPUs per GPU type and strategy, each with the estimate of one GPU."""
+        with _located(("body", "placement")):
+            found = place(
+                job.spec,
+                offers,
+                requirement,
+                strategies=asked.strategies,
+                max_gpus=asked.max_gpus,
+                gpus_per_node=asked.gpus_per_node,
+            )
+        per_gpu: dict[TrainingSpec, EstimateOut] = {}  # GPU types share a strategy's counts
+
+        def estimated(spec: TrainingSpec) -> EstimateOut:
+            if spec not in per_gpu:
+                with _located(("body", "job")):
+                    est = estimate(job.arch, spec)
+                peaks = self.factors.peaks(est, model=job.model, method=spec.method.value, gpu=None)
+                per_gpu[spec] = EstimateOut.from_core(job.model, est, peaks)
+            return per_gpu[spec]
+
+        def out(p: Placement) -> PlacementOut:
+            need = p.requirement
+            previous = p.previous_requirement
+            return PlacementOut(
+                gpu_index=p.offer_index,
+                gpu=gpus[p.offer_index].requested,
+                strategy=p.strategy,
+                outcome=p.outcome,
+                count=p.count,
+                nodes=p.nodes,
+                cost_per_hour=p.cost_per_hour,
+                usable_bytes=p.usable_bytes,
+                required_bytes=None if need is None else need.device_bytes_upper,
+                headroom_bytes=None if need is None else p.usable_bytes - need.device_bytes_upper,
+                previous_count=p.previous_count,
+                previous_required_bytes=None if previous is None else previous.device_bytes_upper,
+                reason=p.reason,
+                per_gpu=None if p.spec is None else estimated(p.spec),
+            )
+
+        def ref(index: int | None) -> PlacementRefOut | None:
+            if index is None:
+                return None
+            p = found.placements[index]
+            return PlacementRefOut(
+                index=index,
+                gpu=gpus[p.offer_index].requested,
+                strategy=p.strategy,
+                count=p.count or 1,
+                cost_per_hour=p.cost_per_hour,
+            )
+
+        return PlacementsOut(
+            strategies=list(found.strategies),
+            max_gpus=asked.max_gpus,
+            gpus_per_node=found.gpus_per_node,
+            counts=list(found.counts),
+            placements=[out(p) for p in found.placements],
+            cheapest=ref(found.cheapest),
+            fewest=ref(found.fewest),
+            evaluations=found.evaluations,
         )
 
     def _job(self, job: JobSpec, loc_prefix: Loc) -> _Job:

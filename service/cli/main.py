@@ -38,6 +38,8 @@ def format_estimate(model_id: str, est: Estimate) -> str:
     lines.append(f"  {'device, safe bound':<24}{est.device_bytes_upper / GIB:>10.2f}")
     lines.append("")
     lines.append(f"  parameters: {est.params.total:,} total, {est.params.trainable:,} trainable")
+    if est.host_bytes:
+        lines.append(f"  host memory per GPU for what is offloaded: {est.host_bytes / GIB:.2f} GiB")
     for note in est.warnings:
         lines.append(f"  warning: {note}")
     for note in est.assumptions:

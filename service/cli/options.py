@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,12 @@ from service.core.allocator import alloc_conf_values
 from service.core.architecture import ModelArch, from_hf_config
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import EstimatorError, InvalidConfigError, InvalidSpecError
+from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
     Framework,
+    FsdpSharding,
     LossImpl,
     Method,
     Offload,
@@ -108,8 +111,38 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     par = parser.add_argument_group("parallelism")
     par.add_argument("--gpus", type=int, default=1)
-    par.add_argument("--strategy", choices=_choices(Strategy), default=Strategy.DDP.value)
-    par.add_argument("--offload", choices=_choices(Offload), default=Offload.NONE.value)
+    par.add_argument("--strategy", choices=_choices(Strategy), help="default ddp")
+    par.add_argument("--offload", choices=_choices(Offload), help="default none")
+    par.add_argument(
+        "--deepspeed",
+        metavar="FILE",
+        help="a DeepSpeed config JSON, as HF Trainer's --deepspeed takes it: its "
+        "zero_optimization section sets the strategy, offload and ZeRO settings",
+    )
+    par.add_argument(
+        "--fsdp-config",
+        metavar="FILE",
+        help="an FSDP config JSON: HF Trainer's fsdp_config, or accelerate's fsdp_ keys",
+    )
+    par.add_argument(
+        "--sharding-strategy",
+        choices=_choices(FsdpSharding),
+        help="FSDP1's sharding strategy (default FULL_SHARD)",
+    )
+    par.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        default=None,
+        help="FSDP2: keep each layer's gathered parameters from its forward to its backward",
+    )
+    par.add_argument("--bucket-cap-mb", type=int, help="DDP's bucket cap in MB (default 25)")
+    par.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        default=None,
+        help="DDP: gradients are views into the buckets",
+    )
     parser.add_argument(
         "--alloc-conf",
         default="",
@@ -156,7 +189,17 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,
             "framework": args.framework,
-            "parallel": {"gpus": args.gpus, "strategy": args.strategy, "offload": args.offload},
+            "parallel": _given(
+                {
+                    "gpus": args.gpus,
+                    "strategy": args.strategy,
+                    "offload": args.offload,
+                    "sharding_strategy": args.sharding_strategy,
+                    "reshard_after_forward": args.reshard_after_forward,
+                    "bucket_cap_mb": args.bucket_cap_mb,
+                    "gradient_as_bucket_view": args.gradient_as_bucket_view,
+                }
+            ),
         }
     )
     if method is not Method.FULL:
@@ -180,11 +223,41 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
                 "prepare_kbit": not args.no_prepare_kbit,
             }
         )
+    _apply_parallel_configs(args, data)
     try:
         data["allocator"] = alloc_conf_values(getattr(args, "alloc_conf", "") or "")
         return spec_from_dict(data)
     except InvalidSpecError as exc:
         raise option_error(exc) from None
+
+
+def _apply_parallel_configs(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Fill the parallel settings (and checkpointing) that --deepspeed or --fsdp-config set
+    and no option gave."""
+    deepspeed = getattr(args, "deepspeed", None)
+    fsdp = getattr(args, "fsdp_config", None)
+    if deepspeed and fsdp:
+        raise CliError("--deepspeed and --fsdp-config: give one of them")
+    option, path = ("--deepspeed", deepspeed) if deepspeed else ("--fsdp-config", fsdp)
+    if not path:
+        return
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{option}: cannot read {path}: {exc}") from None
+    job: dict[str, Any] = {}
+    try:
+        if deepspeed:
+            fields = parallel_from_deepspeed(config)
+        else:
+            fields, job = parallel_from_fsdp(config)
+    except InvalidSpecError as exc:
+        raise CliError(f"{option}: {exc.field}: {exc.reason}") from None
+    parallel = data.setdefault("parallel", {})
+    for name, value in fields.items():
+        parallel.setdefault(name, value.value if isinstance(value, Enum) else value)
+    if job.get("gradient_checkpointing") and not args.gradient_checkpointing:
+        data["gradient_checkpointing"] = True
 
 
 def job_fields(spec: TrainingSpec) -> dict[str, Any]:

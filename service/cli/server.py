@@ -11,6 +11,11 @@ script's first line): it exits
 takes instead: GPUs with the memory that holds the job's safe bound plus the driver's reserve,
 and the GPU types that fit. Without --gpu, every GPU of the catalog is checked (and the exit
 status is that of --any).
+
+`--strategies zero3,fsdp`, `--max-gpus` or `--gpus-per-node` also print, per GPU type and
+strategy, the fewest GPUs that hold the job (1 up to a node, then whole nodes; the micro-batch
+and sequence stay per GPU), marking the cheapest (prices from `--price NAME=PRICE`) and the
+fewest. The exit status stays that of the job as given.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from service.calibration import EstimateFn
 from service.cli.options import CliError, add_spec_options, job_fields, read_config, spec_from_args
 from service.cli.problems import problem_text
 from service.cli.schedulers import FORMATS, GpuChoice, ResourceRequest
-from service.core.spec import TrainingSpec
+from service.core.placement import MAX_PLACEMENT_GPUS
+from service.core.spec import Strategy, TrainingSpec
 from service.core.units import GIB
 from vramcast_client.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, URL_ENV, VramcastClient
 from vramcast_client.errors import (
@@ -38,7 +44,7 @@ from vramcast_client.errors import (
     UnexpectedResponseError,
     VramcastError,
 )
-from vramcast_client.models import FitCheck, GpuFit
+from vramcast_client.models import FitCheck, GpuFit, Placements
 from vramcast_client.retry import NO_RETRY
 
 EXIT_FITS = 0
@@ -84,6 +90,13 @@ def register(subparsers: Any) -> None:
         help="GPU by the total memory the node reports, MiB (repeatable)",
     )
     where.add_argument("--count", type=int, help="GPUs the job spans (default: --gpus)")
+    where.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="GPU=PRICE",
+        help="price of one GPU per hour, by the name or MiB given in --gpu (repeatable)",
+    )
     where.add_argument("--any", action="store_true", help="exit 0 if any GPU given fits")
     where.add_argument(
         "--url",
@@ -96,6 +109,17 @@ def register(subparsers: Any) -> None:
         "--format",
         choices=sorted(FORMATS),
         help="print the resource request of this scheduler (json: as plain JSON)",
+    )
+    placing = fit.add_argument_group("placement (fewest GPUs per GPU type and strategy)")
+    placing.add_argument(
+        "--strategies",
+        help=f"comma-separated, of {', '.join(s.value for s in Strategy)} (default: --strategy)",
+    )
+    placing.add_argument(
+        "--max-gpus", type=int, help=f"most GPUs of one type, 1-{MAX_PLACEMENT_GPUS} (default 64)"
+    )
+    placing.add_argument(
+        "--gpus-per-node", type=int, help="GPUs per node (default: the job's, else 8)"
     )
     fit.set_defaults(handler=_cmd_fit)
 
@@ -127,11 +151,12 @@ def run_fit(args: argparse.Namespace, client: VramcastClient) -> int:
     """POST the job to /v1/fit-checks and print the answer; returns the exit status."""
     try:
         job, gpus = fit_request(args, spec_from_args(args))
+        placement = placement_request(args)
     except CliError as exc:
         return _undecided(f"error: {exc}")
     whole_catalog = args.format is not None and not (args.gpu or args.gpu_memory_mib)
     try:
-        answer = client.fit_check(job, gpus)
+        answer = client.fit_check(job, gpus, placement)
     except ServiceUnreachableError as exc:
         return _undecided(f"service unreachable at {args.url}: {exc}")
     except ProblemError as exc:
@@ -150,6 +175,8 @@ def run_fit(args: argparse.Namespace, client: VramcastClient) -> int:
     else:
         for result in answer.results:
             print(format_result(result))
+        if answer.placement is not None:
+            print(format_placements(answer.placement))
     decided = answer.fits_any if args.any or whole_catalog else answer.fits_all
     return EXIT_FITS if decided else EXIT_DOES_NOT_FIT
 
@@ -190,9 +217,85 @@ def fit_request(
 
         names = [gpu.name for gpu in default_gpu_catalog().gpus()]
     extra: dict[str, Any] = {} if args.count is None else {"count": args.count}
-    gpus = [{"name": name, **extra} for name in names]
-    gpus += [{"memory_mib": mib, **extra} for mib in args.gpu_memory_mib]
+    prices = _prices(args.price, [*names, *map(str, args.gpu_memory_mib)])
+    gpus = [{"name": name, **extra, **prices.get(name, {})} for name in names]
+    gpus += [
+        {"memory_mib": mib, **extra, **prices.get(str(mib), {})} for mib in args.gpu_memory_mib
+    ]
     return {"model": model, **job_fields(spec)}, gpus
+
+
+def _prices(given: list[str], gpus: list[str]) -> dict[str, dict[str, float]]:
+    """--price NAME=PRICE options as each GPU's price_per_hour, by the name given in --gpu."""
+    prices: dict[str, dict[str, float]] = {}
+    for entry in given:
+        name, sep, value = entry.rpartition("=")
+        if not sep or not name:
+            raise CliError(f"--price: {entry!r} is not GPU=PRICE")
+        if name not in gpus:
+            raise CliError(f"--price: {name!r} is not a GPU given with --gpu or --gpu-memory-mib")
+        try:
+            price = float(value)
+        except ValueError:
+            raise CliError(f"--price: {value!r} is not a number") from None
+        prices[name] = {"price_per_hour": price}
+    return prices
+
+
+def placement_request(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The fit-check's `placement`, when --strategies, --max-gpus or --gpus-per-node asks."""
+    if args.strategies is None and args.max_gpus is None and args.gpus_per_node is None:
+        return None
+    if args.format is not None:
+        raise CliError("--strategies, --max-gpus and --gpus-per-node are not printed by --format")
+    placement: dict[str, Any] = {}
+    if args.strategies is not None:
+        names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+        known = {s.value for s in Strategy}
+        unknown = [name for name in names if name not in known]
+        if not names or unknown:
+            raise CliError(
+                f"--strategies: {', '.join(map(repr, unknown)) or 'none given'}; "
+                f"choose from {', '.join(sorted(known))}"
+            )
+        placement["strategies"] = names
+    if args.max_gpus is not None:
+        if not 1 <= args.max_gpus <= MAX_PLACEMENT_GPUS:
+            raise CliError(f"--max-gpus: must be in [1, {MAX_PLACEMENT_GPUS}]")
+        placement["max_gpus"] = args.max_gpus
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise CliError("--gpus-per-node: must be at least 1")
+        placement["gpus_per_node"] = args.gpus_per_node
+    return placement
+
+
+def format_placements(answer: Placements) -> str:
+    """The fewest GPUs per GPU type and strategy, one line each, cheapest and fewest marked."""
+    lines = [
+        f"fewest GPUs (up to {answer.max_gpus}, {answer.gpus_per_node} per node, "
+        "micro-batch and sequence per GPU):"
+    ]
+    width = max(len(p.gpu) for p in answer.placements)
+    cheapest = None if answer.cheapest is None else answer.cheapest.index
+    fewest = None if answer.fewest is None else answer.fewest.index
+    for index, p in enumerate(answer.placements):
+        head = f"  {p.gpu:<{width}}  {p.strategy:<5}  "
+        if p.count is None or p.required_bytes is None:
+            lines.append(head + (p.reason or p.outcome))
+            continue
+        nodes = "node" if p.nodes == 1 else "nodes"
+        text = (
+            f"{p.count:>4} GPUs ({p.nodes} {nodes}), "
+            f"{p.required_bytes / GIB:.1f} of {p.usable_bytes / GIB:.1f} GiB per GPU"
+        )
+        if p.cost_per_hour is not None:
+            text += f", {p.cost_per_hour:.2f}/h"
+        marks = [name for name, at in (("cheapest", cheapest), ("fewest", fewest)) if at == index]
+        if marks:
+            text += f"  <- {', '.join(marks)}"
+        lines.append(head + text)
+    return "\n".join(lines)
 
 
 def format_result(result: GpuFit) -> str:

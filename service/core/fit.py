@@ -24,6 +24,7 @@ from typing import Literal
 from service.core.errors import InvalidSpecError
 from service.core.spec import (
     ALL_LINEAR,
+    SHARDING_STRATEGIES,
     LossImpl,
     Method,
     Optim,
@@ -577,7 +578,8 @@ def _apply(
         case Change.LORA:
             return replace(spec, method=Method.LORA) if spec.method is Method.FULL else None
         case Change.QLORA:
-            if spec.method is Method.QLORA:
+            # A sharded 4-bit base is refused (TrainingSpec): not offered under FSDP or ZeRO-3.
+            if spec.method is Method.QLORA or spec.parallel.strategy in SHARDING_STRATEGIES:
                 return None
             quant = QuantSpec(type=QuantType.NF4, double_quant=True)
             return replace(spec, method=Method.QLORA, quantization=quant)

@@ -127,6 +127,7 @@ class Estimate:
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...]
     estimator_version: str
+    host_bytes: int = 0  # host memory per rank for offloaded states
 
 
 def estimate_to_dict(est: Estimate) -> dict[str, object]:
@@ -152,6 +153,7 @@ def estimate_to_dict(est: Estimate) -> dict[str, object]:
             for ph in est.phases
         ],
         "params": {"total": est.params.total, "trainable": est.params.trainable},
+        "host_bytes": est.host_bytes,
         "upper_margin": est.upper_margin,
         "assumptions": list(est.assumptions),
         "warnings": list(est.warnings),

@@ -158,3 +158,140 @@ def test_invalid_job_is_located_under_job(client: TestClient) -> None:
     assert response.json()["errors"][0]["loc"] == ["body", "job", "lora"]
     empty = client.post("/v1/fit-checks", json={"job": SMALL_JOB, "gpus": []})
     assert empty.json()["errors"][0]["loc"] == ["body", "gpus"]
+
+
+# Placement: the fewest GPUs per GPU type and strategy. The estimator's multi-GPU model
+# changes, so no count is pinned: each answer is checked against the per-GPU estimates the
+# same route gives for the job at that count and at the count below.
+
+LLAMA_70B_FULL: dict[str, Any] = {
+    "model": "meta-llama/Llama-3.1-70B",
+    "method": "full",
+    "batch_size": 1,
+    "seq_len": 4096,
+    "gradient_checkpointing": True,
+}
+
+
+def _placed(
+    client: TestClient, job: dict[str, Any], gpus: list[Any], placement: dict[str, Any]
+) -> dict[str, Any]:
+    response = client.post(
+        "/v1/fit-checks", json={"job": job, "gpus": gpus, "placement": placement}
+    )
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()["placement"]
+    return answer
+
+
+def _upper_on(client: TestClient, job: dict[str, Any], strategy: str, gpus: int) -> int:
+    """The per-GPU safe bound the estimate route gives for the job on `gpus` GPUs."""
+    spec = {**job, "parallel": {"gpus": gpus, "strategy": strategy}}
+    response = client.post("/v1/estimates", json=spec)
+    assert response.status_code == 200, response.text
+    upper: int = response.json()["peak"]["device_bytes_upper"]
+    return upper
+
+
+def test_placement_is_absent_unless_asked(client: TestClient) -> None:
+    assert _check(client, SMALL_JOB, ["L4"])["placement"] is None
+
+
+def test_fewest_gpus_per_type_and_strategy_for_a_70b_job(client: TestClient) -> None:
+    gpus = [
+        {"name": "H100-SXM", "price_per_hour": 3.0},
+        {"name": "H200", "price_per_hour": 4.0},
+        {"name": "A100-80GB", "price_per_hour": 1.8},
+    ]
+    for method in ("full", "lora"):
+        job = {**LLAMA_70B_FULL, "method": method}
+        answer = _placed(client, job, gpus, {"strategies": ["zero3", "fsdp"]})
+        assert answer["strategies"] == ["zero3", "fsdp"]
+        assert answer["gpus_per_node"] == 8 and answer["max_gpus"] == 64
+        counts = answer["counts"]
+        placements = answer["placements"]
+        assert [(p["gpu_index"], p["strategy"]) for p in placements] == [
+            (i, s) for i in range(3) for s in ("zero3", "fsdp")
+        ]
+        for p in placements:
+            assert p["outcome"] == "fits", p["reason"]
+            count, usable = p["count"], p["usable_bytes"]
+            assert p["required_bytes"] <= usable
+            assert p["headroom_bytes"] == usable - p["required_bytes"]
+            assert p["cost_per_hour"] == gpus[p["gpu_index"]]["price_per_hour"] * count
+            assert p["nodes"] == -(-count // 8)
+            # The per-GPU breakdown is the estimate route's for the job on `count` GPUs.
+            per_gpu = p["per_gpu"]
+            assert per_gpu["peak"]["device_bytes_upper"] == p["required_bytes"]
+            assert sum(per_gpu["components"].values()) == per_gpu["estimated"]["allocated_bytes"]
+            assert _upper_on(client, job, p["strategy"], count) == p["required_bytes"]
+            position = counts.index(count)
+            if position:
+                below = counts[position - 1]
+                assert p["previous_count"] == below
+                assert _upper_on(client, job, p["strategy"], below) > usable
+                assert p["previous_required_bytes"] > usable
+        costs = [p["cost_per_hour"] for p in placements]
+        assert answer["cheapest"]["cost_per_hour"] == min(costs)
+        cheapest = placements[answer["cheapest"]["index"]]
+        assert cheapest["cost_per_hour"] == min(costs)
+        assert answer["cheapest"]["gpu"] == gpus[cheapest["gpu_index"]]["name"]
+        fewest = placements[answer["fewest"]["index"]]
+        assert fewest["count"] == min(p["count"] for p in placements) == answer["fewest"]["count"]
+
+
+def test_a_strategy_that_holds_full_parameters_says_more_gpus_do_not_help(
+    client: TestClient,
+) -> None:
+    answer = _placed(client, LLAMA_70B_FULL, ["H100-SXM"], {"strategies": ["ddp", "zero3"]})
+    ddp, zero3 = answer["placements"]
+    assert ddp["outcome"] == "does_not_fit" and ddp["count"] is None and ddp["per_gpu"] is None
+    assert "within 64 GPUs" in ddp["reason"] and "do not lower" in ddp["reason"]
+    assert zero3["outcome"] == "fits"
+    assert answer["cheapest"] is None  # no prices
+    assert answer["fewest"]["index"] == 1
+
+
+def test_qlora_is_not_possible_under_a_sharding_strategy(client: TestClient) -> None:
+    job = {**LLAMA_70B_FULL, "method": "qlora"}
+    answer = _placed(client, job, ["H200"], {"strategies": ["zero3", "ddp"], "max_gpus": 16})
+    zero3, ddp = answer["placements"]
+    assert zero3["outcome"] == "not_possible"
+    assert zero3["reason"].startswith("not possible: QLoRA under zero3")
+    assert ddp["outcome"] in ("fits", "does_not_fit")
+    response = client.post(
+        "/v1/fit-checks",
+        json={"job": job, "gpus": ["H200"], "placement": {"strategies": ["zero3", "fsdp"]}},
+    )
+    assert response.status_code == 422
+    error = response.json()["errors"][0]
+    assert error["loc"] == ["body", "placement", "strategies"]
+    assert "none of zero3, fsdp" in error["detail"]
+
+
+def test_the_job_s_own_strategy_and_node_size_by_default(client: TestClient) -> None:
+    job = {**LLAMA_70B_FULL, "parallel": {"gpus": 8, "strategy": "fsdp2", "gpus_per_node": 4}}
+    answer = _placed(client, job, ["H100-SXM"], {"max_gpus": 32})
+    assert answer["strategies"] == ["fsdp2"] and answer["gpus_per_node"] == 4
+    assert answer["counts"] == [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32]
+    answer = _placed(client, job, ["H100-SXM"], {"max_gpus": 32, "gpus_per_node": 2})
+    assert answer["counts"][:4] == [1, 2, 4, 6]
+
+
+def test_bad_placement_input_is_422_naming_the_field(client: TestClient) -> None:
+    cases: list[tuple[Any, list[Any]]] = [
+        ({"strategies": ["zero4"]}, ["body", "placement", "strategies", 0]),
+        ({"strategies": []}, ["body", "placement", "strategies"]),
+        ({"strategies": ["ddp", "ddp"]}, ["body", "placement", "strategies"]),
+        ({"max_gpus": 0}, ["body", "placement", "max_gpus"]),
+        ({"max_gpus": 4096}, ["body", "placement", "max_gpus"]),
+        ({"max_gpus": "8"}, ["body", "placement", "max_gpus"]),
+        ({"gpus_per_node": 0}, ["body", "placement", "gpus_per_node"]),
+        ({"nodes": 2}, ["body", "placement", "nodes"]),
+    ]
+    for placement, loc in cases:
+        response = client.post(
+            "/v1/fit-checks", json={"job": SMALL_JOB, "gpus": ["L4"], "placement": placement}
+        )
+        assert response.status_code == 422, placement
+        assert response.json()["errors"][0]["loc"] == loc, placement

@@ -13,7 +13,14 @@ from fastapi.testclient import TestClient
 from service.api.schemas import JobSpec
 from service.cli.main import build_parser, main
 from service.cli.options import job_fields, spec_from_args
-from service.cli.server import EXIT_DOES_NOT_FIT, EXIT_FITS, EXIT_UNDECIDED, run_fit
+from service.cli.server import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_FITS,
+    EXIT_UNDECIDED,
+    fit_request,
+    placement_request,
+    run_fit,
+)
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
 from tests.api.conftest import make_app
 from vramcast_client.client import VramcastClient
@@ -150,3 +157,81 @@ def test_cli_options_map_to_the_api_job() -> None:
 def test_serve_is_registered() -> None:
     args = build_parser().parse_args(["serve", "--port", "9000"])
     assert args.port == 9000 and args.host is None
+
+
+LLAMA_70B_FULL = [
+    "meta-llama/Llama-3.1-70B",
+    "--method",
+    "full",
+    "-b",
+    "1",
+    "-s",
+    "4096",
+    "--gradient-checkpointing",
+]
+
+
+def test_strategies_print_the_fewest_gpus_with_the_cheapest_marked(
+    service: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        *LLAMA_70B_FULL,
+        "--gpu",
+        "H100-SXM",
+        "--gpu",
+        "A100-80GB",
+        "--price",
+        "H100-SXM=3.0",
+        "--price",
+        "A100-80GB=1.8",
+        "--strategies",
+        "zero3, fsdp",
+    ]
+    # The exit status is that of the job as given (one GPU): it does not fit.
+    assert _fit(service, *argv) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    table = out[out.index("fewest GPUs (up to 64, 8 per node") :].splitlines()[1:]
+    assert [line.split()[:2] for line in table] == [
+        ["H100-SXM", "zero3"],
+        ["H100-SXM", "fsdp"],
+        ["A100-80GB", "zero3"],
+        ["A100-80GB", "fsdp"],
+    ]
+    # Each line's count and cost are the service's answer; the cheapest line is marked.
+    args = build_parser().parse_args(["fit", *argv])
+    with VramcastClient("http://testserver", transport=_through(service)) as client:
+        job, gpus = fit_request(args, spec_from_args(args))
+        answer = client.fit_check(job, gpus, placement_request(args))
+    assert answer.placement is not None and answer.placement.cheapest is not None
+    for line, placed in zip(table, answer.placement.placements, strict=True):
+        assert placed.count is not None and placed.cost_per_hour is not None
+        assert f"{placed.count} GPUs" in line and f"{placed.cost_per_hour:.2f}/h" in line
+    marked = [i for i, line in enumerate(table) if "cheapest" in line]
+    assert marked == [answer.placement.cheapest.index]
+
+
+def test_placement_options_are_checked_before_asking(
+    service: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = [
+        (["--strategies", "zero4"], "--strategies: 'zero4'"),
+        (["--strategies", ","], "--strategies: none given"),
+        (["--max-gpus", "0"], "--max-gpus"),
+        (["--gpus-per-node", "0"], "--gpus-per-node"),
+        (["--price", "L4=1"], "--price: 'L4'"),
+        (["--price", "H100-SXM=cheap"], "--price: 'cheap'"),
+        (["--max-gpus", "8", "--format", "slurm"], "not printed by --format"),
+    ]
+    for extra, message in cases:
+        assert _fit(service, *SMALL, "--gpu", "H100-SXM", *extra) == EXIT_UNDECIDED, extra
+        assert message in capsys.readouterr().err, extra
+
+
+def test_a_strategy_the_job_cannot_use_is_reported_per_strategy(
+    service: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*SMALL, "--method", "qlora", "--gpu", "L4", "--strategies", "zero3,ddp"]
+    assert _fit(service, *argv, "--max-gpus", "4") == EXIT_FITS
+    out = capsys.readouterr().out
+    assert "zero3  not possible: QLoRA under zero3" in out
+    assert "ddp       1 GPUs (1 node)" in out

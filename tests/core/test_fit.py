@@ -295,7 +295,7 @@ def test_count_shards_the_job_and_prices_pick_the_cheapest() -> None:
         GpuOffer(memory_bytes=h100, count=4, price_per_hour=2.0),
         GpuOffer(memory_bytes=h100, count=8),
     ]
-    report = check_fit(spec, offers, _requirement(QWEN_14B), max_batch_size=4096, max_seq_len=32768)
+    report = check_fit(spec, offers, _requirement(QWEN_7B), max_batch_size=4096, max_seq_len=32768)
     one, eight, four, unpriced = report.gpus
     assert eight.requirement.device_bytes_upper < one.requirement.device_bytes_upper
     assert not one.fits and eight.fits and four.fits and unpriced.fits

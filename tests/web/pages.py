@@ -210,3 +210,26 @@ def assert_curves_shown(shown: dict[str, Any], api: httpx.Client, job: dict[str,
     expected = [r["estimate"]["peak"]["device_bytes_upper"] for r in answer["results"]]
     points = shown["curves"]["batch"]["points"] + shown["curves"]["seq"]["points"]
     assert [p["bytes"] for p in points] == expected
+
+
+def assert_placement_shown(shown: dict[str, Any], placed: dict[str, Any]) -> None:
+    """The placement table: one row per GPU type and strategy, as the API placed them."""
+    rows = shown["placement"]
+    assert rows is not None and len(rows) == len(placed["placements"])
+    picks = {
+        word: placed[word]["index"] for word in ("cheapest", "fewest") if placed[word] is not None
+    }
+    for i, (row, p) in enumerate(zip(rows, placed["placements"], strict=True)):
+        assert (row["gpu"], row["strategy"], row["outcome"]) == (
+            p["gpu"],
+            p["strategy"],
+            p["outcome"],
+        )
+        assert sorted(row["badges"]) == sorted(word for word, at in picks.items() if at == i)
+        assert row["cheapest"] is (picks.get("cheapest") == i)
+        if p["count"] is None:
+            assert row["reason"] == p["reason"] and row["count"] is None
+            continue
+        assert row["count"] == str(p["count"]) and row["nodes"] == str(p["nodes"])
+        assert row["perGpu"] == {"bytes": p["required_bytes"], "text": gib(p["required_bytes"])}
+        assert row["cost"] == fixed(p["cost_per_hour"], 2)

@@ -62,6 +62,20 @@
         })),
       ]),
     ),
+    placement: q("#placement-section").hidden
+      ? null
+      : qa("#placement-table tbody tr").map((tr) => ({
+          gpu: tr.dataset.gpu,
+          strategy: tr.dataset.strategy,
+          outcome: tr.dataset.outcome,
+          count: q("td.count", tr) ? q("td.count", tr).firstChild.textContent : null,
+          badges: qa(".badge", tr).map(text),
+          nodes: text(q("td.nodes", tr)),
+          perGpu: q("td.per-gpu", tr) ? shown(q("td.per-gpu", tr)) : null,
+          cost: q("td.cost", tr) ? q("td.cost", tr).firstChild.textContent : null,
+          reason: text(q("td.reason", tr)),
+          cheapest: tr.classList.contains("cheapest"),
+        })),
     curves: { batch: curve("batch-chart"), seq: curve("seq-chart") },
   };
 }

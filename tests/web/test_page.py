@@ -18,6 +18,7 @@ from tests.web.pages import (
     assert_curves_shown,
     assert_estimate_shown,
     assert_fit_shown,
+    assert_placement_shown,
     merged,
 )
 
@@ -373,3 +374,56 @@ def test_a_gpu_given_by_memory_is_labelled_as_matched_by_size(
     d.page.click("#add-gpu-memory")
     assert d.page.get_attribute("#gpu-memory", "aria-invalid") == "true"
     assert "whole number of MiB" in d.text("#gpu-memory-hint")
+
+
+def test_placing_the_job_on_several_gpus_shows_the_fewest_per_gpu_and_strategy(
+    driver: Driver, api: httpx.Client
+) -> None:
+    d = driver
+    d.open(
+        "?model=meta-llama%2FLlama-3.1-70B&method=full&batch_size=1&seq_len=4096"
+        "&gradient_checkpointing=1&gpu=A100-40GB%401.2&gpu=A100-80GB%401.8"
+    )
+    assert "placement" not in d.last_post("/v1/fit-checks")
+    assert d.page.locator("#placement-section").is_hidden()
+    assert d.page.locator("#placement-strategies").is_hidden()
+    assert d.shown()["placement"] is None
+
+    d.page.fill("#max_gpus", "32")
+    d.wait_ready()
+    body = d.last_post("/v1/fit-checks")
+    assert body["placement"] == {
+        "strategies": ["fsdp", "zero3"],
+        "max_gpus": 32,
+        "gpus_per_node": 8,
+    }
+    placed = api.post("/v1/fit-checks", json=body).json()["placement"]
+    assert placed["cheapest"] is not None
+    assert_placement_shown(d.shown(), placed)
+    assert "max_gpus=32" in d.page.input_value("#share-link")
+    d.page.set_viewport_size(PHONE)
+    width = d.page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert width[0] <= width[1], "the placement table scrolls the page sideways on a phone"
+    d.page.set_viewport_size(DESKTOP)
+
+    d.page.check('input[name="strategies"][value="ddp"]')
+    d.page.uncheck('input[name="strategies"][value="fsdp"]')
+    d.page.fill("#gpus_per_node", "4")
+    d.wait_ready()
+    body = d.last_post("/v1/fit-checks")
+    assert body["placement"] == {"strategies": ["ddp", "zero3"], "max_gpus": 32, "gpus_per_node": 4}
+    placed = api.post("/v1/fit-checks", json=body).json()["placement"]
+    assert any(p["outcome"] == "does_not_fit" for p in placed["placements"])
+    assert_placement_shown(d.shown(), placed)
+
+    d.page.fill("#max_gpus", "5000")
+    d.page.wait_for_selector('#results[data-state="error"]')
+    assert d.page.get_attribute("#max_gpus", "aria-invalid") == "true"
+    assert "/placement/max_gpus" in d.text("#error")
+    for value in ("ddp", "zero3"):
+        d.page.uncheck(f'input[name="strategies"][value="{value}"]')
+    d.page.fill("#max_gpus", "16")
+    d.page.wait_for_selector('#results[data-state="error"]')
+    assert "pick a strategy" in d.text("#error")
+    assert d.page.get_attribute("#placement-strategies", "aria-invalid") == "true"
+    assert not d.errors

@@ -153,6 +153,10 @@ class EstimateOut(Out):
     )
     phases: list[PhaseOut] = Field(max_length=16, description="Allocated bytes per phase.")
     params: ParamsOut = Field(description="Parameter counts.")
+    host_bytes: Bytes = Field(
+        description="Host (CPU) memory one rank keeps for what it offloads (optimizer state, "
+        "and parameters under parameter offload); 0 without offloading."
+    )
     upper_margin: float = Field(
         ge=0.0,
         description="The safe bound's margin over peak.device_bytes: the device factor's when "
@@ -227,6 +231,7 @@ def estimate_values(
             for ph in est.phases
         ],
         "params": {"total": est.params.total, "trainable": est.params.trainable},
+        "host_bytes": est.host_bytes,
         "upper_margin": upper_margin,
         "calibration": described,
         "gpu": gpu,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, JsonValue
+from pydantic import Field, JsonValue, field_validator
 
-from service.api.schemas.base import Bytes, In, Out
+from service.api.schemas.base import Bytes, In, Out, integers
 from service.api.schemas.estimates import EstimateOut
 from service.api.schemas.jobs import (
     MAX_FIT_GPUS,
@@ -17,7 +17,42 @@ from service.api.schemas.jobs import (
 from service.core.codec import spec_to_dict
 from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion
 from service.core.limits import MAX_BATCH_SIZE, MAX_GPUS, MAX_SEQ_LEN
-from service.core.spec import TrainingSpec
+from service.core.placement import DEFAULT_MAX_GPUS, MAX_PLACEMENT_GPUS, Outcome
+from service.core.spec import DEFAULT_GPUS_PER_NODE, Strategy, TrainingSpec
+
+
+class PlacementIn(In):
+    """Find the fewest GPUs of each type that hold the job, per strategy: counts 1 up to one
+    node's GPUs, then whole nodes, up to max_gpus. The job's batch_size and seq_len stay per
+    GPU; a GPU's `count` is not used."""
+
+    placement_integer_fields = integers("max_gpus", "gpus_per_node")
+
+    strategies: list[Strategy] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=len(Strategy),
+        description="Strategies to place the job under; null: the job's parallel.strategy.",
+    )
+    max_gpus: int = Field(
+        default=DEFAULT_MAX_GPUS,
+        ge=1,
+        le=MAX_PLACEMENT_GPUS,
+        description="The most GPUs of one type the job may span.",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GPUS,
+        description=f"GPUs per node; null: parallel.gpus_per_node, else {DEFAULT_GPUS_PER_NODE}.",
+    )
+
+    @field_validator("strategies")
+    @classmethod
+    def _distinct(cls, value: list[Strategy] | None) -> list[Strategy] | None:
+        if value is not None and len(set(value)) < len(value):
+            raise ValueError("a strategy is listed twice")
+        return value
 
 
 class FitCheckIn(In):
@@ -28,6 +63,10 @@ class FitCheckIn(In):
         min_length=1,
         max_length=MAX_FIT_GPUS,
         description="GPU types: a name (string), or {name | memory_mib, count, price_per_hour}.",
+    )
+    placement: PlacementIn | None = Field(
+        default=None,
+        description="Also find the fewest GPUs per GPU type and strategy; null: do not.",
     )
 
 
@@ -124,6 +163,76 @@ class CheapestOut(Out):
     cost_per_hour: float = Field(ge=0.0, description="price_per_hour * count.")
 
 
+class PlacementOut(Out):
+    """One GPU type under one strategy: the fewest GPUs that hold the job, or why none."""
+
+    gpu_index: int = Field(ge=0, lt=MAX_FIT_GPUS, description="Position in `gpus`.")
+    gpu: str = Field(max_length=128, description="The GPU, as requested.")
+    strategy: Strategy = Field(description="The parallel strategy.")
+    outcome: Outcome = Field(
+        description="fits; does_not_fit (not within max_gpus); not_possible (the job cannot "
+        "run under this strategy)."
+    )
+    count: int | None = Field(
+        default=None, ge=1, le=MAX_PLACEMENT_GPUS, description="Fewest GPUs that fit."
+    )
+    nodes: int | None = Field(default=None, ge=1, description="Nodes of gpus_per_node.")
+    cost_per_hour: float | None = Field(
+        default=None, ge=0.0, description="price_per_hour * count, when a price was given."
+    )
+    usable_bytes: Bytes = Field(description="One GPU's usable memory.")
+    required_bytes: Bytes | None = Field(
+        default=None, description="The per-GPU safe bound on `count` GPUs."
+    )
+    headroom_bytes: int | None = Field(default=None, description="usable - required.")
+    previous_count: int | None = Field(
+        default=None,
+        ge=1,
+        description="The count tried below `count`, which does not fit; null: count is 1.",
+    )
+    previous_required_bytes: Bytes | None = Field(
+        default=None, description="The per-GPU safe bound on previous_count GPUs."
+    )
+    reason: str | None = Field(
+        default=None, max_length=1024, description="Why none fits, in words."
+    )
+    per_gpu: EstimateOut | None = Field(
+        default=None, description="The estimate of one GPU of the job on `count` GPUs."
+    )
+
+
+class PlacementRefOut(Out):
+    """A placement picked out of `placements`."""
+
+    index: int = Field(ge=0, description="Position in `placements`.")
+    gpu: str = Field(max_length=128, description="The GPU, as requested.")
+    strategy: Strategy = Field(description="The parallel strategy.")
+    count: int = Field(ge=1, le=MAX_PLACEMENT_GPUS, description="GPUs.")
+    cost_per_hour: float | None = Field(default=None, ge=0.0, description="price * count.")
+
+
+class PlacementsOut(Out):
+    """The fewest GPUs per GPU type and strategy, the cheapest and the fewest overall."""
+
+    strategies: list[Strategy] = Field(max_length=len(Strategy), description="As searched.")
+    max_gpus: int = Field(ge=1, le=MAX_PLACEMENT_GPUS, description="The most GPUs tried.")
+    gpus_per_node: int = Field(ge=1, le=MAX_GPUS, description="GPUs per node.")
+    counts: list[int] = Field(
+        max_length=MAX_PLACEMENT_GPUS, description="The GPU counts a placement may take."
+    )
+    placements: list[PlacementOut] = Field(
+        max_length=MAX_FIT_GPUS * len(Strategy),
+        description="Per GPU in order, per strategy in order.",
+    )
+    cheapest: PlacementRefOut | None = Field(
+        default=None, description="The lowest cost_per_hour that fits; null: no priced fit."
+    )
+    fewest: PlacementRefOut | None = Field(
+        default=None, description="The fewest GPUs that fit (then the cheapest); null: none."
+    )
+    evaluations: int = Field(ge=0, description="Per-GPU requirements estimated by the search.")
+
+
 class FitCheckOut(Out):
     """Per GPU type: does the job fit, how far it can grow, and what makes it fit."""
 
@@ -133,6 +242,9 @@ class FitCheckOut(Out):
     )
     cheapest: CheapestOut | None = Field(
         default=None, description="The cheapest priced GPU that fits; null: none."
+    )
+    placement: PlacementsOut | None = Field(
+        default=None, description="With `placement` in the request: where the job fits."
     )
 
 

@@ -19,6 +19,7 @@ from pydantic import (
 
 from service.api.schemas.base import Boolean, In, Number, integers
 from service.core.allocator import AllocatorConfig
+from service.core.errors import InvalidSpecError
 from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
@@ -35,6 +36,7 @@ from service.core.limits import (
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
+from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
     ALL_LINEAR,
     DDP_BUCKET_CAP_MB,
@@ -239,10 +241,53 @@ class ParallelIn(In):
         default=None, description="ZeRO's overlap_comm; null: DeepSpeed's default for the stage."
     )
 
+    deepspeed_config: ConfigJson | None = Field(
+        default=None,
+        description="A DeepSpeed config JSON as HF Trainer takes it (--deepspeed): its "
+        "zero_optimization section sets strategy, offload and the ZeRO settings; fields given "
+        "here beside it win.",
+    )
+    fsdp_config: ConfigJson | None = Field(
+        default=None,
+        description="An FSDP config: HF Trainer's fsdp_config, or accelerate's (fsdp_-prefixed "
+        "keys): version, reshard_after_forward, cpu_offload, backward_prefetch, ...; its "
+        "activation_checkpointing turns on gradient checkpointing. Fields given here beside "
+        "it win.",
+    )
+
+    @model_validator(mode="after")
+    def _one_config(self) -> Self:
+        if self.deepspeed_config is not None and self.fsdp_config is not None:
+            raise ValueError("give deepspeed_config or fsdp_config, not both")
+        return self
+
     def to_spec(self) -> ParallelSpec:
         if not self.model_fields_set:  # the default layout: one spec for every such job
             return _DEFAULT_PARALLEL
-        return ParallelSpec(**{name: getattr(self, name) for name in ParallelIn.model_fields})
+        fields = {
+            name: getattr(self, name) for name in ParallelIn.model_fields if name not in _CONFIGS
+        }
+        from_config = self.config_fields()[0]
+        for name, value in from_config.items():
+            if name not in self.model_fields_set:
+                fields[name] = value
+        return ParallelSpec(**fields)
+
+    def config_fields(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The parallel fields and the job fields the given config sets; InvalidSpecError names
+        the config's key under `parallel.<config>.`."""
+        for name, read in (
+            ("deepspeed_config", _deepspeed_fields),
+            ("fsdp_config", parallel_from_fsdp),
+        ):
+            config = getattr(self, name)
+            if config is None:
+                continue
+            try:
+                return read(config)
+            except InvalidSpecError as exc:
+                raise InvalidSpecError(f"parallel.{name}.{exc.field}", exc.reason) from None
+        return {}, {}
 
 
 class AllocatorIn(In):
@@ -293,9 +338,20 @@ class AllocatorIn(In):
         return AllocatorConfig(**self.model_dump())
 
 
+_CONFIGS = ("deepspeed_config", "fsdp_config")
+
+
+def _deepspeed_fields(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    return parallel_from_deepspeed(config), {}
+
+
 # The specs of the defaults, built once from the models' own defaults (frozen, so shared).
 _DEFAULT_PARALLEL = ParallelSpec(
-    **{name: getattr(ParallelIn(), name) for name in ParallelIn.model_fields}
+    **{
+        name: getattr(ParallelIn(), name)
+        for name in ParallelIn.model_fields
+        if name not in _CONFIGS
+    }
 )
 _DEFAULT_ALLOCATOR = AllocatorConfig(**AllocatorIn().model_dump())
 
@@ -463,6 +519,12 @@ class JobSpec(In):
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
     )
 
+    def _gradient_checkpointing(self) -> bool:
+        """As given, else as an FSDP config's activation checkpointing sets it."""
+        if "gradient_checkpointing" in self.model_fields_set or self.parallel.fsdp_config is None:
+            return self.gradient_checkpointing
+        return bool(self.parallel.config_fields()[1].get("gradient_checkpointing", False))
+
     def to_spec(self) -> TrainingSpec:
         """The core spec; raises InvalidSpecError for invalid combinations."""
         return TrainingSpec(
@@ -476,7 +538,7 @@ class JobSpec(In):
             optim=self.optim,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             max_grad_norm=self.max_grad_norm,
-            gradient_checkpointing=self.gradient_checkpointing,
+            gradient_checkpointing=self._gradient_checkpointing(),
             attn_implementation=self.attn_implementation,
             sdpa_kernel=self.sdpa_kernel,
             loss=self.loss,

@@ -21,15 +21,19 @@ from service.core.estimator.activations import (
 )
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.weights import adapted_linears, default_target_modules
+from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
 
 __all__ = [
     "ESTIMATOR_VERSION",
     "LayerFlow",
+    "ZeroSettings",
     "adapted_linears",
     "default_target_modules",
     "estimate",
+    "gathered_elements",
     "layer_flow",
     "layer_saved_bytes",
     "litgpt_zero_pad_width",
     "peak_levels",
+    "zero_settings",
 ]

@@ -48,6 +48,7 @@ def estimate(
         assumptions=tuple(st.assumptions) + over.assumptions,
         warnings=tuple(st.warnings),
         estimator_version=ESTIMATOR_VERSION,
+        host_bytes=st.host,
     )
 
 

@@ -10,6 +10,7 @@ from service.core.allocator import AllocatorConfig
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_flow
+from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
 from service.core.estimator.weights import _optimizer_state, _Params, _params, adapted_linears
@@ -56,6 +57,7 @@ class _Plan:
     reserved: ReservedPlan  # what the reserved level's allocation schedule needs
     assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
     traits: _StepTraits  # the step's shape-independent choices (`_step_traits`)
+    whole: RankLayout  # the states of a job on one GPU (`layout.whole_layout`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +114,14 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             "(finetune/lora.py's lora_query and lora_value defaults)",
         )
     single = key.single_sequence
+    optimizer = _optimizer_state(p, unit.optim)
     return _Plan(
         rs=rs,
         adapted=adapted,
         flow=f,
         params=p,
-        optimizer=_optimizer_state(p, unit.optim),
+        optimizer=optimizer,
+        whole=whole_layout(p, optimizer),
         layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
         first_layer=_layer_recipe(
             arch, f, attn, kernel, False, windowed=key.windowed, single=single

@@ -7,13 +7,11 @@ from typing import NamedTuple
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
+from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
-from service.core.estimator.weights import _gradients
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
-    Offload,
-    Strategy,
     TrainingSpec,
 )
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
@@ -85,6 +83,7 @@ class _Step(NamedTuple):
     backward: _Moment  # the largest moment inside the layers' backward
     optimizer_step: _Moment
     paged_state: int  # optimizer state outside the allocator (paged optimizers)
+    host: int  # host memory per rank (offloaded states)
     assumptions: list[str]
     warnings: list[str]
 
@@ -116,19 +115,14 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     h = arch.hidden_size
     L = arch.num_hidden_layers
     f = plan.flow
-    p = plan.params
-    shard = _sharding(spec)
-
-    frozen = p.frozen // shard.params
-    trainable = p.trainable // shard.params
-    grads = _gradients(p) // shard.grads
-    state, state_outside, temps = plan.optimizer
-    state //= shard.state
-    state_outside //= shard.state
-    temps //= shard.state
-    if spec.parallel.offload is not Offload.NONE:
-        state = temps = state_outside = 0
-        assumptions.append("optimizer state offloaded to host memory")
+    rank = rank_layout(arch, spec, plan)
+    assumptions.extend(rank.assumptions)
+    frozen = rank.frozen
+    trainable = rank.trainable
+    grads = rank.gradients
+    state = rank.optimizer_state
+    state_outside = rank.state_outside
+    temps = rank.optimizer_temporaries
 
     per_layer = _recipe_bytes(plan.layer, b, s)
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
@@ -179,9 +173,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
             f"{extra * (1 if spec.gradient_checkpointing else L) / GIB:.1f} GiB"
         )
 
-    ga_grads = grads if spec.gradient_accumulation_steps > 1 else 0
-    head_grads = p.head_trainable // shard.grads
-    embed_grads = p.embed_trainable // shard.grads
+    if spec.gradient_accumulation_steps > 1:
+        ga_grads = grads if rank.accumulated_gradients is None else rank.accumulated_gradients
+    else:
+        ga_grads = 0
+    head_grads = rank.head_gradients
+    embed_grads = rank.embed_gradients
     ckpt = spec.gradient_checkpointing
     rs_r = rs.lora.r if rs.lora else 0
     tied_head = arch.tie_word_embeddings
@@ -211,13 +208,13 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
             + _blk(tokens * traits.down_stop * f.adapter)
         )
     top = _Moment(
-        gradients=grads if ga_grads else head_grads,
+        gradients=ga_grads if ga_grads else head_grads,
         activations=activations,
         recompute=recompute_end,
         backward_temporaries=in_flight,
     )
     bottom_acts = checkpoint if ckpt else first_layer
-    bottom_grads = grads if ga_grads else grads - embed_grads
+    bottom_grads = ga_grads if ga_grads else grads - embed_grads
     bottom = _Moment(
         gradients=bottom_grads,
         activations=bottom_acts,
@@ -228,15 +225,15 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # flowing into the embedding's backward beside it. A tied embedding already holds the LM
     # head's gradient: AccumulateGrad adds out of place, so the old gradient, the new one and
     # their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full fine-tuning).
+    # Sharding strategies make it whole and shard it after.
+    made = embed_grads if rank.embed_gradient_made is None else rank.embed_gradient_made
     if embed_grads and tied_head:
-        end = _Moment(
-            gradients=grads - embed_grads, activations=0, backward_temporaries=3 * embed_grads
-        )
+        end = _Moment(gradients=grads - embed_grads, activations=0, backward_temporaries=3 * made)
     elif embed_grads:
         end = _Moment(
             gradients=grads - embed_grads,
             activations=0,
-            backward_temporaries=embed_grads + grad_hidden,
+            backward_temporaries=made + grad_hidden,
         )
     else:
         end = _Moment(gradients=grads, activations=0)
@@ -309,43 +306,55 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                     backward_temporaries=grads_now,
                 )
             )
+    if rank.comm_backward or rank.comm_end or rank.comm_bottom:
+        # Gathered parameters and buckets: the bottom layer's and the embedding's moments may
+        # have their own; every other moment is at the top layer.
+        comm_bottom = rank.comm_backward if rank.comm_bottom is None else rank.comm_bottom
+        comm_end = rank.comm_backward if rank.comm_end is None else rank.comm_end
+        candidates = [
+            moment._replace(
+                communication=comm_bottom
+                if moment is bottom
+                else comm_end
+                if moment is end
+                else rank.comm_backward
+            )
+            for moment in candidates
+        ]
+    forward_end = _Moment(
+        gradients=ga_grads,
+        activations=activations,
+        logits_loss=loss.forward_peak,
+        communication=rank.comm_forward,
+    )
+    if rank.comm_forward_start is not None:
+        # The forward phase's other candidate: its start, before any activation exists.
+        start = _Moment(gradients=ga_grads, activations=0, communication=rank.comm_forward_start)
+        forward_end = max(forward_end, start, key=sum)
+    backward_start_comm = (
+        rank.comm_forward if rank.comm_backward_start is None else rank.comm_backward_start
+    )
     return _Step(
         plan=plan,
         fixed=fixed,
         workspaces=_workspaces(plan, compute_capability),
         optimizer_state=state,
-        forward_end=_Moment(
-            gradients=ga_grads, activations=activations, logits_loss=loss.forward_peak
-        ),
+        forward_end=forward_end,
         backward_start=_Moment(
-            gradients=ga_grads, activations=activations, logits_loss=loss.backward_peak
+            gradients=ga_grads,
+            activations=activations,
+            logits_loss=loss.backward_peak,
+            communication=backward_start_comm,
         ),
         backward=max(candidates, key=sum),
-        optimizer_step=_Moment(gradients=grads, activations=0, optimizer_temporaries=temps),
+        optimizer_step=_Moment(
+            gradients=grads,
+            activations=0,
+            optimizer_temporaries=temps,
+            communication=rank.comm_step,
+        ),
         paged_state=state_outside,
+        host=rank.host,
         assumptions=assumptions,
         warnings=warnings,
     )
-
-
-class _Shards(NamedTuple):
-    params: int
-    grads: int
-    state: int
-
-
-_UNSHARDED = _Shards(1, 1, 1)
-
-
-def _sharding(spec: TrainingSpec) -> _Shards:
-    """Divisors over ranks: ZeRO-1 shards optimizer state, ZeRO-2 also gradients, ZeRO-3 and
-    FSDP also parameters (Rajbhandari et al. 2020, ZeRO, section 5)."""
-    n = spec.parallel.gpus
-    strategy = spec.parallel.strategy
-    if n == 1 or strategy is Strategy.DDP:
-        return _UNSHARDED
-    if strategy is Strategy.ZERO1:
-        return _Shards(1, 1, n)
-    if strategy is Strategy.ZERO2:
-        return _Shards(1, n, n)
-    return _Shards(n, n, n)

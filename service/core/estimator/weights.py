@@ -114,6 +114,10 @@ class _Params:
     trainable_count: int
     embed_trainable: int  # bytes of a trainable input embedding (its gradient comes last)
     head_trainable: int  # bytes of a trainable lm_head and final norm (gradients come first)
+    # For strategies that gather parameters by module: one decoder layer's parameters (its
+    # adapters included) and those outside the layers (embedding, final norm, LM head), bytes.
+    layer: int = 0
+    outside_layers: int = 0
 
 
 def _quantized_weight_bytes(lin: Linear, quant: QuantSpec | None) -> int:
@@ -193,6 +197,7 @@ def _params(
         put(arch.head_dim, 0, other, 2 * L, full)
 
     layers_end = len(trainable)
+    layers_frozen = frozen
     put(arch.vocab_size, arch.hidden_size, other, 1, full)
     if "embed_tokens" in saved_modules and not full:
         # ModulesToSaveWrapper trains a copy and keeps the original.
@@ -210,6 +215,8 @@ def _params(
         if "lm_head" in saved_modules and not full:
             trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
     head_trainable = sum(t.nbytes for t in trainable[head_start:])
+    layers_bytes = layers_frozen + sum(t.nbytes for t in trainable[:layers_end])
+    outside_layers = frozen - layers_frozen + sum(t.nbytes for t in trainable[layers_end:])
 
     if lora is not None:
         ad = DTYPE_BYTES[adapter_dtype]
@@ -217,6 +224,8 @@ def _params(
         for lin in adapted:
             trainable.append(_Tensor(r, lin.in_features, ad, L))  # lora_A
             trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
+            layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
+            layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
     return _Params(
         frozen=frozen,
         trainable=sum(t.nbytes for t in trainable),
@@ -225,6 +234,8 @@ def _params(
         trainable_count=sum(t.elements * t.count for t in trainable),
         embed_trainable=embed_trainable,
         head_trainable=head_trainable,
+        layer=layers_bytes // L,
+        outside_layers=outside_layers,
     )
 
 

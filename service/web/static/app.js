@@ -44,10 +44,16 @@
     framework: "hf",
     gradient_checkpointing: false,
     gpu_count: 1,
+    max_gpus: 1,
+    gpus_per_node: 8,
+    strategies: "fsdp,zero3",
   };
   const INTEGER_FIELDS = new Set([
     "lora_r", "lora_alpha", "batch_size", "seq_len", "gradient_accumulation_steps", "gpu_count",
+    "max_gpus", "gpus_per_node",
   ]);
+  // Checkbox groups kept in the state (and the link) as their checked values, comma-separated.
+  const LIST_FIELDS = new Set(["strategies"]);
   const BOOLEAN_FIELDS = new Set(["double_quant", "prepare_kbit", "gradient_checkpointing"]);
 
   const COMPONENT_STYLE = {
@@ -191,7 +197,10 @@
       if (key === "source" || key === "model") continue;
       const input = form.elements[key];
       if (!input) continue;
-      if (BOOLEAN_FIELDS.has(key)) input.checked = Boolean(state[key]);
+      if (LIST_FIELDS.has(key)) {
+        const chosen = new Set(String(state[key]).split(","));
+        for (const box of form.querySelectorAll(`input[name="${key}"]`)) box.checked = chosen.has(box.value);
+      } else if (BOOLEAN_FIELDS.has(key)) input.checked = Boolean(state[key]);
       else input.value = String(state[key]);
     }
     selectModelOption(state.model);
@@ -208,7 +217,9 @@
       if (key === "source" || key === "model") continue;
       const input = form.elements[key];
       if (!input) continue;
-      if (BOOLEAN_FIELDS.has(key)) state[key] = input.checked;
+      if (LIST_FIELDS.has(key)) {
+        state[key] = [...form.querySelectorAll(`input[name="${key}"]:checked`)].map((box) => box.value).join(",");
+      } else if (BOOLEAN_FIELDS.has(key)) state[key] = input.checked;
       else if (INTEGER_FIELDS.has(key)) {
         const n = Number(input.value);
         state[key] = input.value.trim() === "" || !Number.isFinite(n) ? input.value : n;
@@ -223,6 +234,12 @@
     $("config-model").hidden = s.source !== "config";
     $("lora-options").hidden = s.method === "full";
     $("quant-options").hidden = s.method !== "qlora";
+    $("placement-strategies").hidden = !placing(s);
+  }
+
+  // The fit-check places the job when it may span more GPUs than one.
+  function placing(s) {
+    return s.max_gpus !== 1;
   }
 
   // ------------------------------------------------------------------------------------------
@@ -283,6 +300,14 @@
       if (gpu.memory_mib) return { memory_mib: gpu.memory_mib, ...priced };
       return priced.price_per_hour === undefined ? gpu.name : { name: gpu.name, ...priced };
     });
+  }
+
+  // The fit-check's `placement`: the fewest GPUs per GPU type and strategy, or null.
+  function placementFromState(s) {
+    if (!placing(s)) return null;
+    const strategies = s.strategies.split(",").filter(Boolean);
+    if (!strategies.length) throw new FormError("strategies", "pick a strategy to place the job under");
+    return { strategies, max_gpus: s.max_gpus, gpus_per_node: s.gpus_per_node };
   }
 
   // A suggestion's `set`: job fields with their new values, named as in the request.
@@ -453,11 +478,13 @@
       const state = page.state;
       const job = jobFromState(state);
       const offers = offersFromState(state);
+      const placement = offers.length ? placementFromState(state) : null;
+      const fitBody = placement ? { job, gpus: offers, placement } : { job, gpus: offers };
       const detailsPromise =
         state.source === "catalog" ? modelDetails(state.model, signal) : Promise.resolve(null);
       const [estimate, fit, details] = await Promise.all([
         api(API.estimate, job, signal),
-        offers.length ? api(API.fitCheck, { job, gpus: offers }, signal) : Promise.resolve(null),
+        offers.length ? api(API.fitCheck, fitBody, signal) : Promise.resolve(null),
         detailsPromise,
       ]);
       if (!current()) return;
@@ -469,6 +496,7 @@
       renderModelHint(details);
       renderEstimate(estimate);
       renderFit(fit);
+      renderPlacement(fit ? fit.placement : null);
       resultsEl.dataset.generation = String(generation);
       const curveData = await curves(job, fit ? fit.results : [], context, signal);
       if (!current()) return;
@@ -498,6 +526,9 @@
     "/quantization": "quant_type",
     "/parallel/gpus": "gpu_count",
     "/job/parallel/gpus": "gpu_count",
+    "/placement/strategies": "strategies",
+    "/placement/max_gpus": "max_gpus",
+    "/placement/gpus_per_node": "gpus_per_node",
   };
 
   function fieldForPointer(pointer) {
@@ -516,7 +547,7 @@
   }
 
   function markInvalid(field) {
-    const node = field === "model" ? $("model") : form.elements[field];
+    const node = field === "model" ? $("model") : field === "strategies" ? $("placement-strategies") : form.elements[field];
     if (node && node.setAttribute) node.setAttribute("aria-invalid", "true");
   }
 
@@ -812,6 +843,50 @@
     });
     $("fit-table").tBodies[0].replaceChildren(...rows);
     renderSuggestions(fit);
+  }
+
+  const STRATEGY_WORDS = { ddp: "DDP", fsdp: "FSDP", fsdp2: "FSDP2", zero1: "ZeRO-1", zero2: "ZeRO-2", zero3: "ZeRO-3" };
+
+  function renderPlacement(placed) {
+    const section = $("placement-section");
+    if (!placed) {
+      section.hidden = true;
+      return;
+    }
+    section.hidden = false;
+    $("placement-hint").textContent =
+      `Up to ${placed.max_gpus} GPUs of each type, ${placed.gpus_per_node} per node; the micro-batch and sequence stay per GPU.`;
+    const picked = (word, index) =>
+      placed[word] && placed[word].index === index ? el("span", { class: "badge", text: word }) : null;
+    const rows = placed.placements.map((p, i) => {
+      const cell = (label, attrs, ...children) => el("td", { role: "cell", "data-label": label, ...attrs }, ...children);
+      const head = [
+        el("th", { role: "rowheader", scope: "row", text: p.gpu }),
+        cell("Strategy", { class: "strategy", text: STRATEGY_WORDS[p.strategy] || p.strategy }),
+      ];
+      const attrs = { role: "row", dataset: { gpu: p.gpu, strategy: p.strategy, outcome: p.outcome } };
+      if (p.count === null || p.count === undefined) {
+        return el("tr", attrs, ...head, cell("GPUs", { class: "reason", colspan: "4", text: p.reason || p.outcome }));
+      }
+      const cheapest = picked("cheapest", i);
+      return el(
+        "tr",
+        { ...attrs, class: cheapest ? "cheapest" : null },
+        ...head,
+        cell("GPUs", { class: "num count", text: String(p.count) }, picked("fewest", i)),
+        cell("Nodes", { class: "num nodes", text: String(p.nodes) }),
+        cell("GiB per GPU", {
+          class: "num per-gpu",
+          dataset: { bytes: String(p.required_bytes) },
+          title: `of ${gibText(p.usable_bytes)} usable`,
+          text: gib(p.required_bytes),
+        }),
+        p.cost_per_hour === null || p.cost_per_hour === undefined
+          ? cell("Cost / h", { class: "num cost", text: "—" })
+          : cell("Cost / h", { class: "num cost", text: p.cost_per_hour.toFixed(2) }, cheapest),
+      );
+    });
+    $("placement-table").tBodies[0].replaceChildren(...rows);
   }
 
   function renderSuggestions(fit) {

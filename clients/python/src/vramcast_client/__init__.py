@@ -31,6 +31,7 @@ from vramcast_client.models import (
     Job,
     Model,
     ModelList,
+    PlacementRequest,
 )
 from vramcast_client.reporter import Delivery, Reporter, report_peaks
 from vramcast_client.retry import RetryPolicy
@@ -54,6 +55,7 @@ __all__ = [
     "Model",
     "ModelList",
     "NotFoundError",
+    "PlacementRequest",
     "Problem",
     "ProblemError",
     "Reporter",

@@ -41,6 +41,7 @@ from vramcast_client.models import (
     Job,
     Model,
     ModelList,
+    PlacementRequest,
 )
 from vramcast_client.retry import RetryPolicy, retry_after_s, retryable_status
 
@@ -54,6 +55,7 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 
 JobLike = Job | Mapping[str, Any]
 GpuLike = str | GpuOffer | Mapping[str, Any]
+PlacementLike = PlacementRequest | Mapping[str, Any]
 UploadLike = CalibrationUpload | Mapping[str, Any]
 ResultT = TypeVar("ResultT", bound=BaseModel)
 
@@ -109,8 +111,12 @@ class _ClientBase:
         return _Call("POST", "/v1/estimates:batch", BatchEstimates, body)
 
     @staticmethod
-    def _fit_check(job: JobLike, gpus: Sequence[GpuLike]) -> _Call[FitCheck]:
+    def _fit_check(
+        job: JobLike, gpus: Sequence[GpuLike], placement: PlacementLike | None = None
+    ) -> _Call[FitCheck]:
         body = {"job": _json(job), "gpus": [_json(gpu) for gpu in gpus]}
+        if placement is not None:
+            body["placement"] = _json(placement)
         return _Call("POST", "/v1/fit-checks", FitCheck, body)
 
     @staticmethod
@@ -211,9 +217,12 @@ class VramcastClient(_ClientBase):
         """POST /v1/estimates:batch: one result per job, in order; each fails on its own."""
         return self._send(self._batch(jobs))
 
-    def fit_check(self, job: JobLike, gpus: Sequence[GpuLike]) -> FitCheck:
-        """POST /v1/fit-checks: per GPU type, whether it fits, how far it can grow, and fixes."""
-        return self._send(self._fit_check(job, gpus))
+    def fit_check(
+        self, job: JobLike, gpus: Sequence[GpuLike], placement: PlacementLike | None = None
+    ) -> FitCheck:
+        """POST /v1/fit-checks: per GPU type, whether it fits, how far it can grow, and fixes;
+        with `placement`, also the fewest GPUs per GPU type and strategy."""
+        return self._send(self._fit_check(job, gpus, placement))
 
     def models(self) -> ModelList:
         return self._send(self._models())
@@ -290,8 +299,10 @@ class AsyncVramcastClient(_ClientBase):
     async def estimate_batch(self, jobs: Sequence[JobLike]) -> BatchEstimates:
         return await self._send(self._batch(jobs))
 
-    async def fit_check(self, job: JobLike, gpus: Sequence[GpuLike]) -> FitCheck:
-        return await self._send(self._fit_check(job, gpus))
+    async def fit_check(
+        self, job: JobLike, gpus: Sequence[GpuLike], placement: PlacementLike | None = None
+    ) -> FitCheck:
+        return await self._send(self._fit_check(job, gpus, placement))
 
     async def models(self) -> ModelList:
         return await self._send(self._models())

@@ -31,7 +31,9 @@ AttnImplName = Literal["eager", "sdpa", "flash_attention_2"]
 SdpaKernelName = Literal["auto", "flash", "efficient", "math"]
 LossName = Literal["hf", "plain", "chunked", "fused"]
 FrameworkName = Literal["hf", "litgpt", "torchtune"]
-StrategyName = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+StrategyName = Literal["ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3"]
+FsdpShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+FsdpBackwardPrefetchName = Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
 OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
@@ -90,6 +92,25 @@ class Parallel(_Request):
     gpus: int | None = Field(default=None, ge=1)
     strategy: StrategyName | None = None
     offload: OffloadName | None = None
+    gpus_per_node: int | None = Field(default=None, ge=1)
+    bucket_cap_mb: int | None = Field(default=None, ge=1)
+    gradient_as_bucket_view: bool | None = None
+    sharding_strategy: FsdpShardingName | None = None
+    use_orig_params: bool | None = None
+    limit_all_gathers: bool | None = None
+    forward_prefetch: bool | None = None
+    backward_prefetch: FsdpBackwardPrefetchName | None = None
+    reshard_after_forward: bool | None = None
+    reduce_bucket_size: int | None = Field(default=None, ge=1)
+    allgather_bucket_size: int | None = Field(default=None, ge=1)
+    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=1)
+    stage3_max_live_parameters: int | None = Field(default=None, ge=1)
+    stage3_param_persistence_threshold: int | None = Field(default=None, ge=0)
+    contiguous_gradients: bool | None = None
+    overlap_comm: bool | None = None
+    # A DeepSpeed config JSON, or HF Trainer's / accelerate's fsdp_config, as written.
+    deepspeed_config: dict[str, Any] | None = None
+    fsdp_config: dict[str, Any] | None = None
 
 
 class Job(_Request):
@@ -122,6 +143,15 @@ class GpuOffer(_Request):
     memory_mib: int | None = Field(default=None, ge=1)
     count: int | None = Field(default=None, ge=1)
     price_per_hour: float | None = Field(default=None, ge=0.0)
+
+
+class PlacementRequest(_Request):
+    """Ask a fit-check for the fewest GPUs per GPU type and strategy (null: the service's
+    defaults: the job's strategy, up to 64 GPUs, the job's node size or 8)."""
+
+    strategies: list[StrategyName] | None = Field(default=None, min_length=1)
+    max_gpus: int | None = Field(default=None, ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=1)
 
 
 class UploadGpu(_Request):
@@ -232,6 +262,7 @@ class Estimate(_Result):
     overheads: dict[str, int]
     phases: list[PhaseBytes]
     params: Params
+    host_bytes: int = 0
     upper_margin: float
     calibration: AppliedCalibration
     gpu: GpuFitSummary | None = None
@@ -304,10 +335,48 @@ class Cheapest(_Result):
     cost_per_hour: float
 
 
+class Placement(_Result):
+    """One GPU type under one strategy: the fewest GPUs that hold the job, or why none."""
+
+    gpu_index: int
+    gpu: str
+    strategy: str
+    outcome: str  # fits, does_not_fit, not_possible
+    count: int | None = None
+    nodes: int | None = None
+    cost_per_hour: float | None = None
+    usable_bytes: int
+    required_bytes: int | None = None
+    headroom_bytes: int | None = None
+    previous_count: int | None = None
+    previous_required_bytes: int | None = None
+    reason: str | None = None
+    per_gpu: Estimate | None = None
+
+
+class PlacementPick(_Result):
+    index: int
+    gpu: str
+    strategy: str
+    count: int
+    cost_per_hour: float | None = None
+
+
+class Placements(_Result):
+    strategies: list[str]
+    max_gpus: int
+    gpus_per_node: int
+    counts: list[int]
+    placements: list[Placement]
+    cheapest: PlacementPick | None = None
+    fewest: PlacementPick | None = None
+
+
 class FitCheck(_Result):
     job: Estimate
     results: list[GpuFit]
     cheapest: Cheapest | None = None
+    placement: Placements | None = None
 
     @property
     def fits_all(self) -> bool:

@@ -1,0 +1,199 @@
+"""What one rank of a multi-GPU job holds: its share of the model states, and the buffers its
+strategy adds for the collectives.
+
+Each strategy has its own function; `rank_layout` picks it. A one-GPU job without ZeRO or FSDP
+holds everything and adds nothing.
+"""
+
+from __future__ import annotations
+
+from service.core.architecture import ModelArch
+from service.core.estimator.layout import RankLayout
+from service.core.estimator.plan import _Plan
+from service.core.estimator.zero import zero_layout
+from service.core.spec import (
+    Framework,
+    FsdpBackwardPrefetch,
+    FsdpSharding,
+    Method,
+    Offload,
+    Strategy,
+    TrainingSpec,
+)
+
+
+def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
+    """The layout of one rank of `spec` (per-GPU sizes), from the plan's parameters."""
+    par = spec.parallel
+    if par.strategy is Strategy.DDP:
+        return _ddp(spec, plan) if par.gpus > 1 else plan.whole
+    if par.strategy in (Strategy.FSDP, Strategy.FSDP2):
+        return _fsdp(arch, spec, plan)
+    # DeepSpeed ZeRO-1/2/3 (`ZERO_STAGES`), modelled from DeepSpeed's source
+    return RankLayout(**zero_layout(arch, spec, plan)._asdict())
+
+
+def _ddp(spec: TrainingSpec, plan: _Plan) -> RankLayout:
+    """DistributedDataParallel: every rank holds everything, plus the reducer's buckets.
+
+    The reducer allocates one flat tensor per bucket when DDP wraps the model, covering every
+    parameter that takes a gradient, in the gradient's dtype (torch/csrc/distributed/c10d/
+    reducer.cpp `Reducer::initialize_buckets`): the buckets hold as many bytes as the
+    gradients, for the whole run. With `gradient_as_bucket_view` each `.grad` is a view into
+    its bucket and takes no memory of its own.
+    """
+    whole = plan.whole
+    buckets = whole.gradients
+    notes = [
+        f"DDP over {spec.parallel.gpus} GPUs: every rank holds the whole model, its gradients "
+        f"and its optimizer state, plus the reducer's gradient buckets "
+        f"({spec.parallel.bucket_cap_mb} MB each)"
+    ]
+    if spec.parallel.gradient_as_bucket_view:
+        notes.append("gradient_as_bucket_view: the gradients live in the buckets")
+        return whole._replace(
+            gradients=0,
+            head_gradients=0,
+            embed_gradients=0,
+            comm_forward=buckets,
+            comm_backward=buckets,
+            comm_step=buckets,
+            assumptions=tuple(notes),
+        )
+    return whole._replace(
+        comm_forward=buckets, comm_backward=buckets, comm_step=buckets, assumptions=tuple(notes)
+    )
+
+
+def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
+    """FSDP1 and FSDP2, wrapped as HF Trainer + accelerate wrap a decoder: one unit per decoder
+    layer, the root holding what is outside the layers (embedding, final norm, LM head).
+
+    Each rank keeps 1/N of every parameter, gradient and optimizer state. A unit's parameters
+    are gathered whole for its forward and again for its backward; with resharding after
+    forward (FSDP1's FULL_SHARD and HYBRID_SHARD, FSDP2's reshard_after_forward) they are
+    freed after each, except the root's, which stay gathered from the forward through the
+    backward (torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`: not for the
+    root; _fully_shard/_fsdp_state.py: the root's group is not resharded after forward).
+    Backward prefetches the next unit's parameters, so two layers are gathered inside it
+    (FSDP1's BACKWARD_PRE and BACKWARD_POST, FSDP2's default). SHARD_GRAD_OP and
+    reshard_after_forward=False keep every unit gathered from its forward to its backward.
+    The embedding's gradient is made whole before it is reduce-scattered.
+    """
+    par = spec.parallel
+    p = plan.params
+    whole = plan.whole
+    fsdp1 = par.strategy is Strategy.FSDP
+    if fsdp1 and par.sharding_strategy is FsdpSharding.NO_SHARD:
+        n = 1
+    elif fsdp1 and par.sharding_strategy is FsdpSharding.HYBRID_SHARD:
+        n = par.node_size  # sharded within a node, replicated across nodes
+    else:
+        n = par.gpus
+    if fsdp1:
+        reshard = par.sharding_strategy in (FsdpSharding.FULL_SHARD, FsdpSharding.HYBRID_SHARD)
+        prefetch = par.backward_prefetch is not FsdpBackwardPrefetch.NO_PREFETCH
+    else:
+        reshard = par.reshard_after_forward
+        prefetch = True
+    root = p.outside_layers
+    layer = p.layer
+    layers = arch.num_hidden_layers * layer
+    # HF Trainer sets PEFT's wrap policy for a PEFT model (transformers/distributed/fsdp.py
+    # `update_fsdp_plugin_peft`), which accelerate's FSDP2 path does not translate
+    # (accelerate/utils/fsdp_utils.py `fsdp2_prepare_auto_wrap_policy` returns None): only the
+    # root is sharded, one group gathered whole from the forward through the backward.
+    one_group = not fsdp1 and spec.method is not Method.FULL and spec.framework is Framework.HF
+    if one_group:
+        root, layer, layers = p.frozen + p.trainable, 0, 0
+    if n == 1:
+        root = layers = layer = 0  # nothing is sharded, so nothing is gathered
+    gathered_forward = root if reshard else root + layers
+    # inside one layer's backward: the root, the layer, and the next one when prefetched
+    one_layer_back = root + layer * (2 if prefetch else 1)
+    # At the top layer every layer is still gathered when none was resharded after forward;
+    # layers are resharded after their backward, so at the bottom only the last are left.
+    in_backward = one_layer_back if reshard else max(one_layer_back, gathered_forward)
+    # FSDP1 has resharded the first layer by the embedding's backward (reference traces
+    # *fsdp-*-full-shard, full fine-tuning); FSDP2 still holds it then (*fsdp2-*).
+    at_end = root if fsdp1 else root + layer
+    # FSDP2 all-gathers a group into one flat buffer and copies it out into the parameters'
+    # own tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+    # `foreach_all_gather`, `foreach_all_gather_copy_out`): both exist as the root's group is
+    # gathered at the forward's start. FSDP1 gathers straight into the unsharded flat
+    # parameter.
+    forward_start = None if fsdp1 or n == 1 else 2 * root
+    # FSDP1 prefetches the last layer as the backward starts (its pre-backward hook on the
+    # root's output); FSDP2 gathers it when the layer's backward begins.
+    backward_start = root + layer if fsdp1 and prefetch and reshard else gathered_forward
+    grads = whole.gradients
+    notes = [
+        f"{'FSDP1' if fsdp1 else 'FSDP2'} over {par.gpus} GPUs"
+        + (f" (sharded within nodes of {n})" if n != par.gpus else "")
+        + ": each rank keeps its shard of every parameter, gradient and optimizer state; one "
+        "unit per decoder layer, the root holding the embedding, final norm and LM head"
+    ]
+    if not reshard and not one_group and n > 1:
+        notes.append(
+            "every layer's gathered parameters kept from its forward to its backward "
+            + ("(SHARD_GRAD_OP)" if fsdp1 else "(reshard_after_forward=False)")
+        )
+    if one_group and n > 1:
+        notes.append(
+            "FSDP2 with a PEFT model under HF Trainer: accelerate wraps no layer separately, so "
+            "the whole model is gathered on every GPU from the forward through the backward"
+        )
+    if fsdp1 and spec.framework is Framework.LITGPT and spec.method is not Method.FULL and n > 1:
+        # Fabric wraps whole Blocks, adapters inside: with use_orig_params a flat parameter
+        # that holds any trainable tensor takes a gradient for all of it
+        # (torch/distributed/fsdp/_flat_param.py `_validate_tensors_to_flatten`).
+        grads = p.frozen + p.trainable
+        notes.append(
+            "LitGPT wraps each Block with its adapters: every flat parameter takes a whole "
+            "gradient, frozen weights included"
+        )
+    accumulated = None
+    if spec.gradient_accumulation_steps > 1 and n > 1:
+        # Between optimizer steps the micro-batches' gradients add up unsharded: HF Trainer
+        # accumulates under accelerate's `no_sync` (FSDP1's no_sync, FSDP2's
+        # set_requires_gradient_sync(False); accelerate/accelerator.py `Accelerator.no_sync`),
+        # as LitGPT does under Fabric's `no_backward_sync`; only the last micro-batch's
+        # backward reduce-scatters them.
+        accumulated = grads
+        notes.append(
+            "gradient accumulation without synchronisation (accelerate's no_sync): the "
+            "accumulated gradients are held unsharded"
+        )
+    state = whole.optimizer_state // n
+    outside = whole.state_outside // n
+    temps = whole.optimizer_temporaries // n
+    frozen = whole.frozen // n
+    trainable = whole.trainable // n
+    held_grads = grads // n
+    host = 0
+    if par.offload is Offload.OPTIMIZER_AND_PARAMS:
+        # CPUOffload / CPUOffloadPolicy: shards, their gradients and the optimizer on the host
+        host = frozen + trainable + held_grads + state + outside
+        frozen = trainable = held_grads = state = outside = temps = 0
+        notes.append("parameters, gradients and optimizer state offloaded to host memory")
+    return whole._replace(
+        frozen=frozen,
+        trainable=trainable,
+        gradients=held_grads,
+        head_gradients=whole.head_gradients // n,
+        embed_gradients=whole.embed_gradients // n,
+        optimizer_state=state,
+        state_outside=outside,
+        optimizer_temporaries=temps,
+        comm_forward=gathered_forward,
+        comm_backward_start=backward_start,
+        comm_backward=in_backward,
+        comm_bottom=one_layer_back,
+        comm_end=at_end,
+        comm_forward_start=forward_start,
+        comm_step=0,
+        host=host,
+        assumptions=tuple(notes),
+        embed_gradient_made=whole.embed_gradients,
+        accumulated_gradients=accumulated,
+    )
