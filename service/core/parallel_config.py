@@ -188,6 +188,10 @@ def parallel_from_fsdp(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
             key, value = given[name]
             if _bool(value, key):
                 out["offload"] = Offload.OPTIMIZER_AND_PARAMS
+    if version == 1 and "backward_prefetch" not in given:
+        # Neither HF Trainer nor accelerate prefetch unless told to (transformers
+        # training_args.py: "NO_PREFETCH"; accelerate's plugin: None).
+        out["backward_prefetch"] = "NO_PREFETCH"
     if "backward_prefetch" in given:
         key, value = given["backward_prefetch"]
         text = "NO_PREFETCH" if value is None else str(value).upper()

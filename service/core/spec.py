@@ -198,7 +198,8 @@ class ParallelSpec:
     # DDP (torch.nn.parallel.DistributedDataParallel)
     bucket_cap_mb: int = DDP_BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
-    # FSDP1 (accelerate's FullyShardedDataParallelPlugin defaults)
+    # FSDP1 (torch's FullyShardedDataParallel defaults; HF Trainer passes backward_prefetch
+    # NO_PREFETCH unless its fsdp_config sets one: transformers/training_args.py)
     sharding_strategy: FsdpSharding = FsdpSharding.FULL_SHARD
     use_orig_params: bool = True
     limit_all_gathers: bool = True

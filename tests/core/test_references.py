@@ -1,5 +1,6 @@
-"""The estimator against the committed reference traces (tests/data/traces): the allocated
-peak of the real HF/PEFT step, traced storage by storage (see service/trace)."""
+"""The estimator against the committed reference traces: the allocated peak of the real HF/PEFT
+step, traced storage by storage (see service/trace), on one GPU (tests/data/traces) and as rank
+0 of DDP, FSDP1 and FSDP2 jobs on a fake process group (tests/data/traces_parallel)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from service.core.result import Component, Estimate
 from service.core.units import MIB
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+PARALLEL_TRACES = TRACES.with_name("traces_parallel")
+# Each set and the fewest references it holds (a set that lost its files fails).
+REFERENCE_SETS = {"one-gpu": (TRACES, 140), "multi-gpu": (PARALLEL_TRACES, 60)}
 PEAK_TOLERANCE = 0.01  # each reference's allocated peak
 RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model's replay)
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
@@ -32,8 +36,8 @@ COMPONENT_SLACK_BYTES = 16 * MIB
 KNOWN_GAPS: dict[str, tuple[float, str]] = {}
 
 
-def _references() -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(TRACES.glob("*.json"))]
+def _references(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
 
 
 def _estimate(ref: dict[str, Any]) -> Estimate:
@@ -44,10 +48,11 @@ def _estimate(ref: dict[str, Any]) -> Estimate:
     return estimate(arch, spec, compute_capability=REFERENCE_COMPUTE_CAPABILITY)
 
 
-@pytest.fixture(scope="module")
-def compared() -> list[tuple[dict[str, Any], Estimate]]:
-    refs = _references()
-    assert len(refs) >= 13, "the committed references are missing"
+@pytest.fixture(scope="module", params=sorted(REFERENCE_SETS))
+def compared(request: pytest.FixtureRequest) -> list[tuple[dict[str, Any], Estimate]]:
+    directory, fewest = REFERENCE_SETS[request.param]
+    refs = _references(directory)
+    assert len(refs) >= fewest, f"the committed references in {directory} are missing"
     return [(ref, _estimate(ref)) for ref in refs]
 
 
@@ -94,7 +99,10 @@ def test_reserved_matches_the_traces(
         err = est.reserved_bytes / traced - 1
         errors.append(abs(err))
         bound = RESERVED_KNOWN_GAPS.get(ref["name"], (RESERVED_TOLERANCE, ""))[0]
-        if abs(err) > bound:
+        # A multi-GPU trace replays one stream; on a GPU the collectives allocate on streams
+        # of their own, in pools the default stream cannot reuse, so its reserved level is not
+        # the GPU's: printed, not held to the bound.
+        if ref["spec"]["parallel"]["gpus"] == 1 and abs(err) > bound:
             beyond.append(f"{ref['name']}: reserved {err:+.3%} (bound {bound:.0%})")
         if ref["name"] in RESERVED_KNOWN_GAPS and abs(err) <= RESERVED_TOLERANCE:
             beyond.append(f"{ref['name']}: now within; drop it from RESERVED_KNOWN_GAPS")

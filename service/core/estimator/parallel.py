@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from service.core.architecture import ModelArch
 from service.core.estimator.layout import RankLayout
+from service.core.estimator.ledger import _blk
 from service.core.estimator.plan import _Plan
 from service.core.estimator.zero import zero_layout
 from service.core.spec import (
@@ -20,6 +21,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.units import DTYPE_BYTES
 
 
 def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
@@ -96,18 +98,26 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     else:
         reshard = par.reshard_after_forward
         prefetch = True
-    root = p.outside_layers
     layer = p.layer
     layers = arch.num_hidden_layers * layer
+    # What stays gathered from the forward through the backward. FSDP1: the root unit, all
+    # that is outside the layers. FSDP2 as accelerate 1.15 applies it (accelerate/utils/
+    # fsdp_utils.py `fsdp2_prepare_model`): a tail group of the final norm and the LM head (and
+    # the embedding when tied to the head) with reshard_after_forward=False; an untied
+    # embedding is a group of its own, resharded after forward.
+    embed = 0
+    if not fsdp1 and not arch.tie_word_embeddings:
+        embed = _blk(arch.vocab_size * arch.hidden_size * DTYPE_BYTES[spec.dtype])
+    root = p.outside_layers - embed
     # HF Trainer sets PEFT's wrap policy for a PEFT model (transformers/distributed/fsdp.py
     # `update_fsdp_plugin_peft`), which accelerate's FSDP2 path does not translate
-    # (accelerate/utils/fsdp_utils.py `fsdp2_prepare_auto_wrap_policy` returns None): only the
-    # root is sharded, one group gathered whole from the forward through the backward.
+    # (`fsdp2_prepare_auto_wrap_policy` returns None): the root group holds every layer, never
+    # resharded after forward.
     one_group = not fsdp1 and spec.method is not Method.FULL and spec.framework is Framework.HF
     if one_group:
-        root, layer, layers = p.frozen + p.trainable, 0, 0
+        root, layer, layers, embed = p.frozen + p.trainable - embed, 0, 0, embed
     if n == 1:
-        root = layers = layer = 0  # nothing is sharded, so nothing is gathered
+        root = layers = layer = embed = 0  # nothing is sharded, so nothing is gathered
     gathered_forward = root if reshard else root + layers
     # inside one layer's backward: the root, the layer, and the next one when prefetched
     one_layer_back = root + layer * (2 if prefetch else 1)
@@ -115,17 +125,25 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     # layers are resharded after their backward, so at the bottom only the last are left.
     in_backward = one_layer_back if reshard else max(one_layer_back, gathered_forward)
     # FSDP1 has resharded the first layer by the embedding's backward (reference traces
-    # *fsdp-*-full-shard, full fine-tuning); FSDP2 still holds it then (*fsdp2-*).
-    at_end = root if fsdp1 else root + layer
+    # *fsdp-*-full-shard, full fine-tuning); FSDP2 still holds it then (*fsdp2-*), with an
+    # untied embedding gathered again for its backward.
+    at_end = root if fsdp1 else root + layer + embed
     # FSDP2 all-gathers a group into one flat buffer and copies it out into the parameters'
     # own tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
-    # `foreach_all_gather`, `foreach_all_gather_copy_out`): both exist as the root's group is
-    # gathered at the forward's start. FSDP1 gathers straight into the unsharded flat
-    # parameter.
-    forward_start = None if fsdp1 or n == 1 else 2 * root
+    # `foreach_all_gather`, `foreach_all_gather_copy_out`): both exist as the first group is
+    # gathered at the forward's start (the tail with a tied embedding, else the embedding's).
+    # FSDP1 gathers straight into the unsharded flat parameter.
+    forward_start = None if fsdp1 or n == 1 else 2 * (embed or root)
     # FSDP1 prefetches the last layer as the backward starts (its pre-backward hook on the
     # root's output); FSDP2 gathers it when the layer's backward begins.
     backward_start = root + layer if fsdp1 and prefetch and reshard else gathered_forward
+    if one_group and n > 1:
+        # With every layer in the root group, the tail group's flat all-gather buffer stays
+        # until the loss (reference trace qwen2_5-0_5b__lora__r16-all-linear__b1-s512__fsdp2-
+        # 8gpu: an LM-head-sized buffer freed after the log-softmax).
+        tail = p.outside_layers - embed
+        gathered_forward += tail
+        forward_start = 2 * (root + embed)  # every group gathered as the forward starts
     grads = whole.gradients
     notes = [
         f"{'FSDP1' if fsdp1 else 'FSDP2'} over {par.gpus} GPUs"
