@@ -497,6 +497,10 @@ def parallel_matrix() -> list[Case]:
     for setup in setups:
         add(QWEN_05B, _spec(full, 1, 512), setup, 2)
         add(QWEN_05B, _spec(lora, 1, 512), setup, 8)
+    # An LM head not tied to the embedding: FSDP2 gives the embedding a group of its own.
+    for setup in (setups[1], setups[3]):
+        for method in (full, lora):
+            add(PHI_3, _spec(method, 1, 512, ckpt=True), setup, 2)
     # The settings each strategy honours, beyond its defaults.
     base = _spec(full, 1, 512, ckpt=True)
     for setup in (

@@ -143,7 +143,10 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         # 8gpu: an LM-head-sized buffer freed after the log-softmax).
         tail = p.outside_layers - embed
         gathered_forward += tail
-        forward_start = 2 * (root + embed)  # every group gathered as the forward starts
+        # The root group is gathered (its flat buffer and its copies) as the forward starts; an
+        # untied embedding's group is gathered and freed on its own (reference traces
+        # *lora*fsdp2-2gpu of Phi-3-mini and Qwen2.5-0.5B).
+        forward_start = 2 * root
     grads = whole.gradients
     notes = [
         f"{'FSDP1' if fsdp1 else 'FSDP2'} over {par.gpus} GPUs"

@@ -16,7 +16,7 @@ from service.core.schedule import Kernel
 from service.core.spec import TrainingSpec
 from service.core.units import FP32_BYTES
 
-ESTIMATOR_VERSION = "0.1.0"
+ESTIMATOR_VERSION = "0.2.0"
 
 
 def estimate(

@@ -22,7 +22,9 @@ from service.core.units import DTYPE_BYTES, DType
 ALLOCATED_SIGMA_TRACED = 0.01
 ALLOCATED_SIGMA_PRESET = 0.05
 ALLOCATED_SIGMA_PARALLEL_TRACED = 0.02
-ALLOCATED_SIGMA_PARALLEL = 0.25
+# DeepSpeed ZeRO: the published rows it answers are off by a median 8-10 % (tier B and C rows
+# of tests/data/published_peaks.csv, docs/parallel.md), none traced.
+ALLOCATED_SIGMA_PARALLEL = 0.10
 # Reserved level, as a share of reserved - allocated: the schedule replayed through the
 # allocator model matches the tracer's replay within 2 % of reserved on the reference traces of
 # the families it schedules op by op (about a quarter of the allocator's share), and coarser
