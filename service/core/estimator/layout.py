@@ -37,6 +37,8 @@ class RankLayout(NamedTuple):
     # The embedding's gradient as backward makes it, before any reduction shards it; None: as
     # held (`embed_gradients`).
     embed_gradient_made: int | None = None
+    # Gradients in flight at the bottom layer's backward beyond the one-GPU step's.
+    bottom_temporaries: int = 0
     # The gradients held between micro-batches under gradient accumulation; None: as after
     # backward (`gradients`).
     accumulated_gradients: int | None = None

@@ -173,6 +173,14 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
             "LitGPT wraps each Block with its adapters: every flat parameter takes a whole "
             "gradient, frozen weights included"
         )
+    in_flight = 0
+    if fsdp1 and n > 1 and par.use_orig_params and spec.method is Method.FULL:
+        # FSDP1 with use_orig_params flattens a unit's gradients into one unsharded flat
+        # gradient (torch.cat) in its post-backward hook, beside the parameters' own
+        # gradients, before reduce-scattering it: two copies of a layer's gradients (reference
+        # trace phi-3-mini-4k-instruct__full__b1-s512__ckpt__fsdp-2gpu-full-shard, peak at
+        # that cat).
+        in_flight = 2 * layer - layer // n
     accumulated = None
     if spec.gradient_accumulation_steps > 1 and n > 1:
         # Between optimizer steps the micro-batches' gradients add up unsharded: HF Trainer
@@ -217,4 +225,5 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         assumptions=tuple(notes),
         embed_gradient_made=whole.embed_gradients,
         accumulated_gradients=accumulated,
+        bottom_temporaries=in_flight,
     )

@@ -219,7 +219,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         gradients=bottom_grads,
         activations=bottom_acts,
         recompute=recompute,
-        backward_temporaries=in_flight,
+        backward_temporaries=in_flight + rank.bottom_temporaries,
     )
     # The embedding's gradient is a temporary until it lands in .grad, with the gradient
     # flowing into the embedding's backward beside it. A tied embedding already holds the LM
