@@ -427,3 +427,20 @@ def test_placing_the_job_on_several_gpus_shows_the_fewest_per_gpu_and_strategy(
     assert "pick a strategy" in d.text("#error")
     assert d.page.get_attribute("#placement-strategies", "aria-invalid") == "true"
     assert not d.errors
+
+
+def test_a_sharded_job_sends_its_strategy_and_shows_the_apis_numbers(
+    driver: Driver, api: httpx.Client
+) -> None:
+    d = driver
+    d.open("?model=mistralai%2FMistral-7B-v0.1&method=full&batch_size=1&gpu=H100-SXM")
+    d.page.fill("#gpu_count", "4")
+    d.page.select_option("#strategy", "zero3")
+    d.page.select_option("#offload", "optimizer")
+    d.wait_ready()
+
+    job = d.last_post("/v1/estimates")
+    assert job["parallel"] == {"gpus": 4, "strategy": "zero3", "offload": "optimizer"}
+    answer = api.post("/v1/estimates", json=job).json()
+    assert answer["host_bytes"] > 0  # the offloaded optimizer state
+    assert_estimate_shown(d.shown(), answer)

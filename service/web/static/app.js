@@ -44,6 +44,8 @@
     framework: "hf",
     gradient_checkpointing: false,
     gpu_count: 1,
+    strategy: "ddp",
+    offload: "none",
     max_gpus: 1,
     gpus_per_node: 8,
     strategies: "fsdp,zero3",
@@ -279,6 +281,9 @@
       framework: s.framework,
       parallel: { gpus: s.gpu_count },
     };
+    // Sent only when not the default, as the request's own defaults would fill them.
+    if (s.strategy !== DEFAULTS.strategy) job.parallel.strategy = s.strategy;
+    if (s.offload !== DEFAULTS.offload) job.parallel.offload = s.offload;
     if (s.method !== "full") {
       job.lora = { r: s.lora_r, lora_alpha: s.lora_alpha, target_modules: modulesFrom(s.target_modules) };
     }
@@ -328,6 +333,8 @@
         if ("prepare_kbit" in value) s.prepare_kbit = Boolean(value.prepare_kbit);
       } else if (key === "parallel" && value && typeof value === "object") {
         if ("gpus" in value) s.gpu_count = value.gpus;
+        if ("strategy" in value) s.strategy = value.strategy;
+        if ("offload" in value) s.offload = value.offload;
       } else if (key === "loss") {
         s.loss = value || "";
       } else if (key in DEFAULTS) {
@@ -526,6 +533,10 @@
     "/quantization": "quant_type",
     "/parallel/gpus": "gpu_count",
     "/job/parallel/gpus": "gpu_count",
+    "/parallel/strategy": "strategy",
+    "/job/parallel/strategy": "strategy",
+    "/parallel/offload": "offload",
+    "/job/parallel/offload": "offload",
     "/placement/strategies": "strategies",
     "/placement/max_gpus": "max_gpus",
     "/placement/gpus_per_node": "gpus_per_node",
