@@ -21,7 +21,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.units import DTYPE_BYTES
+from service.core.units import DTYPE_BYTES, GIB
 
 
 def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
@@ -30,9 +30,18 @@ def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     if par.strategy is Strategy.DDP:
         return _ddp(spec, plan) if par.gpus > 1 else plan.whole
     if par.strategy in (Strategy.FSDP, Strategy.FSDP2):
-        return _fsdp(arch, spec, plan)
-    # DeepSpeed ZeRO-1/2/3 (`ZERO_STAGES`), modelled from DeepSpeed's source
-    return RankLayout(**zero_layout(arch, spec, plan)._asdict())
+        layout = _fsdp(arch, spec, plan)
+    else:
+        # DeepSpeed ZeRO-1/2/3 (`ZERO_STAGES`), modelled from DeepSpeed's source
+        layout = RankLayout(**zero_layout(arch, spec, plan)._asdict())
+    if not layout.host:
+        return layout
+    per_node = par.node_size
+    note = (
+        f"host memory for what is offloaded: {layout.host / GIB:.2f} GiB per GPU, "
+        f"{layout.host * per_node / GIB:.2f} GiB per node of {per_node} GPUs"
+    )
+    return layout._replace(assumptions=(*layout.assumptions, note))
 
 
 def _ddp(spec: TrainingSpec, plan: _Plan) -> RankLayout:
