@@ -21,7 +21,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.units import DTYPE_BYTES, GIB
+from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, GIB
 
 
 def rank_layout(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
@@ -127,6 +127,13 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         root, layer, layers, embed = p.frozen + p.trainable - embed, 0, 0, embed
     if n == 1:
         root = layers = layer = embed = 0  # nothing is sharded, so nothing is gathered
+    if spec.autocast and DTYPE_BYTES[spec.dtype] > AUTOCAST_BYTES:
+        # HF Trainer's mixed precision under FSDP is FSDP's own (accelerate sets
+        # MixedPrecision / MixedPrecisionPolicy with param_dtype the half dtype): a full-
+        # precision model is gathered in half precision. Not traced.
+        root, layer, layers, embed = (
+            x * AUTOCAST_BYTES // DTYPE_BYTES[spec.dtype] for x in (root, layer, layers, embed)
+        )
     gathered_forward = root if reshard else root + layers
     # inside one layer's backward: the root, the layer, and the next one when prefetched
     one_layer_back = root + layer * (2 if prefetch else 1)

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from service.core.architecture import ModelArch
 from service.core.overhead import Uncertainty
-from service.core.spec import ZERO_STAGES, Framework, Method, TrainingSpec
+from service.core.spec import ZERO_STAGES, Framework, Method, Strategy, TrainingSpec
 from service.core.units import DTYPE_BYTES, DType
 
 # The estimate's stated uncertainty (relative standard deviations; the safe bound adds 1.645 of
@@ -46,7 +46,9 @@ QUANTIZED_LOAD_SIGMA = 0.08
 def _uncertainty(arch: ModelArch, spec: TrainingSpec) -> Uncertainty:
     """How far each level may be off, by how the configuration was checked."""
     par = spec.parallel
-    if par.strategy in ZERO_STAGES:
+    # The tracer runs neither DeepSpeed nor FSDP's own mixed precision.
+    fsdp_mixed = spec.autocast and par.strategy in (Strategy.FSDP, Strategy.FSDP2)
+    if par.strategy in ZERO_STAGES or (par.gpus > 1 and fsdp_mixed):
         how = _Parallel.MODELLED
     elif par.gpus > 1:
         how = _Parallel.TRACED
@@ -72,7 +74,9 @@ def _uncertainty_of(
         notes.append(f"the {framework} preset's step is not traced: wider uncertainty")
     if parallel is _Parallel.MODELLED:
         allocated, reserved = ALLOCATED_SIGMA_PARALLEL, RESERVED_SIGMA_APPROXIMATE
-        notes.append("DeepSpeed ZeRO is modelled from its source, not traced: wide uncertainty")
+        notes.append(
+            "the strategy is modelled from its library's source, not traced: wide uncertainty"
+        )
     elif parallel is _Parallel.TRACED:
         allocated = max(allocated, ALLOCATED_SIGMA_PARALLEL_TRACED)
         reserved = RESERVED_SIGMA_APPROXIMATE
