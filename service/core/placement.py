@@ -27,7 +27,14 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from service.core.errors import InvalidSpecError
-from service.core.fit import GpuOffer, Requirement, RequirementFn, part_threshold, usable_bytes
+from service.core.fit import (
+    GpuOffer,
+    Requirement,
+    RequirementFn,
+    _Requirements,
+    part_threshold,
+    usable_bytes,
+)
 from service.core.limits import MAX_GPUS
 from service.core.spec import DEFAULT_GPUS_PER_NODE, Strategy, TrainingSpec
 from service.core.units import GIB
@@ -173,24 +180,6 @@ class _Ladder:
         return drop <= part_threshold(two.device_bytes_upper)
 
 
-class _Memo:
-    __slots__ = ("_cache", "_fn")
-
-    def __init__(self, fn: RequirementFn) -> None:
-        self._fn = fn
-        self._cache: dict[TrainingSpec, Requirement] = {}
-
-    def __call__(self, spec: TrainingSpec) -> Requirement:
-        found = self._cache.get(spec)
-        if found is None:
-            found = self._cache[spec] = self._fn(spec)
-        return found
-
-    @property
-    def evaluations(self) -> int:
-        return len(self._cache)
-
-
 def place(
     job: TrainingSpec,
     offers: Sequence[GpuOffer],
@@ -215,7 +204,7 @@ def place(
         raise InvalidSpecError("strategies", "a strategy is listed twice")
     per_node = gpus_per_node or job.parallel.gpus_per_node or DEFAULT_GPUS_PER_NODE
     counts = gpu_counts(max_gpus, per_node)
-    memo = _Memo(requirement)
+    memo = _Requirements(requirement)
     ladders = [_Ladder(job, s, counts, per_node, memo) for s in chosen]
     errors = [ladder.error for ladder in ladders if ladder.error is not None]
     if len(errors) == len(ladders):
