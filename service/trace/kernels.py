@@ -3,13 +3,15 @@
 The fake device is `cpu` (CPU builds of torch cannot make `cuda` fake tensors), so where PyTorch
 or bitsandbytes choose a kernel by device, this module makes the CUDA choice explicitly:
 SDPA runs the flash / mem-efficient / math op that `torch.backends.cuda` would pick, dropout
-saves a one-byte mask as CUDA's `native_dropout` does, and bitsandbytes' 4-bit matmul takes its
-CUDA dequantize + F.linear path for training-sized inputs.
+saves a one-byte mask as CUDA's `native_dropout` does, bitsandbytes' 4-bit matmul takes its
+CUDA dequantize + F.linear path for training-sized inputs, and a grouped matmul (MoE experts)
+takes any floating dtype, as CUDA's does.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -34,6 +36,10 @@ EFFICIENT_OP = "aten._scaled_dot_product_efficient_attention.default"
 NESTED_ABSMAX_BLOCKSIZE = 256
 
 _HALF = (torch.float16, torch.bfloat16)
+
+# Overrides of aten kernels at the Meta key for the trace's process (`_relaxed_grouped_mm`).
+_META_OVERRIDES = torch.library.Library("aten", "IMPL")
+_GROUPED_MM_RELAXED = False
 
 
 def choose_sdpa_kernel(
@@ -314,11 +320,51 @@ def unpacked_batch(position_ids: torch.Tensor) -> None:
     del position_ids
 
 
+def _relaxed_grouped_mm() -> None:
+    """Let fake tensors run `aten._grouped_mm` in any floating dtype, as CUDA does.
+
+    torch 2.13's meta kernel (torch/_meta_registrations.py, _meta_grouped_mm_common) accepts bf16
+    only, but CUDA's `_grouped_mm_cuda` (aten/src/ATen/native/cuda/GroupedBlas.cpp) runs other
+    dtypes through `_grouped_mm_fallback`, one mm per group into the one output tensor; so MoE
+    experts cast to fp32 (PEFT's prepare_model_for_kbit_training casts every half parameter
+    bitsandbytes left unquantized) train on a GPU. The output is the meta kernel's own
+    (`_create_grouped_mm_output_tensor`); the autograd formula stays aten's. Registered once per
+    process: it only widens what the meta kernel accepts.
+    """
+    global _GROUPED_MM_RELAXED
+    if _GROUPED_MM_RELAXED:
+        return
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    def grouped_mm_meta(
+        mat_a: torch.Tensor,
+        mat_b: torch.Tensor,
+        offs: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        if mat_a.dtype != mat_b.dtype or not mat_a.is_floating_point():
+            raise RuntimeError(
+                f"grouped_mm needs two floating inputs of one dtype, got {mat_a.dtype} and "
+                f"{mat_b.dtype}"
+            )
+        out: torch.Tensor = _create_grouped_mm_output_tensor(
+            mat_a, mat_b, offs, out_dtype or mat_a.dtype
+        )
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        _META_OVERRIDES.impl("_grouped_mm", grouped_mm_meta, "Meta")
+    _GROUPED_MM_RELAXED = True
+
+
 @contextmanager
 def gpu_kernels(requested: SdpaKernel, *, cpu_flash: bool = False) -> Iterator[None]:
     """Route SDPA and dropout through their CUDA choices; see each row as one sequence."""
     from transformers import masking_utils
 
+    _relaxed_grouped_mm()
     with ExitStack() as stack:
         stack.enter_context(
             patched(F, "scaled_dot_product_attention", make_sdpa(requested, cpu_flash=cpu_flash))

@@ -359,6 +359,12 @@ def matrix() -> list[Case]:
         _spec(lora, 2, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
         _spec(lora, 1, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
         _spec(full, 1, 1024, ckpt=True),
+        # QLoRA: bitsandbytes quantizes the attention and shared-expert linears only; kbit
+        # preparation casts the 3-D experts to fp32, which then run the grouped GEMM in fp32.
+        _spec(qlora, 1, 1024, ckpt=True),
+        _spec(qlora, 1, 1024),
+        _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
+        _spec(qlora, 1, 1024, ckpt=True, autocast=True),
     )
     # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
     add(

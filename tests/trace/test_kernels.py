@@ -135,3 +135,25 @@ def test_dropout_saves_a_one_byte_mask_as_on_cuda() -> None:
             assert dropout(x, 0.1, False) is x
         tracker.close()
         del y
+
+
+def test_a_grouped_matmul_runs_in_fp32_as_on_cuda_and_allocates_its_output_only() -> None:
+    """MoE experts that kbit preparation cast to fp32 run the grouped GEMM in fp32 on CUDA
+    (its fallback, one mm per expert); torch's own meta kernel would refuse them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with kernels.gpu_kernels(AUTO), FakeTensorMode():
+        tokens, d_in, d_out, experts = 96, 64, 32, 4
+        x = torch.empty(tokens, d_in, requires_grad=True)
+        weight = torch.empty(experts, d_in, d_out)  # frozen, like the experts under QLoRA
+        offs = torch.tensor([24, 48, 72, 96], dtype=torch.int32)
+        tracker = StorageTracker()
+        with tracker:
+            out = torch.nn.functional.grouped_mm(x, weight, offs=offs)
+            assert out.dtype == torch.float32
+            assert tracker.total == tokens * d_out * 4
+            out.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.dtype == torch.float32
+        with pytest.raises(RuntimeError, match="one dtype"):
+            torch.nn.functional.grouped_mm(x.to(torch.bfloat16), weight, offs=offs)
+        tracker.close()

@@ -12,6 +12,7 @@ from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
+    Method,
     TrainingSpec,
 )
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
@@ -23,6 +24,15 @@ def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
         warnings.append(
             f"seq_len {spec.seq_len} is longer than the model's max_position_embeddings "
             f"({arch.max_position_embeddings}); quality may suffer without RoPE scaling"
+        )
+    quant = plan.rs.quantization
+    if spec.method is Method.QLORA and arch.is_moe and quant is not None:
+        experts = sum(lin.weight_elements for lin in arch.linears if lin.expert)
+        dtype = "fp32 (kbit preparation casts them)" if quant.prepare_kbit else str(spec.dtype)
+        warnings.append(
+            f"the routed experts ({experts * arch.num_hidden_layers / 1e9:.2f}B parameters) "
+            f"stay unquantized in {dtype}: transformers 5 keeps them as 3-D parameters, which "
+            "bitsandbytes does not replace"
         )
     return warnings
 

@@ -187,8 +187,10 @@ def _params(
         if kbit and not lin.expert:
             frozen += L * _quantized_weight_bytes(lin, quant)
         else:
-            # transformers 5 keeps a stack of experts as one 3-D parameter.
-            put(lin.out_features * lin.count, lin.in_features, md, L, full)
+            # transformers 5 keeps a stack of experts (and a router) as a bare 3-D (2-D)
+            # parameter that bitsandbytes leaves in half precision: kbit preparation casts it
+            # to fp32 like any other unquantized parameter.
+            put(lin.out_features * lin.count, lin.in_features, other if kbit else md, L, full)
         if lin.bias:
             put(lin.out_features * lin.count, 0, other if kbit else md, L, full)
     norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
