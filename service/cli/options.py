@@ -57,6 +57,8 @@ def option_error(exc: InvalidSpecError) -> CliError:
     """The error naming the option that sets the spec field `exc` names, and the field."""
     if exc.field.startswith("allocator"):
         return CliError(f"--alloc-conf: {exc}")
+    if exc.field.startswith("stack"):
+        return CliError(f"--stack ({exc.field}): {exc.reason}")
     option = _OPTION_FOR_FIELD.get(exc.field, "--" + exc.field.split(".")[-1].replace("_", "-"))
     return CliError(f"{option} ({exc.field}): {exc.reason}")
 
@@ -109,6 +111,11 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
     train.add_argument("--loss", choices=_choices(LossImpl))
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
+    train.add_argument(
+        "--stack",
+        help="the library versions it runs on: a preset (hf-5.24, the traced one, or hf-4.48) "
+        "or transformers=X[,peft=Y,bitsandbytes=Z,torch=W]",
+    )
     par = parser.add_argument_group("parallelism")
     par.add_argument("--gpus", type=int, default=1)
     par.add_argument("--strategy", choices=_choices(Strategy), help="default ddp")
@@ -150,6 +157,19 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
 
 
+def _stack_value(raw: str | None) -> str | dict[str, str] | None:
+    """--stack: a preset's name, or library=version pairs separated by commas."""
+    if raw is None or "=" not in raw:
+        return raw
+    versions: dict[str, str] = {}
+    for item in raw.split(","):
+        name, sep, version = item.partition("=")
+        if not sep:
+            raise CliError(f"--stack: {item!r} is not library=version")
+        versions[name.strip()] = version.strip()
+    return versions
+
+
 def _names(raw: str | None) -> list[str] | str | None:
     if raw is None:
         return None
@@ -189,6 +209,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,
             "framework": args.framework,
+            "stack": _stack_value(getattr(args, "stack", None)),
             "parallel": _given(
                 {
                     "gpus": args.gpus,

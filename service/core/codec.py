@@ -54,6 +54,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
 # One field's check: (JSON value, dotted field name) -> the spec's value, or InvalidSpecError.
@@ -293,6 +294,31 @@ _PARALLEL: dict[str, Check] = {
     "contiguous_gradients": _boolean,
     "overlap_comm": _optional(_boolean),
 }
+
+
+def _version(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not VERSION_PATTERN.match(value):
+        raise InvalidSpecError(field, "Input should be a version such as '1.2.3'")
+    return value
+
+
+_STACK: dict[str, Check] = {
+    "transformers": _version,
+    "peft": _version,
+    "bitsandbytes": _version,
+    "torch": _version,
+}
+
+
+def _stack(value: Any, field: str) -> Any:
+    """A preset's name ('hf-5.24') or the versions (absent ones: the traced stack's)."""
+    if isinstance(value, str):
+        return preset(value, field)
+    if not isinstance(value, Mapping):
+        raise InvalidSpecError(field, "Input should be a preset's name or an object of versions")
+    return _object(Stack, _STACK)(value, field)
+
+
 _ALLOCATOR: dict[str, Check] = {
     "max_split_size_mb": _optional(_integer(ge=MIN_SPLIT_SETTING_MB, le=MAX_ALLOC_SETTING_MB)),
     "max_non_split_rounding_mb": _optional(
@@ -321,4 +347,5 @@ _TRAINING: dict[str, Check] = {
     "framework": _choice(Framework),
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
+    "stack": _stack,
 }

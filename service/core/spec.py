@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
+from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
 
@@ -297,6 +298,7 @@ class TrainingSpec:
     framework: Framework = Framework.HF
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     allocator: AllocatorConfig = DEFAULT_ALLOCATOR  # PYTORCH_CUDA_ALLOC_CONF
+    stack: Stack = PINNED_STACK  # the library versions the job runs on
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

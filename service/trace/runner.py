@@ -35,6 +35,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
+from service.core.stack import PINNED_STACK
 from service.core.units import DType
 from service.trace import kernels, parallel
 from service.trace.autocast import cuda_autocast_policy
@@ -88,6 +89,11 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
         if reason is not None:
             raise NotTraceableError(reason)
         notes.extend(parallel.notes(spec))
+    if spec.stack != PINNED_STACK:
+        raise NotTraceableError(
+            f"the tracer runs the installed stack ({PINNED_STACK.describe()}), not "
+            f"{spec.stack.describe()}"
+        )
     if spec.framework is not Framework.HF:
         raise NotTraceableError(f"framework {spec.framework!r} is not traced, only HF + PEFT")
     if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):

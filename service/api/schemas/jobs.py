@@ -16,6 +16,7 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
 from service.core.allocator import AllocatorConfig
@@ -59,6 +60,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
 MAX_BATCH_JOBS = 1000
@@ -290,6 +292,31 @@ class ParallelIn(In):
         return {}, {}
 
 
+Version = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=64, pattern=VERSION_PATTERN.pattern),
+    Field(description="A release version, e.g. '4.48.0'."),
+]
+StackPreset = Literal["hf-5.24", "hf-4.48"]
+
+
+class StackIn(In):
+    """The library versions the job runs on; absent ones: the traced stack's."""
+
+    transformers: Version = Field(default=PINNED_STACK.transformers)
+    peft: Version = Field(default=PINNED_STACK.peft)
+    bitsandbytes: Version = Field(default=PINNED_STACK.bitsandbytes)
+    torch: Version = Field(default=PINNED_STACK.torch)
+
+    def to_spec(self) -> Stack:
+        return Stack(
+            transformers=self.transformers,
+            peft=self.peft,
+            bitsandbytes=self.bitsandbytes,
+            torch=self.torch,
+        )
+
+
 class AllocatorIn(In):
     """PyTorch's CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF); PyTorch's defaults
     when left out."""
@@ -452,6 +479,24 @@ class GpuOfferIn(GpuRef):
     )
 
 
+def _stack_preset(value: Any) -> Any:
+    """A preset's name stands for its versions."""
+    if not isinstance(value, str):
+        return value
+    if value not in STACK_PRESETS:
+        known = ", ".join(STACK_PRESETS)
+        raise PydanticCustomError(
+            "stack_preset",
+            "'{name}' is not a stack preset (known: {known})",
+            {"name": value, "known": known},
+        )
+    stack = STACK_PRESETS[value]
+    return {name: getattr(stack, name) for name in StackIn.model_fields}
+
+
+StackField = Annotated[
+    StackIn, BeforeValidator(_stack_preset, json_schema_input_type=StackPreset | StackIn)
+]
 ModelField = Annotated[
     ModelRef, BeforeValidator(_model_shorthand, json_schema_input_type=ModelId | ModelRef)
 ]
@@ -518,6 +563,14 @@ class JobSpec(In):
         default=None,
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
     )
+    stack: StackField = Field(
+        default_factory=StackIn,
+        description=(
+            "The library versions it runs on: a preset ('hf-5.24', the traced stack, or "
+            "'hf-4.48') or {transformers, peft, bitsandbytes, torch}. The answer names the "
+            "stack it modelled; a job whose memory differs there in a way not modelled is a 422."
+        ),
+    )
 
     def _gradient_checkpointing(self) -> bool:
         """As given, else as an FSDP config's activation checkpointing sets it."""
@@ -545,4 +598,5 @@ class JobSpec(In):
             framework=self.framework,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
+            stack=self.stack.to_spec(),
         )

@@ -14,6 +14,7 @@ from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
 from service.core.spec import TrainingSpec
+from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
 ESTIMATOR_VERSION = "0.2.0"
@@ -45,7 +46,7 @@ def estimate(
         phases=phases,
         params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
-        assumptions=tuple(st.assumptions) + over.assumptions,
+        assumptions=(*st.assumptions, *over.assumptions, stack_note(spec.stack)),
         warnings=tuple(st.warnings),
         estimator_version=ESTIMATOR_VERSION,
         host_bytes=st.host,

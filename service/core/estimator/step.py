@@ -15,6 +15,7 @@ from service.core.spec import (
     Method,
     TrainingSpec,
 )
+from service.core.stack import check_stack
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
 
 
@@ -115,6 +116,7 @@ class _Step(NamedTuple):
 
 
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+    check_stack(spec.stack, arch.is_moe)
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     traits = plan.traits

@@ -113,6 +113,15 @@ class Parallel(_Request):
     fsdp_config: dict[str, Any] | None = None
 
 
+class Stack(_Request):
+    """The library versions a job runs on; None: the service's traced stack's."""
+
+    transformers: str | None = None
+    peft: str | None = None
+    bitsandbytes: str | None = None
+    torch: str | None = None
+
+
 class Job(_Request):
     """A fine-tuning job, as POST /v1/estimates takes it; None: the service's default."""
 
@@ -134,6 +143,8 @@ class Job(_Request):
     framework: FrameworkName | None = None
     parallel: Parallel | None = None
     gpu: str | GpuRef | None = None
+    # A preset ('hf-5.24', 'hf-4.48') or the versions.
+    stack: str | Stack | None = None
 
 
 class GpuOffer(_Request):
