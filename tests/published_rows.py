@@ -118,6 +118,16 @@ def _parallel(row: dict[str, str]) -> ParallelSpec:
     return ParallelSpec(gpus=gpus, strategy=strategy)
 
 
+def _checkpointing(raw: dict[str, str]) -> bool:
+    """As published; where not, the framework's default: LLaMA-Factory checkpoints unless
+    disable_gradient_checkpointing is set (src/llamafactory/hparams/model_args.py, default
+    False), HF Trainer does not (TrainingArguments.gradient_checkpointing, default False)."""
+    value = raw["grad_checkpointing"]
+    if value.startswith("unknown"):
+        return "LLaMA-Factory" in raw["framework"]
+    return value.startswith("yes")
+
+
 def load() -> tuple[list[Row], list[Skipped]]:
     """Rows mapped to specs, and the rows that cannot be (with why)."""
     from service.catalog.models import default_catalog
@@ -168,7 +178,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     lora=lora,
                     quantization=quant,
                     optim=_optim(raw["optimizer"], raw["framework"]),
-                    gradient_checkpointing=raw["grad_checkpointing"].startswith("yes"),
+                    gradient_checkpointing=_checkpointing(raw),
                     gradient_accumulation_steps=int(raw["grad_accum"] or 1),
                     attn_implementation=AttnImpl.EAGER
                     if "eager" in attn
