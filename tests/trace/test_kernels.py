@@ -135,3 +135,28 @@ def test_dropout_saves_a_one_byte_mask_as_on_cuda() -> None:
             assert dropout(x, 0.1, False) is x
         tracker.close()
         del y
+
+
+def test_one_key_value_head_without_enable_gqa_runs_on_the_math_kernel_only() -> None:
+    """Falcon-7B hands SDPA one key/value head and no enable_gqa: CUDA's flash and
+    mem-efficient kernels need equal head counts then, so math runs it, broadcasting."""
+    for requested in (AUTO, SdpaKernel.MATH):
+        chosen = kernels.choose_sdpa_kernel(
+            requested, dtype=torch.bfloat16, head_dim=64, has_mask=True, broadcast_heads=True
+        )
+        assert chosen is SdpaKernel.MATH
+    with pytest.raises(ValueError, match="math"):
+        kernels.choose_sdpa_kernel(
+            SdpaKernel.EFFICIENT,
+            dtype=torch.bfloat16,
+            head_dim=64,
+            has_mask=True,
+            broadcast_heads=True,
+        )
+    q = torch.randn(1, 4, 8, 16)
+    k, v = torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    got = kernels.make_sdpa(AUTO)(q, k, v, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.expand(1, 4, 8, 16), v.expand(1, 4, 8, 16), is_causal=True
+    )
+    assert torch.allclose(got, expected, atol=1e-5)
