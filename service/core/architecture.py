@@ -92,6 +92,12 @@ class ModelArch:
     # A LayerNorm on the embedding's output before the first layer (BLOOM's
     # word_embeddings_layernorm)
     embedding_norm: bool = False
+    # One key/value head that reaches SDPA unexpanded, without enable_gqa (Falcon-7B's
+    # multi-query FalconAttention): only SDPA's math kernel takes it, broadcasting it.
+    kv_broadcast: bool = False
+    # The model always builds an explicit causal mask (FalconModel calls create_causal_mask
+    # with allow_is_causal_skip=False), so SDPA never runs without one.
+    explicit_mask: bool = False
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -105,9 +111,11 @@ class ModelArch:
         return self._hash
 
     def windowed(self, seq_len: int) -> bool:
-        """Whether transformers builds an explicit sliding-window mask for `seq_len` tokens:
+        """Whether transformers builds an explicit mask for `seq_len` tokens: a sliding window
         from the window's length on (masking_utils._ignore_causal_mask_sdpa keeps the mask
-        when kv_length >= local_attention_size)."""
+        when kv_length >= local_attention_size), or a model that always builds one."""
+        if self.explicit_mask:
+            return True
         return self.sliding_window is not None and seq_len >= self.sliding_window
 
     @property
@@ -613,9 +621,10 @@ def _falcon(c: _Config, model_type: str) -> ModelArch:
             "hidden_size", f"must be a multiple of num_attention_heads ({n_h})"
         )
     d = base["head_dim"] = h // n_h
+    multi_query = not new_arch and c.boolean("multi_query", True)
     if new_arch:
         n_kv = c.integer("num_kv_heads", default=n_h)
-    elif c.boolean("multi_query", True):
+    elif multi_query:
         n_kv = 1
     else:
         n_kv = n_h
@@ -646,6 +655,9 @@ def _falcon(c: _Config, model_type: str) -> ModelArch:
             _linear("dense_h_to_4h", LinearKind.MLP_IN, h, i, bias=bias),
             _linear("dense_4h_to_h", LinearKind.MLP_OUT, i, h, bias=bias),
         ),
+        # the new architecture broadcasts its key/value heads to the query heads before SDPA
+        kv_broadcast=multi_query and n_h > 1,
+        explicit_mask=True,
     )
 
 

@@ -177,7 +177,16 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
             kernel = SdpaKernel.FLASH
         else:
             kernel = SdpaKernel.MATH if gqa and not half else SdpaKernel.EFFICIENT
+    if arch.alibi:
+        _alibi_attention_saves(led, f, arch)
+        return
     led.add("q_rope", q_bytes)
+    if impl is AttnImpl.SDPA and arch.kv_broadcast:
+        _broadcast_math_saves(led, arch)
+        return
+    if impl is AttnImpl.EAGER and arch.model_type == "falcon":
+        _falcon_eager_saves(led, f, arch)
+        return
     v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
     if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
         # flash saves q, k, v (GQA native), output and the fp32 logsumexp (b, n_h, s).
@@ -238,6 +247,45 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
         led.add("probs", n_h * f.attn, _Kind.SQUARE)
     # probs @ v saves its inputs, not its output: the output (transposed into o_proj's input,
     # "attn_out") is kept only if o_proj saves its input.
+
+
+def _broadcast_math_saves(led: _Ledger, arch: ModelArch) -> None:
+    """SDPA's math kernel on one key/value head broadcast over the query heads (Falcon-7B; no
+    other kernel takes unequal head counts without enable_gqa): in fp32 (half inputs upcast,
+    aten _scaled_dot_product_attention_math), the score matmul broadcasts the key as a
+    stride-0 batch without copying it and saves the scaled query and key; the probabilities
+    and the fp32 value are saved by probs @ v (reference traces falcon-7b__*)."""
+    led.items.pop("q_rope", None)  # the rotated query is upcast; its scaled copy is saved
+    led.add("q_scaled", arch.q_dim * FP32_BYTES)
+    led.add("k_scaled", arch.kv_dim * FP32_BYTES)
+    led.add("v_fp32", arch.kv_dim * FP32_BYTES)
+    led.add("probs", arch.num_attention_heads * FP32_BYTES, _Kind.SQUARE)
+
+
+def _falcon_eager_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+    """FalconAttention's eager branch (transformers 5.24): q @ k^T saves the rotated q and k
+    (one key head broadcast without a copy in the 7B layout; the new architecture's k has
+    every query head), the scores are scaled in place and the mask added, softmax runs in
+    the model's dtype (no fp32 copy) and its output is saved, and probs @ v saves v."""
+    kd = arch.kv_dim if arch.kv_broadcast else arch.q_dim
+    led.add("k_rope", kd * f.attn)
+    led.add("v", kd * f.attn)
+    led.add("probs", arch.num_attention_heads * f.attn, _Kind.SQUARE)
+
+
+def _alibi_attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+    """BLOOM's own attention, whatever the attention implementation (BloomAttention.forward,
+    transformers 5.24): q, k and v, strided views of the fused projection, reshaped into
+    contiguous copies; alibi.baddbmm(q, k) saves q and k; the scores plus the mask, softmax
+    in fp32 (saved) cast back to the attention dtype (saved by the bmm with v, which saves v)."""
+    q_bytes = arch.q_dim * f.attn
+    n_h = arch.num_attention_heads
+    led.add("q_copy", q_bytes)
+    led.add("k_copy", q_bytes)
+    led.add("v_copy", q_bytes)
+    led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)
+    if f.attn != FP32_BYTES:
+        led.add("probs", n_h * f.attn, _Kind.SQUARE)
 
 
 def _mlp_saves(

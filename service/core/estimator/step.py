@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.architecture import ModelArch, NormKind
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.parallel import rank_layout
@@ -12,6 +12,7 @@ from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
+    Framework,
     TrainingSpec,
 )
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
@@ -135,10 +136,24 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     checkpoint = _blk(tokens * h * f.residual)
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    if arch.norm is NormKind.LAYER and spec.framework is Framework.HF:
+        # nn.LayerNorm saves its input (the last layer's output) with its fp32 mean and rstd
+        # (reference traces falcon-7b__*, bloom-560m__*).
+        final_norm = _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
     # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
+    alibi = 0
+    if arch.alibi:
+        # BLOOM has no rotary tables; its ALiBi bias, (b * heads, 1, s) in the residual dtype
+        # (BloomModel.forward), is every layer's argument: kept with the checkpoints.
+        rope = 0
+        alibi = _blk(b * arch.num_attention_heads * s * f.residual)
     final_norm += rope
+    if arch.embedding_norm and (traits.embed_trains or spec.gradient_checkpointing):
+        # BLOOM's word_embeddings_layernorm saves the embedding output (its input needs a
+        # gradient), with its mean and rstd.
+        final_norm += _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
     if traits.head_trains or f.head_quantized:
         # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
         # MatMul4Bit's ctx.tensors)
@@ -156,6 +171,8 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
         # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
         masks = traits.eager_mask_kinds * _blk(b * s * s * f.residual)
+    if spec.gradient_checkpointing:
+        masks += alibi
     final_norm += masks
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
