@@ -257,6 +257,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         clip=plan.clip,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
+        alibi=arch.alibi,
     )
 
 
