@@ -6,7 +6,9 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.architecture import LinearKind, MlpKind, NormKind, from_hf_config
-from service.core.errors import InvalidConfigError
+from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator import estimate
+from service.core.spec import ALL_LINEAR, AttnImpl, LoraSpec, Method, SdpaKernel, TrainingSpec
 
 FALCON_7B = {
     "model_type": "falcon",
@@ -110,3 +112,40 @@ def test_bloom_post_layernorm_residual_is_refused() -> None:
 )
 def test_catalog_entries_resolve(model_id: str, total: int) -> None:
     assert default_catalog().resolve(model_id).arch.total_params == total
+
+
+def _lora_spec(**changes: object) -> TrainingSpec:
+    fields: dict[str, object] = {
+        "method": Method.LORA,
+        "batch_size": 1,
+        "seq_len": 512,
+        "lora": LoraSpec(r=16, lora_alpha=32, target_modules=ALL_LINEAR),
+    }
+    return TrainingSpec(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def test_bloom_runs_its_own_attention_whatever_is_requested() -> None:
+    """transformers 5.24 refuses SDPA for BLOOM and from_pretrained falls back to eager."""
+    arch = default_catalog().resolve("bigscience/bloom-560m").arch
+    eager = estimate(arch, _lora_spec(attn_implementation=AttnImpl.EAGER))
+    sdpa = estimate(arch, _lora_spec())
+    assert sdpa.allocated_bytes == eager.allocated_bytes
+    assert sdpa.reserved_bytes == eager.reserved_bytes
+    assert any("BLOOM runs its own attention" in a for a in sdpa.assumptions)
+
+
+def test_falcon_7b_attention_is_sdpa_math_whether_asked_or_picked() -> None:
+    arch = default_catalog().resolve("tiiuae/falcon-7b").arch
+    picked = estimate(arch, _lora_spec())
+    asked = estimate(arch, _lora_spec(sdpa_kernel=SdpaKernel.MATH))
+    assert picked.allocated_bytes == asked.allocated_bytes
+
+
+@pytest.mark.parametrize("kernel", [SdpaKernel.FLASH, SdpaKernel.EFFICIENT])
+def test_falcon_7b_refuses_kernels_that_cannot_broadcast_its_key_value_head(
+    kernel: SdpaKernel,
+) -> None:
+    arch = default_catalog().resolve("tiiuae/falcon-7b").arch
+    with pytest.raises(InvalidSpecError) as raised:
+        estimate(arch, _lora_spec(sdpa_kernel=kernel))
+    assert raised.value.field == "sdpa_kernel"

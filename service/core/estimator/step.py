@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
+from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.parallel import rank_layout
@@ -13,6 +15,7 @@ from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
     Framework,
+    SdpaKernel,
     TrainingSpec,
 )
 from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
@@ -106,11 +109,28 @@ class _Step(NamedTuple):
 
 
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+    if (
+        arch.kv_broadcast
+        and spec.attn_implementation is AttnImpl.SDPA
+        and spec.sdpa_kernel in (SdpaKernel.FLASH, SdpaKernel.EFFICIENT)
+    ):
+        raise InvalidSpecError(
+            "sdpa_kernel",
+            f"{spec.sdpa_kernel.value} cannot run {arch.model_type}'s single key/value head "
+            "(passed without enable_gqa, only SDPA's math kernel broadcasts it)",
+        )
+    own_attention = arch.alibi and spec.attn_implementation is not AttnImpl.EAGER
+    if own_attention:
+        # transformers 5.24 gives BLOOM no SDPA or flash path (from_pretrained falls back to
+        # eager): its attention is its own baddbmm and softmax whatever is requested.
+        spec = replace(spec, attn_implementation=AttnImpl.EAGER)
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     traits = plan.traits
     warnings = _warnings(arch, spec, plan)
     assumptions = list(plan.assumptions)
+    if own_attention:
+        assumptions.append("BLOOM runs its own attention (eager): transformers has no SDPA path")
     b, s = spec.batch_size, spec.seq_len
     tokens = b * s
     h = arch.hidden_size
