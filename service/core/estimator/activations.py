@@ -152,6 +152,12 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(f"{key}.rstd", FP32_BYTES)
         if f.full:
             led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
+    elif f.autocast and f.residual != FP32_BYTES:
+        # nn.LayerNorm under autocast runs in fp32 (layer_norm is on autocast's fp32 list):
+        # it saves the fp32 copy of its input (reference traces *bloom*autocast*).
+        led.add(f"{key}.fp32", h * FP32_BYTES)
+        led.add(f"{key}.mean", FP32_BYTES)
+        led.add(f"{key}.rstd", FP32_BYTES)
     else:
         # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
         led.add(x_key, h * f.residual)

@@ -157,9 +157,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     if arch.norm is NormKind.LAYER and spec.framework is Framework.HF:
-        # nn.LayerNorm saves its input (the last layer's output) with its fp32 mean and rstd
-        # (reference traces falcon-7b__*, bloom-560m__*).
-        final_norm = _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
+        # nn.LayerNorm saves its input (the last layer's output; its fp32 copy under autocast)
+        # with its fp32 mean and rstd (reference traces falcon-7b__*, bloom-560m__*).
+        saved_input = FP32_BYTES if spec.autocast else f.residual
+        final_norm = _blk(tokens * h * saved_input) + 2 * _blk(tokens * FP32_BYTES)
     # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
