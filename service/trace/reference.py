@@ -483,6 +483,7 @@ def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
         (FALCON_7B, _spec(full, 1, 512, ckpt=True)),
         (FALCON_7B, _spec(lora, 1, 512, attn_implementation=eager)),
         (FALCON_7B, _spec(lora, 1, 1024, ckpt=True, autocast=True)),
+        (FALCON_7B, _spec(Method.QLORA, 1, 1024, ckpt=True)),
         (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager)),
         (BLOOM_560M, _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager)),
         (BLOOM_560M, _spec(lora, 4, 512, attn_implementation=eager, lora=_lora(r=8, targets=None))),
@@ -490,6 +491,7 @@ def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
         (BLOOM_560M, _spec(lora, 1, 2048, attn_implementation=eager)),
         (BLOOM_560M, _spec(lora, 2, 2048, ckpt=True, attn_implementation=eager)),
         (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager, autocast=True)),
+        (BLOOM_560M, _spec(Method.QLORA, 2, 512, attn_implementation=eager)),
         # PEFT's README row for bigscience/bloomz-7b1: LoRA r8 on query_key_value, fp32, b8 s64.
         (
             BLOOMZ_7B1,

@@ -9,6 +9,7 @@ from service.core.architecture import LinearKind, MlpKind, NormKind, from_hf_con
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.spec import ALL_LINEAR, AttnImpl, LoraSpec, Method, SdpaKernel, TrainingSpec
+from service.core.units import DType
 
 FALCON_7B = {
     "model_type": "falcon",
@@ -149,3 +150,16 @@ def test_falcon_7b_refuses_kernels_that_cannot_broadcast_its_key_value_head(
     with pytest.raises(InvalidSpecError) as raised:
         estimate(arch, _lora_spec(sdpa_kernel=kernel))
     assert raised.value.field == "sdpa_kernel"
+
+
+def test_falcon_qlora_quantizes_nothing_in_transformers_5() -> None:
+    """FalconLinear subclasses nn.Linear, which transformers' 4-bit swap skips; kbit
+    preparation then casts every weight to fp32 (reference trace falcon-7b__qlora__*)."""
+    arch = default_catalog().resolve("tiiuae/falcon-7b").arch
+    qlora = estimate(arch, _lora_spec(method=Method.QLORA, gradient_checkpointing=True))
+    fp32_lora = estimate(arch, _lora_spec(dtype=DType.FP32, gradient_checkpointing=True))
+    assert qlora.allocated_bytes == fp32_lora.allocated_bytes
+    assert any("quantizes no layer" in w for w in qlora.warnings)
+    bloom = default_catalog().resolve("bigscience/bloom-560m").arch
+    quantized = estimate(bloom, _lora_spec(method=Method.QLORA))
+    assert not any("quantizes no layer" in w for w in quantized.warnings)

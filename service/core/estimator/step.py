@@ -15,10 +15,11 @@ from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
     Framework,
+    Method,
     SdpaKernel,
     TrainingSpec,
 )
-from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
+from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES, DType
 
 
 def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
@@ -108,7 +109,36 @@ class _Step(NamedTuple):
         ]
 
 
+# Model types whose decoder linears subclass nn.Linear (FalconLinear): transformers 5.24's
+# bitsandbytes integration swaps only modules whose type is exactly nn.Linear
+# (integrations/bitsandbytes.py replace_with_bnb_linear), so a 4-bit load quantizes none of
+# them (reference trace falcon-7b__qlora__*).
+_UNQUANTIZED_LINEARS = frozenset({"falcon"})
+
+
+def _unquantized(arch: ModelArch, spec: TrainingSpec) -> TrainingSpec | None:
+    """What a QLoRA spec runs as where the 4-bit swap finds no linear: LoRA on the loaded
+    weights, all cast to fp32 by prepare_model_for_kbit_training. None where it does not
+    apply."""
+    if not (
+        spec.method is Method.QLORA
+        and spec.framework is Framework.HF
+        and arch.model_type in _UNQUANTIZED_LINEARS
+    ):
+        return None
+    prepared = spec.quantization is None or spec.quantization.prepare_kbit
+    return replace(
+        spec,
+        method=Method.LORA,
+        quantization=None,
+        dtype=DType.FP32 if prepared else spec.dtype,
+    )
+
+
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+    unquantized = _unquantized(arch, spec)
+    if unquantized is not None:
+        spec = unquantized
     if (
         arch.kv_broadcast
         and spec.attn_implementation is AttnImpl.SDPA
@@ -131,6 +161,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     assumptions = list(plan.assumptions)
     if own_attention:
         assumptions.append("BLOOM runs its own attention (eager): transformers has no SDPA path")
+    if unquantized is not None:
+        warnings.append(
+            f"{arch.model_type}: transformers' 4-bit loading quantizes no layer (its linears "
+            "subclass nn.Linear); the job runs as LoRA on "
+            f"{unquantized.dtype.value} weights"
+        )
     b, s = spec.batch_size, spec.seq_len
     tokens = b * s
     h = arch.hidden_size
