@@ -188,10 +188,10 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
         return
     led.add("q_rope", q_bytes)
     if impl is AttnImpl.SDPA and arch.kv_broadcast:
-        _broadcast_math_saves(led, arch)
+        _broadcast_math_saves(led, arch, spec.single)
         return
     if impl is AttnImpl.EAGER and arch.model_type == "falcon":
-        _falcon_eager_saves(led, f, arch)
+        _falcon_eager_saves(led, f, arch, spec.single)
         return
     v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
     if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
@@ -255,25 +255,28 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
     # "attn_out") is kept only if o_proj saves its input.
 
 
-def _broadcast_math_saves(led: _Ledger, arch: ModelArch) -> None:
+def _broadcast_math_saves(led: _Ledger, arch: ModelArch, single: bool) -> None:
     """SDPA's math kernel on one key/value head broadcast over the query heads (Falcon-7B; no
     other kernel takes unequal head counts without enable_gqa): in fp32 (half inputs upcast,
-    aten _scaled_dot_product_attention_math), the score matmul broadcasts the key as a
-    stride-0 batch without copying it and saves the scaled query and key; the probabilities
-    and the fp32 value are saved by probs @ v (reference traces falcon-7b__*)."""
+    aten _scaled_dot_product_attention_math), the score matmul saves the scaled query and
+    the scaled key, probs @ v the probabilities and the fp32 value. With one sequence the
+    matmuls fold the broadcast head into a stride-0 batch without a copy; with several they
+    copy key and value expanded to every head (reference traces falcon-7b__*)."""
     led.items.pop("q_rope", None)  # the rotated query is upcast; its scaled copy is saved
+    kd = arch.kv_dim if single else arch.q_dim
     led.add("q_scaled", arch.q_dim * FP32_BYTES)
-    led.add("k_scaled", arch.kv_dim * FP32_BYTES)
-    led.add("v_fp32", arch.kv_dim * FP32_BYTES)
+    led.add("k_scaled", kd * FP32_BYTES)
+    led.add("v_fp32", kd * FP32_BYTES)
     led.add("probs", arch.num_attention_heads * FP32_BYTES, _Kind.SQUARE)
 
 
-def _falcon_eager_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+def _falcon_eager_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, single: bool) -> None:
     """FalconAttention's eager branch (transformers 5.24): q @ k^T saves the rotated q and k
-    (one key head broadcast without a copy in the 7B layout; the new architecture's k has
-    every query head), the scores are scaled in place and the mask added, softmax runs in
-    the model's dtype (no fp32 copy) and its output is saved, and probs @ v saves v."""
-    kd = arch.kv_dim if arch.kv_broadcast else arch.q_dim
+    (the 7B layout's one key head broadcast without a copy for one sequence, copied to every
+    head for several; the new architecture's k has every query head), the scores are scaled
+    in place and the mask added, softmax runs in the model's dtype (no fp32 copy) and its
+    output is saved, and probs @ v saves v (likewise)."""
+    kd = arch.kv_dim if arch.kv_broadcast and single else arch.q_dim
     led.add("k_rope", kd * f.attn)
     led.add("v", kd * f.attn)
     led.add("probs", arch.num_attention_heads * f.attn, _Kind.SQUARE)
