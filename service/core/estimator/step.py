@@ -355,6 +355,9 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         # contiguous and the residual stream's gradient (reference traces *qlora*b1-s8192*,
         # peak at _softmax_backward_data).
         score_bytes = FP32_BYTES
+        if arch.model_type == "falcon" and spec.attn_implementation is AttnImpl.EAGER:
+            # FalconAttention's eager softmax runs in the model's dtype, its backward too
+            score_bytes = f.attn
         scores = _blk(b * arch.num_attention_heads * s * s * score_bytes)
         # (SDPA's fp32 softmax backward also takes a scores-sized scratch on CUDA: an H200
         # allocator history, service/trace/kernels.py _SafeSoftmax.)
