@@ -258,6 +258,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
         alibi=arch.alibi,
+        half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
 
 

@@ -484,6 +484,7 @@ def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
         (FALCON_7B, _spec(lora, 1, 512, attn_implementation=eager)),
         (FALCON_7B, _spec(lora, 2, 512)),
         (FALCON_7B, _spec(lora, 2, 512, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager)),
         (FALCON_7B, _spec(lora, 1, 1024, ckpt=True, autocast=True)),
         (FALCON_7B, _spec(Method.QLORA, 1, 1024, ckpt=True)),
         (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager)),

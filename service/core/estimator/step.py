@@ -9,6 +9,7 @@ from service.core.architecture import ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
+from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
 from service.core.result import COMPONENT_ORDER, Component, Phase
@@ -207,10 +208,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         rope = 0
         alibi = _blk(b * arch.num_attention_heads * s * f.residual)
     final_norm += rope
+    embed_norm = 0
     if arch.embedding_norm and (traits.embed_trains or spec.gradient_checkpointing):
         # BLOOM's word_embeddings_layernorm saves the embedding output (its input needs a
         # gradient), with its mean and rstd.
-        final_norm += _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
+        embed_norm = _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
+        final_norm += embed_norm
     if traits.head_trains or f.head_quantized:
         # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
         # MatMul4Bit's ctx.tensors)
@@ -404,6 +407,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         logits_loss=loss.forward_peak,
         communication=rank.comm_forward,
     )
+    if spec.gradient_checkpointing and holds_scores_between_layers(arch, spec):
+        # The last layer's forward at its softmax, every checkpoint kept (reference trace
+        # falcon-7b__lora__r16-all-linear__b1-s2048__ckpt__eager).
+        held = L * checkpoint + rope + masks + embed_norm + softmax_moment(arch, f, b, s)
+        at_softmax = _Moment(gradients=ga_grads, activations=held)
+        forward_end = max(forward_end, at_softmax, key=sum)
     if rank.comm_forward_start is not None:
         # The forward phase's other candidate: its start, before any activation exists.
         start = _Moment(gradients=ga_grads, activations=0, communication=rank.comm_forward_start)

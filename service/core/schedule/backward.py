@@ -333,6 +333,8 @@ class _Backward(_Forward):
             return dq, dk, dv
         if kernel is Kernel.MATH:
             return self._math_backward(g, nbytes, saved)
+        if sh.half_softmax:
+            return self._falcon_eager_backward(g, nbytes, saved)
         # the transposed output's gradient made contiguous for the bmm (a view when the
         # batch is one, as in the forward)
         g_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(g)
@@ -644,3 +646,37 @@ class _Backward(_Forward):
             self.f(g_r1, g_n1)
         saved.release_all()
         return g_in
+
+    def _falcon_eager_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
+        """FalconAttention's eager backward (g released): v's gradient at every head, then
+        summed to the key/value heads; the probabilities' gradient, softmax's backward in the
+        model's dtype, the in-place scaling's (a new tensor); q's and k's gradients, k's
+        summed to its heads."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        gqa = sh.heads > sh.kv_heads
+        dv_rep = self.a(nbytes * qd)
+        self.gemm()
+        dprobs = self.a(nbytes * scores)
+        saved.release("v")
+        self.f(g)
+        dv = dv_rep
+        if gqa:
+            dv = self.a(nbytes * kvd)
+            self.f(dv_rep)
+        ds = self.a(nbytes * scores)
+        self.f(dprobs)
+        saved.release("probs")
+        scaled = self.a(nbytes * scores)
+        self.f(ds)
+        dq = self.a(nbytes * qd)
+        dk = self.a(nbytes * qd)
+        saved.release("q", "k")
+        self.f(scaled)
+        if gqa:
+            summed = self.a(nbytes * kvd)
+            self.f(dk)
+            dk = summed
+        return dq, dk, dv

@@ -282,6 +282,8 @@ class _Forward(_StepBase):
             return out
         if kernel is Kernel.MATH:
             return self._math(q, k, v, nbytes, saved)
+        if sh.half_softmax:
+            return self._falcon_eager(q, k, v, nbytes, saved)
         # eager (transformers' eager_attention_forward): repeat_kv copies, q @ k^T (q made
         # contiguous), * scaling, (softcap), + mask, fp32 softmax, cast, probs @ v, transpose.
         k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
@@ -413,7 +415,40 @@ class _Forward(_StepBase):
             d = normed
         out = self.a(nb * sh.hidden)
         self.f(d, r1)
+        if self.pending:  # what the layer returned besides its output (`_falcon_eager`)
+            if self.handle == "forward":
+                self.f(self.held)
+                self.held = self.pending
+            else:
+                self.f(self.pending)
+            self.pending = 0
         return out
+
+    def _falcon_eager(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
+        """FalconAttention's eager branch (transformers 5.24): q @ k^T (one key head folded
+        as a stride-0 batch for one sequence, copied to every head for several), scaled in
+        place, + mask, softmax in the model's dtype, probs @ v, heads merged (a copy). The
+        probabilities are returned as the layer's attention weights (`pending`)."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        expand = sh.heads > sh.kv_heads and sh.batch > 1
+        k_rep = self.a(nbytes * qd) if expand else self.p.hold(k)
+        s1 = self.a(nbytes * scores)
+        self.gemm()
+        s2 = self.a(nbytes * scores)
+        probs = self.a(nbytes * scores)
+        self.f(s2, s1)
+        v_rep = self.a(nbytes * qd) if expand else self.p.hold(v)
+        out = self.a(nbytes * qd)
+        if saved is not None:
+            for name, key in (("q", q), ("k", k_rep), ("probs", probs), ("v", v_rep)):
+                saved.save(name, key)
+        self.f(k_rep, v_rep)
+        self.pending = probs
+        merged = self.a(nbytes * qd)
+        self.f(out)
+        return merged
 
     def _alibi_layer(self, x: int, n1: int, qkv: int, saved: _Saved | None) -> int:
         """The rest of a BloomBlock after its fused projection (transformers 5.24

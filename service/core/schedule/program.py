@@ -86,6 +86,7 @@ class _StepBase:
         # what a decoder layer returned besides its output, held until the next one returns
         # (BLOOM's attention probabilities, in the model loop's `outputs`)
         self.held = 0
+        self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
 
     def a(self, per_token: int) -> int:

@@ -109,3 +109,5 @@ class StepShape:
     accumulation: int = 1  # micro-batches per optimizer step
     # BLOOM: ALiBi instead of RoPE and its own baddbmm attention (modeling_bloom.py)
     alibi: bool = False
+    # Falcon's eager attention: softmax in the model's dtype, the probabilities returned
+    half_softmax: bool = False

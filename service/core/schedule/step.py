@@ -154,6 +154,7 @@ class _Step(_Backward):
                 while refs.get(key, 0) > held.get(key, 0):
                     self.p.free(key)
             self.region.clear()
+            self.pending = 0  # freed above with the rest of the unwound forward
         finally:
             self.stop_at = None
 
