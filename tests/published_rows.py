@@ -13,12 +13,14 @@ from service.core.spec import (
     Framework,
     LoraSpec,
     Method,
+    Offload,
     Optim,
     ParallelSpec,
     QuantSpec,
     Strategy,
     TrainingSpec,
 )
+from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
@@ -67,7 +69,7 @@ class Skipped:
 
 def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
     text = raw.lower()
-    if not text:
+    if not text or text.startswith("peft defaults"):
         return None
     if "all linear" in text or text.startswith("q,k,v,o,gate,up,down"):
         return ALL_LINEAR
@@ -115,7 +117,13 @@ def _parallel(row: dict[str, str]) -> ParallelSpec:
         if key in text:
             strategy = value
             break
-    return ParallelSpec(gpus=gpus, strategy=strategy)
+    # "with CPU offload": PEFT's example DeepSpeed configs offload parameters and optimizer
+    offload = "with cpu offload" in text
+    return ParallelSpec(
+        gpus=gpus,
+        strategy=strategy,
+        offload=Offload.OPTIMIZER_AND_PARAMS if offload else Offload.NONE,
+    )
 
 
 def _checkpointing(raw: dict[str, str]) -> bool:
@@ -187,6 +195,8 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     else AttnImpl.SDPA,
                     framework=framework,
                     parallel=_parallel(raw),
+                    # PEFT's example scripts load without torch_dtype: fp32 weights
+                    dtype=DType.FP32 if raw["base_dtype"].startswith("fp32 (") else DType.BF16,
                 )
             except EstimatorError as exc:
                 skipped.append(Skipped(rid, str(exc)))

@@ -87,6 +87,17 @@ class ModelArch:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # ALiBi position biases instead of RoPE (BLOOM): no rotation of q and k
+    alibi: bool = False
+    # A LayerNorm on the embedding's output before the first layer (BLOOM's
+    # word_embeddings_layernorm)
+    embedding_norm: bool = False
+    # One key/value head that reaches SDPA unexpanded, without enable_gqa (Falcon-7B's
+    # multi-query FalconAttention): only SDPA's math kernel takes it, broadcasting it.
+    kv_broadcast: bool = False
+    # The model always builds an explicit causal mask (FalconModel calls create_causal_mask
+    # with allow_is_causal_skip=False), so SDPA never runs without one.
+    explicit_mask: bool = False
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -100,9 +111,11 @@ class ModelArch:
         return self._hash
 
     def windowed(self, seq_len: int) -> bool:
-        """Whether transformers builds an explicit sliding-window mask for `seq_len` tokens:
+        """Whether transformers builds an explicit mask for `seq_len` tokens: a sliding window
         from the window's length on (masking_utils._ignore_causal_mask_sdpa keeps the mask
-        when kv_length >= local_attention_size)."""
+        when kv_length >= local_attention_size), or a model that always builds one."""
+        if self.explicit_mask:
+            return True
         return self.sliding_window is not None and seq_len >= self.sliding_window
 
     @property
@@ -152,7 +165,7 @@ class ModelArch:
         return (
             self.embedding_params
             + self.num_hidden_layers * self.layer_params
-            + self.norm_params
+            + self.norm_params * (2 if self.embedding_norm else 1)
             + self.lm_head_params
         )
 
@@ -225,7 +238,13 @@ class _Config:
 
 # model_type -> tie_word_embeddings when the config omits it (each transformers
 # configuration_<model>.py default).
-_TIE_DEFAULT = {"gemma": True, "gemma2": True, "gemma3_text": True}
+_TIE_DEFAULT = {
+    "gemma": True,
+    "gemma2": True,
+    "gemma3_text": True,
+    "falcon": True,
+    "bloom": True,
+}
 
 # Model types whose layout is the Llama one (q/k/v/o, gate/up/down, RMSNorm, pre-norm).
 _LLAMA_LIKE = {
@@ -245,7 +264,8 @@ _LLAMA_LIKE = {
 }
 
 SUPPORTED_MODEL_TYPES = frozenset(
-    _LLAMA_LIKE | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm"}
+    _LLAMA_LIKE
+    | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm", "falcon", "bloom"}
 )
 
 
@@ -274,6 +294,8 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
         "gpt_neox": _gpt_neox,
         "phi": _phi,
         "stablelm": _stablelm,
+        "falcon": _falcon,
+        "bloom": _bloom,
     }
     return builders[model_type](c, model_type)
 
@@ -566,4 +588,112 @@ def _stablelm(c: _Config, model_type: str) -> ModelArch:
             "norm": NormKind.LAYER,
             "parallel_residual": c.boolean("use_parallel_residual", False),
         }
+    )
+
+
+def _with_n_embed(c: _Config) -> _Config:
+    """Falcon's and BLOOM's configurations take the older `n_embed` for hidden_size."""
+    if c.raw.get("hidden_size") is None and c.raw.get("n_embed") is not None:
+        return _Config({**c.raw, "hidden_size": c.integer("n_embed")})
+    return c
+
+
+def _falcon(c: _Config, model_type: str) -> ModelArch:
+    """transformers' FalconForCausalLM (models/falcon/modeling_falcon.py, 5.24): one fused
+    query_key_value, dense, a plain GELU MLP (dense_h_to_4h, dense_4h_to_h), LayerNorm, RoPE.
+    The 7B layout (multi_query) has one key/value head and one LayerNorm read by attention and
+    MLP in parallel; the new decoder architecture (40B, 180B, 11B) has num_kv_heads and two
+    LayerNorms (ln_attn, ln_mlp) on the layer's input."""
+    if c.boolean("alibi", False):
+        raise InvalidConfigError("alibi", "Falcon with ALiBi (falcon-rw) is not supported")
+    new_arch = c.boolean("new_decoder_architecture", False)
+    parallel = c.boolean("parallel_attn", True)
+    if not (new_arch or parallel):
+        raise InvalidConfigError(
+            "parallel_attn", "Falcon with sequential attention and MLP is not supported"
+        )
+    c = _with_n_embed(c)
+    base = _common(c, model_type)
+    base["hidden_act"] = c.string("activation", "gelu")
+    h, n_h = base["hidden_size"], base["num_attention_heads"]
+    if h % n_h:
+        raise InvalidConfigError(
+            "hidden_size", f"must be a multiple of num_attention_heads ({n_h})"
+        )
+    d = base["head_dim"] = h // n_h
+    multi_query = not new_arch and c.boolean("multi_query", True)
+    if new_arch:
+        n_kv = c.integer("num_kv_heads", default=n_h)
+    elif multi_query:
+        n_kv = 1
+    else:
+        n_kv = n_h
+    if n_kv == 0 or n_h % n_kv:
+        raise InvalidConfigError(
+            "num_kv_heads", f"must divide num_attention_heads ({n_h}), got {n_kv}"
+        )
+    base["num_key_value_heads"] = n_kv
+    i = c.integer("ffn_hidden_size", default=4 * h)
+    bias = c.boolean("bias", False)
+    # FalconDecoderLayer: two LayerNorms when num_ln_in_parallel_attn is 2 (its default with the
+    # new decoder architecture), else input_layernorm alone.
+    norms = c.integer("num_ln_in_parallel_attn", default=2) if new_arch else 1
+    if norms not in (1, 2):
+        raise InvalidConfigError("num_ln_in_parallel_attn", f"must be 1 or 2, got {norms}")
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.LAYER,
+        norms_per_layer=norms,
+        qk_norm=False,
+        mlp=MlpKind.PLAIN,
+        parallel_residual=True,
+        lm_head_bias=False,
+        linears=(
+            _linear("query_key_value", LinearKind.ATTN_QKV, h, (n_h + 2 * n_kv) * d, bias=bias),
+            _linear("dense", LinearKind.ATTN_OUT, h, h, bias=bias),
+            _linear("dense_h_to_4h", LinearKind.MLP_IN, h, i, bias=bias),
+            _linear("dense_4h_to_h", LinearKind.MLP_OUT, i, h, bias=bias),
+        ),
+        # the new architecture broadcasts its key/value heads to the query heads before SDPA
+        kv_broadcast=multi_query and n_h > 1,
+        explicit_mask=True,
+    )
+
+
+def _bloom(c: _Config, model_type: str) -> ModelArch:
+    """transformers' BloomForCausalLM (models/bloom/modeling_bloom.py, 5.24): fused
+    query_key_value, dense, dense_h_to_4h, dense_4h_to_h, all with bias; LayerNorm before
+    attention and MLP (sequential residual); a LayerNorm on the embedding output; ALiBi."""
+    if c.boolean("apply_residual_connection_post_layernorm", False):
+        raise InvalidConfigError(
+            "apply_residual_connection_post_layernorm", "post-LayerNorm residuals are not supported"
+        )
+    c = _with_n_embed(c)
+    base = _common(c, model_type)
+    base["hidden_act"] = "gelu_pytorch_tanh"  # BloomGelu: the tanh approximation
+    h = base["hidden_size"]
+    n_h = base["num_attention_heads"]
+    if h % n_h:
+        raise InvalidConfigError("hidden_size", f"must be a multiple of n_head ({n_h})")
+    base["head_dim"] = h // n_h
+    base["num_key_value_heads"] = n_h
+    i = 4 * h  # BloomMLP: dense_h_to_4h is hidden_size -> 4 * hidden_size
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.LAYER,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.PLAIN,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=(
+            _linear("query_key_value", LinearKind.ATTN_QKV, h, 3 * h, bias=True),
+            _linear("dense", LinearKind.ATTN_OUT, h, h, bias=True),
+            _linear("dense_h_to_4h", LinearKind.MLP_IN, h, i, bias=True),
+            _linear("dense_4h_to_h", LinearKind.MLP_OUT, i, h, bias=True),
+        ),
+        alibi=True,
+        embedding_norm=True,
     )

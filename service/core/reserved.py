@@ -103,6 +103,8 @@ def resolve_kernel(plan: ReservedPlan, seq: int) -> tuple[Kernel, bool]:
     if impl is AttnImpl.FLASH_ATTENTION_2:
         return Kernel.FLASH, False
     kernel = plan.sdpa_kernel
+    if arch.kv_broadcast:  # one key/value head broadcast: only the math kernel takes it
+        return Kernel.MATH, windowed
     if kernel is SdpaKernel.FLASH:
         return Kernel.FLASH, windowed
     if kernel is SdpaKernel.EFFICIENT:
@@ -255,6 +257,8 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         clip=plan.clip,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
+        alibi=arch.alibi,
+        half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
 
 

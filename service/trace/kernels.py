@@ -49,6 +49,7 @@ def choose_sdpa_kernel(
     head_dim: int,
     has_mask: bool,
     gqa: bool = False,
+    broadcast_heads: bool = False,
 ) -> SdpaKernel:
     """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient,
     else math.
@@ -62,6 +63,13 @@ def choose_sdpa_kernel(
     without, for every mask and head size. (Half precision chose cuDNN's kernel there, which
     keeps what flash keeps: q, k, v, the output and an fp32 log-sum-exp.)
     """
+    if broadcast_heads:
+        # One key/value head broadcast over the query heads without enable_gqa (Falcon-7B's
+        # multi-query attention): the flash and mem-efficient kernels need equal head counts
+        # then (sdp_utils check_batch_size_and_num_heads_dense), so only math runs it.
+        if requested not in (SdpaKernel.AUTO, SdpaKernel.MATH):
+            raise ValueError("only the math SDPA kernel broadcasts key/value heads")
+        return SdpaKernel.MATH
     flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM
     if requested is SdpaKernel.FLASH:
         if not flash_ok:
@@ -106,7 +114,8 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         groups = query.size(-3) // key.size(-3)
-        if groups > 1 and not enable_gqa:
+        broadcast = groups > 1 and not enable_gqa
+        if broadcast and key.size(-3) != 1:
             raise ValueError("key/value heads differ from query heads without enable_gqa")
         kernel = choose_sdpa_kernel(
             requested,
@@ -114,7 +123,10 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             head_dim=query.size(-1),
             has_mask=attn_mask is not None,
             gqa=enable_gqa and groups > 1,
+            broadcast_heads=broadcast,
         )
+        if broadcast:  # matmul broadcasts the single key/value head, as aten's math does
+            groups = 1
         if cpu_flash and kernel is not SdpaKernel.MATH:
             if attn_mask is not None and attn_mask.dtype == torch.bool:
                 attn_mask = _additive(attn_mask, query.dtype)

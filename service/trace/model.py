@@ -89,6 +89,8 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(inner, "layers", None)
+    if layers is None:  # Falcon's and BLOOM's stack is `h`
+        layers = getattr(inner, "h", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
     return layers

@@ -53,8 +53,12 @@ TRACED_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
 
 
 def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
-    """The spec as plain JSON values (enums by value, tuples as lists), every field included."""
-    return spec_to_dict(spec)
+    """The spec as plain JSON values (enums by value, tuples as lists), every field included
+    but the stack: the tracer runs only the installed one, which a reference records apart
+    (`libraries`)."""
+    data = spec_to_dict(spec)
+    del data["stack"]
+    return data
 
 
 def spec_from_json(data: Mapping[str, Any]) -> TrainingSpec:
@@ -467,7 +471,53 @@ def matrix() -> list[Case]:
                             autocast=mixed_precision,
                         ),
                     )
+    cases.extend(_falcon_bloom_cases())
     return [Case(model_id=m, spec=s) for m, s in cases]
+
+
+FALCON_7B = "tiiuae/falcon-7b"
+BLOOM_560M = "bigscience/bloom-560m"
+BLOOMZ_7B1 = "bigscience/bloomz-7b1"
+
+
+def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
+    """Falcon-7B (multi-query attention through SDPA's math kernel, one LayerNorm feeding
+    attention and MLP in parallel) and BLOOM (ALiBi, its own baddbmm attention, which
+    transformers 5.24 runs as eager only; an embedding LayerNorm)."""
+    lora, full = Method.LORA, Method.FULL
+    eager = AttnImpl.EAGER
+    return [
+        (FALCON_7B, _spec(lora, 1, 512)),
+        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True)),
+        (FALCON_7B, _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None))),
+        (FALCON_7B, _spec(full, 1, 512, ckpt=True)),
+        (FALCON_7B, _spec(lora, 1, 512, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 2, 512)),
+        (FALCON_7B, _spec(lora, 2, 512, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True, autocast=True)),
+        (FALCON_7B, _spec(Method.QLORA, 1, 1024, ckpt=True)),
+        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 4, 512, attn_implementation=eager, lora=_lora(r=8, targets=None))),
+        (BLOOM_560M, _spec(full, 1, 1024, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 1, 2048, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 2, 2048, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager, autocast=True)),
+        (BLOOM_560M, _spec(Method.QLORA, 2, 512, attn_implementation=eager)),
+        # PEFT's README row for bigscience/bloomz-7b1: LoRA r8 on query_key_value, fp32, b8 s64.
+        (
+            BLOOMZ_7B1,
+            _spec(
+                lora,
+                8,
+                64,
+                attn_implementation=eager,
+                dtype=DType.FP32,
+                lora=_lora(r=8, targets=None),
+            ),
+        ),
+    ]
 
 
 LLAMA_1B = "meta-llama/Llama-3.2-1B"

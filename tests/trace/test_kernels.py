@@ -157,3 +157,28 @@ def test_a_grouped_matmul_runs_in_fp32_as_on_cuda_and_allocates_its_output_only(
         with pytest.raises(RuntimeError, match="one dtype"):
             torch.nn.functional.grouped_mm(x.to(torch.bfloat16), weight, offs=offs)
         tracker.close()
+
+
+def test_one_key_value_head_without_enable_gqa_runs_on_the_math_kernel_only() -> None:
+    """Falcon-7B hands SDPA one key/value head and no enable_gqa: CUDA's flash and
+    mem-efficient kernels need equal head counts then, so math runs it, broadcasting."""
+    for requested in (AUTO, SdpaKernel.MATH):
+        chosen = kernels.choose_sdpa_kernel(
+            requested, dtype=torch.bfloat16, head_dim=64, has_mask=True, broadcast_heads=True
+        )
+        assert chosen is SdpaKernel.MATH
+    with pytest.raises(ValueError, match="math"):
+        kernels.choose_sdpa_kernel(
+            SdpaKernel.EFFICIENT,
+            dtype=torch.bfloat16,
+            head_dim=64,
+            has_mask=True,
+            broadcast_heads=True,
+        )
+    q = torch.randn(1, 4, 8, 16)
+    k, v = torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    got = kernels.make_sdpa(AUTO)(q, k, v, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.expand(1, 4, 8, 16), v.expand(1, 4, 8, 16), is_causal=True
+    )
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -152,6 +152,12 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(f"{key}.rstd", FP32_BYTES)
         if f.full:
             led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
+    elif f.autocast and f.residual != FP32_BYTES:
+        # nn.LayerNorm under autocast runs in fp32 (layer_norm is on autocast's fp32 list):
+        # it saves the fp32 copy of its input (reference traces *bloom*autocast*).
+        led.add(f"{key}.fp32", h * FP32_BYTES)
+        led.add(f"{key}.mean", FP32_BYTES)
+        led.add(f"{key}.rstd", FP32_BYTES)
     else:
         # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
         led.add(x_key, h * f.residual)
@@ -177,7 +183,16 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
             kernel = SdpaKernel.FLASH
         else:
             kernel = SdpaKernel.MATH if gqa and not half else SdpaKernel.EFFICIENT
+    if arch.alibi:
+        _alibi_attention_saves(led, f, arch)
+        return
     led.add("q_rope", q_bytes)
+    if impl is AttnImpl.SDPA and arch.kv_broadcast:
+        _broadcast_math_saves(led, arch, spec.single)
+        return
+    if impl is AttnImpl.EAGER and arch.model_type == "falcon":
+        _falcon_eager_saves(led, f, arch, spec.single)
+        return
     v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
     if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
         # flash saves q, k, v (GQA native), output and the fp32 logsumexp (b, n_h, s).
@@ -238,6 +253,48 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
         led.add("probs", n_h * f.attn, _Kind.SQUARE)
     # probs @ v saves its inputs, not its output: the output (transposed into o_proj's input,
     # "attn_out") is kept only if o_proj saves its input.
+
+
+def _broadcast_math_saves(led: _Ledger, arch: ModelArch, single: bool) -> None:
+    """SDPA's math kernel on one key/value head broadcast over the query heads (Falcon-7B; no
+    other kernel takes unequal head counts without enable_gqa): in fp32 (half inputs upcast,
+    aten _scaled_dot_product_attention_math), the score matmul saves the scaled query and
+    the scaled key, probs @ v the probabilities and the fp32 value. With one sequence the
+    matmuls fold the broadcast head into a stride-0 batch without a copy; with several they
+    copy key and value expanded to every head (reference traces falcon-7b__*)."""
+    led.items.pop("q_rope", None)  # the rotated query is upcast; its scaled copy is saved
+    kd = arch.kv_dim if single else arch.q_dim
+    led.add("q_scaled", arch.q_dim * FP32_BYTES)
+    led.add("k_scaled", kd * FP32_BYTES)
+    led.add("v_fp32", kd * FP32_BYTES)
+    led.add("probs", arch.num_attention_heads * FP32_BYTES, _Kind.SQUARE)
+
+
+def _falcon_eager_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, single: bool) -> None:
+    """FalconAttention's eager branch (transformers 5.24): q @ k^T saves the rotated q and k
+    (the 7B layout's one key head broadcast without a copy for one sequence, copied to every
+    head for several; the new architecture's k has every query head), the scores are scaled
+    in place and the mask added, softmax runs in the model's dtype (no fp32 copy) and its
+    output is saved, and probs @ v saves v (likewise)."""
+    kd = arch.kv_dim if arch.kv_broadcast and single else arch.q_dim
+    led.add("k_rope", kd * f.attn)
+    led.add("v", kd * f.attn)
+    led.add("probs", arch.num_attention_heads * f.attn, _Kind.SQUARE)
+
+
+def _alibi_attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+    """BLOOM's own attention, whatever the attention implementation (BloomAttention.forward,
+    transformers 5.24): q, k and v, strided views of the fused projection, reshaped into
+    contiguous copies; alibi.baddbmm(q, k) saves q and k; the scores plus the mask, softmax
+    in fp32 (saved) cast back to the attention dtype (saved by the bmm with v, which saves v)."""
+    q_bytes = arch.q_dim * f.attn
+    n_h = arch.num_attention_heads
+    led.add("q_copy", q_bytes)
+    led.add("k_copy", q_bytes)
+    led.add("v_copy", q_bytes)
+    led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)
+    if f.attn != FP32_BYTES:
+        led.add("probs", n_h * f.attn, _Kind.SQUARE)
 
 
 def _mlp_saves(

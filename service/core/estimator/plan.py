@@ -195,7 +195,7 @@ def _materialises_scores(arch: ModelArch, key: _PlanKey, f: LayerFlow) -> bool:
         return True
     if key.attn_implementation is not AttnImpl.SDPA:
         return False
-    if key.sdpa_kernel is SdpaKernel.MATH:
+    if key.sdpa_kernel is SdpaKernel.MATH or arch.kv_broadcast:
         return True
     if key.sdpa_kernel is not SdpaKernel.AUTO or f.attn != FP32_BYTES:
         return False

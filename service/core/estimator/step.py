@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.architecture import ModelArch, NormKind
+from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
+from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
+    Framework,
     Method,
+    SdpaKernel,
     TrainingSpec,
 )
 from service.core.stack import check_stack
-from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES
+from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES, DType
 
 
 def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
@@ -115,13 +120,65 @@ class _Step(NamedTuple):
         ]
 
 
+# Model types whose decoder linears subclass nn.Linear (FalconLinear): transformers 5.24's
+# bitsandbytes integration swaps only modules whose type is exactly nn.Linear
+# (integrations/bitsandbytes.py replace_with_bnb_linear), so a 4-bit load quantizes none of
+# them (reference trace falcon-7b__qlora__*).
+_UNQUANTIZED_LINEARS = frozenset({"falcon"})
+
+
+def _unquantized(arch: ModelArch, spec: TrainingSpec) -> TrainingSpec | None:
+    """What a QLoRA spec runs as where the 4-bit swap finds no linear: LoRA on the loaded
+    weights, all cast to fp32 by prepare_model_for_kbit_training. None where it does not
+    apply."""
+    if not (
+        spec.method is Method.QLORA
+        and spec.framework is Framework.HF
+        and arch.model_type in _UNQUANTIZED_LINEARS
+    ):
+        return None
+    prepared = spec.quantization is None or spec.quantization.prepare_kbit
+    return replace(
+        spec,
+        method=Method.LORA,
+        quantization=None,
+        dtype=DType.FP32 if prepared else spec.dtype,
+    )
+
+
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
     check_stack(spec.stack, arch.is_moe)
+    unquantized = _unquantized(arch, spec)
+    if unquantized is not None:
+        spec = unquantized
+    if (
+        arch.kv_broadcast
+        and spec.attn_implementation is AttnImpl.SDPA
+        and spec.sdpa_kernel in (SdpaKernel.FLASH, SdpaKernel.EFFICIENT)
+    ):
+        raise InvalidSpecError(
+            "sdpa_kernel",
+            f"{spec.sdpa_kernel.value} cannot run {arch.model_type}'s single key/value head "
+            "(passed without enable_gqa, only SDPA's math kernel broadcasts it)",
+        )
+    own_attention = arch.alibi and spec.attn_implementation is not AttnImpl.EAGER
+    if own_attention:
+        # transformers 5.24 gives BLOOM no SDPA or flash path (from_pretrained falls back to
+        # eager): its attention is its own baddbmm and softmax whatever is requested.
+        spec = replace(spec, attn_implementation=AttnImpl.EAGER)
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
     traits = plan.traits
     warnings = _warnings(arch, spec, plan)
     assumptions = list(plan.assumptions)
+    if own_attention:
+        assumptions.append("BLOOM runs its own attention (eager): transformers has no SDPA path")
+    if unquantized is not None:
+        warnings.append(
+            f"{arch.model_type}: transformers' 4-bit loading quantizes no layer (its linears "
+            "subclass nn.Linear); the job runs as LoRA on "
+            f"{unquantized.dtype.value} weights"
+        )
     b, s = spec.batch_size, spec.seq_len
     tokens = b * s
     h = arch.hidden_size
@@ -147,10 +204,27 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     checkpoint = _blk(tokens * h * f.residual)
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    if arch.norm is NormKind.LAYER and spec.framework is Framework.HF:
+        # nn.LayerNorm saves its input (the last layer's output; its fp32 copy under autocast)
+        # with its fp32 mean and rstd (reference traces falcon-7b__*, bloom-560m__*).
+        saved_input = FP32_BYTES if spec.autocast else f.residual
+        final_norm = _blk(tokens * h * saved_input) + 2 * _blk(tokens * FP32_BYTES)
     # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
+    alibi = 0
+    if arch.alibi:
+        # BLOOM has no rotary tables; its ALiBi bias, (b * heads, 1, s) in the residual dtype
+        # (BloomModel.forward), is every layer's argument: kept with the checkpoints.
+        rope = 0
+        alibi = _blk(b * arch.num_attention_heads * s * f.residual)
     final_norm += rope
+    embed_norm = 0
+    if arch.embedding_norm and (traits.embed_trains or spec.gradient_checkpointing):
+        # BLOOM's word_embeddings_layernorm saves the embedding output (its input needs a
+        # gradient), with its mean and rstd.
+        embed_norm = _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
+        final_norm += embed_norm
     if traits.head_trains or f.head_quantized:
         # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
         # MatMul4Bit's ctx.tensors)
@@ -168,6 +242,8 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
         # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
         masks = traits.eager_mask_kinds * _blk(b * s * s * f.residual)
+    if spec.gradient_checkpointing:
+        masks += alibi
     final_norm += masks
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
@@ -293,6 +369,9 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         # contiguous and the residual stream's gradient (reference traces *qlora*b1-s8192*,
         # peak at _softmax_backward_data).
         score_bytes = FP32_BYTES
+        if arch.model_type == "falcon" and spec.attn_implementation is AttnImpl.EAGER:
+            # FalconAttention's eager softmax runs in the model's dtype, its backward too
+            score_bytes = f.attn
         scores = _blk(b * arch.num_attention_heads * s * s * score_bytes)
         # (SDPA's fp32 softmax backward also takes a scores-sized scratch on CUDA: an H200
         # allocator history, service/trace/kernels.py _SafeSoftmax.)
@@ -339,6 +418,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         logits_loss=loss.forward_peak,
         communication=rank.comm_forward,
     )
+    if spec.gradient_checkpointing and holds_scores_between_layers(arch, spec):
+        # The last layer's forward at its softmax, every checkpoint kept (reference trace
+        # falcon-7b__lora__r16-all-linear__b1-s2048__ckpt__eager).
+        held = L * checkpoint + rope + masks + embed_norm + softmax_moment(arch, f, b, s)
+        at_softmax = _Moment(gradients=ga_grads, activations=held)
+        forward_end = max(forward_end, at_softmax, key=sum)
     if rank.comm_forward_start is not None:
         # The forward phase's other candidate: its start, before any activation exists.
         start = _Moment(gradients=ga_grads, activations=0, communication=rank.comm_forward_start)

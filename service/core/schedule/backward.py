@@ -333,6 +333,8 @@ class _Backward(_Forward):
             return dq, dk, dv
         if kernel is Kernel.MATH:
             return self._math_backward(g, nbytes, saved)
+        if sh.half_softmax:
+            return self._falcon_eager_backward(g, nbytes, saved)
         # the transposed output's gradient made contiguous for the bmm (a view when the
         # batch is one, as in the forward)
         g_c = self.a(nbytes * qd) if sh.batch > 1 else self.p.hold(g)
@@ -545,6 +547,10 @@ class _Backward(_Forward):
         if sh.sandwich_norms:
             g_o = self.norm_backward(g_o, saved, "norm3")
         g_attn = self.linear_backward(g_o, ob, sh.out_proj, saved, x_grad=True, in_bytes=ab)
+        if sh.alibi:
+            joined = self._alibi_attention_backward(g_attn, qb, saved)
+            gx = self.linear_backward(joined, qb, sh.qkv[0], saved, x_grad=x_grad, in_bytes=nb)
+            return self._alibi_input_gradient(gx, g_r1, saved, x_grad=x_grad)
         rb = max(qb, nb)  # RoPE's products' dtype, as in the forward
         dq, dk, dv = self.attention_backward(g_attn, rb, saved, v_bytes=qb)
         qd = sh.heads * sh.head_dim
@@ -581,3 +587,96 @@ class _Backward(_Forward):
             self.f(g_r1, g_n1)
         saved.release_all()
         return g_in
+
+    def _alibi_attention_backward(self, g: int, nbytes: int, saved: _Saved) -> int:
+        """BloomAttention's backward (g, the merged output's gradient, released): the
+        gradient made contiguous for the bmm, v's and the probabilities' gradients, the casts'
+        and softmax's backwards (fp32), baddbmm's two bmm products scaled by alpha, then q, k
+        and v's gradients put back into the fused layout one select at a time and summed.
+        Returns the fused projection's output gradient."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        g_c = self.a(nbytes * qd)
+        self.f(g)
+        dv = self.a(nbytes * qd)
+        self.gemm()
+        dprobs = self.a(nbytes * scores)
+        saved.release("probs")
+        self.f(g_c)
+        saved.release("v")
+        d32 = self.a(FP32_BYTES * scores) if nbytes != FP32_BYTES else self.p.hold(dprobs)
+        self.f(dprobs)
+        dsm = self.a(FP32_BYTES * scores)
+        self.f(d32)
+        saved.release("probs32")
+        ds = self.a(nbytes * scores) if nbytes != FP32_BYTES else self.p.hold(dsm)
+        self.f(dsm)
+        grads = []
+        for _ in range(2):  # q's and k's: a bmm, then * alpha
+            raw = self.a(nbytes * qd)
+            grads.append(self.a(nbytes * qd))
+            self.f(raw)
+        saved.release("q_copy", "k_copy")
+        self.f(ds)
+        total = 0
+        for grad in (*grads, dv):  # select_backward into (b, s, heads, 3, d), summed
+            spread = self.a(nbytes * 3 * qd)
+            self.f(grad)
+            if total:
+                summed = self.a(nbytes * 3 * qd)
+                self.f(total, spread)
+                spread = summed
+            total = spread
+        return total
+
+    def _alibi_input_gradient(self, gx: int, g_r1: int, saved: _Saved, *, x_grad: bool) -> int:
+        """A BloomBlock's input gradient: the first norm's backward added to the residual's."""
+        sh = self.sh
+        nb = sh.residual
+        if not x_grad:
+            self.f(g_r1)
+            saved.release_all()
+            return 0
+        if nb == FP32_BYTES:
+            g_in = self.norm_backward(gx, saved, "norm1", residual=g_r1)
+        else:
+            g_n1 = self.norm_backward(gx, saved, "norm1")
+            g_in = self.a(nb * sh.hidden)
+            self.f(g_r1, g_n1)
+        saved.release_all()
+        return g_in
+
+    def _falcon_eager_backward(self, g: int, nbytes: int, saved: _Saved) -> tuple[int, int, int]:
+        """FalconAttention's eager backward (g released): v's gradient at every head, then
+        summed to the key/value heads; the probabilities' gradient, softmax's backward in the
+        model's dtype, the in-place scaling's (a new tensor); q's and k's gradients, k's
+        summed to its heads."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        kvd = sh.kv_heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        gqa = sh.heads > sh.kv_heads
+        dv_rep = self.a(nbytes * qd)
+        self.gemm()
+        dprobs = self.a(nbytes * scores)
+        saved.release("v")
+        self.f(g)
+        dv = dv_rep
+        if gqa:
+            dv = self.a(nbytes * kvd)
+            self.f(dv_rep)
+        ds = self.a(nbytes * scores)
+        self.f(dprobs)
+        saved.release("probs")
+        scaled = self.a(nbytes * scores)
+        self.f(ds)
+        dq = self.a(nbytes * qd)
+        dk = self.a(nbytes * qd)
+        saved.release("q", "k")
+        self.f(scaled)
+        if gqa:
+            summed = self.a(nbytes * kvd)
+            self.f(dk)
+            dk = summed
+        return dq, dk, dv

@@ -282,6 +282,8 @@ class _Forward(_StepBase):
             return out
         if kernel is Kernel.MATH:
             return self._math(q, k, v, nbytes, saved)
+        if sh.half_softmax:
+            return self._falcon_eager(q, k, v, nbytes, saved)
         # eager (transformers' eager_attention_forward): repeat_kv copies, q @ k^T (q made
         # contiguous), * scaling, (softcap), + mask, fp32 softmax, cast, probs @ v, transpose.
         k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
@@ -373,6 +375,8 @@ class _Forward(_StepBase):
         outs = [self.linear(n1, sh.residual, lin, saved) for lin in sh.qkv]
         nb = sh.residual
         qb = self.out_bytes(sh.qkv[0], nb)  # q, k and v's dtype
+        if sh.alibi:
+            return self._alibi_layer(x, n1, outs[0], saved)
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
         if len(outs) == 1:  # one fused projection: q, k and v are its views
@@ -411,7 +415,94 @@ class _Forward(_StepBase):
             d = normed
         out = self.a(nb * sh.hidden)
         self.f(d, r1)
+        if self.pending:  # what the layer returned besides its output (`_falcon_eager`)
+            if self.handle == "forward":
+                self.f(self.held)
+                self.held = self.pending
+            else:
+                self.f(self.pending)
+            self.pending = 0
         return out
+
+    def _falcon_eager(self, q: int, k: int, v: int, nbytes: int, saved: _Saved | None) -> int:
+        """FalconAttention's eager branch (transformers 5.24): q @ k^T (one key head folded
+        as a stride-0 batch for one sequence, copied to every head for several), scaled in
+        place, + mask, softmax in the model's dtype, probs @ v, heads merged (a copy). The
+        probabilities are returned as the layer's attention weights (`pending`)."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        expand = sh.heads > sh.kv_heads and sh.batch > 1
+        k_rep = self.a(nbytes * qd) if expand else self.p.hold(k)
+        s1 = self.a(nbytes * scores)
+        self.gemm()
+        s2 = self.a(nbytes * scores)
+        probs = self.a(nbytes * scores)
+        self.f(s2, s1)
+        v_rep = self.a(nbytes * qd) if expand else self.p.hold(v)
+        out = self.a(nbytes * qd)
+        if saved is not None:
+            for name, key in (("q", q), ("k", k_rep), ("probs", probs), ("v", v_rep)):
+                saved.save(name, key)
+        self.f(k_rep, v_rep)
+        self.pending = probs
+        merged = self.a(nbytes * qd)
+        self.f(out)
+        return merged
+
+    def _alibi_layer(self, x: int, n1: int, qkv: int, saved: _Saved | None) -> int:
+        """The rest of a BloomBlock after its fused projection (transformers 5.24
+        modeling_bloom.py): its attention, the residual add inside it, post-attention norm
+        and MLP. The attention's locals (the scores and the masked scores) live until it
+        returns, the probabilities until the block returns (its attention weights)."""
+        sh = self.sh
+        nb = sh.residual
+        merged, held, probs = self._alibi_attention(self.out_bytes(sh.qkv[0], nb), saved)
+        o = self.linear(merged, self.out_bytes(sh.qkv[0], nb), sh.out_proj, saved)
+        r1 = self.a(nb * sh.hidden)  # dropout_add: residual + output
+        self.f(o, qkv, *held, merged)
+        n2 = self.norm(r1, saved, "norm2")
+        self.f(n1)  # `layernorm_output` rebound
+        d = self.mlp(n2, saved)
+        self.f(n2)
+        out = self.a(nb * sh.hidden)
+        self.f(d, r1)
+        del x
+        if self.handle == "forward":  # the model's loop keeps the block's outputs a layer on
+            self.f(self.held)
+            self.held = probs
+        else:  # a recomputation's outputs are dropped at once
+            self.f(probs)
+        return out
+
+    def _alibi_attention(self, nbytes: int, saved: _Saved | None) -> tuple[int, list[int], int]:
+        """BloomAttention.forward on the fused projection's output: q, k and v reshaped into
+        contiguous copies, alibi.baddbmm(q, k^T), + mask, softmax in fp32 (an fp32 copy of
+        bf16 scores first: aten's softmax upcasts only fp16 in its kernel), cast back,
+        probs @ v, heads merged (a copy). Returns the merged output, the tensors the
+        attention's locals hold until it returns, and the probabilities."""
+        sh = self.sh
+        qd = sh.heads * sh.head_dim
+        scores = sh.heads * sh.seq
+        q, k, v = self.a(nbytes * qd), self.a(nbytes * qd), self.a(nbytes * qd)
+        s1 = self.a(nbytes * scores)
+        self.gemm()
+        s2 = self.a(nbytes * scores)
+        up = self.a(FP32_BYTES * scores) if nbytes != FP32_BYTES else 0
+        probs32 = self.a(FP32_BYTES * scores)
+        self.f(up)
+        probs = self.a(nbytes * scores) if nbytes != FP32_BYTES else self.p.hold(probs32)
+        if saved is not None:
+            for name, key in (("q_copy", q), ("k_copy", k), ("probs32", probs32)):
+                saved.save(name, key)
+            saved.save("probs", probs)
+            saved.save("v", v)
+        self.f(probs32)
+        ctx = self.a(nbytes * qd)
+        self.gemm()
+        merged = self.a(nbytes * qd)
+        self.f(ctx)
+        return merged, [q, k, v, s1, s2], probs
 
     def mlp(self, n2: int, saved: _Saved | None, prefix: str = "") -> int:
         """The gated (or plain) MLP: act(gate) * up, then down."""

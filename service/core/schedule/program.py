@@ -83,6 +83,10 @@ class _StepBase:
         self.region: list[int] = []  # autocast's cached weight casts in the current region
         self.accumulated = False  # a previous micro-batch of this step made the gradients
         self.head_grad = 0  # a tied LM head's gradient waiting for the embedding's
+        # what a decoder layer returned besides its output, held until the next one returns
+        # (BLOOM's attention probabilities, in the model loop's `outputs`)
+        self.held = 0
+        self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
 
     def a(self, per_token: int) -> int:

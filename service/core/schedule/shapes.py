@@ -107,3 +107,7 @@ class StepShape:
     clip: bool = False
     param_bytes: int = 2  # bytes per element of the model's (trainable) weights
     accumulation: int = 1  # micro-batches per optimizer step
+    # BLOOM: ALiBi instead of RoPE and its own baddbmm attention (modeling_bloom.py)
+    alibi: bool = False
+    # Falcon's eager attention: softmax in the model's dtype, the probabilities returned
+    half_softmax: bool = False

@@ -32,6 +32,17 @@ class _Step(_Backward):
             scaled = self.a(sh.residual * h)
             self.f(embed)
             embed = scaled
+        embedded, embed_norm = 0, _Saved(self.p)
+        if sh.alibi:
+            # BLOOM's word_embeddings_layernorm: the embedding's output stays referenced
+            # until the model's forward returns, and is saved when it takes a gradient.
+            embedded = embed
+            embed = self.a(sh.residual * h)
+            stats = [self.a(FP32_BYTES), self.a(FP32_BYTES)]  # mean, rstd
+            if sh.input_grad:
+                for name, key in zip(("x", "mean", "rstd"), (embedded, *stats), strict=True):
+                    embed_norm.save(name, key)
+            self.f(*stats)
         mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
         bools = sh.batch * sh.seq * sh.seq
         masks = []
@@ -76,7 +87,8 @@ class _Step(_Backward):
         self._input_grad = True
         final = _Saved(self.p)
         fn = self.norm(x, final, "final")
-        self.f(x, embed)
+        self.f(x, embed, embedded, self.held)
+        self.held = 0
         if not sh.checkpointing:
             self.f(*masks)
         logits, logp = self.loss_forward(fn)
@@ -97,6 +109,11 @@ class _Step(_Backward):
                 self.f(checkpoint)
             else:
                 g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
+        if g and embedded:  # the embedding LayerNorm's backward
+            g_embed = self.a(sh.residual * h)
+            self.f(g)
+            embed_norm.release_all()
+            g = g_embed
         if g:
             if sh.embed_trainable and sh.tied and (self.grads or self.accumulated):
                 # The tied weight's LM-head gradient waits in AccumulateGrad's input buffer (or
@@ -137,6 +154,7 @@ class _Step(_Backward):
                 while refs.get(key, 0) > held.get(key, 0):
                     self.p.free(key)
             self.region.clear()
+            self.pending = 0  # freed above with the rest of the unwound forward
         finally:
             self.stop_at = None
 
