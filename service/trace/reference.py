@@ -222,6 +222,8 @@ MISTRAL_7B = "mistralai/Mistral-7B-v0.1"
 GEMMA_2B = "google/gemma-2-2b"
 PHI_3 = "microsoft/Phi-3-mini-4k-instruct"
 QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
+BERT_BASE = "google-bert/bert-base-uncased"
+BERT_LARGE = "google-bert/bert-large-uncased"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -461,6 +463,17 @@ def matrix() -> list[Case]:
                             autocast=mixed_precision,
                         ),
                     )
+    # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
+    # dropout on the hidden states and the attention probabilities, pooler and classifier.
+    fp32 = DType.FP32
+    add(
+        BERT_BASE,
+        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager),
+        _spec(full, 4, 512, dtype=fp32, **mixed),
+        _spec(full, 4, 512, ckpt=True, dtype=fp32),
+        _spec(lora, 4, 512, lora=_lora(r=8, targets=None)),
+    )
+    add(BERT_LARGE, _spec(full, 1, 512, dtype=fp32))
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 

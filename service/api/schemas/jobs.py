@@ -31,6 +31,7 @@ from service.core.limits import (
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
+    MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
     MAX_ZERO_ELEMENTS,
@@ -514,6 +515,13 @@ class JobSpec(In):
         default_factory=AllocatorIn,
         description="PYTORCH_CUDA_ALLOC_CONF settings; default: PyTorch's.",
     )
+    num_labels: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_NUM_LABELS,
+        description="Classes of an encoder's sequence-classification head (BERT); null: the "
+        "model's, 2 by default. Encoder models only.",
+    )
     gpu: GpuField | None = Field(
         default=None,
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
@@ -545,4 +553,5 @@ class JobSpec(In):
             framework=self.framework,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
+            num_labels=self.num_labels,
         )

@@ -52,6 +52,7 @@ def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
         "phi": ("q_proj", "v_proj", "fc1", "fc2"),
         "gpt_neox": ("query_key_value",),
         "chatglm": ("query_key_value",),
+        "bert": ("query", "value"),
     }
     if arch.model_type not in defaults:
         raise InvalidSpecError(
