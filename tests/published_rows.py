@@ -19,6 +19,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
@@ -97,7 +98,23 @@ def _optim(raw: str, framework: str) -> Optim:
         return Optim.SGD
     if "fused" in text:
         return Optim.ADAMW_TORCH_FUSED
+    if "adafactor" in text:
+        return Optim.ADAFACTOR
+    if "adam8bit" in text or "adamw8bit" in text:
+        return Optim.ADAMW_BNB_8BIT
+    if "adamw_hf" in text:
+        # transformers' own AdamW (optimization.py): fp32 states updated one parameter at a
+        # time, like the fused kernel no state-sized temporaries (one parameter's at most)
+        return Optim.ADAMW_TORCH_FUSED
     return Optim.ADAMW_TORCH
+
+
+def _dtype(raw: str) -> tuple[DType, bool]:
+    """The weights' dtype and whether autocast (HF Trainer's fp16/bf16 mixed precision) runs;
+    rows that do not say fp32 keep the bf16 default."""
+    text = raw.lower()
+    dtype = DType.FP32 if text.startswith("fp32") else DType.BF16
+    return dtype, "autocast" in text
 
 
 def _parallel(row: dict[str, str]) -> ParallelSpec:
@@ -160,6 +177,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     prepare_kbit=framework is Framework.HF,
                 )
             attn = raw["attn_impl"].lower()
+            dtype, autocast = _dtype(raw["base_dtype"])
             try:
                 spec = TrainingSpec(
                     method=method,
@@ -167,6 +185,8 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     seq_len=int(seq_text),
                     lora=lora,
                     quantization=quant,
+                    dtype=dtype,
+                    autocast=autocast,
                     optim=_optim(raw["optimizer"], raw["framework"]),
                     gradient_checkpointing=raw["grad_checkpointing"].startswith("yes"),
                     gradient_accumulation_steps=int(raw["grad_accum"] or 1),

@@ -468,7 +468,7 @@ class JobSpec(In):
     """A fine-tuning job; everything but model, batch_size and seq_len defaults to what
     HF Trainer + PEFT do."""
 
-    integer_fields = integers("batch_size", "seq_len", "gradient_accumulation_steps")
+    integer_fields = integers("batch_size", "seq_len", "gradient_accumulation_steps", "num_labels")
 
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
