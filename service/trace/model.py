@@ -258,6 +258,10 @@ def materialize(
             data = torch.empty_strided(
                 tensor.shape, tensor.stride(), dtype=tensor.dtype, device=fake_device
             )
+            if kind == "buffer" and not data.is_floating_point():
+                # index buffers (BERT's position_ids and token_type_ids) must hold valid
+                # indices in a real run; zeros are (in place: no allocation)
+                data.zero_()
             if isinstance(tensor, bnb.nn.Params4bit):
                 # A Params4bit cannot wrap a fake tensor; a Parameter carrying the attributes
                 # bitsandbytes reads from it behaves the same in forward and backward.
