@@ -108,6 +108,12 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
     train.add_argument("--loss", choices=_choices(LossImpl))
+    train.add_argument(
+        "--num-labels",
+        type=int,
+        help="classes of an encoder's (BERT) sequence-classification head (default: the "
+        "model's, 2)",
+    )
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     par = parser.add_argument_group("parallelism")
     par.add_argument("--gpus", type=int, default=1)
@@ -189,6 +195,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,
             "framework": args.framework,
+            "num_labels": getattr(args, "num_labels", None),
             "parallel": _given(
                 {
                     "gpus": args.gpus,

@@ -58,6 +58,9 @@ FLASH_MAX_HEAD_DIM = 256
 BNB_8BIT_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 
+# The transformers class each encoder model type is run as.
+_TASK_MODELS = {"bert": "BertForSequenceClassification"}
+
 _UPDATERS = {
     Optim.ADAMW_TORCH_FUSED: Updater.ADAMW_FUSED,
     Optim.ADAMW_TORCH: Updater.ADAMW_FOREACH,
@@ -381,8 +384,9 @@ def encoder_estimate(
     trainable = sum(e for _, e in _tensors(arch, rs, adapted_linears(arch, rs)).trainable)
     assumptions = [
         *rs.assumptions,
-        f"sequence classification (transformers' {arch.model_type} ForSequenceClassification) "
-        f"with {shape.labels} labels",
+        f"sequence classification as transformers' "
+        f"{_TASK_MODELS.get(arch.model_type, arch.model_type)} runs it, {shape.labels} labels, "
+        "dropout on as in training",
     ]
     if spec.method is not Method.FULL:
         assumptions.append("PEFT's sequence-classification task trains the classifier whole")
