@@ -473,7 +473,17 @@ def matrix() -> list[Case]:
         _spec(full, 4, 512, ckpt=True, dtype=fp32),
         _spec(lora, 4, 512, lora=_lora(r=8, targets=None)),
     )
-    add(BERT_LARGE, _spec(full, 1, 512, dtype=fp32))
+    add(
+        BERT_BASE,
+        _spec(lora, 4, 512, ckpt=True, lora=_lora(r=8, targets=None)),
+        _spec(lora, 2, 256, attn_implementation=eager, lora=_lora(r=8, lora_dropout=0.1)),
+        _spec(full, 2, 256, gradient_accumulation_steps=2),
+    )
+    add(
+        BERT_LARGE,
+        _spec(full, 1, 512, dtype=fp32),
+        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
+    )
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 

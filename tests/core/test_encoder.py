@@ -79,7 +79,7 @@ def test_labels_come_from_the_config() -> None:
 
 def test_every_bert_reference_is_committed() -> None:
     names = {p.stem for p in BERT_TRACES}
-    assert len(names) == 5
+    assert len(names) == 9
     assert any("eager" in n for n in names) and any("ckpt" in n for n in names)
     assert any("autocast" in n for n in names) and any("lora" in n for n in names)
 

@@ -30,6 +30,7 @@ from service.core.result import (
 from service.core.schedule import HALF_BYTES, Kernel, LinearShape, StepShape, Updater
 from service.core.schedule.encoder import RELABEL, EncoderShape, encoder_events
 from service.core.spec import (
+    ALL_LINEAR,
     AttnImpl,
     Framework,
     Method,
@@ -177,6 +178,8 @@ def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> 
         for lin in adapted:
             adapters += [r * lin.in_features, lin.out_features * r]
         adapters *= arch.num_hidden_layers
+        if _pooler_adapted(rs):
+            adapters += [r * h, h * r]
         created += [(n * ad, Component.TRAINABLE_PARAMS) for n in adapters]
         trainable += [(_blk(n * ad), n) for n in adapters]
         # PEFT's SEQ_CLS task: a trained copy of the classifier (ModulesToSaveWrapper)
@@ -184,6 +187,13 @@ def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> 
         created += [(n * md, Component.TRAINABLE_PARAMS) for n in head]
         trainable += [(_blk(n * md), n) for n in head]
     return _Tensors(trainable=tuple(trainable), created=tuple(created))
+
+
+def _pooler_adapted(rs: ResolvedSpec) -> bool:
+    """PEFT adapts the pooler's dense too under "all-linear" (every linear but the output
+    layer, the classifier) or a target named "dense" (matched as a name suffix)."""
+    targets = rs.lora.target_modules if rs.lora is not None else None
+    return targets == ALL_LINEAR or (isinstance(targets, tuple) and "dense" in targets)
 
 
 def _states(optim: Optim, trainable: tuple[tuple[int, int], ...]) -> tuple[int, ...]:

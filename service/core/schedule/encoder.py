@@ -122,6 +122,41 @@ class _EncoderStep(_Step):
         finally:
             self.lp.component = before
 
+    def linear(self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None) -> int:
+        """A linear; a LoRA one with dropout (no autocast) as PEFT's lora.Linear runs it: the
+        input cast to the adapters' dtype stays bound to `x` until forward returns, and the
+        dropout keeps its mask only when that input needs a gradient."""
+        sh = self.sh
+        if not (lin.adapted and sh.dropout) or lin.trainable or lin.quantized or sh.autocast:
+            return _Step.linear(self, x, nbytes, lin, saved)
+        ad = sh.adapter
+        self.gemm()
+        base = self.a(nbytes * lin.d_out)
+        cast = self.p.hold(x) if ad == nbytes else self.a(ad * lin.d_in)
+        dropped = self.a(ad * lin.d_in)
+        mask = self.a(BOOL_BYTES * lin.d_in)
+        if saved is not None and self.input_needs_grad:
+            saved.save(f"{lin.name}.mask", mask)
+        self.f(mask)
+        if saved is not None:
+            saved.save(f"{lin.name}.cast", dropped)
+        lora_a = self.a(ad * sh.rank)
+        if saved is not None:
+            saved.save(f"{lin.name}.lora_a", lora_a)
+        lora_b = self.a(ad * lin.d_out)
+        self.f(lora_a)
+        scaled = self.a(ad * lin.d_out)
+        self.f(lora_b)
+        wide = max(nbytes, ad)
+        summed = self.a(wide * lin.d_out)
+        self.f(scaled, base)
+        out = summed
+        if wide != nbytes:
+            out = self.a(nbytes * lin.d_out)
+            self.f(summed)
+        self.f(dropped, cast)
+        return out
+
     def _trainable_autocast(
         self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, stop: bool
     ) -> int:
@@ -177,7 +212,9 @@ class _EncoderStep(_Step):
         enc = self.enc
         nb = sh.residual
         h = sh.hidden
+        self.input_needs_grad = self._input_grad
         q, k, v = (self.linear(x, nb, lin, saved) for lin in sh.qkv)
+        self.input_needs_grad = True
         qb = self.out_bytes(sh.qkv[0], nb)
         attn = self._self_attention(q, k, v, qb, saved)
         o = self.linear(attn, qb, sh.out_proj, saved)
@@ -200,6 +237,8 @@ class _EncoderStep(_Step):
         r2 = self.a(nb * h)
         n2 = self.layer_norm(r2, saved, "ln2")
         self.f(d2, r2, g, n1)  # feed_forward_chunk's locals, then the layer's
+        self.f(self.attn_weights)
+        self.attn_weights = 0
         return n2
 
     def _self_attention(self, q: int, k: int, v: int, qb: int, saved: _Saved | None) -> int:
@@ -235,8 +274,9 @@ class _EncoderStep(_Step):
         self.gemm()
         s2 = self.a(qb * scores)
         self.f(s1)
+        up = self.a(sb * scores) if sb != qb else 0  # autocast's fp32 cast of the scores
         probs = self.a(sb * scores)
-        self.f(s2)
+        self.f(s2, up)
         if self.enc.attention_dropout:
             dropped = self.dropout(probs, sb, scores, saved, "attn_mask")
         else:
@@ -251,8 +291,11 @@ class _EncoderStep(_Step):
             saved.save("v_c", v_c)
         out_t = self.a(qb * h)
         self.f(out)
-        self.f(q_c, k_c, probs, dropped, cast, v_c)
+        self.f(q_c, k_c, probs, cast, v_c)
         self.f(q, k, v)
+        # the probabilities are returned too (attn_weights), bound to BertLayer.forward's `_`
+        # until the layer returns
+        self.attn_weights = dropped
         return out_t
 
     def embeddings(self, saved: _Saved | None) -> tuple[int, int]:
@@ -274,6 +317,10 @@ class _EncoderStep(_Step):
             out = self.dropout(normed, nb, h, saved, "emb_drop")
         else:
             out = self.p.hold(normed)
+        if saved is not None and not sh.embed_trainable:
+            # HF Trainer's enable_input_require_grads() makes the word embeddings' output a
+            # leaf that needs a gradient: the graph's AccumulateGrad node keeps it
+            saved.save("words", words)
         self.f(normed, words, types, positions)
         if not sh.embed_trainable:
             self.f(ids)
@@ -572,7 +619,8 @@ class _EncoderStep(_Step):
         embedded = self.p.hold(x)
         layers: list[_Saved] = []
         checkpoints: list[int] = []
-        for _ in range(sh.layers):
+        for index in range(sh.layers):
+            self._input_grad = index > 0 or sh.input_grad
             if sh.checkpointing:
                 checkpoints.append(self.p.hold(x))
                 out = self.layer(x, None)
@@ -589,7 +637,7 @@ class _EncoderStep(_Step):
         self._open(Phase.BACKWARD_START, Component.LOGITS_LOSS)
         g = self.head_backward(head)
         for index in reversed(range(sh.layers)):
-            x_grad = index > 0 or sh.input_grad
+            x_grad = self._input_grad = index > 0 or sh.input_grad
             if sh.checkpointing:
                 self.checkpoint = checkpoints[index]
                 saved = _Saved(self.p)
@@ -601,11 +649,16 @@ class _EncoderStep(_Step):
             if sh.embed_trainable:
                 self.embeddings_backward(g, emb_saved, ids)
             else:
+                # through dropout and LayerNorm into the leaf's .grad, freed with the graph
+                g_d = self.dropout_backward(g, sh.residual, emb_saved, "emb_drop")
                 self.f(g)
+                self.f(self.ln_backward(g_d, emb_saved, "emb_ln"))
             emb_saved.release_all()
         self.handle = "forward"
 
     checkpoint = 0
+    input_needs_grad = True  # the linear being run reads an input that needs a gradient
+    attn_weights = 0  # eager attention's probabilities, returned beside its output
 
     def step(self) -> None:
         self.step_no += 1
