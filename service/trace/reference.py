@@ -535,6 +535,13 @@ def parallel_matrix() -> list[Case]:
         ParallelSpec(strategy=Strategy.FSDP2, reshard_after_forward=False),
     ):
         add(QWEN_05B, base, setup, 4)
+    # An encoder (BERT sequence classification) under DDP.
+    ddp = setups[0]
+    fp32 = DType.FP32
+    add(BERT_BASE, _spec(full, 4, 512, dtype=fp32), ddp, 2)
+    add(BERT_BASE, _spec(lora, 4, 512, lora=_lora(r=8, targets=None)), ddp, 2)
+    bucket_view = ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True)
+    add(BERT_BASE, _spec(full, 2, 512, ckpt=True, dtype=fp32), bucket_view, 4)
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 

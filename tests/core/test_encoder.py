@@ -15,12 +15,14 @@ from service.core.architecture import ModelArch, from_hf_config
 from service.core.device import REFERENCE_COMPUTE_CAPABILITY
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate, peak_levels
+from service.core.result import Component
 from service.core.spec import (
     AttnImpl,
     LoraSpec,
     Method,
     ParallelSpec,
     QuantSpec,
+    Strategy,
     TrainingSpec,
 )
 from service.core.units import DType
@@ -144,7 +146,7 @@ def test_checkpointing_and_mixed_precision_lower_the_peak() -> None:
         (_spec(lora=LoraSpec(modules_to_save=("lm_head",))), "lora.modules_to_save"),
         (_spec(method=Method.QLORA, quantization=QuantSpec()), "method"),
         (_spec(seq_len=1024), "seq_len"),
-        (_spec(parallel=ParallelSpec(gpus=2)), "parallel.gpus"),
+        (_spec(parallel=ParallelSpec(gpus=2, strategy=Strategy.FSDP2)), "parallel.strategy"),
     ],
 )
 def test_what_an_encoder_cannot_run_names_its_field(spec: TrainingSpec, field: str) -> None:
@@ -170,3 +172,13 @@ def test_a_decoder_estimate_ignores_the_new_fields() -> None:
     decoder = default_catalog().resolve("Qwen/Qwen2.5-0.5B").arch
     assert not decoder.encoder and decoder.num_labels == 0
     assert replace(decoder, num_labels=0) == decoder
+
+
+def test_ddp_adds_the_reducers_buckets() -> None:
+    arch = _bert()
+    one = estimate(arch, _spec(method=Method.FULL, dtype=DType.FP32))
+    two = estimate(arch, _spec(method=Method.FULL, dtype=DType.FP32, parallel=ParallelSpec(gpus=2)))
+    buckets = two.components[Component.COMMUNICATION]
+    assert abs(buckets - 4 * one.params.trainable) < 2**20
+    assert two.allocated_bytes == one.allocated_bytes + buckets
+    assert two.device_bytes - two.reserved_bytes > one.device_bytes - one.reserved_bytes  # NCCL

@@ -37,6 +37,7 @@ from service.core.spec import (
     Optim,
     ResolvedSpec,
     SdpaKernel,
+    Strategy,
     TrainingSpec,
     resolve,
 )
@@ -79,9 +80,10 @@ def check_encoder_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
         raise InvalidSpecError(
             "method", f"qlora is not modelled for encoder models ({arch.model_type}): use lora"
         )
-    if spec.parallel.gpus != 1:
+    if spec.parallel.gpus != 1 and spec.parallel.strategy is not Strategy.DDP:
         raise InvalidSpecError(
-            "parallel.gpus", f"encoder models ({arch.model_type}) are modelled on one GPU"
+            "parallel.strategy",
+            f"encoder models ({arch.model_type}) are modelled on one GPU or under DDP",
         )
     if spec.framework is not Framework.HF:
         raise InvalidSpecError(
@@ -138,10 +140,11 @@ def num_labels(arch: ModelArch, spec: TrainingSpec) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Tensors:
-    """The model's tensors: trainable ones in parameter order (bytes, elements), every one
+    """The model's tensors: trainable ones in parameter order (bytes, elements, bytes per
+    element), every one
     in creation order with its component."""
 
-    trainable: tuple[tuple[int, int], ...]
+    trainable: tuple[tuple[int, int, int], ...]
     created: tuple[tuple[int, Component], ...]
 
 
@@ -170,7 +173,7 @@ def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> 
     layer = model[5:]
     model = model[:5] + layer * arch.num_hidden_layers + [h * h, h, labels * h, labels]
     created += [(n * md, base) for n in model]
-    trainable = [(_blk(n * md), n) for n in model] if full else []
+    trainable = [(_blk(n * md), n, md) for n in model] if full else []
     if rs.lora is not None:
         ad = DTYPE_BYTES[rs.adapter_dtype]
         r = rs.lora.r
@@ -181,11 +184,11 @@ def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> 
         if _pooler_adapted(rs):
             adapters += [r * h, h * r]
         created += [(n * ad, Component.TRAINABLE_PARAMS) for n in adapters]
-        trainable += [(_blk(n * ad), n) for n in adapters]
+        trainable += [(_blk(n * ad), n, ad) for n in adapters]
         # PEFT's SEQ_CLS task: a trained copy of the classifier (ModulesToSaveWrapper)
         head = [labels * h, labels]
         created += [(n * md, Component.TRAINABLE_PARAMS) for n in head]
-        trainable += [(_blk(n * md), n) for n in head]
+        trainable += [(_blk(n * md), n, md) for n in head]
     return _Tensors(trainable=tuple(trainable), created=tuple(created))
 
 
@@ -196,11 +199,11 @@ def _pooler_adapted(rs: ResolvedSpec) -> bool:
     return targets == ALL_LINEAR or (isinstance(targets, tuple) and "dense" in targets)
 
 
-def _states(optim: Optim, trainable: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+def _states(optim: Optim, trainable: tuple[tuple[int, int, int], ...]) -> tuple[int, ...]:
     """The optimizer's state tensors in creation order (torch/optim/adamw.py _init_group: a
     fused AdamW keeps each `step` as an fp32 scalar on the device)."""
     states: list[int] = []
-    for nbytes, elements in trainable:
+    for nbytes, elements, _ in trainable:
         if optim is Optim.ADAMW_TORCH_FUSED:
             states += [FP32_BYTES, nbytes, nbytes]
         elif optim is Optim.ADAMW_TORCH:
@@ -219,12 +222,12 @@ def _bnb_8bit(elements: int) -> list[int]:
     return [elements * UINT8_BYTES, elements * UINT8_BYTES, absmax, absmax]
 
 
-def _paged_state(optim: Optim, trainable: tuple[tuple[int, int], ...]) -> int:
+def _paged_state(optim: Optim, trainable: tuple[tuple[int, int, int], ...]) -> int:
     """Optimizer state in managed memory, outside the allocator (bitsandbytes' paged ones)."""
     if optim is Optim.PAGED_ADAMW_8BIT:
-        return sum(_blk(n) for _, e in trainable for n in _bnb_8bit(e))
+        return sum(_blk(n) for _, e, _ in trainable for n in _bnb_8bit(e))
     if optim is Optim.PAGED_ADAMW_32BIT:
-        return sum(2 * _blk(e * FP32_BYTES) for _, e in trainable)
+        return sum(2 * _blk(e * FP32_BYTES) for _, e, _ in trainable)
     return 0
 
 
@@ -294,9 +297,9 @@ def encoder_shape(
         embed_trainable=full,
         tied=False,
         updater=updater,
-        trainable=tuple(n for n, _ in tensors.trainable),
+        trainable=tuple(n for n, _, _ in tensors.trainable),
         states=_states(spec.optim, tensors.trainable),
-        largest_trainable=max((e for _, e in tensors.trainable), default=0),
+        largest_trainable=max((e for _, e, _ in tensors.trainable), default=0),
         workspace=cublas_workspace(compute_capability),
         lt_workspace=CUBLASLT_WORKSPACE,
         autocast=spec.autocast,
@@ -315,7 +318,35 @@ def encoder_shape(
         head_trainable=full,
         classifier_trainable=True,
         weights=tensors.created,
+        buckets=_ddp_buckets(spec, tensors.trainable) if spec.parallel.gpus > 1 else (),
+        grads_in_buckets=spec.parallel.gpus > 1 and spec.parallel.gradient_as_bucket_view,
     )
+
+
+# torch/nn/parallel/distributed.py: DDP's first bucket holds 1 MiB (_DEFAULT_FIRST_BUCKET_BYTES),
+# later ones bucket_cap_mb.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+MIB_BYTES = 1024 * 1024
+
+
+def _ddp_buckets(
+    spec: TrainingSpec, trainable: tuple[tuple[int, int, int], ...]
+) -> tuple[int, ...]:
+    """The reducer's flat buckets (torch/csrc/distributed/c10d/reducer.cpp
+    compute_bucket_assignment_by_size): parameters in reverse order, a bucket closed once it
+    reaches its cap (the first 1 MiB, then bucket_cap_mb), each in the gradients' dtype."""
+    buckets: list[int] = []
+    current = 0
+    cap = DDP_FIRST_BUCKET_BYTES
+    for _, elements, itemsize in reversed(trainable):
+        current += elements * itemsize
+        if current >= cap:
+            buckets.append(current)
+            current = 0
+            cap = spec.parallel.bucket_cap_mb * MIB_BYTES
+    if current:
+        buckets.append(current)
+    return tuple(buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +422,7 @@ def encoder_estimate(
     over = _levels(arch, spec, shape, peak.allocated_bytes, replayed, compute_capability)
     total = arch.total_params - arch.classifier_params(arch.num_labels)
     total += arch.classifier_params(shape.labels)
-    trainable = sum(e for _, e in _tensors(arch, rs, adapted_linears(arch, rs)).trainable)
+    trainable = sum(e for _, e, _ in _tensors(arch, rs, adapted_linears(arch, rs)).trainable)
     assumptions = [
         *rs.assumptions,
         f"sequence classification as transformers' "
@@ -442,7 +473,7 @@ def _levels(
         allocated=allocated,
         reserved=replayed.reserved,
         paged_state=_paged_state(spec.optim, trainable),
-        gpus=1,
+        gpus=spec.parallel.gpus,
         row=device_row(compute_capability, fused_attention=fused),
         uncertainty=_uncertainty(arch, spec),
     )

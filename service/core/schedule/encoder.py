@@ -44,6 +44,10 @@ class EncoderShape:
     head_trainable: bool  # the pooler trains (full fine-tuning)
     classifier_trainable: bool  # full fine-tuning, or PEFT's SEQ_CLS modules_to_save copy
     weights: tuple[tuple[int, Component], ...]  # the model's tensors in creation order
+    # DDP's reducer: its flat gradient buckets (allocated when it wraps the model), and
+    # whether each .grad is a view into them (gradient_as_bucket_view)
+    buckets: tuple[int, ...] = ()
+    grads_in_buckets: bool = False
 
 
 # An event `(key, RELABEL)` makes a live tensor a gradient: AccumulateGrad has stored it in
@@ -60,6 +64,7 @@ class _LabelledProgram(_Program):
     labels: dict[int, Component] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)
     relabelled: set[int] = field(default_factory=set)
+    copied: list[int] = field(default_factory=list)  # gradients copied into DDP's buckets
 
     def alloc(self, nbytes: int) -> int:
         self.flush()
@@ -69,6 +74,8 @@ class _LabelledProgram(_Program):
         return key
 
     def flush(self) -> None:
+        copied, self.copied = self.copied, []
+        self.free(*copied)
         for key in self.pending:
             if key in self.refs and key not in self.relabelled:
                 self.relabelled.add(key)
@@ -102,6 +109,12 @@ class _EncoderStep(_Step):
         self.lp.component = component
 
     def grad(self, nbytes: int) -> None:
+        if self.enc.grads_in_buckets:
+            # AccumulateGrad copies the new gradient into its bucket view and lets it go
+            key = self.p.alloc(nbytes)
+            self.lp.labels[key] = Component.BACKWARD_TEMPORARIES
+            self.lp.copied.append(key)
+            return
         before = self.lp.component
         self.lp.component = Component.BACKWARD_TEMPORARIES
         try:
@@ -680,6 +693,9 @@ def encoder_events(shape: EncoderShape, steps: int = 2) -> EncoderEvents:
     prog = _LabelledProgram()
     for nbytes, component in shape.weights:
         prog.component = component
+        prog.alloc(nbytes)
+    prog.component = Component.COMMUNICATION
+    for nbytes in shape.buckets:
         prog.alloc(nbytes)
     prog.component = Component.INPUTS
     prog.alloc(shape.step.tokens * INT64_BYTES)  # input_ids
