@@ -135,6 +135,7 @@ def _kernel(arch: ModelArch, spec: TrainingSpec) -> Kernel:
 
 
 def num_labels(arch: ModelArch, spec: TrainingSpec) -> int:
+    """The classifier's classes: the request's, else the config's."""
     return spec.num_labels if spec.num_labels is not None else arch.num_labels
 
 
@@ -234,6 +235,8 @@ def _paged_state(optim: Optim, trainable: tuple[tuple[int, int, int], ...]) -> i
 def encoder_shape(
     arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None
 ) -> EncoderShape:
+    """What the encoder's schedule is built from, for `spec` (InvalidSpecError when the spec
+    asks for what an encoder is not modelled with)."""
     rs = check_encoder_spec(arch, spec)
     adapted = adapted_linears(arch, rs)
     md = DTYPE_BYTES[spec.dtype]
@@ -416,6 +419,8 @@ def _phases(
 def encoder_estimate(
     arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None, version: str
 ) -> Estimate:
+    """The estimate of an encoder's step: the phase windows' allocated peaks and breakdowns
+    from the replay, the reserved peak from the allocator model, the device level above."""
     shape, replayed, phases = _phases(arch, spec, compute_capability)
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     rs = resolve(spec)
@@ -431,6 +436,12 @@ def encoder_estimate(
     ]
     if spec.method is not Method.FULL:
         assumptions.append("PEFT's sequence-classification task trains the classifier whole")
+    if spec.parallel.gpus > 1:
+        assumptions.append(
+            f"DDP over {spec.parallel.gpus} GPUs: every rank holds the whole model, its "
+            f"gradients and optimizer state, plus the reducer's gradient buckets "
+            f"({spec.parallel.bucket_cap_mb} MB each)"
+        )
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -452,6 +463,7 @@ def encoder_estimate(
 def encoder_peak_levels(
     arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None
 ) -> PeakLevels:
+    """`encoder_estimate`'s four levels without the breakdown."""
     shape, replayed, phases = _phases(arch, spec, compute_capability)
     allocated = max(ph.allocated_bytes for ph in phases)
     over = _levels(arch, spec, shape, allocated, replayed, compute_capability)
