@@ -99,7 +99,23 @@ def _optim(raw: str, framework: str) -> Optim:
         return Optim.SGD
     if "fused" in text:
         return Optim.ADAMW_TORCH_FUSED
+    if "adafactor" in text:
+        return Optim.ADAFACTOR
+    if "adam8bit" in text or "adamw8bit" in text:
+        return Optim.ADAMW_BNB_8BIT
+    if "adamw_hf" in text:
+        # transformers' own AdamW (optimization.py): fp32 states updated one parameter at a
+        # time, like the fused kernel no state-sized temporaries (one parameter's at most)
+        return Optim.ADAMW_TORCH_FUSED
     return Optim.ADAMW_TORCH
+
+
+def _dtype(raw: str) -> tuple[DType, bool]:
+    """The weights' dtype and whether autocast (HF Trainer's fp16/bf16 mixed precision) runs;
+    rows that do not say fp32 keep the bf16 default."""
+    text = raw.lower()
+    dtype = DType.FP32 if text.startswith("fp32") else DType.BF16
+    return dtype, "autocast" in text
 
 
 def _parallel(row: dict[str, str]) -> ParallelSpec:
@@ -178,6 +194,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     prepare_kbit=framework is Framework.HF,
                 )
             attn = raw["attn_impl"].lower()
+            dtype, autocast = _dtype(raw["base_dtype"])
             try:
                 spec = TrainingSpec(
                     method=method,
@@ -185,6 +202,8 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     seq_len=int(seq_text),
                     lora=lora,
                     quantization=quant,
+                    dtype=dtype,
+                    autocast=autocast,
                     optim=_optim(raw["optimizer"], raw["framework"]),
                     gradient_checkpointing=_checkpointing(raw),
                     gradient_accumulation_steps=int(raw["grad_accum"] or 1),
@@ -195,8 +214,6 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     else AttnImpl.SDPA,
                     framework=framework,
                     parallel=_parallel(raw),
-                    # PEFT's example scripts load without torch_dtype: fp32 weights
-                    dtype=DType.FP32 if raw["base_dtype"].startswith("fp32 (") else DType.BF16,
                 )
             except EstimatorError as exc:
                 skipped.append(Skipped(rid, str(exc)))

@@ -110,6 +110,12 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
     train.add_argument("--loss", choices=_choices(LossImpl))
+    train.add_argument(
+        "--num-labels",
+        type=int,
+        help="classes of an encoder's (BERT) sequence-classification head (default: the "
+        "model's, 2)",
+    )
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     train.add_argument(
         "--stack",
@@ -209,6 +215,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,
             "framework": args.framework,
+            "num_labels": getattr(args, "num_labels", None),
             "stack": _stack_value(getattr(args, "stack", None)),
             "parallel": _given(
                 {

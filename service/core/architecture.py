@@ -98,6 +98,14 @@ class ModelArch:
     # The model always builds an explicit causal mask (FalconModel calls create_causal_mask
     # with allow_is_causal_skip=False), so SDPA never runs without one.
     explicit_mask: bool = False
+    # Encoders (BERT): bidirectional attention, LayerNorm after each residual add, absolute
+    # position and token-type embeddings, a pooler and a sequence-classification head.
+    encoder: bool = False
+    type_vocab_size: int = 0
+    num_labels: int = 0  # the classification head's classes (config.num_labels)
+    hidden_dropout: float = 0.0  # hidden_dropout_prob
+    attention_dropout: float = 0.0  # attention_probs_dropout_prob
+    classifier_dropout: float = 0.0  # classifier_dropout, else hidden_dropout_prob
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -151,11 +159,27 @@ class ModelArch:
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        """The input embeddings: words (and an encoder's positions and token types)."""
+        rows = self.vocab_size
+        if self.encoder:
+            rows += self.max_position_embeddings + self.type_vocab_size
+        return rows * self.hidden_size
+
+    @property
+    def pooler_params(self) -> int:
+        """An encoder's pooler: dense (hidden x hidden, bias) on the first token."""
+        return self.hidden_size * self.hidden_size + self.hidden_size if self.encoder else 0
+
+    def classifier_params(self, num_labels: int) -> int:
+        """An encoder's classifier: Linear(hidden, num_labels) with bias."""
+        return (self.hidden_size + 1) * num_labels if self.encoder else 0
 
     @property
     def lm_head_params(self) -> int:
-        """Parameters the LM head adds (zero when tied to the embedding)."""
+        """Parameters the LM head adds (zero when tied to the embedding); an encoder's head is
+        its pooler and classifier."""
+        if self.encoder:
+            return self.pooler_params + self.classifier_params(self.num_labels)
         if self.tie_word_embeddings:
             return 0
         return self.vocab_size * self.hidden_size + (self.vocab_size if self.lm_head_bias else 0)
@@ -263,9 +287,13 @@ _LLAMA_LIKE = {
     "qwen3_moe",
 }
 
+# Encoder model types, run as transformers' <Model>ForSequenceClassification.
+ENCODER_MODEL_TYPES = frozenset({"bert"})
+
 SUPPORTED_MODEL_TYPES = frozenset(
     _LLAMA_LIKE
     | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm", "falcon", "bloom"}
+    | ENCODER_MODEL_TYPES
 )
 
 
@@ -296,6 +324,7 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
         "stablelm": _stablelm,
         "falcon": _falcon,
         "bloom": _bloom,
+        "bert": _bert,
     }
     return builders[model_type](c, model_type)
 
@@ -696,4 +725,63 @@ def _bloom(c: _Config, model_type: str) -> ModelArch:
         ),
         alibi=True,
         embedding_norm=True,
+    )
+
+
+# transformers' PreTrainedConfig: num_labels defaults to 2 (id2label of two classes).
+DEFAULT_NUM_LABELS = 2
+# transformers' BertConfig defaults (models/bert/configuration_bert.py).
+BERT_DROPOUT = 0.1
+BERT_TYPE_VOCAB_SIZE = 2
+
+
+def _dropout(c: _Config, name: str, default: float) -> float:
+    value = c.float_or_none(name)
+    if value is None:
+        return default
+    if not 0.0 <= value < 1.0:
+        raise InvalidConfigError(name, f"must be in [0, 1), got {value!r}")
+    return value
+
+
+def _bert(c: _Config, model_type: str) -> ModelArch:
+    """BertForSequenceClassification (transformers models/bert/modeling_bert.py): post-LN
+    layers of query/key/value (bias), attention.output.dense, intermediate.dense (GELU) and
+    output.dense; word, position and token-type embeddings with a LayerNorm; the pooler."""
+    base = _common(c, model_type)
+    base["hidden_act"] = c.string("hidden_act", "gelu")
+    base["max_position_embeddings"] = c.integer("max_position_embeddings", default=512)
+    base["tie_word_embeddings"] = False
+    h = base["hidden_size"]
+    if base["num_key_value_heads"] != base["num_attention_heads"]:
+        raise InvalidConfigError("num_key_value_heads", "BERT has as many as attention heads")
+    i = c.integer("intermediate_size", default=4 * h)
+    labels = c.integer("num_labels", default=0)
+    id2label = c.raw.get("id2label")
+    if not labels and isinstance(id2label, Mapping) and id2label:
+        labels = len(id2label)
+    hidden_dropout = _dropout(c, "hidden_dropout_prob", BERT_DROPOUT)
+    return ModelArch(
+        **base,
+        intermediate_size=i,
+        norm=NormKind.LAYER,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.PLAIN,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=(
+            _linear("query", LinearKind.ATTN_QKV, h, h, bias=True),
+            _linear("key", LinearKind.ATTN_QKV, h, h, bias=True),
+            _linear("value", LinearKind.ATTN_QKV, h, h, bias=True),
+            _linear("attention.output.dense", LinearKind.ATTN_OUT, h, h, bias=True),
+            _linear("intermediate.dense", LinearKind.MLP_IN, h, i, bias=True),
+            _linear("output.dense", LinearKind.MLP_OUT, i, h, bias=True),
+        ),
+        encoder=True,
+        type_vocab_size=c.integer("type_vocab_size", default=BERT_TYPE_VOCAB_SIZE),
+        num_labels=labels or DEFAULT_NUM_LABELS,
+        hidden_dropout=hidden_dropout,
+        attention_dropout=_dropout(c, "attention_probs_dropout_prob", BERT_DROPOUT),
+        classifier_dropout=_dropout(c, "classifier_dropout", hidden_dropout),
     )

@@ -30,6 +30,7 @@ from service.core.limits import (
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
+    MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
     MAX_ZERO_ELEMENTS,
@@ -67,9 +68,12 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
-    """The spec as plain JSON values, every field included, in the spec's field order."""
+    """The spec as plain JSON values, every field included, in the spec's field order; the
+    encoder-only `num_labels` only when set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
+    if plain.get("num_labels") is None:
+        plain.pop("num_labels", None)
     return plain
 
 
@@ -347,5 +351,6 @@ _TRAINING: dict[str, Check] = {
     "framework": _choice(Framework),
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
+    "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),
     "stack": _stack,
 }

@@ -11,6 +11,8 @@ MAX_SEQ_LEN = 1_048_576  # 1M tokens
 MAX_GRADIENT_ACCUMULATION = 65_536
 MAX_GRAD_NORM = 1e6  # far above any clipping threshold in use
 MAX_LORA_R = 16_384
+# Classes of a sequence-classification head: far above any label set in use.
+MAX_NUM_LABELS = 100_000
 MAX_LORA_ALPHA = 1_000_000
 MAX_GPUS = 1024
 MAX_BUCKET_CAP_MB = 1 << 20  # DDP's bucket cap, in MB: up to 1 TiB

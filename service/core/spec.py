@@ -298,9 +298,14 @@ class TrainingSpec:
     framework: Framework = Framework.HF
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     allocator: AllocatorConfig = DEFAULT_ALLOCATOR  # PYTORCH_CUDA_ALLOC_CONF
+    # Classes of an encoder's sequence-classification head (config.num_labels); None: the
+    # model's (transformers' PreTrainedConfig default, 2). Decoders take none.
+    num_labels: int | None = None
     stack: Stack = PINNED_STACK  # the library versions the job runs on
 
     def __post_init__(self) -> None:
+        if self.num_labels is not None and self.num_labels < 1:
+            raise InvalidSpecError("num_labels", "must be at least 1")
         if self.batch_size < 1:
             raise InvalidSpecError("batch_size", "must be at least 1")
         if self.seq_len < 1:

@@ -18,6 +18,7 @@ from typing import Any
 import bitsandbytes as bnb
 import torch
 
+from service.core.architecture import ENCODER_MODEL_TYPES
 from service.core.result import Component
 from service.core.spec import ALL_LINEAR, Method, QuantType, ResolvedSpec
 from service.core.units import DType
@@ -52,22 +53,34 @@ class BuiltModel:
     decoder_layers: torch.nn.ModuleList
 
 
+def is_encoder(config: Mapping[str, Any]) -> bool:
+    """Whether the model runs as a sequence classifier (an encoder such as BERT)."""
+    return config.get("model_type") in ENCODER_MODEL_TYPES
+
+
 def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> BuiltModel:
-    """The training model of `resolved`, every tensor on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The training model of `resolved`, every tensor on the meta device: a causal LM, or for
+    an encoder its sequence classifier with the spec's `num_labels`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     spec = resolved.spec
     dtype = TORCH_DTYPES[spec.dtype]
     values = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     model_type = values.pop("model_type")
+    encoder = model_type in ENCODER_MODEL_TYPES
+    if encoder and spec.num_labels is not None:
+        values.pop("id2label", None)
+        values.pop("label2id", None)
+        values["num_labels"] = spec.num_labels
     hf_config = AutoConfig.for_model(model_type, **values)
     attn = spec.attn_implementation.value
     if attn == "flash_attention_2":
         attn = "sdpa"  # same saved tensors through SDPA's flash op; flash_attn is not needed
     hf_config._attn_implementation = attn
+    auto = AutoModelForSequenceClassification if encoder else AutoModelForCausalLM
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = auto.from_config(hf_config, dtype=dtype)
     model.config.use_cache = False
     model.train()
 
@@ -81,12 +94,15 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return BuiltModel(
         model=model,
-        lm_head=base.get_output_embeddings(),
+        lm_head=base.classifier if encoder else base.get_output_embeddings(),
         decoder_layers=_decoder_layers(base),
     )
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    encoder = getattr(getattr(model, "bert", None), "encoder", None)
+    if encoder is not None:
+        return encoder.layer
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(inner, "layers", None)
     if layers is None:  # Falcon's and BLOOM's stack is `h`
@@ -171,7 +187,11 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         lora_dropout=resolved.lora_dropout,
         target_modules=target,
         modules_to_save=list(lora.modules_to_save) or None,
-        task_type="CAUSAL_LM",
+        # An encoder's classifier: PEFT's sequence-classification task trains the classifier
+        # whole beside the adapters (PeftModelForSequenceClassification: modules_to_save).
+        task_type="SEQ_CLS"
+        if getattr(model.config, "model_type", "") in ENCODER_MODEL_TYPES
+        else "CAUSAL_LM",
     )
     spec = resolved.spec
     if spec.method is Method.LORA and spec.gradient_checkpointing:
@@ -240,6 +260,10 @@ def materialize(
             data = torch.empty_strided(
                 tensor.shape, tensor.stride(), dtype=tensor.dtype, device=fake_device
             )
+            if kind == "buffer" and not data.is_floating_point():
+                # index buffers (BERT's position_ids and token_type_ids) must hold valid
+                # indices in a real run; zeros are (in place: no allocation)
+                data.zero_()
             if isinstance(tensor, bnb.nn.Params4bit):
                 # A Params4bit cannot wrap a fake tensor; a Parameter carrying the attributes
                 # bitsandbytes reads from it behaves the same in forward and backward.

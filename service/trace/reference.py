@@ -226,6 +226,8 @@ MISTRAL_7B = "mistralai/Mistral-7B-v0.1"
 GEMMA_2B = "google/gemma-2-2b"
 PHI_3 = "microsoft/Phi-3-mini-4k-instruct"
 QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
+BERT_BASE = "google-bert/bert-base-uncased"
+BERT_LARGE = "google-bert/bert-large-uncased"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -472,6 +474,27 @@ def matrix() -> list[Case]:
                         ),
                     )
     cases.extend(_falcon_bloom_cases())
+    # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
+    # dropout on the hidden states and the attention probabilities, pooler and classifier.
+    fp32 = DType.FP32
+    add(
+        BERT_BASE,
+        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager),
+        _spec(full, 4, 512, dtype=fp32, **mixed),
+        _spec(full, 4, 512, ckpt=True, dtype=fp32),
+        _spec(lora, 4, 512, lora=_lora(r=8, targets=None)),
+    )
+    add(
+        BERT_BASE,
+        _spec(lora, 4, 512, ckpt=True, lora=_lora(r=8, targets=None)),
+        _spec(lora, 2, 256, attn_implementation=eager, lora=_lora(r=8, lora_dropout=0.1)),
+        _spec(full, 2, 256, gradient_accumulation_steps=2),
+    )
+    add(
+        BERT_LARGE,
+        _spec(full, 1, 512, dtype=fp32),
+        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
+    )
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 
@@ -568,6 +591,13 @@ def parallel_matrix() -> list[Case]:
         ParallelSpec(strategy=Strategy.FSDP2, reshard_after_forward=False),
     ):
         add(QWEN_05B, base, setup, 4)
+    # An encoder (BERT sequence classification) under DDP.
+    ddp = setups[0]
+    fp32 = DType.FP32
+    add(BERT_BASE, _spec(full, 4, 512, dtype=fp32), ddp, 2)
+    add(BERT_BASE, _spec(lora, 4, 512, lora=_lora(r=8, targets=None)), ddp, 2)
+    bucket_view = ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True)
+    add(BERT_BASE, _spec(full, 2, 512, ckpt=True, dtype=fp32), bucket_view, 4)
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 

@@ -39,7 +39,7 @@ from service.core.stack import PINNED_STACK
 from service.core.units import DType
 from service.trace import kernels, parallel
 from service.trace.autocast import cuda_autocast_policy
-from service.trace.model import LEARNING_RATE, build_meta_model, materialize
+from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
     CUDA_MIN_BLOCK_BYTES,
     MemoryEvent,
@@ -339,7 +339,9 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            _run_steps(model, params, optimizer, tracker, steering, spec)
+            _run_steps(
+                model, params, optimizer, tracker, steering, spec, classes=is_encoder(config)
+            )
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
             phase_reserved = tracker.phase_reserved()
@@ -390,6 +392,8 @@ def _run_steps(
     tracker: StorageTracker,
     steering: _Steering,
     spec: TrainingSpec,
+    *,
+    classes: bool = False,
 ) -> None:
     """HF Trainer's steps (trainer.py training_step and _inner_training_loop): the forward and
     the loss under autocast when mixed precision is on (accelerate's autocast), backward
@@ -401,7 +405,9 @@ def _run_steps(
     scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
     with tracker.labelling(Component.INPUTS):
         input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
-        labels = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
+        # a sequence classifier's labels are one class id per sequence
+        label_shape = (spec.batch_size,) if classes else (spec.batch_size, spec.seq_len)
+        labels = torch.zeros(label_shape, dtype=torch.long)
         logged = torch.zeros(())  # Trainer's tr_loss
     for step in range(1, STEPS + 1):
         steering.step = step

@@ -56,7 +56,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 64,
     },
+    # BERT sequence classification, eager attention: the CPU flash op takes no dropout, and
+    # eager runs the attention-probability dropout as its own op.
+    "tiny-bert": {
+        "model_type": "bert",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+        "hidden_act": "gelu",
+        "pad_token_id": 0,
+    },
 }
+# Tiny models whose validation runs eager attention.
+_EAGER = ("tiny-gemma2", "tiny-bert")
 
 BATCH, SEQ = 2, 32
 NO_OP = "(no op)"
@@ -70,7 +85,7 @@ def validation_cases() -> list[tuple[str, TrainingSpec]]:
 
     cases: list[tuple[str, TrainingSpec]] = []
     for model in TINY_CONFIGS:
-        attention = {"attn_implementation": AttnImpl.EAGER} if model == "tiny-gemma2" else {}
+        attention = {"attn_implementation": AttnImpl.EAGER} if model in _EAGER else {}
         for ckpt in (False, True):
             cases.append(
                 (

@@ -207,3 +207,26 @@ def test_other_methods_and_mounted_paths_are_answered_as_the_router_does(
     # Served under a root path, the estimate is found at the same route.
     with TestClient(client.app, root_path="/api") as mounted:
         assert mounted.post("/api/v1/estimates", json=SMALL_JOB).json() == answer
+
+
+def test_an_encoder_job_takes_num_labels(client: TestClient) -> None:
+    job = {"model": "bert-base-uncased", "method": "full", "batch_size": 4, "seq_len": 512}
+    two = client.post("/v1/estimates", json=job)
+    many = client.post("/v1/estimates", json={**job, "num_labels": 100})
+    assert two.status_code == many.status_code == 200, many.text
+    assert many.json()["params"]["total"] > two.json()["params"]["total"]
+
+
+def test_num_labels_on_a_decoder_is_422(client: TestClient) -> None:
+    body = _problem(client.post("/v1/estimates", json={**SMALL_JOB, "num_labels": 3}), 422)
+    assert body["errors"][0]["loc"] == ["body", "num_labels"]
+    assert "encoder" in body["errors"][0]["detail"]
+
+
+def test_a_target_module_bert_lacks_is_422(client: TestClient) -> None:
+    job = {"model": "bert-base-uncased", "batch_size": 4, "seq_len": 512}
+    body = _problem(
+        client.post("/v1/estimates", json={**job, "lora": {"target_modules": ["q_proj"]}}), 422
+    )
+    assert body["errors"][0]["loc"] == ["body", "lora", "target_modules"]
+    assert "query" in body["errors"][0]["detail"]

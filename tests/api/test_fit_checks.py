@@ -295,3 +295,11 @@ def test_bad_placement_input_is_422_naming_the_field(client: TestClient) -> None
         )
         assert response.status_code == 422, placement
         assert response.json()["errors"][0]["loc"] == loc, placement
+
+
+def test_an_encoder_job_fits_on_one_gpu(client: TestClient) -> None:
+    job = {"model": "bert-large-uncased", "method": "full", "batch_size": 4, "seq_len": 512}
+    response = client.post("/v1/fit-checks", json={"job": {**job, "dtype": "fp32"}, "gpus": ["L4"]})
+    assert response.status_code == 200, response.text
+    [result] = response.json()["results"]
+    assert result["fits"]

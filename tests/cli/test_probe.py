@@ -462,3 +462,12 @@ def test_the_matrix_cases_are_named_once_and_runnable() -> None:
     with pytest.raises(SystemExit) as exited:
         probe.main([])  # --matrix is required
     assert exited.value.code == 2
+
+
+def test_measure_runs_an_encoder_with_class_labels() -> None:
+    spec = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=16)
+    case = ProbeCase(name="tiny-bert-full", model_id="tiny-bert", spec=spec)
+    readings = FakeGpu(steps=[(3 * GIB, 4 * GIB)], end_used=5 * GIB)
+    record = probe.measure(case, TINY_CONFIGS["tiny-bert"], base_used=GIB, readings=readings)
+    assert "error" not in record, record.get("trace")
+    assert (record["max_allocated"], record["max_reserved"]) == (3 * GIB, 4 * GIB)

@@ -162,8 +162,19 @@ def test_every_spec_round_trips_through_json(spec: TrainingSpec) -> None:
 @given(specs())
 def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
     data = spec_to_dict(spec)
-    assert list(data) == [f.name for f in dataclasses.fields(TrainingSpec)]
+    names = [f.name for f in dataclasses.fields(TrainingSpec)]
+    if spec.num_labels is None:  # encoder-only: written when set
+        names.remove("num_labels")
+    assert list(data) == names
     assert list(data["allocator"]) == [f.name for f in dataclasses.fields(AllocatorConfig)]
+
+
+def test_num_labels_is_written_when_set_and_read_back() -> None:
+    spec = TrainingSpec(batch_size=2, seq_len=16, num_labels=5)
+    assert spec_to_dict(spec)["num_labels"] == 5
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+    with pytest.raises(InvalidSpecError, match="num_labels"):
+        spec_from_dict({"batch_size": 2, "seq_len": 16, "num_labels": 0})
 
 
 def test_left_out_fields_take_their_defaults() -> None:

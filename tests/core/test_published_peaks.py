@@ -65,3 +65,28 @@ def test_tier_a_allocated(
     worst = max(abs(e) for _r, e in tier_a)
     assert worst <= TIER_A_TARGET, f"worst Tier A error {worst:.1%}"
     assert worst <= TIER_A_HELD, f"worst Tier A error {worst:.2%}"
+
+
+def test_the_bert_rows_map_to_their_runs(
+    errors: list[tuple[Row, float]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' single-GPU training page (bert-large-uncased on a V100, nvidia-smi): fp32
+    weights, fp16 mixed precision where it says so, each row's optimizer."""
+    bert = [(r, e) for r, e in errors if r.id.startswith("hfdocs-bert-")]
+    assert len(bert) == 9
+    for row, _err in bert:
+        assert row.model == "google-bert/bert-large-uncased" and row.level == "device"
+        assert row.spec.dtype.value == "fp32" and row.spec.seq_len == 512
+        assert compute_capability(row.gpu) == "7.0"
+    mixed = {r.id for r, _ in bert if r.spec.autocast}
+    assert mixed == {f"hfdocs-bert-0{i}" for i in (4, 5, 7, 9)}
+    optims = {r.id: r.spec.optim.value for r, _ in bert}
+    assert optims["hfdocs-bert-06"] == "adafactor" and optims["hfdocs-bert-08"] == "adamw_bnb_8bit"
+    with capsys.disabled():
+        print()
+        for row, err in bert:
+            print(
+                f"{row.id:<18}{row.spec.batch_size:>3}{row.spec.gradient_accumulation_steps:>3}"
+                f"  ckpt={row.spec.gradient_checkpointing!s:<6}{row.spec.optim.value:<20}"
+                f"{err:+7.1%}"
+            )

@@ -9,6 +9,7 @@ import pytest
 
 from service.core.result import Component, Phase
 from service.core.spec import Method, Strategy
+from service.core.units import DTYPE_BYTES
 from service.trace.reference import (
     PARALLEL_REFERENCE_DIR,
     iter_references,
@@ -107,9 +108,10 @@ def test_ddp_keeps_a_bucket_byte_for_every_gradient_byte_in_communication() -> N
     assert names
     for name in names:
         document = REFERENCES[name]
-        if spec_from_json(document["spec"]).parallel.gradient_as_bucket_view:
+        spec = spec_from_json(document["spec"])
+        if spec.parallel.gradient_as_bucket_view:
             continue  # the gradients are views of the buckets: counted as gradients
-        weights = document["params"]["total"] * BF16_BYTES
+        weights = document["params"]["total"] * DTYPE_BYTES[spec.dtype]
         for step in (1, 2):
             parts = _phase(document, step, Phase.FORWARD_END)
             # Every rank holds the whole model and buckets as large as its gradients.

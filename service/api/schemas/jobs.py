@@ -32,6 +32,7 @@ from service.core.limits import (
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
+    MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
     MAX_ZERO_ELEMENTS,
@@ -512,7 +513,7 @@ class JobSpec(In):
     """A fine-tuning job; everything but model, batch_size and seq_len defaults to what
     HF Trainer + PEFT do."""
 
-    integer_fields = integers("batch_size", "seq_len", "gradient_accumulation_steps")
+    integer_fields = integers("batch_size", "seq_len", "gradient_accumulation_steps", "num_labels")
 
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
@@ -559,6 +560,13 @@ class JobSpec(In):
         default_factory=AllocatorIn,
         description="PYTORCH_CUDA_ALLOC_CONF settings; default: PyTorch's.",
     )
+    num_labels: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_NUM_LABELS,
+        description="Classes of an encoder's sequence-classification head (BERT); null: the "
+        "model's, 2 by default. Encoder models only.",
+    )
     gpu: GpuField | None = Field(
         default=None,
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
@@ -598,5 +606,6 @@ class JobSpec(In):
             framework=self.framework,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
+            num_labels=self.num_labels,
             stack=self.stack.to_spec(),
         )

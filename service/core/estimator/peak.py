@@ -6,6 +6,8 @@ from dataclasses import replace
 
 from service.core.architecture import ModelArch
 from service.core.device import device_row
+from service.core.errors import InvalidSpecError
+from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.plan import _Plan
 from service.core.estimator.step import PHASES, _step
 from service.core.estimator.uncertainty import _uncertainty
@@ -25,6 +27,10 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
+    if _is_encoder(arch, spec):
+        return encoder_estimate(
+            arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
+        )
     st = _step(arch, spec, compute_capability)
     plan = st.plan
     p = plan.params
@@ -61,10 +67,25 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
+    if _is_encoder(arch, spec):
+        return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
     step = _step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
     return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
+
+
+def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
+    """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder."""
+    if arch.encoder:
+        return True
+    if spec.num_labels is not None:
+        raise InvalidSpecError(
+            "num_labels",
+            f"only encoder models (BERT) have a classification head; {arch.model_type!r} is a "
+            "decoder-only LM",
+        )
+    return False
 
 
 def _above(

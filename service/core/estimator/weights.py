@@ -54,6 +54,7 @@ def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
         "chatglm": ("query_key_value",),
         "falcon": ("query_key_value",),
         "bloom": ("query_key_value",),
+        "bert": ("query", "value"),
     }
     if arch.model_type not in defaults:
         raise InvalidSpecError(

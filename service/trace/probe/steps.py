@@ -56,6 +56,16 @@ def build_on_device(spec: TrainingSpec, config: Mapping[str, Any], device: str) 
     return built
 
 
+def _labels(model: Any, ids: Any) -> Any:
+    """A causal LM's labels are its input ids; a sequence classifier's (an encoder's) one
+    class id per sequence (a single row when `ids` is one sequence)."""
+    from service.core.architecture import ENCODER_MODEL_TYPES
+
+    if getattr(model.config, "model_type", "") not in ENCODER_MODEL_TYPES:
+        return ids.clone()
+    return ids[..., 0] % max(1, int(model.config.num_labels))
+
+
 def _base_model(model: Any) -> Any:
     """The transformers model inside a PEFT model (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -123,7 +133,7 @@ def run_loop(
     vocab = int(model.config.vocab_size)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (spec.batch_size, spec.seq_len), device=device)
-    labels = ids.clone()
+    labels = _labels(model, ids)
     readings.synchronize()
     record["before_steps_allocated"] = readings.allocated()
     steps = []
@@ -205,7 +215,7 @@ def run_trainer(
     generator = torch.Generator().manual_seed(0)
     rows = STEPS * b * spec.gradient_accumulation_steps
     data = [
-        {"input_ids": ids, "labels": ids.clone()}
+        {"input_ids": ids, "labels": _labels(model, ids)}
         for ids in torch.randint(0, vocab, (rows, s), generator=generator)
     ]
     base = _base_model(model)

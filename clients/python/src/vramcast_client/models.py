@@ -142,6 +142,8 @@ class Job(_Request):
     loss: LossName | None = None
     framework: FrameworkName | None = None
     parallel: Parallel | None = None
+    # An encoder's (BERT) sequence-classification classes; refused for decoder LMs.
+    num_labels: int | None = Field(default=None, ge=1)
     gpu: str | GpuRef | None = None
     # A preset ('hf-5.24', 'hf-4.48') or the versions.
     stack: str | Stack | None = None
