@@ -49,6 +49,7 @@ def choose_sdpa_kernel(
     head_dim: int,
     has_mask: bool,
     gqa: bool = False,
+    value_head_dim: int | None = None,
 ) -> SdpaKernel:
     """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient,
     else math.
@@ -60,13 +61,18 @@ def choose_sdpa_kernel(
     runs on math. Measured with torch._fused_sdp_choice on an H200 (torch 2.11,
     tests/data/gpu/h200_environment.json): fp32 chose math with enable_gqa and mem-efficient
     without, for every mask and head size. (Half precision chose cuDNN's kernel there, which
-    keeps what flash keeps: q, k, v, the output and an fp32 log-sum-exp.)
+    keeps what flash keeps: q, k, v, the output and an fp32 log-sum-exp.) Flash also needs
+    the value's head dim to equal the query's (check_head_dim_size_flash), which multi-head
+    latent attention's (192 for q and k, 128 for v in DeepSeek-V2/V3) is not; mem-efficient
+    takes them unequal.
     """
-    flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM
+    same_dims = value_head_dim is None or value_head_dim == head_dim
+    flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM and same_dims
     if requested is SdpaKernel.FLASH:
         if not flash_ok:
             raise ValueError(
-                "the flash SDPA kernel needs fp16/bf16, no attention mask and head_dim <= 256"
+                "the flash SDPA kernel needs fp16/bf16, no attention mask, head_dim <= 256 and "
+                "the value's head dim equal to the query's"
             )
         return SdpaKernel.FLASH
     if requested is not SdpaKernel.AUTO:
@@ -114,6 +120,7 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             head_dim=query.size(-1),
             has_mask=attn_mask is not None,
             gqa=enable_gqa and groups > 1,
+            value_head_dim=value.size(-1),
         )
         if cpu_flash and kernel is not SdpaKernel.MATH:
             if attn_mask is not None and attn_mask.dtype == torch.bool:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch
+from service.core.errors import InvalidConfigError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
+from service.core.estimator.weights import default_target_modules
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
@@ -115,7 +117,25 @@ class _Step(NamedTuple):
         ]
 
 
+def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
+    """Refuse the architectures the step's schedule does not model yet (after the spec's own
+    errors for them: PEFT's missing default LoRA targets)."""
+    if spec.lora is not None and spec.lora.target_modules is None:
+        default_target_modules(arch)
+    if arch.is_mla or arch.dense_layers:
+        raise InvalidConfigError(
+            "model_type",
+            f"{arch.model_type!r} is parsed (parameters, catalog) but its training step is not "
+            "modelled yet: multi-head latent attention (kv_b_proj expanding the latent, q/k and "
+            "v of different head dims, hence the mem-efficient SDPA kernel), dense first layers "
+            "beside MoE ones, and PEFT 0.21 turning LoRA targets gate_proj/up_proj/down_proj/"
+            "gate into adapters on the routed experts' 3-D parameters and the router, which "
+            "materialise each expert stack's weight delta",
+        )
+
+
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+    _check_modelled(arch, spec)
     check_stack(spec.stack, arch.is_moe)
     plan = _plan(arch, _PlanKey.of(spec, arch))
     rs = plan.rs
