@@ -9,11 +9,15 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.architecture import LinearKind, from_hf_config
-from service.core.errors import InvalidConfigError
+from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator import deepseek_lora_targets, deepseek_model_states
+from service.core.spec import LoraSpec
+from service.trace.reference import spec_from_json
 from tests.core.test_references import TRACES
 
 V2_LITE = default_catalog().resolve("deepseek-ai/DeepSeek-V2-Lite")
 V3 = default_catalog().resolve("deepseek-ai/DeepSeek-V3")
+REFERENCES = sorted(TRACES.glob("deepseek-v2-lite__*.json"))
 
 
 def _tiny(model_type: str = "deepseek_v2", **overrides: Any) -> dict[str, Any]:
@@ -113,3 +117,42 @@ def test_v3_needs_groups_dividing_its_experts() -> None:
     with pytest.raises(InvalidConfigError) as caught:
         from_hf_config(_tiny("deepseek_v3", n_group=3))
     assert caught.value.field == "n_group"
+
+
+@pytest.mark.parametrize("path", REFERENCES, ids=[p.stem for p in REFERENCES])
+def test_weights_match_the_traces_to_the_byte(path: Any) -> None:
+    """Frozen weights (4-bit linears, the fp32 router, fp32 experts after kbit preparation,
+    rotary buffers), trainable parameters (PEFT's adapters on the experts and the router),
+    and fused AdamW's state, as the traced step holds them at its peak."""
+    ref = json.loads(path.read_text())
+    states = deepseek_model_states(V2_LITE.arch, spec_from_json(ref["spec"]))
+    traced = ref["peak"]["components"]
+    assert states.frozen == traced["frozen_weights"]
+    assert states.trainable == traced["trainable_params"]
+    assert states.optimizer_state == traced["optimizer_state"]
+    assert (states.total_count, states.trainable_count) == (
+        ref["params"]["total"],
+        ref["params"]["trainable"],
+    )
+
+
+def _lora(targets: Any) -> LoraSpec:
+    return LoraSpec(r=16, lora_alpha=32, target_modules=targets)
+
+
+def test_peft_moves_mlp_targets_to_the_experts() -> None:
+    arch = V2_LITE.arch
+    all_linear = deepseek_lora_targets(arch, _lora("all-linear"))
+    assert all_linear.modules == {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+    assert all_linear.router and all_linear.gate_up and all_linear.down
+    mlp = deepseek_lora_targets(arch, _lora(("gate_proj", "up_proj", "down_proj")))
+    assert not mlp.modules and not mlp.router and mlp.gate_up and mlp.down
+    attention = deepseek_lora_targets(arch, _lora(("q_proj", "o_proj")))
+    assert attention.modules == {"q_proj", "o_proj"} and not attention.gate_up
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "gate_proj"), ("k_proj",), None])
+def test_targets_peft_refuses_are_refused(targets: Any) -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        deepseek_lora_targets(V2_LITE.arch, _lora(targets))
+    assert caught.value.field == "lora.target_modules"

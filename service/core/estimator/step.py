@@ -6,11 +6,11 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch
 from service.core.errors import InvalidConfigError
+from service.core.estimator.deepseek import deepseek_model_states
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
-from service.core.estimator.weights import default_target_modules
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
@@ -119,19 +119,26 @@ class _Step(NamedTuple):
 
 def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
     """Refuse the architectures the step's schedule does not model yet (after the spec's own
-    errors for them: PEFT's missing default LoRA targets)."""
-    if spec.lora is not None and spec.lora.target_modules is None:
-        default_target_modules(arch)
-    if arch.is_mla or arch.dense_layers:
-        raise InvalidConfigError(
-            "model_type",
-            f"{arch.model_type!r} is parsed (parameters, catalog) but its training step is not "
-            "modelled yet: multi-head latent attention (kv_b_proj expanding the latent, q/k and "
-            "v of different head dims, hence the mem-efficient SDPA kernel), dense first layers "
-            "beside MoE ones, and PEFT 0.21 turning LoRA targets gate_proj/up_proj/down_proj/"
-            "gate into adapters on the routed experts' 3-D parameters and the router, which "
-            "materialise each expert stack's weight delta",
-        )
+    errors for them: PEFT's LoRA targets), naming what their model states alone hold."""
+    if not (arch.is_mla or arch.dense_layers):
+        return
+    states = deepseek_model_states(arch, spec)
+    held = states.frozen + states.trainable + states.optimizer_state
+    floor = (
+        f"; on one GPU its weights and optimizer state alone hold {held / GIB:.2f} GiB "
+        "(a lower bound of the peak: gradients and activations come on top)"
+        if spec.parallel.gpus == 1
+        else ""
+    )
+    raise InvalidConfigError(
+        "model_type",
+        f"{arch.model_type!r} is parsed but its training step is not modelled yet: "
+        "multi-head latent attention (q/k and v of different head dims, hence SDPA's "
+        "mem-efficient kernel), dense first layers beside MoE ones, and the adapters PEFT 0.21 "
+        "puts on the routed experts' 3-D parameters and the router for gate_proj/up_proj/"
+        f"down_proj/gate targets, which materialise a weight-sized copy of each expert stack"
+        f"{floor}",
+    )
 
 
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
