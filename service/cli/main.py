@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from service.cli.options import CliError, add_spec_options, load_model, option_error, spec_from_args
-from service.core.errors import InvalidSpecError
+from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.result import PHASE_WORDS, Estimate, estimate_to_dict
 from service.core.units import GIB
@@ -62,6 +62,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         est = estimate(arch, spec, compute_capability=capability)
     except InvalidSpecError as exc:
         raise option_error(exc) from None
+    except InvalidConfigError as exc:
+        raise CliError(f"{model_id}: {exc}") from None
     if args.json:
         print(json.dumps({"model": model_id, **estimate_to_dict(est)}, indent=2))
     else:

@@ -106,6 +106,16 @@ class ModelArch:
     hidden_dropout: float = 0.0  # hidden_dropout_prob
     attention_dropout: float = 0.0  # attention_probs_dropout_prob
     classifier_dropout: float = 0.0  # classifier_dropout, else hidden_dropout_prob
+    # DeepSeek-V2/V3: the first `dense_layers` layers run a dense MLP (`dense_linears` replace
+    # the MLP entries of `linears` there), the rest the MoE block.
+    dense_layers: int = 0
+    dense_linears: tuple[Linear, ...] = ()
+    # Multi-head latent attention (DeepSeek-V2/V3): the latent widths (q_lora_rank 0 when q
+    # has one projection) and the rotary and value head dims; kv_lora_rank 0 without MLA.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -149,13 +159,33 @@ class ModelArch:
         return per
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def layer_norm_params(self) -> int:
         qk = 2 * self.head_dim if self.qk_norm else 0
-        return self.norms_per_layer * self.norm_params + qk
+        # MLA's RMSNorms on the latents (q_a_layernorm, kv_a_layernorm)
+        latent = self.q_lora_rank + self.kv_lora_rank
+        return self.norms_per_layer * self.norm_params + qk + latent
 
     @property
     def layer_params(self) -> int:
+        """One layer's parameters (a MoE layer's where the first layers are dense)."""
         return sum(lin.params for lin in self.linears) + self.layer_norm_params
+
+    @property
+    def dense_layer_params(self) -> int:
+        """One of the leading dense layers' parameters (0 when there are none)."""
+        if not self.dense_layers:
+            return 0
+        return sum(lin.params for lin in self.dense_linears) + self.layer_norm_params
+
+    @property
+    def layers_params(self) -> int:
+        """All decoder layers' parameters."""
+        sparse = self.num_hidden_layers - self.dense_layers
+        return sparse * self.layer_params + self.dense_layers * self.dense_layer_params
 
     @property
     def embedding_params(self) -> int:
@@ -188,7 +218,7 @@ class ModelArch:
     def total_params(self) -> int:
         return (
             self.embedding_params
-            + self.num_hidden_layers * self.layer_params
+            + self.layers_params
             + self.norm_params * (2 if self.embedding_norm else 1)
             + self.lm_head_params
         )
@@ -203,7 +233,7 @@ class ModelArch:
             for lin in self.linears
             if lin.expert and lin.count > 1
         )
-        return self.total_params - self.num_hidden_layers * inactive
+        return self.total_params - (self.num_hidden_layers - self.dense_layers) * inactive
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,9 +319,12 @@ _LLAMA_LIKE = {
 
 # Encoder model types, run as transformers' <Model>ForSequenceClassification.
 ENCODER_MODEL_TYPES = frozenset({"bert"})
+# Multi-head latent attention and DeepSeekMoE (transformers' deepseek_v2 and deepseek_v3).
+_DEEPSEEK = {"deepseek_v2", "deepseek_v3"}
 
 SUPPORTED_MODEL_TYPES = frozenset(
     _LLAMA_LIKE
+    | _DEEPSEEK
     | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm", "falcon", "bloom"}
     | ENCODER_MODEL_TYPES
 )
@@ -314,6 +347,8 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
         raise InvalidConfigError("model_type", f"{model_type!r} is not supported (known: {known})")
     if model_type in _LLAMA_LIKE:
         return _llama_like(c, model_type)
+    if model_type in _DEEPSEEK:
+        return _deepseek(c, model_type)
     builders = {
         "phi3": _phi3,
         "glm": _glm,
@@ -784,4 +819,142 @@ def _bert(c: _Config, model_type: str) -> ModelArch:
         hidden_dropout=hidden_dropout,
         attention_dropout=_dropout(c, "attention_probs_dropout_prob", BERT_DROPOUT),
         classifier_dropout=_dropout(c, "classifier_dropout", hidden_dropout),
+    )
+
+
+# DeepSeek-V2's routers (transformers 5.24 DeepseekV2TopkRouter.forward): any other method
+# leaves the top-k undefined.
+_DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _deepseek(c: _Config, model_type: str) -> ModelArch:
+    """DeepSeek-V2/V3 as transformers 5.24 builds them (modeling_deepseek_v2.py, _v3.py):
+    multi-head latent attention (q_proj, or q_a_proj + q_a_layernorm + q_b_proj when
+    q_lora_rank is set; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj), a dense MLP in
+    the first `first_k_dense_replace` layers and DeepSeekMoE in the rest: an fp32 router, the
+    routed experts as 3-D parameters, and `n_shared_experts` shared experts as one MLP of
+    moe_intermediate_size * n_shared_experts. transformers ignores `moe_layer_freq` and
+    builds no multi-token-prediction layers, and neither is counted."""
+    base = _common(c, model_type)
+    h, heads = base["hidden_size"], base["num_attention_heads"]
+    layers = base["num_hidden_layers"]
+    q_rank = c.integer("q_lora_rank", default=0)
+    kv_rank = c.integer("kv_lora_rank")
+    nope = c.integer("qk_nope_head_dim")
+    rope = c.integer("qk_rope_head_dim")
+    v_dim = c.integer("v_head_dim")
+    for name, value in (
+        ("kv_lora_rank", kv_rank),
+        ("qk_rope_head_dim", rope),
+        ("v_head_dim", v_dim),
+    ):
+        if value == 0:
+            raise InvalidConfigError(name, "must be a positive integer")
+    if rope % 2:
+        raise InvalidConfigError("qk_rope_head_dim", f"must be even (RoPE pairs), got {rope}")
+    qk_dim = nope + rope
+    bias = c.boolean("attention_bias", False)
+    attention = (
+        [_linear("q_proj", LinearKind.ATTN_QKV, h, heads * qk_dim)]
+        if not q_rank
+        else [
+            _linear("q_a_proj", LinearKind.ATTN_QKV, h, q_rank, bias=bias),
+            _linear("q_b_proj", LinearKind.ATTN_QKV, q_rank, heads * qk_dim),
+        ]
+    )
+    attention += [
+        _linear("kv_a_proj_with_mqa", LinearKind.ATTN_QKV, h, kv_rank + rope, bias=bias),
+        _linear("kv_b_proj", LinearKind.ATTN_QKV, kv_rank, heads * (nope + v_dim)),
+        _linear("o_proj", LinearKind.ATTN_OUT, heads * v_dim, h, bias=bias),
+    ]
+    intermediate = c.integer("intermediate_size")
+    mlp_bias = c.boolean("mlp_bias", False) if model_type == "deepseek_v2" else False
+    dense_mlp = [
+        _linear("gate_proj", LinearKind.MLP_IN, h, intermediate, bias=mlp_bias),
+        _linear("up_proj", LinearKind.MLP_IN, h, intermediate, bias=mlp_bias),
+        _linear("down_proj", LinearKind.MLP_OUT, intermediate, h, bias=mlp_bias),
+    ]
+    dense = c.integer("first_k_dense_replace", default=0 if model_type == "deepseek_v2" else 3)
+    if dense > layers:
+        raise InvalidConfigError(
+            "first_k_dense_replace", f"must be at most num_hidden_layers ({layers}), got {dense}"
+        )
+    experts = c.integer("n_routed_experts", "num_experts")
+    top_k = c.integer("num_experts_per_tok", default=0 if model_type == "deepseek_v2" else 8)
+    if dense < layers and (experts == 0 or not 0 < top_k <= experts):
+        raise InvalidConfigError(
+            "num_experts_per_tok",
+            f"must be between 1 and n_routed_experts ({experts}) for the MoE layers, got {top_k}",
+        )
+    groups = c.integer("n_group", default=0 if model_type == "deepseek_v2" else 8)
+    method = c.string("topk_method", "greedy") if model_type == "deepseek_v2" else ""
+    if method and method not in _DEEPSEEK_V2_TOPK_METHODS:
+        raise InvalidConfigError(
+            "topk_method", f"must be one of {', '.join(_DEEPSEEK_V2_TOPK_METHODS)}, got {method!r}"
+        )
+    if (method == "group_limited_greedy" or model_type == "deepseek_v3") and (
+        groups == 0 or experts % groups
+    ):
+        raise InvalidConfigError(
+            "n_group", f"must divide n_routed_experts ({experts}) for group-limited routing"
+        )
+    expert_i = c.integer("moe_intermediate_size")
+    shared_i = expert_i * c.integer(
+        "n_shared_experts", default=0 if model_type == "deepseek_v2" else 1
+    )
+    moe = [
+        Linear(
+            name="gate",
+            in_features=h,
+            out_features=experts,
+            bias=False,
+            kind=LinearKind.ROUTER,
+            expert=True,
+        ),
+        Linear(
+            name="gate_up_proj",
+            in_features=h,
+            out_features=2 * expert_i,
+            bias=False,
+            kind=LinearKind.MLP_IN,
+            count=experts,
+            expert=True,
+        ),
+        Linear(
+            name="down_proj",
+            in_features=expert_i,
+            out_features=h,
+            bias=False,
+            kind=LinearKind.MLP_OUT,
+            count=experts,
+            expert=True,
+        ),
+    ]
+    if shared_i:
+        moe += [
+            _linear("gate_proj", LinearKind.MLP_IN, h, shared_i),
+            _linear("up_proj", LinearKind.MLP_IN, h, shared_i),
+            _linear("down_proj", LinearKind.MLP_OUT, shared_i, h),
+        ]
+    all_dense = dense == layers
+    return ModelArch(
+        **{**base, "head_dim": qk_dim},
+        intermediate_size=intermediate,
+        norm=NormKind.RMS,
+        norms_per_layer=2,
+        qk_norm=False,
+        mlp=MlpKind.GATED,
+        parallel_residual=False,
+        lm_head_bias=False,
+        linears=tuple(attention + (dense_mlp if all_dense else moe)),
+        num_experts=0 if all_dense else experts,
+        num_experts_per_tok=0 if all_dense else top_k,
+        expert_intermediate_size=0 if all_dense else expert_i,
+        shared_expert_intermediate_size=0 if all_dense else shared_i,
+        dense_layers=0 if all_dense else dense,
+        dense_linears=() if all_dense or not dense else tuple(attention + dense_mlp),
+        q_lora_rank=q_rank,
+        kv_lora_rank=kv_rank,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
     )

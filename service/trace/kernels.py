@@ -50,6 +50,7 @@ def choose_sdpa_kernel(
     has_mask: bool,
     gqa: bool = False,
     broadcast_heads: bool = False,
+    value_head_dim: int | None = None,
 ) -> SdpaKernel:
     """The backend a CUDA GPU runs: flash for half precision without a mask, else mem-efficient,
     else math.
@@ -61,7 +62,10 @@ def choose_sdpa_kernel(
     runs on math. Measured with torch._fused_sdp_choice on an H200 (torch 2.11,
     tests/data/gpu/h200_environment.json): fp32 chose math with enable_gqa and mem-efficient
     without, for every mask and head size. (Half precision chose cuDNN's kernel there, which
-    keeps what flash keeps: q, k, v, the output and an fp32 log-sum-exp.)
+    keeps what flash keeps: q, k, v, the output and an fp32 log-sum-exp.) Flash also needs
+    the value's head dim to equal the query's (check_head_dim_size_flash), which multi-head
+    latent attention's (192 for q and k, 128 for v in DeepSeek-V2/V3) is not; mem-efficient
+    takes them unequal.
     """
     if broadcast_heads:
         # One key/value head broadcast over the query heads without enable_gqa (Falcon-7B's
@@ -70,11 +74,13 @@ def choose_sdpa_kernel(
         if requested not in (SdpaKernel.AUTO, SdpaKernel.MATH):
             raise ValueError("only the math SDPA kernel broadcasts key/value heads")
         return SdpaKernel.MATH
-    flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM
+    same_dims = value_head_dim is None or value_head_dim == head_dim
+    flash_ok = dtype in _HALF and not has_mask and head_dim <= FLASH_MAX_HEAD_DIM and same_dims
     if requested is SdpaKernel.FLASH:
         if not flash_ok:
             raise ValueError(
-                "the flash SDPA kernel needs fp16/bf16, no attention mask and head_dim <= 256"
+                "the flash SDPA kernel needs fp16/bf16, no attention mask, head_dim <= 256 and "
+                "the value's head dim equal to the query's"
             )
         return SdpaKernel.FLASH
     if requested is not SdpaKernel.AUTO:
@@ -124,6 +130,7 @@ def make_sdpa(requested: SdpaKernel, *, cpu_flash: bool = False) -> Callable[...
             has_mask=attn_mask is not None,
             gqa=enable_gqa and groups > 1,
             broadcast_heads=broadcast,
+            value_head_dim=value.size(-1),
         )
         if broadcast:  # matmul broadcasts the single key/value head, as aten's math does
             groups = 1

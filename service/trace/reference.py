@@ -228,6 +228,7 @@ PHI_3 = "microsoft/Phi-3-mini-4k-instruct"
 QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
 BERT_BASE = "google-bert/bert-base-uncased"
 BERT_LARGE = "google-bert/bert-large-uncased"
+DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -371,6 +372,15 @@ def matrix() -> list[Case]:
         _spec(qlora, 1, 1024),
         _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
         _spec(qlora, 1, 1024, ckpt=True, autocast=True),
+    )
+    # DeepSeek-V2-Lite: multi-head latent attention; a dense first layer, then 64 routed experts
+    # (top-6, grouped_mm) and two shared experts per layer.
+    add(
+        DEEPSEEK_V2_LITE,
+        _spec(lora, 1, 1024, ckpt=True),
+        _spec(lora, 1, 1024),
+        _spec(qlora, 1, 1024, ckpt=True),
+        _spec(full, 1, 1024, ckpt=True),
     )
     # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
     add(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from service.catalog.models import CatalogEntry, default_catalog
+from service.core.errors import InvalidConfigError
 from service.core.estimator import estimate
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
 
@@ -27,6 +28,10 @@ def test_every_catalog_model_estimates(entry: CatalogEntry) -> None:
             quantization=QuantSpec() if method is Method.QLORA else None,
             gradient_checkpointing=True,
         )
+        if entry.arch.is_mla:  # parsed, not yet modelled (tests/core/test_references.py)
+            with pytest.raises(InvalidConfigError, match="not modelled yet"):
+                estimate(entry.arch, spec)
+            continue
         est = estimate(entry.arch, spec)
         assert 0 < est.allocated_bytes <= est.reserved_bytes <= est.device_bytes
         assert est.device_bytes < est.device_bytes_upper

@@ -83,6 +83,19 @@ def test_flash_cannot_be_forced_where_cuda_has_no_flash_kernel() -> None:
         )
 
 
+def test_a_value_head_dim_unlike_the_query_s_leaves_flash() -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3: q and k 192, v 128): check_head_dim_size_flash
+    wants one head dim for all three, the mem-efficient kernel does not."""
+    got = kernels.choose_sdpa_kernel(
+        AUTO, dtype=torch.bfloat16, head_dim=192, has_mask=False, value_head_dim=128
+    )
+    assert got is SdpaKernel.EFFICIENT
+    with pytest.raises(ValueError, match="flash"):
+        kernels.choose_sdpa_kernel(
+            SdpaKernel.FLASH, dtype=torch.bfloat16, head_dim=192, has_mask=False, value_head_dim=128
+        )
+
+
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "dequantizes"),
     [

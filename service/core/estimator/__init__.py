@@ -9,7 +9,8 @@ calibration refines (`service.core.overhead`).
 By concern: `weights` (which modules train; parameters, gradients, optimizer state),
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
-by phase), `uncertainty` and `peak` (the estimate and its levels). Other code imports the
+by phase), `uncertainty` and `peak` (the estimate and its levels); `deepseek` (the model
+states of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the
 names below from this package, not from its modules.
 """
 
@@ -19,6 +20,12 @@ from service.core.estimator.activations import (
     layer_saved_bytes,
     litgpt_zero_pad_width,
 )
+from service.core.estimator.deepseek import (
+    LoraTargets,
+    ModelStates,
+    deepseek_lora_targets,
+    deepseek_model_states,
+)
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.weights import adapted_linears, default_target_modules
 from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
@@ -26,8 +33,12 @@ from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_se
 __all__ = [
     "ESTIMATOR_VERSION",
     "LayerFlow",
+    "LoraTargets",
+    "ModelStates",
     "ZeroSettings",
     "adapted_linears",
+    "deepseek_lora_targets",
+    "deepseek_model_states",
     "default_target_modules",
     "estimate",
     "gathered_elements",

@@ -6,7 +6,8 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
-from service.core.errors import InvalidSpecError
+from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.deepseek import deepseek_model_states
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
@@ -146,7 +147,32 @@ def _unquantized(arch: ModelArch, spec: TrainingSpec) -> TrainingSpec | None:
     )
 
 
+def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
+    """Refuse the architectures the step's schedule does not model yet (after the spec's own
+    errors for them: PEFT's LoRA targets), naming what their model states alone hold."""
+    if not (arch.is_mla or arch.dense_layers):
+        return
+    states = deepseek_model_states(arch, spec)
+    held = states.frozen + states.trainable + states.optimizer_state
+    floor = (
+        f"; on one GPU its weights and optimizer state alone hold {held / GIB:.2f} GiB "
+        "(a lower bound of the peak: gradients and activations come on top)"
+        if spec.parallel.gpus == 1
+        else ""
+    )
+    raise InvalidConfigError(
+        "model_type",
+        f"{arch.model_type!r} is parsed but its training step is not modelled yet: "
+        "multi-head latent attention (q/k and v of different head dims, hence SDPA's "
+        "mem-efficient kernel), dense first layers beside MoE ones, and the adapters PEFT 0.21 "
+        "puts on the routed experts' 3-D parameters and the router for gate_proj/up_proj/"
+        f"down_proj/gate targets, which materialise a weight-sized copy of each expert stack"
+        f"{floor}",
+    )
+
+
 def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+    _check_modelled(arch, spec)
     check_stack(spec.stack, arch.is_moe)
     unquantized = _unquantized(arch, spec)
     if unquantized is not None:
