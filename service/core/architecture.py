@@ -87,6 +87,9 @@ class ModelArch:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # Dropout on the attention and MLP outputs before the residual add (Phi's resid_pdrop),
+    # active in training: each call keeps a one-byte mask per element for its backward.
+    residual_dropout: float = 0.0
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -545,6 +548,7 @@ def _phi(c: _Config, model_type: str) -> ModelArch:
         mlp=MlpKind.PLAIN,
         parallel_residual=True,
         lm_head_bias=True,
+        residual_dropout=c.float_or_none("resid_pdrop") or 0.0,
         linears=(
             _linear("q_proj", LinearKind.ATTN_QKV, h, h, bias=True),
             _linear("k_proj", LinearKind.ATTN_QKV, h, h, bias=True),

@@ -230,6 +230,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         and plan.loss in (LossImpl.HF, LossImpl.PLAIN),
         gemma_norm=arch.model_type.startswith("gemma"),
         sandwich_norms=arch.norms_per_layer == 4,
+        qk_norm=arch.qk_norm,
         embed_scale=arch.model_type.startswith("gemma"),
         checkpointing=plan.checkpointing,
         input_grad=plan.checkpointing or plan.embed_trainable or plan.method is Method.FULL,

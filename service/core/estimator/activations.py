@@ -19,6 +19,10 @@ from service.core.units import (
     DType,
 )
 
+# Activations transformers composes from elementwise ops (activations.py NewGELUActivation)
+# rather than calling one fused kernel, so autograd keeps their intermediates.
+COMPOSITE_TANH_GELU = frozenset({"gelu_new"})
+
 
 @dataclass(frozen=True, slots=True)
 class LayerFlow:
@@ -159,6 +163,22 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(f"{key}.rstd", FP32_BYTES)
 
 
+def _qk_norm_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+    """Per-head RMSNorm on q and k (Qwen3's q_norm/k_norm, Gemma-3's): an fp32 copy of the
+    projection's output and the rsqrt per head, as for the layer's norms; with trainable
+    weights also the normed output the weight multiplies (Gemma3RMSNorm applies (1 + weight)
+    in fp32, Qwen3MoeRMSNorm the weight after the cast back)."""
+    normed = FP32_BYTES if arch.model_type.startswith("gemma") else f.attn
+    for key, width, heads in (
+        ("q_norm", arch.q_dim, arch.num_attention_heads),
+        ("k_norm", arch.kv_dim, arch.num_key_value_heads),
+    ):
+        led.add(f"{key}.fp32", width * FP32_BYTES)
+        led.add(f"{key}.rstd", heads * FP32_BYTES)
+        if f.full:
+            led.add(f"{key}.normed", width * normed)
+
+
 def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnChoice) -> None:
     q_bytes = arch.q_dim * f.attn
     kv_bytes = arch.kv_dim * f.attn
@@ -225,8 +245,13 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
     if arch.attn_logit_softcapping is not None:
         # Gemma-2's eager attention caps the scores: tanh saves its output.
         led.add("scores_tanh", n_h * f.attn, _Kind.SQUARE)
-    led.add("k_rep", q_bytes)
-    if f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
+    # repeat_kv copies k and v to the query heads, except from a single key/value head: the
+    # expanded view then reshapes without a copy, and the matmuls keep k and v themselves.
+    rep_bytes = q_bytes if arch.num_key_value_heads > 1 else kv_bytes
+    led.add("k_rep", rep_bytes)
+    if arch.num_key_value_heads == 1 and n_h > 1:
+        led.add("v", kv_bytes)
+    elif f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
         # The value, a strided view of the fused projection's output, reshapes for probs @ v
         # without a copy when there is one sequence: the matmul keeps that whole output.
         led.add("qkv_out", q_bytes + 2 * kv_bytes)
@@ -284,8 +309,21 @@ def _mlp_saves(
         led.add("mlp.up_out", i_size * out)
     else:
         led.add("mlp.fc1_out", i_size * out)  # GELU saves its input
+        if arch.hidden_act in COMPOSITE_TANH_GELU:
+            # transformers' NewGELUActivation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))),
+            # op by op: tanh keeps its output, the last product both its factors.
+            for key in ("mlp.tanh_out", "mlp.half_x", "mlp.one_plus_tanh"):
+                led.add(key, i_size * out)
     if down is not None:
         _linear_saves(led, f, down, "mlp.product", out)
+
+
+def _residual_dropout_saves(led: _Ledger, arch: ModelArch) -> None:
+    """Dropout on the attention and the MLP outputs (Phi's resid_dropout): CUDA's
+    native_dropout keeps a one-byte mask per element of each (service/trace/kernels.py)."""
+    if arch.residual_dropout > 0:
+        led.add("attn.dropout_mask", arch.hidden_size * BOOL_BYTES)
+        led.add("mlp.dropout_mask", arch.hidden_size * BOOL_BYTES)
 
 
 def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
@@ -361,6 +399,8 @@ def _layer_recipe(
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_QKV:
             _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)
+    if arch.qk_norm:
+        _qk_norm_saves(led, f, arch)
     _attention_saves(led, f, arch, spec_like)
     if until_attention:
         # What the scores' backward still finds: o_proj's backward has consumed its input, and
@@ -395,6 +435,7 @@ def _layer_recipe(
         _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
     if mlp_input_grad or mlp_trains:
         _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
+    _residual_dropout_saves(led, arch)
     return led.recipe()
 
 

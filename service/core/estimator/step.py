@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.architecture import ModelArch, NormKind
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.parallel import rank_layout
@@ -134,7 +134,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     )
     checkpoint = _blk(tokens * h * f.residual)
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
-    final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    if arch.norm is NormKind.LAYER and not spec.autocast:
+        # nn.LayerNorm keeps its input as it is, with the mean and rstd per token (autocast
+        # runs layer_norm in fp32: an fp32 copy then, as RMSNorm's)
+        final_norm = _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
+    else:
+        final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
@@ -150,8 +155,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # Masks that checkpointing keeps as every layer's input until backward ends.
     masks = 0
     if spec.gradient_checkpointing and windowed_sdpa:
-        # transformers' boolean sliding-window mask (b, 1, s, s)
-        masks = _blk(b * s * s * BOOL_BYTES)
+        # transformers' boolean sliding-window mask: (1, 1, s, s) expanded to (b, 1, s, s) as
+        # a view when nothing is padded (masking_utils.sdpa_mask: the mask functions do not
+        # depend on the batch index)
+        masks = _blk(s * s * BOOL_BYTES)
     if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
         # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
         # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.

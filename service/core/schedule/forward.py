@@ -13,11 +13,13 @@ class _Forward(_StepBase):
 
     # -- forward ----------------------------------------------------------------------------
 
-    def norm(self, x: int, saved: _Saved | None, name: str) -> int:
-        """RMSNorm (LlamaRMSNorm): x.float(), pow(2).mean, x * rsqrt, .to(dtype), weight *."""
+    def norm(self, x: int, saved: _Saved | None, name: str, width: int = 0, nbytes: int = 0) -> int:
+        """RMSNorm (LlamaRMSNorm): x.float(), pow(2).mean, x * rsqrt, .to(dtype), weight *;
+        over `width` features in `nbytes` (by default the residual stream's)."""
         sh = self.sh
-        h = sh.hidden
-        fp32 = sh.residual == FP32_BYTES
+        h = width or sh.hidden
+        nb = nbytes or sh.residual
+        fp32 = nb == FP32_BYTES
         x32 = x if fp32 else self.a(FP32_BYTES * h)
         self.f(self.a(FP32_BYTES * h))  # pow
         normed = self.a(FP32_BYTES * h)
@@ -37,11 +39,11 @@ class _Forward(_StepBase):
             if saved is not None and sh.norm_trainable:
                 saved.save(f"{name}.normed", normed)
             self.f(normed)
-            out = self.a(sh.residual * h)
+            out = self.a(nb * h)
             self.f(scaled)
             return out
-        cast = self.a(sh.residual * h)
-        out = self.a(sh.residual * h)
+        cast = self.a(nb * h)
+        out = self.a(nb * h)
         if saved is not None and sh.norm_trainable:
             saved.save(f"{name}.normed", cast)
         self.f(cast, normed)
@@ -284,8 +286,11 @@ class _Forward(_StepBase):
             return self._math(q, k, v, nbytes, saved)
         # eager (transformers' eager_attention_forward): repeat_kv copies, q @ k^T (q made
         # contiguous), * scaling, (softcap), + mask, fp32 softmax, cast, probs @ v, transpose.
-        k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
-        v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
+        # One key/value head (Gemma-3-1B) expands to the query heads as a view: the reshape
+        # merges a size-one dimension, so nothing is copied.
+        copies = gqa and sh.kv_heads > 1
+        k_rep = self.a(nbytes * qd) if copies else self.p.hold(k)
+        v_rep = self.a(nbytes * qd) if copies else self.p.hold(v)
         # the query made contiguous for the score matmul (rope's output keeps the projection's
         # (batch, seq, heads, dim) layout): torch.matmul folds (batch, heads) into the bmm's
         # batch with a reshape, a view when the batch is one
@@ -379,6 +384,10 @@ class _Forward(_StepBase):
             q = k = v = outs[0]
         else:
             q, k, v = outs
+        if sh.qk_norm and len(outs) > 1:
+            # q_norm(q), k_norm(k): each projection's output rebound to its normed copy
+            q = self._rebind(q, self.norm(q, saved, "q_norm", qd, qb))
+            k = self._rebind(k, self.norm(k, saved, "k_norm", kvd, qb))
         rb = max(qb, nb)  # RoPE's products' dtype: q's promoted with the embeddings'
         q_e = self.rope(q, qd, qb, rb)
         k_e = self.rope(k, kvd, qb, rb)
@@ -412,6 +421,10 @@ class _Forward(_StepBase):
         out = self.a(nb * sh.hidden)
         self.f(d, r1)
         return out
+
+    def _rebind(self, old: int, new: int) -> int:
+        self.f(old)
+        return new
 
     def mlp(self, n2: int, saved: _Saved | None, prefix: str = "") -> int:
         """The gated (or plain) MLP: act(gate) * up, then down."""
