@@ -90,6 +90,9 @@ class ModelArch:
     # Dropout on the attention and MLP outputs before the residual add (Phi's resid_pdrop),
     # active in training: each call keeps a one-byte mask per element for its backward.
     residual_dropout: float = 0.0
+    # Every n-th layer attends globally, the others within `sliding_window` (Gemma-3's
+    # sliding_window_pattern, transformers' layer_types); 0 when every layer is alike.
+    global_layer_period: int = 0
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -101,6 +104,13 @@ class ModelArch:
 
     def __hash__(self) -> int:
         return self._hash
+
+    @property
+    def global_layers(self) -> int:
+        """Layers attending globally in a stack of sliding-window ones (layer i is global
+        when (i + 1) % period == 0, transformers' Gemma3TextConfig.layer_types)."""
+        period = self.global_layer_period
+        return self.num_hidden_layers // period if period else 0
 
     def windowed(self, seq_len: int) -> bool:
         """Whether transformers builds an explicit sliding-window mask for `seq_len` tokens:
@@ -314,9 +324,10 @@ def _common(c: _Config, model_type: str) -> dict[str, Any]:
 
 
 def _sliding_window(c: _Config, model_type: str) -> int | None:
-    """The window transformers applies on every layer; Qwen2 turns it off with
-    use_sliding_window, and Gemma-2's alternating windowed layers are modelled apart."""
-    if model_type in ("gemma2", "gemma3_text") or not c.boolean("use_sliding_window", True):
+    """The window transformers applies on every layer (Gemma-3: on all but its global ones);
+    Qwen2 turns it off with use_sliding_window, and Gemma-2's alternating windowed layers
+    are modelled apart (its eager attention builds both masks at any length)."""
+    if model_type == "gemma2" or not c.boolean("use_sliding_window", True):
         return None
     window = c.integer("sliding_window", default=0)
     return window or None
@@ -407,7 +418,21 @@ def _llama_like(c: _Config, model_type: str) -> ModelArch:
         num_experts_per_tok=top_k,
         expert_intermediate_size=expert_i,
         shared_expert_intermediate_size=shared_i,
+        global_layer_period=_global_layer_period(c) if model_type == "gemma3_text" else 0,
     )
+
+
+# Gemma3TextConfig's sliding_window_pattern default: every sixth layer attends globally.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+
+
+def _global_layer_period(c: _Config) -> int:
+    """Gemma-3's period of global layers: from layer_types where the config lists them,
+    else from sliding_window_pattern (transformers configuration_gemma3.py)."""
+    types = c.raw.get("layer_types")
+    if isinstance(types, list) and "full_attention" in types:
+        return types.index("full_attention") + 1
+    return c.integer("sliding_window_pattern", default=GEMMA3_SLIDING_WINDOW_PATTERN)
 
 
 def _phi3(c: _Config, model_type: str) -> ModelArch:

@@ -7,7 +7,11 @@ from functools import lru_cache
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
-from service.core.estimator.weights import adapted_linears
+from service.core.estimator.weights import (
+    FUSED_GATE_UP_RANK_FACTOR,
+    adapted_linears,
+    expert_adapters,
+)
 from service.core.spec import AttnImpl, Framework, Method, QuantType, ResolvedSpec, SdpaKernel
 from service.core.units import (
     AUTOCAST_BYTES,
@@ -53,6 +57,11 @@ class LayerFlow:
     proj_input_copy: bool = False
     # The LM head is a 4-bit linear that keeps its input (LitGPT QLoRA with bitsandbytes 0.41.1).
     head_quantized: bool = False
+    # PEFT adapts the experts' and the router's weights (`weights.expert_adapters`).
+    expert_lora: bool = False
+    # transformers' own modules run: a composite GELU (COMPOSITE_TANH_GELU) and Phi's residual
+    # dropout (LitGPT and torchtune build their layers from fused ops, without that dropout).
+    hf_modules: bool = True
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -110,6 +119,8 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         and not arch.tie_word_embeddings
         and rs.quantization is not None
         and rs.quantization.type is not QuantType.INT8,
+        expert_lora=bool(expert_adapters(arch, rs)),
+        hf_modules=spec.framework is Framework.HF,
     )
 
 
@@ -144,6 +155,11 @@ def _linear_saves(
     else:
         led.add(cast_key, lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
+    if f.autocast and f.adapter != AUTOCAST_BYTES:
+        # Autocast casts the wider adapter weights to half precision for their matmuls, and
+        # each matmul keeps its copy of A and of B for backward.
+        led.add(f"{lin.name}.lora_a_half", f.r * lin.in_features * AUTOCAST_BYTES, _Kind.CONSTANT)
+        led.add(f"{lin.name}.lora_b_half", f.r * lin.out_features * AUTOCAST_BYTES, _Kind.CONSTANT)
     if lin.kind is LinearKind.ATTN_QKV and f.zero_pad_width:
         led.add("qkv.zero_pad_source", f.zero_pad_width * in_bytes)
 
@@ -157,8 +173,14 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         if f.full:
             led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
     else:
-        # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
-        led.add(x_key, h * f.residual)
+        # nn.LayerNorm: saves its input, mean and rstd (fp32) per token. Autocast runs
+        # layer_norm in fp32: it saves its input's fp32 copy, and the weight's and bias's.
+        if f.autocast and f.residual != FP32_BYTES:
+            led.add(f"{key}.fp32", h * FP32_BYTES)
+            led.add(f"{key}.weight_fp32", h * FP32_BYTES, _Kind.CONSTANT)
+            led.add(f"{key}.bias_fp32", h * FP32_BYTES, _Kind.CONSTANT)
+        else:
+            led.add(x_key, h * f.residual)
         led.add(f"{key}.mean", FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
 
@@ -208,9 +230,12 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
         return
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.EFFICIENT:
         # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
-        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda).
-        led.add("k_rep", q_bytes)
-        led.add("v_rep", q_bytes)
+        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda). With
+        # a mask transformers repeats them itself (repeat_kv): from one key/value head that is
+        # an expanded view, and the kernel keeps k and v themselves.
+        rep = kv_bytes if arch.num_key_value_heads == 1 and spec.windowed else q_bytes
+        led.add("k_rep", rep)
+        led.add("v_rep", rep)
         led.add("attn_out", q_bytes)
         led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
         if spec.windowed:
@@ -307,21 +332,25 @@ def _mlp_saves(
                 led.add("up.lora_scaled", width * ad)
             return
         led.add("mlp.up_out", i_size * out)
+    elif arch.hidden_act in COMPOSITE_TANH_GELU and f.hf_modules:
+        # transformers' NewGELUActivation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))),
+        # op by op: pow keeps x, tanh its output, the last product both its factors. Under
+        # autocast pow runs in fp32 (CUDA's fp32 list): x's copy and what follows from it are
+        # fp32, only 0.5 * x keeps the half dtype.
+        wide = FP32_BYTES if f.autocast else out
+        for key in ("mlp.fc1_out", "mlp.tanh_out", "mlp.one_plus_tanh"):
+            led.add(key, i_size * wide)
+        led.add("mlp.half_x", i_size * out)
     else:
         led.add("mlp.fc1_out", i_size * out)  # GELU saves its input
-        if arch.hidden_act in COMPOSITE_TANH_GELU:
-            # transformers' NewGELUActivation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))),
-            # op by op: tanh keeps its output, the last product both its factors.
-            for key in ("mlp.tanh_out", "mlp.half_x", "mlp.one_plus_tanh"):
-                led.add(key, i_size * out)
     if down is not None:
         _linear_saves(led, f, down, "mlp.product", out)
 
 
-def _residual_dropout_saves(led: _Ledger, arch: ModelArch) -> None:
+def _residual_dropout_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
     """Dropout on the attention and the MLP outputs (Phi's resid_dropout): CUDA's
     native_dropout keeps a one-byte mask per element of each (service/trace/kernels.py)."""
-    if arch.residual_dropout > 0:
+    if arch.residual_dropout > 0 and f.hf_modules:
         led.add("attn.dropout_mask", arch.hidden_size * BOOL_BYTES)
         led.add("mlp.dropout_mask", arch.hidden_size * BOOL_BYTES)
 
@@ -337,6 +366,24 @@ def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
     i_size = arch.expert_intermediate_size
     out = f.norm_out
     led.add("moe.router_probs", e * FP32_BYTES)  # softmax(router_logits, dtype=float)
+    if f.expert_lora:
+        # PEFT's ParamWrapper runs each adapted module on its weight plus the adapters' delta
+        # (torch.nn.utils.parametrize, cached for the call): the matmuls keep those merged
+        # weights, and with them trainable, their inputs: the router's and the tokens
+        # gathered per expert, and down_proj's input.
+        md = f.norm_out
+        led.add("moe.gate_up_merged", e * 2 * i_size * arch.hidden_size * md, _Kind.CONSTANT)
+        led.add("moe.down_merged", e * i_size * arch.hidden_size * md, _Kind.CONSTANT)
+        led.add("moe.router_merged", e * arch.hidden_size * md, _Kind.CONSTANT)
+        led.add(x_key, arch.hidden_size * out)
+        led.add("moe.gathered", k * arch.hidden_size * out)
+        led.add("moe.product", k * i_size * out)
+        # The delta's einsum ("o r e, e r i -> e i o", peft ParamWrapper.get_delta_weight)
+        # runs as a batched matmul over experts: B, viewed (out, rank, experts), is copied
+        # expert-major for it and kept for backward (A's view already is expert-major).
+        rank = f.r * FUSED_GATE_UP_RANK_FACTOR
+        led.add("moe.gate_up_b_copy", e * 2 * i_size * rank * f.adapter, _Kind.CONSTANT)
+        led.add("moe.down_b_copy", e * arch.hidden_size * f.r * f.adapter, _Kind.CONSTANT)
     led.add("moe.topk_indices", k * INT64_BYTES)
     led.add("moe.gate_up", k * 2 * i_size * out)
     led.add("moe.act", k * i_size * out)
@@ -435,7 +482,7 @@ def _layer_recipe(
         _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
     if mlp_input_grad or mlp_trains:
         _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
-    _residual_dropout_saves(led, arch)
+    _residual_dropout_saves(led, f, arch)
     return led.recipe()
 
 

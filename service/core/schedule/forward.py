@@ -268,8 +268,10 @@ class _Forward(_StepBase):
             self.f(lse)
             return out
         if kernel is Kernel.EFFICIENT:
-            k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
-            v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
+            # with a mask transformers' repeat_kv expands k and v: a view from one head
+            copies = gqa and not (sh.kv_heads == 1 and sh.window_mask)
+            k_rep = self.a(nbytes * qd) if copies else self.p.hold(k)
+            v_rep = self.a(nbytes * qd) if copies else self.p.hold(v)
             # A boolean window mask becomes an additive (b, 1, s, s) bias in the query's dtype
             # on every call (attention.cpp convert_boolean_attn_mask), which the kernel saves.
             bias = self.a(nbytes * sh.seq) if sh.window_mask else 0
