@@ -47,6 +47,11 @@ class Linear:
         return self.weight_elements + (self.out_features * self.count if self.bias else 0)
 
 
+# Activations transformers composes from elementwise ops (activations.py NewGELUActivation)
+# rather than calling one fused kernel, so autograd keeps their intermediates.
+COMPOSITE_TANH_GELU = frozenset({"gelu_new"})
+
+
 class NormKind(StrEnum):
     RMS = "rmsnorm"
     LAYER = "layernorm"  # weight and bias

@@ -18,7 +18,14 @@ from service.core.allocator import (
     CachingAllocator,
     FrozenState,
 )
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.architecture import (
+    COMPOSITE_TANH_GELU,
+    Linear,
+    LinearKind,
+    MlpKind,
+    ModelArch,
+    NormKind,
+)
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.schedule import (
     HALF_BYTES,
@@ -231,6 +238,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         gemma_norm=arch.model_type.startswith("gemma"),
         sandwich_norms=arch.norms_per_layer == 4,
         qk_norm=arch.qk_norm,
+        composite_gelu=arch.hidden_act in COMPOSITE_TANH_GELU,
         embed_scale=arch.model_type.startswith("gemma"),
         checkpointing=plan.checkpointing,
         input_grad=plan.checkpointing or plan.embed_trainable or plan.method is Method.FULL,

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.architecture import (
+    COMPOSITE_TANH_GELU,
+    Linear,
+    LinearKind,
+    MlpKind,
+    ModelArch,
+    NormKind,
+)
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
 from service.core.estimator.weights import (
     FUSED_GATE_UP_RANK_FACTOR,
@@ -22,10 +29,6 @@ from service.core.units import (
     INT64_BYTES,
     DType,
 )
-
-# Activations transformers composes from elementwise ops (activations.py NewGELUActivation)
-# rather than calling one fused kernel, so autograd keeps their intermediates.
-COMPOSITE_TANH_GELU = frozenset({"gelu_new"})
 
 
 @dataclass(frozen=True, slots=True)

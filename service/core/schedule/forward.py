@@ -424,6 +424,39 @@ class _Forward(_StepBase):
         self.f(d, r1)
         return out
 
+    def _composite_gelu(
+        self, x: int, mb: int, saved: _Saved | None, prefix: str
+    ) -> tuple[int, int]:
+        """transformers' NewGELUActivation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))),
+        as Python evaluates it (x released here); returns the output and its bytes per
+        element. Under autocast pow runs in fp32 (CUDA's fp32 list): what follows is fp32 but
+        0.5 * x."""
+        sh = self.sh
+        i = sh.intermediate
+        wide = FP32_BYTES if sh.autocast else mb
+        half_x = self.a(mb * i)
+        x_pow = self.a(FP32_BYTES * i) if wide != mb else self.p.hold(x)  # pow's cast
+        chain = self.a(wide * i)  # pow, then 0.044715 *, x +, c *: each frees the previous
+        if saved is not None:
+            saved.save(f"{prefix}gelu.x", x_pow)
+        self.f(x_pow)
+        for _ in range(3):
+            nxt = self.a(wide * i)
+            self.f(chain)
+            chain = nxt
+        tanh = self.a(wide * i)
+        self.f(chain)
+        one_plus = self.a(wide * i)
+        if saved is not None:
+            saved.save(f"{prefix}gelu.tanh", tanh)
+        self.f(tanh)
+        out = self.a(wide * i)
+        if saved is not None:
+            saved.save(f"{prefix}gelu.one_plus", one_plus)
+            saved.save(f"{prefix}gelu.half_x", half_x)
+        self.f(one_plus, half_x, x)
+        return out, wide
+
     def _rebind(self, old: int, new: int) -> int:
         self.f(old)
         return new
@@ -441,6 +474,12 @@ class _Forward(_StepBase):
         fused = len(sh.mlp_in) == 1
         if saved is not None:
             saved.save(f"{prefix}gate", gate)
+        if not sh.gated and sh.composite_gelu:
+            self.f(act)
+            act, wide = self._composite_gelu(gate, mb, saved, prefix)
+            d = self.linear(act, wide, sh.mlp_out, saved)
+            self.f(act)
+            return d
         if not sh.gated:
             if saved is not None:
                 saved.save(f"{prefix}act", act)

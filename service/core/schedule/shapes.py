@@ -108,3 +108,4 @@ class StepShape:
     param_bytes: int = 2  # bytes per element of the model's (trainable) weights
     accumulation: int = 1  # micro-batches per optimizer step
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
+    composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)
