@@ -26,13 +26,6 @@ RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
 # that grows fails, one that closes fails too.
 RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
-    # The replay's reserved peak is the trace's (4134 vs 4136 MiB); the estimate adds the
-    # replay's reserved - allocated to the allocated estimate, and the replay's allocated
-    # counts blocks, 80 MiB above the tensors here (short sequence, 262k-entry vocabulary).
-    "gemma-3-1b-pt__lora__r16-all-linear__b1-s256": (
-        0.025,
-        "the replay's block-level allocated peak exceeds the tensors' by 80 MiB",
-    ),
     # FSDP1 LoRA with an LM head not tied to the embedding: the trace's backward peak holds
     # less recomputed activation than the estimate's top-layer moment (an over-estimate).
     "phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-full-shard": (
