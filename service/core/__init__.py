@@ -5,7 +5,7 @@ The names below are the core's public API; each lives in the module named beside
 """
 
 from service.core.allocator import AllocatorConfig, CachingAllocator, parse_alloc_conf
-from service.core.architecture import ModelArch, from_hf_config
+from service.core.architecture import ModelArch
 from service.core.calibration import (
     Calibrator,
     FactorTable,
@@ -38,6 +38,7 @@ from service.core.fit import (
     check_fit,
     usable_bytes,
 )
+from service.core.hf_config import from_hf_config
 from service.core.result import (
     COMPONENT_ORDER,
     PHASE_WORDS,

@@ -14,11 +14,19 @@ from functools import lru_cache
 
 from service.core.allocator import (
     DEFAULT_ALLOCATOR,
+    MIN_BLOCK,
     AllocatorConfig,
     CachingAllocator,
     FrozenState,
 )
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.architecture import (
+    COMPOSITE_TANH_GELU,
+    Linear,
+    LinearKind,
+    MlpKind,
+    ModelArch,
+    NormKind,
+)
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.schedule import (
     HALF_BYTES,
@@ -232,6 +240,8 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         and plan.loss in (LossImpl.HF, LossImpl.PLAIN),
         gemma_norm=arch.model_type.startswith("gemma"),
         sandwich_norms=arch.norms_per_layer == 4,
+        qk_norm=arch.qk_norm,
+        composite_gelu=arch.hidden_act in COMPOSITE_TANH_GELU,
         embed_scale=arch.model_type.startswith("gemma"),
         checkpointing=plan.checkpointing,
         input_grad=plan.checkpointing or plan.embed_trainable or plan.method is Method.FULL,
@@ -320,11 +330,18 @@ def _after_weights(plan: ReservedPlan) -> FrozenState:
 
 @dataclass(frozen=True, slots=True)
 class ReservedPeaks:
-    """The allocator model's reserved bytes: the peak over two steps, and per step."""
+    """The allocator model's reserved bytes: the peak over two steps, and per step; and the
+    peak of the live tensors, each rounded to the allocator's 512 B as the estimator's
+    allocated level counts them (not the blocks the allocator hands out, which may keep an
+    unsplit remainder)."""
 
     peak: int
     by_step: tuple[int, ...]
     allocated_peak: int
+
+
+def _tensor_bytes(nbytes: int) -> int:
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
 
 def reserved_levels(plan: ReservedPlan, batch: int, seq: int) -> ReservedPeaks:
@@ -332,36 +349,47 @@ def reserved_levels(plan: ReservedPlan, batch: int, seq: int) -> ReservedPeaks:
     allocator = CachingAllocator(plan.allocator)
     allocator.resume(_after_weights(plan))
     events, ends = step_events(step_shape(plan, batch, seq))
-    return _replay(allocator, events, ends)
+    weights = sum(_tensor_bytes(n) for n in weight_sizes(plan) if n > 0)
+    return _replay(allocator, events, ends, weights)
 
 
 def _replay(
-    allocator: CachingAllocator, events: Sequence[tuple[int, int]], ends: Sequence[int]
+    allocator: CachingAllocator,
+    events: Sequence[tuple[int, int]],
+    ends: Sequence[int],
+    held: int = 0,
 ) -> ReservedPeaks:
-    live: dict[int, int] = {}
+    """Replay `events` on `allocator`, which already holds `held` bytes of tensors."""
+    live: dict[int, tuple[int, int]] = {}  # key -> (allocator handle, tensor bytes)
     malloc, free = allocator.malloc, allocator.free
     by_step = []
     start = 0
+    tensors = peak_tensors = held
     for end in ends:
         for key, nbytes in events[start:end]:
             if nbytes:
-                live[key] = malloc(nbytes)
+                size = _tensor_bytes(nbytes)
+                live[key] = (malloc(nbytes), size)
+                tensors += size
+                peak_tensors = max(peak_tensors, tensors)
             else:
-                handle = live.pop(key, None)
-                if handle is not None:
-                    free(handle)
+                entry = live.pop(key, None)
+                if entry is not None:
+                    free(entry[0])
+                    tensors -= entry[1]
         by_step.append(allocator.peak_reserved)
         start = end
     return ReservedPeaks(
         peak=allocator.peak_reserved,
         by_step=tuple(by_step),
-        allocated_peak=allocator.peak_allocated,
+        allocated_peak=peak_tensors,
     )
 
 
 @lru_cache(maxsize=4096)
 def _replayed_gap(plan: ReservedPlan, batch: int, seq: int) -> int:
-    """reserved - allocated at the replay's reserved peak... its peaks' difference."""
+    """The replay's reserved peak less its tensors' peak: what the allocator holds beyond
+    the tensors, added to the allocated estimate."""
     peaks = reserved_levels(plan, batch, seq)
     return max(0, peaks.peak - peaks.allocated_peak)
 

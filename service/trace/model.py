@@ -18,7 +18,7 @@ from typing import Any
 import bitsandbytes as bnb
 import torch
 
-from service.core.architecture import ENCODER_MODEL_TYPES
+from service.core.hf_config import ENCODER_MODEL_TYPES
 from service.core.result import Component
 from service.core.spec import ALL_LINEAR, Method, QuantType, ResolvedSpec
 from service.core.units import DType

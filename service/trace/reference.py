@@ -229,6 +229,9 @@ QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
 BERT_BASE = "google-bert/bert-base-uncased"
 BERT_LARGE = "google-bert/bert-large-uncased"
 DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
+PHI_2 = "microsoft/phi-2"
+GEMMA_3 = "google/gemma-3-1b-pt"
+QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -456,6 +459,37 @@ def matrix() -> list[Case]:
         _spec(lora, 2, 512, ckpt=True, gradient_accumulation_steps=2, **mixed),
         _spec(full, 1, 512, ckpt=True, gradient_accumulation_steps=2),
     )
+    # Phi-2: LayerNorm, parallel attention and MLP, partial RoPE, biases everywhere, the
+    # published residual dropout (0.1) active in training.
+    add(
+        PHI_2,
+        _spec(lora, 2, 1024, ckpt=True),
+        _spec(lora, 1, 1024),
+        _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=("q_proj", "k_proj", "v_proj", "dense"))),
+        _spec(qlora, 2, 1024, ckpt=True),
+        _spec(full, 1, 512, ckpt=True),
+        _spec(lora, 2, 1024, ckpt=True, **mixed),
+    )
+    # Gemma-3-1B: five sliding-window (512) layers to one global, qk-norm, sandwich norms,
+    # one key/value head, a 262k vocabulary; below the window no layer builds a mask.
+    add(
+        GEMMA_3,
+        _spec(lora, 2, 1024, ckpt=True),
+        _spec(lora, 1, 256),
+        _spec(qlora, 2, 1024, ckpt=True),
+        _spec(full, 1, 1024, ckpt=True),
+        _spec(lora, 2, 1024, ckpt=True, **mixed),
+    )
+    # Qwen3-30B-A3B: 128 routed experts, top-8 with renormalised weights, no shared expert.
+    # (kbit preparation casts the 3-D expert weights to fp32, which grouped_mm refuses.)
+    add(
+        QWEN3_MOE,
+        _spec(lora, 1, 1024, ckpt=True),
+        _spec(lora, 1, 512),
+        _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
+        _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
+        _spec(full, 1, 512, ckpt=True),
+    )
     # Every family's LoRA step with checkpointing on and off, SDPA (the kernel PyTorch picks)
     # and eager attention, mixed precision on and off: the combinations the cases above do
     # not already cover, at one sequence of 1024 tokens.
@@ -464,7 +498,8 @@ def matrix() -> list[Case]:
         for m, s in cases
         if s.method is lora
     }
-    for model_id in (QWEN_7B, LLAMA_8B, MISTRAL_7B, GEMMA_2B, PHI_3, QWEN_MOE, QWEN_05B):
+    families = (QWEN_7B, LLAMA_8B, MISTRAL_7B, GEMMA_2B, PHI_3, QWEN_MOE, QWEN_05B)
+    for model_id in (*families, PHI_2, GEMMA_3, QWEN3_MOE):
         # transformers 5.24 runs Gemma-2 with eager attention only (it refuses SDPA)
         attentions = (AttnImpl.EAGER,) if model_id == GEMMA_2B else (AttnImpl.SDPA, AttnImpl.EAGER)
         for ckpt in (True, False):

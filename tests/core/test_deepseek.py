@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture import LinearKind, from_hf_config
+from service.core.architecture import LinearKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import deepseek_lora_targets, deepseek_model_states
+from service.core.hf_config import from_hf_config
 from service.core.spec import LoraSpec
 from service.trace.reference import spec_from_json
 from tests.core.test_references import TRACES

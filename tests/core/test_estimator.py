@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from service.core.architecture import from_hf_config
 from service.core.estimator import (
     adapted_linears,
     estimate,
@@ -10,6 +9,7 @@ from service.core.estimator import (
     layer_saved_bytes,
     litgpt_zero_pad_width,
 )
+from service.core.hf_config import from_hf_config
 from service.core.result import Component, Phase
 from service.core.spec import (
     AttnImpl,

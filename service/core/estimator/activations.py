@@ -5,9 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.architecture import (
+    COMPOSITE_TANH_GELU,
+    Linear,
+    LinearKind,
+    MlpKind,
+    ModelArch,
+    NormKind,
+)
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
-from service.core.estimator.weights import adapted_linears
+from service.core.estimator.weights import (
+    FUSED_GATE_UP_RANK_FACTOR,
+    adapted_linears,
+    expert_adapters,
+)
 from service.core.spec import AttnImpl, Framework, Method, QuantType, ResolvedSpec, SdpaKernel
 from service.core.units import (
     AUTOCAST_BYTES,
@@ -49,6 +60,11 @@ class LayerFlow:
     proj_input_copy: bool = False
     # The LM head is a 4-bit linear that keeps its input (LitGPT QLoRA with bitsandbytes 0.41.1).
     head_quantized: bool = False
+    # PEFT adapts the experts' and the router's weights (`weights.expert_adapters`).
+    expert_lora: bool = False
+    # transformers' own modules run: a composite GELU (COMPOSITE_TANH_GELU) and Phi's residual
+    # dropout (LitGPT and torchtune build their layers from fused ops, without that dropout).
+    hf_modules: bool = True
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -106,6 +122,8 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         and not arch.tie_word_embeddings
         and rs.quantization is not None
         and rs.quantization.type is not QuantType.INT8,
+        expert_lora=bool(expert_adapters(arch, rs)),
+        hf_modules=spec.framework is Framework.HF,
     )
 
 
@@ -140,6 +158,11 @@ def _linear_saves(
     else:
         led.add(cast_key, lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
+    if f.autocast and f.adapter != AUTOCAST_BYTES:
+        # Autocast casts the wider adapter weights to half precision for their matmuls, and
+        # each matmul keeps its copy of A and of B for backward.
+        led.add(f"{lin.name}.lora_a_half", f.r * lin.in_features * AUTOCAST_BYTES, _Kind.CONSTANT)
+        led.add(f"{lin.name}.lora_b_half", f.r * lin.out_features * AUTOCAST_BYTES, _Kind.CONSTANT)
     if lin.kind is LinearKind.ATTN_QKV and f.zero_pad_width:
         led.add("qkv.zero_pad_source", f.zero_pad_width * in_bytes)
 
@@ -159,10 +182,32 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(f"{key}.mean", FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
     else:
-        # nn.LayerNorm: saves its input, mean and rstd (fp32) per token.
-        led.add(x_key, h * f.residual)
+        # nn.LayerNorm: saves its input, mean and rstd (fp32) per token. Autocast runs
+        # layer_norm in fp32: it saves its input's fp32 copy, and the weight's and bias's.
+        if f.autocast and f.residual != FP32_BYTES:
+            led.add(f"{key}.fp32", h * FP32_BYTES)
+            led.add(f"{key}.weight_fp32", h * FP32_BYTES, _Kind.CONSTANT)
+            led.add(f"{key}.bias_fp32", h * FP32_BYTES, _Kind.CONSTANT)
+        else:
+            led.add(x_key, h * f.residual)
         led.add(f"{key}.mean", FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
+
+
+def _qk_norm_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+    """Per-head RMSNorm on q and k (Qwen3's q_norm/k_norm, Gemma-3's): an fp32 copy of the
+    projection's output and the rsqrt per head, as for the layer's norms; with trainable
+    weights also the normed output the weight multiplies (Gemma3RMSNorm applies (1 + weight)
+    in fp32, Qwen3MoeRMSNorm the weight after the cast back)."""
+    normed = FP32_BYTES if arch.model_type.startswith("gemma") else f.attn
+    for key, width, heads in (
+        ("q_norm", arch.q_dim, arch.num_attention_heads),
+        ("k_norm", arch.kv_dim, arch.num_key_value_heads),
+    ):
+        led.add(f"{key}.fp32", width * FP32_BYTES)
+        led.add(f"{key}.rstd", heads * FP32_BYTES)
+        if f.full:
+            led.add(f"{key}.normed", width * normed)
 
 
 def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnChoice) -> None:
@@ -203,9 +248,12 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
         return
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.EFFICIENT:
         # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
-        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda).
-        led.add("k_rep", q_bytes)
-        led.add("v_rep", q_bytes)
+        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda). With
+        # a mask transformers repeats them itself (repeat_kv): from one key/value head that is
+        # an expanded view, and the kernel keeps k and v themselves.
+        rep = kv_bytes if arch.num_key_value_heads == 1 and spec.windowed else q_bytes
+        led.add("k_rep", rep)
+        led.add("v_rep", rep)
         led.add("attn_out", q_bytes)
         led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
         if spec.windowed:
@@ -240,8 +288,13 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
     if arch.attn_logit_softcapping is not None:
         # Gemma-2's eager attention caps the scores: tanh saves its output.
         led.add("scores_tanh", n_h * f.attn, _Kind.SQUARE)
-    led.add("k_rep", q_bytes)
-    if f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
+    # repeat_kv copies k and v to the query heads, except from a single key/value head: the
+    # expanded view then reshapes without a copy, and the matmuls keep k and v themselves.
+    rep_bytes = q_bytes if arch.num_key_value_heads > 1 else kv_bytes
+    led.add("k_rep", rep_bytes)
+    if arch.num_key_value_heads == 1 and n_h > 1:
+        led.add("v", kv_bytes)
+    elif f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
         # The value, a strided view of the fused projection's output, reshapes for probs @ v
         # without a copy when there is one sequence: the matmul keeps that whole output.
         led.add("qkv_out", q_bytes + 2 * kv_bytes)
@@ -339,10 +392,27 @@ def _mlp_saves(
                 led.add("up.lora_scaled", width * ad)
             return
         led.add("mlp.up_out", i_size * out)
+    elif arch.hidden_act in COMPOSITE_TANH_GELU and f.hf_modules:
+        # transformers' NewGELUActivation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))),
+        # op by op: pow keeps x, tanh its output, the last product both its factors. Under
+        # autocast pow runs in fp32 (CUDA's fp32 list): x's copy and what follows from it are
+        # fp32, only 0.5 * x keeps the half dtype.
+        wide = FP32_BYTES if f.autocast else out
+        for key in ("mlp.fc1_out", "mlp.tanh_out", "mlp.one_plus_tanh"):
+            led.add(key, i_size * wide)
+        led.add("mlp.half_x", i_size * out)
     else:
         led.add("mlp.fc1_out", i_size * out)  # GELU saves its input
     if down is not None:
         _linear_saves(led, f, down, "mlp.product", out)
+
+
+def _residual_dropout_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
+    """Dropout on the attention and the MLP outputs (Phi's resid_dropout): CUDA's
+    native_dropout keeps a one-byte mask per element of each (service/trace/kernels.py)."""
+    if arch.residual_dropout > 0 and f.hf_modules:
+        led.add("attn.dropout_mask", arch.hidden_size * BOOL_BYTES)
+        led.add("mlp.dropout_mask", arch.hidden_size * BOOL_BYTES)
 
 
 def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
@@ -356,6 +426,24 @@ def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
     i_size = arch.expert_intermediate_size
     out = f.norm_out
     led.add("moe.router_probs", e * FP32_BYTES)  # softmax(router_logits, dtype=float)
+    if f.expert_lora:
+        # PEFT's ParamWrapper runs each adapted module on its weight plus the adapters' delta
+        # (torch.nn.utils.parametrize, cached for the call): the matmuls keep those merged
+        # weights, and with them trainable, their inputs: the router's and the tokens
+        # gathered per expert, and down_proj's input.
+        md = f.norm_out
+        led.add("moe.gate_up_merged", e * 2 * i_size * arch.hidden_size * md, _Kind.CONSTANT)
+        led.add("moe.down_merged", e * i_size * arch.hidden_size * md, _Kind.CONSTANT)
+        led.add("moe.router_merged", e * arch.hidden_size * md, _Kind.CONSTANT)
+        led.add(x_key, arch.hidden_size * out)
+        led.add("moe.gathered", k * arch.hidden_size * out)
+        led.add("moe.product", k * i_size * out)
+        # The delta's einsum ("o r e, e r i -> e i o", peft ParamWrapper.get_delta_weight)
+        # runs as a batched matmul over experts: B, viewed (out, rank, experts), is copied
+        # expert-major for it and kept for backward (A's view already is expert-major).
+        rank = f.r * FUSED_GATE_UP_RANK_FACTOR
+        led.add("moe.gate_up_b_copy", e * 2 * i_size * rank * f.adapter, _Kind.CONSTANT)
+        led.add("moe.down_b_copy", e * arch.hidden_size * f.r * f.adapter, _Kind.CONSTANT)
     led.add("moe.topk_indices", k * INT64_BYTES)
     led.add("moe.gate_up", k * 2 * i_size * out)
     led.add("moe.act", k * i_size * out)
@@ -418,6 +506,8 @@ def _layer_recipe(
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_QKV:
             _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)
+    if arch.qk_norm:
+        _qk_norm_saves(led, f, arch)
     _attention_saves(led, f, arch, spec_like)
     if until_attention:
         # What the scores' backward still finds: o_proj's backward has consumed its input, and
@@ -452,6 +542,7 @@ def _layer_recipe(
         _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
     if mlp_input_grad or mlp_trains:
         _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
+    _residual_dropout_saves(led, f, arch)
     return led.recipe()
 
 

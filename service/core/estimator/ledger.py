@@ -23,6 +23,7 @@ class _Kind(StrEnum):
     TOKENS = "b*s"
     TOKENS_PAD32 = "b*ceil32(s)"  # memory-efficient attention pads its logsumexp
     SQUARE = "b*s*s"  # eager attention's scores and probabilities
+    CONSTANT = "1"  # a weight-sized tensor: the same for every batch and sequence length
 
 
 class _Ledger:
@@ -53,5 +54,6 @@ def _recipe_bytes(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int) ->
         _Kind.TOKENS: b * s,
         _Kind.TOKENS_PAD32: b * (-(-s // 32) * 32),
         _Kind.SQUARE: b * s * s,
+        _Kind.CONSTANT: 1,
     }
     return sum(n * _blk(coef * units[kind]) for coef, kind, n in recipe)

@@ -13,7 +13,13 @@ from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_f
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
-from service.core.estimator.weights import _optimizer_state, _Params, _params, adapted_linears
+from service.core.estimator.weights import (
+    _optimizer_state,
+    _Params,
+    _params,
+    adapted_linears,
+    expert_adapters,
+)
 from service.core.reserved import ReservedPlan
 from service.core.spec import (
     AttnImpl,
@@ -48,6 +54,9 @@ class _Plan:
     optimizer: tuple[int, int, int]
     layer: tuple[tuple[int, _Kind, int], ...]
     first_layer: tuple[tuple[int, _Kind, int], ...]
+    # a global layer among sliding-window ones (Gemma-3) when the sequence reaches the
+    # window, else empty: it takes no mask, so SDPA may pick another kernel for it
+    global_layer: tuple[tuple[int, _Kind, int], ...]
     # live at up_proj in a recomputed layer, when that moment is modelled (else empty)
     up_proj_moment: tuple[tuple[int, _Kind, int], ...]
     # a recomputed layer's saved tensors that its attention's backward still finds
@@ -95,6 +104,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         rs.adapter_dtype,
         adapted,
         f.head_quantized,
+        expert_adapters(arch, rs),
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
@@ -126,6 +136,9 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         first_layer=_layer_recipe(
             arch, f, attn, kernel, False, windowed=key.windowed, single=single
         ),
+        global_layer=_layer_recipe(arch, f, attn, kernel, True, windowed=False, single=single)
+        if arch.global_layers and key.windowed
+        else (),
         up_proj_moment=_layer_recipe(
             arch, f, attn, kernel, True, True, windowed=key.windowed, single=single
         )
@@ -176,7 +189,7 @@ def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow)
     return _StepTraits(
         embed_trains=full or "embed_tokens" in saved,
         head_trains=full or "lm_head" in saved,
-        shares_input=arch.norm is NormKind.LAYER or f.residual == FP32_BYTES,
+        shares_input=(arch.norm is NormKind.LAYER and not f.autocast) or f.residual == FP32_BYTES,
         down_stop=down_stop,
         qlora_gated_down=key.method is Method.QLORA
         and arch.mlp is MlpKind.GATED

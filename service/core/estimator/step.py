@@ -227,6 +227,11 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         if traits.embed_trains or spec.gradient_checkpointing
         else _recipe_bytes(plan.first_layer, b, s)
     )
+    # Gemma-3's global layers among sliding-window ones, where their saved tensors differ
+    globals_ = arch.global_layers if plan.global_layer else 0
+    global_layer = _recipe_bytes(plan.global_layer, b, s) if globals_ else per_layer
+    # the top layer, recomputed first under checkpointing: global when the period divides L
+    top_layer = global_layer if globals_ and L % arch.global_layer_period == 0 else per_layer
     checkpoint = _blk(tokens * h * f.residual)
     inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
@@ -262,8 +267,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # Masks that checkpointing keeps as every layer's input until backward ends.
     masks = 0
     if spec.gradient_checkpointing and windowed_sdpa:
-        # transformers' boolean sliding-window mask (b, 1, s, s)
-        masks = _blk(b * s * s * BOOL_BYTES)
+        # transformers' boolean sliding-window mask: (1, 1, s, s) expanded to (b, 1, s, s) as
+        # a view when nothing is padded (masking_utils.sdpa_mask: the mask functions do not
+        # depend on the batch index)
+        masks = _blk(s * s * BOOL_BYTES)
     if spec.gradient_checkpointing and spec.attn_implementation is AttnImpl.EAGER:
         # Eager attention takes an explicit (b, 1, s, s) causal mask in the embeddings' dtype;
         # Gemma-2 alternates global and sliding-window layers, with a mask for each kind.
@@ -275,10 +282,12 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         activations = L * checkpoint + final_norm
         # The recomputed first norm saves the layer's input itself when it needs no fp32 copy
         # (an fp32 residual stream, or LayerNorm): that storage is the checkpoint.
-        recompute = per_layer - (checkpoint if traits.shares_input else 0)
+        recompute = top_layer - (checkpoint if traits.shares_input else 0)
         assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
     else:
-        activations = (L - 1) * per_layer + first_layer + final_norm
+        activations = (
+            (L - 1 - globals_) * per_layer + globals_ * global_layer + first_layer + final_norm
+        )
         recompute = 0
     if spec.attn_implementation is AttnImpl.EAGER:
         extra = (FP32_BYTES + HALF_BYTES) * b * arch.num_attention_heads * s * s
@@ -352,6 +361,25 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     else:
         end = _Moment(gradients=grads, activations=0)
     candidates = [top, bottom, end]
+    if f.expert_lora:
+        # The bottom layer's experts in backward (PEFT adapters on the experts' weights): the
+        # down_proj grouped matmul's backward has made its merged weight's gradient, beside
+        # the gradients of its output and input per routed slot, which the down outputs and
+        # products it saved are no longer kept for; that layer's adapters have no gradient
+        # yet (reference traces qwen3-30b-a3b__lora__*ckpt).
+        e, ie, k = arch.num_experts, arch.expert_intermediate_size, arch.num_experts_per_tok
+        merged_grad = _blk(e * h * ie * f.norm_out)
+        slots = _blk(tokens * k * h * f.norm_out) + _blk(tokens * k * ie * f.norm_out)
+        layer_grads = (grads - head_grads - embed_grads) // L
+        candidates.append(
+            bottom._replace(
+                gradients=bottom_grads - layer_grads,
+                activations=bottom_acts - (0 if ckpt else slots),
+                recompute=recompute - (slots if ckpt else 0),
+                # (no 4-bit weight is dequantized at that moment)
+                backward_temporaries=2 * grad_hidden + merged_grad + slots,
+            )
+        )
     if ckpt and plan.up_proj_moment:
         # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
         # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized

@@ -31,7 +31,9 @@ ALLOCATED_SIGMA_PARALLEL = 0.10
 # elsewhere (MoE experts as one wide MLP, untraced steps).
 RESERVED_SIGMA_TRACED = 0.25
 RESERVED_SIGMA_APPROXIMATE = 0.5
-SCHEDULED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"})
+SCHEDULED_FAMILIES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "phi", "gemma3_text"}
+)
 # A 4-bit base is quantized on the GPU as it loads: each linear's bf16 weight is freed once
 # packed, and where the packed tensors land among those freed blocks depends on the loader
 # (from_pretrained quantizes one weight at a time; a model built on the GPU and quantized layer

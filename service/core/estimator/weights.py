@@ -64,6 +64,39 @@ def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
     return defaults[arch.model_type]
 
 
+# Model types whose "all-linear" PEFT 0.21 also points at the MoE experts' 3-D parameters and
+# the router's weight under transformers 5 (peft/utils/transformers_weight_conversion.py
+# _convert_peft_config_moe with transformers' conversion_mapping: qwen3_moe follows the
+# qwen2_moe pattern, PEFT adds mixtral): lora.ParamWrapper adapters, gate_up_proj's with
+# twice the rank (gate and up were two linears before they were fused).
+EXPERT_LORA_MODEL_TYPES = frozenset({"qwen3_moe", "mixtral"})
+FUSED_GATE_UP_RANK_FACTOR = 2
+
+
+def expert_adapters(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int], ...]:
+    """The (rows, cols) of each LoRA A and B that PEFT puts on the experts and the router of
+    one layer (ParamWrapper: A is (experts * rank, in), B is (out, experts * rank)); empty when
+    it puts none."""
+    lora = rs.lora
+    if (
+        lora is None
+        or lora.target_modules != ALL_LINEAR
+        or not arch.is_moe
+        or arch.model_type not in EXPERT_LORA_MODEL_TYPES
+    ):
+        return ()
+    e, h, i, r = arch.num_experts, arch.hidden_size, arch.expert_intermediate_size, lora.r
+    fused = FUSED_GATE_UP_RANK_FACTOR * r * e
+    return (
+        (fused, h),  # gate_up_proj's A
+        (2 * i, fused),  # and B
+        (r * e, i),  # down_proj's A
+        (h, r * e),  # and B
+        (r, h),  # the router weight's A (one "expert")
+        (e, r),  # and B
+    )
+
+
 def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
     """The decoder-layer linears that carry a LoRA adapter."""
     if rs.lora is None:
@@ -159,12 +192,14 @@ def _params(
     adapter_dtype: DType,
     adapted: tuple[Linear, ...],
     head_quantized: bool = False,
+    expert_lora: tuple[tuple[int, int], ...] = (),
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
     Cached: it depends on the model and method, not on batch or sequence length.
 
     `head_quantized`: the LM head is a 4-bit linear too (LitGPT's QLoRA: Fabric's
-    BitsandbytesPrecision replaces every torch.nn.Linear, lm_head included)."""
+    BitsandbytesPrecision replaces every torch.nn.Linear, lm_head included). `expert_lora`:
+    the adapters PEFT puts on a layer's experts and router (`expert_adapters`)."""
     md = DTYPE_BYTES[dtype]
     kbit = method is Method.QLORA
     prep = kbit and quant is not None and quant.prepare_kbit
@@ -231,6 +266,9 @@ def _params(
             trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
             layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
             layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
+        for rows, cols in expert_lora:
+            trainable.append(_Tensor(rows, cols, ad, L))
+            layers_bytes += _Tensor(rows, cols, ad, L).nbytes
     return _Params(
         frozen=frozen,
         trainable=sum(t.nbytes for t in trainable),

@@ -219,18 +219,29 @@ class _Backward(_Forward):
             out = back
         return out
 
-    def norm_backward(self, g: int, saved: _Saved, name: str, residual: int = 0) -> int:
+    def norm_backward(
+        self,
+        g: int,
+        saved: _Saved,
+        name: str,
+        residual: int = 0,
+        *,
+        width: int = 0,
+        nbytes: int = 0,
+        weight: int = 0,
+    ) -> int:
         """RMSNorm's backward (g released here); returns the input's gradient. In fp32 no
         cast ends it: the first product's gradient reaches the input's buffer directly and
         is added to the `residual` branch's gradient waiting there (released), the second's
-        then to that sum, which is returned."""
+        then to that sum, which is returned. `width` features in `nbytes` and a `weight` of
+        that many elements (by default the residual stream's)."""
         sh = self.sh
-        h = sh.hidden
-        r = sh.residual
+        h = width or sh.hidden
+        r = nbytes or sh.residual
         g1 = self.a((FP32_BYTES if sh.gemma_norm else r) * h)  # grad * weight (or its cast)
         if sh.norm_trainable:
             self.f(self.a(r * h))  # grad * normed, summed into the weight's gradient
-            self.grad(h * r)
+            self.grad((weight or h) * r)
             saved.release(f"{name}.normed")
         self.f(g)
         g32 = g1
@@ -557,6 +568,10 @@ class _Backward(_Forward):
         kvd = sh.kv_heads * sh.head_dim
         gk = self.rope_backward(dk, kvd, qb, rb)
         gq = self.rope_backward(dq, qd, qb, rb)
+        if sh.qk_norm and len(sh.qkv) > 1:
+            d = sh.head_dim
+            gk = self.norm_backward(gk, saved, "k_norm", width=kvd, nbytes=qb, weight=d)
+            gq = self.norm_backward(gq, saved, "q_norm", width=qd, nbytes=qb, weight=d)
         if len(sh.qkv) == 1:
             joined = self.a(qb * (qd + 2 * kvd))
             self.f(gq, gk, dv)

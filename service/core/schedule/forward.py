@@ -13,11 +13,13 @@ class _Forward(_StepBase):
 
     # -- forward ----------------------------------------------------------------------------
 
-    def norm(self, x: int, saved: _Saved | None, name: str) -> int:
-        """RMSNorm (LlamaRMSNorm): x.float(), pow(2).mean, x * rsqrt, .to(dtype), weight *."""
+    def norm(self, x: int, saved: _Saved | None, name: str, width: int = 0, nbytes: int = 0) -> int:
+        """RMSNorm (LlamaRMSNorm): x.float(), pow(2).mean, x * rsqrt, .to(dtype), weight *;
+        over `width` features in `nbytes` (by default the residual stream's)."""
         sh = self.sh
-        h = sh.hidden
-        fp32 = sh.residual == FP32_BYTES
+        h = width or sh.hidden
+        nb = nbytes or sh.residual
+        fp32 = nb == FP32_BYTES
         x32 = x if fp32 else self.a(FP32_BYTES * h)
         self.f(self.a(FP32_BYTES * h))  # pow
         normed = self.a(FP32_BYTES * h)
@@ -37,11 +39,11 @@ class _Forward(_StepBase):
             if saved is not None and sh.norm_trainable:
                 saved.save(f"{name}.normed", normed)
             self.f(normed)
-            out = self.a(sh.residual * h)
+            out = self.a(nb * h)
             self.f(scaled)
             return out
-        cast = self.a(sh.residual * h)
-        out = self.a(sh.residual * h)
+        cast = self.a(nb * h)
+        out = self.a(nb * h)
         if saved is not None and sh.norm_trainable:
             saved.save(f"{name}.normed", cast)
         self.f(cast, normed)
@@ -266,8 +268,10 @@ class _Forward(_StepBase):
             self.f(lse)
             return out
         if kernel is Kernel.EFFICIENT:
-            k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
-            v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
+            # with a mask transformers' repeat_kv expands k and v: a view from one head
+            copies = gqa and not (sh.kv_heads == 1 and sh.window_mask)
+            k_rep = self.a(nbytes * qd) if copies else self.p.hold(k)
+            v_rep = self.a(nbytes * qd) if copies else self.p.hold(v)
             # A boolean window mask becomes an additive (b, 1, s, s) bias in the query's dtype
             # on every call (attention.cpp convert_boolean_attn_mask), which the kernel saves.
             bias = self.a(nbytes * sh.seq) if sh.window_mask else 0
@@ -286,8 +290,11 @@ class _Forward(_StepBase):
             return self._falcon_eager(q, k, v, nbytes, saved)
         # eager (transformers' eager_attention_forward): repeat_kv copies, q @ k^T (q made
         # contiguous), * scaling, (softcap), + mask, fp32 softmax, cast, probs @ v, transpose.
-        k_rep = self.a(nbytes * qd) if gqa else self.p.hold(k)
-        v_rep = self.a(nbytes * qd) if gqa else self.p.hold(v)
+        # One key/value head (Gemma-3-1B) expands to the query heads as a view: the reshape
+        # merges a size-one dimension, so nothing is copied.
+        copies = gqa and sh.kv_heads > 1
+        k_rep = self.a(nbytes * qd) if copies else self.p.hold(k)
+        v_rep = self.a(nbytes * qd) if copies else self.p.hold(v)
         # the query made contiguous for the score matmul (rope's output keeps the projection's
         # (batch, seq, heads, dim) layout): torch.matmul folds (batch, heads) into the bmm's
         # batch with a reshape, a view when the batch is one
@@ -383,6 +390,10 @@ class _Forward(_StepBase):
             q = k = v = outs[0]
         else:
             q, k, v = outs
+        if sh.qk_norm and len(outs) > 1:
+            # q_norm(q), k_norm(k): each projection's output rebound to its normed copy
+            q = self._rebind(q, self.norm(q, saved, "q_norm", qd, qb))
+            k = self._rebind(k, self.norm(k, saved, "k_norm", kvd, qb))
         rb = max(qb, nb)  # RoPE's products' dtype: q's promoted with the embeddings'
         q_e = self.rope(q, qd, qb, rb)
         k_e = self.rope(k, kvd, qb, rb)
@@ -504,6 +515,43 @@ class _Forward(_StepBase):
         self.f(ctx)
         return merged, [q, k, v, s1, s2], probs
 
+    def _composite_gelu(
+        self, x: int, mb: int, saved: _Saved | None, prefix: str
+    ) -> tuple[int, int]:
+        """transformers' NewGELUActivation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3))),
+        as Python evaluates it (x released here); returns the output and its bytes per
+        element. Under autocast pow runs in fp32 (CUDA's fp32 list): what follows is fp32 but
+        0.5 * x."""
+        sh = self.sh
+        i = sh.intermediate
+        wide = FP32_BYTES if sh.autocast else mb
+        half_x = self.a(mb * i)
+        x_pow = self.a(FP32_BYTES * i) if wide != mb else self.p.hold(x)  # pow's cast
+        chain = self.a(wide * i)  # pow, then 0.044715 *, x +, c *: each frees the previous
+        if saved is not None:
+            saved.save(f"{prefix}gelu.x", x_pow)
+        self.f(x_pow)
+        for _ in range(3):
+            nxt = self.a(wide * i)
+            self.f(chain)
+            chain = nxt
+        tanh = self.a(wide * i)
+        self.f(chain)
+        one_plus = self.a(wide * i)
+        if saved is not None:
+            saved.save(f"{prefix}gelu.tanh", tanh)
+        self.f(tanh)
+        out = self.a(wide * i)
+        if saved is not None:
+            saved.save(f"{prefix}gelu.one_plus", one_plus)
+            saved.save(f"{prefix}gelu.half_x", half_x)
+        self.f(one_plus, half_x, x)
+        return out, wide
+
+    def _rebind(self, old: int, new: int) -> int:
+        self.f(old)
+        return new
+
     def mlp(self, n2: int, saved: _Saved | None, prefix: str = "") -> int:
         """The gated (or plain) MLP: act(gate) * up, then down."""
         sh = self.sh
@@ -517,6 +565,12 @@ class _Forward(_StepBase):
         fused = len(sh.mlp_in) == 1
         if saved is not None:
             saved.save(f"{prefix}gate", gate)
+        if not sh.gated and sh.composite_gelu:
+            self.f(act)
+            act, wide = self._composite_gelu(gate, mb, saved, prefix)
+            d = self.linear(act, wide, sh.mlp_out, saved)
+            self.f(act)
+            return d
         if not sh.gated:
             if saved is not None:
                 saved.save(f"{prefix}act", act)

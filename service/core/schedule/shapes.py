@@ -111,3 +111,5 @@ class StepShape:
     alibi: bool = False
     # Falcon's eager attention: softmax in the model's dtype, the probabilities returned
     half_softmax: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
+    composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)

@@ -63,12 +63,12 @@ class _Step(_Backward):
             else:
                 # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
                 # window's comparison, its and with the padding term, the causal comparison and
-                # the final and
-                window = self.p.alloc(mask_bytes)
-                first = self.p.alloc(mask_bytes)
+                # the final and, each (1, 1, s, s) (expanded to the batch as a view)
+                window = self.p.alloc(sh.seq * sh.seq)
+                first = self.p.alloc(sh.seq * sh.seq)
                 self.f(window)
-                causal = self.p.alloc(mask_bytes)
-                masks.append(self.p.alloc(mask_bytes))
+                causal = self.p.alloc(sh.seq * sh.seq)
+                masks.append(self.p.alloc(sh.seq * sh.seq))
                 self.f(causal, first)
         layers: list[_Saved] = []
         checkpoints: list[int] = []

@@ -59,7 +59,7 @@ def build_on_device(spec: TrainingSpec, config: Mapping[str, Any], device: str) 
 def _labels(model: Any, ids: Any) -> Any:
     """A causal LM's labels are its input ids; a sequence classifier's (an encoder's) one
     class id per sequence (a single row when `ids` is one sequence)."""
-    from service.core.architecture import ENCODER_MODEL_TYPES
+    from service.core.hf_config import ENCODER_MODEL_TYPES
 
     if getattr(model.config, "model_type", "") not in ENCODER_MODEL_TYPES:
         return ids.clone()
