@@ -167,6 +167,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
             if method_text not in ("lora", "qlora", "full"):
                 skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
                 continue
+            if raw["is_estimate"] == "yes" and not raw["batch_size"]:
+                skipped.append(Skipped(rid, "a rule-of-thumb estimate: no model, batch or length"))
+                continue
             model = raw["model"].split(" (")[0].strip()
             try:
                 entry = catalog.resolve(model)

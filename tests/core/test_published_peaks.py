@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import statistics
 from collections import defaultdict
 
@@ -9,7 +10,7 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.estimator import estimate
-from tests.published_rows import Row, compute_capability, load
+from tests.published_rows import DATA, Row, compute_capability, load
 
 # Tier A rows measure torch.cuda.max_memory_allocated with every input known; the estimator's
 # allocated level must be within this of each.
@@ -39,17 +40,45 @@ def errors() -> list[tuple[Row, float]]:
     return [(row, _level(row) / row.measured_bytes - 1) for row in rows]
 
 
+def _p90(values: list[float]) -> float:
+    """The 90th percentile, linearly interpolated (statistics.quantiles' inclusive method)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
+
+
 def test_error_table(errors: list[tuple[Row, float]], capsys: pytest.CaptureFixture[str]) -> None:
+    """Every row: by source and level, by tier, and each one, with the rows refused and why."""
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    tiers: dict[str, list[float]] = defaultdict(list)
     for row, err in errors:
         groups[(row.framework, row.measure_kind, row.tier)].append(err)
-    lines = [f"{'framework':<40}{'measured as':<22}{'tier':<5}{'n':>4}{'median |err|':>14}"]
+        tiers[row.tier].append(abs(err))
+    head = f"{'framework':<40}{'measured as':<22}{'tier':<5}{'n':>4}{'median |err|':>14}"
+    lines = [head + f"{'p90 |err|':>11}"]
     for (framework, kind, tier), errs in sorted(groups.items()):
-        med = statistics.median(abs(e) for e in errs)
-        lines.append(f"{framework[:39]:<40}{kind:<22}{tier:<5}{len(errs):>4}{med:>13.1%}")
+        abs_errs = [abs(e) for e in errs]
+        med, p90 = statistics.median(abs_errs), _p90(abs_errs)
+        lines.append(
+            f"{framework[:39]:<40}{kind:<22}{tier:<5}{len(errs):>4}{med:>13.1%}{p90:>11.1%}"
+        )
+    lines.append("")
+    for tier, abs_errs in sorted(tiers.items()):
+        lines.append(
+            f"tier {tier}: {len(abs_errs)} rows, median |err| "
+            f"{statistics.median(abs_errs):.1%}, p90 {_p90(abs_errs):.1%}"
+        )
+    lines.append("")
+    for row, err in errors:
+        lines.append(f"{row.id:<26}{row.tier:<3}{row.level:<11}{err:+8.1%}")
+    _rows, skipped = load()
+    for refused in skipped:
+        lines.append(f"{refused.id:<26}refused: {refused.reason}")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert len(errors) >= 100  # the mapping keeps most rows; a regression would drop them
+    with DATA.open(newline="") as fh:
+        assert len(errors) + len(skipped) == len(list(csv.DictReader(fh)))  # none left out
 
 
 def test_tier_a_allocated(
