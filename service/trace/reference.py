@@ -481,13 +481,14 @@ def matrix() -> list[Case]:
         _spec(lora, 2, 1024, ckpt=True, **mixed),
     )
     # Qwen3-30B-A3B: 128 routed experts, top-8 with renormalised weights, no shared expert.
-    # (kbit preparation casts the 3-D expert weights to fp32, which grouped_mm refuses.)
+    # (kbit preparation casts the 3-D expert weights to fp32; CUDA's grouped GEMM runs them.)
     add(
         QWEN3_MOE,
         _spec(lora, 1, 1024, ckpt=True),
         _spec(lora, 1, 512),
         _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
         _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
+        _spec(qlora, 1, 1024, ckpt=True),
         _spec(full, 1, 512, ckpt=True),
     )
     # Every family's LoRA step with checkpointing on and off, SDPA (the kernel PyTorch picks)
