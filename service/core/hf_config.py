@@ -205,41 +205,7 @@ def _llama_like(c: _Config, model_type: str) -> ModelArch:
         top_k = c.integer("num_experts_per_tok")
         expert_i = c.integer("moe_intermediate_size", default=intermediate)
         shared_i = c.integer("shared_expert_intermediate_size", default=0)
-        # transformers 5 keeps experts as 3-D parameters (MixtralExperts, Qwen2MoeExperts:
-        # gate_up_proj [E, 2I, h], down_proj [E, h, I]) and the router as a bare Parameter,
-        # so neither PEFT's "all-linear" nor bitsandbytes' Linear4bit swap touches them.
-        linears.append(
-            Linear(
-                name="gate",
-                in_features=h,
-                out_features=num_experts,
-                bias=False,
-                kind=LinearKind.ROUTER,
-                expert=True,
-            )
-        )
-        linears.append(
-            Linear(
-                name="gate_up_proj",
-                in_features=h,
-                out_features=2 * expert_i,
-                bias=False,
-                kind=LinearKind.MLP_IN,
-                count=num_experts,
-                expert=True,
-            )
-        )
-        linears.append(
-            Linear(
-                name="down_proj",
-                in_features=expert_i,
-                out_features=h,
-                bias=False,
-                kind=LinearKind.MLP_OUT,
-                count=num_experts,
-                expert=True,
-            )
-        )
+        linears += _routed_experts(h, num_experts, expert_i)
         if shared_i:
             linears += [
                 _linear("gate_proj", LinearKind.MLP_IN, h, shared_i),
@@ -283,6 +249,42 @@ def _global_layer_period(c: _Config) -> int:
     if isinstance(types, list) and "full_attention" in types:
         return types.index("full_attention") + 1
     return c.integer("sliding_window_pattern", default=GEMMA3_SLIDING_WINDOW_PATTERN)
+
+
+def _routed_experts(h: int, experts: int, expert_i: int) -> list[Linear]:
+    """A MoE block's router and routed experts as transformers 5 keeps them: the router a bare
+    Parameter, the experts 3-D parameters (MixtralExperts, Qwen2MoeExperts: gate_up_proj
+    [E, 2I, h], down_proj [E, h, I]), which bitsandbytes' Linear4bit swap leaves in half
+    precision; PEFT adapts them only where it converts the model type's targets to the experts'
+    parameters (service/core/estimator/weights.py)."""
+    return [
+        Linear(
+            name="gate",
+            in_features=h,
+            out_features=experts,
+            bias=False,
+            kind=LinearKind.ROUTER,
+            expert=True,
+        ),
+        Linear(
+            name="gate_up_proj",
+            in_features=h,
+            out_features=2 * expert_i,
+            bias=False,
+            kind=LinearKind.MLP_IN,
+            count=experts,
+            expert=True,
+        ),
+        Linear(
+            name="down_proj",
+            in_features=expert_i,
+            out_features=h,
+            bias=False,
+            kind=LinearKind.MLP_OUT,
+            count=experts,
+            expert=True,
+        ),
+    ]
 
 
 def _phi3(c: _Config, model_type: str) -> ModelArch:
@@ -695,34 +697,7 @@ def _deepseek(c: _Config, model_type: str) -> ModelArch:
     shared_i = expert_i * c.integer(
         "n_shared_experts", default=0 if model_type == "deepseek_v2" else 1
     )
-    moe = [
-        Linear(
-            name="gate",
-            in_features=h,
-            out_features=experts,
-            bias=False,
-            kind=LinearKind.ROUTER,
-            expert=True,
-        ),
-        Linear(
-            name="gate_up_proj",
-            in_features=h,
-            out_features=2 * expert_i,
-            bias=False,
-            kind=LinearKind.MLP_IN,
-            count=experts,
-            expert=True,
-        ),
-        Linear(
-            name="down_proj",
-            in_features=expert_i,
-            out_features=h,
-            bias=False,
-            kind=LinearKind.MLP_OUT,
-            count=experts,
-            expert=True,
-        ),
-    ]
+    moe = _routed_experts(h, experts, expert_i)
     if shared_i:
         moe += [
             _linear("gate_proj", LinearKind.MLP_IN, h, shared_i),
