@@ -561,7 +561,7 @@ class _Backward(_Forward):
         if sh.alibi:
             joined = self._alibi_attention_backward(g_attn, qb, saved)
             gx = self.linear_backward(joined, qb, sh.qkv[0], saved, x_grad=x_grad, in_bytes=nb)
-            return self._alibi_input_gradient(gx, g_r1, saved, x_grad=x_grad)
+            return self._input_gradient(gx, g_r1, saved, x_grad=x_grad)
         rb = max(qb, nb)  # RoPE's products' dtype, as in the forward
         dq, dk, dv = self.attention_backward(g_attn, rb, saved, v_bytes=qb)
         qd = sh.heads * sh.head_dim
@@ -590,18 +590,7 @@ class _Backward(_Forward):
                 gx = self.linear_backward(
                     contiguous, qb, lin, saved, x_grad=x_grad, acc=gx, in_bytes=nb
                 )
-        if not x_grad:
-            self.f(g_r1)
-            saved.release_all()
-            return 0
-        if nb == FP32_BYTES:
-            g_in = self.norm_backward(gx, saved, "norm1", residual=g_r1)
-        else:
-            g_n1 = self.norm_backward(gx, saved, "norm1")
-            g_in = self.a(nb * sh.hidden)
-            self.f(g_r1, g_n1)
-        saved.release_all()
-        return g_in
+        return self._input_gradient(gx, g_r1, saved, x_grad=x_grad)
 
     def _alibi_attention_backward(self, g: int, nbytes: int, saved: _Saved) -> int:
         """BloomAttention's backward (g, the merged output's gradient, released): the
@@ -645,8 +634,9 @@ class _Backward(_Forward):
             total = spread
         return total
 
-    def _alibi_input_gradient(self, gx: int, g_r1: int, saved: _Saved, *, x_grad: bool) -> int:
-        """A BloomBlock's input gradient: the first norm's backward added to the residual's."""
+    def _input_gradient(self, gx: int, g_r1: int, saved: _Saved, *, x_grad: bool) -> int:
+        """A layer's input gradient: the first norm's backward added to the residual's (none
+        when the layer's input takes no gradient); the layer's saved tensors are let go."""
         sh = self.sh
         nb = sh.residual
         if not x_grad:
