@@ -87,6 +87,15 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     lora.add_argument("--target-modules", help=f"comma-separated module names, or {ALL_LINEAR}")
     lora.add_argument("--modules-to-save", help="comma-separated, e.g. embed_tokens,lm_head")
     lora.add_argument("--adapter-dtype", choices=_choices(DType))
+    lora.add_argument(
+        "--use-dora", action="store_true", default=None, help="DoRA (PEFT use_dora=True)"
+    )
+    lora.add_argument(
+        "--use-rslora",
+        action="store_true",
+        default=None,
+        help="rsLoRA scaling (PEFT use_rslora=True; no memory change)",
+    )
     quant = parser.add_argument_group("QLoRA (bitsandbytes)")
     quant.add_argument("--quant", choices=_choices(QuantType))
     quant.add_argument("--double-quant", action="store_true")
@@ -195,7 +204,15 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     method = Method(args.method)
     lora_given = any(
         getattr(args, n) is not None
-        for n in ("r", "lora_alpha", "lora_dropout", "target_modules", "adapter_dtype")
+        for n in (
+            "r",
+            "lora_alpha",
+            "lora_dropout",
+            "target_modules",
+            "adapter_dtype",
+            "use_dora",
+            "use_rslora",
+        )
     ) or bool(args.modules_to_save)
     if method is Method.FULL and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
@@ -241,6 +258,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
                 "target_modules": _names(args.target_modules),
                 "modules_to_save": saved if isinstance(saved, list) else [],
                 "adapter_dtype": args.adapter_dtype,
+                "use_dora": args.use_dora,
+                "use_rslora": args.use_rslora,
             }
         )
     if method is Method.QLORA:

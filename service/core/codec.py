@@ -270,6 +270,8 @@ _LORA: dict[str, Check] = {
     "target_modules": _target_modules,
     "modules_to_save": _module_names(min_length=0, item=_savable_module),
     "adapter_dtype": _optional(_choice(DType)),
+    "use_dora": _boolean,
+    "use_rslora": _boolean,
 }
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),

@@ -154,6 +154,11 @@ class LoraSpec:
     modules_to_save: tuple[str, ...] = ()
     # None: the framework's default; PEFT's autocast_adapter_dtype=True makes fp32 adapters.
     adapter_dtype: DType | None = None
+    # DoRA (peft/tuners/lora/dora.py DoraLinearLayer): a trainable magnitude per output feature
+    # of each adapted linear, and a forward that keeps more for backward.
+    use_dora: bool = False
+    # rsLoRA: scaling lora_alpha / sqrt(r) instead of lora_alpha / r; no tensor changes size.
+    use_rslora: bool = False
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -318,6 +323,10 @@ class TrainingSpec:
             raise InvalidSpecError("lora", "LoRA options need method 'lora' or 'qlora'")
         if self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
+        if self.lora is not None and self.lora.use_dora and self.framework is not Framework.HF:
+            raise InvalidSpecError(
+                "lora.use_dora", f"DoRA is modelled as PEFT's, not {self.framework}'s"
+            )
         if self.method is Method.QLORA and self.parallel.strategy in SHARDING_STRATEGIES:
             raise InvalidSpecError(
                 "parallel.strategy",

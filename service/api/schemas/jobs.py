@@ -124,6 +124,15 @@ class LoraIn(In):
         default=None,
         description="Adapter weights' dtype; null: the framework's (fp32 for HF + PEFT).",
     )
+    use_dora: Boolean = Field(
+        default=False,
+        description="DoRA (PEFT use_dora): a magnitude vector per adapted linear, more saved "
+        "for backward.",
+    )
+    use_rslora: Boolean = Field(
+        default=False,
+        description="rsLoRA (PEFT use_rslora): scaling lora_alpha/sqrt(r); no memory change.",
+    )
 
     def to_spec(self) -> LoraSpec:
         targets: tuple[str, ...] | str | None
@@ -138,6 +147,8 @@ class LoraIn(In):
             target_modules=targets,
             modules_to_save=tuple(self.modules_to_save),
             adapter_dtype=self.adapter_dtype,
+            use_dora=self.use_dora,
+            use_rslora=self.use_rslora,
         )
 
 

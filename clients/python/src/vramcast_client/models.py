@@ -77,6 +77,8 @@ class Lora(_Request):
     target_modules: Literal["all-linear"] | list[str] | None = None
     modules_to_save: list[str] | None = None
     adapter_dtype: DTypeName | None = None
+    use_dora: bool | None = None  # DoRA: a magnitude vector per adapted linear
+    use_rslora: bool | None = None  # rsLoRA scaling; no memory change
 
 
 class Quantization(_Request):
