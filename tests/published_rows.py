@@ -164,7 +164,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
         for raw in csv.DictReader(fh):
             rid = raw["id"]
             method_text = raw["method"].strip()
-            if method_text not in ("lora", "qlora", "full"):
+            if method_text not in ("lora", "qlora", "full", "dora"):
                 skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
                 continue
             if raw["is_estimate"] == "yes" and not raw["batch_size"]:
@@ -181,7 +181,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
                 skipped.append(Skipped(rid, "batch or sequence length not published"))
                 continue
             framework = Framework.LITGPT if raw["framework"] == "litgpt" else Framework.HF
-            method = Method(method_text)
+            # DoRA is PEFT's LoRA with use_dora=True.
+            dora = method_text == "dora"
+            method = Method.LORA if dora else Method(method_text)
             lora = None
             if method is not Method.FULL:
                 lora = LoraSpec(
@@ -189,6 +191,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     lora_alpha=int(raw["lora_alpha"] or 16),
                     target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
                     modules_to_save=_modules_to_save(raw["lora_targets"]),
+                    use_dora=dora,
                 )
             quant = None
             if method is Method.QLORA:

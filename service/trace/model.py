@@ -8,6 +8,7 @@ giving every meta tensor a fake CPU twin (tied weights and shared tensors stay s
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -187,6 +188,8 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         lora_dropout=resolved.lora_dropout,
         target_modules=target,
         modules_to_save=list(lora.modules_to_save) or None,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
         # An encoder's classifier: PEFT's sequence-classification task trains the classifier
         # whole beside the adapters (PeftModelForSequenceClassification: modules_to_save).
         task_type="SEQ_CLS"
@@ -197,7 +200,7 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
     if spec.method is Method.LORA and spec.gradient_checkpointing:
         _enable_checkpointing(model)
     adapters_fp32 = resolved.adapter_dtype is DType.FP32
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dora_reads_4bit_layers_in_place(lora.use_dora):
         warnings.simplefilter("ignore")
         peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=adapters_fp32)
     if not adapters_fp32:
@@ -209,6 +212,40 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         # HF Trainer does this for PEFT models so checkpointed layers get an input needing grad.
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+@contextlib.contextmanager
+def _dora_reads_4bit_layers_in_place(use_dora: bool) -> Iterator[None]:
+    """DoRA's init deep-copies a 4-bit base layer before dequantizing it for the magnitude (an
+    FSDP workaround, peft/tuners/lora/dora.py DoraLinearLayer.update_layer); bitsandbytes'
+    Params4bit cannot deep-copy a fake tensor (its __setstate__ sets .data). The copy is read
+    once and dropped before the step, so the tracer lets DoRA read the layer itself. DoRA's
+    dequantization stays pointed at `_dequantize_stand_in` for the step that follows."""
+    if not use_dora:
+        yield
+        return
+    from peft.tuners.lora import dora
+
+    original = dora.deepcopy
+    dora.deepcopy = lambda module: module  # type: ignore[attr-defined]
+    dora.dequantize_module_weight = _dequantize_stand_in  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dora.deepcopy = original  # type: ignore[attr-defined]
+
+
+def _dequantize_stand_in(module: torch.nn.Module) -> Any:
+    """peft/utils/integrations.py dequantize_module_weight for the tracer's 4-bit layers:
+    `materialize` stands a plain Parameter in for each Params4bit (which cannot wrap a fake
+    tensor), and PEFT knows a 4-bit weight by its class name; this dequantizes it as PEFT's
+    dequantize_bnb_weight does a Params4bit (bitsandbytes.functional.dequantize_4bit)."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    if isinstance(module, bnb.nn.Linear4bit):
+        weight = module.weight
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    return dequantize_module_weight(module)
 
 
 def _named_tensor_slots(model: torch.nn.Module) -> Iterator[tuple[Any, str, torch.Tensor, str]]:

@@ -163,6 +163,10 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append(f"dropout{lora.lora_dropout}")
         if lora.modules_to_save:
             parts.append("save-" + "+".join(lora.modules_to_save))
+        if lora.use_dora:
+            parts.append("dora")
+        if lora.use_rslora:
+            parts.append("rslora")
     quant = spec.quantization
     if quant is not None:
         parts.append(quant.type.value + ("-dq" if quant.double_quant else ""))
@@ -520,6 +524,7 @@ def matrix() -> list[Case]:
                         ),
                     )
     cases.extend(_falcon_bloom_cases())
+    cases.extend(_dora_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32
@@ -542,6 +547,20 @@ def matrix() -> list[Case]:
         _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
     )
     return [Case(model_id=m, spec=s) for m, s in cases]
+
+
+def _dora_cases() -> list[tuple[str, TrainingSpec]]:
+    """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing and autocast, on
+    Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""
+    lora, qlora = Method.LORA, Method.QLORA
+    dora = _lora(use_dora=True)
+    return [
+        (QWEN_05B, _spec(lora, 2, 512, lora=dora)),
+        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora)),
+        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, lora=dora)),
+        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora, autocast=True)),
+        (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
+    ]
 
 
 FALCON_7B = "tiiuae/falcon-7b"

@@ -65,6 +65,8 @@ class LayerFlow:
     # transformers' own modules run: a composite GELU (COMPOSITE_TANH_GELU) and Phi's residual
     # dropout (LitGPT and torchtune build their layers from fused ops, without that dropout).
     hf_modules: bool = True
+    # PEFT's DoRA variant on every adapted linear (`_dora_saves`).
+    dora: bool = False
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -124,6 +126,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         and rs.quantization.type is not QuantType.INT8,
         expert_lora=bool(expert_adapters(arch, rs)),
         hf_modules=spec.framework is Framework.HF,
+        dora=bool(lora and lora.use_dora),
     )
 
 
@@ -165,6 +168,33 @@ def _linear_saves(
         led.add(f"{lin.name}.lora_b_half", f.r * lin.out_features * AUTOCAST_BYTES, _Kind.CONSTANT)
     if lin.kind is LinearKind.ATTN_QKV and f.zero_pad_width:
         led.add("qkv.zero_pad_source", f.zero_pad_width * in_bytes)
+    if f.dora:
+        peft_dtype = x_bytes if f.autocast and f.quantized and not lin.expert else f.adapter
+        _dora_saves(led, f, lin, x_bytes, in_bytes, peft_dtype)
+
+
+def _dora_saves(
+    led: _Ledger, f: LayerFlow, lin: Linear, x_bytes: int, lora_bytes: int, peft_dtype: int
+) -> None:
+    """What PEFT 0.21's DoRA adds to a linear's saves (peft/tuners/lora/dora.py
+    DoraLinearLayer.forward): `(m / ||W + s*BA||_c - 1) * base + (m / ||.||_c) * lora * s`.
+
+    The two products keep the base result and the adapter result (`lora_bytes`: the adapter
+    dtype, or half under autocast) and the two scale vectors; the division keeps the detached
+    column norm. The norm is computed in the dtype PEFT casts the input to (`peft_dtype`), like
+    the magnitude. Without dropout the base result is the base layer's output (less its bias, a
+    new tensor when there is one); with dropout PEFT runs F.linear(dropout(x), W) again with W
+    cast to that dtype, and that product keeps the cast weight for the input gradient."""
+    out = lin.out_features
+    for name in ("weight_norm", "scale_minus_one", "scale"):
+        led.add(f"{lin.name}.dora_{name}", out * peft_dtype, _Kind.CONSTANT)
+    led.add(f"{lin.name}.dora_lora_result", out * lora_bytes)
+    if f.dropout:
+        led.add(f"{lin.name}.dora_weight_cast", out * lin.in_features * peft_dtype, _Kind.CONSTANT)
+        led.add(f"{lin.name}.dora_base_result", out * lora_bytes)
+    else:
+        base_bytes = AUTOCAST_BYTES if f.autocast and not f.quantized else x_bytes
+        led.add(f"{lin.name}.dora_base_result", out * base_bytes)
 
 
 def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: ModelArch) -> None:

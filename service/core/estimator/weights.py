@@ -85,6 +85,13 @@ def expert_adapters(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int],
         or arch.model_type not in EXPERT_LORA_MODEL_TYPES
     ):
         return ()
+    if lora.use_dora:
+        # peft/tuners/lora/layer.py ParamWrapper.update_layer raises on LoRA variants.
+        raise InvalidSpecError(
+            "lora.use_dora",
+            "PEFT 0.21 cannot put DoRA on the experts' parameters that 'all-linear' targets "
+            "here; name the target modules",
+        )
     e, h, i, r = arch.num_experts, arch.hidden_size, arch.expert_intermediate_size, lora.r
     fused = FUSED_GATE_UP_RANK_FACTOR * r * e
     return (
@@ -266,6 +273,11 @@ def _params(
             trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
             layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
             layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
+            if lora.use_dora:
+                # DoRA's magnitude: one per output feature, the norm of the adapter-dtype weight
+                # (peft/tuners/lora/dora.py DoraLinearLayer.update_layer).
+                trainable.append(_Tensor(lin.out_features, 0, ad, L))
+                layers_bytes += _Tensor(lin.out_features, 0, ad, L).nbytes
         for rows, cols in expert_lora:
             trainable.append(_Tensor(rows, cols, ad, L))
             layers_bytes += _Tensor(rows, cols, ad, L).nbytes
