@@ -84,6 +84,7 @@ class ReservedPlan:
     autocast: bool = False  # HF Trainer's mixed precision
     clip: bool = False  # gradients clipped to max_grad_norm
     accumulation: int = 1  # micro-batches per optimizer step
+    dora: bool = False  # PEFT's DoRA variant on the adapted linears
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -142,6 +143,7 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         quantized=plan.method is Method.QLORA
         and plan.quant_type is not QuantType.INT8
         and not lin.expert,
+        bias=lin.bias,
     )
 
 
@@ -267,6 +269,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         clip=plan.clip,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
+        dora=plan.dora,
         alibi=arch.alibi,
         half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )

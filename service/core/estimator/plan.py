@@ -262,6 +262,8 @@ def _model_order(
         elif lin in adapted:
             layer.append(tensor(f.r * lin.in_features, f.adapter))
             layer.append(tensor(lin.out_features * f.r, f.adapter))
+            if f.dora:  # PEFT registers lora_magnitude_vector after lora_A and lora_B
+                layer.append(tensor(lin.out_features, f.adapter))
     if full:
         norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
         layer += [tensor(h, other)] * norm_tensors
@@ -323,6 +325,7 @@ def _reserved_plan(
         autocast=spec.autocast,
         clip=spec.max_grad_norm > 0,
         accumulation=spec.gradient_accumulation_steps,
+        dora=f.dora,
     )
 
 

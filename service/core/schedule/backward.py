@@ -57,6 +57,11 @@ class _Backward(_Forward):
                 in_bytes=in_bytes,
             )
             before_saved = None
+        elif lin.adapted and sh.dora:
+            g_base, gx_lora, acc = self._dora_backward(
+                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
+            )
+            before_saved = None
         elif lin.adapted:
             # the output cast's backward (g in the adapters' dtype; autograd lets go of g),
             # then the promoting add's: g cast back for the base branch
@@ -200,6 +205,94 @@ class _Backward(_Forward):
         else:
             self.f(g_a)
             saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        return g_base, gx_lora, acc
+
+    def _dora_backward(
+        self,
+        g: int,
+        nbytes: int,
+        lin: LinearShape,
+        saved: _Saved,
+        *,
+        x_grad: bool,
+        acc: int,
+        before_saved: Callable[[], None] | None,
+    ) -> tuple[int, int, int]:
+        """DoRA's backward (g, in `nbytes`, released; `forward._dora`): the output cast's and
+        the promoting add's, the scaling's, then each product's two gradients (the scale's
+        summed to its shape), the base result's gradient added in place into the add's, lora_B
+        and lora_A, the magnitude's gradient through the division, the input cast's. Returns
+        the base branch's gradient, the adapter branch's input gradient and the accumulator."""
+        sh = self.sh
+        ad = sh.adapter
+        din, dout = lin.d_in, lin.d_out
+        g32 = self.a(ad * dout) if ad != nbytes else self.p.hold(g)
+        self.f(g)
+        g_base = self.a(nbytes * dout) if ad != nbytes else self.p.hold(g32)
+        g_scaled = self.a(ad * dout)  # the scaling's backward
+        if before_saved is not None:
+            before_saved()
+        # scale * lora: the scale's gradient (then summed to its shape) and the adapter's
+        full = self.a(ad * dout)
+        g_lora = self.a(ad * dout)
+        g_scale = self.p.alloc(ad * dout)
+        self.f(full)
+        saved.release(f"{lin.name}.dora_scale", f"{lin.name}.dora_lora")
+        self.f(g_scaled)
+        # (scale - 1) * base result: the same, the base result's gradient cast to its dtype
+        base_bytes = ad if sh.dropout else nbytes
+        wide = max(ad, nbytes)
+        full = self.a(wide * dout)
+        g_result = self.a(wide * dout)
+        g_minus = self.p.alloc(ad * dout)
+        self.f(full)
+        if wide != base_bytes:
+            narrow = self.a(base_bytes * dout)
+            self.f(g_result)
+            g_result = narrow
+        saved.release(f"{lin.name}.dora_minus_one", f"{lin.name}.dora_base")
+        self.f(g32)
+        self.f(g_minus)  # added in place into the scale's gradient
+        gx_dropped = 0
+        if sh.dropout:
+            # F.linear(dropout(x), W) again: its input's gradient, through the cast weight
+            gx_dropped = self.a(ad * din)
+            self.gemm()
+            self.f(g_result)
+            saved.release(f"{lin.name}.dora_weight")
+        elif g_base != g_result and ad != nbytes:
+            self.f(g_result)  # added in place into the add's gradient
+        else:
+            total = self.a(nbytes * dout)
+            self.f(g_base, g_result)
+            g_base = total
+        self.grad(ad * dout * sh.rank)  # lora_B.weight.grad
+        g_a = self.a(ad * sh.rank)
+        self.f(g_lora)
+        saved.release(f"{lin.name}.lora_a")
+        self.grad(ad * din * sh.rank)  # lora_A.weight.grad
+        gx_lora = 0
+        if x_grad:
+            gx32 = self.a(ad * din)
+            self.f(g_a, gx_dropped)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            self.grad(ad * dout)  # lora_magnitude_vector's gradient: the division's backward
+            self.f(g_scale)
+            saved.release(f"{lin.name}.dora_norm")
+            gx_lora = gx32
+            if ad != nbytes:
+                gx_lora = self.a(nbytes * din)
+                self.f(gx32)
+            if acc:
+                total = self.a(nbytes * din)
+                self.f(acc, gx_lora)
+                gx_lora, acc = total, 0
+        else:
+            self.f(g_a, gx_dropped)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            self.grad(ad * dout)
+            self.f(g_scale)
+            saved.release(f"{lin.name}.dora_norm")
         return g_base, gx_lora, acc
 
     def _grad_4bit(self, g: int, nbytes: int, lin: LinearShape) -> int:

@@ -90,6 +90,8 @@ class _Forward(_StepBase):
             base = clone
         if sh.autocast:
             return self._lora_autocast(x, nbytes, lin, saved, base, stop)
+        if sh.dora:
+            return self._dora(x, nbytes, lin, saved, base, stop)
         cast = self.p.hold(x) if ad == nbytes else self.a(ad * lin.d_in)
         if sh.dropout:
             mask = self.a(lin.d_in)
@@ -127,6 +129,99 @@ class _Forward(_StepBase):
         out = summed
         if wide != nbytes:
             out = self.a(nbytes * lin.d_out)
+            self.f(summed)
+        self.f(cast)
+        return out
+
+    def _dora(
+        self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
+    ) -> int:
+        """PEFT's DoRA on a linear whose base output is `base` (peft/tuners/lora/dora.py
+        DoraLinearLayer.forward, variants.py DoraLinearVariant.forward): the input cast to the
+        adapters' dtype; B @ A as lora_B(lora_A(eye)); the base weight (dequantized) cast to
+        that dtype; the column norm of W + scaling * BA; magnitude / norm; lora_B(lora_A(x));
+        `(scale - 1) * base + scale * lora * scaling`, added to the base output and cast back.
+        With dropout the base result is F.linear(dropout(x), W) again."""
+        sh = self.sh
+        ad = sh.adapter
+        din, dout = lin.d_in, lin.d_out
+        weight_elements = din * dout
+        cast = self.p.hold(x) if ad == nbytes else self.a(ad * din)
+        if sh.dropout:
+            mask = self.a(din)
+            dropped = self.a(ad * din)
+            if saved is not None:
+                saved.save(f"{lin.name}.mask", mask)
+            self.f(mask, cast)
+            cast = dropped
+        # get_lora_weight: torch.eye, lora_A, lora_B; the graph keeps eye and A(eye)
+        eye = self.p.alloc(ad * din * din)
+        eye_a = self.p.alloc(ad * din * sh.rank)
+        self.gemm()
+        lora_weight = self.p.alloc(ad * weight_elements)
+        # dequantize_module_weight, then .to(x.dtype)
+        weight_bytes = sh.compute if lin.quantized else sh.param_bytes
+        weight = 0
+        if lin.quantized:
+            absmax = []
+            if sh.double_quant:
+                blocks = -(-weight_elements // 64) * FP32_BYTES
+                absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
+            weight = self.p.alloc(weight_bytes * weight_elements)
+            self.f(*reversed(absmax))
+        if weight_bytes != ad:
+            wide = self.p.alloc(ad * weight_elements)
+            self.f(weight)
+            weight = wide
+        # get_weight_norm: weight + scaling * lora_weight, its norm over the input features
+        scaled_w = self.p.alloc(ad * weight_elements)
+        combined = self.p.alloc(ad * weight_elements)
+        self.f(scaled_w)
+        norm = self.p.alloc(ad * dout)
+        self.f(combined)
+        scale = self.p.alloc(ad * dout)  # magnitude / weight_norm
+        if saved is not None:
+            saved.save(f"{lin.name}.cast", cast)
+            saved.save(f"{lin.name}.dora_norm", norm)
+        lora_a = self.a(ad * sh.rank)
+        if saved is not None:
+            saved.save(f"{lin.name}.lora_a", lora_a)
+        lora_out = self.a(ad * dout)
+        self.f(lora_a)
+        if sh.dropout:
+            self.gemm()
+            base_result = self.a(ad * dout)
+            if saved is not None:
+                saved.save(f"{lin.name}.dora_weight", weight)
+        elif lin.bias:
+            base_result = self.a(nbytes * dout)  # base_result - bias
+        else:
+            base_result = self.p.hold(base)
+        minus_one = self.p.alloc(ad * dout)
+        first = self.a(max(ad, nbytes) * dout)
+        if saved is not None:
+            saved.save(f"{lin.name}.dora_minus_one", minus_one)
+            saved.save(f"{lin.name}.dora_base", base_result)
+        second = self.a(ad * dout)
+        if saved is not None:
+            saved.save(f"{lin.name}.dora_scale", scale)
+            saved.save(f"{lin.name}.dora_lora", lora_out)
+            if stop:
+                raise _Stop
+        scaled = self.a(ad * dout)
+        self.f(second)
+        result = self.a(ad * dout)
+        self.f(first, scaled)
+        # the forward's locals go: B @ A (and the eye and A(eye) its graph kept), the cast
+        # weight, the norm, the scale, the adapter's output, (scale - 1), the base result
+        self.f(lora_weight, eye_a, eye, weight, norm, scale, lora_out, minus_one, base_result)
+        # `result + dora` promotes (bitsandbytes' layer too), then the cast back
+        wide_out = max(nbytes, ad)
+        summed = self.a(wide_out * dout)
+        self.f(result, base)
+        out = summed
+        if wide_out != nbytes:
+            out = self.a(nbytes * dout)
             self.f(summed)
         self.f(cast)
         return out

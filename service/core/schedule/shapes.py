@@ -41,6 +41,7 @@ class LinearShape:
     trainable: bool  # its weight trains (full fine-tuning)
     weight_bytes: int  # a trainable weight's gradient bytes
     quantized: bool = False  # a bitsandbytes 4-bit weight
+    bias: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,3 +114,4 @@ class StepShape:
     half_softmax: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
     composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)
+    dora: bool = False  # PEFT's DoRA variant on the adapted linears (peft/tuners/lora/dora.py)
