@@ -45,7 +45,19 @@ class _Backward(_Forward):
             return self._trainable_autocast_backward(
                 g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
             )
-        if lin.adapted and sh.autocast:
+        if lin.adapted and sh.autocast and sh.dora:
+            g_base, gx_lora, acc = self._dora_autocast_backward(
+                g,
+                nbytes,
+                lin,
+                saved,
+                x_grad=x_grad,
+                acc=acc,
+                before_saved=before_saved,
+                in_bytes=in_bytes,
+            )
+            before_saved = None
+        elif lin.adapted and sh.autocast:
             g_base, gx_lora, acc = self._lora_autocast_backward(
                 g,
                 nbytes,
@@ -293,6 +305,93 @@ class _Backward(_Forward):
             self.grad(ad * dout)
             self.f(g_scale)
             saved.release(f"{lin.name}.dora_norm")
+        return g_base, gx_lora, acc
+
+    def _dora_autocast_backward(
+        self,
+        g: int,
+        nbytes: int,
+        lin: LinearShape,
+        saved: _Saved,
+        *,
+        x_grad: bool,
+        acc: int,
+        before_saved: Callable[[], None] | None,
+        in_bytes: int,
+    ) -> tuple[int, int, int]:
+        """`_dora_backward` under autocast (`forward._dora_autocast`): the products' gradients
+        in the magnitude's dtype, cast to the half adapter output's and the base result's;
+        lora_B's and lora_A's in half; the input's cast back through autocast's copy, the
+        magnitude's gradient, then PEFT's cast (`in_bytes`)."""
+        sh = self.sh
+        ad = sh.adapter
+        din, dout = lin.d_in, lin.d_out
+        srcb = in_bytes if lin.quantized else ad
+        wide = max(nbytes, ad)
+        g_wide = self.a(wide * dout) if wide != nbytes and not lin.quantized else self.p.hold(g)
+        self.f(g)
+        g_base = self.a(nbytes * dout) if wide != nbytes else self.p.hold(g_wide)
+        g_scaled = self.a(ad * dout)
+        if before_saved is not None:
+            before_saved()
+        full = self.a(ad * dout)
+        g_lora_wide = self.a(ad * dout)
+        g_scale = self.p.alloc(ad * dout)
+        self.f(full)
+        g_lora = g_lora_wide
+        if ad != HALF_BYTES:
+            g_lora = self.a(HALF_BYTES * dout)
+            self.f(g_lora_wide)
+        saved.release(f"{lin.name}.dora_scale", f"{lin.name}.dora_lora")
+        self.f(g_scaled)
+        base_bytes = HALF_BYTES if sh.dropout else nbytes
+        full = self.a(wide * dout)
+        g_result = self.a(wide * dout)
+        g_minus = self.p.alloc(ad * dout)
+        self.f(full)
+        if wide != base_bytes:
+            narrow = self.a(base_bytes * dout)
+            self.f(g_result)
+            g_result = narrow
+        saved.release(f"{lin.name}.dora_minus_one", f"{lin.name}.dora_base")
+        self.f(g_wide)
+        self.f(g_minus)
+        if sh.dropout or g_base == g_result or wide == nbytes:
+            total = self.a(nbytes * dout)
+            self.f(g_base, g_result)
+            g_base = total
+        else:
+            self.f(g_result)  # added in place into the add's gradient
+        self.grad(ad * dout * sh.rank)  # lora_B.weight.grad
+        g_a = self.a(HALF_BYTES * sh.rank)
+        self.f(g_lora)
+        saved.release(f"{lin.name}.lora_a")
+        self.grad(ad * din * sh.rank)  # lora_A.weight.grad
+        gx_lora = 0
+        if x_grad:
+            gx = self.a(HALF_BYTES * din)
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            if srcb != HALF_BYTES:
+                nxt = self.a(srcb * din)
+                self.f(gx)
+                gx = nxt
+        else:
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        self.grad(ad * dout)  # lora_magnitude_vector's gradient: the division's backward
+        self.f(g_scale)
+        saved.release(f"{lin.name}.dora_norm")
+        if x_grad:
+            if srcb != in_bytes:
+                nxt = self.a(in_bytes * din)
+                self.f(gx)
+                gx = nxt
+            gx_lora = gx
+            if acc:
+                total = self.a(in_bytes * din)
+                self.f(acc, gx_lora)
+                gx_lora, acc = total, 0
         return g_base, gx_lora, acc
 
     def _grad_4bit(self, g: int, nbytes: int, lin: LinearShape) -> int:

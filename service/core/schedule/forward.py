@@ -88,6 +88,8 @@ class _Forward(_StepBase):
             clone = self.a(nbytes * lin.d_out)
             self.f(base)
             base = clone
+        if sh.autocast and sh.dora:
+            return self._dora_autocast(x, nbytes, lin, saved, base, stop)
         if sh.autocast:
             return self._lora_autocast(x, nbytes, lin, saved, base, stop)
         if sh.dora:
@@ -224,6 +226,100 @@ class _Forward(_StepBase):
             out = self.a(nbytes * dout)
             self.f(summed)
         self.f(cast)
+        return out
+
+    def _dora_autocast(
+        self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
+    ) -> int:
+        """`_dora` under autocast: lora_A and lora_B run in half precision (on a half copy of
+        the eye, and of the input, which their matmuls save); B @ A is cast to the input's
+        dtype for the norm; the products promote to the magnitude's dtype. PEFT's 4-bit
+        layers neither cast the input to the adapters' dtype nor the result back."""
+        sh = self.sh
+        ad = sh.adapter
+        din, dout = lin.d_in, lin.d_out
+        weight_elements = din * dout
+        srcb = nbytes if lin.quantized else ad
+        src = self.p.hold(x) if srcb == nbytes else self.a(srcb * din)
+        if sh.dropout:
+            mask = self.a(din)
+            dropped = self.a(srcb * din)
+            if saved is not None:
+                saved.save(f"{lin.name}.mask", mask)
+            self.f(mask, src)
+            src = dropped
+        eye = self.p.alloc(ad * din * din)
+        eye_half = self.p.alloc(HALF_BYTES * din * din) if ad != HALF_BYTES else self.p.hold(eye)
+        eye_a = self.p.alloc(HALF_BYTES * din * sh.rank)
+        self.gemm()
+        lora_half = self.p.alloc(HALF_BYTES * weight_elements)
+        self.f(eye)
+        lora_weight = self.p.hold(lora_half)
+        if srcb != HALF_BYTES:
+            lora_weight = self.p.alloc(srcb * weight_elements)
+            self.f(lora_half)
+        self.f(lora_half)
+        weight_bytes = sh.compute if lin.quantized else sh.param_bytes
+        weight = 0
+        if lin.quantized:
+            absmax = []
+            if sh.double_quant:
+                blocks = -(-weight_elements // 64) * FP32_BYTES
+                absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
+            weight = self.p.alloc(weight_bytes * weight_elements)
+            self.f(*reversed(absmax))
+        if weight_bytes != srcb:
+            wide = self.p.alloc(srcb * weight_elements)
+            self.f(weight)
+            weight = wide
+        scaled_w = self.p.alloc(srcb * weight_elements)
+        combined = self.p.alloc(srcb * weight_elements)
+        self.f(scaled_w)
+        norm = self.p.alloc(srcb * dout)
+        self.f(combined)
+        scale = self.p.alloc(max(ad, srcb) * dout)
+        half = self.p.hold(src) if srcb == HALF_BYTES else self.a(HALF_BYTES * din)
+        if saved is not None:
+            saved.save(f"{lin.name}.dora_norm", norm)
+            saved.save(f"{lin.name}.cast", half)
+        lora_a = self.a(HALF_BYTES * sh.rank)
+        self.f(half)
+        if saved is not None:
+            saved.save(f"{lin.name}.lora_a", lora_a)
+        lora_out = self.a(HALF_BYTES * dout)
+        self.f(lora_a)
+        out_b = self.out_bytes(lin, nbytes)
+        if sh.dropout:
+            self.gemm()
+            base_result = self.a(HALF_BYTES * dout)
+        elif lin.bias:
+            base_result = self.a(out_b * dout)  # base_result - bias
+        else:
+            base_result = self.p.hold(base)
+        minus_one = self.p.alloc(ad * dout)
+        first = self.a(max(ad, out_b) * dout)
+        if saved is not None:
+            saved.save(f"{lin.name}.dora_minus_one", minus_one)
+            saved.save(f"{lin.name}.dora_base", base_result)
+        second = self.a(ad * dout)
+        if saved is not None:
+            saved.save(f"{lin.name}.dora_scale", scale)
+            saved.save(f"{lin.name}.dora_lora", lora_out)
+            if stop:
+                raise _Stop
+        scaled = self.a(ad * dout)
+        self.f(second)
+        result = self.a(ad * dout)
+        self.f(first, scaled)
+        self.f(lora_weight, eye_a, eye_half, weight, norm, scale, lora_out, minus_one, base_result)
+        wide_out = max(out_b, ad)
+        out = self.a(wide_out * dout)
+        self.f(result, base)
+        if wide_out != out_b and not lin.quantized:
+            narrow = self.a(out_b * dout)
+            self.f(out)
+            out = narrow
+        self.f(src)
         return out
 
     def _trainable_autocast(
