@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from service.core.errors import InvalidSpecError
 from service.core.estimator import (
     adapted_linears,
     estimate,
@@ -180,3 +183,45 @@ def test_litgpt_qlora_warns_that_inputs_outlive_the_step() -> None:
         "until the next forward pass" in w
         for w in estimate(ARCH, _spec(method=Method.QLORA, quantization=quant)).warnings
     )
+
+
+LORA_QV_DORA = LoraSpec(r=4, target_modules=("q_proj", "v_proj"), use_dora=True)
+
+
+def test_dora_adds_a_magnitude_per_output_feature_of_each_adapted_linear() -> None:
+    lora = estimate(ARCH, _spec())
+    dora = estimate(ARCH, _spec(lora=LORA_QV_DORA))
+    # q_proj (64 outputs) and v_proj (32) in each of the 2 layers
+    assert dora.params.trainable - lora.params.trainable == 2 * (64 + 32)
+    assert dora.allocated_bytes > lora.allocated_bytes
+
+
+def test_dora_saves_the_base_and_adapter_results_of_each_adapted_linear() -> None:
+    b, s = 2, 8
+    lora = layer_saved_bytes(ARCH, resolve(_spec()), b, s)
+    dora = layer_saved_bytes(ARCH, resolve(_spec(lora=LORA_QV_DORA)), b, s)
+
+    def blk(nbytes: int) -> int:
+        return -(-nbytes // 512) * 512
+
+    # per adapted linear (fp32 adapters, bf16 model, 16 tokens): the bf16 base result, the
+    # fp32 adapter result, and three fp32 vectors of its outputs (norm, scale, scale - 1)
+    expected = sum(blk(16 * out * 2) + blk(16 * out * 4) + 3 * blk(out * 4) for out in (64, 32))
+    assert dora - lora == expected
+
+
+def test_rslora_changes_no_memory() -> None:
+    plain = estimate(ARCH, _spec())
+    rslora = estimate(
+        ARCH, _spec(lora=LoraSpec(r=4, target_modules=("q_proj", "v_proj"), use_rslora=True))
+    )
+    assert (rslora.allocated_bytes, rslora.reserved_bytes) == (
+        plain.allocated_bytes,
+        plain.reserved_bytes,
+    )
+
+
+def test_dora_outside_peft_is_refused() -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        _spec(lora=LORA_QV_DORA, framework=Framework.LITGPT)
+    assert caught.value.field == "lora.use_dora"
