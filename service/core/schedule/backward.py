@@ -231,10 +231,12 @@ class _Backward(_Forward):
         before_saved: Callable[[], None] | None,
     ) -> tuple[int, int, int]:
         """DoRA's backward (g, in `nbytes`, released; `forward._dora`): the output cast's and
-        the promoting add's, the scaling's, then each product's two gradients (the scale's
-        summed to its shape), the base result's gradient added in place into the add's, lora_B
-        and lora_A, the magnitude's gradient through the division, the input cast's. Returns
-        the base branch's gradient, the adapter branch's input gradient and the accumulator."""
+        the promoting add's, the scaling's, then each product's two gradients (its saved
+        tensors released before the scale's is summed to its shape), the base result's
+        gradient added to the add's and (through the subtraction) the two scale gradients
+        added, lora_B and lora_A, the magnitude's gradient through the division, the input
+        cast's. Returns the base branch's gradient, the adapter branch's input gradient and
+        the accumulator."""
         sh = self.sh
         ad = sh.adapter
         din, dout = lin.d_in, lin.d_out
@@ -247,24 +249,22 @@ class _Backward(_Forward):
         # scale * lora: the scale's gradient (then summed to its shape) and the adapter's
         full = self.a(ad * dout)
         g_lora = self.a(ad * dout)
-        g_scale = self.p.alloc(ad * dout)
-        self.f(full)
         saved.release(f"{lin.name}.dora_scale", f"{lin.name}.dora_lora")
-        self.f(g_scaled)
+        g_scale = self.p.alloc(ad * dout)
+        self.f(full, g_scaled)
         # (scale - 1) * base result: the same, the base result's gradient cast to its dtype
         base_bytes = ad if sh.dropout else nbytes
         wide = max(ad, nbytes)
         full = self.a(wide * dout)
         g_result = self.a(wide * dout)
+        saved.release(f"{lin.name}.dora_minus_one", f"{lin.name}.dora_base")
         g_minus = self.p.alloc(ad * dout)
         self.f(full)
         if wide != base_bytes:
             narrow = self.a(base_bytes * dout)
             self.f(g_result)
             g_result = narrow
-        saved.release(f"{lin.name}.dora_minus_one", f"{lin.name}.dora_base")
         self.f(g32)
-        self.f(g_minus)  # added in place into the scale's gradient
         gx_dropped = 0
         if sh.dropout:
             # F.linear(dropout(x), W) again: its input's gradient, through the cast weight
@@ -272,25 +272,28 @@ class _Backward(_Forward):
             self.gemm()
             self.f(g_result)
             saved.release(f"{lin.name}.dora_weight")
-        elif g_base != g_result and ad != nbytes:
-            self.f(g_result)  # added in place into the add's gradient
+            g_scale = self._added(g_scale, g_minus, ad * dout)
+        elif lin.bias:  # the subtraction of (scale - 1) runs before that of the bias
+            g_scale = self._added(g_scale, g_minus, ad * dout)
+            g_base = self._added(g_base, g_result, self.t * nbytes * dout)
         else:
-            total = self.a(nbytes * dout)
-            self.f(g_base, g_result)
-            g_base = total
+            g_base = self._added(g_base, g_result, self.t * nbytes * dout)
+            g_scale = self._added(g_scale, g_minus, ad * dout)
         self.grad(ad * dout * sh.rank)  # lora_B.weight.grad
         g_a = self.a(ad * sh.rank)
-        self.f(g_lora)
         saved.release(f"{lin.name}.lora_a")
+        self.f(g_lora)
         self.grad(ad * din * sh.rank)  # lora_A.weight.grad
-        gx_lora = 0
+        gx32 = 0
         if x_grad:
             gx32 = self.a(ad * din)
-            self.f(g_a, gx_dropped)
-            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
-            self.grad(ad * dout)  # lora_magnitude_vector's gradient: the division's backward
-            self.f(g_scale)
-            saved.release(f"{lin.name}.dora_norm")
+        saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        self.f(g_a, gx_dropped)
+        self.grad(ad * dout)  # lora_magnitude_vector's gradient: the division's backward
+        self.f(g_scale)
+        saved.release(f"{lin.name}.dora_norm")
+        gx_lora = 0
+        if x_grad:
             gx_lora = gx32
             if ad != nbytes:
                 gx_lora = self.a(nbytes * din)
@@ -299,13 +302,13 @@ class _Backward(_Forward):
                 total = self.a(nbytes * din)
                 self.f(acc, gx_lora)
                 gx_lora, acc = total, 0
-        else:
-            self.f(g_a, gx_dropped)
-            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
-            self.grad(ad * dout)
-            self.f(g_scale)
-            saved.release(f"{lin.name}.dora_norm")
         return g_base, gx_lora, acc
+
+    def _added(self, first: int, second: int, nbytes: int) -> int:
+        """Autograd's input buffer adding a second gradient to a first: a new tensor."""
+        total = self.p.alloc(nbytes)
+        self.f(first, second)
+        return total
 
     def _dora_autocast_backward(
         self,

@@ -161,6 +161,10 @@ class _Forward(_StepBase):
         eye_a = self.p.alloc(ad * din * sh.rank)
         self.gemm()
         lora_weight = self.p.alloc(ad * weight_elements)
+        if sh.checkpointing:
+            # checkpointing keeps nothing for a saved tensor whose graph dies in the forward
+            self.f(eye_a, eye)
+            eye_a = eye = 0
         # dequantize_module_weight, then .to(x.dtype)
         weight_bytes = sh.compute if lin.quantized else sh.param_bytes
         weight = 0
@@ -204,11 +208,16 @@ class _Forward(_StepBase):
         if saved is not None:
             saved.save(f"{lin.name}.dora_minus_one", minus_one)
             saved.save(f"{lin.name}.dora_base", base_result)
+        else:
+            self.f(minus_one)
+            minus_one = 0
         second = self.a(ad * dout)
         if saved is not None:
             saved.save(f"{lin.name}.dora_scale", scale)
             saved.save(f"{lin.name}.dora_lora", lora_out)
             if stop:
+                # the unwinding lets go of the product, then of B @ A's graph and the weight
+                self.f(second, eye_a, eye, lora_weight, weight)
                 raise _Stop
         scaled = self.a(ad * dout)
         self.f(second)
@@ -252,7 +261,13 @@ class _Forward(_StepBase):
         eye_half = self.p.alloc(HALF_BYTES * din * din) if ad != HALF_BYTES else self.p.hold(eye)
         eye_a = self.p.alloc(HALF_BYTES * din * sh.rank)
         self.gemm()
+        if sh.checkpointing:
+            self.f(eye_half)
+            eye_half = 0
         lora_half = self.p.alloc(HALF_BYTES * weight_elements)
+        if sh.checkpointing:
+            self.f(eye_a)
+            eye_a = 0
         self.f(eye)
         lora_weight = self.p.hold(lora_half)
         if srcb != HALF_BYTES:
@@ -301,11 +316,15 @@ class _Forward(_StepBase):
         if saved is not None:
             saved.save(f"{lin.name}.dora_minus_one", minus_one)
             saved.save(f"{lin.name}.dora_base", base_result)
+        else:
+            self.f(minus_one)
+            minus_one = 0
         second = self.a(ad * dout)
         if saved is not None:
             saved.save(f"{lin.name}.dora_scale", scale)
             saved.save(f"{lin.name}.dora_lora", lora_out)
             if stop:
+                self.f(second, eye_a, eye_half, lora_weight, weight)
                 raise _Stop
         scaled = self.a(ad * dout)
         self.f(second)
