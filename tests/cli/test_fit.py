@@ -235,3 +235,13 @@ def test_a_strategy_the_job_cannot_use_is_reported_per_strategy(
     out = capsys.readouterr().out
     assert "zero3  not possible: QLoRA under zero3" in out
     assert "ddp       1 GPUs (1 node)" in out
+
+
+def test_dora_and_rslora_options_reach_the_spec_and_the_job() -> None:
+    args = build_parser().parse_args(["fit", *SMALL, "--use-dora", "--use-rslora", "--gpu", "L4"])
+    spec = spec_from_args(args)
+    assert spec.lora is not None and spec.lora.use_dora and spec.lora.use_rslora
+    lora = job_fields(spec)["lora"]
+    assert (lora["use_dora"], lora["use_rslora"]) == (True, True)
+    plain = spec_from_args(build_parser().parse_args(["fit", *SMALL, "--gpu", "L4"]))
+    assert plain.lora is not None and not plain.lora.use_dora

@@ -225,3 +225,15 @@ def test_dora_outside_peft_is_refused() -> None:
     with pytest.raises(InvalidSpecError) as caught:
         _spec(lora=LORA_QV_DORA, framework=Framework.LITGPT)
     assert caught.value.field == "lora.use_dora"
+
+
+def test_dora_on_a_moes_expert_parameters_is_refused() -> None:
+    from service.catalog.models import default_catalog
+
+    arch = default_catalog().resolve("Qwen/Qwen3-30B-A3B").arch
+    spec = _spec(lora=LoraSpec(r=8, target_modules="all-linear", use_dora=True), seq_len=128)
+    with pytest.raises(InvalidSpecError) as caught:
+        estimate(arch, spec)
+    assert caught.value.field == "lora.use_dora"
+    attention_only = LoraSpec(r=8, target_modules=("q_proj", "v_proj"), use_dora=True)
+    assert estimate(arch, _spec(lora=attention_only, seq_len=128)).allocated_bytes > 0
