@@ -550,8 +550,8 @@ def matrix() -> list[Case]:
 
 
 def _dora_cases() -> list[tuple[str, TrainingSpec]]:
-    """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing and autocast, on
-    Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""
+    """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing, autocast and
+    dropout, on Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""
     lora, qlora = Method.LORA, Method.QLORA
     dora = _lora(use_dora=True)
     return [
@@ -559,6 +559,8 @@ def _dora_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora)),
         (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, lora=dora)),
         (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora, autocast=True)),
+        # With dropout PEFT runs the base linear again on the dropped-out input.
+        (QWEN_05B, _spec(lora, 2, 512, lora=_lora(use_dora=True, lora_dropout=0.1))),
         (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
     ]
 
