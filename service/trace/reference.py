@@ -54,10 +54,14 @@ TRACED_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
 
 def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
     """The spec as plain JSON values (enums by value, tuples as lists), every field included
-    but the stack: the tracer runs only the installed one, which a reference records apart
-    (`libraries`)."""
+    but the stack (the tracer runs only the installed one, which a reference records apart,
+    `libraries`) and LoRA's DoRA and rsLoRA switches while they are off."""
     data = spec_to_dict(spec)
     del data["stack"]
+    lora = data.get("lora")
+    for option in ("use_dora", "use_rslora"):  # written when on, as references before them
+        if lora is not None and not lora.get(option):
+            lora.pop(option, None)
     return data
 
 
