@@ -45,20 +45,11 @@ class _Backward(_Forward):
             return self._trainable_autocast_backward(
                 g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
             )
-        if lin.adapted and sh.autocast and sh.dora:
-            g_base, gx_lora, acc = self._dora_autocast_backward(
-                g,
-                nbytes,
-                lin,
-                saved,
-                x_grad=x_grad,
-                acc=acc,
-                before_saved=before_saved,
-                in_bytes=in_bytes,
+        if lin.adapted and sh.autocast:
+            adapter_backward = (
+                self._dora_autocast_backward if sh.dora else self._lora_autocast_backward
             )
-            before_saved = None
-        elif lin.adapted and sh.autocast:
-            g_base, gx_lora, acc = self._lora_autocast_backward(
+            g_base, gx_lora, acc = adapter_backward(
                 g,
                 nbytes,
                 lin,

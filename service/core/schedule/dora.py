@@ -44,19 +44,7 @@ class _Dora(_StepBase):
             self.f(eye_a, eye)
             eye_a = eye = 0
         # dequantize_module_weight, then .to(x.dtype)
-        weight_bytes = sh.compute if lin.quantized else sh.param_bytes
-        weight = 0
-        if lin.quantized:
-            absmax = []
-            if sh.double_quant:
-                blocks = -(-weight_elements // 64) * FP32_BYTES
-                absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
-            weight = self.p.alloc(weight_bytes * weight_elements)
-            self.f(*reversed(absmax))
-        if weight_bytes != ad:
-            wide = self.p.alloc(ad * weight_elements)
-            self.f(weight)
-            weight = wide
+        weight = self._dora_weight(lin, ad)
         # get_weight_norm: weight + scaling * lora_weight, its norm over the input features
         scaled_w = self.p.alloc(ad * weight_elements)
         combined = self.p.alloc(ad * weight_elements)
@@ -81,29 +69,16 @@ class _Dora(_StepBase):
             base_result = self.a(nbytes * dout)  # base_result - bias
         else:
             base_result = self.p.hold(base)
-        minus_one = self.p.alloc(ad * dout)
-        first = self.a(max(ad, nbytes) * dout)
-        if saved is not None:
-            saved.save(f"{lin.name}.dora_minus_one", minus_one)
-            saved.save(f"{lin.name}.dora_base", base_result)
-        else:
-            self.f(minus_one)
-            minus_one = 0
-        second = self.a(ad * dout)
-        if saved is not None:
-            saved.save(f"{lin.name}.dora_scale", scale)
-            saved.save(f"{lin.name}.dora_lora", lora_out)
-            if stop:
-                # the unwinding lets go of the product, then of B @ A's graph and the weight
-                self.f(second, eye_a, eye, lora_weight, weight)
-                raise _Stop
-        scaled = self.a(ad * dout)
-        self.f(second)
-        result = self.a(ad * dout)
-        self.f(first, scaled)
-        # the forward's locals go: B @ A (and the eye and A(eye) its graph kept), the cast
-        # weight, the norm, the scale, the adapter's output, (scale - 1), the base result
-        self.f(lora_weight, eye_a, eye, weight, norm, scale, lora_out, minus_one, base_result)
+        result = self._dora_combine(
+            lin,
+            saved,
+            stop,
+            nbytes,
+            base_result,
+            scale,
+            lora_out,
+            (lora_weight, eye_a, eye, weight, norm),
+        )
         # `result + dora` promotes (bitsandbytes' layer too), then the cast back
         wide_out = max(nbytes, ad)
         summed = self.a(wide_out * dout)
@@ -152,19 +127,7 @@ class _Dora(_StepBase):
             lora_weight = self.p.alloc(srcb * weight_elements)
             self.f(lora_half)
         self.f(lora_half)
-        weight_bytes = sh.compute if lin.quantized else sh.param_bytes
-        weight = 0
-        if lin.quantized:
-            absmax = []
-            if sh.double_quant:
-                blocks = -(-weight_elements // 64) * FP32_BYTES
-                absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
-            weight = self.p.alloc(weight_bytes * weight_elements)
-            self.f(*reversed(absmax))
-        if weight_bytes != srcb:
-            wide = self.p.alloc(srcb * weight_elements)
-            self.f(weight)
-            weight = wide
+        weight = self._dora_weight(lin, srcb)
         scaled_w = self.p.alloc(srcb * weight_elements)
         combined = self.p.alloc(srcb * weight_elements)
         self.f(scaled_w)
@@ -190,8 +153,65 @@ class _Dora(_StepBase):
             base_result = self.a(out_b * dout)  # base_result - bias
         else:
             base_result = self.p.hold(base)
+        result = self._dora_combine(
+            lin,
+            saved,
+            stop,
+            out_b,
+            base_result,
+            scale,
+            lora_out,
+            (lora_weight, eye_a, eye_half, weight, norm),
+        )
+        wide_out = max(out_b, ad)
+        out = self.a(wide_out * dout)
+        self.f(result, base)
+        if wide_out != out_b and not lin.quantized:
+            narrow = self.a(out_b * dout)
+            self.f(out)
+            out = narrow
+        self.f(src)
+        return out
+
+    def _dora_weight(self, lin: LinearShape, nbytes: int) -> int:
+        """dequantize_module_weight (a 4-bit base's absmax rebuilt first when nested), then
+        the weight's cast to `nbytes` per element: the base weight DoRA's norm reads."""
+        sh = self.sh
+        elements = lin.d_in * lin.d_out
+        weight_bytes = sh.compute if lin.quantized else sh.param_bytes
+        weight = 0
+        if lin.quantized:
+            absmax = []
+            if sh.double_quant:
+                blocks = -(-elements // 64) * FP32_BYTES
+                absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
+            weight = self.p.alloc(weight_bytes * elements)
+            self.f(*reversed(absmax))
+        if weight_bytes != nbytes:
+            wide = self.p.alloc(nbytes * elements)
+            self.f(weight)
+            weight = wide
+        return weight
+
+    def _dora_combine(
+        self,
+        lin: LinearShape,
+        saved: _Saved | None,
+        stop: bool,
+        out_bytes: int,
+        base_result: int,
+        scale: int,
+        lora_out: int,
+        transients: tuple[int, int, int, int, int],
+    ) -> int:
+        """`(scale - 1) * base_result + scale * lora * scaling`, each product saving what its
+        backward needs; then the forward's locals go. `transients`: B @ A, A(eye) and the eye
+        its graph kept, the cast weight and the norm."""
+        ad = self.sh.adapter
+        dout = lin.d_out
+        lora_weight, eye_a, eye, weight, norm = transients
         minus_one = self.p.alloc(ad * dout)
-        first = self.a(max(ad, out_b) * dout)
+        first = self.a(max(ad, out_bytes) * dout)
         if saved is not None:
             saved.save(f"{lin.name}.dora_minus_one", minus_one)
             saved.save(f"{lin.name}.dora_base", base_result)
@@ -203,22 +223,17 @@ class _Dora(_StepBase):
             saved.save(f"{lin.name}.dora_scale", scale)
             saved.save(f"{lin.name}.dora_lora", lora_out)
             if stop:
-                self.f(second, eye_a, eye_half, lora_weight, weight)
+                # the unwinding lets go of the product, then of B @ A's graph and the weight
+                self.f(second, eye_a, eye, lora_weight, weight)
                 raise _Stop
         scaled = self.a(ad * dout)
         self.f(second)
         result = self.a(ad * dout)
         self.f(first, scaled)
-        self.f(lora_weight, eye_a, eye_half, weight, norm, scale, lora_out, minus_one, base_result)
-        wide_out = max(out_b, ad)
-        out = self.a(wide_out * dout)
-        self.f(result, base)
-        if wide_out != out_b and not lin.quantized:
-            narrow = self.a(out_b * dout)
-            self.f(out)
-            out = narrow
-        self.f(src)
-        return out
+        # the forward's locals go: B @ A (and the eye and A(eye) its graph kept), the cast
+        # weight, the norm, the scale, the adapter's output, (scale - 1), the base result
+        self.f(lora_weight, eye_a, eye, weight, norm, scale, lora_out, minus_one, base_result)
+        return result
 
     def _dora_backward(
         self,
