@@ -630,19 +630,7 @@ class _EncoderStep(_Step):
         emb_saved = _Saved(self.p) if sh.input_grad else None
         x, ids = self.embeddings(emb_saved)
         embedded = self.p.hold(x)
-        layers: list[_Saved] = []
-        checkpoints: list[int] = []
-        for index in range(sh.layers):
-            self._input_grad = index > 0 or sh.input_grad
-            if sh.checkpointing:
-                checkpoints.append(self.p.hold(x))
-                out = self.layer(x, None)
-            else:
-                saved = _Saved(self.p)
-                out = self.layer(x, saved)
-                layers.append(saved)
-            self.f(x)
-            x = out
+        x, layers, checkpoints = self._layers_forward(x)
         head = _Saved(self.p)
         self.head(x, embedded, head)
         self.f(x)  # the model's output object goes once the loss is read

@@ -23,6 +23,25 @@ class _Step(_Backward):
             self.accumulated = True
         self.optimizer()
 
+    def _layers_forward(self, x: int) -> tuple[int, list[_Saved], list[int]]:
+        """Every layer's forward from `x` (released as each layer returns): the last output,
+        each layer's saved tensors, and with checkpointing each layer's kept input instead."""
+        sh = self.sh
+        layers: list[_Saved] = []
+        checkpoints: list[int] = []
+        for index in range(sh.layers):
+            self._input_grad = index > 0 or sh.input_grad
+            if sh.checkpointing:
+                checkpoints.append(self.p.hold(x))
+                out = self.layer(x, None)
+            else:
+                saved = _Saved(self.p)
+                out = self.layer(x, saved)
+                layers.append(saved)
+            self.f(x)
+            x = out
+        return x, layers, checkpoints
+
     def _micro_batch(self) -> None:
         sh = self.sh
         h = sh.hidden
@@ -70,20 +89,7 @@ class _Step(_Backward):
                 causal = self.p.alloc(sh.seq * sh.seq)
                 masks.append(self.p.alloc(sh.seq * sh.seq))
                 self.f(causal, first)
-        layers: list[_Saved] = []
-        checkpoints: list[int] = []
-        x = self.p.hold(embed)
-        for index in range(sh.layers):
-            self._input_grad = index > 0 or sh.input_grad
-            if sh.checkpointing:
-                checkpoints.append(self.p.hold(x))
-                out = self.layer(x, None)
-            else:
-                saved = _Saved(self.p)
-                out = self.layer(x, saved)
-                layers.append(saved)
-            self.f(x)
-            x = out
+        x, layers, checkpoints = self._layers_forward(self.p.hold(embed))
         self._input_grad = True
         final = _Saved(self.p)
         fn = self.norm(x, final, "final")
