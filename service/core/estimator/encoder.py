@@ -15,8 +15,9 @@ from service.core.architecture import Linear, ModelArch
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
+from service.core.estimator.step import PHASES
 from service.core.estimator.uncertainty import _uncertainty
-from service.core.estimator.weights import adapted_linears
+from service.core.estimator.weights import BNB_8BIT_BLOCK, BNB_MIN_8BIT_SIZE, adapted_linears
 from service.core.overhead import AboveAllocated, levels
 from service.core.result import (
     COMPONENT_ORDER,
@@ -43,22 +44,8 @@ from service.core.spec import (
 )
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES, UINT8_BYTES
 
-# The phases an estimate reports, in order (as `estimator.step.PHASES`).
-ENCODER_PHASES: tuple[tuple[int, Phase], ...] = (
-    (1, Phase.FORWARD_END),
-    (1, Phase.BACKWARD_START),
-    (1, Phase.BACKWARD),
-    (2, Phase.FORWARD_END),
-    (2, Phase.BACKWARD_START),
-    (2, Phase.BACKWARD),
-    (1, Phase.OPTIMIZER_STEP),
-)
 # FlashAttention's largest head dim (aten sdp_utils check_head_dim_size_flash).
 FLASH_MAX_HEAD_DIM = 256
-# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State): uint8
-# states, one fp32 absmax per 256 elements; fp32 states under 4096 elements.
-BNB_8BIT_BLOCK = 256
-BNB_MIN_8BIT_SIZE = 4096
 
 # The transformers class each encoder model type is run as.
 _TASK_MODELS = {"bert": "BertForSequenceClassification"}
@@ -410,7 +397,7 @@ def _phases(
     shape = encoder_shape(arch, spec, cc)
     replayed = _replay(shape, spec.allocator)
     phases = []
-    for step, phase in ENCODER_PHASES:
+    for step, phase in PHASES:
         allocated, parts = replayed.windows.get((step, phase), (0, (0,) * len(COMPONENT_ORDER)))
         phases.append(PhasePeak(step, phase, allocated, parts))
     return shape, replayed, tuple(phases)
