@@ -20,6 +20,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.stack import preset
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
@@ -152,6 +153,12 @@ def _checkpointing(raw: dict[str, str]) -> bool:
     return value.startswith("yes")
 
 
+# The library stack of a source's runs where it is not the traced one: transformers' single-GPU
+# training page (docs v4.18-v4.28) was measured once, when it was written, for v4.18 on a torch
+# that loaded CUDA's kernels eagerly (its 1343 MB context): the `hf-4.18` preset.
+STACKS = {"hf-trainer (transformers ~4.16-4.27)": "hf-4.18"}
+
+
 def load() -> tuple[list[Row], list[Skipped]]:
     """Rows mapped to specs, and the rows that cannot be (with why)."""
     from service.catalog.models import default_catalog
@@ -220,6 +227,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     else AttnImpl.SDPA,
                     framework=framework,
                     parallel=_parallel(raw),
+                    stack=preset(STACKS.get(raw["framework"], "hf-5.24")),
                 )
             except EstimatorError as exc:
                 skipped.append(Skipped(rid, str(exc)))

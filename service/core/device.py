@@ -49,6 +49,14 @@ H200_OUTSIDE = 783_876_096
 # (tests/data/gpu/h200_environment.json context_used, 551,092,224 B) less that tensor's 2 MiB
 # small-pool segment, which the reserved level counts.
 H200_CONTEXT = 551_092_224 - 2 * MIB
+# Without lazy module loading (torch before 1.13, `Stack.eager_module_loading`) CUDA loads
+# every kernel module of the process's libraries (libtorch_cuda, cuBLAS, cuDNN) when it creates
+# the context. transformers' "Efficient Training on a Single GPU" page measured it on its Tesla
+# V100 box: NVML used 1343 MiB after torch.ones((1, 1)).to("cuda") ("the kernels alone take up
+# 1.3GB"; quoted in tests/data/published_peaks.csv, rows hfdocs-bert-*), less that tensor's
+# 2 MiB small-pool segment, which the reserved level counts. The kernel libraries a lazy context
+# loads at their first call (the H200's outside-minus-context) are already in it.
+EAGER_CONTEXT = 1343 * MIB - 2 * MIB
 # Paged optimizers keep their state in CUDA managed memory, outside the allocator; NVML showed
 # 128 MiB more with bitsandbytes' PagedAdamW8bit than with AdamW for a Qwen2.5-7B LoRA r16
 # (78.4 MiB of 8-bit state by the estimator's count): managed memory on the device per byte of
@@ -83,9 +91,14 @@ class DeviceRow:
 
 
 @lru_cache(maxsize=64)
-def device_row(compute_capability: str | None, *, fused_attention: bool) -> DeviceRow:
+def device_row(
+    compute_capability: str | None, *, fused_attention: bool, eager_loading: bool = False
+) -> DeviceRow:
     """The row for a GPU of `compute_capability` (None: not given) running a step whose
-    attention is (`fused_attention`) or is not a half-precision fused kernel."""
+    attention is (`fused_attention`) or is not a half-precision fused kernel, on a torch that
+    loads CUDA's kernel modules eagerly (`eager_loading`) or lazily."""
+    if eager_loading:
+        return _eager_row(compute_capability)
     outside = H200_OUTSIDE_FUSED_ATTENTION if fused_attention else H200_OUTSIDE
     measured = compute_capability == "9.0"
     if measured:
@@ -111,4 +124,25 @@ def device_row(compute_capability: str | None, *, fused_attention: bool) -> Devi
         paged_uncertainty=0.25,
         nccl_bytes=NCCL_PRIOR,
         note=note,
+    )
+
+
+def _eager_row(compute_capability: str | None) -> DeviceRow:
+    """Outside the allocator without lazy module loading: the eager context, every kernel
+    library loaded with it; measured on one V100 box only, so a row's uncertainty is that of an
+    unmeasured GPU."""
+    gpu = f"compute capability {compute_capability}" if compute_capability else "a GPU not named"
+    return DeviceRow(
+        context_bytes=EAGER_CONTEXT,
+        outside_bytes=EAGER_CONTEXT,
+        uncertainty_bytes=UNMEASURED_UNCERTAINTY,
+        paged_factor=H200_PAGED_FACTOR,
+        paged_uncertainty=0.25,
+        nccl_bytes=NCCL_PRIOR,
+        note=(
+            f"device adds an eager-loading CUDA context of {EAGER_CONTEXT / MIB:.0f} MiB (torch "
+            "before 1.13 loads every kernel module with it; measured on a V100 by transformers' "
+            f"single-GPU training page) for {gpu}, with an uncertainty of "
+            f"{UNMEASURED_UNCERTAINTY / MIB:.0f} MiB"
+        ),
     )

@@ -12,6 +12,19 @@ What differs between the stacks the presets name (each from the library's source
   "all-linear" does not adapt; transformers 4 builds one nn.Linear per expert
   (MixtralBlockSparseTop2MLP, Qwen2MoeMLP), looped over in Python, which bitsandbytes quantizes
   and "all-linear" adapts. Only the first layout is modelled.
+
+What differs with torch's version, modelled (each from torch's source):
+- torch before 2.0: `zero_grad()` defaults to set_to_none=False (torch/optim/optimizer.py
+  Optimizer.zero_grad, torch/nn/modules/module.py Module.zero_grad; 2.0 made True the default).
+  HF Trainer calls `model.zero_grad()` after every optimizer step (trainer.py
+  _inner_training_loop, in 4.x as in 5.24), so from step 2 on the gradients stay allocated,
+  zeroed, through the forward, and backward adds each new gradient into them in place
+  (torch/csrc/autograd/functions/accumulate_grad.h). The encoder's step models it; the
+  decoder's is refused on such a stack.
+- torch before 1.13: CUDA loads every kernel module eagerly at context creation; 1.13 sets
+  CUDA_MODULE_LOADING=LAZY when the user has not (pytorch/pytorch#86509, the 1.13 cherry-pick
+  of #85692), so the context holds only the kernels that run. The device level takes the
+  eager context (`service.core.device`).
 """
 
 from __future__ import annotations
@@ -49,6 +62,23 @@ class Stack:
         return int(match.group(1))
 
     @property
+    def torch_release(self) -> tuple[int, int]:
+        """torch's (major, minor)."""
+        match = VERSION_PATTERN.match(self.torch)
+        assert match is not None  # checked on construction
+        return int(match.group(1)), int(match.group(2) or 0)
+
+    @property
+    def zero_grad_keeps_gradients(self) -> bool:
+        """zero_grad() zeroes the gradients in place instead of dropping them (torch < 2.0)."""
+        return self.torch_release < FIRST_SET_TO_NONE_TORCH
+
+    @property
+    def eager_module_loading(self) -> bool:
+        """CUDA loads every kernel module with the context (torch < 1.13)."""
+        return self.torch_release < FIRST_LAZY_LOADING_TORCH
+
+    @property
     def experts_are_linears(self) -> bool:
         """transformers 4 builds a MoE's experts as one nn.Linear each (see the module doc)."""
         return self.transformers_major < FIRST_FUSED_EXPERTS_MAJOR
@@ -62,14 +92,25 @@ class Stack:
 
 # transformers 5.0 moved MoE experts to 3-D parameters (models/mixtral/modeling_mixtral.py).
 FIRST_FUSED_EXPERTS_MAJOR = 5
+# torch 2.0 made set_to_none=True zero_grad's default (torch/optim/optimizer.py).
+FIRST_SET_TO_NONE_TORCH = (2, 0)
+# torch 1.13 sets CUDA_MODULE_LOADING=LAZY unless the user set it (pytorch/pytorch#86509).
+FIRST_LAZY_LOADING_TORCH = (1, 13)
 # The stack the reference tracer runs (pyproject.toml, the `trace` extra).
 PINNED_STACK = Stack()
 # Named stacks: the pinned one, and transformers 4.48 with the PEFT, bitsandbytes and torch
 # releases current when it came out (transformers 4.48.0, 2025-01-10; PEFT 0.14.0, 2024-12-06;
 # bitsandbytes 0.45.0, 2024-12-05; torch 2.5.1, 2024-10-29; each project's release page).
+# And the stack of transformers' "Efficient Training on a Single GPU" page (docs v4.18 to v4.28,
+# its measurements made once, for v4.18): transformers 4.18.0 (2022-04-06) with torch 1.11.0
+# (2022-03-10) and bitsandbytes 0.26.0 (the 8-bit optimizers' release before 0.30.0, published
+# then as bitsandbytes-cudaXXX; CHANGELOG.md). Its figures need an eager CUDA context (the page
+# reads 1343 MB after one tiny tensor), which rules out torch 1.13 and later. PEFT did not exist
+# yet: its first release, 0.1.0 (2023-02-10), stands in for the field. (Release dates: PyPI.)
 STACK_PRESETS: dict[str, Stack] = {
     "hf-5.24": PINNED_STACK,
     "hf-4.48": Stack(transformers="4.48.0", peft="0.14.0", bitsandbytes="0.45.0", torch="2.5.1"),
+    "hf-4.18": Stack(transformers="4.18.0", peft="0.1.0", bitsandbytes="0.26.0", torch="1.11.0"),
 }
 
 
@@ -81,19 +122,42 @@ def preset(name: str, field: str = "stack") -> Stack:
     return STACK_PRESETS[name]
 
 
+def stack_behaviours(stack: Stack) -> tuple[str, ...]:
+    """What the estimate models of `stack` that differs from the traced stack."""
+    found = []
+    if stack.zero_grad_keeps_gradients:
+        found.append(
+            f"torch {stack.torch}'s zero_grad() keeps the gradients (zeroed) from step 2 on"
+        )
+    if stack.eager_module_loading:
+        found.append(f"torch {stack.torch} loads CUDA's kernels eagerly with the context")
+    return tuple(found)
+
+
 def stack_note(stack: Stack) -> str:
     """The answer's line on the stack it modelled."""
     if stack == PINNED_STACK:
         return f"stack: {stack.describe()} (the traced one)"
+    behaviours = stack_behaviours(stack)
+    modelled = f"; modelled: {'; '.join(behaviours)}" if behaviours else ""
     return (
         f"stack: {stack.describe()} requested, modelled as the traced stack "
-        f"({PINNED_STACK.describe()}) runs the job; the differences known to change memory "
-        "(MoE experts) are refused, others are not modelled"
+        f"({PINNED_STACK.describe()}) runs the job{modelled}; the differences known to change "
+        "memory and not modelled (MoE experts on transformers 4, a decoder's step on torch "
+        "before 2.0) are refused, others are not modelled"
     )
 
 
-def check_stack(stack: Stack, is_moe: bool) -> None:
+def check_stack(stack: Stack, is_moe: bool, *, encoder: bool = False) -> None:
     """Refuse a job whose memory on `stack` differs from the modelled stack's, naming why."""
+    if stack.zero_grad_keeps_gradients and not encoder:
+        raise InvalidSpecError(
+            "stack",
+            f"torch {stack.torch}'s zero_grad() keeps every gradient allocated (zeroed) from "
+            "the second step on, through the forward (set_to_none=False, its default before "
+            "2.0); that is modelled for encoder models only, not for a decoder's step: use a "
+            "stack with torch 2.0 or later, e.g. 'hf-4.48'",
+        )
     if is_moe and stack.experts_are_linears:
         raise InvalidSpecError(
             "stack",

@@ -42,6 +42,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
+from service.core.stack import check_stack, stack_note
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES, UINT8_BYTES
 
 # FlashAttention's largest head dim (aten sdp_utils check_head_dim_size_flash).
@@ -95,6 +96,7 @@ def check_encoder_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
             "embed_tokens and lm_head do not exist in it",
         )
     _kernel(arch, spec)
+    check_stack(spec.stack, arch.is_moe, encoder=True)
     return resolve(spec)
 
 
@@ -296,6 +298,7 @@ def encoder_shape(
         clip=spec.max_grad_norm > 0,
         param_bytes=md,
         accumulation=spec.gradient_accumulation_steps,
+        grads_kept=spec.stack.zero_grad_keeps_gradients,
     )
     return EncoderShape(
         step=step,
@@ -441,7 +444,7 @@ def encoder_estimate(
         phases=phases,
         params=ParamCounts(total=total, trainable=trainable),
         upper_margin=over.upper_margin,
-        assumptions=(*assumptions, *over.assumptions),
+        assumptions=(*assumptions, *over.assumptions, stack_note(spec.stack)),
         warnings=(),
         estimator_version=version,
     )
@@ -473,6 +476,10 @@ def _levels(
         reserved=replayed.reserved,
         paged_state=_paged_state(spec.optim, trainable),
         gpus=spec.parallel.gpus,
-        row=device_row(compute_capability, fused_attention=fused),
+        row=device_row(
+            compute_capability,
+            fused_attention=fused,
+            eager_loading=spec.stack.eager_module_loading,
+        ),
         uncertainty=_uncertainty(arch, spec),
     )

@@ -105,7 +105,11 @@ def _above(
         reserved=allocated + gap,
         paged_state=paged_state,
         gpus=spec.parallel.gpus,
-        row=device_row(compute_capability, fused_attention=fused),
+        row=device_row(
+            compute_capability,
+            fused_attention=fused,
+            eager_loading=spec.stack.eager_module_loading,
+        ),
         uncertainty=_uncertainty(arch, spec),
     )
     if gap_note:

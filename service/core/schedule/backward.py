@@ -141,6 +141,8 @@ class _Backward(_Forward):
         if sh.param_bytes != HALF_BYTES:
             self.grad(lin.weight_bytes)
             self.f(half_grad)
+        elif self.accumulated and sh.grads_kept:
+            self.f(half_grad)  # added into the .grad the last step's zero_grad kept
         else:
             self.grads.append(half_grad)
         if x_grad and in_bytes != HALF_BYTES:

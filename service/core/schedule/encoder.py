@@ -663,7 +663,8 @@ class _EncoderStep(_Step):
 
     def step(self) -> None:
         self.step_no += 1
-        self.accumulated = False
+        # gradients that the last step's zero_grad(set_to_none=False) kept: added into in place
+        self.accumulated = bool(self.grads)
         for _ in range(self.sh.accumulation):
             self._micro_batch()
             self.accumulated = True

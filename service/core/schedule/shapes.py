@@ -115,3 +115,6 @@ class StepShape:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
     composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)
     dora: bool = False  # PEFT's DoRA variant on the adapted linears (peft/tuners/lora/dora.py)
+    # zero_grad(set_to_none=False), torch's default before 2.0: the gradients stay allocated
+    # (zeroed in place) after the optimizer step, and the next step adds into them
+    grads_kept: bool = False

@@ -17,7 +17,7 @@ class _Step(_Backward):
         """One optimizer step: `accumulation` micro-batches, their gradients added up in
         .grad (the first creates it; later ones are added in place and freed), then the
         optimizer."""
-        self.accumulated = False
+        self.accumulated = bool(self.grads)  # kept by zero_grad(set_to_none=False)
         for _ in range(self.sh.accumulation):
             self._micro_batch()
             self.accumulated = True
@@ -268,6 +268,13 @@ class _Step(_Backward):
             self.f(*[self.p.alloc(n) for n in sh.trainable])
         elif up is Updater.ADAFACTOR:
             self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(3)])
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """HF Trainer's model.zero_grad() after the step: the gradients go (set_to_none=True),
+        or stay, zeroed in place (set_to_none=False), for the next step to add into."""
+        if self.sh.grads_kept:
+            return
         self.f(*reversed(self.grads))
         self.grads.clear()
 
