@@ -129,7 +129,8 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     train.add_argument(
         "--stack",
-        help="the library versions it runs on: a preset (hf-5.24, the traced one, or hf-4.48) "
+        help="the library versions it runs on: a preset (hf-5.24, the traced one, hf-4.48 or "
+        "hf-4.18) "
         "or transformers=X[,peft=Y,bitsandbytes=Z,torch=W]",
     )
     par = parser.add_argument_group("parallelism")
