@@ -262,8 +262,14 @@ def trace(
     cpu_kernels: bool = False,
     record_events: bool = False,
     allocation_unit: int = CUDA_MIN_BLOCK_BYTES,
+    keep_gradients: bool = False,
 ) -> TraceResult:
     """Trace two training steps of `spec` on the model `config` describes.
+
+    `keep_gradients=True` runs zero_grad(set_to_none=False), torch's default before 2.0, on the
+    installed stack: the one behaviour of such a stack the tracer emulates (`spec.stack` stays
+    the installed one), to check how the estimator models it
+    (`Stack.zero_grad_keeps_gradients`).
 
     `real=True` runs on real CPU tensors instead of fake ones (for validation: tiny configs only);
     it needs `cpu_kernels=True`, which swaps the CUDA-only kernels for CPU ones (the CPU
@@ -340,7 +346,14 @@ def trace(
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
             _run_steps(
-                model, params, optimizer, tracker, steering, spec, classes=is_encoder(config)
+                model,
+                params,
+                optimizer,
+                tracker,
+                steering,
+                spec,
+                classes=is_encoder(config),
+                keep_gradients=keep_gradients,
             )
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
@@ -394,12 +407,14 @@ def _run_steps(
     spec: TrainingSpec,
     *,
     classes: bool = False,
+    keep_gradients: bool = False,
 ) -> None:
     """HF Trainer's steps (trainer.py training_step and _inner_training_loop): the forward and
     the loss under autocast when mixed precision is on (accelerate's autocast), backward
     outside it (fp16: of the GradScaler's scaled loss), the detached loss added to the logged
     total, the gradients unscaled (fp16) and clipped to `max_grad_norm`
-    (torch.nn.utils.clip_grad_norm_), the optimizer step, zero_grad(set_to_none=True)."""
+    (torch.nn.utils.clip_grad_norm_), the optimizer step, zero_grad(set_to_none=True), or with
+    `keep_gradients` set_to_none=False (torch's default before 2.0)."""
     host_scalars = spec.optim is not Optim.ADAMW_TORCH_FUSED
     dtype = _autocast_dtype(spec)
     scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
@@ -447,7 +462,7 @@ def _run_steps(
             scaler.step(optimizer)
             scaler.update()
         tracker.host_scalar_ops = False
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not keep_gradients)
         tracker.end_phase()
 
 
