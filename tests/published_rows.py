@@ -154,9 +154,10 @@ def _checkpointing(raw: dict[str, str]) -> bool:
 
 
 # The library stack of a source's runs where it is not the traced one: transformers' single-GPU
-# training page (docs v4.18-v4.28) was measured once, when it was written, for v4.18 on a torch
-# that loaded CUDA's kernels eagerly (its 1343 MB context): the `hf-4.18` preset.
-STACKS = {"hf-trainer (transformers ~4.16-4.27)": "hf-4.18"}
+# training page (docs v4.18-v4.28) was measured once, when it was written (its nvidia-smi output
+# is dated 2022-01-11), on a torch that loaded CUDA's kernels eagerly (its 1343 MB context): the
+# `hf-4.16` preset (service/core/stack.py says why those versions).
+STACKS = {"hf-trainer (transformers ~4.16-4.27)": "hf-4.16"}
 
 
 def load() -> tuple[list[Row], list[Skipped]]:

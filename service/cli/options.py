@@ -130,7 +130,7 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument(
         "--stack",
         help="the library versions it runs on: a preset (hf-5.24, the traced one, hf-4.48 or "
-        "hf-4.18) "
+        "hf-4.16) "
         "or transformers=X[,peft=Y,bitsandbytes=Z,torch=W]",
     )
     par = parser.add_argument_group("parallelism")

@@ -21,6 +21,13 @@ What differs with torch's version, modelled (each from torch's source):
   zeroed, through the forward, and backward adds each new gradient into them in place
   (torch/csrc/autograd/functions/accumulate_grad.h). The encoder's step models it; the
   decoder's is refused on such a stack.
+- torch before 1.11: softmax's backward node keeps its input beside its output
+  (tools/autograd/derivatives.yaml `_softmax`: `_softmax_backward_data(grad, result, dim,
+  self)`); pytorch/pytorch#65242, relanded as #66018 on 2021-10-01, after the 1.10 release
+  branch (#65434, 2021-09-21), saves only the input's dtype. The encoder's eager attention
+  keeps the scores it normalises, one (b, heads, s, s) tensor per layer until backward.
+- torch before 2.0 has no scaled_dot_product_attention: an encoder runs its eager attention
+  whatever the job asks for.
 - torch before 1.13: CUDA loads every kernel module eagerly at context creation; 1.13 sets
   CUDA_MODULE_LOADING=LAZY when the user has not (pytorch/pytorch#86509, the 1.13 cherry-pick
   of #85692), so the context holds only the kernels that run. The device level takes the
@@ -74,6 +81,16 @@ class Stack:
         return self.torch_release < FIRST_SET_TO_NONE_TORCH
 
     @property
+    def has_sdpa(self) -> bool:
+        """torch.nn.functional.scaled_dot_product_attention exists (torch >= 2.0)."""
+        return self.torch_release >= FIRST_SDPA_TORCH
+
+    @property
+    def softmax_saves_input(self) -> bool:
+        """softmax's backward node keeps the softmax's input (torch < 1.11)."""
+        return self.torch_release < FIRST_SOFTMAX_WITHOUT_INPUT_TORCH
+
+    @property
     def eager_module_loading(self) -> bool:
         """CUDA loads every kernel module with the context (torch < 1.13)."""
         return self.torch_release < FIRST_LAZY_LOADING_TORCH
@@ -94,6 +111,11 @@ class Stack:
 FIRST_FUSED_EXPERTS_MAJOR = 5
 # torch 2.0 made set_to_none=True zero_grad's default (torch/optim/optimizer.py).
 FIRST_SET_TO_NONE_TORCH = (2, 0)
+# torch 2.0 added torch.nn.functional.scaled_dot_product_attention (its release notes).
+FIRST_SDPA_TORCH = (2, 0)
+# torch 1.11 is the first release whose softmax saves its input's dtype, not the input
+# (pytorch/pytorch#66018).
+FIRST_SOFTMAX_WITHOUT_INPUT_TORCH = (1, 11)
 # torch 1.13 sets CUDA_MODULE_LOADING=LAZY unless the user set it (pytorch/pytorch#86509).
 FIRST_LAZY_LOADING_TORCH = (1, 13)
 # The stack the reference tracer runs (pyproject.toml, the `trace` extra).
@@ -102,15 +124,17 @@ PINNED_STACK = Stack()
 # releases current when it came out (transformers 4.48.0, 2025-01-10; PEFT 0.14.0, 2024-12-06;
 # bitsandbytes 0.45.0, 2024-12-05; torch 2.5.1, 2024-10-29; each project's release page).
 # And the stack of transformers' "Efficient Training on a Single GPU" page (docs v4.18 to v4.28,
-# its measurements made once, for v4.18): transformers 4.18.0 (2022-04-06) with torch 1.11.0
-# (2022-03-10) and bitsandbytes 0.26.0 (the 8-bit optimizers' release before 0.30.0, published
-# then as bitsandbytes-cudaXXX; CHANGELOG.md). Its figures need an eager CUDA context (the page
-# reads 1343 MB after one tiny tensor), which rules out torch 1.13 and later. PEFT did not exist
-# yet: its first release, 0.1.0 (2023-02-10), stands in for the field. (Release dates: PyPI.)
+# its figures measured once, when it was written: its nvidia-smi output is dated 2022-01-11):
+# transformers 4.16.0 (2022-01-27, the first release with the TrainingArguments.optim the page
+# uses, huggingface/transformers#14744), torch 1.10.1 (2021-12-15, the newest release that day)
+# and bitsandbytes 0.26.0 (the 8-bit optimizers' release before 0.30.0, published then as
+# bitsandbytes-cudaXXX; its CHANGELOG.md). The page's 1343 MB after one tiny tensor is an eager
+# CUDA context, which rules out torch 1.13 and later. PEFT did not exist yet: its first
+# release, 0.1.0 (2023-02-10), stands in for the field. (Release dates: PyPI.)
 STACK_PRESETS: dict[str, Stack] = {
     "hf-5.24": PINNED_STACK,
     "hf-4.48": Stack(transformers="4.48.0", peft="0.14.0", bitsandbytes="0.45.0", torch="2.5.1"),
-    "hf-4.18": Stack(transformers="4.18.0", peft="0.1.0", bitsandbytes="0.26.0", torch="1.11.0"),
+    "hf-4.16": Stack(transformers="4.16.0", peft="0.1.0", bitsandbytes="0.26.0", torch="1.10.1"),
 }
 
 
@@ -129,6 +153,10 @@ def stack_behaviours(stack: Stack) -> tuple[str, ...]:
         found.append(
             f"torch {stack.torch}'s zero_grad() keeps the gradients (zeroed) from step 2 on"
         )
+    if not stack.has_sdpa:
+        found.append(f"torch {stack.torch} has no SDPA: eager attention")
+    if stack.softmax_saves_input:
+        found.append(f"torch {stack.torch}'s softmax keeps its input for backward")
     if stack.eager_module_loading:
         found.append(f"torch {stack.torch} loads CUDA's kernels eagerly with the context")
     return tuple(found)

@@ -12,12 +12,13 @@ from service.core.device import EAGER_CONTEXT, H200_CONTEXT, H200_OUTSIDE
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
 from service.core.result import Component, Estimate, Overhead, Phase
-from service.core.spec import Method, Optim, TrainingSpec
+from service.core.spec import AttnImpl, Method, Optim, TrainingSpec
 from service.core.stack import PINNED_STACK, Stack, preset
 from service.core.units import DType
 
 BERT = "google-bert/bert-base-uncased"
-# a torch 1.13 stack: zero_grad keeps the gradients, CUDA loads its kernels lazily
+# a torch 1.13 stack: zero_grad keeps the gradients, CUDA loads its kernels lazily, softmax
+# saves only its output
 KEEPS_GRADIENTS = Stack(torch="1.13.1")
 FULL = TrainingSpec(
     method=Method.FULL,
@@ -25,6 +26,7 @@ FULL = TrainingSpec(
     seq_len=128,
     dtype=DType.FP32,
     optim=Optim.ADAMW_TORCH_FUSED,
+    attn_implementation=AttnImpl.EAGER,
 )
 
 
@@ -39,9 +41,11 @@ def _phase(est: Estimate, step: int, phase: Phase) -> dict[Component, int]:
 
 
 def test_the_preset_of_the_single_gpu_page() -> None:
-    old = preset("hf-4.18")
-    assert (old.transformers, old.torch) == ("4.18.0", "1.11.0")
+    old = preset("hf-4.16")
+    assert (old.transformers, old.torch) == ("4.16.0", "1.10.1")
     assert old.zero_grad_keeps_gradients and old.eager_module_loading
+    assert old.softmax_saves_input and not old.has_sdpa
+    assert not Stack(torch="1.11.0").softmax_saves_input
     assert not PINNED_STACK.zero_grad_keeps_gradients and not PINNED_STACK.eager_module_loading
     assert Stack(torch="2.0.0").zero_grad_keeps_gradients is False
     assert Stack(torch="1.13.0+cu117").eager_module_loading is False
@@ -100,16 +104,48 @@ def test_the_pinned_answer_is_unchanged_by_a_torch_2_stack() -> None:
 
 def test_the_encoders_last_assumption_names_the_stack() -> None:
     assert _bert(FULL).assumptions[-1].startswith("stack: transformers 5.24.0")
-    last = _bert(FULL, preset("hf-4.18")).assumptions[-1]
-    assert last.startswith("stack: transformers 4.18.0, PEFT 0.1.0, bitsandbytes 0.26.0")
+    last = _bert(FULL, preset("hf-4.16")).assumptions[-1]
+    assert last.startswith("stack: transformers 4.16.0, PEFT 0.1.0, bitsandbytes 0.26.0")
     assert "zero_grad() keeps the gradients" in last
     assert "loads CUDA's kernels eagerly" in last
 
 
 def test_a_decoder_on_torch_before_2_is_refused_naming_the_stack() -> None:
     arch = default_catalog().resolve("Qwen/Qwen2.5-0.5B").arch
-    spec = TrainingSpec(batch_size=1, seq_len=128, stack=preset("hf-4.18"))
+    spec = TrainingSpec(batch_size=1, seq_len=128, stack=preset("hf-4.16"))
     with pytest.raises(InvalidSpecError) as caught:
         estimate(arch, spec)
     assert caught.value.field == "stack"
     assert "set_to_none=False" in caught.value.reason
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_torch_before_1_11_keeps_each_attention_softmax_input(autocast: bool) -> None:
+    """softmax's backward node holds its input (fp32 under autocast: the cast softmax runs in)
+    until the layer's backward: one (b, heads, s, s) tensor per layer more at the end of the
+    forward, the classifier's log_softmax input (one 512-byte block) beside them."""
+    arch = default_catalog().resolve(BERT).arch
+    spec = replace(FULL, autocast=autocast)
+    newer, older = _bert(spec, Stack(torch="1.11.0")), _bert(spec, Stack(torch="1.10.2"))
+    scores = spec.batch_size * arch.num_attention_heads * spec.seq_len**2 * 4
+    gained = {
+        phase: _phase(older, 1, phase).get(Component.ACTIVATIONS, 0)
+        - _phase(newer, 1, phase).get(Component.ACTIVATIONS, 0)
+        for phase in (Phase.FORWARD_END,)
+    }
+    assert gained[Phase.FORWARD_END] == arch.num_hidden_layers * scores
+    assert older.allocated_bytes > newer.allocated_bytes
+    # checkpointing keeps no layer's softmax input past its recomputation
+    ckpt = replace(spec, gradient_checkpointing=True)
+    first = _phase(_bert(ckpt, Stack(torch="1.10.2")), 1, Phase.FORWARD_END)
+    assert first == _phase(_bert(ckpt, Stack(torch="1.11.0")), 1, Phase.FORWARD_END)
+
+
+def test_torch_before_2_runs_an_encoders_eager_attention() -> None:
+    sdpa = replace(FULL, attn_implementation=AttnImpl.SDPA)
+    old = Stack(torch="1.13.1")
+    assert _bert(sdpa, old).phases == _bert(FULL, old).phases
+    # on the traced stack SDPA keeps no scores: less at the end of the forward
+    forward = [_phase(_bert(spec), 1, Phase.FORWARD_END) for spec in (sdpa, FULL)]
+    assert sum(forward[0].values()) < sum(forward[1].values())
+    assert any("no scaled_dot_product_attention" in a for a in _bert(sdpa, old).assumptions)

@@ -9,7 +9,7 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.estimator import estimate
-from service.core.spec import Method, Optim, TrainingSpec
+from service.core.spec import AttnImpl, Method, Optim, TrainingSpec
 from service.core.stack import Stack
 from service.core.units import DType
 
@@ -32,9 +32,11 @@ def test_the_estimate_of_kept_gradients_matches_their_trace(autocast: bool) -> N
         dtype=DType.FP32,
         autocast=autocast,
         optim=Optim.ADAMW_TORCH_FUSED,
+        attn_implementation=AttnImpl.EAGER,  # torch 1.x has no SDPA
     )
     kept = trace(spec, entry.config, entry.id, keep_gradients=True)
     dropped = trace(spec, entry.config, entry.id)
+    # torch 1.13: kept gradients, and softmax saves only its output as the installed torch's
     est = estimate(entry.arch, replace(spec, stack=Stack(torch="1.13.1")))
     assert est.allocated_bytes == pytest.approx(kept.peak.allocated_bytes, rel=TOLERANCE)
     assert est.reserved_bytes == pytest.approx(kept.reserved_bytes, rel=TOLERANCE)

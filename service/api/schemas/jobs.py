@@ -309,7 +309,7 @@ Version = Annotated[
     StringConstraints(min_length=1, max_length=64, pattern=VERSION_PATTERN.pattern),
     Field(description="A release version, e.g. '4.48.0'."),
 ]
-StackPreset = Literal["hf-5.24", "hf-4.48", "hf-4.18"]
+StackPreset = Literal["hf-5.24", "hf-4.48", "hf-4.16"]
 
 
 class StackIn(In):
@@ -586,7 +586,7 @@ class JobSpec(In):
         default_factory=StackIn,
         description=(
             "The library versions it runs on: a preset ('hf-5.24', the traced stack, 'hf-4.48' "
-            "or 'hf-4.18') or {transformers, peft, bitsandbytes, torch}. The answer names the "
+            "or 'hf-4.16') or {transformers, peft, bitsandbytes, torch}. The answer names the "
             "stack it modelled; a job whose memory differs there in a way not modelled is a 422."
         ),
     )

@@ -104,7 +104,7 @@ def _kernel(arch: ModelArch, spec: TrainingSpec) -> Kernel:
     """The attention computation CUDA runs (service/trace/kernels.py choose_sdpa_kernel: no
     mask, so flash for half precision, mem-efficient for fp32)."""
     half = spec.autocast or DTYPE_BYTES[spec.dtype] == HALF_BYTES
-    if spec.attn_implementation is AttnImpl.EAGER:
+    if spec.attn_implementation is AttnImpl.EAGER or not spec.stack.has_sdpa:
         return Kernel.EAGER
     if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
         return Kernel.FLASH
@@ -299,6 +299,7 @@ def encoder_shape(
         param_bytes=md,
         accumulation=spec.gradient_accumulation_steps,
         grads_kept=spec.stack.zero_grad_keeps_gradients,
+        softmax_saves_input=spec.stack.softmax_saves_input,
     )
     return EncoderShape(
         step=step,
@@ -426,6 +427,11 @@ def encoder_estimate(
     ]
     if spec.method is not Method.FULL:
         assumptions.append("PEFT's sequence-classification task trains the classifier whole")
+    if spec.attn_implementation is not AttnImpl.EAGER and not spec.stack.has_sdpa:
+        assumptions.append(
+            f"eager attention: torch {spec.stack.torch} has no scaled_dot_product_attention "
+            f"(torch 2.0 added it), whatever attn_implementation asks for"
+        )
     if spec.parallel.gpus > 1:
         assumptions.append(
             f"DDP over {spec.parallel.gpus} GPUs: every rank holds the whole model, its "

@@ -289,6 +289,8 @@ class _EncoderStep(_Step):
         self.f(s1)
         up = self.a(sb * scores) if sb != qb else 0  # autocast's fp32 cast of the scores
         probs = self.a(sb * scores)
+        if saved is not None and sh.softmax_saves_input:
+            saved.save("softmax.x", up or s2)
         self.f(s2, up)
         if self.enc.attention_dropout:
             dropped = self.dropout(probs, sb, scores, saved, "attn_mask")
@@ -380,6 +382,8 @@ class _EncoderStep(_Step):
         upcast = self.per_sequence(FP32_BYTES * enc.labels) if hb != FP32_BYTES else 0
         logp = self.per_sequence(FP32_BYTES * enc.labels if upcast else hb * enc.labels)
         saved.save("logp", logp)
+        if self.sh.softmax_saves_input:
+            saved.save("logp.x", upcast or logits)
         self.f(upcast)
         loss, total_weight = (self.p.alloc(FP32_BYTES) for _ in range(LOSS_SCALARS))
         self.f(total_weight)
@@ -403,7 +407,7 @@ class _EncoderStep(_Step):
         saved.release("loss")
         g = self.per_sequence(FP32_BYTES * enc.labels)
         self.f(g_nll)
-        saved.release("logp")
+        saved.release("logp", "logp.x")
         if hb != FP32_BYTES:
             cast = self.per_sequence(hb * enc.labels)
             self.f(g)
@@ -580,7 +584,7 @@ class _EncoderStep(_Step):
             d_probs = d_drop
         d_soft = self.a(sb * scores)
         self.f(d_probs)
-        saved.release("probs")
+        saved.release("probs", "softmax.x")
         if sb != qb:
             narrow = self.a(qb * scores)
             self.f(d_soft)

@@ -118,3 +118,5 @@ class StepShape:
     # zero_grad(set_to_none=False), torch's default before 2.0: the gradients stay allocated
     # (zeroed in place) after the optimizer step, and the next step adds into them
     grads_kept: bool = False
+    # softmax's and log_softmax's backward nodes keep their input too (torch before 1.11)
+    softmax_saves_input: bool = False

@@ -147,7 +147,7 @@ class Job(_Request):
     # An encoder's (BERT) sequence-classification classes; refused for decoder LMs.
     num_labels: int | None = Field(default=None, ge=1)
     gpu: str | GpuRef | None = None
-    # A preset ('hf-5.24', 'hf-4.48', 'hf-4.18') or the versions.
+    # A preset ('hf-5.24', 'hf-4.48', 'hf-4.16') or the versions.
     stack: str | Stack | None = None
 
 
