@@ -56,6 +56,7 @@ KNOWN_GAPS: dict[str, tuple[float, str]] = {
 # refusal instead; once one is modelled, its refusal test fails and it joins the comparison.
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "multi-head latent attention, dense first layers, PEFT's expert adapters",
+    "t5": "encoder-decoder: two stacks, cross-attention, relative position bias",
 }
 
 

@@ -9,6 +9,7 @@ from service.core.device import device_row
 from service.core.errors import InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.plan import _Plan
+from service.core.estimator.seq2seq import check_seq2seq_modelled
 from service.core.estimator.step import PHASES, _step
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.overhead import AboveAllocated, levels
@@ -76,7 +77,16 @@ def peak_levels(
 
 
 def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
-    """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder."""
+    """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder, and
+    `target_length` on any model but an encoder-decoder."""
+    if arch.encoder_decoder:
+        check_seq2seq_modelled(arch, spec)
+    elif spec.target_length is not None:
+        raise InvalidSpecError(
+            "target_length",
+            f"only encoder-decoder models (T5) have a target apart from the input; "
+            f"{arch.model_type!r} reads one sequence of seq_len tokens",
+        )
     if arch.encoder:
         return True
     if spec.num_labels is not None:
