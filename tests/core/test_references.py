@@ -33,6 +33,19 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.03,
         "FSDP1 LoRA, untied LM head: the recomputed layer's moment is over-counted",
     ),
+    # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
+    # their reserved level is reported at the allocated one (an under-estimate).
+    **{
+        name: (0.12, "T5's reserved level is not modelled: reported at the allocated level")
+        for name in (
+            "t0_3b__full__b8-s128__t4__eager__adamw_torch__fp32",
+            "t0_3b__lora__r8-default__dropout0_1__b8-s128__t4__eager__adamw_torch__fp32",
+            "t5-v1_1-small__full__b4-s128__t32__eager",
+            "t5-v1_1-small__full__b4-s128__t32__eager__adamw_torch__fp32",
+            "t5-v1_1-small__lora__r8-default__b4-s128__t32__eager",
+            "t5-v1_1-small__lora__r8-default__dropout0_1__b8-s128__t4__eager__adamw_torch__fp32",
+        )
+    },
 }
 MEDIAN_TOLERANCE = 0.003  # median over all references
 COMPONENT_TOLERANCE = 0.02  # each component, or within COMPONENT_SLACK_BYTES
@@ -56,7 +69,6 @@ KNOWN_GAPS: dict[str, tuple[float, str]] = {
 # refusal instead; once one is modelled, its refusal test fails and it joins the comparison.
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "multi-head latent attention, dense first layers, PEFT's expert adapters",
-    "t5": "encoder-decoder: two stacks, cross-attention, relative position bias",
 }
 
 

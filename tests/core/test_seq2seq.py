@@ -1,5 +1,6 @@
 """Encoder-decoder models (T5 v1.1, mT5): the parsed layout and its parameter count, the
-target length in the spec, and the refusal of their step while it is not modelled."""
+target length in the spec, the step's estimate (tests/core/test_references.py holds it to the
+traces) and what it refuses."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate, peak_levels
 from service.core.hf_config import from_hf_config
-from service.core.spec import TrainingSpec
+from service.core.result import Component, Phase
+from service.core.spec import (
+    AttnImpl,
+    LoraSpec,
+    Method,
+    Optim,
+    ParallelSpec,
+    QuantSpec,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.units import DType
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 
@@ -108,13 +120,71 @@ def test_target_length_on_a_decoder_only_model_is_refused() -> None:
         assert caught.value.field == "target_length"
 
 
-@pytest.mark.parametrize("name", ["bigscience/T0_3B", "bigscience/mt0-xxl"])
-def test_the_step_is_refused_until_it_is_modelled(name: str) -> None:
-    spec = TrainingSpec(batch_size=8, seq_len=128, target_length=4)
+def _job(**overrides: Any) -> TrainingSpec:
+    """PEFT's seq2seq example: fp32, batch 8, torch AdamW, LoRA r8 on q and v, dropout 0.1."""
+    values: dict[str, Any] = {
+        "method": Method.LORA,
+        "batch_size": 8,
+        "seq_len": 128,
+        "target_length": 4,
+        "dtype": DType.FP32,
+        "optim": Optim.ADAMW_TORCH,
+        "attn_implementation": AttnImpl.EAGER,
+        "lora": LoraSpec(r=8, lora_alpha=32, lora_dropout=0.1, target_modules=None),
+    }
+    return TrainingSpec(**{**values, **overrides})
+
+
+def test_t0_3b_lora_holds_its_weights_and_peaks_at_the_loss_backward() -> None:
+    arch = _arch("bigscience/T0_3B")
+    est = estimate(arch, _job())
+    tied = arch.total_params - arch.vocab_size * arch.hidden_size
+    assert est.params.total == tied  # transformers 5 ties the lm_head to the shared table
+    # q and v of 24 encoder self-attentions and 24 decoder self- and cross-attentions
+    assert est.params.trainable == 72 * 2 * 8 * (2048 + 2048)
+    assert est.components[Component.FROZEN_WEIGHTS] == tied * 4
+    assert est.peak_phase is Phase.BACKWARD_START
+    longer = estimate(arch, _job(target_length=64))
+    assert longer.allocated_bytes > est.allocated_bytes
+    levels = peak_levels(arch, _job())
+    assert levels.allocated_bytes == est.allocated_bytes
+    assert est.allocated_bytes <= levels.device_bytes < levels.device_bytes_upper
+
+
+def test_full_fine_tuning_peaks_in_the_optimizer_step_with_foreach_adamw() -> None:
+    est = estimate(_arch("bigscience/T0_3B"), _job(method=Method.FULL, lora=None))
+    assert est.peak_phase is Phase.OPTIMIZER_STEP
+    trainable = est.components[Component.TRAINABLE_PARAMS]
+    assert est.components[Component.OPTIMIZER_STATE] == 2 * trainable
+    assert est.components[Component.OPTIMIZER_TEMPORARIES] == trainable
+
+
+def test_the_target_defaults_to_the_source_length() -> None:
+    arch = _arch("google/t5-v1_1-small")
+    same = estimate(arch, _job(target_length=128)).allocated_bytes
+    assert estimate(arch, _job(target_length=None)).allocated_bytes == same
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"attn_implementation": AttnImpl.SDPA}, "attn_implementation"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+        ({"method": Method.QLORA, "quantization": QuantSpec()}, "method"),
+        ({"autocast": True, "dtype": DType.BF16}, "autocast"),
+        ({"optim": Optim.SGD}, "optim"),
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
+        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
+        ({"parallel": ParallelSpec(strategy=Strategy.ZERO3)}, "parallel.strategy"),
+        ({"num_labels": 3}, "num_labels"),
+        ({"lora": LoraSpec(r=8, target_modules=("q_proj",))}, "lora.target_modules"),
+    ],
+)
+def test_what_is_not_modelled_is_refused_by_field(overrides: dict[str, Any], field: str) -> None:
     for run in (estimate, peak_levels):
-        with pytest.raises(InvalidConfigError, match="not modelled yet") as caught:
-            run(_arch(name), spec)
-        assert caught.value.field == "model_type"
+        with pytest.raises(InvalidSpecError) as caught:
+            run(_arch("bigscience/mt0-xxl"), _job(**overrides))
+        assert caught.value.field == field
 
 
 def test_t5_references_are_traced_with_their_target_length() -> None:
