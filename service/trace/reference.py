@@ -566,7 +566,26 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
     fp32, eager = DType.FP32, AttnImpl.EAGER
     adamw = Optim.ADAMW_TORCH
     peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
+    all_linear = _lora(r=16, lora_dropout=0.1)
     return [
+        (
+            T5_SMALL,
+            _spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),
+        ),
+        (T5_SMALL, _spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager)),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                4,
+                128,
+                target_length=32,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=_lora(r=16),
+            ),
+        ),
         (
             T5_SMALL,
             _spec(

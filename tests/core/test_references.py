@@ -44,6 +44,9 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
             "t5-v1_1-small__full__b4-s128__t32__eager__adamw_torch__fp32",
             "t5-v1_1-small__lora__r8-default__b4-s128__t32__eager",
             "t5-v1_1-small__lora__r8-default__dropout0_1__b8-s128__t4__eager__adamw_torch__fp32",
+            "t5-v1_1-small__lora__r16-all-linear__dropout0_1__b4-s64__t16__eager",
+            "t5-v1_1-small__full__b2-s256__t64__eager__fp32",
+            "t5-v1_1-small__lora__r16-all-linear__b4-s128__t32__eager__adamw_torch__fp32",
         )
     },
 }
