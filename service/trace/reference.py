@@ -567,7 +567,15 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
     adamw = Optim.ADAMW_TORCH
     peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
     all_linear = _lora(r=16, lora_dropout=0.1)
+    # SDPA (transformers' default): the mem-efficient kernel with the bias as its mask
+    sdpa = [
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
+        (T5_SMALL, _spec(full, 4, 128, target_length=32)),
+        (T5_SMALL, _spec(lora, 4, 128, target_length=32, lora=_lora(r=8, targets=None))),
+        (T0_3B, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+    ]
     return [
+        *sdpa,
         (
             T5_SMALL,
             _spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),

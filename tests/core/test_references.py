@@ -36,18 +36,8 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{
-        name: (0.12, "T5's reserved level is not modelled: reported at the allocated level")
-        for name in (
-            "t0_3b__full__b8-s128__t4__eager__adamw_torch__fp32",
-            "t0_3b__lora__r8-default__dropout0_1__b8-s128__t4__eager__adamw_torch__fp32",
-            "t5-v1_1-small__full__b4-s128__t32__eager",
-            "t5-v1_1-small__full__b4-s128__t32__eager__adamw_torch__fp32",
-            "t5-v1_1-small__lora__r8-default__b4-s128__t32__eager",
-            "t5-v1_1-small__lora__r8-default__dropout0_1__b8-s128__t4__eager__adamw_torch__fp32",
-            "t5-v1_1-small__lora__r16-all-linear__dropout0_1__b4-s64__t16__eager",
-            "t5-v1_1-small__full__b2-s256__t64__eager__fp32",
-            "t5-v1_1-small__lora__r16-all-linear__b4-s128__t32__eager__adamw_torch__fp32",
-        )
+        path.stem: (0.13, "T5's reserved level is not modelled: reported at the allocated level")
+        for path in TRACES.glob("t[05]*.json")
     },
 }
 MEDIAN_TOLERANCE = 0.003  # median over all references

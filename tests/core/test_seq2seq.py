@@ -24,6 +24,7 @@ from service.core.spec import (
     Optim,
     ParallelSpec,
     QuantSpec,
+    SdpaKernel,
     Strategy,
     TrainingSpec,
 )
@@ -159,6 +160,17 @@ def test_full_fine_tuning_peaks_in_the_optimizer_step_with_foreach_adamw() -> No
     assert est.components[Component.OPTIMIZER_TEMPORARIES] == trainable
 
 
+def test_sdpa_saves_no_score_matrices() -> None:
+    arch = _arch("bigscience/T0_3B")
+    eager = estimate(arch, _job(seq_len=512))
+    sdpa = estimate(arch, _job(seq_len=512, attn_implementation=AttnImpl.SDPA))
+    # eager keeps the softmax, its dropout's output and mask per head and query: 9 bytes per
+    # score in fp32, over 24 encoder blocks at 512 tokens far above SDPA's outputs
+    scores = 8 * 32 * 512 * 512 * 9 * 24
+    saved = eager.components[Component.ACTIVATIONS] - sdpa.components[Component.ACTIVATIONS]
+    assert saved > scores // 2
+
+
 def test_the_target_defaults_to_the_source_length() -> None:
     arch = _arch("google/t5-v1_1-small")
     same = estimate(arch, _job(target_length=128)).allocated_bytes
@@ -168,7 +180,8 @@ def test_the_target_defaults_to_the_source_length() -> None:
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"attn_implementation": AttnImpl.SDPA}, "attn_implementation"),
+        ({"attn_implementation": AttnImpl.FLASH_ATTENTION_2}, "attn_implementation"),
+        ({"attn_implementation": AttnImpl.SDPA, "sdpa_kernel": SdpaKernel.MATH}, "sdpa_kernel"),
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
         ({"method": Method.QLORA, "quantization": QuantSpec()}, "method"),
         ({"autocast": True, "dtype": DType.BF16}, "autocast"),

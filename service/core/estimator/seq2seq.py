@@ -46,12 +46,16 @@ from service.core.spec import (
     Optim,
     ParallelSpec,
     ResolvedSpec,
+    SdpaKernel,
     TrainingSpec,
     resolve,
 )
 from service.core.stack import stack_note
 from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
+# The mem-efficient kernel pads its log-sum-exp to a multiple of 32 queries
+# (aten/src/ATen/native/transformers/cuda/attention.cu _efficient_attention_forward).
+EFFICIENT_LSE_PAD = 32
 # The optimizers modelled: torch's AdamW, foreach (its default on CUDA) or fused.
 _OPTIMS = (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED)
 # nll_loss's forward returns the loss and its total weight, one fp32 scalar each
@@ -72,11 +76,17 @@ def check_seq2seq_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
         raise InvalidSpecError(
             "method", f"qlora is not modelled for encoder-decoders ({arch.model_type}): use lora"
         )
-    if spec.attn_implementation is not AttnImpl.EAGER:
+    if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
         raise InvalidSpecError(
             "attn_implementation",
-            f"encoder-decoders ({arch.model_type}) are modelled with eager attention (the "
-            "relative position bias added to the scores): use eager",
+            f"transformers runs {arch.model_type} without FlashAttention (its relative position "
+            "bias is an additive mask): use sdpa or eager",
+        )
+    if spec.attn_implementation is AttnImpl.SDPA and spec.sdpa_kernel is not SdpaKernel.AUTO:
+        raise InvalidSpecError(
+            "sdpa_kernel",
+            "an encoder-decoder's SDPA runs the mem-efficient kernel (its additive bias rules "
+            "flash out); other kernels are not modelled",
         )
     if spec.gradient_checkpointing:
         raise InvalidSpecError(
@@ -150,6 +160,7 @@ class _Shape:
     r: int
     lora_dropout: bool
     full: bool
+    sdpa: bool  # SDPA's mem-efficient kernel, else eager attention
 
 
 class _Tensors:
@@ -230,22 +241,33 @@ def _counts(names: set[str], prefix: str, gated: bool) -> _Adapted:
 
 
 def _attention(
-    out: _Tensors, sh: _Shape, q_len: int, kv_len: int, ad: _Adapted, *, grad: bool, cached: bool
+    out: _Tensors, sh: _Shape, q_len: int, kv_len: int, ad: _Adapted, *, grad: bool, bias: bool
 ) -> None:
-    """Eager attention: the query made contiguous (and the key, unless the decoder's cache
-    already made it so), the scores' softmax and its dropout (output and mask), the value (the
-    cache's copy, or made contiguous), the context for o and o's dropout mask."""
+    """One attention's saved tensors, then o's input and its dropout mask.
+
+    Eager: the query made contiguous (saved when the key needs a gradient), the key (made
+    contiguous, or the decoder cache's copy), the softmax, its dropout's output and mask, the
+    value, the transposed context made contiguous (kept only for a trained or adapted o).
+    SDPA (the mem-efficient kernel: an additive float bias rules flash out): the query, key
+    and value, the output, the log-sum-exp padded to 32 queries, and the bias made contiguous
+    when `bias` (the encoder's permuted relative bias, the decoder's causal one); the dropout
+    runs inside the kernel."""
     b, e = sh.b, sh.e
     q_tok, kv_tok = b * q_len, b * kv_len
-    scores = b * sh.heads * q_len * kv_len
-    if grad or ad.k:
-        out.add(q_tok * sh.inner * e)  # the query: saved when the key needs a gradient
-    out.add(kv_tok * sh.inner * e)  # the key (the query needs a gradient)
-    out.add(scores * e, scores * e, scores * BOOL_BYTES)  # softmax, dropout and its mask
-    out.add(kv_tok * sh.inner * e)  # the value
-    del cached
-    if _inputs(out, sh, q_tok * sh.inner, q_tok, ad.o, True):
-        out.add(q_tok * sh.inner * e)
+    q_bytes, kv_bytes = q_tok * sh.inner * e, kv_tok * sh.inner * e
+    if sh.sdpa:
+        padded = -(-q_len // EFFICIENT_LSE_PAD) * EFFICIENT_LSE_PAD
+        out.add(q_bytes, kv_bytes, kv_bytes, q_bytes, b * sh.heads * padded * FP32_BYTES)
+        if bias:
+            out.add(sh.heads * q_len * kv_len * e)
+        _inputs(out, sh, q_tok * sh.inner, q_tok, ad.o, True)  # the output is saved anyway
+    else:
+        scores = b * sh.heads * q_len * kv_len
+        if grad or ad.k:
+            out.add(q_bytes)
+        out.add(kv_bytes, scores * e, scores * e, scores * BOOL_BYTES, kv_bytes)
+        if _inputs(out, sh, q_tok * sh.inner, q_tok, ad.o, True):
+            out.add(q_bytes)
     out.add(q_tok * sh.h * BOOL_BYTES)  # o's dropout mask
 
 
@@ -286,7 +308,7 @@ def _saved(arch: ModelArch, sh: _Shape, names: set[str]) -> _Saved:
         grad = sh.full or layer > 0
         keep = _inputs(enc, sh, src * h, src, self_enc.qkv, grad)
         _norm(enc, sh, src, grad=grad, keep_output=keep)
-        _attention(enc, sh, s, s, self_enc, grad=grad, cached=False)
+        _attention(enc, sh, s, s, self_enc, grad=grad, bias=True)
         enc.add(src * h * e)  # the residual sum
         keep = _inputs(enc, sh, src * h, src, self_enc.ff_in, True)
         _norm(enc, sh, src, grad=True, keep_output=keep)
@@ -301,16 +323,18 @@ def _saved(arch: ModelArch, sh: _Shape, names: set[str]) -> _Saved:
     if sh.full:
         # as the encoder's, and the shifted labels the embedding's gradient reads
         dec.add(tgt * h * e, tgt * h * BOOL_BYTES, t * t * INT64_BYTES, tgt * INT64_BYTES)
+    if sh.sdpa:
+        dec.add(sh.heads * t * s * e)  # the cross-attention's zero bias, shared by the blocks
     for layer in range(arch.decoder_layers):
         grad = sh.full or layer > 0
         keep = _inputs(dec, sh, tgt * h, tgt, self_enc.qkv, grad)
         _norm(dec, sh, tgt, grad=grad, keep_output=keep)
-        _attention(dec, sh, t, t, self_enc, grad=grad, cached=True)
+        _attention(dec, sh, t, t, self_enc, grad=grad, bias=True)
         dec.add(tgt * h * e)
         keep = _inputs(dec, sh, tgt * h, tgt, cross.q, True)
         _norm(dec, sh, tgt, grad=True, keep_output=keep)
         dec.add(*per_layer.sizes)
-        _attention(dec, sh, t, s, cross, grad=True, cached=True)
+        _attention(dec, sh, t, s, cross, grad=True, bias=False)
         dec.add(tgt * h * e)
         keep = _inputs(dec, sh, tgt * h, tgt, self_enc.ff_in, True)
         _norm(dec, sh, tgt, grad=True, keep_output=keep)
@@ -391,6 +415,7 @@ def _shape(arch: ModelArch, rs: ResolvedSpec) -> _Shape:
         r=lora.r if lora else 0,
         lora_dropout=bool(lora and rs.lora_dropout > 0),
         full=spec.method is Method.FULL,
+        sdpa=spec.attn_implementation is AttnImpl.SDPA,
     )
 
 
