@@ -244,6 +244,7 @@ GEMMA_3 = "google/gemma-3-1b-pt"
 QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
 T5_SMALL = "google/t5-v1_1-small"
 T0_3B = "bigscience/T0_3B"
+MT0_XXL = "bigscience/mt0-xxl"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -573,6 +574,8 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
         (T5_SMALL, _spec(full, 4, 128, target_length=32)),
         (T5_SMALL, _spec(lora, 4, 128, target_length=32, lora=_lora(r=8, targets=None))),
         (T0_3B, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+        # mT5 (MT5ForConditionalGeneration, a 250k vocabulary): mt0-xxl as PEFT's README ran it
+        (MT0_XXL, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
     ]
     return [
         *sdpa,

@@ -201,9 +201,10 @@ def test_what_is_not_modelled_is_refused_by_field(overrides: dict[str, Any], fie
 
 
 def test_t5_references_are_traced_with_their_target_length() -> None:
-    references = [json.loads(p.read_text()) for p in sorted(TRACES.glob("t[05]*.json"))]
+    paths = [*TRACES.glob("t[05]*.json"), *TRACES.glob("mt0*.json")]
+    references = [json.loads(p.read_text()) for p in sorted(paths)]
     names = {ref["model_id"] for ref in references}
-    assert {"google/t5-v1_1-small", "bigscience/T0_3B"} <= names
+    assert {"google/t5-v1_1-small", "bigscience/T0_3B", "bigscience/mt0-xxl"} <= names
     for ref in references:
         assert ref["spec"]["target_length"] < ref["spec"]["seq_len"]
         assert f"__t{ref['spec']['target_length']}" in ref["name"]
