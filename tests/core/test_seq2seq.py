@@ -185,6 +185,7 @@ def test_the_target_defaults_to_the_source_length() -> None:
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
         ({"method": Method.QLORA, "quantization": QuantSpec()}, "method"),
         ({"autocast": True, "dtype": DType.BF16}, "autocast"),
+        ({"dtype": DType.FP16}, "dtype"),
         ({"optim": Optim.SGD}, "optim"),
         ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
         ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),

@@ -51,7 +51,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import stack_note
-from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
+from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES, DType
 
 # The mem-efficient kernel pads its log-sum-exp to a multiple of 32 queries
 # (aten/src/ATen/native/transformers/cuda/attention.cu _efficient_attention_forward).
@@ -95,6 +95,12 @@ def check_seq2seq_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
         )
     checks = (
         (spec.autocast, "autocast", "mixed precision is not modelled for encoder-decoders"),
+        (
+            spec.dtype is DType.FP16,
+            "dtype",
+            "transformers keeps T5's wo in fp32 when it loads fp16 weights "
+            "(_keep_in_fp32_modules); fp16 is not modelled: use bf16 or fp32",
+        ),
         (spec.parallel.gpus != 1, "parallel.gpus", "encoder-decoders are modelled on one GPU"),
         (
             spec.parallel != ParallelSpec(),
