@@ -207,5 +207,5 @@ def test_t5_references_are_traced_with_their_target_length() -> None:
     names = {ref["model_id"] for ref in references}
     assert {"google/t5-v1_1-small", "bigscience/T0_3B", "bigscience/mt0-xxl"} <= names
     for ref in references:
-        assert ref["spec"]["target_length"] < ref["spec"]["seq_len"]
+        assert ref["spec"]["target_length"] != ref["spec"]["seq_len"]
         assert f"__t{ref['spec']['target_length']}" in ref["name"]

@@ -331,6 +331,10 @@ def _saved(arch: ModelArch, sh: _Shape, names: set[str]) -> _Saved:
         dec.add(tgt * h * e, tgt * h * BOOL_BYTES, t * t * INT64_BYTES, tgt * INT64_BYTES)
     if sh.sdpa:
         dec.add(sh.heads * t * s * e)  # the cross-attention's zero bias, shared by the blocks
+        if sh.full:
+            # a second target x target int64 tensor the trainable decoder bias keeps under
+            # SDPA (traced: tests/data/traces/t5-v1_1-small__full__b4-s64__t256.json)
+            dec.add(t * t * INT64_BYTES)
     for layer in range(arch.decoder_layers):
         grad = sh.full or layer > 0
         keep = _inputs(dec, sh, tgt * h, tgt, self_enc.qkv, grad)
@@ -466,7 +470,15 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
             # made, the encoder's saved tensors (less its output, released by the last
             # cross-attention's backward) waiting, its output's gradient accumulating
             table = _blk(arch.vocab_size * sh.h * sh.e)
-            backward = {
+            # or earlier, as the lm_head's weight gradient is made beside the logits' gradient
+            # with every saved tensor still waiting
+            head = {
+                **forward,
+                **both,
+                Component.LOGITS_LOSS: logp + loss,
+                Component.BACKWARD_TEMPORARIES: table + _blk(tgt * sh.h * sh.e),
+            }
+            embedding = {
                 **held,
                 **both,
                 Component.GRADIENTS: model.decoder_trainable,
@@ -475,6 +487,7 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
                 Component.BACKWARD_TEMPORARIES: TIED_GRADIENT_TABLES * table
                 + _blk(src * sh.h * sh.e),
             }
+            backward = max(head, embedding, key=lambda parts: sum(parts.values()))
         else:
             # the lm_head's input gradient beside the loss's
             backward = {
