@@ -15,57 +15,8 @@ from service.core.architecture import (
     NormKind,
 )
 from service.core.errors import InvalidConfigError
-
-
-def _linear(
-    name: str, kind: LinearKind, in_features: int, out_features: int, *, bias: bool = False
-) -> Linear:
-    """One nn.Linear of a layer, as the parsers below list them."""
-    return Linear(
-        name=name, in_features=in_features, out_features=out_features, bias=bias, kind=kind
-    )
-
-
-class _Config:
-    """Typed reads of a config.json mapping, naming the field on error."""
-
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        self.raw = raw
-
-    def integer(self, *names: str, default: int | None = None) -> int:
-        for name in names:
-            value = self.raw.get(name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidConfigError(name, f"must be a non-negative integer, got {value!r}")
-            return value
-        if default is None:
-            raise InvalidConfigError(names[0], "is required")
-        return default
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw.get(name, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise InvalidConfigError(name, f"must be true or false, got {value!r}")
-        return value
-
-    def string(self, name: str, default: str) -> str:
-        value = self.raw.get(name, default)
-        if not isinstance(value, str):
-            raise InvalidConfigError(name, f"must be a string, got {value!r}")
-        return value
-
-    def float_or_none(self, name: str) -> float | None:
-        value = self.raw.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidConfigError(name, f"must be a number, got {value!r}")
-        return float(value)
-
+from service.core.hf_t5 import T5_TIE_WORD_EMBEDDINGS, _t5
+from service.core.hf_values import _Config, _dropout, _linear
 
 # model_type -> tie_word_embeddings when the config omits it (each transformers
 # configuration_<model>.py default).
@@ -75,8 +26,8 @@ _TIE_DEFAULT = {
     "gemma3_text": True,
     "falcon": True,
     "bloom": True,
-    "t5": True,
-    "mt5": True,
+    "t5": T5_TIE_WORD_EMBEDDINGS,
+    "mt5": T5_TIE_WORD_EMBEDDINGS,
 }
 
 # Model types whose layout is the Llama one (q/k/v/o, gate/up/down, RMSNorm, pre-norm).
@@ -572,15 +523,6 @@ BERT_DROPOUT = 0.1
 BERT_TYPE_VOCAB_SIZE = 2
 
 
-def _dropout(c: _Config, name: str, default: float) -> float:
-    value = c.float_or_none(name)
-    if value is None:
-        return default
-    if not 0.0 <= value < 1.0:
-        raise InvalidConfigError(name, f"must be in [0, 1), got {value!r}")
-    return value
-
-
 def _bert(c: _Config, model_type: str) -> ModelArch:
     """BertForSequenceClassification (transformers models/bert/modeling_bert.py): post-LN
     layers of query/key/value (bias), attention.output.dense, intermediate.dense (GELU) and
@@ -621,84 +563,6 @@ def _bert(c: _Config, model_type: str) -> ModelArch:
         hidden_dropout=hidden_dropout,
         attention_dropout=_dropout(c, "attention_probs_dropout_prob", BERT_DROPOUT),
         classifier_dropout=_dropout(c, "classifier_dropout", hidden_dropout),
-    )
-
-
-# transformers' T5Config defaults (models/t5/configuration_t5.py).
-T5_DROPOUT = 0.1
-T5_RELATIVE_ATTENTION_BUCKETS = 32
-T5_FEED_FORWARD_PROJ = "relu"
-# T5Config: "gated-gelu" runs NewGELUActivation ("gelu_new"), for backwards compatibility.
-T5_GATED_GELU_ACT = "gelu_new"
-
-
-def _t5(c: _Config, model_type: str) -> ModelArch:
-    """T5ForConditionalGeneration / MT5ForConditionalGeneration (transformers
-    models/t5/modeling_t5.py): a shared embedding; encoder blocks of SelfAttention (q, k, v,
-    o without bias, relative position bias) and DenseReluDense (wi or gated wi_0/wi_1, wo);
-    decoder blocks with EncDecAttention between them; RMSNorms (T5LayerNorm) before each
-    sublayer and after each stack; an lm_head."""
-    h = c.integer("d_model")
-    heads = c.integer("num_heads")
-    d_kv = c.integer("d_kv", default=64)
-    layers = c.integer("num_layers")
-    if not heads or not h or not d_kv or not layers:
-        raise InvalidConfigError(
-            "num_heads", "d_model, num_heads, d_kv and num_layers must be positive"
-        )
-    ff = c.integer("d_ff")
-    proj = c.string("feed_forward_proj", T5_FEED_FORWARD_PROJ)
-    parts = proj.split("-")
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
-        raise InvalidConfigError("feed_forward_proj", f"must be ACT or gated-ACT, got {proj!r}")
-    gated = len(parts) == 2
-    act = parts[-1]
-    if act == "gelu" and gated:
-        act = T5_GATED_GELU_ACT
-    inner = heads * d_kv
-
-    def attention(prefix: str) -> list[Linear]:
-        return [
-            _linear(f"{prefix}.q", LinearKind.ATTN_QKV, h, inner),
-            _linear(f"{prefix}.k", LinearKind.ATTN_QKV, h, inner),
-            _linear(f"{prefix}.v", LinearKind.ATTN_QKV, h, inner),
-            _linear(f"{prefix}.o", LinearKind.ATTN_OUT, inner, h),
-        ]
-
-    ffn_in = ["DenseReluDense.wi_0", "DenseReluDense.wi_1"] if gated else ["DenseReluDense.wi"]
-    ffn = [_linear(n, LinearKind.MLP_IN, h, ff) for n in ffn_in]
-    ffn.append(_linear("DenseReluDense.wo", LinearKind.MLP_OUT, ff, h))
-    dropout = _dropout(c, "dropout_rate", T5_DROPOUT)
-    return ModelArch(
-        model_type=model_type,
-        hidden_size=h,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=d_kv,
-        intermediate_size=ff,
-        vocab_size=c.integer("vocab_size"),
-        tie_word_embeddings=c.boolean("tie_word_embeddings", _TIE_DEFAULT[model_type]),
-        hidden_act=act,
-        # relative positions: no table bounds the length
-        max_position_embeddings=c.integer("n_positions", default=512),
-        norm=NormKind.RMS,
-        norms_per_layer=2,
-        qk_norm=False,
-        mlp=MlpKind.GATED if gated else MlpKind.PLAIN,
-        parallel_residual=False,
-        lm_head_bias=False,
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-        sliding_window=None,
-        linears=(*attention("SelfAttention"), *ffn),
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
-        decoder_layers=c.integer("num_decoder_layers", default=layers),
-        decoder_linears=(*attention("SelfAttention"), *attention("EncDecAttention"), *ffn),
-        relative_attention_num_buckets=c.integer(
-            "relative_attention_num_buckets", default=T5_RELATIVE_ATTENTION_BUCKETS
-        ),
     )
 
 
