@@ -585,6 +585,7 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
         ),
         (T5_SMALL, _spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager)),
         (T5_SMALL, _spec(full, 4, 64, target_length=256)),  # a target longer than the source
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, gradient_accumulation_steps=2)),
         (
             T5_SMALL,
             _spec(

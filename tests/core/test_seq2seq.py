@@ -171,6 +171,15 @@ def test_sdpa_saves_no_score_matrices() -> None:
     assert saved > scores // 2
 
 
+def test_accumulated_micro_batches_hold_every_gradient() -> None:
+    arch = _arch("bigscience/T0_3B")
+    one = estimate(arch, _job())
+    two = estimate(arch, _job(gradient_accumulation_steps=2))
+    adapters = one.components[Component.TRAINABLE_PARAMS]
+    assert two.allocated_bytes == one.allocated_bytes + adapters
+    assert two.components[Component.GRADIENTS] == adapters
+
+
 def test_the_target_defaults_to_the_source_length() -> None:
     arch = _arch("google/t5-v1_1-small")
     same = estimate(arch, _job(target_length=128)).allocated_bytes
@@ -187,7 +196,6 @@ def test_the_target_defaults_to_the_source_length() -> None:
         ({"autocast": True, "dtype": DType.BF16}, "autocast"),
         ({"dtype": DType.FP16}, "dtype"),
         ({"optim": Optim.SGD}, "optim"),
-        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
         ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
         ({"parallel": ParallelSpec(strategy=Strategy.ZERO3)}, "parallel.strategy"),
         ({"num_labels": 3}, "num_labels"),

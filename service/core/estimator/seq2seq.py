@@ -109,7 +109,6 @@ def check_seq2seq_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
         ),
         (spec.framework is not Framework.HF, "framework", "modelled with HF's step only"),
         (spec.loss is not None, "loss", "T5 computes its own cross-entropy over the target"),
-        (spec.gradient_accumulation_steps != 1, "gradient_accumulation_steps", "not modelled"),
         (spec.optim not in _OPTIMS, "optim", "adamw_torch and adamw_torch_fused are modelled"),
         (spec.num_labels is not None, "num_labels", "an encoder-decoder has no classifier"),
     )
@@ -453,12 +452,18 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
     loss = LOSS_SCALARS * SCALAR_BLOCK
     weights = {Component.FROZEN_WEIGHTS: model.frozen, Component.TRAINABLE_PARAMS: model.trainable}
     activations = saved.encoder + saved.decoder
+    # With gradient accumulation each window's highest micro-batch is a later one: every
+    # .grad made by the first (a later one's gradients are added into them in place and let
+    # go), both cuBLAS handles in use.
+    accumulating = spec.gradient_accumulation_steps > 1
     peaks: list[PhasePeak] = []
     for step in (1, 2):
         held = {**weights, Component.INPUTS: inputs}
         if step == 2:
             held[Component.OPTIMIZER_STATE] = states
-        first = {Component.WORKSPACES: workspace * (1 if step == 1 else 2)}
+        if accumulating:
+            held[Component.GRADIENTS] = model.trainable
+        first = {Component.WORKSPACES: workspace * (1 if step == 1 and not accumulating else 2)}
         forward = {**held, **first, Component.ACTIVATIONS: activations}
         windows: list[tuple[Phase, dict[Component, int]]] = [
             (Phase.FORWARD_END, {**forward, Component.LOGITS_LOSS: logp + loss}),
@@ -481,7 +486,7 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
             embedding = {
                 **held,
                 **both,
-                Component.GRADIENTS: model.decoder_trainable,
+                Component.GRADIENTS: model.trainable if accumulating else model.decoder_trainable,
                 Component.ACTIVATIONS: saved.encoder - _blk(src * sh.h * sh.e),
                 Component.LOGITS_LOSS: loss,
                 Component.BACKWARD_TEMPORARIES: TIED_GRADIENT_TABLES * table
