@@ -180,6 +180,13 @@ def test_accumulated_micro_batches_hold_every_gradient() -> None:
     assert two.components[Component.GRADIENTS] == adapters
 
 
+def test_a_feed_forward_other_than_gated_gelu_is_refused() -> None:
+    relu = from_hf_config(_config(feed_forward_proj="relu"))
+    with pytest.raises(InvalidConfigError, match="gated-gelu") as caught:
+        estimate(relu, _job())
+    assert caught.value.field == "feed_forward_proj"
+
+
 def test_the_target_defaults_to_the_source_length() -> None:
     arch = _arch("google/t5-v1_1-small")
     same = estimate(arch, _job(target_length=128)).allocated_bytes

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 from service.core.architecture import Linear, ModelArch
 from service.core.device import cublas_workspace, device_row
-from service.core.errors import InvalidSpecError
+from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.uncertainty import _uncertainty
+from service.core.hf_t5 import T5_GATED_GELU_ACT
 from service.core.overhead import levels
 from service.core.result import (
     COMPONENT_ORDER,
@@ -56,6 +57,8 @@ from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES,
 # The mem-efficient kernel pads its log-sum-exp to a multiple of 32 queries
 # (aten/src/ATen/native/transformers/cuda/attention.cu _efficient_attention_forward).
 EFFICIENT_LSE_PAD = 32
+# An encoder block's linears with the gated feed-forward: q, k, v, o, wi_0, wi_1, wo.
+GATED_BLOCK_LINEARS = 7
 # The optimizers modelled: torch's AdamW, foreach (its default on CUDA) or fused.
 _OPTIMS = (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED)
 # nll_loss's forward returns the loss and its total weight, one fp32 scalar each
@@ -72,6 +75,12 @@ TIED_GRADIENT_TABLES = 3
 def check_seq2seq_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
     """The spec resolved for an encoder-decoder, or InvalidSpecError naming what it cannot run
     (what the traced references do not cover)."""
+    if arch.hidden_act != T5_GATED_GELU_ACT or len(arch.linears) != GATED_BLOCK_LINEARS:
+        raise InvalidConfigError(
+            "feed_forward_proj",
+            f"only the gated-gelu feed-forward (T5 v1.1, mT5, T0) is modelled, not "
+            f"{arch.hidden_act!r}{' gated' if len(arch.linears) == GATED_BLOCK_LINEARS else ''}",
+        )
     if spec.method is Method.QLORA:
         raise InvalidSpecError(
             "method", f"qlora is not modelled for encoder-decoders ({arch.model_type}): use lora"
@@ -230,11 +239,11 @@ class _Adapted:
     wo: int
 
 
-def _counts(names: set[str], prefix: str, gated: bool) -> _Adapted:
+def _counts(names: set[str], prefix: str) -> _Adapted:
     def n(*parts: str) -> int:
         return sum(f"{prefix}.{p}" in names for p in parts)
 
-    ff_in = ("DenseReluDense.wi_0", "DenseReluDense.wi_1") if gated else ("DenseReluDense.wi",)
+    ff_in = ("DenseReluDense.wi_0", "DenseReluDense.wi_1")
     return _Adapted(
         qkv=n("q", "k", "v"),
         q=n("q"),
@@ -276,12 +285,12 @@ def _attention(
     out.add(q_tok * sh.h * BOOL_BYTES)  # o's dropout mask
 
 
-def _feed_forward(out: _Tensors, sh: _Shape, tokens: int, ad: _Adapted, gated: bool) -> None:
+def _feed_forward(out: _Tensors, sh: _Shape, tokens: int, ad: _Adapted) -> None:
     """DenseReluDense with gelu_new (NewGELUActivation, composed of elementwise ops): wi_0's
     output, 0.5x, tanh, 1 + tanh, the GELU (kept by the gate's product), wi_1's output; the
     dropout's output (kept for wo) and mask, wo's dropout mask, the residual sum."""
     e, f = sh.e, sh.ff
-    out.add(*(tokens * f * e for _ in range(6 if gated else 4)))
+    out.add(*(tokens * f * e for _ in range(6)))
     out.add(tokens * f * BOOL_BYTES)
     if _inputs(out, sh, tokens * f, tokens, ad.wo, True):
         out.add(tokens * f * e)
@@ -298,11 +307,10 @@ class _Saved:
 
 def _saved(arch: ModelArch, sh: _Shape, names: set[str]) -> _Saved:
     """Every tensor autograd keeps at the forward's end, stack by stack."""
-    gated = len(arch.linears) == 7
     b, s, t, h, e = sh.b, sh.s, sh.t, sh.h, sh.e
     src, tgt = b * s, b * t
-    self_enc = _counts(names, "SelfAttention", gated)
-    cross = _counts(names, "EncDecAttention", gated)
+    self_enc = _counts(names, "SelfAttention")
+    cross = _counts(names, "EncDecAttention")
     enc = _Tensors()
     if sh.full:
         # the embedding's dropout (output and mask; a frozen embedding's output needs no
@@ -317,7 +325,7 @@ def _saved(arch: ModelArch, sh: _Shape, names: set[str]) -> _Saved:
         enc.add(src * h * e)  # the residual sum
         keep = _inputs(enc, sh, src * h, src, self_enc.ff_in, True)
         _norm(enc, sh, src, grad=True, keep_output=keep)
-        _feed_forward(enc, sh, src, self_enc, gated)
+        _feed_forward(enc, sh, src, self_enc)
     _norm(enc, sh, src, grad=True, keep_output=False)
     enc.add(src * h * BOOL_BYTES)  # the final dropout's mask
     cross_kv = cross.qkv - cross.q
@@ -347,7 +355,7 @@ def _saved(arch: ModelArch, sh: _Shape, names: set[str]) -> _Saved:
         dec.add(tgt * h * e)
         keep = _inputs(dec, sh, tgt * h, tgt, self_enc.ff_in, True)
         _norm(dec, sh, tgt, grad=True, keep_output=keep)
-        _feed_forward(dec, sh, tgt, self_enc, gated)
+        _feed_forward(dec, sh, tgt, self_enc)
     _norm(dec, sh, tgt, grad=True, keep_output=False)
     dec.add(tgt * h * BOOL_BYTES)
     if sh.full:
