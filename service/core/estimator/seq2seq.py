@@ -9,9 +9,10 @@ per phase (rounded to the allocator's 512-byte blocks):
 
 - forward end: every tensor autograd saved, the log-probabilities and the loss;
 - backward start: the loss's gradient and log_softmax's backward beside them;
-- backward: for full fine-tuning, the decoder embedding's gradient being added to the
-  lm_head's (one tied table, three vocab x d_model tensors live) while the encoder's saved
-  tensors still wait for their backward; for LoRA the lm_head's input gradient;
+- backward: the lm_head's input gradient beside the logits' (with, under full fine-tuning,
+  its weight gradient), or for full fine-tuning the decoder embedding's gradient being added
+  to the lm_head's (one tied table, three vocab x d_model tensors live) while the encoder's
+  saved tensors still wait for their backward, whichever holds more;
 - the optimizer step: weights, gradients, states and the update's temporaries.
 
 transformers 5 ties the lm_head to the shared embedding for T5 and mT5 whatever the config
