@@ -38,6 +38,7 @@ from service.core.units import DType
 _OPTION_FOR_FIELD = {
     "batch_size": "--batch-size",
     "seq_len": "--seq-len",
+    "target_length": "--target-length",
     "gradient_accumulation_steps": "--gradient-accumulation-steps",
     "max_grad_norm": "--max-grad-norm",
     "lora": "--r/--target-modules",
@@ -125,6 +126,12 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         type=int,
         help="classes of an encoder's (BERT) sequence-classification head (default: the "
         "model's, 2)",
+    )
+    train.add_argument(
+        "--target-length",
+        type=int,
+        help="an encoder-decoder's (T5) decoder tokens, the labels' length; --seq-len is then "
+        "the source's (default: as long as --seq-len)",
     )
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     train.add_argument(
@@ -235,6 +242,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "loss": args.loss,
             "framework": args.framework,
             "num_labels": getattr(args, "num_labels", None),
+            "target_length": getattr(args, "target_length", None),
             "stack": _stack_value(getattr(args, "stack", None)),
             "parallel": _given(
                 {

@@ -125,6 +125,13 @@ class ModelArch:
     # Every n-th layer attends globally, the others within `sliding_window` (Gemma-3's
     # sliding_window_pattern, transformers' layer_types); 0 when every layer is alike.
     global_layer_period: int = 0
+    # Encoder-decoders (T5, mT5): `linears` and `num_hidden_layers` are the encoder's blocks,
+    # these the decoder's (self-attention, cross-attention over the encoder's output, the
+    # feed-forward); each stack's first block holds a relative-position bias table
+    # (relative_attention_num_buckets x heads), and each stack ends in a final RMSNorm.
+    decoder_layers: int = 0
+    decoder_linears: tuple[Linear, ...] = ()
+    relative_attention_num_buckets: int = 0
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -136,6 +143,11 @@ class ModelArch:
 
     def __hash__(self) -> int:
         return self._hash
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """A sequence-to-sequence model (T5): an encoder stack and a decoder stack."""
+        return self.decoder_layers > 0
 
     @property
     def global_layers(self) -> int:
@@ -201,7 +213,23 @@ class ModelArch:
     def layers_params(self) -> int:
         """All decoder layers' parameters."""
         sparse = self.num_hidden_layers - self.dense_layers
-        return sparse * self.layer_params + self.dense_layers * self.dense_layer_params
+        encoder = sparse * self.layer_params + self.dense_layers * self.dense_layer_params
+        return encoder + self.decoder_layers * self.decoder_layer_params + self.position_bias_params
+
+    @property
+    def decoder_layer_params(self) -> int:
+        """One decoder block of an encoder-decoder: its linears and three RMSNorms (before
+        self-attention, cross-attention and the feed-forward)."""
+        if not self.encoder_decoder:
+            return 0
+        return sum(lin.params for lin in self.decoder_linears) + 3 * self.norm_params
+
+    @property
+    def position_bias_params(self) -> int:
+        """An encoder-decoder's relative attention bias tables, one per stack."""
+        if not self.encoder_decoder:
+            return 0
+        return 2 * self.relative_attention_num_buckets * self.num_attention_heads
 
     @property
     def embedding_params(self) -> int:
@@ -235,7 +263,7 @@ class ModelArch:
         return (
             self.embedding_params
             + self.layers_params
-            + self.norm_params * (2 if self.embedding_norm else 1)
+            + self.norm_params * (2 if self.embedding_norm or self.encoder_decoder else 1)
             + self.lm_head_params
         )
 

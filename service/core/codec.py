@@ -69,11 +69,12 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     """The spec as plain JSON values, every field included, in the spec's field order; the
-    encoder-only `num_labels` only when set."""
+    encoder-only `num_labels` and the encoder-decoder `target_length` only when set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
-    if plain.get("num_labels") is None:
-        plain.pop("num_labels", None)
+    for optional in ("num_labels", "target_length"):
+        if plain.get(optional) is None:
+            plain.pop(optional, None)
     return plain
 
 
@@ -354,5 +355,6 @@ _TRAINING: dict[str, Check] = {
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),
+    "target_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
     "stack": _stack,
 }

@@ -15,57 +15,8 @@ from service.core.architecture import (
     NormKind,
 )
 from service.core.errors import InvalidConfigError
-
-
-def _linear(
-    name: str, kind: LinearKind, in_features: int, out_features: int, *, bias: bool = False
-) -> Linear:
-    """One nn.Linear of a layer, as the parsers below list them."""
-    return Linear(
-        name=name, in_features=in_features, out_features=out_features, bias=bias, kind=kind
-    )
-
-
-class _Config:
-    """Typed reads of a config.json mapping, naming the field on error."""
-
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        self.raw = raw
-
-    def integer(self, *names: str, default: int | None = None) -> int:
-        for name in names:
-            value = self.raw.get(name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidConfigError(name, f"must be a non-negative integer, got {value!r}")
-            return value
-        if default is None:
-            raise InvalidConfigError(names[0], "is required")
-        return default
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw.get(name, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise InvalidConfigError(name, f"must be true or false, got {value!r}")
-        return value
-
-    def string(self, name: str, default: str) -> str:
-        value = self.raw.get(name, default)
-        if not isinstance(value, str):
-            raise InvalidConfigError(name, f"must be a string, got {value!r}")
-        return value
-
-    def float_or_none(self, name: str) -> float | None:
-        value = self.raw.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidConfigError(name, f"must be a number, got {value!r}")
-        return float(value)
-
+from service.core.hf_t5 import T5_TIE_WORD_EMBEDDINGS, _t5
+from service.core.hf_values import _Config, _dropout, _linear
 
 # model_type -> tie_word_embeddings when the config omits it (each transformers
 # configuration_<model>.py default).
@@ -75,6 +26,8 @@ _TIE_DEFAULT = {
     "gemma3_text": True,
     "falcon": True,
     "bloom": True,
+    "t5": T5_TIE_WORD_EMBEDDINGS,
+    "mt5": T5_TIE_WORD_EMBEDDINGS,
 }
 
 # Model types whose layout is the Llama one (q/k/v/o, gate/up/down, RMSNorm, pre-norm).
@@ -96,6 +49,8 @@ _LLAMA_LIKE = {
 
 # Encoder model types, run as transformers' <Model>ForSequenceClassification.
 ENCODER_MODEL_TYPES = frozenset({"bert"})
+# Encoder-decoder model types, run as transformers' <Model>ForConditionalGeneration.
+ENCODER_DECODER_MODEL_TYPES = frozenset({"t5", "mt5"})
 # Multi-head latent attention and DeepSeekMoE (transformers' deepseek_v2 and deepseek_v3).
 _DEEPSEEK = {"deepseek_v2", "deepseek_v3"}
 
@@ -104,6 +59,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
     | _DEEPSEEK
     | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm", "falcon", "bloom"}
     | ENCODER_MODEL_TYPES
+    | ENCODER_DECODER_MODEL_TYPES
 )
 
 
@@ -137,6 +93,8 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
         "falcon": _falcon,
         "bloom": _bloom,
         "bert": _bert,
+        "t5": _t5,
+        "mt5": _t5,
     }
     return builders[model_type](c, model_type)
 
@@ -563,15 +521,6 @@ DEFAULT_NUM_LABELS = 2
 # transformers' BertConfig defaults (models/bert/configuration_bert.py).
 BERT_DROPOUT = 0.1
 BERT_TYPE_VOCAB_SIZE = 2
-
-
-def _dropout(c: _Config, name: str, default: float) -> float:
-    value = c.float_or_none(name)
-    if value is None:
-        return default
-    if not 0.0 <= value < 1.0:
-        raise InvalidConfigError(name, f"must be in [0, 1), got {value!r}")
-    return value
 
 
 def _bert(c: _Config, model_type: str) -> ModelArch:

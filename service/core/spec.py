@@ -306,11 +306,17 @@ class TrainingSpec:
     # Classes of an encoder's sequence-classification head (config.num_labels); None: the
     # model's (transformers' PreTrainedConfig default, 2). Decoders take none.
     num_labels: int | None = None
+    # An encoder-decoder's (T5) target length: the decoder's tokens, the labels' length;
+    # seq_len is the encoder's (the source's). None: as long as the source. Decoder-only and
+    # encoder-only models take none.
+    target_length: int | None = None
     stack: Stack = PINNED_STACK  # the library versions the job runs on
 
     def __post_init__(self) -> None:
         if self.num_labels is not None and self.num_labels < 1:
             raise InvalidSpecError("num_labels", "must be at least 1")
+        if self.target_length is not None and self.target_length < 1:
+            raise InvalidSpecError("target_length", "must be at least 1")
         if self.batch_size < 1:
             raise InvalidSpecError("batch_size", "must be at least 1")
         if self.seq_len < 1:

@@ -19,7 +19,7 @@ from typing import Any
 import bitsandbytes as bnb
 import torch
 
-from service.core.hf_config import ENCODER_MODEL_TYPES
+from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 from service.core.result import Component
 from service.core.spec import ALL_LINEAR, Method, QuantType, ResolvedSpec
 from service.core.units import DType
@@ -59,10 +59,21 @@ def is_encoder(config: Mapping[str, Any]) -> bool:
     return config.get("model_type") in ENCODER_MODEL_TYPES
 
 
+def is_encoder_decoder(config: Mapping[str, Any]) -> bool:
+    """Whether the model runs as a sequence-to-sequence LM (an encoder-decoder such as T5)."""
+    return config.get("model_type") in ENCODER_DECODER_MODEL_TYPES
+
+
 def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> BuiltModel:
     """The training model of `resolved`, every tensor on the meta device: a causal LM, or for
-    an encoder its sequence classifier with the spec's `num_labels`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    an encoder its sequence classifier with the spec's `num_labels`, or an encoder-decoder's
+    conditional-generation model."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+    )
 
     spec = resolved.spec
     dtype = TORCH_DTYPES[spec.dtype]
@@ -78,7 +89,11 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     if attn == "flash_attention_2":
         attn = "sdpa"  # same saved tensors through SDPA's flash op; flash_attn is not needed
     hf_config._attn_implementation = attn
-    auto = AutoModelForSequenceClassification if encoder else AutoModelForCausalLM
+    auto: Any = AutoModelForCausalLM
+    if encoder:
+        auto = AutoModelForSequenceClassification
+    elif model_type in ENCODER_DECODER_MODEL_TYPES:
+        auto = AutoModelForSeq2SeqLM
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = auto.from_config(hf_config, dtype=dtype)
@@ -104,6 +119,8 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     encoder = getattr(getattr(model, "bert", None), "encoder", None)
     if encoder is not None:
         return encoder.layer
+    if getattr(model.config, "model_type", "") in ENCODER_DECODER_MODEL_TYPES:
+        return model.get_decoder().block  # type: ignore[no-any-return]
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(inner, "layers", None)
     if layers is None:  # Falcon's and BLOOM's stack is `h`
@@ -192,9 +209,7 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         use_rslora=lora.use_rslora,
         # An encoder's classifier: PEFT's sequence-classification task trains the classifier
         # whole beside the adapters (PeftModelForSequenceClassification: modules_to_save).
-        task_type="SEQ_CLS"
-        if getattr(model.config, "model_type", "") in ENCODER_MODEL_TYPES
-        else "CAUSAL_LM",
+        task_type=_task_type(getattr(model.config, "model_type", "")),
     )
     spec = resolved.spec
     if spec.method is Method.LORA and spec.gradient_checkpointing:
@@ -212,6 +227,16 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         # HF Trainer does this for PEFT models so checkpointed layers get an input needing grad.
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def _task_type(model_type: str) -> str:
+    """PEFT's task for the model: an encoder-decoder's SEQ_2_SEQ_LM
+    (PeftModelForSeq2SeqLM) adds no trained module of its own."""
+    if model_type in ENCODER_MODEL_TYPES:
+        return "SEQ_CLS"
+    if model_type in ENCODER_DECODER_MODEL_TYPES:
+        return "SEQ_2_SEQ_LM"
+    return "CAUSAL_LM"
 
 
 @contextlib.contextmanager

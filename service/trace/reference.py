@@ -177,6 +177,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         if not quant.prepare_kbit:
             parts.append("no-kbit-prep")
     parts.append(f"b{spec.batch_size}-s{spec.seq_len}")
+    if spec.target_length is not None:
+        parts.append(f"t{spec.target_length}")
     if spec.gradient_checkpointing:
         parts.append("ckpt")
     if spec.attn_implementation is not AttnImpl.SDPA:
@@ -240,6 +242,9 @@ DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
 PHI_2 = "microsoft/phi-2"
 GEMMA_3 = "google/gemma-3-1b-pt"
 QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
+T5_SMALL = "google/t5-v1_1-small"
+T0_3B = "bigscience/T0_3B"
+MT0_XXL = "bigscience/mt0-xxl"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -529,6 +534,7 @@ def matrix() -> list[Case]:
                     )
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
+    cases.extend(_t5_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32
@@ -551,6 +557,99 @@ def matrix() -> list[Case]:
         _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
     )
     return [Case(model_id=m, spec=s) for m, s in cases]
+
+
+def _t5_cases() -> list[tuple[str, TrainingSpec]]:
+    """Encoder-decoders (T5 v1.1, eager attention with the relative position bias, dropout
+    0.1 everywhere): full and LoRA (PEFT's default q and v, r 8, dropout 0.1, as PEFT's
+    seq2seq examples) in fp32 with torch AdamW, and bf16; T0-3B as the published runs."""
+    lora, full = Method.LORA, Method.FULL
+    fp32, eager = DType.FP32, AttnImpl.EAGER
+    adamw = Optim.ADAMW_TORCH
+    peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
+    all_linear = _lora(r=16, lora_dropout=0.1)
+    # SDPA (transformers' default): the mem-efficient kernel with the bias as its mask
+    sdpa = [
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
+        (T5_SMALL, _spec(full, 4, 128, target_length=32)),
+        (T5_SMALL, _spec(lora, 4, 128, target_length=32, lora=_lora(r=8, targets=None))),
+        (T0_3B, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+        # mT5 (MT5ForConditionalGeneration, a 250k vocabulary): mt0-xxl as PEFT's README ran it
+        (MT0_XXL, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+    ]
+    return [
+        *sdpa,
+        (
+            T5_SMALL,
+            _spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),
+        ),
+        (T5_SMALL, _spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager)),
+        (T5_SMALL, _spec(full, 4, 64, target_length=256)),  # a target longer than the source
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, gradient_accumulation_steps=2)),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                4,
+                128,
+                target_length=32,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=_lora(r=16),
+            ),
+        ),
+        (
+            T5_SMALL,
+            _spec(
+                full, 4, 128, target_length=32, dtype=fp32, attn_implementation=eager, optim=adamw
+            ),
+        ),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                8,
+                128,
+                target_length=4,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=peft_lora,
+            ),
+        ),
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, attn_implementation=eager)),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                4,
+                128,
+                target_length=32,
+                attn_implementation=eager,
+                lora=_lora(r=8, targets=None),
+            ),
+        ),
+        (
+            T0_3B,
+            _spec(
+                lora,
+                8,
+                128,
+                target_length=4,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=peft_lora,
+            ),
+        ),
+        (
+            T0_3B,
+            _spec(
+                full, 8, 128, target_length=4, dtype=fp32, attn_implementation=eager, optim=adamw
+            ),
+        ),
+    ]
 
 
 def _dora_cases() -> list[tuple[str, TrainingSpec]]:

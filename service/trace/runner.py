@@ -421,7 +421,9 @@ def _run_steps(
     with tracker.labelling(Component.INPUTS):
         input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
         # a sequence classifier's labels are one class id per sequence
-        label_shape = (spec.batch_size,) if classes else (spec.batch_size, spec.seq_len)
+        # (an encoder-decoder's are the target's tokens, which the decoder reads shifted)
+        target = spec.target_length or spec.seq_len
+        label_shape = (spec.batch_size,) if classes else (spec.batch_size, target)
         labels = torch.zeros(label_shape, dtype=torch.long)
         logged = torch.zeros(())  # Trainer's tr_loss
     for step in range(1, STEPS + 1):

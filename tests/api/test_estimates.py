@@ -217,6 +217,38 @@ def test_an_encoder_job_takes_num_labels(client: TestClient) -> None:
     assert many.json()["params"]["total"] > two.json()["params"]["total"]
 
 
+def test_an_encoder_decoder_job_takes_target_length(client: TestClient) -> None:
+    job = {
+        "model": "bigscience/T0_3B",
+        "method": "lora",
+        "batch_size": 8,
+        "seq_len": 128,
+        "dtype": "fp32",
+        "optim": "adamw_torch",
+        "attn_implementation": "eager",
+    }
+    short = client.post("/v1/estimates", json={**job, "target_length": 4})
+    same = client.post("/v1/estimates", json=job)
+    assert short.status_code == same.status_code == 200, short.text
+    assert short.json()["peak"]["allocated_bytes"] < same.json()["peak"]["allocated_bytes"]
+
+
+def test_target_length_on_a_decoder_is_422(client: TestClient) -> None:
+    body = _problem(client.post("/v1/estimates", json={**SMALL_JOB, "target_length": 3}), 422)
+    assert body["errors"][0]["loc"] == ["body", "target_length"]
+    assert "encoder-decoder" in body["errors"][0]["detail"]
+
+
+def test_an_encoder_decoder_with_flash_attention_is_422_naming_the_field(
+    client: TestClient,
+) -> None:
+    job = {"model": "bigscience/T0_3B", "batch_size": 8, "seq_len": 128, "target_length": 4}
+    assert client.post("/v1/estimates", json=job).status_code == 200
+    flash = {**job, "attn_implementation": "flash_attention_2"}
+    body = _problem(client.post("/v1/estimates", json=flash), 422)
+    assert body["errors"][0]["loc"] == ["body", "attn_implementation"]
+
+
 def test_num_labels_on_a_decoder_is_422(client: TestClient) -> None:
     body = _problem(client.post("/v1/estimates", json={**SMALL_JOB, "num_labels": 3}), 422)
     assert body["errors"][0]["loc"] == ["body", "num_labels"]

@@ -270,7 +270,7 @@ def test_loads_a_directory(tmp_path: Path) -> None:
         ("acme--tiny.json", {**_doc(), "published_params": True}, "published_params"),
         ("acme--tiny.json", {**_doc(), "aliases": [1]}, "aliases"),
         ("acme--wrong.json", _doc(), "belongs in acme--tiny.json"),
-        ("acme--tiny.json", {**_doc(), "config": {"model_type": "t5"}}, "model_type"),
+        ("acme--tiny.json", {**_doc(), "config": {"model_type": "whisper"}}, "model_type"),
         ("tiny.json", _doc("tiny"), "'<org>/<name>'"),
     ],
 )

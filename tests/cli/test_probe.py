@@ -471,3 +471,39 @@ def test_measure_runs_an_encoder_with_class_labels() -> None:
     record = probe.measure(case, TINY_CONFIGS["tiny-bert"], base_used=GIB, readings=readings)
     assert "error" not in record, record.get("trace")
     assert (record["max_allocated"], record["max_reserved"]) == (3 * GIB, 4 * GIB)
+
+
+def test_measure_runs_an_encoder_decoder_with_target_labels() -> None:
+    tiny_t5 = {
+        "model_type": "t5",
+        "d_model": 32,
+        "d_kv": 16,
+        "d_ff": 64,
+        "num_heads": 2,
+        "num_layers": 1,
+        "vocab_size": 64,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+    }
+    spec = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=16, target_length=4)
+    case = ProbeCase(name="tiny-t5-full", model_id="tiny-t5", spec=spec)
+    readings = FakeGpu(steps=[(3 * GIB, 4 * GIB)], end_used=5 * GIB)
+    record = probe.measure(case, tiny_t5, base_used=GIB, readings=readings)
+    assert "error" not in record, record.get("trace")
+    assert (record["max_allocated"], record["max_reserved"]) == (3 * GIB, 4 * GIB)
+
+
+def test_an_encoder_decoder_probe_trains_on_target_length_labels() -> None:
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from service.trace.probe.steps import _labels
+
+    model = SimpleNamespace(config=SimpleNamespace(model_type="t5"))
+    ids = torch.arange(32).reshape(2, 16)
+    spec = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=16, target_length=4)
+    assert tuple(_labels(model, ids, spec).shape) == (2, 4)
+    no_target = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=16)
+    assert tuple(_labels(model, ids, no_target).shape) == (2, 16)

@@ -33,6 +33,12 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.03,
         "FSDP1 LoRA, untied LM head: the recomputed layer's moment is over-counted",
     ),
+    # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
+    # their reserved level is reported at the allocated one (an under-estimate).
+    **{
+        path.stem: (0.13, "T5's reserved level is not modelled: reported at the allocated level")
+        for path in TRACES.glob("t[05]*.json")
+    },
 }
 MEDIAN_TOLERANCE = 0.003  # median over all references
 COMPONENT_TOLERANCE = 0.02  # each component, or within COMPONENT_SLACK_BYTES

@@ -29,6 +29,7 @@ RETRACED = (
     "qwen2_5-0_5b__lora__r16-all-linear__b1-s128__ckpt__autocast",
     "bloom-560m__lora__r8-default__b4-s512__eager",
     "bert-base-uncased__lora__r8-default__b4-s512",
+    "t5-v1_1-small__lora__r8-default__b4-s128__t32__eager",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these

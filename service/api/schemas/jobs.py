@@ -524,7 +524,9 @@ class JobSpec(In):
     """A fine-tuning job; everything but model, batch_size and seq_len defaults to what
     HF Trainer + PEFT do."""
 
-    integer_fields = integers("batch_size", "seq_len", "gradient_accumulation_steps", "num_labels")
+    integer_fields = integers(
+        "batch_size", "seq_len", "gradient_accumulation_steps", "num_labels", "target_length"
+    )
 
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
@@ -578,6 +580,14 @@ class JobSpec(In):
         description="Classes of an encoder's sequence-classification head (BERT); null: the "
         "model's, 2 by default. Encoder models only.",
     )
+    target_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SEQ_LEN,
+        description="An encoder-decoder's (T5) target length: the decoder's tokens (the "
+        "labels); seq_len is then the encoder's (the source's). null: as long as seq_len. "
+        "Encoder-decoder models only.",
+    )
     gpu: GpuField | None = Field(
         default=None,
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
@@ -618,5 +628,6 @@ class JobSpec(In):
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
             num_labels=self.num_labels,
+            target_length=self.target_length,
             stack=self.stack.to_spec(),
         )

@@ -9,6 +9,7 @@ from service.core.device import device_row
 from service.core.errors import InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.plan import _Plan
+from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _step
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.overhead import AboveAllocated, levels
@@ -28,6 +29,10 @@ def estimate(
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
     if _is_encoder(arch, spec):
+        if arch.encoder_decoder:
+            return seq2seq_estimate(
+                arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
+            )
         return encoder_estimate(
             arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
         )
@@ -68,6 +73,8 @@ def peak_levels(
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
     if _is_encoder(arch, spec):
+        if arch.encoder_decoder:
+            return seq2seq_peak_levels(arch, spec, compute_capability=compute_capability)
         return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
     step = _step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))
@@ -76,7 +83,16 @@ def peak_levels(
 
 
 def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
-    """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder."""
+    """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder, and
+    `target_length` on any model but an encoder-decoder."""
+    if arch.encoder_decoder:
+        return True  # its own step (estimator/seq2seq.py)
+    if spec.target_length is not None:
+        raise InvalidSpecError(
+            "target_length",
+            f"only encoder-decoder models (T5) have a target apart from the input; "
+            f"{arch.model_type!r} reads one sequence of seq_len tokens",
+        )
     if arch.encoder:
         return True
     if spec.num_labels is not None:

@@ -55,6 +55,8 @@ def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
         "falcon": ("query_key_value",),
         "bloom": ("query_key_value",),
         "bert": ("query", "value"),
+        "t5": ("q", "v"),
+        "mt5": ("q", "v"),
     }
     if arch.model_type not in defaults:
         raise InvalidSpecError(

@@ -56,12 +56,17 @@ def build_on_device(spec: TrainingSpec, config: Mapping[str, Any], device: str) 
     return built
 
 
-def _labels(model: Any, ids: Any) -> Any:
+def _labels(model: Any, ids: Any, spec: TrainingSpec) -> Any:
     """A causal LM's labels are its input ids; a sequence classifier's (an encoder's) one
-    class id per sequence (a single row when `ids` is one sequence)."""
-    from service.core.hf_config import ENCODER_MODEL_TYPES
+    class id per sequence (a single row when `ids` is one sequence); an encoder-decoder's
+    `target_length` token ids (the first input id repeated)."""
+    from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 
-    if getattr(model.config, "model_type", "") not in ENCODER_MODEL_TYPES:
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in ENCODER_DECODER_MODEL_TYPES:
+        target = spec.target_length or spec.seq_len
+        return ids[..., :1].expand(*ids.shape[:-1], target).clone()
+    if model_type not in ENCODER_MODEL_TYPES:
         return ids.clone()
     return ids[..., 0] % max(1, int(model.config.num_labels))
 
@@ -133,7 +138,7 @@ def run_loop(
     vocab = int(model.config.vocab_size)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (spec.batch_size, spec.seq_len), device=device)
-    labels = _labels(model, ids)
+    labels = _labels(model, ids, spec)
     readings.synchronize()
     record["before_steps_allocated"] = readings.allocated()
     steps = []
@@ -215,7 +220,7 @@ def run_trainer(
     generator = torch.Generator().manual_seed(0)
     rows = STEPS * b * spec.gradient_accumulation_steps
     data = [
-        {"input_ids": ids, "labels": _labels(model, ids)}
+        {"input_ids": ids, "labels": _labels(model, ids, spec)}
         for ids in torch.randint(0, vocab, (rows, s), generator=generator)
     ]
     base = _base_model(model)

@@ -146,6 +146,8 @@ class Job(_Request):
     parallel: Parallel | None = None
     # An encoder's (BERT) sequence-classification classes; refused for decoder LMs.
     num_labels: int | None = Field(default=None, ge=1)
+    # An encoder-decoder's (T5) decoder tokens; seq_len is then the source's.
+    target_length: int | None = Field(default=None, ge=1)
     gpu: str | GpuRef | None = None
     # A preset ('hf-5.24', 'hf-4.48', 'hf-4.16') or the versions.
     stack: str | Stack | None = None
