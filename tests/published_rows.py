@@ -9,6 +9,7 @@ from pathlib import Path
 
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
     AttnImpl,
     Framework,
     LoraSpec,
@@ -20,9 +21,12 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
+# PEFT's methods besides LoRA, by the rows' method names (the spec's Method values)
+PEFT_METHODS = ("ia3", "ln-tuning")
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
 
 # measure_kind -> the estimate level it is compared with; "unknown" figures come from
@@ -164,7 +168,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
         for raw in csv.DictReader(fh):
             rid = raw["id"]
             method_text = raw["method"].strip()
-            if method_text not in ("lora", "qlora", "full", "dora"):
+            if method_text not in ("lora", "qlora", "full", "dora", *PEFT_METHODS):
                 skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
                 continue
             if raw["is_estimate"] == "yes" and not raw["batch_size"]:
@@ -185,7 +189,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
             dora = method_text == "dora"
             method = Method.LORA if dora else Method(method_text)
             lora = None
-            if method is not Method.FULL:
+            if method in LORA_METHODS:
                 lora = LoraSpec(
                     r=int(raw["lora_r"] or 8),
                     lora_alpha=int(raw["lora_alpha"] or 16),
@@ -208,6 +212,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     seq_len=int(seq_text),
                     lora=lora,
                     quantization=quant,
+                    # PEFT's defaults, as the rows' target columns spell them out
+                    ia3=IA3Spec() if method is Method.IA3 else None,
+                    ln_tuning=LnTuningSpec() if method is Method.LN_TUNING else None,
                     dtype=dtype,
                     autocast=autocast,
                     optim=_optim(raw["optimizer"], raw["framework"]),

@@ -38,6 +38,7 @@ from service.core.limits import (
 )
 from service.core.spec import (
     ALL_LINEAR,
+    METHOD_OPTIONS,
     SAVABLE_MODULES,
     AttnImpl,
     Framework,
@@ -55,6 +56,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
@@ -69,11 +71,12 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     """The spec as plain JSON values, every field included, in the spec's field order; the
-    encoder-only `num_labels` only when set."""
+    encoder-only `num_labels` and the options of PEFT's methods besides LoRA only when set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
-    if plain.get("num_labels") is None:
-        plain.pop("num_labels", None)
+    for name in ("num_labels", *METHOD_OPTIONS.values()):
+        if plain.get(name) is None:
+            plain.pop(name, None)
     return plain
 
 
@@ -273,6 +276,13 @@ _LORA: dict[str, Check] = {
     "use_dora": _boolean,
     "use_rslora": _boolean,
 }
+_IA3: dict[str, Check] = {
+    "target_modules": _optional(_module_names(min_length=1)),
+    "feedforward_modules": _optional(_module_names(min_length=0)),
+}
+_LN_TUNING: dict[str, Check] = {
+    "target_modules": _optional(_module_names(min_length=1)),
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -341,6 +351,8 @@ _TRAINING: dict[str, Check] = {
     "seq_len": _integer(ge=1, le=MAX_SEQ_LEN),
     "lora": _optional(_object(LoraSpec, _LORA)),
     "quantization": _optional(_object(QuantSpec, _QUANTIZATION)),
+    "ia3": _optional(_object(IA3Spec, _IA3)),
+    "ln_tuning": _optional(_object(LnTuningSpec, _LN_TUNING)),
     "dtype": _choice(DType),
     "autocast": _boolean,
     "optim": _choice(Optim),

@@ -84,6 +84,10 @@ class ReservedPlan:
     autocast: bool = False  # HF Trainer's mixed precision
     clip: bool = False  # gradients clipped to max_grad_norm
     accumulation: int = 1  # micro-batches per optimizer step
+    # (IA)^3's scaled linears (output, input) and LN tuning's trained norms
+    ia3_out: frozenset[str] = frozenset()
+    ia3_in: frozenset[str] = frozenset()
+    trained_norms: frozenset[str] = frozenset()
     dora: bool = False  # PEFT's DoRA variant on the adapted linears
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
@@ -144,6 +148,8 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         and plan.quant_type is not QuantType.INT8
         and not lin.expert,
         bias=lin.bias,
+        scales_output=lin.name in plan.ia3_out,
+        scales_input=lin.name in plan.ia3_in,
     )
 
 
@@ -248,6 +254,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         checkpointing=plan.checkpointing,
         input_grad=plan.checkpointing or plan.embed_trainable or plan.method is Method.FULL,
         norm_trainable=plan.method is Method.FULL,
+        trained_norms=plan.trained_norms,
         loss_upcast=plan.loss is LossImpl.HF,
         loss_materialised=plan.loss in (LossImpl.HF, LossImpl.PLAIN),
         head_bytes=HALF_BYTES if plan.autocast else plan.head_bytes,

@@ -21,7 +21,7 @@ import torch
 
 from service.core.hf_config import ENCODER_MODEL_TYPES
 from service.core.result import Component
-from service.core.spec import ALL_LINEAR, Method, QuantType, ResolvedSpec
+from service.core.spec import ALL_LINEAR, LORA_METHODS, Method, QuantType, ResolvedSpec
 from service.core.units import DType
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
@@ -90,8 +90,10 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     if spec.method is Method.FULL:
         if spec.gradient_checkpointing:
             _enable_checkpointing(model)
-    else:
+    elif spec.method in LORA_METHODS:
         model = _apply_lora(model, resolved)
+    else:
+        model = _apply_peft_method(model, resolved)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return BuiltModel(
         model=model,
@@ -210,6 +212,42 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
                 param.data = param.data.to(adapter_dtype)
     if spec.gradient_checkpointing:
         # HF Trainer does this for PEFT models so checkpointed layers get an input needing grad.
+        peft_model.enable_input_require_grads()
+    return peft_model
+
+
+def _peft_method_config(resolved: ResolvedSpec) -> Any:
+    """PEFT's config of a method other than LoRA; fields left None take PEFT's defaults for
+    the model, as PEFT resolves them in get_peft_model."""
+    from peft import IA3Config, LNTuningConfig
+
+    def names(value: tuple[str, ...] | None) -> list[str] | None:
+        return None if value is None else list(value)
+
+    if resolved.ia3 is not None:
+        return IA3Config(
+            target_modules=names(resolved.ia3.target_modules),
+            feedforward_modules=names(resolved.ia3.feedforward_modules),
+            task_type="CAUSAL_LM",
+        )
+    if resolved.ln_tuning is not None:
+        return LNTuningConfig(
+            target_modules=names(resolved.ln_tuning.target_modules), task_type="CAUSAL_LM"
+        )
+    raise ValueError(f"method {resolved.spec.method!r} has no PEFT config")
+
+
+def _apply_peft_method(model: Any, resolved: ResolvedSpec) -> Any:
+    """get_peft_model with (IA)^3 or LN tuning, as PEFT's method_comparison trains them."""
+    from peft import get_peft_model
+
+    config = _peft_method_config(resolved)
+    if resolved.spec.gradient_checkpointing:
+        _enable_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, config)
+    if resolved.spec.gradient_checkpointing:
         peft_model.enable_input_require_grads()
     return peft_model
 

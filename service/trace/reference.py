@@ -20,6 +20,7 @@ from typing import Any
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
     AttnImpl,
     FsdpBackwardPrefetch,
     FsdpSharding,
@@ -35,6 +36,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec
 from service.core.units import DType
 
 if typing.TYPE_CHECKING:  # the JSON helpers need no torch
@@ -171,6 +173,11 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("dora")
         if lora.use_rslora:
             parts.append("rslora")
+    for options in (spec.ia3, spec.ln_tuning):
+        if options is not None and options.target_modules is not None:
+            parts.append("+".join(options.target_modules))
+    if spec.ia3 is not None and spec.ia3.feedforward_modules is not None:
+        parts.append("ff-" + "+".join(spec.ia3.feedforward_modules))
     quant = spec.quantization
     if quant is not None:
         parts.append(quant.type.value + ("-dq" if quant.double_quant else ""))
@@ -265,7 +272,7 @@ def _qlora(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) 
 
 
 def _spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) -> TrainingSpec:
-    if method is not Method.FULL and "lora" not in kwargs:
+    if method in LORA_METHODS and "lora" not in kwargs:
         kwargs["lora"] = _lora()
     if method is Method.QLORA and "quantization" not in kwargs:
         kwargs["quantization"] = _qlora()
@@ -529,6 +536,7 @@ def matrix() -> list[Case]:
                     )
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
+    cases.extend(_tuner_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32
@@ -566,6 +574,32 @@ def _dora_cases() -> list[tuple[str, TrainingSpec]]:
         # With dropout PEFT runs the base linear again on the dropped-out input.
         (QWEN_05B, _spec(lora, 2, 512, lora=_lora(use_dora=True, lora_dropout=0.1))),
         (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
+    ]
+
+
+def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
+    """PEFT's (IA)^3 and LN tuning with their defaults, with and without checkpointing, on
+    Qwen2.5-0.5B and Llama-3.2-1B (whose defaults differ: q_proj or k_proj scaled, one norm
+    or every norm trained), and with targets named."""
+    ia3, ln = Method.IA3, Method.LN_TUNING
+    every_norm = LnTuningSpec(
+        target_modules=("input_layernorm", "post_attention_layernorm", "norm")
+    )
+    named_ia3 = IA3Spec(
+        target_modules=("q_proj", "k_proj", "v_proj", "up_proj", "down_proj"),
+        feedforward_modules=("up_proj", "down_proj"),
+    )
+    return [
+        (QWEN_05B, _spec(ia3, 2, 512)),
+        (QWEN_05B, _spec(ia3, 2, 512, ckpt=True)),
+        (QWEN_05B, _spec(ia3, 2, 512, ia3=named_ia3)),
+        (QWEN_05B, _spec(ln, 2, 512)),
+        (QWEN_05B, _spec(ln, 1, 1024, ckpt=True)),
+        (QWEN_05B, _spec(ln, 2, 512, ln_tuning=every_norm)),
+        (LLAMA_1B, _spec(ia3, 1, 1024)),
+        (LLAMA_1B, _spec(ia3, 2, 256, ckpt=True)),
+        (LLAMA_1B, _spec(ln, 1, 1024)),
+        (LLAMA_1B, _spec(ln, 2, 512, ckpt=True)),
     ]
 
 

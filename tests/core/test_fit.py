@@ -25,7 +25,15 @@ from service.core.fit import (
     part_threshold,
     usable_bytes,
 )
-from service.core.spec import LoraSpec, Method, Optim, ParallelSpec, Strategy, TrainingSpec
+from service.core.spec import (
+    LORA_METHODS,
+    LoraSpec,
+    Method,
+    Optim,
+    ParallelSpec,
+    Strategy,
+    TrainingSpec,
+)
 from service.core.units import GIB, MIB
 
 BASE = TrainingSpec(batch_size=4, seq_len=64)
@@ -407,7 +415,7 @@ def test_every_part_of_a_suggestion_is_needed_or_saves_more_than_the_threshold(
 ) -> None:
     lora = (
         LoraSpec(r=16, target_modules="all-linear" if all_linear else None)
-        if method is not Method.FULL
+        if method in LORA_METHODS
         else None
     )
     job = TrainingSpec(

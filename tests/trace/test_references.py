@@ -29,6 +29,7 @@ RETRACED = (
     "qwen2_5-0_5b__lora__r16-all-linear__b1-s128__ckpt__autocast",
     "bloom-560m__lora__r8-default__b4-s512__eager",
     "bert-base-uncased__lora__r8-default__b4-s512",
+    "qwen2_5-0_5b__ia3__b2-s512__ckpt",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these
@@ -54,7 +55,7 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
     cases = matrix()
     assert len({c.model_id for c in cases}) >= 6
     specs = [c.spec for c in cases]
-    assert {s.method.value for s in specs} == {"full", "lora", "qlora"}
+    assert {s.method.value for s in specs} == {"full", "lora", "qlora", "ia3", "ln-tuning"}
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}
     assert {s.dtype for s in specs if s.autocast} >= {DType.BF16, DType.FP16, DType.FP32}

@@ -61,6 +61,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec
 from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
@@ -150,6 +151,43 @@ class LoraIn(In):
             use_dora=self.use_dora,
             use_rslora=self.use_rslora,
         )
+
+
+def _names(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+class IA3In(In):
+    """PEFT IA3Config; the defaults are PEFT's."""
+
+    target_modules: ModuleList | None = Field(
+        default=None,
+        description="Linears that get a scaling vector; null: PEFT's default for the model.",
+    )
+    feedforward_modules: list[ModuleName] | None = Field(
+        default=None,
+        max_length=MAX_MODULES,
+        description="Targets whose input is scaled instead of their output; null: PEFT's "
+        "default for the model, [] none.",
+    )
+
+    def to_spec(self) -> IA3Spec:
+        return IA3Spec(
+            target_modules=_names(self.target_modules),
+            feedforward_modules=_names(self.feedforward_modules),
+        )
+
+
+class LnTuningIn(In):
+    """PEFT LNTuningConfig; the defaults are PEFT's."""
+
+    target_modules: ModuleList | None = Field(
+        default=None,
+        description="Norm layers trained (as copies); null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LnTuningSpec:
+        return LnTuningSpec(target_modules=_names(self.target_modules))
 
 
 class QuantizationIn(In):
@@ -529,12 +567,20 @@ class JobSpec(In):
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
     )
-    method: Method = Field(default=Method.LORA, description="full, lora or qlora.")
+    method: Method = Field(
+        default=Method.LORA, description="full, lora, qlora, or PEFT's ia3 or ln-tuning."
+    )
     lora: LoraIn | None = Field(
         default=None, description="LoRA options (lora and qlora); null: PEFT's defaults."
     )
     quantization: QuantizationIn | None = Field(
         default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
+    )
+    ia3: IA3In | None = Field(
+        default=None, description="(IA)^3 options (ia3 only); null: PEFT's defaults."
+    )
+    ln_tuning: LnTuningIn | None = Field(
+        default=None, description="LN tuning options (ln-tuning only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -605,6 +651,8 @@ class JobSpec(In):
             seq_len=self.seq_len,
             lora=None if self.lora is None else self.lora.to_spec(),
             quantization=None if self.quantization is None else self.quantization.to_spec(),
+            ia3=None if self.ia3 is None else self.ia3.to_spec(),
+            ln_tuning=None if self.ln_tuning is None else self.ln_tuning.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

@@ -42,6 +42,9 @@ class LinearShape:
     weight_bytes: int  # a trainable weight's gradient bytes
     quantized: bool = False  # a bitsandbytes 4-bit weight
     bias: bool = False
+    # (IA)^3: a trainable vector scales the output, or (a feedforward module) the input
+    scales_output: bool = False
+    scales_input: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,3 +118,5 @@ class StepShape:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
     composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)
     dora: bool = False  # PEFT's DoRA variant on the adapted linears (peft/tuners/lora/dora.py)
+    # LN tuning's trained norm copies, by the schedule's names ("norm1", "norm2", "final")
+    trained_norms: frozenset[str] = frozenset()
