@@ -21,12 +21,12 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
 # PEFT's methods besides LoRA, by the rows' method names (the spec's Method values)
-PEFT_METHODS = ("ia3", "ln-tuning")
+PEFT_METHODS = ("ia3", "ln-tuning", "prompt-tuning")
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
 
 # measure_kind -> the estimate level it is compared with; "unknown" figures come from
@@ -146,6 +146,11 @@ def _parallel(row: dict[str, str]) -> ParallelSpec:
     )
 
 
+def _prompt_tuning(raw: str) -> PromptTuningSpec:
+    """The virtual tokens the row's targets column names ("200 virtual tokens")."""
+    return PromptTuningSpec(num_virtual_tokens=int(raw.split()[0]))
+
+
 def _checkpointing(raw: dict[str, str]) -> bool:
     """As published; where not, the framework's default: LLaMA-Factory checkpoints unless
     disable_gradient_checkpointing is set (src/llamafactory/hparams/model_args.py, default
@@ -215,6 +220,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     # PEFT's defaults, as the rows' target columns spell them out
                     ia3=IA3Spec() if method is Method.IA3 else None,
                     ln_tuning=LnTuningSpec() if method is Method.LN_TUNING else None,
+                    prompt_tuning=_prompt_tuning(raw["lora_targets"])
+                    if method is Method.PROMPT_TUNING
+                    else None,
                     dtype=dtype,
                     autocast=autocast,
                     optim=_optim(raw["optimizer"], raw["framework"]),

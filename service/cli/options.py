@@ -98,6 +98,10 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         default=None,
         help="rsLoRA scaling (PEFT use_rslora=True; no memory change)",
     )
+    prompt = parser.add_argument_group("prompt tuning (PEFT PromptTuningConfig)")
+    prompt.add_argument(
+        "--num-virtual-tokens", type=int, help="virtual tokens prepended (prompt-tuning)"
+    )
     quant = parser.add_argument_group("QLoRA (bitsandbytes)")
     quant.add_argument("--quant", choices=_choices(QuantType))
     quant.add_argument("--double-quant", action="store_true")
@@ -260,7 +264,12 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             ),
         }
     )
-    if peft_method is not None and args.target_modules is not None:
+    virtual = getattr(args, "num_virtual_tokens", None)
+    if virtual is not None and method is not Method.PROMPT_TUNING:
+        raise CliError("--num-virtual-tokens: needs --method prompt-tuning")
+    if virtual is not None:
+        data["prompt_tuning"] = {"num_virtual_tokens": virtual}
+    elif peft_method is not None and args.target_modules is not None:
         data[peft_method] = {"target_modules": _names(args.target_modules)}
     if method in LORA_METHODS:
         saved = _names(args.modules_to_save)

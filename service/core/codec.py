@@ -33,6 +33,7 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
@@ -56,7 +57,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
@@ -283,6 +284,9 @@ _IA3: dict[str, Check] = {
 _LN_TUNING: dict[str, Check] = {
     "target_modules": _optional(_module_names(min_length=1)),
 }
+_PROMPT_TUNING: dict[str, Check] = {
+    "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -353,6 +357,9 @@ _TRAINING: dict[str, Check] = {
     "quantization": _optional(_object(QuantSpec, _QUANTIZATION)),
     "ia3": _optional(_object(IA3Spec, _IA3)),
     "ln_tuning": _optional(_object(LnTuningSpec, _LN_TUNING)),
+    "prompt_tuning": _optional(
+        _object(PromptTuningSpec, _PROMPT_TUNING, required=("num_virtual_tokens",))
+    ),
     "dtype": _choice(DType),
     "autocast": _boolean,
     "optim": _choice(Optim),

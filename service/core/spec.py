@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -23,12 +23,17 @@ class Method(StrEnum):
     QLORA = "qlora"
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
+    PROMPT_TUNING = "prompt-tuning"
 
 
 # The methods that train LoRA adapters (LoraSpec), and PEFT's other methods, each with the
 # TrainingSpec field that holds its options (service/core/spec_prompt.py).
 LORA_METHODS = (Method.LORA, Method.QLORA)
-METHOD_OPTIONS = {Method.IA3: "ia3", Method.LN_TUNING: "ln_tuning"}
+METHOD_OPTIONS = {
+    Method.IA3: "ia3",
+    Method.LN_TUNING: "ln_tuning",
+    Method.PROMPT_TUNING: "prompt_tuning",
+}
 
 
 class QuantType(StrEnum):
@@ -301,6 +306,7 @@ class TrainingSpec:
     # PEFT's other methods' options, each for its method only (`METHOD_OPTIONS`)
     ia3: IA3Spec | None = None
     ln_tuning: LnTuningSpec | None = None
+    prompt_tuning: PromptTuningSpec | None = None
     dtype: DType = DType.BF16  # torch_dtype the base model is loaded in
     autocast: bool = False  # TrainingArguments bf16/fp16 mixed precision (default off)
     optim: Optim = Optim.ADAMW_TORCH_FUSED  # TrainingArguments.optim default
@@ -367,6 +373,11 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
         if self.autocast:
             raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
+        if self.method is Method.PROMPT_TUNING and self.prompt_tuning is None:
+            raise InvalidSpecError(
+                "prompt_tuning",
+                "required for method 'prompt-tuning': num_virtual_tokens (PEFT has no default)",
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -378,6 +389,7 @@ class ResolvedSpec:
     quantization: QuantSpec | None
     ia3: IA3Spec | None
     ln_tuning: LnTuningSpec | None
+    prompt_tuning: PromptTuningSpec | None
     adapter_dtype: DType
     lora_dropout: float
     compute_dtype: DType
@@ -419,6 +431,10 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
 
     if lora is not None and lora.adapter_dtype is not None:
         adapter_dtype = lora.adapter_dtype
+    elif spec.method is Method.PROMPT_TUNING:
+        # PromptEmbedding's nn.Embedding is built in torch's default dtype, fp32, and
+        # cast_adapter_dtype leaves it (peft/tuners/prompt_tuning/model.py)
+        adapter_dtype = DType.FP32
     elif spec.method is Method.LN_TUNING:
         # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/
         # layer.py update_layer); PEFT's cast_adapter_dtype casts adapter parameters only, not
@@ -461,6 +477,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         quantization=quant,
         ia3=ia3,
         ln_tuning=ln_tuning,
+        prompt_tuning=spec.prompt_tuning,
         adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout,
         compute_dtype=compute_dtype,

@@ -1,9 +1,12 @@
-"""Options of PEFT's (IA)^3 and LayerNorm-tuning methods, by PEFT's config field names and with
-PEFT 0.21's defaults, and the modules each targets by default per architecture.
+"""Options of PEFT's (IA)^3, LayerNorm-tuning and prompt-tuning methods, by PEFT's config
+field names and with PEFT 0.21's defaults, and the modules each targets by default per
+architecture.
 
 (IA)^3 (peft/tuners/ia3/config.py IA3Config) learns one scaling vector per targeted linear:
 over its output features, or over its input features for a "feedforward" module. LN tuning
 (peft/tuners/ln_tuning/config.py LNTuningConfig) trains a copy of each targeted norm layer.
+Prompt tuning (peft/tuners/prompt_tuning/config.py PromptTuningConfig) prepends trainable
+virtual token embeddings to every sequence.
 """
 
 from __future__ import annotations
@@ -112,3 +115,16 @@ class LnTuningSpec:
 
     def __post_init__(self) -> None:
         _names("ln_tuning.target_modules", self.target_modules)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptTuningSpec:
+    """PEFT PromptTuningConfig's memory-relevant field. PEFT has no default for
+    num_virtual_tokens (PromptLearningConfig: None, which get_peft_model cannot build), so it
+    is required; the initialisation (prompt_tuning_init) changes no tensor's size."""
+
+    num_virtual_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_virtual_tokens < 1:
+            raise InvalidSpecError("prompt_tuning.num_virtual_tokens", "must be at least 1")

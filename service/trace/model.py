@@ -219,7 +219,7 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
 def _peft_method_config(resolved: ResolvedSpec) -> Any:
     """PEFT's config of a method other than LoRA; fields left None take PEFT's defaults for
     the model, as PEFT resolves them in get_peft_model."""
-    from peft import IA3Config, LNTuningConfig
+    from peft import IA3Config, LNTuningConfig, PromptTuningConfig
 
     def names(value: tuple[str, ...] | None) -> list[str] | None:
         return None if value is None else list(value)
@@ -234,11 +234,16 @@ def _peft_method_config(resolved: ResolvedSpec) -> Any:
         return LNTuningConfig(
             target_modules=names(resolved.ln_tuning.target_modules), task_type="CAUSAL_LM"
         )
+    if resolved.prompt_tuning is not None:
+        return PromptTuningConfig(
+            num_virtual_tokens=resolved.prompt_tuning.num_virtual_tokens, task_type="CAUSAL_LM"
+        )
     raise ValueError(f"method {resolved.spec.method!r} has no PEFT config")
 
 
 def _apply_peft_method(model: Any, resolved: ResolvedSpec) -> Any:
-    """get_peft_model with (IA)^3 or LN tuning, as PEFT's method_comparison trains them."""
+    """get_peft_model with (IA)^3, LN tuning or prompt tuning, as PEFT's method_comparison
+    trains them."""
     from peft import get_peft_model
 
     config = _peft_method_config(resolved)
@@ -318,6 +323,17 @@ def _quant_state_slots(state: Any) -> Iterator[tuple[Any, str, torch.Tensor, str
         yield from _quant_state_slots(nested)
 
 
+def _fake_prompt_tokens(model: torch.nn.Module, fake_device: str) -> None:
+    """A prompt-learning PeftModel keeps each adapter's virtual token ids, an arange it moves
+    to the prompt encoder's device on every forward (peft/peft_model.py
+    PeftModel._setup_prompt_encoder, get_prompt), in a plain dict: made anew where the step
+    runs."""
+    tokens = getattr(model, "prompt_tokens", None)
+    if isinstance(tokens, dict):
+        for name, ids in list(tokens.items()):
+            tokens[name] = torch.arange(ids.numel(), dtype=ids.dtype, device=fake_device)
+
+
 def materialize(
     model: torch.nn.Module, fake_device: str = "cpu"
 ) -> list[tuple[torch.Tensor, Component]]:
@@ -327,6 +343,7 @@ def materialize(
     Shared tensors (tied embeddings, shared quant-state tensors) stay shared. Returns each new
     storage-owning tensor once, with its role: trainable parameters, or frozen weights.
     """
+    _fake_prompt_tokens(model, fake_device)
     replaced: dict[int, torch.Tensor] = {}
     owned: list[tuple[torch.Tensor, Component]] = []
     for owner, name, tensor, kind in list(_named_tensor_slots(model)):

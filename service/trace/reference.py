@@ -36,7 +36,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
 if typing.TYPE_CHECKING:  # the JSON helpers need no torch
@@ -176,6 +176,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
     for options in (spec.ia3, spec.ln_tuning):
         if options is not None and options.target_modules is not None:
             parts.append("+".join(options.target_modules))
+    if spec.prompt_tuning is not None:
+        parts.append(f"{spec.prompt_tuning.num_virtual_tokens}-virtual")
     if spec.ia3 is not None and spec.ia3.feedforward_modules is not None:
         parts.append("ff-" + "+".join(spec.ia3.feedforward_modules))
     quant = spec.quantization
@@ -580,8 +582,9 @@ def _dora_cases() -> list[tuple[str, TrainingSpec]]:
 def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
     """PEFT's (IA)^3 and LN tuning with their defaults, with and without checkpointing, on
     Qwen2.5-0.5B and Llama-3.2-1B (whose defaults differ: q_proj or k_proj scaled, one norm
-    or every norm trained), and with targets named."""
-    ia3, ln = Method.IA3, Method.LN_TUNING
+    or every norm trained), and with targets named; prompt tuning likewise."""
+    ia3, ln, prompt = Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING
+    virtual_200 = PromptTuningSpec(num_virtual_tokens=200)
     every_norm = LnTuningSpec(
         target_modules=("input_layernorm", "post_attention_layernorm", "norm")
     )
@@ -600,6 +603,11 @@ def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
         (LLAMA_1B, _spec(ia3, 2, 256, ckpt=True)),
         (LLAMA_1B, _spec(ln, 1, 1024)),
         (LLAMA_1B, _spec(ln, 2, 512, ckpt=True)),
+        # prompt tuning: 20 virtual tokens, and the 200 of PEFT's method comparison
+        (QWEN_05B, _spec(prompt, 2, 512, prompt_tuning=PromptTuningSpec(num_virtual_tokens=20))),
+        (QWEN_05B, _spec(prompt, 2, 512, ckpt=True, prompt_tuning=virtual_200)),
+        (LLAMA_1B, _spec(prompt, 1, 1024, prompt_tuning=virtual_200)),
+        (LLAMA_1B, _spec(prompt, 2, 256, ckpt=True, prompt_tuning=virtual_200)),
     ]
 
 

@@ -39,9 +39,10 @@ def test_ia3_options_reach_the_core_and_the_answer(client: TestClient) -> None:
 
 
 def test_ln_tuning_defaults_round_trip(client: TestClient) -> None:
-    job = {**SMALL_JOB, "method": "ln-tuning", "ln_tuning": {"target_modules": ["norm"]}}
+    targets = ["post_attention_layernorm", "norm"]
+    job = {**SMALL_JOB, "method": "ln-tuning", "ln_tuning": {"target_modules": targets}}
     spec = JobSpec.model_validate(job).to_spec()
-    assert spec.ln_tuning == LnTuningSpec(target_modules=("norm",))
+    assert spec.ln_tuning == LnTuningSpec(target_modules=tuple(targets))
     assert spec_from_dict(spec_to_dict(spec)) == spec
     response = client.post("/v1/estimates", json={**SMALL_JOB, "method": "ln-tuning"})
     assert response.status_code == 200
@@ -63,3 +64,15 @@ def test_a_quantized_base_is_422_naming_quantization(client: TestClient) -> None
 def test_a_target_the_model_lacks_is_422(client: TestClient) -> None:
     job = {**SMALL_JOB, "method": "ia3", "ia3": {"target_modules": ["query_key_value"]}}
     assert _errors(client.post("/v1/estimates", json=job)) == [["body", "ia3", "target_modules"]]
+
+
+def test_prompt_tuning_needs_its_options_and_counts_its_embedding(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json={**SMALL_JOB, "method": "prompt-tuning"})
+    assert _errors(response) == [["body", "prompt_tuning"]]
+    job = {**SMALL_JOB, "method": "prompt-tuning", "prompt_tuning": {"num_virtual_tokens": 0}}
+    assert _errors(client.post("/v1/estimates", json=job)) == [
+        ["body", "prompt_tuning", "num_virtual_tokens"]
+    ]
+    job["prompt_tuning"] = {"num_virtual_tokens": 20}
+    body = client.post("/v1/estimates", json=job).json()
+    assert body["params"]["trainable"] == 20 * 896

@@ -50,7 +50,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
 module_names = st.from_regex(r"[A-Za-z0-9_.]{1,20}", fullmatch=True)
@@ -130,6 +130,7 @@ ia3s = st.builds(
     feedforward_modules=st.none(),
 )
 ln_tunings = st.builds(LnTuningSpec, target_modules=st.none() | module_names.map(tuple))
+prompt_tunings = st.builds(PromptTuningSpec, num_virtual_tokens=st.integers(1, 1000))
 
 
 @st.composite
@@ -145,6 +146,7 @@ def specs(draw: st.DrawFn) -> TrainingSpec:
         quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
         ia3=draw(st.none() | ia3s) if method is Method.IA3 else None,
         ln_tuning=draw(st.none() | ln_tunings) if method is Method.LN_TUNING else None,
+        prompt_tuning=draw(prompt_tunings) if method is Method.PROMPT_TUNING else None,
         dtype=draw(st.sampled_from(DType)),
         autocast=False if other else draw(st.booleans()),
         optim=draw(st.sampled_from(Optim)),
@@ -237,9 +239,14 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
         (
             {"method": "nope"},
             "method",
-            "Input should be 'full', 'lora', 'qlora', 'ia3' or 'ln-tuning'",
+            "Input should be 'full', 'lora', 'qlora', 'ia3', 'ln-tuning' or 'prompt-tuning'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
+        (
+            {"method": "prompt-tuning", "prompt_tuning": {}},
+            "prompt_tuning.num_virtual_tokens",
+            "Field required",
+        ),
         (
             {"method": "ia3", "ia3": {"target_modules": []}},
             "ia3.target_modules",

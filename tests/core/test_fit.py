@@ -34,6 +34,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import GIB, MIB
 
 BASE = TrainingSpec(batch_size=4, seq_len=64)
@@ -425,6 +426,9 @@ def test_every_part_of_a_suggestion_is_needed_or_saves_more_than_the_threshold(
         optim=optim,
         gradient_checkpointing=checkpointing,
         lora=lora,
+        prompt_tuning=PromptTuningSpec(num_virtual_tokens=100)
+        if method is Method.PROMPT_TUNING
+        else None,
     )
     need = estimate(model, job).device_bytes_upper
     # GPUs a share of the job's need: the job fits none of them, so each gets suggestions.

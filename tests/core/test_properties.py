@@ -22,6 +22,7 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
+from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import DType
 
 MODELS = (
@@ -58,6 +59,9 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
         optim=draw(st.sampled_from(list(Optim))),
         autocast=False if other else draw(st.booleans()),
+        prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))
+        if method is Method.PROMPT_TUNING
+        else None,
     )
     return model, spec
 
@@ -66,6 +70,16 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
 # through the allocator model (up to a second for an 8B model), so the suite keeps to this
 # many (seven properties, about a minute together).
 EXAMPLES = 30
+
+
+def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, TrainingSpec]:
+    """The case as LoRA with its defaults when it is another PEFT method, for a change of
+    method."""
+    model, spec = case
+    if spec.method not in METHOD_OPTIONS:
+        return case
+    plain = replace(spec, method=Method.LORA, ia3=None, ln_tuning=None, prompt_tuning=None)
+    return model, plain
 
 
 def _peak(model: str, spec: TrainingSpec) -> int:
@@ -117,7 +131,7 @@ STATEFUL = (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED, Optim.ADAMW_BNB_8BIT)
 def test_lora_never_above_full_fine_tuning(case: tuple[str, TrainingSpec], optim: Optim) -> None:
     # Same settings, adapters in the model's dtype. (fp32 adapters can exceed full fine-tuning
     # at long sequences: PEFT keeps an fp32 copy of each adapted layer's input.)
-    model, spec = case
+    model, spec = _without_method_options(case)
     lora = LoraSpec(r=16, target_modules=ALL_LINEAR, adapter_dtype=DType.BF16)
     as_lora = replace(spec, method=Method.LORA, lora=lora, quantization=None, optim=optim)
     as_full = replace(spec, method=Method.FULL, lora=None, quantization=None, optim=optim)
@@ -127,7 +141,7 @@ def test_lora_never_above_full_fine_tuning(case: tuple[str, TrainingSpec], optim
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(specs())
 def test_qlora_weights_below_bf16_weights(case: tuple[str, TrainingSpec]) -> None:
-    model, spec = case
+    model, spec = _without_method_options(case)
     arch = default_catalog().resolve(model).arch
     lora = LoraSpec(r=16, target_modules=ALL_LINEAR)
     as_qlora = replace(spec, method=Method.QLORA, lora=lora, quantization=QuantSpec())

@@ -35,6 +35,7 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
@@ -61,7 +62,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
@@ -188,6 +189,21 @@ class LnTuningIn(In):
 
     def to_spec(self) -> LnTuningSpec:
         return LnTuningSpec(target_modules=_names(self.target_modules))
+
+
+class PromptTuningIn(In):
+    """PEFT PromptTuningConfig; num_virtual_tokens has no PEFT default."""
+
+    integer_fields = integers("num_virtual_tokens")
+
+    num_virtual_tokens: int = Field(
+        ge=1,
+        le=MAX_VIRTUAL_TOKENS,
+        description="Virtual tokens prepended to every sequence (trainable embeddings).",
+    )
+
+    def to_spec(self) -> PromptTuningSpec:
+        return PromptTuningSpec(num_virtual_tokens=self.num_virtual_tokens)
 
 
 class QuantizationIn(In):
@@ -568,7 +584,8 @@ class JobSpec(In):
         description="A catalog id (string), or {'hf_config': config.json}.",
     )
     method: Method = Field(
-        default=Method.LORA, description="full, lora, qlora, or PEFT's ia3 or ln-tuning."
+        default=Method.LORA,
+        description="full, lora, qlora, or PEFT's ia3, ln-tuning or prompt-tuning.",
     )
     lora: LoraIn | None = Field(
         default=None, description="LoRA options (lora and qlora); null: PEFT's defaults."
@@ -581,6 +598,9 @@ class JobSpec(In):
     )
     ln_tuning: LnTuningIn | None = Field(
         default=None, description="LN tuning options (ln-tuning only); null: PEFT's defaults."
+    )
+    prompt_tuning: PromptTuningIn | None = Field(
+        default=None, description="Prompt tuning options (prompt-tuning only, required there)."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -653,6 +673,7 @@ class JobSpec(In):
             quantization=None if self.quantization is None else self.quantization.to_spec(),
             ia3=None if self.ia3 is None else self.ia3.to_spec(),
             ln_tuning=None if self.ln_tuning is None else self.ln_tuning.to_spec(),
+            prompt_tuning=None if self.prompt_tuning is None else self.prompt_tuning.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

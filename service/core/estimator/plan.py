@@ -13,7 +13,7 @@ from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_f
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
-from service.core.estimator.tuners import check_tuner_model, tuner_tensors
+from service.core.estimator.tuners import check_tuner_model, tuner_tensors, virtual_tokens
 from service.core.estimator.weights import (
     _optimizer_state,
     _Params,
@@ -36,7 +36,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
 # Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
@@ -333,6 +333,7 @@ def _reserved_plan(
         ia3_out=f.ia3_out,
         ia3_in=f.ia3_in,
         trained_norms=f.trained_norms,
+        virtual_tokens=virtual_tokens(spec),
     )
 
 
@@ -344,6 +345,7 @@ class _PlanKey(NamedTuple):
     quantization: QuantSpec | None
     ia3: IA3Spec | None
     ln_tuning: LnTuningSpec | None
+    prompt_tuning: PromptTuningSpec | None
     dtype: DType
     autocast: bool
     optim: Optim
@@ -370,6 +372,7 @@ class _PlanKey(NamedTuple):
             spec.quantization,
             spec.ia3,
             spec.ln_tuning,
+            spec.prompt_tuning,
             spec.dtype,
             spec.autocast,
             spec.optim,

@@ -1,17 +1,24 @@
-"""PEFT's (IA)^3 and LN tuning: which modules they train, and their trainable tensors.
+"""PEFT's (IA)^3, LN tuning and prompt tuning: which modules they train, their trainable
+tensors, and the sequence prompt tuning lengthens.
 
 (IA)^3 (peft/tuners/ia3/layer.py Linear) puts one vector `ia3_l` on each targeted linear:
 (out_features, 1), multiplying the output, or (1, in_features) for a feedforward module,
 multiplying the input. Created in fp32 (torch.randn) and kept there by get_peft_model's
 autocast_adapter_dtype=True. LN tuning (peft/tuners/ln_tuning/layer.py LNTuningLayer) wraps
-each targeted norm and trains a deep copy of it; the original stays, frozen.
+each targeted norm and trains a deep copy of it; the original stays, frozen. Prompt tuning
+(peft/peft_model.py PeftModelForCausalLM.forward) embeds the input, concatenates the virtual
+tokens' embeddings (PromptEmbedding, an fp32 nn.Embedding, cast to the input's dtype) in
+front, and -100 labels in front of the labels: every layer, the logits and the loss run on
+seq_len + num_virtual_tokens positions, and the first layer's input takes a gradient.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
-from service.core.spec import Method, ResolvedSpec
+from service.core.spec import Method, ResolvedSpec, TrainingSpec
 from service.core.spec_prompt import (
     IA3_FEEDFORWARD_MODULES,
     IA3_TARGET_MODULES,
@@ -30,7 +37,7 @@ NORM_KEYS = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2", "n
 def check_tuner_model(arch: ModelArch, rs: ResolvedSpec) -> None:
     """Refuse the architectures (IA)^3 and LN tuning are not modelled on."""
     method = rs.spec.method
-    if method not in (Method.IA3, Method.LN_TUNING):
+    if method not in (Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING):
         return
     dense = arch.mlp is MlpKind.GATED and not arch.is_moe and arch.norm is NormKind.RMS
     if arch.model_type not in TUNER_MODEL_TYPES or not dense:
@@ -74,6 +81,12 @@ def ia3_targets(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[Linear, bool],
     if feedforward is None:
         feedforward = IA3_FEEDFORWARD_MODULES.get(arch.model_type, ())
     chosen = _match(arch, "ia3.target_modules", targets)
+    if not any(lin.kind is LinearKind.ATTN_QKV for lin in chosen):
+        # what the first layer records then depends on where the first vector sits
+        raise InvalidSpecError(
+            "ia3.target_modules",
+            "(IA)^3 without a query, key or value projection among the targets is not modelled",
+        )
     # peft/tuners/ia3/model.py _create_and_replace: is_feedforward when the module's key ends
     # with a feedforward name
     return tuple((lin, any(lin.name.endswith(name) for name in feedforward)) for lin in chosen)
@@ -97,7 +110,14 @@ def ln_tuning_targets(arch: ModelArch, rs: ResolvedSpec) -> frozenset[str]:
             "ln_tuning.target_modules",
             f"{', '.join(unknown)} not a norm of this model (its norms: {', '.join(NORM_KEYS)})",
         )
-    return frozenset(NORM_KEYS[name] for name in names)
+    trained = frozenset(NORM_KEYS[name] for name in names)
+    if not trained & {"norm1", "norm2"}:
+        # the final norm alone: no layer would record anything for backward
+        raise InvalidSpecError(
+            "ln_tuning.target_modules",
+            "LN tuning of the final norm alone is not modelled: name a layer norm too",
+        )
+    return trained
 
 
 def tuner_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, int, int], ...]:
@@ -118,7 +138,24 @@ def tuner_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, in
             tensors.append((arch.hidden_size, 0, md, L))
     if "final" in norms:
         tensors.append((arch.hidden_size, 0, md, 1))
+    if rs.prompt_tuning is not None:
+        # PromptEmbedding.embedding: (num_virtual_tokens, token_dim), token_dim = hidden_size
+        tensors.append((rs.prompt_tuning.num_virtual_tokens, arch.hidden_size, ad, 1))
     return tuple(tensors)
+
+
+def virtual_tokens(spec: TrainingSpec) -> int:
+    """Positions prompt tuning prepends to every sequence (0 for other methods)."""
+    if spec.method is Method.PROMPT_TUNING and spec.prompt_tuning is not None:
+        return spec.prompt_tuning.num_virtual_tokens
+    return 0
+
+
+def sequence_spec(spec: TrainingSpec) -> TrainingSpec:
+    """The spec as the model runs it: prompt tuning's sequences lengthened by the virtual
+    tokens (`estimator.step._step` keeps the inputs at the given length)."""
+    virtual = virtual_tokens(spec)
+    return replace(spec, seq_len=spec.seq_len + virtual) if virtual else spec
 
 
 def scaled_kinds(arch: ModelArch, rs: ResolvedSpec) -> tuple[frozenset[str], frozenset[str]]:

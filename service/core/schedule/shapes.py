@@ -120,3 +120,5 @@ class StepShape:
     dora: bool = False  # PEFT's DoRA variant on the adapted linears (peft/tuners/lora/dora.py)
     # LN tuning's trained norm copies, by the schedule's names ("norm1", "norm2", "final")
     trained_norms: frozenset[str] = frozenset()
+    # prompt tuning's virtual tokens per sequence (counted in `seq`; 0: none)
+    virtual_tokens: int = 0
