@@ -30,6 +30,7 @@ RETRACED = (
     "bloom-560m__lora__r8-default__b4-s512__eager",
     "bert-base-uncased__lora__r8-default__b4-s512",
     "qwen2_5-0_5b__ia3__b2-s512__ckpt",
+    "qwen2_5-0_5b__prompt-tuning__20-virtual__b2-s512",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these
