@@ -9,6 +9,7 @@ from pathlib import Path
 
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
     AttnImpl,
     Framework,
     LoraSpec,
@@ -20,10 +21,13 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
+# PEFT's methods besides LoRA, by the rows' method names (the spec's Method values)
+PEFT_METHODS = ("ia3", "ln-tuning", "prompt-tuning")
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
 # PEFT's seq2seq examples on twitter_complaints (examples/conditional_generation/
 # peft_lora_seq2seq_accelerate_ds_zero3_offload.py) pad each batch's tweets to its longest and
@@ -150,6 +154,11 @@ def _parallel(row: dict[str, str]) -> ParallelSpec:
     )
 
 
+def _prompt_tuning(raw: str) -> PromptTuningSpec:
+    """The virtual tokens the row's targets column names ("200 virtual tokens")."""
+    return PromptTuningSpec(num_virtual_tokens=int(raw.split()[0]))
+
+
 def _checkpointing(raw: dict[str, str]) -> bool:
     """As published; where not, the framework's default: LLaMA-Factory checkpoints unless
     disable_gradient_checkpointing is set (src/llamafactory/hparams/model_args.py, default
@@ -180,7 +189,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
         for raw in csv.DictReader(fh):
             rid = raw["id"]
             method_text = raw["method"].strip()
-            if method_text not in ("lora", "qlora", "full", "dora"):
+            if method_text not in ("lora", "qlora", "full", "dora", *PEFT_METHODS):
                 skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
                 continue
             if raw["is_estimate"] == "yes" and not raw["batch_size"]:
@@ -204,7 +213,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
             dora = method_text == "dora"
             method = Method.LORA if dora else Method(method_text)
             lora = None
-            if method is not Method.FULL:
+            if method in LORA_METHODS:
                 lora = LoraSpec(
                     r=int(raw["lora_r"] or 8),
                     lora_alpha=int(raw["lora_alpha"] or 16),
@@ -227,6 +236,12 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     seq_len=int(seq_text),
                     lora=lora,
                     quantization=quant,
+                    # PEFT's defaults, as the rows' target columns spell them out
+                    ia3=IA3Spec() if method is Method.IA3 else None,
+                    ln_tuning=LnTuningSpec() if method is Method.LN_TUNING else None,
+                    prompt_tuning=_prompt_tuning(raw["lora_targets"])
+                    if method is Method.PROMPT_TUNING
+                    else None,
                     dtype=dtype,
                     autocast=autocast,
                     optim=_optim(raw["optimizer"], raw["framework"]),

@@ -20,6 +20,8 @@ from service.core.hf_config import from_hf_config
 from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
+    METHOD_OPTIONS,
     AttnImpl,
     Framework,
     FsdpSharding,
@@ -96,6 +98,10 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         action="store_true",
         default=None,
         help="rsLoRA scaling (PEFT use_rslora=True; no memory change)",
+    )
+    prompt = parser.add_argument_group("prompt tuning (PEFT PromptTuningConfig)")
+    prompt.add_argument(
+        "--num-virtual-tokens", type=int, help="virtual tokens prepended (prompt-tuning)"
     )
     quant = parser.add_argument_group("QLoRA (bitsandbytes)")
     quant.add_argument("--quant", choices=_choices(QuantType))
@@ -207,6 +213,10 @@ def _given(values: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
+# LoRA's options that no other PEFT method takes (`--target-modules` is every method's)
+_LORA_ONLY_OPTIONS = ("r", "lora_alpha", "lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
+
+
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     """Build a TrainingSpec from parsed options; raises CliError naming the option."""
     method = Method(args.method)
@@ -222,7 +232,13 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "use_rslora",
         )
     ) or bool(args.modules_to_save)
-    if method is Method.FULL and lora_given:
+    peft_method = METHOD_OPTIONS.get(method)
+    if peft_method is not None:
+        # --target-modules names the modules of PEFT's other methods too
+        lora_given = bool(args.modules_to_save) or any(
+            getattr(args, n) is not None for n in _LORA_ONLY_OPTIONS
+        )
+    if method not in LORA_METHODS and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
     if method is not Method.QLORA and (args.quant or args.double_quant or args.compute_dtype):
         raise CliError("--quant: quantization options need --method qlora")
@@ -257,7 +273,14 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             ),
         }
     )
-    if method is not Method.FULL:
+    virtual = getattr(args, "num_virtual_tokens", None)
+    if virtual is not None and method is not Method.PROMPT_TUNING:
+        raise CliError("--num-virtual-tokens: needs --method prompt-tuning")
+    if virtual is not None:
+        data["prompt_tuning"] = {"num_virtual_tokens": virtual}
+    elif peft_method is not None and args.target_modules is not None:
+        data[peft_method] = {"target_modules": _names(args.target_modules)}
+    if method in LORA_METHODS:
         saved = _names(args.modules_to_save)
         data["lora"] = _given(
             {

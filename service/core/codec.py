@@ -33,11 +33,13 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
 from service.core.spec import (
     ALL_LINEAR,
+    METHOD_OPTIONS,
     SAVABLE_MODULES,
     AttnImpl,
     Framework,
@@ -55,6 +57,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
@@ -69,12 +72,13 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     """The spec as plain JSON values, every field included, in the spec's field order; the
-    encoder-only `num_labels` and the encoder-decoder `target_length` only when set."""
+    encoder-only `num_labels`, the encoder-decoder `target_length` and the options of PEFT's
+    methods besides LoRA only when set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
-    for optional in ("num_labels", "target_length"):
-        if plain.get(optional) is None:
-            plain.pop(optional, None)
+    for name in ("num_labels", "target_length", *METHOD_OPTIONS.values()):
+        if plain.get(name) is None:
+            plain.pop(name, None)
     return plain
 
 
@@ -274,6 +278,16 @@ _LORA: dict[str, Check] = {
     "use_dora": _boolean,
     "use_rslora": _boolean,
 }
+_IA3: dict[str, Check] = {
+    "target_modules": _optional(_module_names(min_length=1)),
+    "feedforward_modules": _optional(_module_names(min_length=0)),
+}
+_LN_TUNING: dict[str, Check] = {
+    "target_modules": _optional(_module_names(min_length=1)),
+}
+_PROMPT_TUNING: dict[str, Check] = {
+    "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -342,6 +356,11 @@ _TRAINING: dict[str, Check] = {
     "seq_len": _integer(ge=1, le=MAX_SEQ_LEN),
     "lora": _optional(_object(LoraSpec, _LORA)),
     "quantization": _optional(_object(QuantSpec, _QUANTIZATION)),
+    "ia3": _optional(_object(IA3Spec, _IA3)),
+    "ln_tuning": _optional(_object(LnTuningSpec, _LN_TUNING)),
+    "prompt_tuning": _optional(
+        _object(PromptTuningSpec, _PROMPT_TUNING, required=("num_virtual_tokens",))
+    ),
     "dtype": _choice(DType),
     "autocast": _boolean,
     "optim": _choice(Optim),

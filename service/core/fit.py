@@ -24,6 +24,7 @@ from typing import Literal
 from service.core.errors import InvalidSpecError
 from service.core.spec import (
     ALL_LINEAR,
+    METHOD_OPTIONS,
     SHARDING_STRATEGIES,
     LossImpl,
     Method,
@@ -578,8 +579,12 @@ def _apply(
         case Change.LORA:
             return replace(spec, method=Method.LORA) if spec.method is Method.FULL else None
         case Change.QLORA:
-            # A sharded 4-bit base is refused (TrainingSpec): not offered under FSDP or ZeRO-3.
-            if spec.method is Method.QLORA or spec.parallel.strategy in SHARDING_STRATEGIES:
+            # A sharded 4-bit base is refused (TrainingSpec): not offered under FSDP or ZeRO-3;
+            # nor to PEFT's methods besides LoRA, which would change method and options.
+            if (
+                spec.method in (Method.QLORA, *METHOD_OPTIONS)
+                or spec.parallel.strategy in SHARDING_STRATEGIES
+            ):
                 return None
             quant = QuantSpec(type=QuantType.NF4, double_quant=True)
             return replace(spec, method=Method.QLORA, quantization=quant)

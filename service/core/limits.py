@@ -19,6 +19,8 @@ MAX_BUCKET_CAP_MB = 1 << 20  # DDP's bucket cap, in MB: up to 1 TiB
 # DeepSpeed's bucket sizes and live-parameter limits, in elements: up to 1e12 (a 1T model)
 MAX_ZERO_ELEMENTS = 1_000_000_000_000
 MAX_MODULES = 64
+# Prompt tuning's virtual tokens: PEFT's examples use 8 to a few hundred.
+MAX_VIRTUAL_TOKENS = 65_536
 
 # A module name as transformers names it ("q_proj", "model.layers.0.mlp").
 MAX_MODULE_NAME_CHARS = 128

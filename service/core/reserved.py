@@ -84,6 +84,11 @@ class ReservedPlan:
     autocast: bool = False  # HF Trainer's mixed precision
     clip: bool = False  # gradients clipped to max_grad_norm
     accumulation: int = 1  # micro-batches per optimizer step
+    # (IA)^3's scaled linears (output, input) and LN tuning's trained norms
+    ia3_out: frozenset[str] = frozenset()
+    ia3_in: frozenset[str] = frozenset()
+    trained_norms: frozenset[str] = frozenset()
+    virtual_tokens: int = 0  # prompt tuning's
     dora: bool = False  # PEFT's DoRA variant on the adapted linears
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
@@ -144,6 +149,8 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         and plan.quant_type is not QuantType.INT8
         and not lin.expert,
         bias=lin.bias,
+        scales_output=lin.name in plan.ia3_out,
+        scales_input=lin.name in plan.ia3_in,
     )
 
 
@@ -246,8 +253,13 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         composite_gelu=arch.hidden_act in COMPOSITE_TANH_GELU,
         embed_scale=arch.model_type.startswith("gemma"),
         checkpointing=plan.checkpointing,
-        input_grad=plan.checkpointing or plan.embed_trainable or plan.method is Method.FULL,
+        # prompt tuning's trainable virtual tokens are part of the first layer's input
+        input_grad=plan.checkpointing
+        or plan.embed_trainable
+        or plan.method in (Method.FULL, Method.PROMPT_TUNING),
         norm_trainable=plan.method is Method.FULL,
+        trained_norms=plan.trained_norms,
+        virtual_tokens=plan.virtual_tokens,
         loss_upcast=plan.loss is LossImpl.HF,
         loss_materialised=plan.loss in (LossImpl.HF, LossImpl.PLAIN),
         head_bytes=HALF_BYTES if plan.autocast else plan.head_bytes,
@@ -294,18 +306,29 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
         if lin.name in plan.adapted:
             layer.append(plan.rank * lin.in_features * plan.adapter)
             layer.append(lin.out_features * plan.rank * plan.adapter)
+        if lin.name in plan.ia3_out:  # (IA)^3's vector
+            layer.append(lin.out_features * plan.adapter)
+        if lin.name in plan.ia3_in:
+            layer.append(lin.in_features * plan.adapter)
     norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
     layer += [arch.hidden_size * other] * norm_tensors
+    # LN tuning's trained copies (each after the norm it wraps; RMSNorm layers only)
+    layer += [arch.hidden_size * md for key in ("norm1", "norm2") if key in plan.trained_norms]
     if arch.qk_norm:
         layer += [arch.head_dim * other] * 2
     sizes += layer * arch.num_hidden_layers
     sizes.append(arch.hidden_size * other)
+    if "final" in plan.trained_norms:
+        sizes.append(arch.hidden_size * md)
     if not arch.tie_word_embeddings:
         sizes.append(arch.vocab_size * arch.hidden_size * other)
     if plan.head_trainable and plan.method is not Method.FULL:
         sizes.append(arch.vocab_size * arch.hidden_size * other)  # modules_to_save copy
     if plan.embed_trainable and plan.method is not Method.FULL:
         sizes.append(arch.vocab_size * arch.hidden_size * other)
+    if plan.virtual_tokens:
+        # prompt tuning's fp32 PromptEmbedding, registered after the base model
+        sizes.append(plan.virtual_tokens * arch.hidden_size * FP32_BYTES)
     return tuple(sizes)
 
 

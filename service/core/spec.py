@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -20,6 +21,19 @@ class Method(StrEnum):
     FULL = "full"
     LORA = "lora"
     QLORA = "qlora"
+    IA3 = "ia3"
+    LN_TUNING = "ln-tuning"
+    PROMPT_TUNING = "prompt-tuning"
+
+
+# The methods that train LoRA adapters (LoraSpec), and PEFT's other methods, each with the
+# TrainingSpec field that holds its options (service/core/spec_prompt.py).
+LORA_METHODS = (Method.LORA, Method.QLORA)
+METHOD_OPTIONS = {
+    Method.IA3: "ia3",
+    Method.LN_TUNING: "ln_tuning",
+    Method.PROMPT_TUNING: "prompt_tuning",
+}
 
 
 class QuantType(StrEnum):
@@ -289,6 +303,10 @@ class TrainingSpec:
     seq_len: int
     lora: LoraSpec | None = None
     quantization: QuantSpec | None = None
+    # PEFT's other methods' options, each for its method only (`METHOD_OPTIONS`)
+    ia3: IA3Spec | None = None
+    ln_tuning: LnTuningSpec | None = None
+    prompt_tuning: PromptTuningSpec | None = None
     dtype: DType = DType.BF16  # torch_dtype the base model is loaded in
     autocast: bool = False  # TrainingArguments bf16/fp16 mixed precision (default off)
     optim: Optim = Optim.ADAMW_TORCH_FUSED  # TrainingArguments.optim default
@@ -325,8 +343,13 @@ class TrainingSpec:
             raise InvalidSpecError("gradient_accumulation_steps", "must be at least 1")
         if not 0 <= self.max_grad_norm < float("inf"):
             raise InvalidSpecError("max_grad_norm", "must be a finite number, 0 or more")
-        if self.method is Method.FULL and self.lora is not None:
+        if self.method not in LORA_METHODS and self.lora is not None:
             raise InvalidSpecError("lora", "LoRA options need method 'lora' or 'qlora'")
+        for method, name in METHOD_OPTIONS.items():
+            if self.method is not method and getattr(self, name) is not None:
+                raise InvalidSpecError(name, f"{name} options need method {method.value!r}")
+        if self.method in METHOD_OPTIONS:
+            self._check_peft_method()
         if self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
         if self.lora is not None and self.lora.use_dora and self.framework is not Framework.HF:
@@ -342,6 +365,26 @@ class TrainingSpec:
                 "use ddp, zero1 or zero2",
             )
 
+    def _check_peft_method(self) -> None:
+        """What the estimate models of PEFT's methods besides LoRA: HF Trainer + PEFT on one
+        GPU, an unquantized base, the model's dtype without autocast."""
+        method = self.method.value
+        if self.quantization is not None:
+            raise InvalidSpecError(
+                "quantization", f"a quantized base is not modelled for method {method!r}"
+            )
+        if self.framework is not Framework.HF:
+            raise InvalidSpecError("framework", f"method {method!r} is modelled as PEFT's")
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
+        if self.autocast:
+            raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
+        if self.method is Method.PROMPT_TUNING and self.prompt_tuning is None:
+            raise InvalidSpecError(
+                "prompt_tuning",
+                "required for method 'prompt-tuning': num_virtual_tokens (PEFT has no default)",
+            )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResolvedSpec:
@@ -350,6 +393,9 @@ class ResolvedSpec:
     spec: TrainingSpec
     lora: LoraSpec | None
     quantization: QuantSpec | None
+    ia3: IA3Spec | None
+    ln_tuning: LnTuningSpec | None
+    prompt_tuning: PromptTuningSpec | None
     adapter_dtype: DType
     lora_dropout: float
     compute_dtype: DType
@@ -373,18 +419,36 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     notes: list[str] = []
     lora = spec.lora
     quant = spec.quantization
-    if spec.method is not Method.FULL and lora is None:
+    if spec.method in LORA_METHODS and lora is None:
         lora = LoraSpec()
         notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
     if spec.method is Method.QLORA and quant is None:
         quant = QuantSpec()
         notes.append("quantization not given: NF4 without double quant, kbit preparation on")
 
+    ia3 = spec.ia3
+    if spec.method is Method.IA3 and ia3 is None:
+        ia3 = IA3Spec()
+        notes.append("IA3 options not given: PEFT's default target and feedforward modules")
+    ln_tuning = spec.ln_tuning
+    if spec.method is Method.LN_TUNING and ln_tuning is None:
+        ln_tuning = LnTuningSpec()
+        notes.append("LN tuning options not given: PEFT's default target modules")
+
     if lora is not None and lora.adapter_dtype is not None:
         adapter_dtype = lora.adapter_dtype
+    elif spec.method is Method.PROMPT_TUNING:
+        # PromptEmbedding's nn.Embedding is built in torch's default dtype, fp32, and
+        # cast_adapter_dtype leaves it (peft/tuners/prompt_tuning/model.py)
+        adapter_dtype = DType.FP32
+    elif spec.method is Method.LN_TUNING:
+        # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/
+        # layer.py update_layer); PEFT's cast_adapter_dtype casts adapter parameters only, not
+        # the modules a ModuleDict holds, so they keep the model's dtype.
+        adapter_dtype = spec.dtype
     elif spec.framework is Framework.HF:
         adapter_dtype = DType.FP32
-        if lora is not None:
+        if lora is not None or ia3 is not None:
             notes.append("adapters in fp32 (PEFT autocast_adapter_dtype=True, the default)")
     else:
         adapter_dtype = spec.dtype
@@ -417,6 +481,9 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         spec=spec,
         lora=lora,
         quantization=quant,
+        ia3=ia3,
+        ln_tuning=ln_tuning,
+        prompt_tuning=spec.prompt_tuning,
         adapter_dtype=adapter_dtype,
         lora_dropout=lora_dropout,
         compute_dtype=compute_dtype,

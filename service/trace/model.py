@@ -21,7 +21,7 @@ import torch
 
 from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 from service.core.result import Component
-from service.core.spec import ALL_LINEAR, Method, QuantType, ResolvedSpec
+from service.core.spec import ALL_LINEAR, LORA_METHODS, Method, QuantType, ResolvedSpec
 from service.core.units import DType
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
@@ -105,8 +105,10 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     if spec.method is Method.FULL:
         if spec.gradient_checkpointing:
             _enable_checkpointing(model)
-    else:
+    elif spec.method in LORA_METHODS:
         model = _apply_lora(model, resolved)
+    else:
+        model = _apply_peft_method(model, resolved)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return BuiltModel(
         model=model,
@@ -239,6 +241,47 @@ def _task_type(model_type: str) -> str:
     return "CAUSAL_LM"
 
 
+def _peft_method_config(resolved: ResolvedSpec) -> Any:
+    """PEFT's config of a method other than LoRA; fields left None take PEFT's defaults for
+    the model, as PEFT resolves them in get_peft_model."""
+    from peft import IA3Config, LNTuningConfig, PromptTuningConfig
+
+    def names(value: tuple[str, ...] | None) -> list[str] | None:
+        return None if value is None else list(value)
+
+    if resolved.ia3 is not None:
+        return IA3Config(
+            target_modules=names(resolved.ia3.target_modules),
+            feedforward_modules=names(resolved.ia3.feedforward_modules),
+            task_type="CAUSAL_LM",
+        )
+    if resolved.ln_tuning is not None:
+        return LNTuningConfig(
+            target_modules=names(resolved.ln_tuning.target_modules), task_type="CAUSAL_LM"
+        )
+    if resolved.prompt_tuning is not None:
+        return PromptTuningConfig(
+            num_virtual_tokens=resolved.prompt_tuning.num_virtual_tokens, task_type="CAUSAL_LM"
+        )
+    raise ValueError(f"method {resolved.spec.method!r} has no PEFT config")
+
+
+def _apply_peft_method(model: Any, resolved: ResolvedSpec) -> Any:
+    """get_peft_model with (IA)^3, LN tuning or prompt tuning, as PEFT's method_comparison
+    trains them."""
+    from peft import get_peft_model
+
+    config = _peft_method_config(resolved)
+    if resolved.spec.gradient_checkpointing:
+        _enable_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(model, config)
+    if resolved.spec.gradient_checkpointing:
+        peft_model.enable_input_require_grads()
+    return peft_model
+
+
 @contextlib.contextmanager
 def _dora_reads_4bit_layers_in_place(use_dora: bool) -> Iterator[None]:
     """DoRA's init deep-copies a 4-bit base layer before dequantizing it for the magnitude (an
@@ -305,6 +348,17 @@ def _quant_state_slots(state: Any) -> Iterator[tuple[Any, str, torch.Tensor, str
         yield from _quant_state_slots(nested)
 
 
+def _fake_prompt_tokens(model: torch.nn.Module, fake_device: str) -> None:
+    """A prompt-learning PeftModel keeps each adapter's virtual token ids, an arange it moves
+    to the prompt encoder's device on every forward (peft/peft_model.py
+    PeftModel._setup_prompt_encoder, get_prompt), in a plain dict: made anew where the step
+    runs."""
+    tokens = getattr(model, "prompt_tokens", None)
+    if isinstance(tokens, dict):
+        for name, ids in list(tokens.items()):
+            tokens[name] = torch.arange(ids.numel(), dtype=ids.dtype, device=fake_device)
+
+
 def materialize(
     model: torch.nn.Module, fake_device: str = "cpu"
 ) -> list[tuple[torch.Tensor, Component]]:
@@ -314,6 +368,7 @@ def materialize(
     Shared tensors (tied embeddings, shared quant-state tensors) stay shared. Returns each new
     storage-owning tensor once, with its role: trainable parameters, or frozen weights.
     """
+    _fake_prompt_tokens(model, fake_device)
     replaced: dict[int, torch.Tensor] = {}
     owned: list[tuple[torch.Tensor, Component]] = []
     for owner, name, tensor, kind in list(_named_tensor_slots(model)):

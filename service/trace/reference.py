@@ -19,23 +19,44 @@ from typing import Any
 
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.spec import (
-    ALL_LINEAR,
     AttnImpl,
     FsdpBackwardPrefetch,
     FsdpSharding,
-    LoraSpec,
     LossImpl,
     Method,
     Offload,
     Optim,
     ParallelSpec,
-    QuantSpec,
     QuantType,
     SdpaKernel,
     Strategy,
     TrainingSpec,
 )
 from service.core.units import DType
+from service.trace.families import (
+    ATTENTION_PROJECTIONS,
+    BERT_BASE,
+    BERT_LARGE,
+    DEEPSEEK_V2_LITE,
+    GEMMA_2B,
+    GEMMA_3,
+    LLAMA_1B,
+    LLAMA_8B,
+    MISTRAL_7B,
+    PHI_2,
+    PHI_3,
+    QWEN3_MOE,
+    QWEN_05B,
+    QWEN_7B,
+    QWEN_MOE,
+    _dora_cases,
+    _falcon_bloom_cases,
+    _lora,
+    _qlora,
+    _spec,
+    _t5_cases,
+    _tuner_cases,
+)
 
 if typing.TYPE_CHECKING:  # the JSON helpers need no torch
     from service.trace.runner import TraceResult
@@ -171,6 +192,13 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("dora")
         if lora.use_rslora:
             parts.append("rslora")
+    for options in (spec.ia3, spec.ln_tuning):
+        if options is not None and options.target_modules is not None:
+            parts.append("+".join(options.target_modules))
+    if spec.prompt_tuning is not None:
+        parts.append(f"{spec.prompt_tuning.num_virtual_tokens}-virtual")
+    if spec.ia3 is not None and spec.ia3.feedforward_modules is not None:
+        parts.append("ff-" + "+".join(spec.ia3.feedforward_modules))
     quant = spec.quantization
     if quant is not None:
         parts.append(quant.type.value + ("-dq" if quant.double_quant else ""))
@@ -227,56 +255,6 @@ def _parallel_name(parallel: ParallelSpec) -> str:
     if parallel.offload is not Offload.NONE:
         parts.append(f"offload-{parallel.offload.value}")
     return "-".join(parts)
-
-
-QWEN_7B = "Qwen/Qwen2.5-7B"
-QWEN_05B = "Qwen/Qwen2.5-0.5B"
-LLAMA_8B = "meta-llama/Llama-3.1-8B"
-MISTRAL_7B = "mistralai/Mistral-7B-v0.1"
-GEMMA_2B = "google/gemma-2-2b"
-PHI_3 = "microsoft/Phi-3-mini-4k-instruct"
-QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
-BERT_BASE = "google-bert/bert-base-uncased"
-BERT_LARGE = "google-bert/bert-large-uncased"
-DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
-PHI_2 = "microsoft/phi-2"
-GEMMA_3 = "google/gemma-3-1b-pt"
-QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
-T5_SMALL = "google/t5-v1_1-small"
-T0_3B = "bigscience/T0_3B"
-MT0_XXL = "bigscience/mt0-xxl"
-
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def _lora(
-    r: int = 16,
-    targets: tuple[str, ...] | str | None = ALL_LINEAR,
-    adapter_dtype: DType | None = None,
-    **kwargs: Any,
-) -> LoraSpec:
-    return LoraSpec(
-        r=r, lora_alpha=2 * r, target_modules=targets, adapter_dtype=adapter_dtype, **kwargs
-    )
-
-
-def _qlora(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) -> QuantSpec:
-    return QuantSpec(
-        type=kwargs.pop("type", QuantType.NF4),
-        double_quant=double_quant,
-        prepare_kbit=prepare_kbit,
-        **kwargs,
-    )
-
-
-def _spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) -> TrainingSpec:
-    if method is not Method.FULL and "lora" not in kwargs:
-        kwargs["lora"] = _lora()
-    if method is Method.QLORA and "quantization" not in kwargs:
-        kwargs["quantization"] = _qlora()
-    return TrainingSpec(
-        method=method, batch_size=b, seq_len=s, gradient_checkpointing=ckpt, **kwargs
-    )
 
 
 def matrix() -> list[Case]:
@@ -535,6 +513,7 @@ def matrix() -> list[Case]:
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
     cases.extend(_t5_cases())
+    cases.extend(_tuner_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32
@@ -557,163 +536,6 @@ def matrix() -> list[Case]:
         _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
     )
     return [Case(model_id=m, spec=s) for m, s in cases]
-
-
-def _t5_cases() -> list[tuple[str, TrainingSpec]]:
-    """Encoder-decoders (T5 v1.1, eager attention with the relative position bias, dropout
-    0.1 everywhere): full and LoRA (PEFT's default q and v, r 8, dropout 0.1, as PEFT's
-    seq2seq examples) in fp32 with torch AdamW, and bf16; T0-3B as the published runs."""
-    lora, full = Method.LORA, Method.FULL
-    fp32, eager = DType.FP32, AttnImpl.EAGER
-    adamw = Optim.ADAMW_TORCH
-    peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
-    all_linear = _lora(r=16, lora_dropout=0.1)
-    # SDPA (transformers' default): the mem-efficient kernel with the bias as its mask
-    sdpa = [
-        (T5_SMALL, _spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
-        (T5_SMALL, _spec(full, 4, 128, target_length=32)),
-        (T5_SMALL, _spec(lora, 4, 128, target_length=32, lora=_lora(r=8, targets=None))),
-        (T0_3B, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
-        # mT5 (MT5ForConditionalGeneration, a 250k vocabulary): mt0-xxl as PEFT's README ran it
-        (MT0_XXL, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
-    ]
-    return [
-        *sdpa,
-        (
-            T5_SMALL,
-            _spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),
-        ),
-        (T5_SMALL, _spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager)),
-        (T5_SMALL, _spec(full, 4, 64, target_length=256)),  # a target longer than the source
-        (T5_SMALL, _spec(full, 4, 128, target_length=32, gradient_accumulation_steps=2)),
-        (
-            T5_SMALL,
-            _spec(
-                lora,
-                4,
-                128,
-                target_length=32,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=_lora(r=16),
-            ),
-        ),
-        (
-            T5_SMALL,
-            _spec(
-                full, 4, 128, target_length=32, dtype=fp32, attn_implementation=eager, optim=adamw
-            ),
-        ),
-        (
-            T5_SMALL,
-            _spec(
-                lora,
-                8,
-                128,
-                target_length=4,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=peft_lora,
-            ),
-        ),
-        (T5_SMALL, _spec(full, 4, 128, target_length=32, attn_implementation=eager)),
-        (
-            T5_SMALL,
-            _spec(
-                lora,
-                4,
-                128,
-                target_length=32,
-                attn_implementation=eager,
-                lora=_lora(r=8, targets=None),
-            ),
-        ),
-        (
-            T0_3B,
-            _spec(
-                lora,
-                8,
-                128,
-                target_length=4,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=peft_lora,
-            ),
-        ),
-        (
-            T0_3B,
-            _spec(
-                full, 8, 128, target_length=4, dtype=fp32, attn_implementation=eager, optim=adamw
-            ),
-        ),
-    ]
-
-
-def _dora_cases() -> list[tuple[str, TrainingSpec]]:
-    """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing, autocast and
-    dropout, on Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""
-    lora, qlora = Method.LORA, Method.QLORA
-    dora = _lora(use_dora=True)
-    return [
-        (QWEN_05B, _spec(lora, 2, 512, lora=dora)),
-        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora)),
-        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, lora=dora)),
-        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora, autocast=True)),
-        # With dropout PEFT runs the base linear again on the dropped-out input.
-        (QWEN_05B, _spec(lora, 2, 512, lora=_lora(use_dora=True, lora_dropout=0.1))),
-        (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
-    ]
-
-
-FALCON_7B = "tiiuae/falcon-7b"
-BLOOM_560M = "bigscience/bloom-560m"
-BLOOMZ_7B1 = "bigscience/bloomz-7b1"
-
-
-def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
-    """Falcon-7B (multi-query attention through SDPA's math kernel, one LayerNorm feeding
-    attention and MLP in parallel) and BLOOM (ALiBi, its own baddbmm attention, which
-    transformers 5.24 runs as eager only; an embedding LayerNorm)."""
-    lora, full = Method.LORA, Method.FULL
-    eager = AttnImpl.EAGER
-    return [
-        (FALCON_7B, _spec(lora, 1, 512)),
-        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True)),
-        (FALCON_7B, _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None))),
-        (FALCON_7B, _spec(full, 1, 512, ckpt=True)),
-        (FALCON_7B, _spec(lora, 1, 512, attn_implementation=eager)),
-        (FALCON_7B, _spec(lora, 2, 512)),
-        (FALCON_7B, _spec(lora, 2, 512, attn_implementation=eager)),
-        (FALCON_7B, _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager)),
-        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True, autocast=True)),
-        (FALCON_7B, _spec(Method.QLORA, 1, 1024, ckpt=True)),
-        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 4, 512, attn_implementation=eager, lora=_lora(r=8, targets=None))),
-        (BLOOM_560M, _spec(full, 1, 1024, ckpt=True, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 1, 2048, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 2, 2048, ckpt=True, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager, autocast=True)),
-        (BLOOM_560M, _spec(Method.QLORA, 2, 512, attn_implementation=eager)),
-        # PEFT's README row for bigscience/bloomz-7b1: LoRA r8 on query_key_value, fp32, b8 s64.
-        (
-            BLOOMZ_7B1,
-            _spec(
-                lora,
-                8,
-                64,
-                attn_implementation=eager,
-                dtype=DType.FP32,
-                lora=_lora(r=8, targets=None),
-            ),
-        ),
-    ]
-
-
-LLAMA_1B = "meta-llama/Llama-3.2-1B"
 
 
 def parallel_matrix() -> list[Case]:

@@ -21,7 +21,9 @@ from service.core.spec import TrainingSpec
 integers = st.integers(-2, 3) | st.integers(4000, 5000) | st.integers(10**6, 10**7)
 numbers = st.floats(-1.0, 2.0) | st.floats(9e5, 2e6) | integers
 fields: dict[str, st.SearchStrategy[Any]] = {
-    "method": st.sampled_from(["full", "lora", "qlora", "half"]),
+    "method": st.sampled_from(
+        ["full", "lora", "qlora", "ia3", "ln-tuning", "prompt-tuning", "half"]
+    ),
     "batch_size": integers | st.just(2.5),
     "seq_len": integers,
     "gradient_accumulation_steps": integers,
@@ -41,6 +43,23 @@ fields: dict[str, st.SearchStrategy[Any]] = {
                 st.sampled_from(["embed_tokens", "lm_head", "foo", "", 3]), max_size=3
             ),
         },
+    ),
+    "ia3": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "target_modules": st.none()
+            | st.lists(st.sampled_from(["k_proj", "down_proj", "bad name", ""]), max_size=3),
+            "feedforward_modules": st.none()
+            | st.lists(st.sampled_from(["down_proj", "up_proj", 3]), max_size=2),
+        },
+    ),
+    "prompt_tuning": st.none()
+    | st.fixed_dictionaries({}, optional={"num_virtual_tokens": integers}),
+    "ln_tuning": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={"target_modules": st.none() | st.sampled_from([["norm"], ["norm", 3], []])},
     ),
     "parallel": st.fixed_dictionaries(
         {},

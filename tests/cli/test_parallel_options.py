@@ -75,3 +75,16 @@ def test_an_unreadable_file_and_two_files_are_refused(tmp_path: Path) -> None:
     path = _file(tmp_path, {})
     with pytest.raises(CliError, match="give one of them"):
         _spec("--deepspeed", path, "--fsdp-config", path)
+
+
+def test_peft_methods_take_their_defaults_and_target_modules() -> None:
+    job = ["Qwen/Qwen2.5-0.5B", "-b", "1", "-s", "512"]
+    parse = build_parser().parse_args
+    spec = spec_from_args(parse(["estimate", *job, "--method", "ia3"]))
+    assert spec.method.value == "ia3" and spec.ia3 is None and spec.lora is None
+    spec = spec_from_args(
+        parse(["estimate", *job, "--method", "ln-tuning", "--target-modules", "norm"])
+    )
+    assert spec.ln_tuning is not None and spec.ln_tuning.target_modules == ("norm",)
+    with pytest.raises(CliError, match="LoRA options"):
+        spec_from_args(parse(["estimate", *job, "--method", "ia3", "--r", "8"]))

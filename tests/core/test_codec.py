@@ -29,6 +29,8 @@ from service.core.limits import (
 )
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
+    METHOD_OPTIONS,
     SAVABLE_MODULES,
     SHARDING_STRATEGIES,
     ZERO_STAGES,
@@ -48,6 +50,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
 module_names = st.from_regex(r"[A-Za-z0-9_.]{1,20}", fullmatch=True)
@@ -120,17 +123,32 @@ allocators = st.builds(
 )
 
 
+module_names = st.lists(st.sampled_from(["k_proj", "v_proj", "down_proj", "norm"]), min_size=1)
+ia3s = st.builds(
+    IA3Spec,
+    target_modules=st.none() | module_names.map(tuple),
+    feedforward_modules=st.none(),
+)
+ln_tunings = st.builds(LnTuningSpec, target_modules=st.none() | module_names.map(tuple))
+prompt_tunings = st.builds(PromptTuningSpec, num_virtual_tokens=st.integers(1, 1000))
+
+
 @st.composite
 def specs(draw: st.DrawFn) -> TrainingSpec:
     method = draw(st.sampled_from(Method))
+    # PEFT's other methods are modelled with HF + PEFT on one GPU, without autocast
+    other = method in METHOD_OPTIONS
     return TrainingSpec(
         method=method,
         batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
-        lora=None if method is Method.FULL else draw(st.none() | loras),
+        lora=draw(st.none() | loras) if method in LORA_METHODS else None,
         quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
+        ia3=draw(st.none() | ia3s) if method is Method.IA3 else None,
+        ln_tuning=draw(st.none() | ln_tunings) if method is Method.LN_TUNING else None,
+        prompt_tuning=draw(prompt_tunings) if method is Method.PROMPT_TUNING else None,
         dtype=draw(st.sampled_from(DType)),
-        autocast=draw(st.booleans()),
+        autocast=False if other else draw(st.booleans()),
         optim=draw(st.sampled_from(Optim)),
         gradient_accumulation_steps=draw(st.integers(1, MAX_GRADIENT_ACCUMULATION)),
         max_grad_norm=draw(st.floats(0.0, MAX_GRAD_NORM)),
@@ -138,8 +156,10 @@ def specs(draw: st.DrawFn) -> TrainingSpec:
         attn_implementation=draw(st.sampled_from(AttnImpl)),
         sdpa_kernel=draw(st.sampled_from(SdpaKernel)),
         loss=draw(st.none() | st.sampled_from(LossImpl)),
-        framework=draw(st.sampled_from(Framework)),
-        parallel=draw(
+        framework=Framework.HF if other else draw(st.sampled_from(Framework)),
+        parallel=ParallelSpec()
+        if other
+        else draw(
             parallels(
                 [s for s in Strategy if s not in SHARDING_STRATEGIES]
                 if method is Method.QLORA
@@ -167,6 +187,9 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         names.remove("num_labels")
     if spec.target_length is None:  # encoder-decoder only: written when set
         names.remove("target_length")
+    for name in METHOD_OPTIONS.values():  # each method's options: written when set
+        if getattr(spec, name) is None:
+            names.remove(name)
     assert list(data) == names
     assert list(data["allocator"]) == [f.name for f in dataclasses.fields(AllocatorConfig)]
 
@@ -215,7 +238,22 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
             "List should have at most 64 items after validation, not 65",
         ),
         ({"lora": 5}, "lora", "Input should be an object"),
-        ({"method": "nope"}, "method", "Input should be 'full', 'lora' or 'qlora'"),
+        (
+            {"method": "nope"},
+            "method",
+            "Input should be 'full', 'lora', 'qlora', 'ia3', 'ln-tuning' or 'prompt-tuning'",
+        ),
+        ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
+        (
+            {"method": "prompt-tuning", "prompt_tuning": {}},
+            "prompt_tuning.num_virtual_tokens",
+            "Field required",
+        ),
+        (
+            {"method": "ia3", "ia3": {"target_modules": []}},
+            "ia3.target_modules",
+            "List should have at least 1 item after validation, not 0",
+        ),
         ({"autocast": "yes"}, "autocast", "Input should be a valid boolean"),
         (
             {"parallel": {"gpus": 2000}},

@@ -25,7 +25,16 @@ from service.core.fit import (
     part_threshold,
     usable_bytes,
 )
-from service.core.spec import LoraSpec, Method, Optim, ParallelSpec, Strategy, TrainingSpec
+from service.core.spec import (
+    LORA_METHODS,
+    LoraSpec,
+    Method,
+    Optim,
+    ParallelSpec,
+    Strategy,
+    TrainingSpec,
+)
+from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import GIB, MIB
 
 BASE = TrainingSpec(batch_size=4, seq_len=64)
@@ -407,7 +416,7 @@ def test_every_part_of_a_suggestion_is_needed_or_saves_more_than_the_threshold(
 ) -> None:
     lora = (
         LoraSpec(r=16, target_modules="all-linear" if all_linear else None)
-        if method is not Method.FULL
+        if method in LORA_METHODS
         else None
     )
     job = TrainingSpec(
@@ -417,6 +426,9 @@ def test_every_part_of_a_suggestion_is_needed_or_saves_more_than_the_threshold(
         optim=optim,
         gradient_checkpointing=checkpointing,
         lora=lora,
+        prompt_tuning=PromptTuningSpec(num_virtual_tokens=100)
+        if method is Method.PROMPT_TUNING
+        else None,
     )
     need = estimate(model, job).device_bytes_upper
     # GPUs a share of the job's need: the job fits none of them, so each gets suggestions.

@@ -13,6 +13,8 @@ from service.core.estimator import estimate, peak_levels
 from service.core.result import Component
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
+    METHOD_OPTIONS,
     AttnImpl,
     LoraSpec,
     Method,
@@ -20,6 +22,7 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
+from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import DType
 
 MODELS = (
@@ -32,11 +35,12 @@ MODELS = (
 
 @st.composite
 def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
-    model = draw(st.sampled_from(MODELS))
     method = draw(st.sampled_from(list(Method)))
+    other = method in METHOD_OPTIONS  # modelled on Llama-style decoders, without autocast
+    model = draw(st.sampled_from(MODELS[:2] if other else MODELS))
     lora = None
     quant = None
-    if method is not Method.FULL:
+    if method in LORA_METHODS:
         lora = LoraSpec(
             r=draw(st.sampled_from([4, 8, 16, 64])),
             target_modules=ALL_LINEAR,
@@ -54,7 +58,10 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         gradient_checkpointing=draw(st.booleans()),
         attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
         optim=draw(st.sampled_from(list(Optim))),
-        autocast=draw(st.booleans()),
+        autocast=False if other else draw(st.booleans()),
+        prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))
+        if method is Method.PROMPT_TUNING
+        else None,
     )
     return model, spec
 
@@ -63,6 +70,16 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
 # through the allocator model (up to a second for an 8B model), so the suite keeps to this
 # many (seven properties, about a minute together).
 EXAMPLES = 30
+
+
+def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, TrainingSpec]:
+    """The case as LoRA with its defaults when it is another PEFT method, for a change of
+    method."""
+    model, spec = case
+    if spec.method not in METHOD_OPTIONS:
+        return case
+    plain = replace(spec, method=Method.LORA, ia3=None, ln_tuning=None, prompt_tuning=None)
+    return model, plain
 
 
 def _peak(model: str, spec: TrainingSpec) -> int:
@@ -114,7 +131,7 @@ STATEFUL = (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED, Optim.ADAMW_BNB_8BIT)
 def test_lora_never_above_full_fine_tuning(case: tuple[str, TrainingSpec], optim: Optim) -> None:
     # Same settings, adapters in the model's dtype. (fp32 adapters can exceed full fine-tuning
     # at long sequences: PEFT keeps an fp32 copy of each adapted layer's input.)
-    model, spec = case
+    model, spec = _without_method_options(case)
     lora = LoraSpec(r=16, target_modules=ALL_LINEAR, adapter_dtype=DType.BF16)
     as_lora = replace(spec, method=Method.LORA, lora=lora, quantization=None, optim=optim)
     as_full = replace(spec, method=Method.FULL, lora=None, quantization=None, optim=optim)
@@ -124,7 +141,7 @@ def test_lora_never_above_full_fine_tuning(case: tuple[str, TrainingSpec], optim
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(specs())
 def test_qlora_weights_below_bf16_weights(case: tuple[str, TrainingSpec]) -> None:
-    model, spec = case
+    model, spec = _without_method_options(case)
     arch = default_catalog().resolve(model).arch
     lora = LoraSpec(r=16, target_modules=ALL_LINEAR)
     as_qlora = replace(spec, method=Method.QLORA, lora=lora, quantization=QuantSpec())
@@ -148,7 +165,8 @@ def test_components_sum_to_the_peak_and_levels_are_ordered(case: tuple[str, Trai
 @given(specs(), st.sampled_from([1, 2, 8]))
 def test_peak_levels_are_the_estimates_levels(case: tuple[str, TrainingSpec], gpus: int) -> None:
     model, spec = case
-    spec = replace(spec, parallel=replace(spec.parallel, gpus=gpus))
+    if spec.method not in METHOD_OPTIONS:  # PEFT's other methods are modelled on one GPU
+        spec = replace(spec, parallel=replace(spec.parallel, gpus=gpus))
     arch = default_catalog().resolve(model).arch
     est = estimate(arch, spec)
     assert tuple(peak_levels(arch, spec)) == (

@@ -27,6 +27,13 @@ RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
 # that grows fails, one that closes fails too.
 RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
+    # Prompt tuning runs 1024 + 200 positions: the estimate interpolates the reserved gap
+    # between the replays at 1024 and 2048 (reserved.reserved_gap), and the trace's step 2
+    # takes a new logits-sized segment there; the replay at 1224 itself is within 0.03 %.
+    "llama-3_2-1b__prompt-tuning__200-virtual__b1-s1024": (
+        0.04,
+        "prompt tuning's lengthened sequence: the reserved gap interpolated between powers of two",
+    ),
     # FSDP1 LoRA with an LM head not tied to the embedding: the trace's backward peak holds
     # less recomputed activation than the estimate's top-layer moment (an over-estimate).
     "phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-full-shard": (

@@ -30,6 +30,8 @@ RETRACED = (
     "bloom-560m__lora__r8-default__b4-s512__eager",
     "bert-base-uncased__lora__r8-default__b4-s512",
     "t5-v1_1-small__lora__r8-default__b4-s128__t32__eager",
+    "qwen2_5-0_5b__ia3__b2-s512__ckpt",
+    "qwen2_5-0_5b__prompt-tuning__20-virtual__b2-s512",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these
@@ -55,7 +57,14 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
     cases = matrix()
     assert len({c.model_id for c in cases}) >= 6
     specs = [c.spec for c in cases]
-    assert {s.method.value for s in specs} == {"full", "lora", "qlora"}
+    assert {s.method.value for s in specs} == {
+        "full",
+        "lora",
+        "qlora",
+        "ia3",
+        "ln-tuning",
+        "prompt-tuning",
+    }
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}
     assert {s.dtype for s in specs if s.autocast} >= {DType.BF16, DType.FP16, DType.FP32}

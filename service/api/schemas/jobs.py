@@ -35,6 +35,7 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
 )
@@ -61,6 +62,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
@@ -150,6 +152,58 @@ class LoraIn(In):
             use_dora=self.use_dora,
             use_rslora=self.use_rslora,
         )
+
+
+def _names(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+class IA3In(In):
+    """PEFT IA3Config; the defaults are PEFT's."""
+
+    target_modules: ModuleList | None = Field(
+        default=None,
+        description="Linears that get a scaling vector; null: PEFT's default for the model.",
+    )
+    feedforward_modules: list[ModuleName] | None = Field(
+        default=None,
+        max_length=MAX_MODULES,
+        description="Targets whose input is scaled instead of their output; null: PEFT's "
+        "default for the model, [] none.",
+    )
+
+    def to_spec(self) -> IA3Spec:
+        return IA3Spec(
+            target_modules=_names(self.target_modules),
+            feedforward_modules=_names(self.feedforward_modules),
+        )
+
+
+class LnTuningIn(In):
+    """PEFT LNTuningConfig; the defaults are PEFT's."""
+
+    target_modules: ModuleList | None = Field(
+        default=None,
+        description="Norm layers trained (as copies); null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LnTuningSpec:
+        return LnTuningSpec(target_modules=_names(self.target_modules))
+
+
+class PromptTuningIn(In):
+    """PEFT PromptTuningConfig; num_virtual_tokens has no PEFT default."""
+
+    integer_fields = integers("num_virtual_tokens")
+
+    num_virtual_tokens: int = Field(
+        ge=1,
+        le=MAX_VIRTUAL_TOKENS,
+        description="Virtual tokens prepended to every sequence (trainable embeddings).",
+    )
+
+    def to_spec(self) -> PromptTuningSpec:
+        return PromptTuningSpec(num_virtual_tokens=self.num_virtual_tokens)
 
 
 class QuantizationIn(In):
@@ -531,12 +585,24 @@ class JobSpec(In):
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
     )
-    method: Method = Field(default=Method.LORA, description="full, lora or qlora.")
+    method: Method = Field(
+        default=Method.LORA,
+        description="full, lora, qlora, or PEFT's ia3, ln-tuning or prompt-tuning.",
+    )
     lora: LoraIn | None = Field(
         default=None, description="LoRA options (lora and qlora); null: PEFT's defaults."
     )
     quantization: QuantizationIn | None = Field(
         default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
+    )
+    ia3: IA3In | None = Field(
+        default=None, description="(IA)^3 options (ia3 only); null: PEFT's defaults."
+    )
+    ln_tuning: LnTuningIn | None = Field(
+        default=None, description="LN tuning options (ln-tuning only); null: PEFT's defaults."
+    )
+    prompt_tuning: PromptTuningIn | None = Field(
+        default=None, description="Prompt tuning options (prompt-tuning only, required there)."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -615,6 +681,9 @@ class JobSpec(In):
             seq_len=self.seq_len,
             lora=None if self.lora is None else self.lora.to_spec(),
             quantization=None if self.quantization is None else self.quantization.to_spec(),
+            ia3=None if self.ia3 is None else self.ia3.to_spec(),
+            ln_tuning=None if self.ln_tuning is None else self.ln_tuning.to_spec(),
+            prompt_tuning=None if self.prompt_tuning is None else self.prompt_tuning.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

@@ -14,12 +14,21 @@ from service.core.architecture import (
     NormKind,
 )
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
+from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
     FUSED_GATE_UP_RANK_FACTOR,
     adapted_linears,
     expert_adapters,
 )
-from service.core.spec import AttnImpl, Framework, Method, QuantType, ResolvedSpec, SdpaKernel
+from service.core.spec import (
+    LORA_METHODS,
+    AttnImpl,
+    Framework,
+    Method,
+    QuantType,
+    ResolvedSpec,
+    SdpaKernel,
+)
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,
@@ -67,6 +76,14 @@ class LayerFlow:
     hf_modules: bool = True
     # PEFT's DoRA variant on every adapted linear (`_dora_saves`).
     dora: bool = False
+    # (IA)^3: the linears whose output, and those whose input, a trainable vector scales
+    # (`_ia3_saves`); LN tuning: the norms trained ("norm1", "norm2", "final").
+    ia3_out: frozenset[str] = frozenset()
+    ia3_in: frozenset[str] = frozenset()
+    trained_norms: frozenset[str] = frozenset()
+    # Something in the attention block trains: a first layer whose input takes no gradient
+    # still records its attention for backward.
+    attention_trains: bool = True
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -103,6 +120,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
     lora = rs.lora
     targets = frozenset(lin.name for lin in adapted)
     litgpt = spec.framework is Framework.LITGPT
+    ia3_out, ia3_in = scaled_kinds(arch, rs)
     return LayerFlow(
         residual=residual,
         norm_out=norm_out,
@@ -127,6 +145,12 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         expert_lora=bool(expert_adapters(arch, rs)),
         hf_modules=spec.framework is Framework.HF,
         dora=bool(lora and lora.use_dora),
+        ia3_out=ia3_out,
+        ia3_in=ia3_in,
+        trained_norms=ln_tuning_targets(arch, rs),
+        attention_trains=spec.method in LORA_METHODS
+        or spec.method is Method.FULL
+        or attention_trains(arch, rs),
     )
 
 
@@ -137,6 +161,7 @@ def _linear_saves(
     that input needs a gradient; bitsandbytes 0.41.1 keeps it only then)."""
     if f.full or (f.quant_saves_input and input_grad and not lin.expert):
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
+    _ia3_saves(led, f, lin, x_key, x_bytes, input_grad)
     if lin.name not in f.lora_targets:
         return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
@@ -173,6 +198,25 @@ def _linear_saves(
         _dora_saves(led, f, lin, x_bytes, in_bytes, peft_dtype)
 
 
+def _ia3_saves(
+    led: _Ledger, f: LayerFlow, lin: Linear, x_key: str, x_bytes: int, input_grad: bool
+) -> None:
+    """(IA)^3 on a linear (peft/tuners/ia3/layer.py Linear.forward). A feedforward module
+    casts its input to the vector's dtype and multiplies: the product keeps that cast (the
+    input itself when the dtypes agree) for the vector's gradient. Otherwise the base output
+    is multiplied, and kept for the same reason; the product is cast back, a new tensor.
+    The product also keeps the scaling (`1 * ia3_l.flatten()`, a new vector) for the other
+    operand's gradient, when that operand takes one."""
+    if lin.name in f.ia3_in:
+        key = x_key if f.adapter == x_bytes else f"{x_key}>ia3"
+        led.add(key, lin.in_features * f.adapter)
+        led.add(f"{lin.name}.ia3_scaling", lin.in_features * f.adapter, _Kind.CONSTANT)
+    elif lin.name in f.ia3_out:
+        led.add(f"{lin.name}.base_out", lin.out_features * x_bytes)
+        if input_grad:
+            led.add(f"{lin.name}.ia3_scaling", lin.out_features * f.adapter, _Kind.CONSTANT)
+
+
 def _dora_saves(
     led: _Ledger, f: LayerFlow, lin: Linear, x_bytes: int, lora_bytes: int, peft_dtype: int
 ) -> None:
@@ -203,7 +247,7 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         fp32_key = x_key if f.residual == FP32_BYTES else f"{key}.fp32"
         led.add(fp32_key, h * FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
-        if f.full:
+        if f.full or key in f.trained_norms:
             led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
     elif f.autocast and f.residual != FP32_BYTES:
         # nn.LayerNorm under autocast runs in fp32 (layer_norm is on autocast's fp32 list):
@@ -533,6 +577,17 @@ def _layer_recipe(
     spec_like = _AttnChoice(attn, kernel, windowed, single)
     if input_needs_grad:
         _norm_saves(led, f, "norm1", "x_in", h, arch)
+    elif "norm1" in f.trained_norms:
+        # LN tuning's copy of a norm whose input takes no gradient: only the weight's
+        # product records, keeping the normed input
+        led.add("norm1.normed", h * f.residual)
+    if not (input_needs_grad or f.attention_trains):
+        # nothing before the MLP's norm takes a gradient in this layer (LN tuning of
+        # post_attention_layernorm alone)
+        if "norm2" in f.trained_norms:
+            led.add("norm2.normed", h * f.residual)
+        _mlp_saves(led, f, arch, "norm2.out", at_up_proj=at_up_proj)
+        return led.recipe()
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_QKV:
             _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)

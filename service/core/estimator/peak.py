@@ -6,17 +6,18 @@ from dataclasses import replace
 
 from service.core.architecture import ModelArch
 from service.core.device import device_row
-from service.core.errors import InvalidSpecError
+from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.plan import _Plan
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _step
+from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import TrainingSpec
+from service.core.spec import METHOD_OPTIONS, TrainingSpec
 from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
@@ -36,6 +37,7 @@ def estimate(
         return encoder_estimate(
             arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
         )
+    spec = sequence_spec(spec)
     st = _step(arch, spec, compute_capability)
     plan = st.plan
     p = plan.params
@@ -76,6 +78,7 @@ def peak_levels(
         if arch.encoder_decoder:
             return seq2seq_peak_levels(arch, spec, compute_capability=compute_capability)
         return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
+    spec = sequence_spec(spec)
     step = _step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
@@ -84,7 +87,13 @@ def peak_levels(
 
 def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
     """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder, and
-    `target_length` on any model but an encoder-decoder."""
+    `target_length` on any model but an encoder-decoder, and PEFT's methods besides LoRA on
+    an encoder or an encoder-decoder (`tuners.TUNER_MODEL_TYPES`)."""
+    if (arch.encoder or arch.encoder_decoder) and spec.method in METHOD_OPTIONS:
+        raise InvalidConfigError(
+            "model_type",
+            f"method {spec.method.value!r} is modelled on decoders, not {arch.model_type!r}",
+        )
     if arch.encoder_decoder:
         return True  # its own step (estimator/seq2seq.py)
     if spec.target_length is not None:

@@ -13,6 +13,7 @@ from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_f
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
+from service.core.estimator.tuners import check_tuner_model, tuner_tensors, virtual_tokens
 from service.core.estimator.weights import (
     _optimizer_state,
     _Params,
@@ -35,6 +36,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
 # Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
@@ -93,6 +95,7 @@ class _StepTraits:
 def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     unit = key.unit_spec()
     rs = resolve(unit)
+    check_tuner_model(arch, rs)
     adapted = adapted_linears(arch, rs)
     f = layer_flow(arch, rs, adapted)
     p = _params(
@@ -105,6 +108,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         adapted,
         f.head_quantized,
         expert_adapters(arch, rs),
+        tuner_tensors(arch, rs),
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
@@ -304,7 +308,7 @@ def _reserved_plan(
         dtype_bytes=DTYPE_BYTES[spec.dtype],
         residual=f.residual,
         compute=DTYPE_BYTES[rs.compute_dtype],
-        adapter=f.adapter if lora else 0,
+        adapter=f.adapter if lora or f.ia3_out or f.ia3_in else 0,
         rank=lora.r if lora else 0,
         dropout=f.dropout,
         adapted=f.lora_targets,
@@ -326,6 +330,10 @@ def _reserved_plan(
         clip=spec.max_grad_norm > 0,
         accumulation=spec.gradient_accumulation_steps,
         dora=f.dora,
+        ia3_out=f.ia3_out,
+        ia3_in=f.ia3_in,
+        trained_norms=f.trained_norms,
+        virtual_tokens=virtual_tokens(spec),
     )
 
 
@@ -335,6 +343,9 @@ class _PlanKey(NamedTuple):
     method: Method
     lora: LoraSpec | None
     quantization: QuantSpec | None
+    ia3: IA3Spec | None
+    ln_tuning: LnTuningSpec | None
+    prompt_tuning: PromptTuningSpec | None
     dtype: DType
     autocast: bool
     optim: Optim
@@ -359,6 +370,9 @@ class _PlanKey(NamedTuple):
             spec.method,
             spec.lora,
             spec.quantization,
+            spec.ia3,
+            spec.ln_tuning,
+            spec.prompt_tuning,
             spec.dtype,
             spec.autocast,
             spec.optim,

@@ -13,6 +13,7 @@ from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
+from service.core.estimator.tuners import virtual_tokens
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
@@ -220,11 +221,14 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     temps = rank.optimizer_temporaries
 
     per_layer = _recipe_bytes(plan.layer, b, s)
+    # prompt tuning: `s` counts the virtual tokens (`tuners.sequence_spec`), the inputs do not
+    virtual = virtual_tokens(spec)
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
-    # it (and with a frozen embedding) the first layer's input takes no gradient.
+    # it (and with a frozen embedding) the first layer's input takes no gradient, unless
+    # trainable virtual tokens are part of it.
     first_layer = (
         per_layer
-        if traits.embed_trains or spec.gradient_checkpointing
+        if traits.embed_trains or spec.gradient_checkpointing or virtual
         else _recipe_bytes(plan.first_layer, b, s)
     )
     # Gemma-3's global layers among sliding-window ones, where their saved tensors differ
@@ -233,8 +237,11 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     # the top layer, recomputed first under checkpointing: global when the period divides L
     top_layer = global_layer if globals_ and L % arch.global_layer_period == 0 else per_layer
     checkpoint = _blk(tokens * h * f.residual)
-    inputs = 2 * _blk(tokens * INT64_BYTES)  # input_ids and labels (torch.long)
+    inputs = 2 * _blk(b * (s - virtual) * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    if "final" in f.trained_norms:
+        # LN tuning's copy of the final norm: its weight's product keeps the normed input
+        final_norm += _blk(tokens * h * f.residual)
     if arch.norm is NormKind.LAYER and spec.framework is Framework.HF:
         # nn.LayerNorm saves its input (the last layer's output; its fp32 copy under autocast)
         # with its fp32 mean and rstd (reference traces falcon-7b__*, bloom-560m__*).
@@ -278,6 +285,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     if spec.gradient_checkpointing:
         masks += alibi
     final_norm += masks
+    if virtual and spec.gradient_checkpointing:
+        # prompt tuning: enable_input_require_grads makes the embedded input ids a leaf that
+        # takes a gradient; the concatenation's AccumulateGrad keeps it until backward ends
+        final_norm += _blk(b * (s - virtual) * h * f.residual)
     if spec.gradient_checkpointing:
         activations = L * checkpoint + final_norm
         # The recomputed first norm saves the layer's input itself when it needs no fp32 copy

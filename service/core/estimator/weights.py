@@ -202,13 +202,15 @@ def _params(
     adapted: tuple[Linear, ...],
     head_quantized: bool = False,
     expert_lora: tuple[tuple[int, int], ...] = (),
+    tuner: tuple[tuple[int, int, int, int], ...] = (),
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
     Cached: it depends on the model and method, not on batch or sequence length.
 
     `head_quantized`: the LM head is a 4-bit linear too (LitGPT's QLoRA: Fabric's
     BitsandbytesPrecision replaces every torch.nn.Linear, lm_head included). `expert_lora`:
-    the adapters PEFT puts on a layer's experts and router (`expert_adapters`)."""
+    the adapters PEFT puts on a layer's experts and router (`expert_adapters`). `tuner`: the
+    trainable tensors of (IA)^3 or LN tuning (`tuners.tuner_tensors`)."""
     md = DTYPE_BYTES[dtype]
     kbit = method is Method.QLORA
     prep = kbit and quant is not None and quant.prepare_kbit
@@ -283,6 +285,13 @@ def _params(
         for rows, cols in expert_lora:
             trainable.append(_Tensor(rows, cols, ad, L))
             layers_bytes += _Tensor(rows, cols, ad, L).nbytes
+    for rows, cols, itemsize, count in tuner:
+        tensor = _Tensor(rows, cols, itemsize, count)
+        trainable.append(tensor)
+        if count == L:
+            layers_bytes += tensor.nbytes
+        else:
+            outside_layers += tensor.nbytes
     return _Params(
         frozen=frozen,
         trainable=sum(t.nbytes for t in trainable),

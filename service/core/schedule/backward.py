@@ -45,6 +45,15 @@ class _Backward(_Forward):
             return self._trainable_autocast_backward(
                 g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
             )
+        if lin.scales_input or lin.scales_output:
+            gin = self.ia3_backward(g, nbytes, lin, saved, x_grad=x_grad, before_saved=before_saved)
+            if not x_grad:
+                return acc
+            if acc:
+                total = self.a(in_bytes * lin.d_in)
+                self.f(acc, gin)
+                gin = total
+            return gin
         if lin.adapted and sh.autocast:
             adapter_backward = (
                 self._dora_autocast_backward if sh.dora else self._lora_autocast_backward
@@ -249,7 +258,7 @@ class _Backward(_Forward):
         h = width or sh.hidden
         r = nbytes or sh.residual
         g1 = self.a((FP32_BYTES if sh.gemma_norm else r) * h)  # grad * weight (or its cast)
-        if sh.norm_trainable:
+        if self.norm_trains(name):
             self.f(self.a(r * h))  # grad * normed, summed into the weight's gradient
             self.grad((weight or h) * r)
             saved.release(f"{name}.normed")

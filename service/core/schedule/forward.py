@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from service.core.bnb import uses_dequant_fallback
-from service.core.schedule.dora import _Dora
+from service.core.schedule.ia3 import _IA3
 from service.core.schedule.program import _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import FP32_BYTES, INT64_BYTES
 
 
-class _Forward(_Dora):
+class _Forward(_IA3):
     """Appends the events of each module's forward."""
 
     # -- forward ----------------------------------------------------------------------------
@@ -30,14 +30,14 @@ class _Forward(_Dora):
             self.f(x32)
         if fp32:
             out = self.a(FP32_BYTES * h)
-            if saved is not None and sh.norm_trainable:
+            if saved is not None and self.norm_trains(name):
                 saved.save(f"{name}.normed", normed)
             self.f(normed)
             return out
         if sh.gemma_norm:
             # Gemma2RMSNorm: output * (1 + weight.float()), then type_as(x).
             scaled = self.a(FP32_BYTES * h)
-            if saved is not None and sh.norm_trainable:
+            if saved is not None and self.norm_trains(name):
                 saved.save(f"{name}.normed", normed)
             self.f(normed)
             out = self.a(nb * h)
@@ -45,7 +45,7 @@ class _Forward(_Dora):
             return out
         cast = self.a(nb * h)
         out = self.a(nb * h)
-        if saved is not None and sh.norm_trainable:
+        if saved is not None and self.norm_trains(name):
             saved.save(f"{name}.normed", cast)
         self.f(cast, normed)
         return out
@@ -76,6 +76,8 @@ class _Forward(_Dora):
                 raise _Stop
             self.gemm()
             return self.a(nbytes * lin.d_out)
+        if lin.scales_input or lin.scales_output:
+            return self.ia3_forward(x, nbytes, lin, saved)
         if lin.quantized:
             base = self._linear_4bit(x, nbytes, lin)
         else:

@@ -89,6 +89,10 @@ class _StepBase:
         self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
 
+    def norm_trains(self, name: str) -> bool:
+        """Whether the norm `name` has a trainable weight (full fine-tuning, LN tuning)."""
+        return self.sh.norm_trainable or name in self.sh.trained_norms
+
     def a(self, per_token: int) -> int:
         return self.p.alloc(self.t * per_token)
 

@@ -42,6 +42,9 @@ class LinearShape:
     weight_bytes: int  # a trainable weight's gradient bytes
     quantized: bool = False  # a bitsandbytes 4-bit weight
     bias: bool = False
+    # (IA)^3: a trainable vector scales the output, or (a feedforward module) the input
+    scales_output: bool = False
+    scales_input: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,3 +123,7 @@ class StepShape:
     grads_kept: bool = False
     # softmax's and log_softmax's backward nodes keep their input too (torch before 1.11)
     softmax_saves_input: bool = False
+    # LN tuning's trained norm copies, by the schedule's names ("norm1", "norm2", "final")
+    trained_norms: frozenset[str] = frozenset()
+    # prompt tuning's virtual tokens per sequence (counted in `seq`; 0: none)
+    virtual_tokens: int = 0

@@ -46,7 +46,11 @@ class _Step(_Backward):
         sh = self.sh
         h = sh.hidden
         self.handle = "forward"
-        embed = self.a(sh.residual * h)
+        leaf = 0
+        if sh.virtual_tokens:
+            embed, leaf = self._prompt_forward()
+        else:
+            embed = self.a(sh.residual * h)
         if sh.embed_scale:
             scaled = self.a(sh.residual * h)
             self.f(embed)
@@ -93,11 +97,15 @@ class _Step(_Backward):
         self._input_grad = True
         final = _Saved(self.p)
         fn = self.norm(x, final, "final")
-        self.f(x, embed, embedded, self.held)
+        # PEFT's prompt-tuning forward holds the concatenated input until the causal LM (and
+        # its loss) returns; the model's own embedding output is let go before the LM head
+        self.f(x, 0 if sh.virtual_tokens else embed, embedded, self.held)
         self.held = 0
         if not sh.checkpointing:
             self.f(*masks)
         logits, logp = self.loss_forward(fn)
+        if sh.virtual_tokens:
+            self.f(embed)
         self.end_region()  # the forward's autocast region exits
         self.handle = "backward"
         g = self.loss_backward(logits, logp, fn, final)
@@ -136,10 +144,53 @@ class _Step(_Backward):
             elif sh.embed_trainable:
                 self.grad(sh.vocab * h * sh.residual)
                 self.f(g)
+            elif sh.virtual_tokens:
+                self._prompt_backward(g)
             else:
                 self.f(g)
+        self.f(leaf)
         if sh.checkpointing:
             self.f(*masks)
+
+    def _prompt_forward(self) -> tuple[int, int]:
+        """Prompt tuning's input (peft/peft_model.py PeftModelForCausalLM.forward, get_prompt):
+        the embedded input ids; the virtual tokens embedded once (fp32) and repeated over the
+        batch, cast to the input's dtype; both concatenated. Returns the concatenation and what
+        outlives it until backward ends: the embedded ids when checkpointing's
+        enable_input_require_grads made them a leaf that takes a gradient (AccumulateGrad
+        keeps it), else 0."""
+        sh = self.sh
+        h = sh.hidden
+        prompt_tokens = sh.batch * sh.virtual_tokens
+        embedded = self.p.alloc((self.t - prompt_tokens) * h * sh.residual)
+        once = self.p.alloc(sh.virtual_tokens * h * FP32_BYTES)
+        repeated = self.p.alloc(prompt_tokens * h * FP32_BYTES)
+        self.f(once)
+        prompts = repeated
+        if sh.residual != FP32_BYTES:
+            prompts = self.p.alloc(prompt_tokens * h * sh.residual)
+            self.f(repeated)
+        joined = self.a(sh.residual * h)
+        self.f(prompts)
+        if sh.checkpointing:
+            return joined, embedded
+        self.f(embedded)
+        return joined, 0
+
+    def _prompt_backward(self, g: int) -> None:
+        """The concatenation's backward hands the virtual tokens a slice of `g` (released
+        here): cast back to fp32, summed over the batch (the repeat's backward), then the
+        embedding's backward makes the gradient."""
+        sh = self.sh
+        once = sh.virtual_tokens * sh.hidden * FP32_BYTES
+        wide = self.p.alloc(sh.batch * once)
+        self.f(g)
+        if sh.batch > 1:
+            summed = self.p.alloc(once)
+            self.f(wide)
+            wide = summed
+        self.grad(once)
+        self.f(wide)
 
     def _recompute(self, checkpoint: int, saved: _Saved) -> None:
         """Run the layer again with autograd until its last saved tensor exists (non-reentrant

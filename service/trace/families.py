@@ -1,0 +1,258 @@
+"""The reference matrix's families beyond the first (T5, DoRA, PEFT's other tuners, Falcon and
+BLOOM, LLM.int8 bases), with the model ids and spec helpers `reference.matrix()` shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.core.spec import (
+    ALL_LINEAR,
+    LORA_METHODS,
+    AttnImpl,
+    LoraSpec,
+    Method,
+    Optim,
+    QuantSpec,
+    QuantType,
+    TrainingSpec,
+)
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.units import DType
+
+QWEN_7B = "Qwen/Qwen2.5-7B"
+QWEN_05B = "Qwen/Qwen2.5-0.5B"
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+MISTRAL_7B = "mistralai/Mistral-7B-v0.1"
+GEMMA_2B = "google/gemma-2-2b"
+PHI_3 = "microsoft/Phi-3-mini-4k-instruct"
+QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
+BERT_BASE = "google-bert/bert-base-uncased"
+BERT_LARGE = "google-bert/bert-large-uncased"
+DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
+PHI_2 = "microsoft/phi-2"
+GEMMA_3 = "google/gemma-3-1b-pt"
+QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
+T5_SMALL = "google/t5-v1_1-small"
+T0_3B = "bigscience/T0_3B"
+MT0_XXL = "bigscience/mt0-xxl"
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _lora(
+    r: int = 16,
+    targets: tuple[str, ...] | str | None = ALL_LINEAR,
+    adapter_dtype: DType | None = None,
+    **kwargs: Any,
+) -> LoraSpec:
+    return LoraSpec(
+        r=r, lora_alpha=2 * r, target_modules=targets, adapter_dtype=adapter_dtype, **kwargs
+    )
+
+
+def _qlora(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) -> QuantSpec:
+    return QuantSpec(
+        type=kwargs.pop("type", QuantType.NF4),
+        double_quant=double_quant,
+        prepare_kbit=prepare_kbit,
+        **kwargs,
+    )
+
+
+def _spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) -> TrainingSpec:
+    if method in LORA_METHODS and "lora" not in kwargs:
+        kwargs["lora"] = _lora()
+    if method is Method.QLORA and "quantization" not in kwargs:
+        kwargs["quantization"] = _qlora()
+    return TrainingSpec(
+        method=method, batch_size=b, seq_len=s, gradient_checkpointing=ckpt, **kwargs
+    )
+
+
+LLAMA_1B = "meta-llama/Llama-3.2-1B"
+
+
+def _t5_cases() -> list[tuple[str, TrainingSpec]]:
+    """Encoder-decoders (T5 v1.1, eager attention with the relative position bias, dropout
+    0.1 everywhere): full and LoRA (PEFT's default q and v, r 8, dropout 0.1, as PEFT's
+    seq2seq examples) in fp32 with torch AdamW, and bf16; T0-3B as the published runs."""
+    lora, full = Method.LORA, Method.FULL
+    fp32, eager = DType.FP32, AttnImpl.EAGER
+    adamw = Optim.ADAMW_TORCH
+    peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
+    all_linear = _lora(r=16, lora_dropout=0.1)
+    # SDPA (transformers' default): the mem-efficient kernel with the bias as its mask
+    sdpa = [
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
+        (T5_SMALL, _spec(full, 4, 128, target_length=32)),
+        (T5_SMALL, _spec(lora, 4, 128, target_length=32, lora=_lora(r=8, targets=None))),
+        (T0_3B, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+        # mT5 (MT5ForConditionalGeneration, a 250k vocabulary): mt0-xxl as PEFT's README ran it
+        (MT0_XXL, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+    ]
+    return [
+        *sdpa,
+        (
+            T5_SMALL,
+            _spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),
+        ),
+        (T5_SMALL, _spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager)),
+        (T5_SMALL, _spec(full, 4, 64, target_length=256)),  # a target longer than the source
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, gradient_accumulation_steps=2)),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                4,
+                128,
+                target_length=32,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=_lora(r=16),
+            ),
+        ),
+        (
+            T5_SMALL,
+            _spec(
+                full, 4, 128, target_length=32, dtype=fp32, attn_implementation=eager, optim=adamw
+            ),
+        ),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                8,
+                128,
+                target_length=4,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=peft_lora,
+            ),
+        ),
+        (T5_SMALL, _spec(full, 4, 128, target_length=32, attn_implementation=eager)),
+        (
+            T5_SMALL,
+            _spec(
+                lora,
+                4,
+                128,
+                target_length=32,
+                attn_implementation=eager,
+                lora=_lora(r=8, targets=None),
+            ),
+        ),
+        (
+            T0_3B,
+            _spec(
+                lora,
+                8,
+                128,
+                target_length=4,
+                dtype=fp32,
+                attn_implementation=eager,
+                optim=adamw,
+                lora=peft_lora,
+            ),
+        ),
+        (
+            T0_3B,
+            _spec(
+                full, 8, 128, target_length=4, dtype=fp32, attn_implementation=eager, optim=adamw
+            ),
+        ),
+    ]
+
+
+def _dora_cases() -> list[tuple[str, TrainingSpec]]:
+    """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing, autocast and
+    dropout, on Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""
+    lora, qlora = Method.LORA, Method.QLORA
+    dora = _lora(use_dora=True)
+    return [
+        (QWEN_05B, _spec(lora, 2, 512, lora=dora)),
+        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora)),
+        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, lora=dora)),
+        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora, autocast=True)),
+        # With dropout PEFT runs the base linear again on the dropped-out input.
+        (QWEN_05B, _spec(lora, 2, 512, lora=_lora(use_dora=True, lora_dropout=0.1))),
+        (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
+    ]
+
+
+def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
+    """PEFT's (IA)^3 and LN tuning with their defaults, with and without checkpointing, on
+    Qwen2.5-0.5B and Llama-3.2-1B (whose defaults differ: q_proj or k_proj scaled, one norm
+    or every norm trained), and with targets named; prompt tuning likewise."""
+    ia3, ln, prompt = Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING
+    virtual_200 = PromptTuningSpec(num_virtual_tokens=200)
+    every_norm = LnTuningSpec(
+        target_modules=("input_layernorm", "post_attention_layernorm", "norm")
+    )
+    named_ia3 = IA3Spec(
+        target_modules=("q_proj", "k_proj", "v_proj", "up_proj", "down_proj"),
+        feedforward_modules=("up_proj", "down_proj"),
+    )
+    return [
+        (QWEN_05B, _spec(ia3, 2, 512)),
+        (QWEN_05B, _spec(ia3, 2, 512, ckpt=True)),
+        (QWEN_05B, _spec(ia3, 2, 512, ia3=named_ia3)),
+        (QWEN_05B, _spec(ln, 2, 512)),
+        (QWEN_05B, _spec(ln, 1, 1024, ckpt=True)),
+        (QWEN_05B, _spec(ln, 2, 512, ln_tuning=every_norm)),
+        (LLAMA_1B, _spec(ia3, 1, 1024)),
+        (LLAMA_1B, _spec(ia3, 2, 256, ckpt=True)),
+        (LLAMA_1B, _spec(ln, 1, 1024)),
+        (LLAMA_1B, _spec(ln, 2, 512, ckpt=True)),
+        # prompt tuning: 20 virtual tokens, and the 200 of PEFT's method comparison
+        (QWEN_05B, _spec(prompt, 2, 512, prompt_tuning=PromptTuningSpec(num_virtual_tokens=20))),
+        (QWEN_05B, _spec(prompt, 2, 512, ckpt=True, prompt_tuning=virtual_200)),
+        (LLAMA_1B, _spec(prompt, 1, 1024, prompt_tuning=virtual_200)),
+        (LLAMA_1B, _spec(prompt, 2, 256, ckpt=True, prompt_tuning=virtual_200)),
+    ]
+
+
+FALCON_7B = "tiiuae/falcon-7b"
+BLOOM_560M = "bigscience/bloom-560m"
+BLOOMZ_7B1 = "bigscience/bloomz-7b1"
+
+
+def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
+    """Falcon-7B (multi-query attention through SDPA's math kernel, one LayerNorm feeding
+    attention and MLP in parallel) and BLOOM (ALiBi, its own baddbmm attention, which
+    transformers 5.24 runs as eager only; an embedding LayerNorm)."""
+    lora, full = Method.LORA, Method.FULL
+    eager = AttnImpl.EAGER
+    return [
+        (FALCON_7B, _spec(lora, 1, 512)),
+        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True)),
+        (FALCON_7B, _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None))),
+        (FALCON_7B, _spec(full, 1, 512, ckpt=True)),
+        (FALCON_7B, _spec(lora, 1, 512, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 2, 512)),
+        (FALCON_7B, _spec(lora, 2, 512, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager)),
+        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True, autocast=True)),
+        (FALCON_7B, _spec(Method.QLORA, 1, 1024, ckpt=True)),
+        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 4, 512, attn_implementation=eager, lora=_lora(r=8, targets=None))),
+        (BLOOM_560M, _spec(full, 1, 1024, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 1, 2048, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 2, 2048, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager, autocast=True)),
+        (BLOOM_560M, _spec(Method.QLORA, 2, 512, attn_implementation=eager)),
+        # PEFT's README row for bigscience/bloomz-7b1: LoRA r8 on query_key_value, fp32, b8 s64.
+        (
+            BLOOMZ_7B1,
+            _spec(
+                lora,
+                8,
+                64,
+                attn_implementation=eager,
+                dtype=DType.FP32,
+                lora=_lora(r=8, targets=None),
+            ),
+        ),
+    ]
