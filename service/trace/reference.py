@@ -529,6 +529,7 @@ def matrix() -> list[Case]:
                     )
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
+    cases.extend(_int8_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32
@@ -566,6 +567,25 @@ def _dora_cases() -> list[tuple[str, TrainingSpec]]:
         # With dropout PEFT runs the base linear again on the dropped-out input.
         (QWEN_05B, _spec(lora, 2, 512, lora=_lora(use_dora=True, lora_dropout=0.1))),
         (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
+    ]
+
+
+def _int8_cases() -> list[tuple[str, TrainingSpec]]:
+    """LoRA on an LLM.int8 base (bitsandbytes Linear8bitLt): with and without PEFT's k-bit
+    preparation and checkpointing, every linear adapted, on three families."""
+    qlora = Method.QLORA
+    int8 = _qlora(double_quant=False, type=QuantType.INT8)
+    raw = _qlora(double_quant=False, prepare_kbit=False, type=QuantType.INT8)
+    return [
+        (QWEN_7B, _spec(qlora, 4, 2048, ckpt=True, quantization=int8)),
+        (QWEN_7B, _spec(qlora, 1, 1024, quantization=int8)),
+        (QWEN_05B, _spec(qlora, 2, 512, quantization=int8)),
+        (QWEN_05B, _spec(qlora, 1, 128, ckpt=True, quantization=int8)),
+        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, quantization=raw)),
+        (LLAMA_1B, _spec(qlora, 2, 512, quantization=int8, lora=_lora(r=8, targets=None))),
+        (LLAMA_1B, _spec(qlora, 1, 1024, ckpt=True, quantization=int8)),
+        (LLAMA_1B, _spec(qlora, 2, 512, quantization=raw)),
+        (MISTRAL_7B, _spec(qlora, 1, 2048, ckpt=True, quantization=int8)),
     ]
 
 
