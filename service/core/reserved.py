@@ -62,6 +62,7 @@ class ReservedPlan:
     dtype_bytes: int  # the model's dtype
     residual: int  # bytes per element of the residual stream
     compute: int  # the 4-bit linears' compute dtype
+    fp16: bool = False  # the model's dtype is fp16
     adapter: int  # LoRA adapter dtype bytes (0 without LoRA)
     rank: int
     dropout: bool
@@ -148,6 +149,7 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         quantized=plan.method is Method.QLORA
         and plan.quant_type is not QuantType.INT8
         and not lin.expert,
+        int8=plan.method is Method.QLORA and plan.quant_type is QuantType.INT8 and not lin.expert,
         bias=lin.bias,
         scales_output=lin.name in plan.ia3_out,
         scales_input=lin.name in plan.ia3_in,
@@ -233,6 +235,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         else 0,
         residual=plan.residual,
         compute=plan.compute,
+        half_is_fp16=plan.fp16,
         adapter=plan.adapter,
         rank=plan.rank,
         dropout=plan.dropout,
@@ -297,7 +300,10 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     sizes: list[int] = [arch.vocab_size * arch.hidden_size * other]
     layer: list[int] = []
     for lin in arch.linears:
-        if kbit and not lin.expert:
+        if kbit and not lin.expert and plan.quant_type is QuantType.INT8:
+            # Int8Params: the int8 weight (CB) and one fp32 scale per output row (SCB)
+            layer += [lin.in_features * lin.out_features, lin.out_features * FP32_BYTES]
+        elif kbit and not lin.expert:
             layer += _quantized(lin.in_features * lin.out_features, plan)
         else:
             layer.append(lin.weight_elements * md)

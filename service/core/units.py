@@ -27,3 +27,4 @@ INT64_BYTES = 8  # token ids and labels are torch.long
 BOOL_BYTES = 1  # torch.bool dropout masks
 UINT8_BYTES = 1
 INT8_BYTES = 1  # torch.int8, LLM.int8's quantized weights
+INT32_BYTES = 4  # torch.int32, LLM.int8's integer matmul output

@@ -256,3 +256,22 @@ def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
             ),
         ),
     ]
+
+
+def _int8_cases() -> list[tuple[str, TrainingSpec]]:
+    """LoRA on an LLM.int8 base (bitsandbytes Linear8bitLt): with and without PEFT's k-bit
+    preparation and checkpointing, every linear adapted, on three families."""
+    qlora = Method.QLORA
+    int8 = _qlora(double_quant=False, type=QuantType.INT8)
+    raw = _qlora(double_quant=False, prepare_kbit=False, type=QuantType.INT8)
+    return [
+        (QWEN_7B, _spec(qlora, 4, 2048, ckpt=True, quantization=int8)),
+        (QWEN_7B, _spec(qlora, 1, 1024, quantization=int8)),
+        (QWEN_05B, _spec(qlora, 2, 512, quantization=int8)),
+        (QWEN_05B, _spec(qlora, 1, 128, ckpt=True, quantization=int8)),
+        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, quantization=raw)),
+        (LLAMA_1B, _spec(qlora, 2, 512, quantization=int8, lora=_lora(r=8, targets=None))),
+        (LLAMA_1B, _spec(qlora, 1, 1024, ckpt=True, quantization=int8)),
+        (LLAMA_1B, _spec(qlora, 2, 512, quantization=raw)),
+        (MISTRAL_7B, _spec(qlora, 1, 2048, ckpt=True, quantization=int8)),
+    ]

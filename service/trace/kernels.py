@@ -10,6 +10,7 @@ takes any floating dtype, as CUDA's does.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,6 +35,10 @@ FLASH_OP = "aten._scaled_dot_product_flash_attention.default"
 EFFICIENT_OP = "aten._scaled_dot_product_efficient_attention.default"
 # Nested absmax is quantized in blocks of this size (bitsandbytes/functional.py quantize_4bit).
 NESTED_ABSMAX_BLOCKSIZE = 256
+# Columns of an LLM.int8 input above the outlier threshold: they depend on the values. The trace
+# runs without any; with k of them a layer keeps k input columns more for backward (LLM.int8,
+# Dettmers et al. 2022, arXiv:2208.07339, section 4: a handful of feature dimensions).
+INT8_OUTLIER_COLUMNS = 0
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -301,6 +306,85 @@ def gemm_4bit_cuda(
     return F.linear(A, weight, bias)
 
 
+def int8_vectorwise_quant_cuda(
+    A: torch.Tensor, threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What `bitsandbytes::int8_vectorwise_quant` runs on CUDA (backends/cuda/ops.py): with a
+    threshold, `A.abs() >= threshold` as a bool mask held to the end, then the row scales and
+    the int8 rows. Which columns hold outliers depends on the values, which a fake tensor has
+    not: the trace takes the no-outlier branch (`INT8_OUTLIER_COLUMNS`)."""
+    rows = A.numel() // A.size(-1)
+    outliers = None
+    outlier_cols = None
+    if threshold > 0.0:
+        outliers = A.abs() >= threshold
+        outlier_cols = torch.empty(INT8_OUTLIER_COLUMNS, device=A.device, dtype=torch.int64)
+    row_stats = torch.empty(rows, device=A.device, dtype=torch.float32)
+    out_row = torch.empty(A.shape, device=A.device, dtype=torch.int8)
+    del outliers  # a local of the CUDA kernel until it returns
+    return out_row, row_stats, outlier_cols
+
+
+def int8_mixed_scaled_mm_cuda(
+    A: torch.Tensor,
+    CA: torch.Tensor,
+    CB: torch.Tensor,
+    SCA: torch.Tensor,
+    SCB: torch.Tensor,
+    outlier_cols: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bitsandbytes::int8_mixed_scaled_mm`'s default kernel (backends/default/ops.py), the one
+    CUDA runs, without outlier columns: an empty `subA`, and the int8 matmul."""
+    if outlier_cols is not None and outlier_cols.numel():
+        raise NotImplementedError("the trace models no outlier columns")
+    sub_a = torch.empty(0, device=A.device, dtype=A.dtype)
+    output = torch.ops.bitsandbytes.int8_scaled_mm.default(
+        CA, CB, SCA, SCB, bias=bias, dtype=A.dtype
+    )
+    return output, sub_a
+
+
+def int8_scaled_mm_cuda(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`bitsandbytes::int8_scaled_mm`'s default kernel on CUDA: the int32 product, then
+    `int8_mm_dequant`'s CUDA kernel (backends/cuda/ops.py): an fp16 output, the bias added
+    when it is not fp16, cast to `dtype`; the int32 product lives until the cast returns."""
+    product = torch.ops.bitsandbytes.int8_linear_matmul.default(A, B)
+    out = torch.empty_like(product, dtype=torch.float16)
+    if bias is not None and bias.dtype != torch.float16:
+        out.add_(bias)
+    result = out.to(dtype or torch.float16)
+    del out, product
+    return result
+
+
+def matmul_8bit_cuda(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out: torch.Tensor | None = None,
+    state: Any = None,
+    threshold: float = 0.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`bitsandbytes.matmul` as it dispatches for a CUDA tensor: MatMul8bitLt (a CPU tensor in
+    training takes MatMul8bitFp, autograd/_functions.py matmul)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.autograd._functions import MatMul8bitLt
+
+    state = state or bnb.MatmulLtState()
+    if threshold > 0.0:
+        state.threshold = threshold
+    result: torch.Tensor = MatMul8bitLt.apply(A, B, out, bias, state)
+    return result
+
+
 @contextmanager
 def patched(target: Any, name: str, value: Any) -> Iterator[None]:
     """Set `target.name = value` for the duration of the block."""
@@ -310,6 +394,18 @@ def patched(target: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(target, name, before)
+
+
+@contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Silence logger `name` below ERROR for the duration of the block."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def make_dropout(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -101,7 +101,7 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     model.train()
 
     if spec.method is Method.QLORA:
-        _quantize_4bit(model, resolved)
+        _quantize(model, resolved)
     if spec.method is Method.FULL:
         if spec.gradient_checkpointing:
             _enable_checkpointing(model)
@@ -137,24 +137,48 @@ def _enable_checkpointing(model: Any) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _quantize_4bit(model: Any, resolved: ResolvedSpec) -> None:
-    """What `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True))` does."""
-    from transformers import BitsAndBytesConfig
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+def _quantize(model: Any, resolved: ResolvedSpec) -> None:
+    """What `from_pretrained(quantization_config=BitsAndBytesConfig(...))` does: the base's
+    linears quantized by bitsandbytes, then PEFT's k-bit preparation."""
     from transformers.quantizers.base import get_keys_to_not_convert
 
     quant = resolved.quantization
     if quant is None:  # resolve() always fills it for QLoRA
         raise ValueError("QLoRA needs a quantization spec")
+    skip = get_keys_to_not_convert(model)
     if quant.type is QuantType.INT8:
-        raise NotImplementedError("int8 (LLM.int8) bases are not traced; use nf4 or fp4")
+        _quantize_8bit(model, skip, TORCH_DTYPES[resolved.spec.dtype])
+        model.is_loaded_in_8bit = True
+    else:
+        _quantize_4bit(model, resolved, skip)
+        model.is_loaded_in_4bit = True
+    model.is_quantized = True
+    model.quantization_method = "bitsandbytes"
+    if quant.prepare_kbit:
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=resolved.spec.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif resolved.spec.gradient_checkpointing:
+        _enable_checkpointing(model)
+
+
+def _quantize_4bit(model: Any, resolved: ResolvedSpec, skip: list[str]) -> None:
+    """`load_in_4bit=True`: each linear a Linear4bit holding its packed weight and quant state."""
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    quant = resolved.quantization
+    assert quant is not None  # _quantize checked it
     bnb_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant.type.value,
         bnb_4bit_use_double_quant=quant.double_quant,
         bnb_4bit_compute_dtype=TORCH_DTYPES[resolved.compute_dtype],
     )
-    skip = get_keys_to_not_convert(model)
     replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=bnb_config)
     dtype = TORCH_DTYPES[resolved.spec.dtype]
     for module in model.modules():
@@ -175,19 +199,30 @@ def _quantize_4bit(model: Any, resolved: ResolvedSpec) -> None:
         module.quant_state = state
         if module.bias is not None:
             module.bias.data = module.bias.data.to(dtype)
-    model.is_loaded_in_4bit = True
-    model.is_quantized = True
-    model.quantization_method = "bitsandbytes"
-    if quant.prepare_kbit:
-        from peft import prepare_model_for_kbit_training
 
-        prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=resolved.spec.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    elif resolved.spec.gradient_checkpointing:
-        _enable_checkpointing(model)
+
+def _quantize_8bit(model: Any, skip: list[str], dtype: torch.dtype) -> None:
+    """`load_in_8bit=True` (LLM.int8, BitsAndBytesConfig's defaults: threshold 6.0, no fp16
+    weights): each linear a Linear8bitLt whose Int8Params hold the int8 weight (CB) and one
+    fp32 scale per output row (SCB), as Int8Params._quantize leaves them on the GPU."""
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    replace_with_bnb_linear(
+        model,
+        modules_to_not_convert=skip,
+        quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+    )
+    for module in model.modules():
+        if not isinstance(module, bnb.nn.Linear8bitLt):
+            continue
+        weight = module.weight
+        packed = torch.empty(weight.shape, dtype=torch.int8, device="meta")
+        weight.data = packed
+        weight.CB = weight.data
+        weight.SCB = torch.empty(weight.shape[0], dtype=torch.float32, device="meta")
+        if module.bias is not None:
+            module.bias.data = module.bias.data.to(dtype)
 
 
 def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
@@ -381,7 +416,14 @@ def materialize(
                 # index buffers (BERT's position_ids and token_type_ids) must hold valid
                 # indices in a real run; zeros are (in place: no allocation)
                 data.zero_()
-            if isinstance(tensor, bnb.nn.Params4bit):
+            if isinstance(tensor, bnb.nn.Int8Params):
+                # Likewise an Int8Params: a Parameter whose CB is its own data, and its
+                # per-row scales (SCB) made on the fake device beside it.
+                new = torch.nn.Parameter(data, requires_grad=False)
+                scales = torch.empty(tensor.SCB.shape, dtype=tensor.SCB.dtype, device=fake_device)
+                new.CB, new.SCB, new.has_fp16_weights = new.data, scales, False
+                owned.append((scales, Component.FROZEN_WEIGHTS))
+            elif isinstance(tensor, bnb.nn.Params4bit):
                 # A Params4bit cannot wrap a fake tensor; a Parameter carrying the attributes
                 # bitsandbytes reads from it behaves the same in forward and backward.
                 new = torch.nn.Parameter(data, requires_grad=False)

@@ -51,6 +51,7 @@ from service.trace.families import (
     QWEN_MOE,
     _dora_cases,
     _falcon_bloom_cases,
+    _int8_cases,
     _lora,
     _qlora,
     _spec,
@@ -514,6 +515,7 @@ def matrix() -> list[Case]:
     cases.extend(_dora_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
+    cases.extend(_int8_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32

@@ -31,6 +31,7 @@ from service.core.spec import (
     LossImpl,
     Method,
     Optim,
+    QuantType,
     ResolvedSpec,
     TrainingSpec,
     resolve,
@@ -297,8 +298,16 @@ def trace(
     tracker.mark_host_outputs(kernels.EFFICIENT_OP, kernels.EFFICIENT_HOST_OUTPUTS)
     if real and not cpu_kernels:
         raise ValueError("a real CPU run needs cpu_kernels=True")
+    int8 = resolved.quantization is not None and resolved.quantization.type is QuantType.INT8
     if spec.method is Method.QLORA and not cpu_kernels:
         tracker.rewrite("bitsandbytes.gemm_4bit.default", kernels.gemm_4bit_cuda)
+        tracker.rewrite(
+            "bitsandbytes.int8_vectorwise_quant.default", kernels.int8_vectorwise_quant_cuda
+        )
+        tracker.rewrite(
+            "bitsandbytes.int8_mixed_scaled_mm.default", kernels.int8_mixed_scaled_mm_cuda
+        )
+        tracker.rewrite("bitsandbytes.int8_scaled_mm.default", kernels.int8_scaled_mm_cuda)
 
     gc_was_enabled = gc.isenabled()
     gc.collect()
@@ -315,6 +324,12 @@ def trace(
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
+            if int8 and not cpu_kernels:
+                import bitsandbytes as bnb
+
+                stack.enter_context(kernels.patched(bnb, "matmul", kernels.matmul_8bit_cuda))
+                # MatMul8bitLt logs its fp16 cast of every non-fp16 input, once per call
+                stack.enter_context(kernels.quiet_logger("bitsandbytes.autograd._functions"))
             if spec.autocast:
                 stack.enter_context(cuda_autocast_policy())
             if real:

@@ -195,3 +195,43 @@ def test_one_key_value_head_without_enable_gqa_runs_on_the_math_kernel_only() ->
         q, k.expand(1, 4, 8, 16), v.expand(1, 4, 8, 16), is_causal=True
     )
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_an_int8_linear_runs_matmul8bitlt_with_cuda_s_temporaries_and_keeps_its_input() -> None:
+    """LLM.int8 on a fake CPU tensor: MatMul8bitLt (not the CPU path), the fp16 input copy,
+    the threshold mask and the int32 product as CUDA allocates them, and the input held by
+    the autograd node until backward, which dequantizes the weight to the input's dtype."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tokens, d_in, d_out = 512, 256, 1024
+    with FakeTensorMode():
+        x = torch.empty(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
+        state = bnb.MatmulLtState()
+        state.threshold = 6.0  # BitsAndBytesConfig's llm_int8_threshold
+        state.has_fp16_weights = False  # as Linear8bitLt sets it for a frozen int8 base
+        state.CB = torch.empty(d_out, d_in, dtype=torch.int8)
+        state.SCB = torch.empty(d_out, dtype=torch.float32)
+        weight = torch.nn.Parameter(state.CB, requires_grad=False)
+        tracker = StorageTracker()
+        tracker.rewrite(
+            "bitsandbytes.int8_vectorwise_quant.default", kernels.int8_vectorwise_quant_cuda
+        )
+        tracker.rewrite(
+            "bitsandbytes.int8_mixed_scaled_mm.default", kernels.int8_mixed_scaled_mm_cuda
+        )
+        tracker.rewrite("bitsandbytes.int8_scaled_mm.default", kernels.int8_scaled_mm_cuda)
+        with tracker, kernels.quiet_logger("bitsandbytes.autograd._functions"):
+            out = kernels.matmul_8bit_cuda(x, weight, state=state)
+            assert out.dtype == torch.bfloat16 and out.shape == (tokens, d_out)
+            # what is left is the output alone: the input was made outside the tracker
+            assert tracker.total == tokens * d_out * 2
+            # the highest moment: the int32 product, its fp16 dequantization and the bf16 cast,
+            # beside the int8 rows of the input and their fp32 scales
+            peak = tokens * d_out * (4 + 2 + 2) + tokens * d_in + tokens * 4
+            assert tracker.peak().allocated_bytes == peak
+            # the node holds the input as an attribute, out of checkpointing's reach
+            assert out.grad_fn.tensors[2] is x
+            out.sum().backward()
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16
+        tracker.close()

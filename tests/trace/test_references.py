@@ -26,6 +26,7 @@ REFERENCES = dict((path.stem, doc) for path, doc in iter_references())
 RETRACED = (
     "qwen2_5-0_5b__lora__r16-all-linear__b1-s128__ckpt",
     "qwen2_5-0_5b__qlora__r16-all-linear__nf4-dq__b1-s128",
+    "qwen2_5-0_5b__qlora__r16-all-linear__int8__b1-s128__ckpt",
     "qwen2_5-0_5b__lora__r16-all-linear__b1-s128__ckpt__autocast",
     "bloom-560m__lora__r8-default__b4-s512__eager",
     "bert-base-uncased__lora__r8-default__b4-s512",

@@ -58,6 +58,7 @@ class LayerFlow:
     quantized: bool
     # bitsandbytes <= 0.41 (MatMul4Bit.forward: ctx.tensors = (A, B)) kept the 4-bit
     # linear's input for backward; LitGPT's published QLoRA tables were measured with 0.41.1.
+    # LLM.int8's MatMul8bitLt keeps it in every release (ctx.tensors = (CAt, subA, A)).
     quant_saves_input: bool
     # LitGPT's LoRAQKVLinear.zero_pad (lit_gpt/lora.py) index_copies the adapters' q/k/v output,
     # `zero_pad_width` features per token, into the fused qkv width when q, k and v are not all
@@ -101,6 +102,11 @@ def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
     return sum(lin.out_features for lin in chosen)
 
 
+def _int8(rs: ResolvedSpec) -> bool:
+    """Whether the base is LLM.int8 (bitsandbytes' Linear8bitLt)."""
+    return rs.quantization is not None and rs.quantization.type is QuantType.INT8
+
+
 def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> LayerFlow:
     spec = rs.spec
     md = DTYPE_BYTES[spec.dtype]
@@ -133,7 +139,8 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         fused_qkv=spec.framework is Framework.LITGPT
         or sum(1 for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV) == 1,
         quantized=spec.method is Method.QLORA,
-        quant_saves_input=spec.method is Method.QLORA and spec.framework is Framework.LITGPT,
+        quant_saves_input=spec.method is Method.QLORA
+        and (spec.framework is Framework.LITGPT or _int8(rs)),
         autocast=spec.autocast,
         zero_pad_width=litgpt_zero_pad_width(arch, adapted) if litgpt and lora else 0,
         proj_input_copy=litgpt,
@@ -215,6 +222,29 @@ def _ia3_saves(
         led.add(f"{lin.name}.base_out", lin.out_features * x_bytes)
         if input_grad:
             led.add(f"{lin.name}.ia3_scaling", lin.out_features * f.adapter, _Kind.CONSTANT)
+
+
+def kept_past_checkpoints(arch: ModelArch, f: LayerFlow) -> tuple[tuple[int, _Kind, int], ...]:
+    """What a checkpointed layer keeps through the whole step all the same: the inputs its
+    LLM.int8 linears hold on their autograd node (MatMul8bitLt.forward's `ctx.tensors`, an
+    attribute that checkpointing's saved-tensor hooks never see), freed only when backward
+    reaches the node (reference traces *__int8__*ckpt). Empty for every other base."""
+    led = _Ledger()
+    if not (f.quantized and f.quant_saves_input and f.hf_modules):
+        return led.recipe()
+    mlp_key = "norm1.out" if arch.parallel_residual and arch.norms_per_layer == 1 else "norm2.out"
+    inputs = {
+        LinearKind.ATTN_QKV: ("norm1.out", f.norm_out),
+        LinearKind.ATTN_OUT: ("attn_out", f.attn),
+        LinearKind.MLP_IN: (mlp_key, f.norm_out),
+        LinearKind.MLP_OUT: ("mlp.product", f.norm_out),
+    }
+    for lin in arch.linears:
+        if lin.expert or lin.kind not in inputs:
+            continue
+        key, nbytes = inputs[lin.kind]
+        led.add(key, lin.in_features * nbytes)
+    return led.recipe()
 
 
 def _dora_saves(

@@ -9,7 +9,12 @@ from typing import NamedTuple
 from service.core.allocator import AllocatorConfig
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
-from service.core.estimator.activations import LayerFlow, _layer_recipe, layer_flow
+from service.core.estimator.activations import (
+    LayerFlow,
+    _layer_recipe,
+    kept_past_checkpoints,
+    layer_flow,
+)
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
@@ -64,6 +69,8 @@ class _Plan:
     # a recomputed layer's saved tensors that its attention's backward still finds
     attention_part: tuple[tuple[int, _Kind, int], ...]
     dequant: int  # a transient dequantized copy of the largest 4-bit weight (QLoRA)
+    # per layer, kept through the step despite checkpointing (`kept_past_checkpoints`)
+    kept_past_checkpoints: tuple[tuple[int, _Kind, int], ...]
     lt_workspaces: tuple[int, int]  # cuBLASLt workspaces: the forward thread's, the backward's
     reserved: ReservedPlan  # what the reserved level's allocation schedule needs
     assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
@@ -119,9 +126,17 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         dequant = 0
     elif unit.framework is Framework.LITGPT:
         dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
+    elif rs.quantization is not None and rs.quantization.type is QuantType.INT8:
+        # MatMul8bitLt.backward: state.CB.to(A's dtype, copy=True), scaled in place.
+        dequant = _blk(largest.in_features * largest.out_features * f.residual)
     else:
         dequant = _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
     assumptions = rs.assumptions
+    if rs.quantization is not None and rs.quantization.type is QuantType.INT8:
+        assumptions += (
+            "LLM.int8 base: no input column above bitsandbytes' outlier threshold (6.0); each "
+            "one keeps a column of the layer's input more for backward",
+        )
     if f.zero_pad_width and arch.fused_qkv_linear:
         assumptions += (
             "LitGPT adapts the query and value parts of the fused qkv projection "
@@ -159,6 +174,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             single=single,
         ),
         dequant=dequant,
+        kept_past_checkpoints=kept_past_checkpoints(arch, f),
         lt_workspaces=_lt_workspaces(arch, unit),
         reserved=_reserved_plan(arch, rs, f, p, key.gradient_checkpointing),
         assumptions=assumptions,
@@ -182,9 +198,6 @@ def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow)
         else 0
     )
     warnings: list[str] = []
-    quant = key.quantization
-    if key.method is Method.QLORA and quant is not None and quant.type is QuantType.INT8:
-        warnings.append("int8 (LLM.int8) base weights: activations modelled as for 4-bit")
     if key.method is Method.QLORA and key.framework is Framework.LITGPT:
         warnings.append(
             "LitGPT with bitsandbytes <= 0.41 keeps each 4-bit layer's input until the next "
@@ -308,6 +321,7 @@ def _reserved_plan(
         dtype_bytes=DTYPE_BYTES[spec.dtype],
         residual=f.residual,
         compute=DTYPE_BYTES[rs.compute_dtype],
+        fp16=spec.dtype is DType.FP16,
         adapter=f.adapter if lora or f.ia3_out or f.ia3_in else 0,
         rank=lora.r if lora else 0,
         dropout=f.dropout,

@@ -236,7 +236,9 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     global_layer = _recipe_bytes(plan.global_layer, b, s) if globals_ else per_layer
     # the top layer, recomputed first under checkpointing: global when the period divides L
     top_layer = global_layer if globals_ and L % arch.global_layer_period == 0 else per_layer
-    checkpoint = _blk(tokens * h * f.residual)
+    checkpoint_input = _blk(tokens * h * f.residual)
+    # what each checkpointed layer keeps: its input, and what checkpointing cannot drop
+    checkpoint = checkpoint_input + _recipe_bytes(plan.kept_past_checkpoints, b, s)
     inputs = 2 * _blk(b * (s - virtual) * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     if "final" in f.trained_norms:
@@ -293,7 +295,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         activations = L * checkpoint + final_norm
         # The recomputed first norm saves the layer's input itself when it needs no fp32 copy
         # (an fp32 residual stream, or LayerNorm): that storage is the checkpoint.
-        recompute = top_layer - (checkpoint if traits.shares_input else 0)
+        recompute = top_layer - (checkpoint_input if traits.shares_input else 0)
         assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
     else:
         activations = (
@@ -445,7 +447,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         if ckpt:
             attention_part = _recipe_bytes(plan.attention_part, b, s)
             if traits.shares_input:
-                attention_part -= checkpoint  # the first norm saved the checkpoint itself
+                attention_part -= checkpoint_input  # the first norm saved the checkpoint itself
             candidates.append(
                 _Moment(
                     gradients=ga_grads,

@@ -97,7 +97,7 @@ def _uncertainty_of(
             QUANTIZED_LOAD_SIGMA * quantized * arch.num_hidden_layers * DTYPE_BYTES[DType.BF16]
         )
         notes.append(
-            "a 4-bit base leaves cached blocks where its bf16 weights were quantized, laid out "
+            "a quantized base leaves cached blocks where its bf16 weights were quantized, laid out "
             "by the loader: reserved is uncertain by that"
         )
     return Uncertainty(

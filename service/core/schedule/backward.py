@@ -113,6 +113,8 @@ class _Backward(_Forward):
         if x_grad:
             if lin.quantized:
                 gin = self._grad_4bit(g_base, nbytes, lin)
+            elif lin.int8:
+                gin = self._grad_8bit(nbytes, lin)
             else:
                 gin = self.a(nbytes * lin.d_in)
                 self.gemm()
@@ -185,7 +187,7 @@ class _Backward(_Forward):
         accumulator."""
         sh = self.sh
         ad = sh.adapter
-        srcb = in_bytes if lin.quantized else ad
+        srcb = in_bytes if lin.bnb else ad
         g_half = self.a(HALF_BYTES * lin.d_out) if nbytes != HALF_BYTES else self.p.hold(g)
         g_base = self.p.hold(g)
         self.f(g)
@@ -220,6 +222,17 @@ class _Backward(_Forward):
             self.f(g_a)
             saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
         return g_base, gx_lora, acc
+
+    def _grad_8bit(self, nbytes: int, lin: LinearShape) -> int:
+        """MatMul8bitLt.backward's input gradient: the int8 weight copied to the input's dtype
+        and scaled in place by SCB / 127 (a per-row temporary), then one matmul."""
+        weight = self.p.alloc(lin.d_in * lin.d_out * nbytes)
+        scale = self.p.alloc(lin.d_out * FP32_BYTES)
+        self.f(scale)
+        out = self.a(nbytes * lin.d_in)
+        self.gemm()
+        self.f(weight)
+        return out
 
     def _grad_4bit(self, g: int, nbytes: int, lin: LinearShape) -> int:
         sh = self.sh

@@ -6,7 +6,7 @@ from service.core.bnb import uses_dequant_fallback
 from service.core.schedule.ia3 import _IA3
 from service.core.schedule.program import _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
-from service.core.units import FP32_BYTES, INT64_BYTES
+from service.core.units import BOOL_BYTES, FP32_BYTES, INT8_BYTES, INT32_BYTES, INT64_BYTES
 
 
 class _Forward(_IA3):
@@ -55,7 +55,7 @@ class _Forward(_IA3):
         4-bit base casts its output back to its input's dtype (bitsandbytes Linear4bit)."""
         if not self.sh.autocast:
             return nbytes
-        return max(nbytes, HALF_BYTES) if lin.quantized else HALF_BYTES
+        return max(nbytes, HALF_BYTES) if lin.bnb else HALF_BYTES
 
     def end_region(self) -> None:
         """An autocast region exits: its cache lets go of the weight casts."""
@@ -80,6 +80,8 @@ class _Forward(_IA3):
             return self.ia3_forward(x, nbytes, lin, saved)
         if lin.quantized:
             base = self._linear_4bit(x, nbytes, lin)
+        elif lin.int8:
+            base = self._linear_8bit(x, nbytes, lin, saved)
         else:
             self.gemm()
             base = self.a(self.out_bytes(lin, nbytes) * lin.d_out)
@@ -116,7 +118,7 @@ class _Forward(_IA3):
         self.f(lora_a)
         scaled = self.a(ad * lin.d_out)
         self.f(lora_b)
-        if lin.quantized:
+        if lin.bnb:
             # peft/tuners/lora/bnb.py: the adapter's output is cast to the result's dtype
             # before `result = result + output`.
             if ad != nbytes:
@@ -168,7 +170,7 @@ class _Forward(_IA3):
         casts that to half precision (the copy it saves) and lora_A, lora_B and the scaling
         run in half; `result + output` promotes to the wider dtype."""
         sh = self.sh
-        srcb = nbytes if lin.quantized else sh.adapter
+        srcb = nbytes if lin.bnb else sh.adapter
         src = self.p.hold(x) if srcb == nbytes else self.a(srcb * lin.d_in)
         if sh.dropout:
             mask = self.a(lin.d_in)
@@ -221,6 +223,36 @@ class _Forward(_IA3):
             back = self.a(nbytes * lin.d_out)
             self.f(out, cast)
             out = back
+        return out
+
+    def _linear_8bit(self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None) -> int:
+        """bitsandbytes' LLM.int8 linear (autograd/_functions.py MatMul8bitLt.forward, frozen
+        weight): the input cast to fp16 and quantized row-wise on CUDA (backends/cuda/ops.py
+        int8_vectorwise_quant: `A.abs() >= threshold`, a bool mask held to the kernel's end,
+        the fp32 row scales, the int8 rows), then int8_scaled_mm's default kernel: the int32
+        product, int8_mm_dequant's fp16 output and its cast to the input's dtype. The node
+        keeps the input itself for backward (`ctx.tensors`), which checkpointing's hooks do
+        not see: without a saved slot (a checkpointed first pass) it is held to the layer's
+        backward all the same. No outlier columns (service/trace/kernels.py)."""
+        fp16 = nbytes == HALF_BYTES and self.sh.half_is_fp16
+        half = self.p.hold(x) if fp16 else self.a(HALF_BYTES * lin.d_in)
+        magnitude = self.a(HALF_BYTES * lin.d_in)
+        mask = self.a(BOOL_BYTES * lin.d_in)
+        self.f(magnitude)
+        scales = self.a(FP32_BYTES)
+        rows = self.a(INT8_BYTES * lin.d_in)
+        self.f(mask, half)
+        product = self.a(INT32_BYTES * lin.d_out)
+        out = self.a(HALF_BYTES * lin.d_out)
+        if not fp16:
+            cast = self.a(nbytes * lin.d_out)
+            self.f(out)
+            out = cast
+        self.f(product, rows, scales)
+        if saved is not None:
+            saved.save(f"{lin.name}.x", x)
+        elif self.pinned is not None:
+            self.pinned.append(self.p.hold(x))
         return out
 
     def rope(self, x: int, dim: int, nbytes: int, out_bytes: int = 0) -> int:

@@ -78,6 +78,9 @@ class _StepBase:
         self.handle = "forward"
         self.states: list[int] = []
         self.stop_at: str | None = None  # the linear where a recomputation stops
+        # what a checkpointed layer's first pass keeps outside its saved tensors (LLM.int8)
+        self.pinned: list[int] | None = None
+        self.pins: list[list[int]] = []  # each checkpointed layer's `pinned`
         self.softcap_tanh = 0
         self.head_copy = 0
         self.region: list[int] = []  # autocast's cached weight casts in the current region

@@ -41,10 +41,18 @@ class LinearShape:
     trainable: bool  # its weight trains (full fine-tuning)
     weight_bytes: int  # a trainable weight's gradient bytes
     quantized: bool = False  # a bitsandbytes 4-bit weight
+    int8: bool = False  # a bitsandbytes LLM.int8 weight (Linear8bitLt)
     bias: bool = False
     # (IA)^3: a trainable vector scales the output, or (a feedforward module) the input
     scales_output: bool = False
     scales_input: bool = False
+
+    @property
+    def bnb(self) -> bool:
+        """A bitsandbytes layer, which PEFT wraps in its bnb LoRA layers (peft/tuners/lora/
+        bnb.py): the adapter's output cast to the base result's dtype, no input cast under
+        autocast."""
+        return self.quantized or self.int8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +83,7 @@ class StepShape:
     expert_down_bytes: int = 0
     residual: int  # bytes per element of the residual stream
     compute: int  # the 4-bit linears' compute dtype bytes
+    half_is_fp16: bool = False  # two-byte activations are fp16 (an fp16 model), not bf16
     adapter: int  # bytes per element of the LoRA adapters (0 without LoRA)
     rank: int
     dropout: bool

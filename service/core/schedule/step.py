@@ -29,11 +29,15 @@ class _Step(_Backward):
         sh = self.sh
         layers: list[_Saved] = []
         checkpoints: list[int] = []
+        self.pins.clear()
         for index in range(sh.layers):
             self._input_grad = index > 0 or sh.input_grad
             if sh.checkpointing:
                 checkpoints.append(self.p.hold(x))
+                self.pinned = []
                 out = self.layer(x, None)
+                self.pins.append(self.pinned)
+                self.pinned = None
             else:
                 saved = _Saved(self.p)
                 out = self.layer(x, saved)
@@ -120,7 +124,7 @@ class _Step(_Backward):
                     self._recompute(checkpoint, saved)
 
                 g = self.layer_backward(g, saved, x_grad=x_grad, recompute=recompute)
-                self.f(checkpoint)
+                self.f(checkpoint, *self.pins[index])
             else:
                 g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
         if g and embedded:  # the embedding LayerNorm's backward
