@@ -32,6 +32,8 @@ class Uncertainty:
     allocated: float  # of the allocated level
     reserved: float  # of reserved - allocated (the allocator's share)
     loading_bytes: int = 0  # of reserved, from how the weights were loaded (bytes)
+    # of reserved - allocated as a share of allocated, where no schedule models that gap
+    reserved_unmodelled: float = 0.0
     notes: tuple[str, ...] = ()
 
 
@@ -63,6 +65,7 @@ def levels(
         (uncertainty.allocated * allocated) ** 2
         + (uncertainty.reserved * (reserved - allocated)) ** 2
         + uncertainty.loading_bytes**2
+        + (uncertainty.reserved_unmodelled * allocated) ** 2
         + row.uncertainty_bytes**2
         + (row.paged_uncertainty * paged) ** 2
     )
@@ -88,11 +91,15 @@ def _notes(row: DeviceRow, uncertainty: Uncertainty) -> tuple[str, ...]:
         if uncertainty.loading_bytes
         else ""
     )
+    allocator = (
+        f"allocator {uncertainty.reserved_unmodelled:.1%} of allocated (not modelled)"
+        if uncertainty.reserved_unmodelled
+        else f"allocator {uncertainty.reserved:.0%} of reserved - allocated"
+    )
     return (
         row.note,
         f"safe bound: device level + {SAFE_Z:.3g} standard deviations of the stated "
-        f"uncertainty (allocated {uncertainty.allocated:.1%}, allocator "
-        f"{uncertainty.reserved:.0%} of reserved - allocated, {loading}"
+        f"uncertainty (allocated {uncertainty.allocated:.1%}, {allocator}, {loading}"
         f"device row {row.uncertainty_bytes / 2**20:.0f} MiB)",
         *uncertainty.notes,
     )

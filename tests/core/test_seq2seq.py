@@ -224,3 +224,16 @@ def test_t5_references_are_traced_with_their_target_length() -> None:
     for ref in references:
         assert ref["spec"]["target_length"] != ref["spec"]["seq_len"]
         assert f"__t{ref['spec']['target_length']}" in ref["name"]
+
+
+def test_the_safe_bound_covers_the_traced_reserved_level_it_does_not_model() -> None:
+    """The reserved level is reported at the allocated one; the safe bound must still lie
+    above what each traced step reserved, plus what the device adds outside the allocator."""
+    paths = [*TRACES.glob("t[05]*.json"), *TRACES.glob("mt0*.json")]
+    assert len(paths) >= 10
+    for path in sorted(paths):
+        ref = json.loads(path.read_text())
+        answer = estimate(_arch(ref["model_id"]), spec_from_dict(ref["spec"]))
+        assert answer.reserved_bytes == answer.allocated_bytes
+        outside = answer.device_bytes - answer.reserved_bytes
+        assert answer.device_bytes_upper >= ref["reserved"]["bytes"] + outside, ref["name"]
