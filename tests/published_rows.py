@@ -20,6 +20,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
@@ -65,6 +66,10 @@ def compute_capability(gpu: str) -> str | None:
 class Skipped:
     id: str
     reason: str
+
+
+# The published rows' method column values the estimator answers (dora: LoRA with use_dora).
+MODELLED_METHODS = ("lora", "qlora", "full", "dora", "lora-fa", "vera", "loha", "lokr")
 
 
 def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
@@ -164,7 +169,16 @@ def load() -> tuple[list[Row], list[Skipped]]:
         for raw in csv.DictReader(fh):
             rid = raw["id"]
             method_text = raw["method"].strip()
-            if method_text not in ("lora", "qlora", "full", "dora"):
+            if method_text not in (
+                "lora",
+                "qlora",
+                "full",
+                "dora",
+                "lora-fa",
+                "vera",
+                "loha",
+                "lokr",
+            ):
                 skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
                 continue
             if raw["is_estimate"] == "yes" and not raw["batch_size"]:
@@ -185,7 +199,29 @@ def load() -> tuple[list[Row], list[Skipped]]:
             dora = method_text == "dora"
             method = Method.LORA if dora else Method(method_text)
             lora = None
-            if method is not Method.FULL:
+            vera = None
+            loha = None
+            lokr = None
+            if method is Method.VERA:
+                vera = VeraSpec(
+                    r=int(raw["lora_r"] or 256),
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is Method.LOHA:
+                loha = LohaSpec(
+                    r=int(raw["lora_r"] or 8),
+                    alpha=int(raw["lora_alpha"] or 8),
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is Method.LOKR:
+                factor = raw["lora_targets"].split("decompose_factor=")[1].split(")")[0]
+                lokr = LokrSpec(
+                    r=int(raw["lora_r"] or 8),
+                    alpha=int(raw["lora_alpha"] or 8),
+                    decompose_factor=int(factor) if factor.strip("-").isdigit() else -1,
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is not Method.FULL:
                 lora = LoraSpec(
                     r=int(raw["lora_r"] or 8),
                     lora_alpha=int(raw["lora_alpha"] or 16),
@@ -207,6 +243,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     batch_size=int(raw["batch_size"]),
                     seq_len=int(seq_text),
                     lora=lora,
+                    vera=vera,
+                    loha=loha,
+                    lokr=lokr,
                     quantization=quant,
                     dtype=dtype,
                     autocast=autocast,

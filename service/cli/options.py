@@ -20,6 +20,7 @@ from service.core.hf_config import from_hf_config
 from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
     ALL_LINEAR,
+    LORA_METHODS,
     AttnImpl,
     Framework,
     FsdpSharding,
@@ -214,7 +215,13 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "use_rslora",
         )
     ) or bool(args.modules_to_save)
-    if method is Method.FULL and lora_given:
+    if method in (Method.VERA, Method.LOHA, Method.LOKR):
+        # VeRA, LoHa and LoKr take the rank and the targets (their PEFT configs' r, target_modules)
+        lora_given = any(
+            getattr(args, n) is not None
+            for n in ("lora_alpha", "lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
+        ) or bool(args.modules_to_save)
+    if method not in LORA_METHODS and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
     if method is not Method.QLORA and (args.quant or args.double_quant or args.compute_dtype):
         raise CliError("--quant: quantization options need --method qlora")
@@ -248,7 +255,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             ),
         }
     )
-    if method is not Method.FULL:
+    if method in (Method.VERA, Method.LOHA, Method.LOKR):
+        data[method.value] = _given({"r": args.r, "target_modules": _names(args.target_modules)})
+    if method in LORA_METHODS:
         saved = _names(args.modules_to_save)
         data["lora"] = _given(
             {

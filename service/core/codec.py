@@ -55,6 +55,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
@@ -273,6 +274,34 @@ _LORA: dict[str, Check] = {
     "use_dora": _boolean,
     "use_rslora": _boolean,
 }
+# VeRA's options (service/core/spec_delta.py VeraSpec); its rank bounded as LoRA's.
+_VERA: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "target_modules": _target_modules,
+    "vera_dropout": _number(ge=0.0, lt=1.0),
+    "d_initial": _number(ge=-1e6, le=1e6),
+    "projection_prng_key": _integer(ge=0, le=2**63 - 1),
+    "save_projection": _boolean,
+}
+# LoHa's options (service/core/spec_delta.py LohaSpec); rank and alpha bounded as LoRA's.
+_LOHA: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "rank_dropout": _number(ge=0.0, lt=1.0),
+    "module_dropout": _number(ge=0.0, lt=1.0),
+    "target_modules": _target_modules,
+}
+# LoKr's options (service/core/spec_delta.py LokrSpec).
+_LOKR: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "rank_dropout": _number(ge=0.0, lt=1.0),
+    "module_dropout": _number(ge=0.0, lt=1.0),
+    "decompose_both": _boolean,
+    "decompose_factor": _integer(ge=-1, le=MAX_LORA_R),
+    "rank_dropout_scale": _boolean,
+    "target_modules": _target_modules,
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -355,4 +384,7 @@ _TRAINING: dict[str, Check] = {
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),
     "stack": _stack,
+    "vera": _optional(_object(VeraSpec, _VERA)),
+    "loha": _optional(_object(LohaSpec, _LOHA)),
+    "lokr": _optional(_object(LokrSpec, _LOKR)),
 }

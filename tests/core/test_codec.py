@@ -48,6 +48,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.units import DType
 
 module_names = st.from_regex(r"[A-Za-z0-9_.]{1,20}", fullmatch=True)
@@ -120,9 +121,59 @@ allocators = st.builds(
 )
 
 
+veras = st.builds(
+    VeraSpec,
+    r=st.integers(1, MAX_LORA_R),
+    target_modules=st.none()
+    | st.just(ALL_LINEAR)
+    | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
+    d_initial=st.floats(-1.0, 1.0),
+    projection_prng_key=st.integers(0, 2**31),
+    save_projection=st.booleans(),
+)
+# The PEFT methods beside LoRA: PEFT's own step on one GPU, without autocast.
+DELTA_METHODS = (Method.LORA_FA, Method.VERA, Method.LOHA, Method.LOKR)
+lokrs = st.builds(
+    LokrSpec,
+    r=st.integers(1, MAX_LORA_R),
+    alpha=st.integers(1, MAX_LORA_ALPHA),
+    decompose_both=st.booleans(),
+    decompose_factor=st.just(-1) | st.integers(1, 64),
+    rank_dropout_scale=st.booleans(),
+)
+lohas = st.builds(
+    LohaSpec,
+    r=st.integers(1, MAX_LORA_R),
+    alpha=st.integers(1, MAX_LORA_ALPHA),
+    target_modules=st.none()
+    | st.just(ALL_LINEAR)
+    | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
+)
+
+
+@st.composite
+def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
+    fa_loras = loras.filter(lambda lora: not lora.modules_to_save)
+    return TrainingSpec(
+        method=method,
+        batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
+        seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
+        lora=draw(st.none() | fa_loras) if method is Method.LORA_FA else None,
+        vera=draw(st.none() | veras) if method is Method.VERA else None,
+        loha=draw(st.none() | lohas) if method is Method.LOHA else None,
+        lokr=draw(st.none() | lokrs) if method is Method.LOKR else None,
+        dtype=draw(st.sampled_from(DType)),
+        optim=draw(st.sampled_from((Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED))),
+        gradient_checkpointing=draw(st.booleans()),
+        allocator=draw(allocators),
+    )
+
+
 @st.composite
 def specs(draw: st.DrawFn) -> TrainingSpec:
     method = draw(st.sampled_from(Method))
+    if method in DELTA_METHODS:
+        return draw(delta_specs(method))
     return TrainingSpec(
         method=method,
         batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
@@ -213,7 +264,11 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
             "List should have at most 64 items after validation, not 65",
         ),
         ({"lora": 5}, "lora", "Input should be an object"),
-        ({"method": "nope"}, "method", "Input should be 'full', 'lora' or 'qlora'"),
+        (
+            {"method": "nope"},
+            "method",
+            "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha' or 'lokr'",
+        ),
         ({"autocast": "yes"}, "autocast", "Input should be a valid boolean"),
         (
             {"parallel": {"gpus": 2000}},
@@ -227,7 +282,17 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
         ),
         ({"surprise": 1}, "surprise", "Extra inputs are not permitted"),
         ({"lora": {"rank": 8}}, "lora.rank", "Extra inputs are not permitted"),
-        ({"method": "full", "lora": {}}, "lora", "LoRA options need method 'lora' or 'qlora'"),
+        (
+            {"method": "full", "lora": {}},
+            "lora",
+            "LoRA options need method 'lora', 'qlora' or 'lora-fa'",
+        ),
+        ({"method": "lora", "vera": {}}, "vera", "vera options need method 'vera'"),
+        (
+            {"method": "vera", "vera": {"r": 0}},
+            "vera.r",
+            "Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_the_reason(

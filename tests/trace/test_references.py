@@ -54,7 +54,15 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
     cases = matrix()
     assert len({c.model_id for c in cases}) >= 6
     specs = [c.spec for c in cases]
-    assert {s.method.value for s in specs} == {"full", "lora", "qlora"}
+    assert {s.method.value for s in specs} == {
+        "full",
+        "lora",
+        "qlora",
+        "lora-fa",
+        "vera",
+        "loha",
+        "lokr",
+    }
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}
     assert {s.dtype for s in specs if s.autocast} >= {DType.BF16, DType.FP16, DType.FP32}

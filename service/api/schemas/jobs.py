@@ -61,6 +61,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
@@ -149,6 +150,113 @@ class LoraIn(In):
             adapter_dtype=self.adapter_dtype,
             use_dora=self.use_dora,
             use_rslora=self.use_rslora,
+        )
+
+
+class VeraIn(In):
+    """PEFT VeraConfig; the defaults are PEFT's."""
+
+    integer_fields = integers("r", "projection_prng_key")
+
+    r: int = Field(default=256, ge=1, le=MAX_LORA_R, description="VeRA rank.")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+    vera_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the input.")
+    d_initial: Number = Field(
+        default=0.1, ge=-1e6, le=1e6, description="lambda_d's initial value (no memory)."
+    )
+    projection_prng_key: int = Field(
+        default=0, ge=0, le=2**63 - 1, description="vera_A / vera_B init seed (no memory)."
+    )
+    save_projection: Boolean = Field(
+        default=True, description="Checkpoints hold vera_A / vera_B (no memory)."
+    )
+
+    def to_spec(self) -> VeraSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return VeraSpec(
+            r=self.r,
+            target_modules=targets,
+            vera_dropout=self.vera_dropout,
+            d_initial=self.d_initial,
+            projection_prng_key=self.projection_prng_key,
+            save_projection=self.save_projection,
+        )
+
+
+class LohaIn(In):
+    """PEFT LoHaConfig; the defaults are PEFT's."""
+
+    integer_fields = integers("r", "alpha")
+
+    r: int = Field(default=8, ge=1, le=MAX_LORA_R, description="LoHa rank.")
+    alpha: int = Field(
+        default=8, ge=1, le=MAX_LORA_ALPHA, description="LoHa scaling numerator (no memory)."
+    )
+    rank_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Rank dropout.")
+    module_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Module dropout.")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LohaSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return LohaSpec(
+            r=self.r,
+            alpha=self.alpha,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            target_modules=targets,
+        )
+
+
+class LokrIn(In):
+    """PEFT LoKrConfig; the defaults are PEFT's."""
+
+    integer_fields = integers("r", "alpha", "decompose_factor")
+
+    r: int = Field(default=8, ge=1, le=MAX_LORA_R, description="LoKr rank.")
+    alpha: int = Field(
+        default=8, ge=1, le=MAX_LORA_ALPHA, description="LoKr scaling numerator (no memory)."
+    )
+    rank_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Rank dropout.")
+    module_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Module dropout.")
+    decompose_both: Boolean = Field(default=False, description="w1 as a rank-r pair too.")
+    decompose_factor: int = Field(
+        default=-1, ge=-1, le=MAX_LORA_R, description="Kronecker factor; -1: near the square root."
+    )
+    rank_dropout_scale: Boolean = Field(default=False, description="Rank dropout scaling.")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LokrSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return LokrSpec(
+            r=self.r,
+            alpha=self.alpha,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            decompose_both=self.decompose_both,
+            decompose_factor=self.decompose_factor,
+            rank_dropout_scale=self.rank_dropout_scale,
+            target_modules=targets,
         )
 
 
@@ -529,12 +637,25 @@ class JobSpec(In):
     model: ModelField = Field(
         description="A catalog id (string), or {'hf_config': config.json}.",
     )
-    method: Method = Field(default=Method.LORA, description="full, lora or qlora.")
+    method: Method = Field(
+        default=Method.LORA,
+        description="full, lora, qlora, or lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer).",
+    )
     lora: LoraIn | None = Field(
-        default=None, description="LoRA options (lora and qlora); null: PEFT's defaults."
+        default=None,
+        description="LoRA options (lora, qlora, lora-fa); null: PEFT's defaults.",
     )
     quantization: QuantizationIn | None = Field(
         default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
+    )
+    vera: VeraIn | None = Field(
+        default=None, description="VeRA options (vera only); null: PEFT's defaults."
+    )
+    loha: LohaIn | None = Field(
+        default=None, description="LoHa options (loha only); null: PEFT's defaults."
+    )
+    lokr: LokrIn | None = Field(
+        default=None, description="LoKr options (lokr only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -605,6 +726,9 @@ class JobSpec(In):
             seq_len=self.seq_len,
             lora=None if self.lora is None else self.lora.to_spec(),
             quantization=None if self.quantization is None else self.quantization.to_spec(),
+            vera=None if self.vera is None else self.vera.to_spec(),
+            loha=None if self.loha is None else self.loha.to_spec(),
+            lokr=None if self.lokr is None else self.lokr.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

@@ -15,11 +15,13 @@ from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import TrainingSpec
+from service.core.spec import Method, TrainingSpec
 from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
 ESTIMATOR_VERSION = "0.2.0"
+# The methods the encoder's step (`encoder_estimate`) models.
+ENCODER_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 
 
 def estimate(
@@ -78,6 +80,12 @@ def peak_levels(
 def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
     """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder."""
     if arch.encoder:
+        if spec.method not in ENCODER_METHODS:
+            raise InvalidSpecError(
+                "method",
+                f"{spec.method.value!r} is modelled on decoder-only LMs; an encoder takes "
+                f"{', '.join(m.value for m in ENCODER_METHODS)}",
+            )
         return True
     if spec.num_labels is not None:
         raise InvalidSpecError(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from service.core.bnb import uses_dequant_fallback
-from service.core.schedule.dora import _Dora
+from service.core.schedule.delta import _Delta
 from service.core.schedule.program import _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import FP32_BYTES, INT64_BYTES
 
 
-class _Forward(_Dora):
+class _Forward(_Delta):
     """Appends the events of each module's forward."""
 
     # -- forward ----------------------------------------------------------------------------
@@ -89,6 +89,12 @@ class _Forward(_Dora):
             clone = self.a(nbytes * lin.d_out)
             self.f(base)
             base = clone
+        if sh.vera:
+            return self._vera(x, nbytes, lin, saved, base, stop)
+        if sh.loha:
+            return self._loha(x, nbytes, lin, saved, base, stop)
+        if sh.lokr:
+            return self._lokr(x, nbytes, lin, saved, base, stop)
         if sh.autocast and sh.dora:
             return self._dora_autocast(x, nbytes, lin, saved, base, stop)
         if sh.autocast:
@@ -103,7 +109,7 @@ class _Forward(_Dora):
                 saved.save(f"{lin.name}.mask", mask)
             self.f(mask, cast)
             cast = dropped
-        if saved is not None:
+        if saved is not None and not sh.frozen_a:  # a frozen lora_A keeps no input
             saved.save(f"{lin.name}.cast", cast)
         lora_a = self.a(ad * sh.rank)
         if saved is not None:

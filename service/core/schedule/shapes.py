@@ -28,6 +28,7 @@ class Updater(StrEnum):
     BNB_8BIT = "bnb_8bit"  # uint8 states with fp32 absmax blocks
     ADAFACTOR = "adafactor"  # factored second moment; fp32 copies of one parameter
     OUTSIDE = "outside"  # paged optimizers: state in managed memory, outside the allocator
+    LORA_FA = "lora_fa"  # PEFT's LoraFAOptimizer: AdamW states for B, per-B temporaries
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +43,11 @@ class LinearShape:
     weight_bytes: int  # a trainable weight's gradient bytes
     quantized: bool = False  # a bitsandbytes 4-bit weight
     bias: bool = False
+    # LoKr's w1 and w2 (peft/tuners/lokr/layer.py): the bytes of each as its forward builds
+    # it (0: a whole parameter), and of the gradients its backward makes (the parameter's,
+    # or the rank-r pair's two).
+    lokr_factors: tuple[int, ...] = ()
+    lokr_grads: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,3 +121,7 @@ class StepShape:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
     composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)
     dora: bool = False  # PEFT's DoRA variant on the adapted linears (peft/tuners/lora/dora.py)
+    frozen_a: bool = False  # LoRA-FA: lora_A frozen (peft/optimizers/lorafa.py)
+    vera: bool = False  # VeRA on the adapted linears (peft/tuners/vera/layer.py)
+    loha: bool = False  # LoHa on the adapted linears (peft/tuners/loha/layer.py)
+    lokr: bool = False  # LoKr on the adapted linears (peft/tuners/lokr/layer.py)
