@@ -20,6 +20,7 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.units import DType
 
 MODELS = (
@@ -34,9 +35,12 @@ MODELS = (
 def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
     model = draw(st.sampled_from(MODELS))
     method = draw(st.sampled_from(list(Method)))
+    # PEFT's methods beside LoRA run PEFT's own step without autocast, LoRA-FA with its
+    # own AdamW (TrainingSpec refuses the rest)
+    delta = method not in (Method.FULL, Method.LORA, Method.QLORA)
     lora = None
     quant = None
-    if method is not Method.FULL:
+    if method in (Method.LORA, Method.QLORA, Method.LORA_FA):
         lora = LoraSpec(
             r=draw(st.sampled_from([4, 8, 16, 64])),
             target_modules=ALL_LINEAR,
@@ -45,7 +49,13 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         )
     if method is Method.QLORA:
         quant = QuantSpec(double_quant=draw(st.booleans()), prepare_kbit=draw(st.booleans()))
+    options = {
+        Method.VERA: {"vera": VeraSpec(target_modules=ALL_LINEAR)},
+        Method.LOHA: {"loha": LohaSpec(r=8, target_modules=ALL_LINEAR)},
+        Method.LOKR: {"lokr": LokrSpec(r=8, target_modules=ALL_LINEAR)},
+    }.get(method, {})
     spec = TrainingSpec(
+        **options,  # type: ignore[arg-type]
         method=method,
         lora=lora,
         quantization=quant,
@@ -53,8 +63,8 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         seq_len=draw(st.integers(1, 8192)),
         gradient_checkpointing=draw(st.booleans()),
         attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
-        optim=draw(st.sampled_from(list(Optim))),
-        autocast=draw(st.booleans()),
+        optim=Optim.ADAMW_TORCH if delta else draw(st.sampled_from(list(Optim))),
+        autocast=False if delta else draw(st.booleans()),
     )
     return model, spec
 
@@ -115,6 +125,7 @@ def test_lora_never_above_full_fine_tuning(case: tuple[str, TrainingSpec], optim
     # Same settings, adapters in the model's dtype. (fp32 adapters can exceed full fine-tuning
     # at long sequences: PEFT keeps an fp32 copy of each adapted layer's input.)
     model, spec = case
+    spec = replace(spec, vera=None, loha=None, lokr=None)  # the other methods' options
     lora = LoraSpec(r=16, target_modules=ALL_LINEAR, adapter_dtype=DType.BF16)
     as_lora = replace(spec, method=Method.LORA, lora=lora, quantization=None, optim=optim)
     as_full = replace(spec, method=Method.FULL, lora=None, quantization=None, optim=optim)
@@ -126,6 +137,7 @@ def test_lora_never_above_full_fine_tuning(case: tuple[str, TrainingSpec], optim
 def test_qlora_weights_below_bf16_weights(case: tuple[str, TrainingSpec]) -> None:
     model, spec = case
     arch = default_catalog().resolve(model).arch
+    spec = replace(spec, vera=None, loha=None, lokr=None)  # the other methods' options
     lora = LoraSpec(r=16, target_modules=ALL_LINEAR)
     as_qlora = replace(spec, method=Method.QLORA, lora=lora, quantization=QuantSpec())
     as_lora = replace(spec, method=Method.LORA, lora=lora, quantization=None)
@@ -148,7 +160,8 @@ def test_components_sum_to_the_peak_and_levels_are_ordered(case: tuple[str, Trai
 @given(specs(), st.sampled_from([1, 2, 8]))
 def test_peak_levels_are_the_estimates_levels(case: tuple[str, TrainingSpec], gpus: int) -> None:
     model, spec = case
-    spec = replace(spec, parallel=replace(spec.parallel, gpus=gpus))
+    if spec.method in (Method.FULL, Method.LORA, Method.QLORA):  # the others run on one GPU
+        spec = replace(spec, parallel=replace(spec.parallel, gpus=gpus))
     arch = default_catalog().resolve(model).arch
     est = estimate(arch, spec)
     assert tuple(peak_levels(arch, spec)) == (
