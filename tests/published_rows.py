@@ -21,13 +21,14 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
 # PEFT's methods besides LoRA, by the rows' method names (the spec's Method values)
-PEFT_METHODS = ("ia3", "ln-tuning", "prompt-tuning")
+PEFT_METHODS = ("ia3", "ln-tuning", "prompt-tuning", "lora-fa", "vera", "loha", "lokr")
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
 # PEFT's seq2seq examples on twitter_complaints (examples/conditional_generation/
 # peft_lora_seq2seq_accelerate_ds_zero3_offload.py) pad each batch's tweets to its longest and
@@ -77,6 +78,10 @@ def compute_capability(gpu: str) -> str | None:
 class Skipped:
     id: str
     reason: str
+
+
+# The published rows' method column values the estimator answers (dora: LoRA with use_dora).
+MODELLED_METHODS = ("lora", "qlora", "full", "dora", "lora-fa", "vera", "loha", "lokr")
 
 
 def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
@@ -213,7 +218,29 @@ def load() -> tuple[list[Row], list[Skipped]]:
             dora = method_text == "dora"
             method = Method.LORA if dora else Method(method_text)
             lora = None
-            if method in LORA_METHODS:
+            vera = None
+            loha = None
+            lokr = None
+            if method is Method.VERA:
+                vera = VeraSpec(
+                    r=int(raw["lora_r"] or 256),
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is Method.LOHA:
+                loha = LohaSpec(
+                    r=int(raw["lora_r"] or 8),
+                    alpha=int(raw["lora_alpha"] or 8),
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is Method.LOKR:
+                factor = raw["lora_targets"].split("decompose_factor=")[1].split(")")[0]
+                lokr = LokrSpec(
+                    r=int(raw["lora_r"] or 8),
+                    alpha=int(raw["lora_alpha"] or 8),
+                    decompose_factor=int(factor) if factor.strip("-").isdigit() else -1,
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method in LORA_METHODS:
                 lora = LoraSpec(
                     r=int(raw["lora_r"] or 8),
                     lora_alpha=int(raw["lora_alpha"] or 16),
@@ -235,6 +262,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     batch_size=int(raw["batch_size"]),
                     seq_len=int(seq_text),
                     lora=lora,
+                    vera=vera,
+                    loha=loha,
+                    lokr=lokr,
                     quantization=quant,
                     # PEFT's defaults, as the rows' target columns spell them out
                     ia3=IA3Spec() if method is Method.IA3 else None,

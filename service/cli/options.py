@@ -238,6 +238,12 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         lora_given = bool(args.modules_to_save) or any(
             getattr(args, n) is not None for n in _LORA_ONLY_OPTIONS
         )
+    elif method in (Method.VERA, Method.LOHA, Method.LOKR):
+        # VeRA, LoHa and LoKr take the rank and the targets (their PEFT configs' r, target_modules)
+        lora_given = any(
+            getattr(args, n) is not None
+            for n in ("lora_alpha", "lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
+        ) or bool(args.modules_to_save)
     if method not in LORA_METHODS and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
     if method is not Method.QLORA and (args.quant or args.double_quant or args.compute_dtype):
@@ -280,6 +286,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         data["prompt_tuning"] = {"num_virtual_tokens": virtual}
     elif peft_method is not None and args.target_modules is not None:
         data[peft_method] = {"target_modules": _names(args.target_modules)}
+    if method in (Method.VERA, Method.LOHA, Method.LOKR):
+        data[method.value] = _given({"r": args.r, "target_modules": _names(args.target_modules)})
     if method in LORA_METHODS:
         saved = _names(args.modules_to_save)
         data["lora"] = _given(

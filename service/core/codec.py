@@ -39,6 +39,7 @@ from service.core.limits import (
 )
 from service.core.spec import (
     ALL_LINEAR,
+    DELTA_OPTIONS,
     METHOD_OPTIONS,
     SAVABLE_MODULES,
     AttnImpl,
@@ -57,6 +58,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -76,7 +78,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     methods besides LoRA only when set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
-    for name in ("num_labels", "target_length", *METHOD_OPTIONS.values()):
+    for name in ("num_labels", "target_length", *METHOD_OPTIONS.values(), *DELTA_OPTIONS.values()):
         if plain.get(name) is None:
             plain.pop(name, None)
     return plain
@@ -288,6 +290,34 @@ _LN_TUNING: dict[str, Check] = {
 _PROMPT_TUNING: dict[str, Check] = {
     "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
 }
+# VeRA's options (service/core/spec_delta.py VeraSpec); its rank bounded as LoRA's.
+_VERA: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "target_modules": _target_modules,
+    "vera_dropout": _number(ge=0.0, lt=1.0),
+    "d_initial": _number(ge=-1e6, le=1e6),
+    "projection_prng_key": _integer(ge=0, le=2**63 - 1),
+    "save_projection": _boolean,
+}
+# LoHa's options (service/core/spec_delta.py LohaSpec); rank and alpha bounded as LoRA's.
+_LOHA: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "rank_dropout": _number(ge=0.0, lt=1.0),
+    "module_dropout": _number(ge=0.0, lt=1.0),
+    "target_modules": _target_modules,
+}
+# LoKr's options (service/core/spec_delta.py LokrSpec).
+_LOKR: dict[str, Check] = {
+    "r": _integer(ge=1, le=MAX_LORA_R),
+    "alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "rank_dropout": _number(ge=0.0, lt=1.0),
+    "module_dropout": _number(ge=0.0, lt=1.0),
+    "decompose_both": _boolean,
+    "decompose_factor": _integer(ge=-1, le=MAX_LORA_R),
+    "rank_dropout_scale": _boolean,
+    "target_modules": _target_modules,
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -376,4 +406,7 @@ _TRAINING: dict[str, Check] = {
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),
     "target_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
     "stack": _stack,
+    "vera": _optional(_object(VeraSpec, _VERA)),
+    "loha": _optional(_object(LohaSpec, _LOHA)),
+    "lokr": _optional(_object(LokrSpec, _LOKR)),
 }

@@ -407,7 +407,13 @@ class _Solver:
         """A change that does not depend on the GPU, made once per check."""
         key = (change, spec)
         if key not in self._changed:
-            self._changed[key] = _apply(change, spec, self.narrower_target_modules)
+            try:
+                changed = _apply(change, spec, self.narrower_target_modules)
+            except InvalidSpecError:
+                # a change the job's method does not take (LoRA-FA's optimizer is its own,
+                # VeRA/LoHa/LoKr options do not go with QLoRA)
+                changed = None
+            self._changed[key] = changed
         return self._changed[key]
 
     def _smaller_micro_batch(self, spec: TrainingSpec, capacity: _Capacity) -> TrainingSpec | None:
@@ -487,7 +493,11 @@ class _Solver:
         drops by with a stateless optimizer (HF's "sgd", momentum 0). 1.0 when that cannot be
         estimated, so optimizer changes stay on offer."""
         current = self.requirements(spec).device_bytes_upper
-        stateless = self.requirements.valid(replace(spec, optim=Optim.SGD))
+        try:
+            probe = replace(spec, optim=Optim.SGD)
+        except InvalidSpecError:
+            return 0.0  # the method trains with its own optimizer (LoRA-FA): none to change
+        stateless = self.requirements.valid(probe)
         if stateless is None or current <= 0:
             return 1.0
         return max(0, current - stateless.device_bytes_upper) / current

@@ -91,6 +91,13 @@ class ReservedPlan:
     trained_norms: frozenset[str] = frozenset()
     virtual_tokens: int = 0  # prompt tuning's
     dora: bool = False  # PEFT's DoRA variant on the adapted linears
+    frozen_a: bool = False  # LoRA-FA: lora_A frozen, B trained by PEFT's LoraFAOptimizer
+    vera: bool = False  # VeRA's vectors on the adapted linears instead of LoRA's A and B
+    vera_projections: tuple[int, ...] = ()  # VeRA's shared vera_A and vera_B, bytes
+    loha: bool = False  # LoHa's two low-rank pairs on the adapted linears
+    # LoKr on the adapted linears: by linear name, its factors' (rows, cols) per factor (one
+    # whole parameter, or a rank-r pair's two)
+    lokr: tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...] = ()
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -139,7 +146,14 @@ def resolve_kernel(plan: ReservedPlan, seq: int) -> tuple[Kernel, bool]:
 
 
 def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
+    factors = dict(plan.lokr).get(lin.name, ())
     return LinearShape(
+        lokr_factors=tuple(
+            0 if len(pair) == 1 else pair[0][0] * pair[1][1] * FP32_BYTES for pair in factors
+        ),
+        lokr_grads=tuple(
+            tuple(rows * cols * FP32_BYTES for rows, cols in pair) for pair in factors
+        ),
         name=lin.name,
         d_in=lin.in_features,
         d_out=lin.out_features * lin.count,
@@ -156,7 +170,9 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
     )
 
 
-def _updater(optim: Optim) -> Updater:
+def _updater(optim: Optim, method: Method) -> Updater:
+    if method is Method.LORA_FA:
+        return Updater.LORA_FA
     return {
         Optim.ADAMW_TORCH_FUSED: Updater.ADAMW_FUSED,
         Optim.ADAMW_TORCH: Updater.ADAMW_FOREACH,
@@ -171,7 +187,7 @@ def _updater(optim: Optim) -> Updater:
 def _states(plan: ReservedPlan, updater: Updater) -> tuple[int, ...]:
     states: list[int] = []
     for nbytes, elements in zip(plan.trainable, plan.trainable_elements, strict=True):
-        if updater in (Updater.ADAMW_FUSED, Updater.ADAMW_FOREACH):
+        if updater in (Updater.ADAMW_FUSED, Updater.ADAMW_FOREACH, Updater.LORA_FA):
             states += [nbytes, nbytes]  # exp_avg, exp_avg_sq (zeros_like)
         elif updater is Updater.BNB_8BIT:
             if elements < _BNB_MIN_8BIT:
@@ -191,7 +207,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
     for lin in linears:
         by_kind.setdefault(lin.kind, []).append(lin)
     kernel, windowed = resolve_kernel(plan, seq)
-    updater = _updater(plan.optim)
+    updater = _updater(plan.optim, plan.method)
     mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
     out_kind = by_kind.get(LinearKind.MLP_OUT)
     intermediate = arch.intermediate_size
@@ -285,6 +301,10 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
         dora=plan.dora,
+        frozen_a=plan.frozen_a,
+        vera=plan.vera,
+        loha=plan.loha,
+        lokr=bool(plan.lokr),
         alibi=arch.alibi,
         half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
@@ -309,7 +329,16 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
             layer.append(lin.weight_elements * md)
         if lin.bias:
             layer.append(lin.out_features * lin.count * other)
-        if lin.name in plan.adapted:
+        if lin.name in plan.adapted and plan.vera:
+            layer.append(lin.out_features * lin.count * FP32_BYTES)  # vera_lambda_b
+            layer.append(plan.rank * FP32_BYTES)  # vera_lambda_d
+        elif lin.name in plan.adapted and plan.lokr:
+            for pair in dict(plan.lokr)[lin.name]:
+                layer += [rows * cols * FP32_BYTES for rows, cols in pair]
+        elif lin.name in plan.adapted and plan.loha:
+            out = lin.out_features * lin.count
+            layer += [out * plan.rank * FP32_BYTES, plan.rank * lin.in_features * FP32_BYTES] * 2
+        elif lin.name in plan.adapted:
             layer.append(plan.rank * lin.in_features * plan.adapter)
             layer.append(lin.out_features * plan.rank * plan.adapter)
         if lin.name in plan.ia3_out:  # (IA)^3's vector
@@ -323,6 +352,7 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     if arch.qk_norm:
         layer += [arch.head_dim * other] * 2
     sizes += layer * arch.num_hidden_layers
+    sizes += plan.vera_projections
     sizes.append(arch.hidden_size * other)
     if "final" in plan.trained_norms:
         sizes.append(arch.hidden_size * md)

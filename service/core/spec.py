@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -21,14 +22,21 @@ class Method(StrEnum):
     FULL = "full"
     LORA = "lora"
     QLORA = "qlora"
+    # LoRA with A frozen, B trained by PEFT's LoraFAOptimizer (peft/optimizers/lorafa.py).
+    LORA_FA = "lora-fa"
+    # VeRA: frozen shared random projections, trained scaling vectors (peft/tuners/vera).
+    VERA = "vera"
+    # LoHa: a Hadamard product of two low-rank pairs as a full-size delta (peft/tuners/loha).
+    LOHA = "loha"
+    # LoKr: a Kronecker product as a full-size delta (peft/tuners/lokr).
+    LOKR = "lokr"
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
     PROMPT_TUNING = "prompt-tuning"
 
 
-# The methods that train LoRA adapters (LoraSpec), and PEFT's other methods, each with the
-# TrainingSpec field that holds its options (service/core/spec_prompt.py).
-LORA_METHODS = (Method.LORA, Method.QLORA)
+# PEFT's prompt-side methods, each with the TrainingSpec field that holds its options
+# (service/core/spec_prompt.py); the weight-side ones are `DELTA_OPTIONS`.
 METHOD_OPTIONS = {
     Method.IA3: "ia3",
     Method.LN_TUNING: "ln_tuning",
@@ -153,6 +161,10 @@ ALL_LINEAR = "all-linear"
 # transformers' decoder models (modeling_llama.py LlamaModel.embed_tokens,
 # LlamaForCausalLM.lm_head). PEFT trains a full copy of each (ModulesToSaveWrapper).
 SAVABLE_MODULES = ("embed_tokens", "lm_head")
+# The methods that take LoRA options (`lora`).
+LORA_METHODS = (Method.LORA, Method.QLORA, Method.LORA_FA)
+# The PEFT methods beside LoRA with options of their own: the TrainingSpec field of each.
+DELTA_OPTIONS = {Method.VERA: "vera", Method.LOHA: "loha", Method.LOKR: "lokr"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -329,6 +341,49 @@ class TrainingSpec:
     # encoder-only models take none.
     target_length: int | None = None
     stack: Stack = PINNED_STACK  # the library versions the job runs on
+    # Options of the PEFT methods beside LoRA (service/core/spec_delta.py), one per method,
+    # named after it; None: PEFT's defaults.
+    vera: VeraSpec | None = None
+    loha: LohaSpec | None = None
+    lokr: LokrSpec | None = None
+
+    def _check_method_options(self) -> None:
+        """Each method's options only with that method, and what the PEFT methods beside LoRA
+        are modelled with: PEFT's own step (framework 'hf') on one GPU, without autocast."""
+        for method, name in DELTA_OPTIONS.items():
+            if getattr(self, name) is not None and self.method is not method:
+                raise InvalidSpecError(name, f"{name} options need method {method.value!r}")
+        if self.method not in DELTA_OPTIONS:
+            return
+        label = self.method.value
+        if self.framework is not Framework.HF:
+            raise InvalidSpecError("framework", f"{label} is modelled as PEFT's (framework 'hf')")
+        if self.autocast:
+            raise InvalidSpecError("autocast", f"{label} under mixed precision is not modelled")
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError("parallel.gpus", f"{label} is modelled on one GPU")
+
+    def _check_lora_fa(self) -> None:
+        """LoRA-FA trains with PEFT's LoraFAOptimizer, an AdamW on each lora_B whose gradient
+        is projected through (A A^T)^-1 (peft/optimizers/lorafa.py create_lorafa_optimizer)."""
+        if self.optim not in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
+            raise InvalidSpecError(
+                "optim", "LoRA-FA trains with PEFT's LoraFAOptimizer (AdamW on B): use adamw_torch"
+            )
+        if self.lora is not None and self.lora.use_dora:
+            raise InvalidSpecError(
+                "lora.use_dora",
+                "LoRA-FA's optimizer pairs each lora_A with its lora_B; DoRA's magnitude breaks "
+                "the pairing (peft/optimizers/lorafa.py LoraFAOptimizer.step)",
+            )
+        if self.lora is not None and self.lora.modules_to_save:
+            raise InvalidSpecError("lora.modules_to_save", "not modelled with LoRA-FA's optimizer")
+        if self.framework is not Framework.HF:
+            raise InvalidSpecError("framework", "LoRA-FA is modelled as PEFT's (framework 'hf')")
+        if self.autocast:
+            raise InvalidSpecError("autocast", "LoRA-FA under mixed precision is not modelled")
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError("parallel.gpus", "LoRA-FA is modelled on one GPU")
 
     def __post_init__(self) -> None:
         if self.num_labels is not None and self.num_labels < 1:
@@ -344,12 +399,15 @@ class TrainingSpec:
         if not 0 <= self.max_grad_norm < float("inf"):
             raise InvalidSpecError("max_grad_norm", "must be a finite number, 0 or more")
         if self.method not in LORA_METHODS and self.lora is not None:
-            raise InvalidSpecError("lora", "LoRA options need method 'lora' or 'qlora'")
+            raise InvalidSpecError("lora", "LoRA options need method 'lora', 'qlora' or 'lora-fa'")
         for method, name in METHOD_OPTIONS.items():
             if self.method is not method and getattr(self, name) is not None:
                 raise InvalidSpecError(name, f"{name} options need method {method.value!r}")
         if self.method in METHOD_OPTIONS:
             self._check_peft_method()
+        if self.method is Method.LORA_FA:
+            self._check_lora_fa()
+        self._check_method_options()
         if self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
         if self.lora is not None and self.lora.use_dora and self.framework is not Framework.HF:
@@ -401,6 +459,12 @@ class ResolvedSpec:
     compute_dtype: DType
     loss: LossImpl
     assumptions: tuple[str, ...]
+    # The method's adapter options (VeRA's beside the LoRA-shaped placement `lora` resolve()
+    # derives from them), and the request field their errors name.
+    vera: VeraSpec | None = None
+    loha: LohaSpec | None = None
+    lokr: LokrSpec | None = None
+    options_field: str = "lora"
 
 
 # LitGPT finetune/lora.py: lora_dropout default 0.05.
@@ -419,7 +483,26 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     notes: list[str] = []
     lora = spec.lora
     quant = spec.quantization
-    if spec.method in LORA_METHODS and lora is None:
+    vera = None
+    if spec.method is Method.VERA:
+        vera = spec.vera or VeraSpec()
+        if spec.vera is None:
+            notes.append("VeRA options not given: r=256, default target modules")
+        # The linears VeRA adapts and its rank, in LoRA's terms (`adapted_linears`).
+        lora = LoraSpec(r=vera.r, target_modules=vera.target_modules, adapter_dtype=DType.FP32)
+    loha = None
+    if spec.method is Method.LOHA:
+        loha = spec.loha or LohaSpec()
+        if spec.loha is None:
+            notes.append("LoHa options not given: r=8, alpha=8, default target modules")
+        lora = LoraSpec(r=loha.r, target_modules=loha.target_modules, adapter_dtype=DType.FP32)
+    lokr = None
+    if spec.method is Method.LOKR:
+        lokr = spec.lokr or LokrSpec()
+        if spec.lokr is None:
+            notes.append("LoKr options not given: r=8, alpha=8, default target modules")
+        lora = LoraSpec(r=lokr.r, target_modules=lokr.target_modules, adapter_dtype=DType.FP32)
+    if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
         lora = LoraSpec()
         notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
     if spec.method is Method.QLORA and quant is None:
@@ -489,4 +572,8 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         compute_dtype=compute_dtype,
         loss=loss,
         assumptions=tuple(notes),
+        vera=vera,
+        loha=loha,
+        lokr=lokr,
+        options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )

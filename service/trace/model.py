@@ -23,6 +23,7 @@ from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TY
 from service.core.result import Component
 from service.core.spec import ALL_LINEAR, LORA_METHODS, Method, QuantType, ResolvedSpec
 from service.core.units import DType
+from service.trace.delta import DELTA_METHODS, apply_delta
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FP32: torch.float32,
@@ -105,6 +106,8 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     if spec.method is Method.FULL:
         if spec.gradient_checkpointing:
             _enable_checkpointing(model)
+    elif spec.method in DELTA_METHODS:
+        model = apply_delta(model, resolved)
     elif spec.method in LORA_METHODS:
         model = _apply_lora(model, resolved)
     else:
@@ -249,7 +252,7 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         task_type=_task_type(getattr(model.config, "model_type", "")),
     )
     spec = resolved.spec
-    if spec.method is Method.LORA and spec.gradient_checkpointing:
+    if spec.method in (Method.LORA, Method.LORA_FA) and spec.gradient_checkpointing:
         _enable_checkpointing(model)
     adapters_fp32 = resolved.adapter_dtype is DType.FP32
     with warnings.catch_warnings(), _dora_reads_4bit_layers_in_place(lora.use_dora):
@@ -260,6 +263,12 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
                 param.data = param.data.to(adapter_dtype)
+    if spec.method is Method.LORA_FA:
+        # peft/optimizers/lorafa.py create_lorafa_optimizer: every lora_A stops training
+        # before the model runs (the tracer builds that optimizer once the model is real).
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.requires_grad_(False)
     if spec.gradient_checkpointing:
         # HF Trainer does this for PEFT models so checkpointed layers get an input needing grad.
         peft_model.enable_input_require_grads()

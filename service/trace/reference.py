@@ -19,6 +19,7 @@ from typing import Any
 
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.spec import (
+    DELTA_OPTIONS,
     AttnImpl,
     FsdpBackwardPrefetch,
     FsdpSharding,
@@ -33,6 +34,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.units import DType
+from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
     ATTENTION_PROJECTIONS,
     BERT_BASE,
@@ -84,6 +86,9 @@ def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
     for option in ("use_dora", "use_rslora"):  # written when on, as references before them
         if lora is not None and not lora.get(option):
             lora.pop(option, None)
+    for name in DELTA_OPTIONS.values():  # written for their method, as references before them
+        if data.get(name) is None:
+            data.pop(name, None)
     return data
 
 
@@ -176,6 +181,17 @@ class Case:
 def reference_name(model_id: str, spec: TrainingSpec) -> str:
     """A file-safe name that spells out every option differing from the defaults."""
     parts = [model_id.split("/")[-1].lower(), spec.method.value]
+    options = spec.vera or spec.loha or spec.lokr
+    if options is not None:
+        target = options.target_modules
+        targets = (
+            "default" if target is None else target if isinstance(target, str) else "+".join(target)
+        )
+        parts.append(f"r{options.r}-{targets}")
+        if spec.lokr is not None and spec.lokr.decompose_factor != -1:
+            parts.append(f"factor{spec.lokr.decompose_factor}")
+        if spec.lokr is not None and spec.lokr.decompose_both:
+            parts.append("decompose-both")
     lora = spec.lora
     if lora is not None:
         target = lora.target_modules
@@ -516,6 +532,7 @@ def matrix() -> list[Case]:
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
+    cases.extend(peft_delta_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32

@@ -134,6 +134,18 @@ def make_optimizer(
     raise NotTraceableError(f"optimizer {optim!r} is not traced")
 
 
+def _lorafa_optimizer(model: torch.nn.Module, resolved: ResolvedSpec) -> torch.optim.Optimizer:
+    """PEFT's LoRA-FA optimizer as its helper builds it (peft/optimizers/lorafa.py
+    create_lorafa_optimizer): one group over every named parameter, AdamW state for each
+    lora_B only."""
+    from peft.optimizers import create_lorafa_optimizer
+
+    lora = resolved.lora
+    if lora is None:  # resolve() always fills it for LoRA-FA
+        raise ValueError("LoRA-FA needs a LoRA spec")
+    return create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.lora_alpha, lr=LEARNING_RATE)  # type: ignore[arg-type]
+
+
 def _adamw_8bit(params: list[torch.nn.Parameter], *, fake: bool) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW8bit, its two 256-entry quantization maps made where fake tensors can.
 
@@ -354,7 +366,10 @@ def trace(
             # The wrapped model's parameters: FSDP2's DTensors, FSDP1's flat parameters (or the
             # original parameters, views of them, with use_orig_params).
             params = [p for p in model.parameters() if p.requires_grad]
-            optimizer = make_optimizer(params, spec.optim, fake=not real)
+            if spec.method is Method.LORA_FA:
+                optimizer = _lorafa_optimizer(model, resolved)
+            else:
+                optimizer = make_optimizer(params, spec.optim, fake=not real)
             optimizer.state = _LabelledState(tracker)
             for qmap in getattr(optimizer, "name2qmap", {}).values():
                 tracker.label(qmap, Component.OPTIMIZER_STATE)

@@ -24,7 +24,7 @@ from service.store.keys import KeyScope
 from tests.api.conftest import issue_key
 from tests.api.test_calibrations import bearer, reloaded_factors
 from tests.published_rows import Row
-from tests.store.test_published_calibration import FOLDS, as_upload, published, split
+from tests.store.test_published_calibration import FOLD_PARAMS, as_upload, published, split
 
 
 def job_body(row: Row) -> dict[str, Any]:
@@ -49,7 +49,7 @@ def log_error(predicted: int, measured: int) -> float:
     return abs(math.log(predicted / measured))
 
 
-@pytest.mark.parametrize("fold", range(FOLDS))
+@pytest.mark.parametrize("fold", FOLD_PARAMS)
 def test_calibrated_estimates_of_held_back_rows_are_closer(
     store_app: FastAPI, store_client: TestClient, fold: int
 ) -> None:

@@ -22,7 +22,19 @@ integers = st.integers(-2, 3) | st.integers(4000, 5000) | st.integers(10**6, 10*
 numbers = st.floats(-1.0, 2.0) | st.floats(9e5, 2e6) | integers
 fields: dict[str, st.SearchStrategy[Any]] = {
     "method": st.sampled_from(
-        ["full", "lora", "qlora", "ia3", "ln-tuning", "prompt-tuning", "half"]
+        [
+            "full",
+            "lora",
+            "qlora",
+            "ia3",
+            "ln-tuning",
+            "prompt-tuning",
+            "lora-fa",
+            "vera",
+            "loha",
+            "lokr",
+            "half",
+        ]
     ),
     "batch_size": integers | st.just(2.5),
     "seq_len": integers,
@@ -60,6 +72,30 @@ fields: dict[str, st.SearchStrategy[Any]] = {
     | st.fixed_dictionaries(
         {},
         optional={"target_modules": st.none() | st.sampled_from([["norm"], ["norm", 3], []])},
+    ),
+    "vera": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "r": integers,
+            "vera_dropout": numbers,
+            "d_initial": numbers,
+            "projection_prng_key": integers,
+            "save_projection": st.booleans() | st.none(),
+            "target_modules": st.none()
+            | st.sampled_from(["all-linear", "q_proj"])
+            | st.lists(st.sampled_from(["q_proj", "v_proj", "bad name", ""]), max_size=3),
+        },
+    ),
+    "loha": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={"r": integers, "alpha": integers, "rank_dropout": numbers},
+    ),
+    "lokr": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={"r": integers, "decompose_factor": integers, "decompose_both": st.booleans()},
     ),
     "parallel": st.fixed_dictionaries(
         {},

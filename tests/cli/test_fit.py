@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.api.schemas import JobSpec
 from service.cli.main import build_parser, main
-from service.cli.options import job_fields, spec_from_args
+from service.cli.options import CliError, job_fields, spec_from_args
 from service.cli.server import (
     EXIT_DOES_NOT_FIT,
     EXIT_FITS,
@@ -245,3 +245,21 @@ def test_dora_and_rslora_options_reach_the_spec_and_the_job() -> None:
     assert (lora["use_dora"], lora["use_rslora"]) == (True, True)
     plain = spec_from_args(build_parser().parse_args(["fit", *SMALL, "--gpu", "L4"]))
     assert plain.lora is not None and not plain.lora.use_dora
+
+
+@pytest.mark.parametrize("method", ["lora-fa", "vera", "loha", "lokr"])
+def test_peft_methods_take_their_defaults_and_the_rank(method: str) -> None:
+    plain = spec_from_args(build_parser().parse_args(["fit", *SMALL, "--method", method]))
+    assert plain.method.value == method
+    ranked = spec_from_args(
+        build_parser().parse_args(["fit", *SMALL, "--method", method, "--r", "4"])
+    )
+    options = ranked.lora if method == "lora-fa" else getattr(ranked, method)
+    assert options is not None and options.r == 4
+    assert job_fields(ranked)["method"] == method
+
+
+def test_lora_only_options_are_refused_for_vera() -> None:
+    args = build_parser().parse_args(["fit", *SMALL, "--method", "vera", "--lora-alpha", "16"])
+    with pytest.raises(CliError, match="--method lora"):
+        spec_from_args(args)

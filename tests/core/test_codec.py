@@ -29,6 +29,7 @@ from service.core.limits import (
 )
 from service.core.spec import (
     ALL_LINEAR,
+    DELTA_OPTIONS,
     LORA_METHODS,
     METHOD_OPTIONS,
     SAVABLE_MODULES,
@@ -50,6 +51,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -123,19 +125,69 @@ allocators = st.builds(
 )
 
 
-module_names = st.lists(st.sampled_from(["k_proj", "v_proj", "down_proj", "norm"]), min_size=1)
+tuner_module_names = st.lists(
+    st.sampled_from(["k_proj", "v_proj", "down_proj", "norm"]), min_size=1
+)
 ia3s = st.builds(
     IA3Spec,
-    target_modules=st.none() | module_names.map(tuple),
+    target_modules=st.none() | tuner_module_names.map(tuple),
     feedforward_modules=st.none(),
 )
-ln_tunings = st.builds(LnTuningSpec, target_modules=st.none() | module_names.map(tuple))
+ln_tunings = st.builds(LnTuningSpec, target_modules=st.none() | tuner_module_names.map(tuple))
 prompt_tunings = st.builds(PromptTuningSpec, num_virtual_tokens=st.integers(1, 1000))
+veras = st.builds(
+    VeraSpec,
+    r=st.integers(1, MAX_LORA_R),
+    target_modules=st.none()
+    | st.just(ALL_LINEAR)
+    | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
+    d_initial=st.floats(-1.0, 1.0),
+    projection_prng_key=st.integers(0, 2**31),
+    save_projection=st.booleans(),
+)
+# The PEFT methods beside LoRA: PEFT's own step on one GPU, without autocast.
+DELTA_METHODS = (Method.LORA_FA, Method.VERA, Method.LOHA, Method.LOKR)
+lokrs = st.builds(
+    LokrSpec,
+    r=st.integers(1, MAX_LORA_R),
+    alpha=st.integers(1, MAX_LORA_ALPHA),
+    decompose_both=st.booleans(),
+    decompose_factor=st.just(-1) | st.integers(1, 64),
+    rank_dropout_scale=st.booleans(),
+)
+lohas = st.builds(
+    LohaSpec,
+    r=st.integers(1, MAX_LORA_R),
+    alpha=st.integers(1, MAX_LORA_ALPHA),
+    target_modules=st.none()
+    | st.just(ALL_LINEAR)
+    | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
+)
+
+
+@st.composite
+def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
+    fa_loras = loras.filter(lambda lora: not lora.modules_to_save)
+    return TrainingSpec(
+        method=method,
+        batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
+        seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
+        lora=draw(st.none() | fa_loras) if method is Method.LORA_FA else None,
+        vera=draw(st.none() | veras) if method is Method.VERA else None,
+        loha=draw(st.none() | lohas) if method is Method.LOHA else None,
+        lokr=draw(st.none() | lokrs) if method is Method.LOKR else None,
+        dtype=draw(st.sampled_from(DType)),
+        optim=draw(st.sampled_from((Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED))),
+        gradient_checkpointing=draw(st.booleans()),
+        allocator=draw(allocators),
+    )
 
 
 @st.composite
 def specs(draw: st.DrawFn) -> TrainingSpec:
     method = draw(st.sampled_from(Method))
+    if method in DELTA_METHODS:
+        return draw(delta_specs(method))
     # PEFT's other methods are modelled with HF + PEFT on one GPU, without autocast
     other = method in METHOD_OPTIONS
     return TrainingSpec(
@@ -187,7 +239,7 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         names.remove("num_labels")
     if spec.target_length is None:  # encoder-decoder only: written when set
         names.remove("target_length")
-    for name in METHOD_OPTIONS.values():  # each method's options: written when set
+    for name in (*METHOD_OPTIONS.values(), *DELTA_OPTIONS.values()):  # written when set
         if getattr(spec, name) is None:
             names.remove(name)
     assert list(data) == names
@@ -241,7 +293,8 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
         (
             {"method": "nope"},
             "method",
-            "Input should be 'full', 'lora', 'qlora', 'ia3', 'ln-tuning' or 'prompt-tuning'",
+            "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', 'ia3', "
+            "'ln-tuning' or 'prompt-tuning'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
         (
@@ -267,7 +320,17 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
         ),
         ({"surprise": 1}, "surprise", "Extra inputs are not permitted"),
         ({"lora": {"rank": 8}}, "lora.rank", "Extra inputs are not permitted"),
-        ({"method": "full", "lora": {}}, "lora", "LoRA options need method 'lora' or 'qlora'"),
+        (
+            {"method": "full", "lora": {}},
+            "lora",
+            "LoRA options need method 'lora', 'qlora' or 'lora-fa'",
+        ),
+        ({"method": "lora", "vera": {}}, "vera", "vera options need method 'vera'"),
+        (
+            {"method": "vera", "vera": {"r": 0}},
+            "vera.r",
+            "Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_the_reason(

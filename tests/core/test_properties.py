@@ -13,6 +13,7 @@ from service.core.estimator import estimate, peak_levels
 from service.core.result import Component
 from service.core.spec import (
     ALL_LINEAR,
+    DELTA_OPTIONS,
     LORA_METHODS,
     METHOD_OPTIONS,
     AttnImpl,
@@ -22,6 +23,7 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import DType
 
@@ -37,6 +39,9 @@ MODELS = (
 def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
     method = draw(st.sampled_from(list(Method)))
     other = method in METHOD_OPTIONS  # modelled on Llama-style decoders, without autocast
+    # PEFT's weight-side methods run PEFT's own step without autocast, LoRA-FA with its own
+    # AdamW (TrainingSpec refuses the rest)
+    delta = method is Method.LORA_FA or method in DELTA_OPTIONS
     model = draw(st.sampled_from(MODELS[:2] if other else MODELS))
     lora = None
     quant = None
@@ -49,7 +54,13 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         )
     if method is Method.QLORA:
         quant = QuantSpec(double_quant=draw(st.booleans()), prepare_kbit=draw(st.booleans()))
+    options = {
+        Method.VERA: {"vera": VeraSpec(target_modules=ALL_LINEAR)},
+        Method.LOHA: {"loha": LohaSpec(r=8, target_modules=ALL_LINEAR)},
+        Method.LOKR: {"lokr": LokrSpec(r=8, target_modules=ALL_LINEAR)},
+    }.get(method, {})
     spec = TrainingSpec(
+        **options,  # type: ignore[arg-type]
         method=method,
         lora=lora,
         quantization=quant,
@@ -57,8 +68,8 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         seq_len=draw(st.integers(1, 8192)),
         gradient_checkpointing=draw(st.booleans()),
         attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
-        optim=draw(st.sampled_from(list(Optim))),
-        autocast=False if other else draw(st.booleans()),
+        optim=Optim.ADAMW_TORCH if delta else draw(st.sampled_from(list(Optim))),
+        autocast=False if other or delta else draw(st.booleans()),
         prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))
         if method is Method.PROMPT_TUNING
         else None,
@@ -76,9 +87,18 @@ def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, Traini
     """The case as LoRA with its defaults when it is another PEFT method, for a change of
     method."""
     model, spec = case
-    if spec.method not in METHOD_OPTIONS:
+    if spec.method in (Method.FULL, Method.LORA, Method.QLORA):
         return case
-    plain = replace(spec, method=Method.LORA, ia3=None, ln_tuning=None, prompt_tuning=None)
+    plain = replace(
+        spec,
+        method=Method.LORA,
+        ia3=None,
+        ln_tuning=None,
+        prompt_tuning=None,
+        vera=None,
+        loha=None,
+        lokr=None,
+    )
     return model, plain
 
 
@@ -165,7 +185,7 @@ def test_components_sum_to_the_peak_and_levels_are_ordered(case: tuple[str, Trai
 @given(specs(), st.sampled_from([1, 2, 8]))
 def test_peak_levels_are_the_estimates_levels(case: tuple[str, TrainingSpec], gpus: int) -> None:
     model, spec = case
-    if spec.method not in METHOD_OPTIONS:  # PEFT's other methods are modelled on one GPU
+    if spec.method in (Method.FULL, Method.LORA, Method.QLORA):  # the others run on one GPU
         spec = replace(spec, parallel=replace(spec.parallel, gpus=gpus))
     arch = default_catalog().resolve(model).arch
     est = estimate(arch, spec)

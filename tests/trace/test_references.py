@@ -65,6 +65,10 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
         "ia3",
         "ln-tuning",
         "prompt-tuning",
+        "lora-fa",
+        "vera",
+        "loha",
+        "lokr",
     }
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}

@@ -66,11 +66,10 @@ from service.api.schemas.jobs import (
     ModelField,
     ModelId,
     ModelRef,
-    ModuleList,
-    ModuleName,
     ParallelIn,
     QuantizationIn,
 )
+from service.api.schemas.peft_methods import ModuleList, ModuleName
 
 __all__ = [
     "MAX_BATCH_JOBS",

@@ -19,6 +19,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
+from service.api.schemas.peft_methods import (
+    IA3In,
+    LnTuningIn,
+    LohaIn,
+    LokrIn,
+    ModuleList,
+    PromptTuningIn,
+    VeraIn,
+)
 from service.core.allocator import AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.limits import (
@@ -30,14 +39,11 @@ from service.core.limits import (
     MAX_GRADIENT_ACCUMULATION,
     MAX_LORA_ALPHA,
     MAX_LORA_R,
-    MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
-    MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
-    MODULE_NAME_PATTERN,
 )
 from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
@@ -62,7 +68,6 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
@@ -74,11 +79,6 @@ MAX_MEMORY_MIB = 4 * 1024 * 1024
 MAX_PRICE_PER_HOUR = 1_000_000.0
 MAX_CONFIG_KEYS = 1024
 
-ModuleName = Annotated[
-    str,
-    StringConstraints(min_length=1, max_length=MAX_MODULE_NAME_CHARS, pattern=MODULE_NAME_PATTERN),
-    Field(description="A module name as transformers names it, e.g. 'q_proj'."),
-]
 ModelId = Annotated[
     str,
     StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"),
@@ -89,7 +89,6 @@ GpuName = Annotated[
     StringConstraints(min_length=1, max_length=128),
     Field(description="A catalog GPU name ('A100-80GB') or the name nvidia-smi prints."),
 ]
-ModuleList = Annotated[list[ModuleName], Field(min_length=1, max_length=MAX_MODULES)]
 ConfigKey = Annotated[str, StringConstraints(max_length=256)]
 ConfigJson = Annotated[dict[ConfigKey, JsonValue], Field(max_length=MAX_CONFIG_KEYS)]
 MemoryMib = Annotated[int, Field(ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)]
@@ -152,58 +151,6 @@ class LoraIn(In):
             use_dora=self.use_dora,
             use_rslora=self.use_rslora,
         )
-
-
-def _names(value: list[str] | None) -> tuple[str, ...] | None:
-    return None if value is None else tuple(value)
-
-
-class IA3In(In):
-    """PEFT IA3Config; the defaults are PEFT's."""
-
-    target_modules: ModuleList | None = Field(
-        default=None,
-        description="Linears that get a scaling vector; null: PEFT's default for the model.",
-    )
-    feedforward_modules: list[ModuleName] | None = Field(
-        default=None,
-        max_length=MAX_MODULES,
-        description="Targets whose input is scaled instead of their output; null: PEFT's "
-        "default for the model, [] none.",
-    )
-
-    def to_spec(self) -> IA3Spec:
-        return IA3Spec(
-            target_modules=_names(self.target_modules),
-            feedforward_modules=_names(self.feedforward_modules),
-        )
-
-
-class LnTuningIn(In):
-    """PEFT LNTuningConfig; the defaults are PEFT's."""
-
-    target_modules: ModuleList | None = Field(
-        default=None,
-        description="Norm layers trained (as copies); null: PEFT's default for the model.",
-    )
-
-    def to_spec(self) -> LnTuningSpec:
-        return LnTuningSpec(target_modules=_names(self.target_modules))
-
-
-class PromptTuningIn(In):
-    """PEFT PromptTuningConfig; num_virtual_tokens has no PEFT default."""
-
-    integer_fields = integers("num_virtual_tokens")
-
-    num_virtual_tokens: int = Field(
-        ge=1,
-        le=MAX_VIRTUAL_TOKENS,
-        description="Virtual tokens prepended to every sequence (trainable embeddings).",
-    )
-
-    def to_spec(self) -> PromptTuningSpec:
-        return PromptTuningSpec(num_virtual_tokens=self.num_virtual_tokens)
 
 
 class QuantizationIn(In):
@@ -587,10 +534,12 @@ class JobSpec(In):
     )
     method: Method = Field(
         default=Method.LORA,
-        description="full, lora, qlora, or PEFT's ia3, ln-tuning or prompt-tuning.",
+        description="full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), "
+        "or PEFT's ia3, ln-tuning, prompt-tuning, vera, loha or lokr.",
     )
     lora: LoraIn | None = Field(
-        default=None, description="LoRA options (lora and qlora); null: PEFT's defaults."
+        default=None,
+        description="LoRA options (lora, qlora, lora-fa); null: PEFT's defaults.",
     )
     quantization: QuantizationIn | None = Field(
         default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
@@ -603,6 +552,15 @@ class JobSpec(In):
     )
     prompt_tuning: PromptTuningIn | None = Field(
         default=None, description="Prompt tuning options (prompt-tuning only, required there)."
+    )
+    vera: VeraIn | None = Field(
+        default=None, description="VeRA options (vera only); null: PEFT's defaults."
+    )
+    loha: LohaIn | None = Field(
+        default=None, description="LoHa options (loha only); null: PEFT's defaults."
+    )
+    lokr: LokrIn | None = Field(
+        default=None, description="LoKr options (lokr only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -684,6 +642,9 @@ class JobSpec(In):
             ia3=None if self.ia3 is None else self.ia3.to_spec(),
             ln_tuning=None if self.ln_tuning is None else self.ln_tuning.to_spec(),
             prompt_tuning=None if self.prompt_tuning is None else self.prompt_tuning.to_spec(),
+            vera=None if self.vera is None else self.vera.to_spec(),
+            loha=None if self.loha is None else self.loha.to_spec(),
+            lokr=None if self.lokr is None else self.lokr.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

@@ -27,7 +27,11 @@ from service.core.estimator.deepseek import (
     deepseek_model_states,
 )
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
-from service.core.estimator.weights import adapted_linears, default_target_modules
+from service.core.estimator.weights import (
+    adapted_linears,
+    default_target_modules,
+    kronecker_factors,
+)
 from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "default_target_modules",
     "estimate",
     "gathered_elements",
+    "kronecker_factors",
     "layer_flow",
     "layer_saved_bytes",
     "litgpt_zero_pad_width",

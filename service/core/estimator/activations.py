@@ -19,8 +19,10 @@ from service.core.estimator.weights import (
     FUSED_GATE_UP_RANK_FACTOR,
     adapted_linears,
     expert_adapters,
+    lokr_shape,
 )
 from service.core.spec import (
+    DELTA_OPTIONS,
     LORA_METHODS,
     AttnImpl,
     Framework,
@@ -29,6 +31,7 @@ from service.core.spec import (
     ResolvedSpec,
     SdpaKernel,
 )
+from service.core.spec_delta import LokrSpec
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,
@@ -85,6 +88,14 @@ class LayerFlow:
     # Something in the attention block trains: a first layer whose input takes no gradient
     # still records its attention for backward.
     attention_trains: bool = True
+    # LoRA-FA: lora_A is frozen, so its matmul keeps no input for a weight gradient.
+    frozen_a: bool = False
+    # VeRA on the adapted linears instead of LoRA (`_vera_saves`).
+    vera: bool = False
+    # LoHa on the adapted linears instead of LoRA (`_loha_saves`).
+    loha: bool = False
+    # LoKr's options, on the adapted linears instead of LoRA (`_lokr_saves`).
+    lokr: LokrSpec | None = None
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -156,8 +167,13 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         ia3_in=ia3_in,
         trained_norms=ln_tuning_targets(arch, rs),
         attention_trains=spec.method in LORA_METHODS
+        or spec.method in DELTA_OPTIONS
         or spec.method is Method.FULL
         or attention_trains(arch, rs),
+        frozen_a=spec.method is Method.LORA_FA,
+        vera=spec.method is Method.VERA,
+        loha=spec.method is Method.LOHA,
+        lokr=rs.lokr,
     )
 
 
@@ -170,6 +186,15 @@ def _linear_saves(
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
     _ia3_saves(led, f, lin, x_key, x_bytes, input_grad)
     if lin.name not in f.lora_targets:
+        return
+    if f.vera:
+        _vera_saves(led, f, lin)
+        return
+    if f.loha:
+        _loha_saves(led, f, lin, x_key, x_bytes, input_grad)
+        return
+    if f.lokr is not None:
+        _lokr_saves(led, f, f.lokr, lin, x_key, x_bytes, input_grad)
         return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
     lin_key = "qkv" if f.fused_qkv and lin.kind is LinearKind.ATTN_QKV else lin.name
@@ -188,9 +213,12 @@ def _linear_saves(
         shared = x_bytes == peft_dtype == AUTOCAST_BYTES
     cast_key = x_key if shared else f"{x_key}>{lin_key}"
     if f.dropout:
-        led.add(f"{lin_key}.dropout_out", lin.in_features * in_bytes)
+        if not f.frozen_a:
+            led.add(f"{lin_key}.dropout_out", lin.in_features * in_bytes)
         led.add(f"{lin_key}.dropout_mask", lin.in_features * BOOL_BYTES)
-    else:
+    elif not f.frozen_a:
+        # autograd saves an mm's input only for its weight's gradient
+        # (tools/autograd/derivatives.yaml mm: mat2's formula alone reads self)
         led.add(cast_key, lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
     if f.autocast and f.adapter != AUTOCAST_BYTES:
@@ -245,6 +273,51 @@ def kept_past_checkpoints(arch: ModelArch, f: LayerFlow) -> tuple[tuple[int, _Ki
         key, nbytes = inputs[lin.kind]
         led.add(key, lin.in_features * nbytes)
     return led.recipe()
+
+
+def _vera_saves(led: _Ledger, f: LayerFlow, lin: Linear) -> None:
+    """PEFT's VeRA linear (peft/tuners/vera/layer.py Linear.forward): `result + lambda_b *
+    F.linear(lambda_d * F.linear(x, vera_A), vera_B)` on the input cast to the vectors' dtype.
+    vera_A and vera_B are frozen, so their matmuls keep no input; each product with a trained
+    vector keeps the other factor: vera_A's output (r) and vera_B's (out) per token."""
+    led.add(f"{lin.name}.vera_a_out", f.r * f.adapter)
+    led.add(f"{lin.name}.vera_b_out", lin.out_features * f.adapter)
+
+
+def _loha_saves(
+    led: _Ledger, f: LayerFlow, lin: Linear, x_key: str, x_bytes: int, input_grad: bool
+) -> None:
+    """PEFT's LoHa linear (peft/tuners/loha/layer.py Linear._get_delta_activations):
+    F.linear(x cast to the adapters' dtype, delta) with the delta weight HadaWeight builds:
+    the matmul keeps this linear's own cast of the input for the delta's gradient, and the
+    full-size delta for the input's, when the input takes one. (HadaWeight also saves its
+    scale, a 0-d host tensor: torch.tensor(self.scaling) on the CPU.)"""
+    cast_key = x_key if f.adapter == x_bytes else f"{x_key}>{lin.name}"
+    led.add(cast_key, lin.in_features * f.adapter)
+    if input_grad:
+        delta = lin.in_features * lin.out_features * lin.count * f.adapter
+        led.add(f"{lin.name}.loha_delta", delta, _Kind.CONSTANT)
+
+
+def _lokr_saves(
+    led: _Ledger,
+    f: LayerFlow,
+    lokr: LokrSpec,
+    lin: Linear,
+    x_key: str,
+    x_bytes: int,
+    input_grad: bool,
+) -> None:
+    """PEFT's LoKr linear (peft/tuners/lokr/layer.py Linear._get_delta_activations): the
+    delta weight is `torch.kron(w1, w2) * scale`, w1 and w2 built as products where they are
+    rank-r pairs; F.linear keeps the input's cast and the full-size delta (as LoHa's), and
+    kron's broadcast product keeps each built factor for the other's gradient."""
+    _loha_saves(led, f, lin, x_key, x_bytes, input_grad)
+    shape = lokr_shape(lin, f.r, lokr.decompose_both, lokr.decompose_factor)
+    if not shape.w1_whole:
+        led.add(f"{lin.name}.lokr_w1", shape.out1 * shape.in1 * f.adapter, _Kind.CONSTANT)
+    if not shape.w2_whole:
+        led.add(f"{lin.name}.lokr_w2", shape.out2 * shape.in2 * f.adapter, _Kind.CONSTANT)
 
 
 def _dora_saves(

@@ -17,11 +17,13 @@ from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import METHOD_OPTIONS, TrainingSpec
+from service.core.spec import METHOD_OPTIONS, Method, TrainingSpec
 from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
 ESTIMATOR_VERSION = "0.2.0"
+# The methods the encoder's step (`encoder_estimate`) models.
+ENCODER_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 
 
 def estimate(
@@ -95,6 +97,12 @@ def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
             f"method {spec.method.value!r} is modelled on decoders, not {arch.model_type!r}",
         )
     if arch.encoder_decoder:
+        if spec.method not in ENCODER_METHODS:
+            raise InvalidSpecError(
+                "method",
+                f"{spec.method.value!r} is not modelled on encoder-decoders; they take "
+                f"{', '.join(m.value for m in ENCODER_METHODS)}",
+            )
         return True  # its own step (estimator/seq2seq.py)
     if spec.target_length is not None:
         raise InvalidSpecError(
@@ -103,6 +111,12 @@ def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
             f"{arch.model_type!r} reads one sequence of seq_len tokens",
         )
     if arch.encoder:
+        if spec.method not in ENCODER_METHODS:
+            raise InvalidSpecError(
+                "method",
+                f"{spec.method.value!r} is modelled on decoder-only LMs; an encoder takes "
+                f"{', '.join(m.value for m in ENCODER_METHODS)}",
+            )
         return True
     if spec.num_labels is not None:
         raise InvalidSpecError(

@@ -20,11 +20,15 @@ from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
 from service.core.estimator.tuners import check_tuner_model, tuner_tensors, virtual_tokens
 from service.core.estimator.weights import (
+    _lorafa_state,
     _optimizer_state,
     _Params,
     _params,
     adapted_linears,
     expert_adapters,
+    loha_tensors,
+    lokr_shape,
+    vera_projection_sizes,
 )
 from service.core.reserved import ReservedPlan
 from service.core.spec import (
@@ -41,6 +45,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
@@ -116,6 +121,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         f.head_quantized,
         expert_adapters(arch, rs),
         tuner_tensors(arch, rs),
+        rs.lokr,
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
@@ -143,7 +149,10 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             "(finetune/lora.py's lora_query and lora_value defaults)",
         )
     single = key.single_sequence
-    optimizer = _optimizer_state(p, unit.optim)
+    if unit.method is Method.LORA_FA:
+        optimizer = _lorafa_state(p)
+    else:
+        optimizer = _optimizer_state(p, unit.optim)
     return _Plan(
         rs=rs,
         adapted=adapted,
@@ -161,7 +170,9 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         up_proj_moment=_layer_recipe(
             arch, f, attn, kernel, True, True, windowed=key.windowed, single=single
         )
-        if unit.method is Method.LORA and arch.mlp is MlpKind.GATED and not arch.is_moe
+        if unit.method in (Method.LORA, Method.LORA_FA)
+        and arch.mlp is MlpKind.GATED
+        and not arch.is_moe
         else (),
         attention_part=_layer_recipe(
             arch,
@@ -276,8 +287,17 @@ def _model_order(
             layer.append(tensor(lin.weight_elements, md))
             if lin.bias:
                 layer.append(tensor(lin.out_features * lin.count, md))
+        elif lin in adapted and f.lokr is not None:
+            shape = lokr_shape(lin, f.r, f.lokr.decompose_both, f.lokr.decompose_factor)
+            layer += [tensor(rows * cols, FP32_BYTES) for rows, cols in shape.tensors(f.r)]
+        elif lin in adapted and f.loha:
+            layer += [tensor(rows * cols, FP32_BYTES) for rows, cols in loha_tensors(lin, f.r)]
+        elif lin in adapted and f.vera:
+            layer.append(tensor(lin.out_features * lin.count, FP32_BYTES))  # vera_lambda_b
+            layer.append(tensor(f.r, FP32_BYTES))  # vera_lambda_d
         elif lin in adapted:
-            layer.append(tensor(f.r * lin.in_features, f.adapter))
+            if not f.frozen_a:
+                layer.append(tensor(f.r * lin.in_features, f.adapter))
             layer.append(tensor(lin.out_features * f.r, f.adapter))
             if f.dora:  # PEFT registers lora_magnitude_vector after lora_A and lora_B
                 layer.append(tensor(lin.out_features, f.adapter))
@@ -296,6 +316,21 @@ def _model_order(
     elif "lm_head" in saved and not arch.tie_word_embeddings:
         out.append(tensor(v * h, other))
     return out
+
+
+def _lokr_factors(
+    adapted: tuple[Linear, ...], f: LayerFlow
+) -> tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...]:
+    """LoKr's factors of each adapted linear (`weights.LokrShape.tensors`), w1's then w2's."""
+    if f.lokr is None:
+        return ()
+    out = []
+    for lin in adapted:
+        shape = lokr_shape(lin, f.r, f.lokr.decompose_both, f.lokr.decompose_factor)
+        tensors = shape.tensors(f.r)
+        split = 1 if shape.w1_whole else 2
+        out.append((lin.name, (tensors[:split], tensors[split:])))
+    return tuple(out)
 
 
 def _reserved_plan(
@@ -348,6 +383,13 @@ def _reserved_plan(
         ia3_in=f.ia3_in,
         trained_norms=f.trained_norms,
         virtual_tokens=virtual_tokens(spec),
+        frozen_a=f.frozen_a,
+        vera=f.vera,
+        loha=f.loha,
+        lokr=_lokr_factors(adapted_linears(arch, rs), f),
+        vera_projections=vera_projection_sizes(adapted_linears(arch, rs), lora.r)
+        if f.vera and lora is not None
+        else (),
     )
 
 
@@ -377,6 +419,9 @@ class _PlanKey(NamedTuple):
     # one sequence per micro-batch: a strided view of a fused projection reshapes without a
     # copy (eager attention's value)
     single_sequence: bool
+    vera: VeraSpec | None = None  # the options of the PEFT methods beside LoRA
+    loha: LohaSpec | None = None
+    lokr: LokrSpec | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -400,6 +445,9 @@ class _PlanKey(NamedTuple):
             spec.max_grad_norm > 0,
             min(spec.gradient_accumulation_steps, REPLAYED_MICRO_BATCHES),
             spec.batch_size == 1,
+            spec.vera,
+            spec.loha,
+            spec.lokr,
         )
 
     def unit_spec(self) -> TrainingSpec:

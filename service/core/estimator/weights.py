@@ -17,6 +17,7 @@ from service.core.spec import (
     QuantType,
     ResolvedSpec,
 )
+from service.core.spec_delta import LokrSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, UINT8_BYTES, DType
 
 # bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
@@ -26,6 +27,9 @@ from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, UINT8_BYTES,
 NF4_VALUES_PER_BYTE = 2
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
+# LoraFAOptimizer.step projects B's gradient under torch.autocast(dtype=torch.bfloat16) where
+# bf16 is available (peft/optimizers/lorafa.py): half-precision temporaries.
+LORAFA_AUTOCAST_BYTES = 2
 NESTED_CODE_ENTRIES = 256
 NF4_CODE_ENTRIES = 16  # quant_state.code: the 16 NF4/FP4 levels, fp32
 # LLM.int8 (bitsandbytes Linear8bitLt): int8 weight plus one fp32 scale per output row (SCB).
@@ -37,8 +41,9 @@ BNB_8BIT_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 
 
-def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
-    """PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py)."""
+def default_target_modules(arch: ModelArch, field: str = "lora") -> tuple[str, ...]:
+    """PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py);
+    VeRA's, LoHa's and LoKr's are copies of it (VeRA's with phi's q_proj and v_proj alone)."""
     defaults = {
         "llama": ("q_proj", "v_proj"),
         "mistral": ("q_proj", "v_proj"),
@@ -58,9 +63,11 @@ def default_target_modules(arch: ModelArch) -> tuple[str, ...]:
         "t5": ("q", "v"),
         "mt5": ("q", "v"),
     }
+    if field == "vera":
+        defaults["phi"] = ("q_proj", "v_proj")
     if arch.model_type not in defaults:
         raise InvalidSpecError(
-            "lora.target_modules",
+            f"{field}.target_modules",
             f"PEFT has no default target modules for model_type {arch.model_type!r}; name them",
         )
     return defaults[arch.model_type]
@@ -87,6 +94,12 @@ def expert_adapters(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int],
         or arch.model_type not in EXPERT_LORA_MODEL_TYPES
     ):
         return ()
+    if rs.spec.method not in (Method.LORA, Method.QLORA):
+        raise InvalidSpecError(
+            f"{rs.options_field}.target_modules",
+            f"'all-linear' here also adapts the experts' parameters, modelled for LoRA alone "
+            f"(not {rs.spec.method.value}); name the target modules",
+        )
     if lora.use_dora:
         # peft/tuners/lora/layer.py ParamWrapper.update_layer raises on LoRA variants.
         raise InvalidSpecError(
@@ -114,7 +127,8 @@ def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
     candidates = [lin for lin in arch.linears if not lin.expert]
     if targets == ALL_LINEAR:
         return tuple(candidates)
-    names = default_target_modules(arch) if targets is None else tuple(targets)
+    field = rs.options_field
+    names = default_target_modules(arch, field) if targets is None else tuple(targets)
     chosen = tuple(
         lin for lin in candidates if lin.name in names or lin.name.split(".")[-1] in names
     )
@@ -126,7 +140,7 @@ def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
     if unknown or not chosen:
         known = ", ".join(sorted({lin.name for lin in candidates}))
         raise InvalidSpecError(
-            "lora.target_modules",
+            f"{field}.target_modules",
             f"{', '.join(unknown or names)} not in this model (its linear layers: {known})",
         )
     return chosen
@@ -203,6 +217,7 @@ def _params(
     head_quantized: bool = False,
     expert_lora: tuple[tuple[int, int], ...] = (),
     tuner: tuple[tuple[int, int, int, int], ...] = (),
+    lokr: LokrSpec | None = None,
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
     Cached: it depends on the model and method, not on batch or sequence length.
@@ -269,11 +284,36 @@ def _params(
     layers_bytes = layers_frozen + sum(t.nbytes for t in trainable[:layers_end])
     outside_layers = frozen - layers_frozen + sum(t.nbytes for t in trainable[layers_end:])
 
-    if lora is not None:
+    if lora is not None and method is Method.VERA:
+        frozen += _vera_projections(adapted, lora.r)
+        for lin in adapted:
+            # vera_lambda_b (out) and vera_lambda_d (r), fp32 (torch.ones / torch.randn in
+            # peft/tuners/vera/layer.py VeraLayer.update_layer)
+            trainable.append(_Tensor(lin.out_features, 0, FP32_BYTES, L))
+            trainable.append(_Tensor(lora.r, 0, FP32_BYTES, L))
+            layers_bytes += _Tensor(lin.out_features, 0, FP32_BYTES, L).nbytes
+            layers_bytes += _Tensor(lora.r, 0, FP32_BYTES, L).nbytes
+    elif lora is not None and method is Method.LOKR and lokr is not None:
+        for lin in adapted:
+            shape = lokr_shape(lin, lora.r, lokr.decompose_both, lokr.decompose_factor)
+            for tensor in shape.tensors(lora.r):
+                trainable.append(_Tensor(*tensor, FP32_BYTES, L))
+                layers_bytes += _Tensor(*tensor, FP32_BYTES, L).nbytes
+    elif lora is not None and method is Method.LOHA:
+        for lin in adapted:
+            for tensor in loha_tensors(lin, lora.r):
+                trainable.append(_Tensor(*tensor, FP32_BYTES, L))
+                layers_bytes += _Tensor(*tensor, FP32_BYTES, L).nbytes
+    elif lora is not None:
         ad = DTYPE_BYTES[adapter_dtype]
         r = lora.r
         for lin in adapted:
-            trainable.append(_Tensor(r, lin.in_features, ad, L))  # lora_A
+            lora_a = _Tensor(r, lin.in_features, ad, L)
+            if method is Method.LORA_FA:
+                # create_lorafa_optimizer freezes every lora_A (peft/optimizers/lorafa.py)
+                frozen += lora_a.nbytes
+            else:
+                trainable.append(lora_a)
             trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
             layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
             layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
@@ -286,12 +326,12 @@ def _params(
             trainable.append(_Tensor(rows, cols, ad, L))
             layers_bytes += _Tensor(rows, cols, ad, L).nbytes
     for rows, cols, itemsize, count in tuner:
-        tensor = _Tensor(rows, cols, itemsize, count)
-        trainable.append(tensor)
+        tuned = _Tensor(rows, cols, itemsize, count)
+        trainable.append(tuned)
         if count == L:
-            layers_bytes += tensor.nbytes
+            layers_bytes += tuned.nbytes
         else:
-            outside_layers += tensor.nbytes
+            outside_layers += tuned.nbytes
     return _Params(
         frozen=frozen,
         trainable=sum(t.nbytes for t in trainable),
@@ -305,9 +345,102 @@ def _params(
     )
 
 
+def loha_tensors(lin: Linear, r: int) -> tuple[tuple[int, int], ...]:
+    """LoHa's parameters of one linear, (rows, cols) in registration order: hada_w1_a (out, r),
+    hada_w1_b (r, in), hada_w2_a, hada_w2_b; fp32 (torch.empty in peft/tuners/loha/layer.py
+    LoHaLayer.create_adapter_parameters)."""
+    out = lin.out_features * lin.count
+    return ((out, r), (r, lin.in_features), (out, r), (r, lin.in_features))
+
+
+def kronecker_factors(dimension: int, factor: int) -> tuple[int, int]:
+    """How LoKr splits a dimension into two factors, smaller first (peft/tuners/lokr/layer.py
+    factorization): `factor` and the rest when it divides the dimension; otherwise the
+    divisor pair with the smallest sum whose first member stays within `factor` (any, for
+    -1), starting from (1, dimension)."""
+    if factor > 0 and dimension % factor == 0:
+        return factor, dimension // factor
+    limit = dimension if factor == -1 else factor
+    m, n = 1, dimension
+    while m < n:
+        nxt = m + 1
+        while dimension % nxt:
+            nxt += 1
+        if nxt + dimension // nxt > m + n or nxt > limit:
+            break
+        m, n = nxt, dimension // nxt
+    return min(m, n), max(m, n)
+
+
+@dataclass(frozen=True, slots=True)
+class LokrShape:
+    """One linear's LoKr factors: w1 is (out1, in1), w2 is (out2, in2); each a parameter, or
+    a rank-r pair whose product the forward builds (peft/tuners/lokr/layer.py update_layer)."""
+
+    out1: int
+    in1: int
+    out2: int
+    in2: int
+    w1_whole: bool
+    w2_whole: bool
+
+    def tensors(self, r: int) -> tuple[tuple[int, int], ...]:
+        """(rows, cols) in registration order: lokr_w1 or lokr_w1_a, lokr_w1_b, then lokr_w2
+        or lokr_w2_a, lokr_w2_b; fp32 (torch.empty in create_adapter_parameters)."""
+        first = ((self.out1, self.in1),) if self.w1_whole else ((self.out1, r), (r, self.in1))
+        second = ((self.out2, self.in2),) if self.w2_whole else ((self.out2, r), (r, self.in2))
+        return first + second
+
+
+def lokr_shape(lin: Linear, r: int, decompose_both: bool, factor: int) -> LokrShape:
+    in1, in2 = kronecker_factors(lin.in_features, factor)
+    out1, out2 = kronecker_factors(lin.out_features * lin.count, factor)
+    return LokrShape(
+        out1=out1,
+        in1=in1,
+        out2=out2,
+        in2=in2,
+        w1_whole=not (decompose_both and r < max(out1, in1) / 2),
+        w2_whole=not r < max(out2, in2) / 2,
+    )
+
+
+def vera_projection_sizes(adapted: tuple[Linear, ...], r: int) -> tuple[int, int]:
+    """VeRA's shared frozen projections, bytes: vera_A (r x the largest in_features) and
+    vera_B (the largest out_features x r) over the adapted linears, fp32 (peft/tuners/vera/
+    model.py VeraModel._find_dim and _init_vera_A_vera_B: _kaiming_init in the default dtype)."""
+    largest_in = max((lin.in_features for lin in adapted), default=0)
+    largest_out = max((lin.out_features * lin.count for lin in adapted), default=0)
+    return r * largest_in * FP32_BYTES, largest_out * r * FP32_BYTES
+
+
+def _vera_projections(adapted: tuple[Linear, ...], r: int) -> int:
+    return sum(_blk(n) for n in vera_projection_sizes(adapted, r))
+
+
 def _gradients(p: _Params) -> int:
     """One gradient per trainable tensor, in the parameter's dtype."""
     return p.trainable
+
+
+def _lorafa_state(p: _Params) -> tuple[int, int, int]:
+    """PEFT's LoraFAOptimizer (peft/optimizers/lorafa.py LoraFAOptimizer.step): exp_avg_B and
+    exp_avg_sq_B (zeros_like B; `step` a Python int), one lora_B at a time. For each B it
+    projects the gradient through (A A^T)^-1 under bf16 autocast (a half copy of the gradient
+    and the half product), scales it (half), casts it back to B's dtype and takes
+    sqrt(exp_avg_sq) + eps; the previous B's projected gradient and denominator stay bound to
+    their Python names until these replace them. The largest of those moments over each
+    pair of consecutive Bs (the last layer's last B precedes nothing, the loop's order repeats
+    layer by layer)."""
+    state = 2 * p.trainable
+    sizes = [(_blk(t.elements * t.itemsize), t.elements) for t in p.tensors]
+    temps = 0
+    for (prev, _), (full, elements) in zip([sizes[-1], *sizes[:-1]], sizes, strict=True):
+        half = _blk(elements * LORAFA_AUTOCAST_BYTES)
+        # the product with the previous B's two, then the cast-back beside the previous
+        # denominator and the scaled half, then the new denominator beside that one
+        temps = max(temps, 2 * prev + 2 * half, prev + half + full, prev + 2 * full)
+    return state, 0, temps
 
 
 def _optimizer_state(p: _Params, optim: Optim) -> tuple[int, int, int]:

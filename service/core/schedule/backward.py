@@ -69,6 +69,16 @@ class _Backward(_Forward):
                 in_bytes=in_bytes,
             )
             before_saved = None
+        elif lin.adapted and (sh.loha or sh.lokr):
+            g_base, gx_lora, acc = self._delta_backward(
+                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
+            )
+            before_saved = None
+        elif lin.adapted and sh.vera:
+            g_base, gx_lora, acc = self._vera_backward(
+                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
+            )
+            before_saved = None
         elif lin.adapted and sh.dora:
             g_base, gx_lora, acc = self._dora_backward(
                 g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
@@ -86,10 +96,12 @@ class _Backward(_Forward):
                 before_saved()
                 before_saved = None
             self.grad(ad * lin.d_out * sh.rank)  # lora_B.weight.grad
-            g_a = self.a(ad * sh.rank)
+            # a frozen lora_A (LoRA-FA) takes no gradient: its backward runs only for x's
+            g_a = self.a(ad * sh.rank) if x_grad or not sh.frozen_a else 0
             self.f(scaled)
             saved.release(f"{lin.name}.lora_a")
-            self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
+            if not sh.frozen_a:
+                self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
             if x_grad:
                 gx32 = self.a(ad * lin.d_in)
                 self.f(g_a)

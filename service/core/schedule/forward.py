@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from service.core.bnb import uses_dequant_fallback
+from service.core.schedule.delta import _Delta
 from service.core.schedule.ia3 import _IA3
 from service.core.schedule.program import _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT8_BYTES, INT32_BYTES, INT64_BYTES
 
 
-class _Forward(_IA3):
+class _Forward(_IA3, _Delta):
     """Appends the events of each module's forward."""
 
     # -- forward ----------------------------------------------------------------------------
@@ -93,6 +94,12 @@ class _Forward(_IA3):
             clone = self.a(nbytes * lin.d_out)
             self.f(base)
             base = clone
+        if sh.vera:
+            return self._vera(x, nbytes, lin, saved, base, stop)
+        if sh.loha:
+            return self._loha(x, nbytes, lin, saved, base, stop)
+        if sh.lokr:
+            return self._lokr(x, nbytes, lin, saved, base, stop)
         if sh.autocast and sh.dora:
             return self._dora_autocast(x, nbytes, lin, saved, base, stop)
         if sh.autocast:
@@ -107,7 +114,7 @@ class _Forward(_IA3):
                 saved.save(f"{lin.name}.mask", mask)
             self.f(mask, cast)
             cast = dropped
-        if saved is not None:
+        if saved is not None and not sh.frozen_a:  # a frozen lora_A keeps no input
             saved.save(f"{lin.name}.cast", cast)
         lora_a = self.a(ad * sh.rank)
         if saved is not None:

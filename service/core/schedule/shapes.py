@@ -28,6 +28,7 @@ class Updater(StrEnum):
     BNB_8BIT = "bnb_8bit"  # uint8 states with fp32 absmax blocks
     ADAFACTOR = "adafactor"  # factored second moment; fp32 copies of one parameter
     OUTSIDE = "outside"  # paged optimizers: state in managed memory, outside the allocator
+    LORA_FA = "lora_fa"  # PEFT's LoraFAOptimizer: AdamW states for B, per-B temporaries
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +47,11 @@ class LinearShape:
     # (IA)^3: a trainable vector scales the output, or (a feedforward module) the input
     scales_output: bool = False
     scales_input: bool = False
+    # LoKr's w1 and w2 (peft/tuners/lokr/layer.py): the bytes of each as its forward builds
+    # it (0: a whole parameter), and of the gradients its backward makes (the parameter's,
+    # or the rank-r pair's two).
+    lokr_factors: tuple[int, ...] = ()
+    lokr_grads: tuple[tuple[int, ...], ...] = ()
 
     @property
     def bnb(self) -> bool:
@@ -136,3 +142,7 @@ class StepShape:
     trained_norms: frozenset[str] = frozenset()
     # prompt tuning's virtual tokens per sequence (counted in `seq`; 0: none)
     virtual_tokens: int = 0
+    frozen_a: bool = False  # LoRA-FA: lora_A frozen (peft/optimizers/lorafa.py)
+    vera: bool = False  # VeRA on the adapted linears (peft/tuners/vera/layer.py)
+    loha: bool = False  # LoHa on the adapted linears (peft/tuners/loha/layer.py)
+    lokr: bool = False  # LoKr on the adapted linears (peft/tuners/lokr/layer.py)

@@ -302,6 +302,26 @@ class _Step(_Backward):
         else:
             self.grad(nbytes)
 
+    def _lorafa_step(self) -> None:
+        """LoraFAOptimizer.step, one lora_B at a time (peft/optimizers/lorafa.py): the
+        gradient projected under bf16 autocast (a half copy and the half product), scaled
+        (half), cast back, then sqrt(exp_avg_sq) + eps; each rebinding of `grad_B` and
+        `denom_B` lets go of the previous B's."""
+        grad_b = denom = 0
+        for nbytes in self.sh.trainable:
+            half = nbytes * HALF_BYTES // self.sh.adapter
+            cast = self.p.alloc(half)
+            product = self.p.alloc(half)
+            self.f(cast)
+            scaled = self.p.alloc(half)
+            self.f(product, grad_b)
+            grad_b = self.p.alloc(nbytes)
+            self.f(scaled)
+            new_denom = self.p.alloc(nbytes)
+            self.f(denom)
+            denom = new_denom
+        self.f(grad_b, denom)
+
     def optimizer(self) -> None:
         sh = self.sh
         up = sh.updater
@@ -321,6 +341,8 @@ class _Step(_Backward):
             self.states = [key for key in map(self.p.alloc, sh.states) if key]
         if up is Updater.ADAMW_FOREACH:
             self.f(*[self.p.alloc(n) for n in sh.trainable])
+        elif up is Updater.LORA_FA:
+            self._lorafa_step()
         elif up is Updater.ADAFACTOR:
             self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(3)])
         self.zero_grad()

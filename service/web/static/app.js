@@ -284,8 +284,11 @@
     // Sent only when not the default, as the request's own defaults would fill them.
     if (s.strategy !== DEFAULTS.strategy) job.parallel.strategy = s.strategy;
     if (s.offload !== DEFAULTS.offload) job.parallel.offload = s.offload;
-    if (s.method !== "full") {
+    if (["lora", "qlora", "lora-fa"].includes(s.method)) {
       job.lora = { r: s.lora_r, lora_alpha: s.lora_alpha, target_modules: modulesFrom(s.target_modules) };
+    } else if (["vera", "loha", "lokr"].includes(s.method)) {
+      // PEFT's own options for these (VeraConfig, LoHaConfig, LoKrConfig): rank and targets
+      job[s.method] = { r: s.lora_r, target_modules: modulesFrom(s.target_modules) };
     }
     if (s.method === "qlora") {
       job.quantization = {

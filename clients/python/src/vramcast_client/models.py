@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vramcast_client.errors import Problem
 
-MethodName = Literal["full", "lora", "qlora"]
+MethodName = Literal["full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 OptimName = Literal[
     "adamw_torch",
@@ -81,6 +81,40 @@ class Lora(_Request):
     use_rslora: bool | None = None  # rsLoRA scaling; no memory change
 
 
+class Vera(_Request):
+    """PEFT VeraConfig (method vera); None: PEFT's default."""
+
+    r: int | None = Field(default=None, ge=1)
+    target_modules: Literal["all-linear"] | list[str] | None = None
+    vera_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    d_initial: float | None = None
+    projection_prng_key: int | None = Field(default=None, ge=0)
+    save_projection: bool | None = None
+
+
+class Loha(_Request):
+    """PEFT LoHaConfig (method loha); None: PEFT's default."""
+
+    r: int | None = Field(default=None, ge=1)
+    alpha: int | None = Field(default=None, ge=1)
+    rank_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    module_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    target_modules: Literal["all-linear"] | list[str] | None = None
+
+
+class Lokr(_Request):
+    """PEFT LoKrConfig (method lokr); None: PEFT's default."""
+
+    r: int | None = Field(default=None, ge=1)
+    alpha: int | None = Field(default=None, ge=1)
+    rank_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    module_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    decompose_both: bool | None = None
+    decompose_factor: int | None = Field(default=None, ge=-1)
+    rank_dropout_scale: bool | None = None
+    target_modules: Literal["all-linear"] | list[str] | None = None
+
+
 class Quantization(_Request):
     """bitsandbytes quantization of the frozen base (QLoRA)."""
 
@@ -133,6 +167,9 @@ class Job(_Request):
     method: MethodName | None = None
     lora: Lora | None = None
     quantization: Quantization | None = None
+    vera: Vera | None = None
+    loha: Loha | None = None
+    lokr: Lokr | None = None
     dtype: DTypeName | None = None
     autocast: bool | None = None
     optim: OptimName | None = None

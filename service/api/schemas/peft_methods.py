@@ -1,0 +1,188 @@
+"""The options of PEFT's methods besides LoRA in a job request, by PEFT's config names and
+defaults: (IA)^3, LN tuning and prompt tuning (service/core/spec_prompt.py), VeRA, LoHa and
+LoKr (service/core/spec_delta.py); and the module names every adapter option takes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from service.api.schemas.base import Boolean, In, Number, integers
+from service.core.limits import (
+    MAX_LORA_ALPHA,
+    MAX_LORA_R,
+    MAX_MODULE_NAME_CHARS,
+    MAX_MODULES,
+    MAX_VIRTUAL_TOKENS,
+    MODULE_NAME_PATTERN,
+)
+from service.core.spec import ALL_LINEAR
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+
+ModuleName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_MODULE_NAME_CHARS, pattern=MODULE_NAME_PATTERN),
+    Field(description="A module name as transformers names it, e.g. 'q_proj'."),
+]
+ModuleList = Annotated[list[ModuleName], Field(min_length=1, max_length=MAX_MODULES)]
+
+
+def _names(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+class IA3In(In):
+    """PEFT IA3Config; the defaults are PEFT's."""
+
+    target_modules: ModuleList | None = Field(
+        default=None,
+        description="Linears that get a scaling vector; null: PEFT's default for the model.",
+    )
+    feedforward_modules: list[ModuleName] | None = Field(
+        default=None,
+        max_length=MAX_MODULES,
+        description="Targets whose input is scaled instead of their output; null: PEFT's "
+        "default for the model, [] none.",
+    )
+
+    def to_spec(self) -> IA3Spec:
+        return IA3Spec(
+            target_modules=_names(self.target_modules),
+            feedforward_modules=_names(self.feedforward_modules),
+        )
+
+
+class LnTuningIn(In):
+    """PEFT LNTuningConfig; the defaults are PEFT's."""
+
+    target_modules: ModuleList | None = Field(
+        default=None,
+        description="Norm layers trained (as copies); null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LnTuningSpec:
+        return LnTuningSpec(target_modules=_names(self.target_modules))
+
+
+class PromptTuningIn(In):
+    """PEFT PromptTuningConfig; num_virtual_tokens has no PEFT default."""
+
+    integer_fields = integers("num_virtual_tokens")
+
+    num_virtual_tokens: int = Field(
+        ge=1,
+        le=MAX_VIRTUAL_TOKENS,
+        description="Virtual tokens prepended to every sequence (trainable embeddings).",
+    )
+
+    def to_spec(self) -> PromptTuningSpec:
+        return PromptTuningSpec(num_virtual_tokens=self.num_virtual_tokens)
+
+
+class VeraIn(In):
+    """PEFT VeraConfig; the defaults are PEFT's."""
+
+    integer_fields = integers("r", "projection_prng_key")
+
+    r: int = Field(default=256, ge=1, le=MAX_LORA_R, description="VeRA rank.")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+    vera_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the input.")
+    d_initial: Number = Field(
+        default=0.1, ge=-1e6, le=1e6, description="lambda_d's initial value (no memory)."
+    )
+    projection_prng_key: int = Field(
+        default=0, ge=0, le=2**63 - 1, description="vera_A / vera_B init seed (no memory)."
+    )
+    save_projection: Boolean = Field(
+        default=True, description="Checkpoints hold vera_A / vera_B (no memory)."
+    )
+
+    def to_spec(self) -> VeraSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return VeraSpec(
+            r=self.r,
+            target_modules=targets,
+            vera_dropout=self.vera_dropout,
+            d_initial=self.d_initial,
+            projection_prng_key=self.projection_prng_key,
+            save_projection=self.save_projection,
+        )
+
+
+class LohaIn(In):
+    """PEFT LoHaConfig; the defaults are PEFT's."""
+
+    integer_fields = integers("r", "alpha")
+
+    r: int = Field(default=8, ge=1, le=MAX_LORA_R, description="LoHa rank.")
+    alpha: int = Field(
+        default=8, ge=1, le=MAX_LORA_ALPHA, description="LoHa scaling numerator (no memory)."
+    )
+    rank_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Rank dropout.")
+    module_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Module dropout.")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LohaSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return LohaSpec(
+            r=self.r,
+            alpha=self.alpha,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            target_modules=targets,
+        )
+
+
+class LokrIn(In):
+    """PEFT LoKrConfig; the defaults are PEFT's."""
+
+    integer_fields = integers("r", "alpha", "decompose_factor")
+
+    r: int = Field(default=8, ge=1, le=MAX_LORA_R, description="LoKr rank.")
+    alpha: int = Field(
+        default=8, ge=1, le=MAX_LORA_ALPHA, description="LoKr scaling numerator (no memory)."
+    )
+    rank_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Rank dropout.")
+    module_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Module dropout.")
+    decompose_both: Boolean = Field(default=False, description="w1 as a rank-r pair too.")
+    decompose_factor: int = Field(
+        default=-1, ge=-1, le=MAX_LORA_R, description="Kronecker factor; -1: near the square root."
+    )
+    rank_dropout_scale: Boolean = Field(default=False, description="Rank dropout scaling.")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> LokrSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return LokrSpec(
+            r=self.r,
+            alpha=self.alpha,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            decompose_both=self.decompose_both,
+            decompose_factor=self.decompose_factor,
+            rank_dropout_scale=self.rank_dropout_scale,
+            target_modules=targets,
+        )

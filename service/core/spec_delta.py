@@ -1,0 +1,114 @@
+"""Options of the PEFT methods beside LoRA, by PEFT's config field names and defaults
+(peft/tuners/<method>/config.py of PEFT 0.21). Only the fields that change what a training
+step holds are taken; the rest (init keys, init schemes, saving switches) change no memory.
+
+LoRA-FA takes LoRA's options (`LoraSpec`): it is LoRA with every lora_A frozen, trained by
+PEFT's LoraFAOptimizer (peft/optimizers/lorafa.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.core.errors import InvalidSpecError
+
+# service.core.spec.ALL_LINEAR: PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
+ALL_LINEAR = "all-linear"
+
+
+def check_targets(field: str, target_modules: tuple[str, ...] | str | None) -> None:
+    """A list of module names, 'all-linear', or None (PEFT's default for the model type)."""
+    if isinstance(target_modules, str) and target_modules != ALL_LINEAR:
+        raise InvalidSpecError(
+            f"{field}.target_modules", f"must be a list of module names or {ALL_LINEAR!r}"
+        )
+    if isinstance(target_modules, tuple) and not target_modules:
+        raise InvalidSpecError(f"{field}.target_modules", "must not be empty")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VeraSpec:
+    """PEFT VeraConfig (peft/tuners/vera/config.py): one pair of frozen random projections
+    vera_A (r x largest in_features) and vera_B (largest out_features x r) shared by every
+    adapted linear, and per linear two trained vectors, lambda_d (r) and lambda_b (out)."""
+
+    r: int = 256
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_VERA_TARGET_MODULES_MAPPING,
+    # q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+    vera_dropout: float = 0.0
+    d_initial: float = 0.1  # lambda_d's initial value: no memory
+    projection_prng_key: int = 0  # vera_A / vera_B's init seed: no memory
+    save_projection: bool = True  # whether checkpoints hold vera_A / vera_B: no memory
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise InvalidSpecError("vera.r", "must be at least 1")
+        if not 0.0 <= self.vera_dropout < 1.0:
+            raise InvalidSpecError("vera.vera_dropout", "must be in [0, 1)")
+        if self.vera_dropout:
+            raise InvalidSpecError(
+                "vera.vera_dropout", "VeRA with dropout is not modelled yet: use 0.0"
+            )
+        check_targets("vera", self.target_modules)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LohaSpec:
+    """PEFT LoHaConfig (peft/tuners/loha/config.py): per adapted linear two rank-r pairs
+    (hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b) whose Hadamard product is a full-size delta
+    weight, built every forward (peft/tuners/loha/layer.py HadaWeight)."""
+
+    r: int = 8
+    alpha: int = 8  # scaling alpha / r: no memory
+    rank_dropout: float = 0.0
+    module_dropout: float = 0.0
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_LOHA_TARGET_MODULES_MAPPING,
+    # a copy of LoRA's: q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise InvalidSpecError("loha.r", "must be at least 1")
+        if self.alpha < 1:
+            raise InvalidSpecError("loha.alpha", "must be at least 1")
+        for name in ("rank_dropout", "module_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise InvalidSpecError(f"loha.{name}", "must be in [0, 1)")
+            if value:
+                raise InvalidSpecError(f"loha.{name}", "LoHa with dropout is not modelled yet")
+        check_targets("loha", self.target_modules)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LokrSpec:
+    """PEFT LoKrConfig (peft/tuners/lokr/config.py): per adapted linear a Kronecker product
+    of a small w1 and a w2 (each kept whole or as a rank-r pair) over the factorised
+    dimensions, a full-size delta weight built every forward (peft/tuners/lokr/layer.py)."""
+
+    r: int = 8
+    alpha: int = 8  # scaling alpha / r: no memory
+    rank_dropout: float = 0.0
+    module_dropout: float = 0.0
+    decompose_both: bool = False  # w1 as a rank-r pair too
+    decompose_factor: int = -1  # -1: factors near the square root of each dimension
+    rank_dropout_scale: bool = False  # no memory without rank dropout
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_LOKR_TARGET_MODULES_MAPPING,
+    # a copy of LoRA's: q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise InvalidSpecError("lokr.r", "must be at least 1")
+        if self.alpha < 1:
+            raise InvalidSpecError("lokr.alpha", "must be at least 1")
+        if self.decompose_factor == 0 or self.decompose_factor < -1:
+            raise InvalidSpecError("lokr.decompose_factor", "must be -1 or at least 1")
+        for name in ("rank_dropout", "module_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise InvalidSpecError(f"lokr.{name}", "must be in [0, 1)")
+            if value:
+                raise InvalidSpecError(f"lokr.{name}", "LoKr with dropout is not modelled yet")
+        check_targets("lokr", self.target_modules)

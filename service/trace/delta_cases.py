@@ -1,0 +1,64 @@
+"""Reference cases of the PEFT methods beside LoRA that change what a step holds: LoRA-FA
+(lora_A frozen, PEFT's LoraFAOptimizer), VeRA (shared frozen projections, trained
+vectors), LoHa and LoKr (a full-size delta weight each forward: a Hadamard product, a Kronecker
+product), on Qwen2.5-0.5B and Llama-3.2-1B."""
+
+from __future__ import annotations
+
+from service.core.spec import ALL_LINEAR, LoraSpec, Method, TrainingSpec
+from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+
+QWEN_05B = "Qwen/Qwen2.5-0.5B"
+LLAMA_1B = "meta-llama/Llama-3.2-1B"
+QUERY_VALUE = ("q_proj", "v_proj")
+
+
+def _job(method: Method, b: int, s: int, *, ckpt: bool = False, **options: object) -> TrainingSpec:
+    return TrainingSpec(
+        method=method,
+        batch_size=b,
+        seq_len=s,
+        gradient_checkpointing=ckpt,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def peft_delta_cases() -> list[tuple[str, TrainingSpec]]:
+    """(model id, spec) of each method's references."""
+    lora_fa = Method.LORA_FA
+    all_linear = LoraSpec(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
+    query_value = LoraSpec(r=16, lora_alpha=32, target_modules=QUERY_VALUE)
+    return [
+        (QWEN_05B, _job(lora_fa, 2, 512, lora=all_linear)),
+        (
+            QWEN_05B,
+            _job(
+                lora_fa,
+                2,
+                512,
+                ckpt=True,
+                lora=LoraSpec(r=16, lora_alpha=32, target_modules=ALL_LINEAR, lora_dropout=0.1),
+            ),
+        ),
+        (LLAMA_1B, _job(lora_fa, 2, 512, lora=query_value)),
+        (QWEN_05B, _job(Method.VERA, 2, 512)),
+        (QWEN_05B, _job(Method.VERA, 1, 512, ckpt=True, vera=VeraSpec(target_modules=ALL_LINEAR))),
+        (LLAMA_1B, _job(Method.VERA, 2, 512)),
+        (QWEN_05B, _job(Method.LOHA, 2, 512, loha=LohaSpec(r=16, target_modules=ALL_LINEAR))),
+        (QWEN_05B, _job(Method.LOHA, 2, 512, ckpt=True)),
+        (LLAMA_1B, _job(Method.LOHA, 2, 512, loha=LohaSpec(r=16, target_modules=QUERY_VALUE))),
+        (LLAMA_1B, _job(Method.LOKR, 2, 512, lokr=LokrSpec(r=16, target_modules=QUERY_VALUE))),
+        (
+            QWEN_05B,
+            _job(
+                Method.LOKR,
+                2,
+                512,
+                lokr=LokrSpec(r=32, decompose_factor=4, target_modules=ALL_LINEAR),
+            ),
+        ),
+        (
+            QWEN_05B,
+            _job(Method.LOKR, 1, 256, ckpt=True, lokr=LokrSpec(r=4, decompose_both=True)),
+        ),
+    ]

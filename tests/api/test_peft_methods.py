@@ -1,0 +1,93 @@
+"""POST /v1/estimates with PEFT's methods beside LoRA: the answer is the core's, and options
+that do not fit the method are a 422 naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.catalog.models import default_catalog
+from service.core.codec import spec_from_dict, spec_to_dict
+from service.core.estimator import estimate
+from tests.api.conftest import SMALL_JOB
+
+LORA_FA_JOB: dict[str, Any] = {
+    **SMALL_JOB,
+    "method": "lora-fa",
+    "lora": {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+}
+VERA_JOB: dict[str, Any] = {**SMALL_JOB, "method": "vera", "vera": {"r": 256}}
+LOHA_JOB: dict[str, Any] = {
+    **SMALL_JOB,
+    "method": "loha",
+    "loha": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+}
+LOKR_JOB: dict[str, Any] = {
+    **SMALL_JOB,
+    "method": "lokr",
+    "lokr": {"r": 32, "alpha": 64, "decompose_factor": 4, "target_modules": "all-linear"},
+}
+CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB]
+
+
+@pytest.mark.parametrize("job", CASES, ids=lambda job: job["method"])
+def test_answer_matches_the_core(client: TestClient, job: dict[str, Any]) -> None:
+    from service.api.schemas import JobSpec
+
+    spec = JobSpec.model_validate(job).to_spec()
+    assert spec_from_dict(spec_to_dict(spec)) == spec
+    expected = estimate(default_catalog().resolve(job["model"]).arch, spec)
+    response = client.post("/v1/estimates", json=job)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["peak"]["allocated_bytes"] == expected.allocated_bytes
+    assert body["params"]["trainable"] == expected.params.trainable
+
+
+def test_lora_fa_trains_b_alone(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=LORA_FA_JOB).json()
+    # Qwen2.5-0.5B: 24 layers, q_proj 896 -> 896 and v_proj 896 -> 128, rank 16
+    assert body["params"]["trainable"] == 24 * 16 * (896 + 128)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"optim": "adamw_bnb_8bit"}, "optim"),
+        ({"quantization": {"type": "nf4"}}, "quantization"),
+    ],
+)
+def test_options_that_do_not_fit_are_422(
+    client: TestClient, changes: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/estimates", json={**LORA_FA_JOB, **changes})
+    assert response.status_code == 422, response.text
+    assert response.json()["errors"][0]["loc"] == ["body", field]
+
+
+def test_vera_trains_its_vectors(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=VERA_JOB).json()
+    # Qwen2.5-0.5B: 24 layers, PEFT's default q_proj (896 out) and v_proj (128 out), r 256
+    assert body["params"]["trainable"] == 24 * ((896 + 256) + (128 + 256))
+
+
+@pytest.mark.parametrize(
+    ("job", "field"),
+    [
+        ({**SMALL_JOB, "method": "lora", "vera": {"r": 8}}, "vera"),
+        ({**VERA_JOB, "lora": {"r": 8}}, "lora"),
+        ({**VERA_JOB, "quantization": {"type": "nf4"}}, "quantization"),
+        ({**LOHA_JOB, "vera": {"r": 8}}, "vera"),
+        ({**LOKR_JOB, "loha": {"r": 8}}, "loha"),
+        ({**LOKR_JOB, "lokr": {"decompose_factor": 0}}, "lokr.decompose_factor"),
+        ({**LOHA_JOB, "loha": {"r": 16, "rank_dropout": 0.1}}, "loha.rank_dropout"),
+    ],
+)
+def test_options_for_another_method_are_422(
+    client: TestClient, job: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/estimates", json=job)
+    assert response.status_code == 422, response.text
+    assert response.json()["errors"][0]["loc"] == ["body", *field.split(".")]
