@@ -23,6 +23,7 @@ from typing import Literal
 
 from service.core.errors import InvalidSpecError
 from service.core.spec import (
+    ADAPTER_METHODS,
     ALL_LINEAR,
     METHOD_OPTIONS,
     SHARDING_STRATEGIES,
@@ -407,7 +408,12 @@ class _Solver:
         """A change that does not depend on the GPU, made once per check."""
         key = (change, spec)
         if key not in self._changed:
-            self._changed[key] = _apply(change, spec, self.narrower_target_modules)
+            try:
+                changed = _apply(change, spec, self.narrower_target_modules)
+            except InvalidSpecError:
+                # a change the method does not take (checkpointing under LitGPT's adapters)
+                changed = None
+            self._changed[key] = changed
         return self._changed[key]
 
     def _smaller_micro_batch(self, spec: TrainingSpec, capacity: _Capacity) -> TrainingSpec | None:
@@ -580,9 +586,10 @@ def _apply(
             return replace(spec, method=Method.LORA) if spec.method is Method.FULL else None
         case Change.QLORA:
             # A sharded 4-bit base is refused (TrainingSpec): not offered under FSDP or ZeRO-3;
-            # nor to PEFT's methods besides LoRA, which would change method and options.
+            # nor to PEFT's methods besides LoRA or LitGPT's adapters, which would change method
+            # and options.
             if (
-                spec.method in (Method.QLORA, *METHOD_OPTIONS)
+                spec.method in (Method.QLORA, *METHOD_OPTIONS, *ADAPTER_METHODS)
                 or spec.parallel.strategy in SHARDING_STRATEGIES
             ):
                 return None

@@ -26,7 +26,9 @@ from service.core.fit import (
     usable_bytes,
 )
 from service.core.spec import (
+    ADAPTER_METHODS,
     LORA_METHODS,
+    Framework,
     LoraSpec,
     Method,
     Optim,
@@ -396,7 +398,8 @@ def _assert_minimal(arch: ModelArch, job: TrainingSpec, offers: list[GpuOffer]) 
 @settings(max_examples=12, deadline=None)
 @given(
     model=st.sampled_from([QWEN_05B, QWEN_7B, LLAMA_8B]),
-    method=st.sampled_from(list(Method)),
+    # (LitGPT's adapters are LitGPT's only: their fit is not what this property draws)
+    method=st.sampled_from([m for m in Method if m not in ADAPTER_METHODS]),
     batch_size=st.sampled_from([1, 2, 4, 8]),
     seq_len=st.sampled_from([512, 1024, 2048, 4096]),
     optim=st.sampled_from([Optim.ADAMW_TORCH_FUSED, Optim.ADAMW_TORCH, Optim.ADAMW_BNB_8BIT]),
@@ -480,3 +483,25 @@ def test_every_gpu_gets_the_answer_it_gets_alone(spec: TrainingSpec) -> None:
     for offer, fit in zip(OFFERS, together.gpus, strict=True):
         alone = check_fit(spec, [offer], requirement, **kwargs).gpus[0]  # type: ignore[arg-type]
         assert fit == alone
+
+
+def test_litgpt_adapters_get_no_checkpointing_or_qlora_suggestion() -> None:
+    """LitGPT's adapter scripts do not checkpoint, and a switch to QLoRA changes the method:
+    neither is offered; what is offered keeps the method."""
+    arch = default_catalog().resolve("meta-llama/Llama-2-7b-hf").arch
+    job = TrainingSpec(
+        method=Method.LLAMA_ADAPTER_V2, batch_size=8, seq_len=2048, framework=Framework.LITGPT
+    )
+    report = check_fit(
+        job,
+        [GpuOffer(memory_bytes=RTX_4090.memory_bytes)],
+        _requirement(arch),
+        max_batch_size=4096,
+        max_seq_len=arch.max_position_embeddings,
+        narrower_target_modules=None,
+    )
+    fit = report.gpus[0]
+    assert not fit.fits and fit.suggestions
+    offered = {change for s in fit.suggestions for change in s.changes}
+    assert not offered & {Change.GRADIENT_CHECKPOINTING, Change.QLORA}
+    assert all(s.spec.method is Method.LLAMA_ADAPTER_V2 for s in fit.suggestions)
