@@ -186,7 +186,7 @@ def _linear_saves(
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
     _ia3_saves(led, f, lin, x_key, x_bytes, input_grad)
     if f.adapter_v2:
-        v2_linear_saves(led, f, lin.name, lin.out_features * lin.count)
+        v2_linear_saves(led, lin.name, lin.out_features * lin.count, f.norm_out)
     if lin.name not in f.lora_targets:
         return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
@@ -296,7 +296,9 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(fp32_key, h * FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
         if f.full or key in f.trained_norms:
-            led.add(f"{key}.normed", h * norm_product_bytes(arch, f))  # weight grad needs it
+            led.add(
+                f"{key}.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual)
+            )  # weight grad needs it
     elif f.autocast and f.residual != FP32_BYTES:
         # nn.LayerNorm under autocast runs in fp32 (layer_norm is on autocast's fp32 list):
         # it saves the fp32 copy of its input (reference traces *bloom*autocast*).
@@ -630,7 +632,7 @@ def _layer_recipe(
     elif norm1_trains:
         # a trained norm whose input takes no gradient (LN tuning's copy, LLaMA-Adapter v2):
         # only the weight's product records, keeping the normed input
-        led.add("norm1.normed", h * norm_product_bytes(arch, f))
+        led.add("norm1.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual))
     if not (input_needs_grad or f.attention_trains):
         # nothing before the MLP's norm takes a gradient in this layer (LN tuning of
         # post_attention_layernorm alone)
@@ -647,7 +649,7 @@ def _layer_recipe(
         _qk_norm_saves(led, f, arch)
     _attention_saves(led, f, arch, spec_like)
     if f.adapter_prompt:
-        adapter_attention_saves(led, f, arch, main_records=input_needs_grad or f.adapter_v2)
+        adapter_attention_saves(led, arch, f.attn, main_records=input_needs_grad or f.adapter_v2)
     if until_attention:
         # What the scores' backward still finds: o_proj's backward has consumed its input, and
         # probs @ v's backward the repeated value (eager: and the probabilities' copy in the

@@ -17,15 +17,10 @@ Under `--precision bf16-true` every parameter is bf16 (Fabric converts the modul
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from service.core.architecture import ModelArch, NormKind
 from service.core.estimator.ledger import _Kind, _Ledger
 from service.core.spec import Method, ResolvedSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES
-
-if TYPE_CHECKING:
-    from service.core.estimator.activations import LayerFlow
 
 # lit_gpt/adapter.py Config: adapter_prompt_length: int = 10, adapter_start_layer: int = 2
 # (finetune/adapter.py and finetune/adapter_v2.py build the model with these defaults).
@@ -75,37 +70,36 @@ def adapter_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, 
     return tuple(tensors)
 
 
-def adapter_attention_saves(
-    led: _Ledger, f: LayerFlow, arch: ModelArch, main_records: bool
-) -> None:
+def adapter_attention_saves(led: _Ledger, arch: ModelArch, attn: int, main_records: bool) -> None:
     """The prompt's attention: SDPA's memory-efficient kernel keeps q (the rotated query,
     already `q_rope`), the prompt's keys and values (views of the fused qkv projection's
     output on the aT prompt rows; copies when repeat_interleave spreads grouped heads), the
     additive mask, its output and the fp32 logsumexp. gating_factor * ay keeps ay (the
     output's transposed view) and the gate, a parameter. `main_records`: whether the causal
-    attention itself records (its q, k or v take a gradient)."""
+    attention itself records (its q, k or v take a gradient); `attn`: the attention's
+    element size."""
     if not main_records:
         for key in _MAIN_ATTENTION_KEYS:
             led.items.pop(key, None)
     qkv_width = arch.q_dim + 2 * arch.kv_dim
-    led.add("adapter.prompt_qkv", ADAPTER_PROMPT_LENGTH * qkv_width * f.attn, _Kind.CONSTANT)
+    led.add("adapter.prompt_qkv", ADAPTER_PROMPT_LENGTH * qkv_width * attn, _Kind.CONSTANT)
     if arch.num_key_value_heads < arch.num_attention_heads:
         for key in ("adapter.k_rep", "adapter.v_rep"):
-            led.add(key, ADAPTER_PROMPT_LENGTH * arch.q_dim * f.attn, _Kind.CONSTANT)
-    led.add("adapter.mask_bias", MEM_EFFICIENT_BIAS_ALIGN * f.attn)
-    led.add("adapter.attn_out", arch.q_dim * f.attn)
+            led.add(key, ADAPTER_PROMPT_LENGTH * arch.q_dim * attn, _Kind.CONSTANT)
+    led.add("adapter.mask_bias", MEM_EFFICIENT_BIAS_ALIGN * attn)
+    led.add("adapter.attn_out", arch.q_dim * attn)
     led.add("adapter.lse", arch.num_attention_heads * FP32_BYTES, _Kind.TOKENS_PAD32)
 
 
-def v2_linear_saves(led: _Ledger, f: LayerFlow, name: str, out_features: int) -> None:
+def v2_linear_saves(led: _Ledger, name: str, out_features: int, nbytes: int) -> None:
     """AdapterV2Linear: adapter_scale * (linear(x) + adapter_bias) keeps the sum for the
     scale's gradient (and the scale, a parameter, for the sum's)."""
-    led.add(f"{name}.v2_sum", out_features * f.norm_out)
+    led.add(f"{name}.v2_sum", out_features * nbytes)
 
 
-def norm_product_bytes(arch: ModelArch, f: LayerFlow) -> int:
+def norm_product_bytes(arch: ModelArch, v2: bool, residual: int) -> int:
     """Bytes per element of what a trained norm's weight product keeps: LitGPT's RMSNorm
     (lit_gpt/rmsnorm.py) multiplies the weight into the fp32 x_normed."""
-    if f.adapter_v2 and arch.norm is NormKind.RMS:
+    if v2 and arch.norm is NormKind.RMS:
         return FP32_BYTES
-    return f.residual
+    return residual

@@ -244,7 +244,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     if "final" in f.trained_norms:
         # LN tuning's copy of the final norm: its weight's product keeps the normed input
-        final_norm += _blk(tokens * h * norm_product_bytes(arch, f))
+        final_norm += _blk(tokens * h * norm_product_bytes(arch, f.adapter_v2, f.residual))
     if arch.norm is NormKind.LAYER and spec.framework is Framework.HF:
         # nn.LayerNorm saves its input (the last layer's output; its fp32 copy under autocast)
         # with its fp32 mean and rstd (reference traces falcon-7b__*, bloom-560m__*).
