@@ -296,9 +296,8 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(fp32_key, h * FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
         if f.full or key in f.trained_norms:
-            led.add(
-                f"{key}.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual)
-            )  # weight grad needs it
+            # the weight's gradient needs it
+            led.add(f"{key}.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual))
     elif f.autocast and f.residual != FP32_BYTES:
         # nn.LayerNorm under autocast runs in fp32 (layer_norm is on autocast's fp32 list):
         # it saves the fp32 copy of its input (reference traces *bloom*autocast*).
