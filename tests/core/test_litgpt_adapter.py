@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.catalog.models import default_catalog
-from service.core.errors import InvalidSpecError
+from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.spec import Framework, Method, ParallelSpec, QuantSpec, QuantType, TrainingSpec
 
@@ -104,3 +104,10 @@ def test_peak_non_decreasing_in_batch_and_sequence(
     wider = _estimate(model, replace(spec, batch_size=batch + more_batch)).allocated_bytes
     assert longer >= peak
     assert wider >= peak
+
+
+@pytest.mark.parametrize("method", ADAPTERS)
+def test_mixture_of_experts_models_are_refused(method: Method) -> None:
+    with pytest.raises(InvalidConfigError) as caught:
+        _estimate("Qwen/Qwen3-30B-A3B", _spec(method, seq_len=128))
+    assert "dense decoders" in caught.value.reason

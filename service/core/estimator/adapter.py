@@ -18,6 +18,7 @@ Under `--precision bf16-true` every parameter is bf16 (Fabric converts the modul
 from __future__ import annotations
 
 from service.core.architecture import ModelArch, NormKind
+from service.core.errors import InvalidConfigError
 from service.core.estimator.ledger import _Kind, _Ledger
 from service.core.spec import Method, ResolvedSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES
@@ -42,6 +43,17 @@ def is_adapter(rs: ResolvedSpec) -> bool:
 
 def is_v2(rs: ResolvedSpec) -> bool:
     return rs.spec.method is Method.LLAMA_ADAPTER_V2
+
+
+def check_adapter_model(arch: ModelArch, rs: ResolvedSpec) -> None:
+    """Refuse what LitGPT's adapters are not modelled on: mixture-of-experts layers (v2 wraps
+    every expert's linears) and encoder-decoders (LitGPT builds decoders only)."""
+    if is_adapter(rs) and (arch.is_moe or arch.encoder_decoder):
+        raise InvalidConfigError(
+            "model_type",
+            f"method {rs.spec.method.value!r} is modelled on dense decoders, not "
+            f"{arch.model_type!r}",
+        )
 
 
 def prompted_layers(arch: ModelArch) -> int:

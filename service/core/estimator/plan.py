@@ -18,6 +18,7 @@ from service.core.estimator.activations import (
 from service.core.estimator.adapter import (
     ADAPTER_START_LAYER,
     adapter_tensors,
+    check_adapter_model,
     is_adapter,
     is_v2,
 )
@@ -112,6 +113,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     unit = key.unit_spec()
     rs = resolve(unit)
     check_tuner_model(arch, rs)
+    check_adapter_model(arch, rs)
     adapted = adapted_linears(arch, rs)
     f = layer_flow(arch, rs, adapted)
     p = _params(
