@@ -29,6 +29,9 @@ from service.core.units import DType
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
 # PEFT's methods besides LoRA, by the rows' method names (the spec's Method values)
 PEFT_METHODS = ("ia3", "ln-tuning", "prompt-tuning", "lora-fa", "vera", "loha", "lokr")
+# LitGPT's adapters; "(4-bit base)" rows quantize the base (finetune/adapter*.py --quantize)
+ADAPTER_METHODS = ("llama-adapter", "llama-adapter-v2")
+KBIT_SUFFIX = " (4-bit base)"
 DECIMAL_GB = 10**9  # measured_peak_gb is decimal GB (design data README)
 # PEFT's seq2seq examples on twitter_complaints (examples/conditional_generation/
 # peft_lora_seq2seq_accelerate_ds_zero3_offload.py) pad each batch's tweets to its longest and
@@ -194,7 +197,16 @@ def load() -> tuple[list[Row], list[Skipped]]:
         for raw in csv.DictReader(fh):
             rid = raw["id"]
             method_text = raw["method"].strip()
-            if method_text not in ("lora", "qlora", "full", "dora", *PEFT_METHODS):
+            kbit_adapter = method_text.endswith(KBIT_SUFFIX)
+            method_text = method_text.removesuffix(KBIT_SUFFIX)
+            if method_text not in (
+                "lora",
+                "qlora",
+                "full",
+                "dora",
+                *PEFT_METHODS,
+                *ADAPTER_METHODS,
+            ):
                 skipped.append(Skipped(rid, f"method {method_text!r} is not modelled"))
                 continue
             if raw["is_estimate"] == "yes" and not raw["batch_size"]:
@@ -249,7 +261,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     use_dora=dora,
                 )
             quant = None
-            if method is Method.QLORA:
+            if method is Method.QLORA or kbit_adapter:
                 quant = QuantSpec(
                     double_quant="double" in raw["base_dtype"],
                     prepare_kbit=framework is Framework.HF,

@@ -19,6 +19,7 @@ from service.core.errors import EstimatorError, InvalidConfigError, InvalidSpecE
 from service.core.hf_config import from_hf_config
 from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
+    ADAPTER_METHODS,
     ALL_LINEAR,
     LORA_METHODS,
     METHOD_OPTIONS,
@@ -246,8 +247,11 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         ) or bool(args.modules_to_save)
     if method not in LORA_METHODS and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
-    if method is not Method.QLORA and (args.quant or args.double_quant or args.compute_dtype):
-        raise CliError("--quant: quantization options need --method qlora")
+    quant_given = bool(args.quant or args.double_quant or args.compute_dtype)
+    if method is not Method.QLORA and method not in ADAPTER_METHODS and quant_given:
+        raise CliError(
+            "--quant: quantization options need --method qlora, llama-adapter or llama-adapter-v2"
+        )
     data = _given(
         {
             "method": method.value,
@@ -302,13 +306,14 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
                 "use_rslora": args.use_rslora,
             }
         )
-    if method is Method.QLORA:
+    if method is Method.QLORA or (method in ADAPTER_METHODS and quant_given):
         data["quantization"] = _given(
             {
                 "type": args.quant or QuantType.NF4.value,
                 "double_quant": args.double_quant,
                 "compute_dtype": args.compute_dtype,
-                "prepare_kbit": not args.no_prepare_kbit,
+                # PEFT's kbit preparation is QLoRA's; LitGPT's adapters never run it
+                "prepare_kbit": not args.no_prepare_kbit and method is Method.QLORA,
             }
         )
     _apply_parallel_configs(args, data)

@@ -23,6 +23,7 @@ from typing import Literal
 
 from service.core.errors import InvalidSpecError
 from service.core.spec import (
+    ADAPTER_METHODS,
     ALL_LINEAR,
     METHOD_OPTIONS,
     SHARDING_STRATEGIES,
@@ -411,7 +412,8 @@ class _Solver:
                 changed = _apply(change, spec, self.narrower_target_modules)
             except InvalidSpecError:
                 # a change the job's method does not take (LoRA-FA's optimizer is its own,
-                # VeRA/LoHa/LoKr options do not go with QLoRA)
+                # VeRA/LoHa/LoKr options do not go with QLoRA, checkpointing under LitGPT's
+                # adapters)
                 changed = None
             self._changed[key] = changed
         return self._changed[key]
@@ -590,9 +592,10 @@ def _apply(
             return replace(spec, method=Method.LORA) if spec.method is Method.FULL else None
         case Change.QLORA:
             # A sharded 4-bit base is refused (TrainingSpec): not offered under FSDP or ZeRO-3;
-            # nor to PEFT's methods besides LoRA, which would change method and options.
+            # nor to PEFT's methods besides LoRA or LitGPT's adapters, which would change method
+            # and options.
             if (
-                spec.method in (Method.QLORA, *METHOD_OPTIONS)
+                spec.method in (Method.QLORA, *METHOD_OPTIONS, *ADAPTER_METHODS)
                 or spec.parallel.strategy in SHARDING_STRATEGIES
             ):
                 return None

@@ -160,10 +160,10 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         adapted=lin.name in plan.adapted,
         trainable=plan.method is Method.FULL,
         weight_bytes=lin.in_features * lin.out_features * lin.count * plan.dtype_bytes,
-        quantized=plan.method is Method.QLORA
+        quantized=plan.quant_type is not None
         and plan.quant_type is not QuantType.INT8
         and not lin.expert,
-        int8=plan.method is Method.QLORA and plan.quant_type is QuantType.INT8 and not lin.expert,
+        int8=plan.quant_type is QuantType.INT8 and not lin.expert,
         bias=lin.bias,
         scales_output=lin.name in plan.ia3_out,
         scales_input=lin.name in plan.ia3_in,
@@ -315,7 +315,7 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     linears (weight, bias, LoRA A and B) and norms, the final norm, the LM head."""
     arch = plan.arch
     md = plan.dtype_bytes
-    kbit = plan.method is Method.QLORA
+    kbit = plan.quant_type is not None
     other = plan.residual if kbit else md
     sizes: list[int] = [arch.vocab_size * arch.hidden_size * other]
     layer: list[int] = []

@@ -33,6 +33,8 @@ class Method(StrEnum):
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
     PROMPT_TUNING = "prompt-tuning"
+    LLAMA_ADAPTER = "llama-adapter"
+    LLAMA_ADAPTER_V2 = "llama-adapter-v2"
 
 
 # PEFT's prompt-side methods, each with the TrainingSpec field that holds its options
@@ -42,6 +44,10 @@ METHOD_OPTIONS = {
     Method.LN_TUNING: "ln_tuning",
     Method.PROMPT_TUNING: "prompt_tuning",
 }
+# LitGPT's LLaMA-Adapter and LLaMA-Adapter v2 (lit_gpt/adapter.py, lit_gpt/adapter_v2.py): no
+# options of their own (LitGPT's defaults, service/core/estimator/adapter.py); the base may
+# be 4-bit (finetune/adapter*.py --quantize bnb.nf4 / bnb.nf4-dq).
+ADAPTER_METHODS = (Method.LLAMA_ADAPTER, Method.LLAMA_ADAPTER_V2)
 
 
 class QuantType(StrEnum):
@@ -408,7 +414,9 @@ class TrainingSpec:
         if self.method is Method.LORA_FA:
             self._check_lora_fa()
         self._check_method_options()
-        if self.method is not Method.QLORA and self.quantization is not None:
+        if self.method in ADAPTER_METHODS:
+            self._check_adapter_method()
+        elif self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
         if self.lora is not None and self.lora.use_dora and self.framework is not Framework.HF:
             raise InvalidSpecError(
@@ -421,6 +429,37 @@ class TrainingSpec:
                 "needs bitsandbytes' bnb_4bit_quant_storage set to the compute dtype (PEFT's "
                 "FSDP-QLoRA and DeepSpeed ZeRO-3 QLoRA guides); that layout is not modelled: "
                 "use ddp, zero1 or zero2",
+            )
+
+    @property
+    def kbit_base(self) -> bool:
+        """Whether the frozen base weights are quantized (QLoRA, or a LitGPT adapter over a
+        4-bit base)."""
+        return self.method is Method.QLORA or (
+            self.method in ADAPTER_METHODS and self.quantization is not None
+        )
+
+    def _check_adapter_method(self) -> None:
+        """What the estimate models of LitGPT's adapters: its own finetune/adapter*.py scripts
+        on one GPU, without autocast, over a bf16/fp16/fp32 or 4-bit (NF4/FP4) base."""
+        method = self.method.value
+        if self.framework is not Framework.LITGPT:
+            raise InvalidSpecError(
+                "method", f"method {method!r} is modelled as LitGPT's (framework 'litgpt')"
+            )
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
+        if self.autocast:
+            raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
+        if self.gradient_checkpointing:
+            # finetune/adapter.py and adapter_v2.py at the resource tables' commit do not
+            # checkpoint
+            raise InvalidSpecError(
+                "gradient_checkpointing", f"method {method!r} is modelled without checkpointing"
+            )
+        if self.quantization is not None and self.quantization.type is QuantType.INT8:
+            raise InvalidSpecError(
+                "quantization.type", f"an LLM.int8 base is not modelled for method {method!r}"
             )
 
     def _check_peft_method(self) -> None:

@@ -41,6 +41,8 @@ def service() -> Iterator[TestClient]:
             {"parallel": {"gpus": 2, "offload": "optimizer_and_params"}},
         ),
         (["--alloc-conf", "max_split_size_mb:10"], {"allocator": {"max_split_size_mb": 10}}),
+        # LitGPT's adapters under another framework than litgpt
+        (["--method", "llama-adapter"], {"method": "llama-adapter"}),
         (
             ["--alloc-conf", "roundup_power2_divisions:4096"],
             {"allocator": {"roundup_power2_divisions": 4096}},
@@ -74,3 +76,14 @@ def test_a_huge_batch_is_a_usage_error_naming_batch_size(
         "vramcast estimate: error: --batch-size (batch_size): "
         "Input should be less than or equal to 4096\n"
     )
+
+
+def test_litgpt_adapters_over_a_4bit_base_are_estimated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["estimate", "stabilityai/stablelm-base-alpha-3b", "-b", "1", "-s", "256"]
+    litgpt = ["--method", "llama-adapter", "--framework", "litgpt", "--quant", "nf4"]
+    assert main([*argv, *litgpt]) == 0
+    out = capsys.readouterr().out
+    assert "573,888 trainable" in out
+    assert "not traced" in out

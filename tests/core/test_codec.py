@@ -28,6 +28,7 @@ from service.core.limits import (
     MAX_ZERO_ELEMENTS,
 )
 from service.core.spec import (
+    ADAPTER_METHODS,
     ALL_LINEAR,
     DELTA_OPTIONS,
     LORA_METHODS,
@@ -70,6 +71,13 @@ loras = st.builds(
 quantizations = st.builds(
     QuantSpec,
     type=st.sampled_from(QuantType),
+    double_quant=st.booleans(),
+    compute_dtype=st.none() | st.sampled_from(DType),
+    prepare_kbit=st.booleans(),
+)
+kbit_quantizations = st.builds(
+    QuantSpec,
+    type=st.sampled_from([QuantType.NF4, QuantType.FP4]),
     double_quant=st.booleans(),
     compute_dtype=st.none() | st.sampled_from(DType),
     prepare_kbit=st.booleans(),
@@ -190,27 +198,38 @@ def specs(draw: st.DrawFn) -> TrainingSpec:
         return draw(delta_specs(method))
     # PEFT's other methods are modelled with HF + PEFT on one GPU, without autocast
     other = method in METHOD_OPTIONS
+    # LitGPT's adapters: LitGPT on one GPU, without autocast or checkpointing, a 4-bit base
+    # (not LLM.int8) or none
+    adapter = method in ADAPTER_METHODS
     return TrainingSpec(
         method=method,
         batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
         lora=draw(st.none() | loras) if method in LORA_METHODS else None,
-        quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
+        quantization=draw(st.none() | quantizations)
+        if method is Method.QLORA
+        else draw(st.none() | kbit_quantizations)
+        if adapter
+        else None,
         ia3=draw(st.none() | ia3s) if method is Method.IA3 else None,
         ln_tuning=draw(st.none() | ln_tunings) if method is Method.LN_TUNING else None,
         prompt_tuning=draw(prompt_tunings) if method is Method.PROMPT_TUNING else None,
         dtype=draw(st.sampled_from(DType)),
-        autocast=False if other else draw(st.booleans()),
+        autocast=False if other or adapter else draw(st.booleans()),
         optim=draw(st.sampled_from(Optim)),
         gradient_accumulation_steps=draw(st.integers(1, MAX_GRADIENT_ACCUMULATION)),
         max_grad_norm=draw(st.floats(0.0, MAX_GRAD_NORM)),
-        gradient_checkpointing=draw(st.booleans()),
+        gradient_checkpointing=False if adapter else draw(st.booleans()),
         attn_implementation=draw(st.sampled_from(AttnImpl)),
         sdpa_kernel=draw(st.sampled_from(SdpaKernel)),
         loss=draw(st.none() | st.sampled_from(LossImpl)),
-        framework=Framework.HF if other else draw(st.sampled_from(Framework)),
-        parallel=ParallelSpec()
+        framework=Framework.HF
         if other
+        else Framework.LITGPT
+        if adapter
+        else draw(st.sampled_from(Framework)),
+        parallel=ParallelSpec()
+        if other or adapter
         else draw(
             parallels(
                 [s for s in Strategy if s not in SHARDING_STRATEGIES]
@@ -294,7 +313,7 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
             {"method": "nope"},
             "method",
             "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', 'ia3', "
-            "'ln-tuning' or 'prompt-tuning'",
+            "'ln-tuning', 'prompt-tuning', 'llama-adapter' or 'llama-adapter-v2'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
         (

@@ -27,6 +27,7 @@ from service.core.fit import (
 )
 from service.core.spec import (
     LORA_METHODS,
+    Framework,
     LoraSpec,
     Method,
     Optim,
@@ -510,3 +511,25 @@ def test_every_gpu_gets_the_answer_it_gets_alone(spec: TrainingSpec) -> None:
     for offer, fit in zip(OFFERS, together.gpus, strict=True):
         alone = check_fit(spec, [offer], requirement, **kwargs).gpus[0]  # type: ignore[arg-type]
         assert fit == alone
+
+
+def test_litgpt_adapters_get_no_checkpointing_or_qlora_suggestion() -> None:
+    """LitGPT's adapter scripts do not checkpoint, and a switch to QLoRA changes the method:
+    neither is offered; what is offered keeps the method."""
+    arch = default_catalog().resolve("meta-llama/Llama-2-7b-hf").arch
+    job = TrainingSpec(
+        method=Method.LLAMA_ADAPTER_V2, batch_size=8, seq_len=2048, framework=Framework.LITGPT
+    )
+    report = check_fit(
+        job,
+        [GpuOffer(memory_bytes=RTX_4090.memory_bytes)],
+        _requirement(arch),
+        max_batch_size=4096,
+        max_seq_len=arch.max_position_embeddings,
+        narrower_target_modules=None,
+    )
+    fit = report.gpus[0]
+    assert not fit.fits and fit.suggestions
+    offered = {change for s in fit.suggestions for change in s.changes}
+    assert not offered & {Change.GRADIENT_CHECKPOINTING, Change.QLORA}
+    assert all(s.spec.method is Method.LLAMA_ADAPTER_V2 for s in fit.suggestions)

@@ -96,6 +96,30 @@ def test_tier_a_allocated(
     assert worst <= TIER_A_HELD, f"worst Tier A error {worst:.2%}"
 
 
+def test_litgpt_adapter_rows_hold_the_litgpt_bound(
+    errors: list[tuple[Row, float]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LitGPT's LLaMA-Adapter (v1, v2) rows, modelled from lit_gpt/adapter*.py: held to the
+    bound the same tables' LoRA rows hold, with the published trainable counts exactly."""
+    with DATA.open(newline="") as fh:
+        published = {
+            r["id"]: int(r["trainable_params"])
+            for r in csv.DictReader(fh)
+            if r["id"].startswith("litgpt-rt-adapter-")
+        }
+    rows = [(r, e) for r, e in errors if r.id.startswith("litgpt-rt-adapter-")]
+    assert len(rows) == 12
+    with capsys.disabled():
+        print()
+        for row, err in rows:
+            print(f"{row.id:<22}{row.model:<38}{row.spec.method.value:<18}{err:+7.2%}")
+    for row, _err in rows:
+        arch = default_catalog().resolve(row.model).arch
+        assert estimate(arch, row.spec).params.trainable == published[row.id], row.id
+    worst = max(abs(e) for _r, e in rows)
+    assert worst <= TIER_A_HELD, f"worst LitGPT adapter error {worst:.2%}"
+
+
 def test_the_bert_rows_map_to_their_runs(
     errors: list[tuple[Row, float]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -534,15 +534,22 @@ class JobSpec(In):
     )
     method: Method = Field(
         default=Method.LORA,
-        description="full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), "
-        "or PEFT's ia3, ln-tuning, prompt-tuning, vera, loha or lokr.",
+        description=(
+            "full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
+            "ia3, ln-tuning, prompt-tuning, vera, loha or lokr, or LitGPT's llama-adapter or "
+            "llama-adapter-v2 (framework 'litgpt' only)."
+        ),
     )
     lora: LoraIn | None = Field(
         default=None,
         description="LoRA options (lora, qlora, lora-fa); null: PEFT's defaults.",
     )
     quantization: QuantizationIn | None = Field(
-        default=None, description="Quantization (qlora only); null: NF4 with kbit preparation."
+        default=None,
+        description=(
+            "Quantization (qlora, or a 4-bit base under LitGPT's adapters); null: NF4 with "
+            "kbit preparation for qlora, an unquantized base for the adapters."
+        ),
     )
     ia3: IA3In | None = Field(
         default=None, description="(IA)^3 options (ia3 only); null: PEFT's defaults."

@@ -13,6 +13,14 @@ from service.core.architecture import (
     ModelArch,
     NormKind,
 )
+from service.core.estimator.adapter import (
+    ADAPTER_PROMPT_LENGTH,
+    adapter_attention_saves,
+    is_adapter,
+    is_v2,
+    norm_product_bytes,
+    v2_linear_saves,
+)
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
@@ -96,6 +104,10 @@ class LayerFlow:
     loha: bool = False
     # LoKr's options, on the adapted linears instead of LoRA (`_lokr_saves`).
     lokr: LokrSpec | None = None
+    # LitGPT's LLaMA-Adapter: the prompt length when this layer attends to the adapter prompt
+    # (0 below adapter_start_layer); v2: every linear's scale and bias (estimator/adapter.py).
+    adapter_prompt: int = 0
+    adapter_v2: bool = False
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -138,6 +150,8 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
     targets = frozenset(lin.name for lin in adapted)
     litgpt = spec.framework is Framework.LITGPT
     ia3_out, ia3_in = scaled_kinds(arch, rs)
+    kbit = spec.kbit_base
+    v2 = is_v2(rs)
     return LayerFlow(
         residual=residual,
         norm_out=norm_out,
@@ -149,14 +163,13 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         dropout=bool(lora and rs.lora_dropout > 0),
         fused_qkv=spec.framework is Framework.LITGPT
         or sum(1 for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV) == 1,
-        quantized=spec.method is Method.QLORA,
-        quant_saves_input=spec.method is Method.QLORA
-        and (spec.framework is Framework.LITGPT or _int8(rs)),
+        quantized=kbit,
+        quant_saves_input=kbit and (spec.framework is Framework.LITGPT or _int8(rs)),
         autocast=spec.autocast,
         zero_pad_width=litgpt_zero_pad_width(arch, adapted) if litgpt and lora else 0,
         proj_input_copy=litgpt,
         head_quantized=litgpt
-        and spec.method is Method.QLORA
+        and kbit
         and not arch.tie_word_embeddings
         and rs.quantization is not None
         and rs.quantization.type is not QuantType.INT8,
@@ -165,15 +178,18 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         dora=bool(lora and lora.use_dora),
         ia3_out=ia3_out,
         ia3_in=ia3_in,
-        trained_norms=ln_tuning_targets(arch, rs),
+        trained_norms=frozenset({"norm1", "norm2", "final"}) if v2 else ln_tuning_targets(arch, rs),
         attention_trains=spec.method in LORA_METHODS
         or spec.method in DELTA_OPTIONS
         or spec.method is Method.FULL
+        or is_adapter(rs)
         or attention_trains(arch, rs),
         frozen_a=spec.method is Method.LORA_FA,
         vera=spec.method is Method.VERA,
         loha=spec.method is Method.LOHA,
         lokr=rs.lokr,
+        adapter_prompt=ADAPTER_PROMPT_LENGTH if is_adapter(rs) else 0,
+        adapter_v2=v2,
     )
 
 
@@ -185,6 +201,8 @@ def _linear_saves(
     if f.full or (f.quant_saves_input and input_grad and not lin.expert):
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
     _ia3_saves(led, f, lin, x_key, x_bytes, input_grad)
+    if f.adapter_v2:
+        v2_linear_saves(led, lin.name, lin.out_features * lin.count, f.norm_out)
     if lin.name not in f.lora_targets:
         return
     if f.vera:
@@ -351,7 +369,8 @@ def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: 
         led.add(fp32_key, h * FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
         if f.full or key in f.trained_norms:
-            led.add(f"{key}.normed", h * f.residual)  # weight grad needs it
+            # the weight's gradient needs it
+            led.add(f"{key}.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual))
     elif f.autocast and f.residual != FP32_BYTES:
         # nn.LayerNorm under autocast runs in fp32 (layer_norm is on autocast's fp32 list):
         # it saves the fp32 copy of its input (reference traces *bloom*autocast*).
@@ -678,12 +697,14 @@ def _layer_recipe(
     led = _Ledger()
     h = arch.hidden_size
     spec_like = _AttnChoice(attn, kernel, windowed, single)
-    if input_needs_grad:
+    norm1_trains = "norm1" in f.trained_norms
+    if input_needs_grad or (norm1_trains and arch.norm is NormKind.LAYER):
+        # (nn.LayerNorm keeps its input, mean and rstd for its weight's gradient too)
         _norm_saves(led, f, "norm1", "x_in", h, arch)
-    elif "norm1" in f.trained_norms:
-        # LN tuning's copy of a norm whose input takes no gradient: only the weight's
-        # product records, keeping the normed input
-        led.add("norm1.normed", h * f.residual)
+    elif norm1_trains:
+        # a trained norm whose input takes no gradient (LN tuning's copy, LLaMA-Adapter v2):
+        # only the weight's product records, keeping the normed input
+        led.add("norm1.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual))
     if not (input_needs_grad or f.attention_trains):
         # nothing before the MLP's norm takes a gradient in this layer (LN tuning of
         # post_attention_layernorm alone)
@@ -693,10 +714,14 @@ def _layer_recipe(
         return led.recipe()
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_QKV:
-            _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad)
+            _linear_saves(
+                led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad or norm1_trains
+            )
     if arch.qk_norm:
         _qk_norm_saves(led, f, arch)
     _attention_saves(led, f, arch, spec_like)
+    if f.adapter_prompt:
+        adapter_attention_saves(led, arch, f.attn, main_records=input_needs_grad or f.adapter_v2)
     if until_attention:
         # What the scores' backward still finds: o_proj's backward has consumed its input, and
         # probs @ v's backward the repeated value (eager: and the probabilities' copy in the
@@ -711,12 +736,16 @@ def _layer_recipe(
             _linear_saves(led, f, lin, proj_key, f.attn)
     # A parallel-residual MLP reads the layer input: in a first layer whose input takes no
     # gradient, the MLP records nothing for backward unless one of its linears trains.
-    mlp_trains = f.full or any(
-        lin.name in f.lora_targets
-        for lin in arch.linears
-        if lin.kind in (LinearKind.MLP_IN, LinearKind.MLP_OUT)
+    mlp_trains = (
+        f.full
+        or f.adapter_v2
+        or any(
+            lin.name in f.lora_targets
+            for lin in arch.linears
+            if lin.kind in (LinearKind.MLP_IN, LinearKind.MLP_OUT)
+        )
     )
-    mlp_input_grad = input_needs_grad or not arch.parallel_residual
+    mlp_input_grad = input_needs_grad or not arch.parallel_residual or "norm2" in f.trained_norms
     if arch.parallel_residual and arch.norms_per_layer == 1:
         mlp_in_key = "norm1.out"
     else:

@@ -129,14 +129,20 @@ def _litgpt_loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int, head: 
     logp = sum(_blk(b * n * v * LITGPT_LOGITS_BYTES) for n in shifted)
     chunk = _blk(b * sizes[0] * v * LITGPT_LOGITS_BYTES)
     # convert_output: the bf16 list and its fp32 copy; then the fp32 list and the log-probs.
-    forward_peak = max(logits_half + logits, logits + logp)
-    backward_peak = logits + logp + 2 * chunk
-    if rs.spec.method is Method.QLORA and not arch.tie_word_embeddings:
+    # LLaMA-Adapter v2's lm_head is an AdapterV2Linear: each chunk's adapter_scale * (linear +
+    # adapter_bias) keeps the bf16 sum until the head's backward (lit_gpt/adapter_v2.py).
+    v2_sums = logits_half if rs.spec.method is Method.LLAMA_ADAPTER_V2 else 0
+    forward_peak = max(logits_half + logits, logits + logp) + v2_sums
+    backward_peak = logits + logp + 2 * chunk + v2_sums
+    if rs.spec.kbit_base and not arch.tie_word_embeddings:
         # The 4-bit lm_head dequantizes its weight for each chunk, forward and backward; its
         # backward comes after every chunk's gradient has been cast back to bf16.
         weight = _litgpt_dequant_bytes(h, v, rs)
         forward_peak = max(forward_peak, logits_half + weight)
         backward_peak = max(
-            backward_peak, logits + logits_half + weight + _blk(b * sizes[0] * h * head)
+            backward_peak,
+            logits + logits_half + weight + _blk(b * sizes[0] * h * head) + v2_sums,
         )
-    return _LossBytes(forward_peak=forward_peak, saved=logits + logp, backward_peak=backward_peak)
+    return _LossBytes(
+        forward_peak=forward_peak, saved=logits + logp + v2_sums, backward_peak=backward_peak
+    )

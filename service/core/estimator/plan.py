@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -14,6 +14,13 @@ from service.core.estimator.activations import (
     _layer_recipe,
     kept_past_checkpoints,
     layer_flow,
+)
+from service.core.estimator.adapter import (
+    ADAPTER_START_LAYER,
+    adapter_tensors,
+    check_adapter_model,
+    is_adapter,
+    is_v2,
 )
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
@@ -73,6 +80,9 @@ class _Plan:
     up_proj_moment: tuple[tuple[int, _Kind, int], ...]
     # a recomputed layer's saved tensors that its attention's backward still finds
     attention_part: tuple[tuple[int, _Kind, int], ...]
+    # LitGPT's adapters: the layers between the first layer and the rest that save otherwise
+    # (below adapter_start_layer), as (count, recipe); (0, ()) for every other method
+    lower_layers: tuple[int, tuple[tuple[int, _Kind, int], ...]]
     dequant: int  # a transient dequantized copy of the largest 4-bit weight (QLoRA)
     # per layer, kept through the step despite checkpointing (`kept_past_checkpoints`)
     kept_past_checkpoints: tuple[tuple[int, _Kind, int], ...]
@@ -108,6 +118,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     unit = key.unit_spec()
     rs = resolve(unit)
     check_tuner_model(arch, rs)
+    check_adapter_model(arch, rs)
     adapted = adapted_linears(arch, rs)
     f = layer_flow(arch, rs, adapted)
     p = _params(
@@ -120,15 +131,16 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         adapted,
         f.head_quantized,
         expert_adapters(arch, rs),
-        tuner_tensors(arch, rs),
+        tuner_tensors(arch, rs) + adapter_tensors(arch, rs),
         rs.lokr,
+        is_v2(rs),
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
         (lin for lin in arch.linears if not lin.expert),
         key=lambda lin: lin.in_features * lin.out_features,
     )
-    if unit.method is not Method.QLORA:
+    if not unit.kbit_base:
         dequant = 0
     elif unit.framework is Framework.LITGPT:
         dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
@@ -153,6 +165,12 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         optimizer = _lorafa_state(p)
     else:
         optimizer = _optimizer_state(p, unit.optim)
+    lower = replace(f, adapter_prompt=0)
+    if is_adapter(rs):
+        assumptions += (
+            f"{unit.method.value} is modelled from LitGPT's lit_gpt/adapter*.py (prompt length "
+            f"10 from layer {ADAPTER_START_LAYER}, bf16-true parameters), not traced",
+        )
     return _Plan(
         rs=rs,
         adapted=adapted,
@@ -162,8 +180,15 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         whole=whole_layout(p, optimizer),
         layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
         first_layer=_layer_recipe(
-            arch, f, attn, kernel, False, windowed=key.windowed, single=single
+            arch,
+            lower if is_v2(rs) else f,
+            attn,
+            kernel,
+            False,
+            windowed=key.windowed,
+            single=single,
         ),
+        lower_layers=_lower_layers(arch, rs, lower, attn, kernel, single),
         global_layer=_layer_recipe(arch, f, attn, kernel, True, windowed=False, single=single)
         if arch.global_layers and key.windowed
         else (),
@@ -193,6 +218,27 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     )
 
 
+def _lower_layers(
+    arch: ModelArch,
+    rs: ResolvedSpec,
+    lower: LayerFlow,
+    attn: AttnImpl,
+    kernel: SdpaKernel,
+    single: bool,
+) -> tuple[int, tuple[tuple[int, _Kind, int], ...]]:
+    """LitGPT's adapters below adapter_start_layer: LLaMA-Adapter trains nothing there and
+    nothing before (those layers record nothing; the first layer that does is the first with
+    a prompt, whose input takes no gradient); v2's layers there save their scale/bias
+    products without a prompt, the first of them with an input that takes no gradient."""
+    if not is_adapter(rs):
+        return 0, ()
+    start = min(ADAPTER_START_LAYER, arch.num_hidden_layers)
+    if not is_v2(rs):
+        return start, ()
+    recipe = _layer_recipe(arch, lower, attn, kernel, True, single=single)
+    return max(start - 1, 0), recipe
+
+
 def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow) -> _StepTraits:
     saved = rs.lora.modules_to_save if rs.lora is not None else ()
     full = key.method is Method.FULL
@@ -209,7 +255,7 @@ def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow)
         else 0
     )
     warnings: list[str] = []
-    if key.method is Method.QLORA and key.framework is Framework.LITGPT:
+    if key.unit_spec().kbit_base and key.framework is Framework.LITGPT:
         warnings.append(
             "LitGPT with bitsandbytes <= 0.41 keeps each 4-bit layer's input until the next "
             "forward pass: a later iteration as long as the first can peak above this estimate"
@@ -248,7 +294,7 @@ def _lt_workspaces(arch: ModelArch, spec: TrainingSpec) -> tuple[int, int]:
     (not bitsandbytes' 4-bit path) on the Python thread, one more when checkpointing reruns
     such a linear on the autograd thread."""
     biased = any(lin.bias for lin in arch.linears if not lin.expert)
-    lt = _blk(CUBLASLT_WORKSPACE) if biased and spec.method is not Method.QLORA else 0
+    lt = _blk(CUBLASLT_WORKSPACE) if biased and not spec.kbit_base else 0
     return lt, lt if spec.gradient_checkpointing else 0
 
 
@@ -381,7 +427,8 @@ def _reserved_plan(
         dora=f.dora,
         ia3_out=f.ia3_out,
         ia3_in=f.ia3_in,
-        trained_norms=f.trained_norms,
+        # (v2 trains the model's own norms, no copies)
+        trained_norms=frozenset() if is_v2(rs) else f.trained_norms,
         virtual_tokens=virtual_tokens(spec),
         frozen_a=f.frozen_a,
         vera=f.vera,

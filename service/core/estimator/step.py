@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.adapter import norm_product_bytes
 from service.core.estimator.deepseek import deepseek_model_states
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
@@ -243,7 +244,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     if "final" in f.trained_norms:
         # LN tuning's copy of the final norm: its weight's product keeps the normed input
-        final_norm += _blk(tokens * h * f.residual)
+        final_norm += _blk(tokens * h * norm_product_bytes(arch, f.adapter_v2, f.residual))
     if arch.norm is NormKind.LAYER and spec.framework is Framework.HF:
         # nn.LayerNorm saves its input (the last layer's output; its fp32 copy under autocast)
         # with its fp32 mean and rstd (reference traces falcon-7b__*, bloom-560m__*).
@@ -298,8 +299,14 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         recompute = top_layer - (checkpoint_input if traits.shares_input else 0)
         assumptions.append("gradient checkpointing: one layer's input kept, one layer recomputed")
     else:
+        # LitGPT's adapters: the layers below adapter_start_layer (`plan._lower_layers`)
+        n_low, low_recipe = plan.lower_layers
         activations = (
-            (L - 1 - globals_) * per_layer + globals_ * global_layer + first_layer + final_norm
+            (L - 1 - globals_ - n_low) * per_layer
+            + n_low * _recipe_bytes(low_recipe, b, s)
+            + globals_ * global_layer
+            + first_layer
+            + final_norm
         )
         recompute = 0
     if spec.attn_implementation is AttnImpl.EAGER:

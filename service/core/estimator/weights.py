@@ -9,6 +9,7 @@ from service.core.architecture import Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.spec import (
+    ADAPTER_METHODS,
     ALL_LINEAR,
     LoraSpec,
     Method,
@@ -218,6 +219,7 @@ def _params(
     expert_lora: tuple[tuple[int, int], ...] = (),
     tuner: tuple[tuple[int, int, int, int], ...] = (),
     lokr: LokrSpec | None = None,
+    norms_train: bool = False,
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
     Cached: it depends on the model and method, not on batch or sequence length.
@@ -225,9 +227,11 @@ def _params(
     `head_quantized`: the LM head is a 4-bit linear too (LitGPT's QLoRA: Fabric's
     BitsandbytesPrecision replaces every torch.nn.Linear, lm_head included). `expert_lora`:
     the adapters PEFT puts on a layer's experts and router (`expert_adapters`). `tuner`: the
-    trainable tensors of (IA)^3 or LN tuning (`tuners.tuner_tensors`)."""
+    trainable tensors of (IA)^3 or LN tuning (`tuners.tuner_tensors`) or of LitGPT's adapters
+    (`adapter.adapter_tensors`). `norms_train`: the model's own norms train (LLaMA-Adapter
+    v2's adapter_filter: norm_1, norm_2, ln_f)."""
     md = DTYPE_BYTES[dtype]
-    kbit = method is Method.QLORA
+    kbit = method is Method.QLORA or (method in ADAPTER_METHODS and quant is not None)
     prep = kbit and quant is not None and quant.prepare_kbit
     # prepare_model_for_kbit_training casts every parameter that is not 4/8-bit to fp32
     # (peft/utils/other.py: param.data = param.data.to(torch.float32)).
@@ -258,7 +262,7 @@ def _params(
         if lin.bias:
             put(lin.out_features * lin.count, 0, other if kbit else md, L, full)
     norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
-    put(arch.hidden_size, 0, other, L * norm_tensors, full)
+    put(arch.hidden_size, 0, other, L * norm_tensors, full or norms_train)
     if arch.qk_norm:
         put(arch.head_dim, 0, other, 2 * L, full)
 
@@ -270,7 +274,7 @@ def _params(
         trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
     embed_trainable = sum(t.nbytes for t in trainable[layers_end:])
     head_start = len(trainable)
-    put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full)
+    put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full or norms_train)
     if not arch.tie_word_embeddings:
         if head_quantized:
             frozen += _quantized_matrix_bytes(arch.hidden_size, arch.vocab_size, quant)
