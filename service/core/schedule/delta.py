@@ -35,13 +35,7 @@ class _Delta(_Dora):
         self.f(a_out, scaled_d)
         scaled_b = self.a(ad * lin.d_out)
         self.f(b_out)
-        wide = max(nbytes, ad)
-        summed = self.a(wide * lin.d_out)
-        self.f(scaled_b, base)
-        out = summed
-        if wide != nbytes:
-            out = self.a(nbytes * lin.d_out)
-            self.f(summed)
+        out = self.add_and_cast_back(base, scaled_b, lin.d_out, nbytes, ad)
         self.f(cast)
         return out
 
@@ -154,13 +148,7 @@ class _Delta(_Dora):
         self.gemm()
         delta_out = self.a(ad * lin.d_out)
         self.f(delta, cast)
-        wide = max(nbytes, ad)
-        summed = self.a(wide * lin.d_out)
-        self.f(delta_out, base)
-        out = summed
-        if wide != nbytes:
-            out = self.a(nbytes * lin.d_out)
-            self.f(summed)
+        out = self.add_and_cast_back(base, delta_out, lin.d_out, nbytes, ad)
         return out
 
     def _delta_backward(

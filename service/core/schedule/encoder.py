@@ -160,13 +160,7 @@ class _EncoderStep(_Step):
         self.f(lora_a)
         scaled = self.a(ad * lin.d_out)
         self.f(lora_b)
-        wide = max(nbytes, ad)
-        summed = self.a(wide * lin.d_out)
-        self.f(scaled, base)
-        out = summed
-        if wide != nbytes:
-            out = self.a(nbytes * lin.d_out)
-            self.f(summed)
+        out = self.add_and_cast_back(base, scaled, lin.d_out, nbytes, ad)
         self.f(dropped, cast)
         return out
 

@@ -137,13 +137,7 @@ class _Forward(_IA3, _Delta):
             return out
         # peft/tuners/lora/layer.py: `result + lora_B(...) * scaling` promotes to the wider
         # dtype, cast back to the result's afterwards.
-        wide = max(nbytes, ad)
-        summed = self.a(wide * lin.d_out)
-        self.f(scaled, base)
-        out = summed
-        if wide != nbytes:
-            out = self.a(nbytes * lin.d_out)
-            self.f(summed)
+        out = self.add_and_cast_back(base, scaled, lin.d_out, nbytes, ad)
         self.f(cast)
         return out
 

@@ -99,6 +99,19 @@ class _StepBase:
     def a(self, per_token: int) -> int:
         return self.p.alloc(self.t * per_token)
 
+    def add_and_cast_back(self, result: int, output: int, width: int, nbytes: int, ad: int) -> int:
+        """PEFT's `result + output` for an adapter's output in the adapters' dtype (`ad`): the
+        sum in the wider dtype, both operands let go, then cast back to the result's dtype
+        (`nbytes`) when that is narrower (peft/tuners/lora/layer.py Linear.forward)."""
+        wide = max(nbytes, ad)
+        summed = self.a(wide * width)
+        self.f(output, result)
+        if wide == nbytes:
+            return summed
+        out = self.a(nbytes * width)
+        self.f(summed)
+        return out
+
     def f(self, *keys: int) -> None:
         self.p.free(*keys)
 
