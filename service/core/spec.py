@@ -506,6 +506,18 @@ class ResolvedSpec:
     options_field: str = "lora"
 
 
+# The PEFT defaults a VeRA, LoHa or LoKr job without options takes, and the note saying so.
+_DELTA_DEFAULTS: dict[Method, type[VeraSpec | LohaSpec | LokrSpec]] = {
+    Method.VERA: VeraSpec,
+    Method.LOHA: LohaSpec,
+    Method.LOKR: LokrSpec,
+}
+_DELTA_DEFAULT_NOTES = {
+    Method.VERA: "VeRA options not given: r=256, default target modules",
+    Method.LOHA: "LoHa options not given: r=8, alpha=8, default target modules",
+    Method.LOKR: "LoKr options not given: r=8, alpha=8, default target modules",
+}
+
 # LitGPT finetune/lora.py: lora_dropout default 0.05.
 LITGPT_LORA_DROPOUT = 0.05
 
@@ -522,25 +534,16 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     notes: list[str] = []
     lora = spec.lora
     quant = spec.quantization
-    vera = None
-    if spec.method is Method.VERA:
-        vera = spec.vera or VeraSpec()
-        if spec.vera is None:
-            notes.append("VeRA options not given: r=256, default target modules")
-        # The linears VeRA adapts and its rank, in LoRA's terms (`adapted_linears`).
-        lora = LoraSpec(r=vera.r, target_modules=vera.target_modules, adapter_dtype=DType.FP32)
-    loha = None
-    if spec.method is Method.LOHA:
-        loha = spec.loha or LohaSpec()
-        if spec.loha is None:
-            notes.append("LoHa options not given: r=8, alpha=8, default target modules")
-        lora = LoraSpec(r=loha.r, target_modules=loha.target_modules, adapter_dtype=DType.FP32)
-    lokr = None
-    if spec.method is Method.LOKR:
-        lokr = spec.lokr or LokrSpec()
-        if spec.lokr is None:
-            notes.append("LoKr options not given: r=8, alpha=8, default target modules")
-        lora = LoraSpec(r=lokr.r, target_modules=lokr.target_modules, adapter_dtype=DType.FP32)
+    # VeRA, LoHa and LoKr: their options, and the linears they adapt and their rank in LoRA's
+    # terms (`adapted_linears`)
+    delta: VeraSpec | LohaSpec | LokrSpec | None = None
+    field_name = DELTA_OPTIONS.get(spec.method)
+    if field_name is not None:
+        given = getattr(spec, field_name)
+        delta = given or _DELTA_DEFAULTS[spec.method]()
+        if given is None:
+            notes.append(_DELTA_DEFAULT_NOTES[spec.method])
+        lora = LoraSpec(r=delta.r, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
     if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
         lora = LoraSpec()
         notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
@@ -611,8 +614,8 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         compute_dtype=compute_dtype,
         loss=loss,
         assumptions=tuple(notes),
-        vera=vera,
-        loha=loha,
-        lokr=lokr,
+        vera=delta if isinstance(delta, VeraSpec) else None,
+        loha=delta if isinstance(delta, LohaSpec) else None,
+        lokr=delta if isinstance(delta, LokrSpec) else None,
         options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )

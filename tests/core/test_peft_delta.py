@@ -8,7 +8,6 @@ import pytest
 
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate, kronecker_factors, layer_saved_bytes
-from service.core.hf_config import from_hf_config
 from service.core.result import Component
 from service.core.spec import (
     Framework,
@@ -20,20 +19,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
-
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 100,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-}
-ARCH = from_hf_config(TINY)
-LORA_QV = LoraSpec(r=4, target_modules=("q_proj", "v_proj"))
+from tests.core.test_estimator import ARCH, LORA_QV
 
 
 def _spec(method: Method, **changes: object) -> TrainingSpec:
