@@ -4,7 +4,9 @@ into ParallelSpec field values.
 Keys follow DeepSpeed v0.19.5's `zero_optimization` section (deepspeed/runtime/zero/config.py
 DeepSpeedZeroConfig, offload_config.py DeepSpeedZeroOffloadOptimizerConfig and
 DeepSpeedZeroOffloadParamConfig). "auto" values stay None: HF's DeepSpeed integration fills them
-from the model (transformers/integrations/deepspeed.py), as the estimator does.
+from the model (transformers/integrations/deepspeed.py), as the estimator does. A hidden-size
+key the config leaves out is not "auto": DeepSpeed takes its own default for it
+(DeepSpeedZeroConfig's field defaults), and so does the spec read from the config.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from service.core.errors import InvalidSpecError
-from service.core.spec import Offload, Strategy
+from service.core.spec import (
+    ZERO3_PARAM_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET_SIZE,
+    ZERO_REDUCE_BUCKET_SIZE,
+    Offload,
+    Strategy,
+)
 
 AUTO = "auto"
 STAGES = {0: Strategy.DDP, 1: Strategy.ZERO1, 2: Strategy.ZERO2, 3: Strategy.ZERO3}
@@ -29,11 +37,12 @@ COUNT_KEYS = {
     "stage3_param_persistence_threshold": "stage3_param_persistence_threshold",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
 }
-# Fields whose "auto" HF fills; others must be numbers.
+# Fields whose "auto" HF fills (others must be numbers), with DeepSpeed's default for a config
+# that leaves the key out (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig).
 AUTO_FIELDS = {
-    "reduce_bucket_size",
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
+    "reduce_bucket_size": ZERO_REDUCE_BUCKET_SIZE,
+    "stage3_prefetch_bucket_size": ZERO3_PREFETCH_BUCKET_SIZE,
+    "stage3_param_persistence_threshold": ZERO3_PARAM_PERSISTENCE_THRESHOLD,
 }
 BOOL_KEYS = ("contiguous_gradients", "overlap_comm")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -115,6 +124,9 @@ def parallel_from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
             value = _count(zero[key], key, field)
             if value is not None or field in AUTO_FIELDS:
                 out[field] = value
+    if stage:
+        for field, default in AUTO_FIELDS.items():
+            out.setdefault(field, default)
     for key in BOOL_KEYS:
         if key not in zero:
             continue

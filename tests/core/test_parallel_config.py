@@ -63,6 +63,17 @@ def test_zero2_with_numbers_and_optimizer_offload() -> None:
     ParallelSpec(gpus=2, **fields)
 
 
+def test_left_out_hidden_size_keys_take_deepspeeds_defaults_not_auto() -> None:
+    # A config that leaves them out runs with DeepSpeedZeroConfig's defaults; only "auto" asks
+    # HF (or accelerate) to fill them from the hidden size.
+    fields = parallel_from_deepspeed({"zero_optimization": {"stage": 3}})
+    assert fields["reduce_bucket_size"] == 500_000_000
+    assert fields["stage3_prefetch_bucket_size"] == 50_000_000
+    assert fields["stage3_param_persistence_threshold"] == 100_000
+    given = parallel_from_deepspeed({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}})
+    assert given["reduce_bucket_size"] == 200_000_000
+
+
 def test_no_zero_section_is_stage_0() -> None:
     assert parallel_from_deepspeed({"bf16": {"enabled": True}}) == {
         "strategy": Strategy.DDP,
