@@ -10,6 +10,10 @@ from pathlib import Path
 from service.core.spec import (
     ALL_LINEAR,
     LORA_METHODS,
+    ZERO3_PARAM_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET_SIZE,
+    ZERO_REDUCE_BUCKET_SIZE,
+    ZERO_STAGES,
     AttnImpl,
     Framework,
     LoraSpec,
@@ -155,10 +159,22 @@ def _parallel(row: dict[str, str]) -> ParallelSpec:
             break
     # "with CPU offload": PEFT's example DeepSpeed configs offload parameters and optimizer
     offload = "with cpu offload" in text
+    buckets: dict[str, int] = {}
+    if "accelerate" in row["framework"] and strategy in ZERO_STAGES:
+        # PEFT's examples launch through an `accelerate config` file (README: ds_zero3_cpu.yaml:
+        # zero_stage, offload devices, no bucket keys); accelerate's plugin builds a
+        # zero_optimization section without them, so DeepSpeed's own defaults apply
+        # (docs/parallel.md), not HF's hidden-size "auto".
+        buckets = {
+            "reduce_bucket_size": ZERO_REDUCE_BUCKET_SIZE,
+            "stage3_prefetch_bucket_size": ZERO3_PREFETCH_BUCKET_SIZE,
+            "stage3_param_persistence_threshold": ZERO3_PARAM_PERSISTENCE_THRESHOLD,
+        }
     return ParallelSpec(
         gpus=gpus,
         strategy=strategy,
         offload=Offload.OPTIMIZER_AND_PARAMS if offload else Offload.NONE,
+        **buckets,
     )
 
 

@@ -18,9 +18,13 @@ from service.core.estimator import estimate, peak_levels
 from service.core.hf_config import from_hf_config
 from service.core.result import Component, Phase
 from service.core.spec import (
+    ZERO3_PARAM_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET_SIZE,
+    ZERO_REDUCE_BUCKET_SIZE,
     AttnImpl,
     LoraSpec,
     Method,
+    Offload,
     Optim,
     ParallelSpec,
     QuantSpec,
@@ -203,8 +207,17 @@ def test_the_target_defaults_to_the_source_length() -> None:
         ({"autocast": True, "dtype": DType.BF16}, "autocast"),
         ({"dtype": DType.FP16}, "dtype"),
         ({"optim": Optim.SGD}, "optim"),
-        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
-        ({"parallel": ParallelSpec(strategy=Strategy.ZERO3)}, "parallel.strategy"),
+        ({"parallel": ParallelSpec(gpus=2)}, "parallel.strategy"),
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.FSDP)}, "parallel.strategy"),
+        ({"parallel": ParallelSpec(strategy=Strategy.ZERO2)}, "parallel.strategy"),
+        (
+            {
+                "method": Method.FULL,
+                "lora": None,
+                "parallel": ParallelSpec(strategy=Strategy.ZERO3),
+            },
+            "parallel.strategy",
+        ),
         ({"num_labels": 3}, "num_labels"),
         ({"lora": LoraSpec(r=8, target_modules=("q_proj",))}, "lora.target_modules"),
     ],
@@ -237,3 +250,52 @@ def test_the_safe_bound_covers_the_traced_reserved_level_it_does_not_model() -> 
         assert answer.reserved_bytes == answer.allocated_bytes
         outside = answer.device_bytes - answer.reserved_bytes
         assert answer.device_bytes_upper >= ref["reserved"]["bytes"] + outside, ref["name"]
+
+
+# PEFT's example ZeRO-3 offload run (README: accelerate's DeepSpeed plugin, no bucket keys):
+# DeepSpeed's own defaults.
+ZERO3_OFFLOAD = ParallelSpec(
+    strategy=Strategy.ZERO3,
+    offload=Offload.OPTIMIZER_AND_PARAMS,
+    reduce_bucket_size=ZERO_REDUCE_BUCKET_SIZE,
+    stage3_prefetch_bucket_size=ZERO3_PREFETCH_BUCKET_SIZE,
+    stage3_param_persistence_threshold=ZERO3_PARAM_PERSISTENCE_THRESHOLD,
+)
+
+
+def test_zero3_offload_keeps_the_parameters_on_the_host_and_the_activations_on_the_gpu() -> None:
+    arch = _arch("bigscience/T0_3B")
+    one = estimate(arch, _job())
+    zero = estimate(arch, _job(parallel=ZERO3_OFFLOAD))
+    # the same saved tensors: ZeRO-3 moves parameters, not activations (fp32: no cast)
+    assert zero.components[Component.ACTIVATIONS] == one.components[Component.ACTIVATIONS]
+    # on the GPU only the parameters under the persistence threshold: norms, the relative
+    # bias tables and the adapters, a few MB
+    kept = zero.components[Component.FROZEN_WEIGHTS] + zero.components[Component.TRAINABLE_PARAMS]
+    assert kept < 64 * 2**20
+    assert one.components[Component.FROZEN_WEIGHTS] > 10 * 2**30
+    # every parameter's fp32 shard (one GPU: the whole model) is pinned on the host
+    assert zero.host_bytes >= arch.total_params * 4 - arch.vocab_size * arch.hidden_size * 4
+    # the 5e8-element fp32 reduce bucket lives on the GPU for the whole run
+    assert zero.components[Component.COMMUNICATION] > ZERO_REDUCE_BUCKET_SIZE * 4
+    assert zero.allocated_bytes < one.allocated_bytes
+    assert any("ZeRO-3" in note for note in zero.assumptions)
+    assert peak_levels(arch, _job(parallel=ZERO3_OFFLOAD)).allocated_bytes == zero.allocated_bytes
+
+
+def test_zero3_shards_over_gpus_and_casts_the_adapters_to_the_half_dtype() -> None:
+    arch = _arch("bigscience/mt0-xxl")
+    two = ParallelSpec(gpus=2, strategy=Strategy.ZERO3)
+    four = ParallelSpec(gpus=4, strategy=Strategy.ZERO3)
+    at_two = estimate(arch, _job(parallel=two))
+    at_four = estimate(arch, _job(parallel=four))
+    # without offload each GPU keeps 1/N of every parameter
+    frozen_two = at_two.components[Component.FROZEN_WEIGHTS]
+    frozen_four = at_four.components[Component.FROZEN_WEIGHTS]
+    assert frozen_four < frozen_two < arch.total_params * 4
+    assert frozen_two == pytest.approx(2 * frozen_four, rel=0.01)
+    # bf16 with DeepSpeed: the fp32 adapters PEFT makes become bf16, so LoRA's dropout copies
+    # and lora_A outputs are half as large as the one-GPU step's fp32 ones
+    bf16 = estimate(arch, _job(dtype=DType.BF16, parallel=two))
+    alone = estimate(arch, _job(dtype=DType.BF16))
+    assert bf16.components[Component.ACTIVATIONS] < alone.components[Component.ACTIVATIONS]

@@ -29,7 +29,9 @@ from service.core.architecture import Linear, ModelArch
 from service.core.device import cublas_workspace, device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.ledger import _blk
+from service.core.estimator.seq2seq_zero import seq2seq_stage3
 from service.core.estimator.uncertainty import _uncertainty
+from service.core.estimator.zero import ZeroRank
 from service.core.hf_t5 import T5_GATED_GELU_ACT
 from service.core.overhead import Uncertainty, levels
 from service.core.result import (
@@ -50,6 +52,7 @@ from service.core.spec import (
     ParallelSpec,
     ResolvedSpec,
     SdpaKernel,
+    Strategy,
     TrainingSpec,
     resolve,
 )
@@ -118,11 +121,11 @@ def check_seq2seq_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
             "transformers keeps T5's wo in fp32 when it loads fp16 weights "
             "(_keep_in_fp32_modules); fp16 is not modelled: use bf16 or fp32",
         ),
-        (spec.parallel.gpus != 1, "parallel.gpus", "encoder-decoders are modelled on one GPU"),
         (
-            spec.parallel != ParallelSpec(),
+            spec.parallel != ParallelSpec()
+            and (spec.parallel.strategy is not Strategy.ZERO3 or spec.method is not Method.LORA),
             "parallel.strategy",
-            "encoder-decoders are modelled without sharding or offload",
+            "encoder-decoders are modelled on one GPU, and LoRA on them under zero3 too",
         ),
         (spec.framework is not Framework.HF, "framework", "modelled with HF's step only"),
         (spec.loss is not None, "loss", "T5 computes its own cross-entropy over the target"),
@@ -448,6 +451,11 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
     """Each step's four phase peaks with their components."""
     rs = check_seq2seq_spec(arch, spec)
     sh = _shape(arch, rs)
+    zero = spec.parallel.strategy is Strategy.ZERO3
+    if zero:
+        # DeepSpeed casts every floating parameter, the adapters included, to the model's
+        # half dtype (`zero._cast_params`)
+        sh = dataclasses.replace(sh, ad=sh.e)
     names = _adapted(arch, rs, (*arch.linears, *arch.decoder_linears))
     saved = _saved(arch, sh, names)
     model = _model(arch, sh, names)
@@ -472,6 +480,15 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
     # .grad made by the first (a later one's gradients are added into them in place and let
     # go), both cuBLAS handles in use.
     accumulating = spec.gradient_accumulation_steps > 1
+    if zero:
+        return _zero3_phases(
+            seq2seq_stage3(arch, rs, names),
+            accumulating,
+            {Component.INPUTS: inputs, Component.ACTIVATIONS: activations},
+            logp + loss,
+            workspace,
+            _blk(tgt * sh.h * sh.e),
+        )
     peaks: list[PhasePeak] = []
     for step in (1, 2):
         held = {**weights, Component.INPUTS: inputs}
@@ -532,6 +549,68 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
     return tuple(peaks)
 
 
+def _zero3_phases(
+    rank: ZeroRank,
+    accumulating: bool,
+    step_tensors: dict[Component, int],
+    loss: int,
+    workspace: int,
+    head_input_grad: int,
+) -> tuple[PhasePeak, ...]:
+    """The phases of a LoRA step under ZeRO-3 (`seq2seq_zero`): the one-GPU step's inputs,
+    activations and loss beside what the rank holds (its parameters, the gathered ones and the
+    reduce bucket as communication, the gradient partition, the optimizer state unless
+    offloaded). `loss` is the log-probabilities and the loss's scalars; backward starts with
+    the loss's gradient and log_softmax's backward beside them (three log-prob tensors), and
+    inside backward the lm_head's input gradient comes beside the loss's."""
+    logp = loss - LOSS_SCALARS * SCALAR_BLOCK
+    peaks: list[PhasePeak] = []
+    for step in (1, 2):
+        held = {
+            Component.FROZEN_WEIGHTS: rank.frozen,
+            Component.TRAINABLE_PARAMS: rank.trainable,
+            Component.INPUTS: step_tensors[Component.INPUTS],
+        }
+        if step == 2:
+            held[Component.OPTIMIZER_STATE] = rank.optimizer_state
+        forward = {
+            **held,
+            Component.ACTIVATIONS: step_tensors[Component.ACTIVATIONS],
+            Component.WORKSPACES: workspace * (1 if step == 1 and not accumulating else 2),
+            Component.GRADIENTS: rank.gradients if accumulating else 0,
+            Component.COMMUNICATION: rank.comm_forward,
+        }
+        both = {Component.WORKSPACES: 2 * workspace, Component.GRADIENTS: rank.gradients}
+        windows = (
+            (Phase.FORWARD_END, {**forward, Component.LOGITS_LOSS: loss}),
+            (Phase.BACKWARD_START, {**forward, Component.LOGITS_LOSS: loss + 2 * logp}),
+            (
+                Phase.BACKWARD,
+                {
+                    **forward,
+                    **both,
+                    Component.LOGITS_LOSS: loss,
+                    Component.BACKWARD_TEMPORARIES: head_input_grad,
+                    Component.COMMUNICATION: rank.comm_backward,
+                },
+            ),
+            (
+                Phase.OPTIMIZER_STEP,
+                {
+                    **held,
+                    **both,
+                    Component.OPTIMIZER_STATE: rank.optimizer_state,
+                    Component.OPTIMIZER_TEMPORARIES: rank.optimizer_temporaries,
+                    Component.COMMUNICATION: rank.comm_step,
+                },
+            ),
+        )
+        for phase, parts in windows:
+            row = tuple(parts.get(c, 0) for c in COMPONENT_ORDER)
+            peaks.append(PhasePeak(step, phase, sum(row), row))
+    return tuple(peaks)
+
+
 def _seq2seq_uncertainty(arch: ModelArch, spec: TrainingSpec) -> Uncertainty:
     """The uncertainty of an encoder-decoder's levels: its reserved level is reported at the
     allocated level, so the safe bound takes the allocator's gap as unknown
@@ -550,19 +629,22 @@ def seq2seq_estimate(
         allocated=peak.allocated_bytes,
         reserved=peak.allocated_bytes,
         paged_state=0,
-        gpus=1,
+        gpus=spec.parallel.gpus,
         row=device_row(compute_capability, fused_attention=False),
         uncertainty=_seq2seq_uncertainty(arch, spec),
     )
     rs = resolve(spec)
     sh = _shape(arch, rs)
-    model = _model(arch, sh, _adapted(arch, rs, (*arch.linears, *arch.decoder_linears)))
+    names = _adapted(arch, rs, (*arch.linears, *arch.decoder_linears))
+    model = _model(arch, sh, names)
     untied = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    rank = seq2seq_stage3(arch, rs, names) if spec.parallel.strategy is Strategy.ZERO3 else None
     assumptions = [
         *rs.assumptions,
         f"conditional generation as transformers' T5ForConditionalGeneration runs it: "
         f"{sh.s} source and {sh.t} target tokens, eager attention, dropout on as in training",
         "transformers 5 ties the lm_head to the shared embedding for T5 and mT5 (one table)",
+        *(rank.assumptions if rank is not None else ()),
         "reserved level not modelled for encoder-decoders: reported at the allocated level",
         stack_note(spec.stack),
     ]
@@ -581,6 +663,7 @@ def seq2seq_estimate(
         assumptions=(*assumptions, *over.assumptions),
         warnings=(),
         estimator_version=version,
+        host_bytes=rank.host if rank is not None else 0,
     )
 
 
@@ -593,7 +676,7 @@ def seq2seq_peak_levels(
         allocated=allocated,
         reserved=allocated,
         paged_state=0,
-        gpus=1,
+        gpus=spec.parallel.gpus,
         row=device_row(compute_capability, fused_attention=False),
         uncertainty=_seq2seq_uncertainty(arch, spec),
     )

@@ -104,6 +104,10 @@ def zero_settings(arch: ModelArch, par: ParallelSpec) -> ZeroSettings:
     )
 
 
+def _over(n: int) -> str:
+    return f"over {n} GPUs" if n > 1 else "on one GPU"
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -269,7 +273,7 @@ def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
     state = sum(s for s, _, _ in state_parts)
     outside = sum(o for _, o, _ in state_parts)
     notes = [
-        f"ZeRO-{ZERO_STAGES[par.strategy]} over {n} GPUs (DeepSpeed v0.19.5 "
+        f"ZeRO-{ZERO_STAGES[par.strategy]} {_over(n)} (DeepSpeed v0.19.5 "
         f"DeepSpeedZeroOptimizer): every rank holds the whole {job.dtype} trainable parameters "
         f"in one flat buffer; fp32 master weights and optimizer state for 1/{n} of them",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements"
@@ -523,18 +527,47 @@ def gathered_elements(
 
 
 def _stage3(arch: ModelArch, job: _Job) -> ZeroRank:
+    p, itemsize = _cast_params(arch, job)
+    base = _params(arch, Method.FULL, job.dtype, None, None, job.dtype, (), False)
+    full = job.method is Method.FULL
+    return stage3_rank(
+        Stage3Model(
+            frozen=() if full else base.tensors,
+            trainable=p.tensors,
+            modules=tuple(_module_params(arch, job)),
+            itemsize=itemsize,
+            layer_largest=max(lin.weight_elements for lin in arch.linears),
+        ),
+        zero_settings(arch, job.parallel),
+        job,
+    )
+
+
+class Stage3Model(NamedTuple):
+    """A model as ZeRO-3 partitions and gathers it: every frozen and trainable parameter (after
+    DeepSpeed's cast, `itemsize` bytes an element) and each module's own parameters (elements)
+    in the order the step fetches them."""
+
+    frozen: Sequence[_Tensor]
+    trainable: Sequence[_Tensor]
+    modules: Sequence[tuple[int, ...]]
+    itemsize: int
+    # The largest parameter inside the layers (elements): what backward gathers again.
+    layer_largest: int
+
+
+def stage3_rank(model: Stage3Model, cfg: ZeroSettings, job: _Job) -> ZeroRank:
+    """One rank of ZeRO-3 holding `model` with the settings `cfg`."""
     par = job.parallel
     n = par.gpus
-    cfg = zero_settings(arch, par)
-    p, itemsize = _cast_params(arch, job)
+    itemsize = model.itemsize
     threshold = cfg.persistence_threshold
     # Every parameter, frozen ones too, is split into ceil(numel / N)-element shards in one
     # flat buffer; parameters of at most `threshold` elements are also kept whole once gathered
     # (ds_persist).
-    base = _params(arch, Method.FULL, job.dtype, None, None, job.dtype, (), False)
     full = job.method is Method.FULL
-    frozen_tensors = () if full else base.tensors
-    train_tensors = p.tensors
+    frozen_tensors = model.frozen
+    train_tensors = model.trainable
 
     def shard(tensors: Sequence[_Tensor]) -> int:
         return sum(t.count * _cdiv(t.elements, n) for t in tensors)
@@ -560,19 +593,25 @@ def _stage3(arch: ModelArch, job: _Job) -> ZeroRank:
     grad_buffer = _blk(train_shard * itemsize)  # grad_partitions_flat_buffer
     bucket = _blk(cfg.reduce_bucket_size * itemsize) if cfg.contiguous_gradients else 0
     # Reducing: the newest gradient (the largest trainable parameter's, whole) and the flat
-    # copy `reduce_scatter_coalesced` makes of a bucket.
-    reducing = _blk(largest * itemsize) + _blk(cfg.reduce_bucket_size * itemsize)
+    # copy `reduce_scatter_coalesced` makes of the gradients a bucket holds: no more than the
+    # bucket, and no more than every trainable parameter's (a LoRA job's fill a small part).
+    filled = min(cfg.reduce_bucket_size, sum(t.elements * t.count for t in train_tensors))
+    reducing = _blk(largest * itemsize) + _blk(filled * itemsize)
 
-    modules = _module_params(arch, job)
     turn, layers_peak = gathered_elements(
-        modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
+        model.modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
     )
     gathered_turn = _blk(turn * itemsize)
     gathered_layers = _blk(layers_peak * itemsize)
     notes = [
-        f"ZeRO-3 over {n} GPUs (DeepSpeed v0.19.5): {job.dtype} parameters, gradients, fp32 "
-        f"master weights and optimizer state each split over the {n} GPUs; parameters of at "
-        f"most {threshold:,} elements kept whole",
+        (
+            f"ZeRO-3 over {n} GPUs (DeepSpeed v0.19.5): {job.dtype} parameters, gradients, fp32 "
+            f"master weights and optimizer state each split over the {n} GPUs"
+            if n > 1
+            else f"ZeRO-3 on one GPU (DeepSpeed v0.19.5): {job.dtype} parameters, gradients, fp32 "
+            "master weights and optimizer state each in one partition"
+        )
+        + f"; parameters of at most {threshold:,} elements kept whole",
         f"parameters gathered module by module, with up to {cfg.prefetch_bucket_size:,} elements "
         f"prefetched (at most {cfg.max_live_parameters:,} live); at the forward's end the last "
         f"modules stay gathered for the backward (max_reuse_distance "
@@ -609,7 +648,21 @@ def _stage3(arch: ModelArch, job: _Job) -> ZeroRank:
         host += _blk(shard(frozen_tensors) * itemsize) + _blk(train_shard * itemsize)
         frozen_bytes = persistent(frozen_tensors)
         trainable_bytes = persistent(train_tensors)
-        notes.append("parameters offloaded to CPU: only gathered ones on the GPU")
+        # partition_parameters.py `all_gather_coalesced`, one parameter: its host shard is
+        # copied to the GPU (`param_ds_tensor.to(device)`) as the all-gather's input, held by the
+        # collective until the gathered buffer is waited on: a shard beside the whole parameter
+        # while it is gathered. As the forward ends that is the LM head (the largest), inside
+        # backward a layer's largest.
+        largest_gathered = max((e for m in model.modules for e in m if e > threshold), default=0)
+        shard_copy = _blk(_cdiv(largest_gathered, n) * itemsize)
+        gathered_turn += shard_copy
+        if model.layer_largest > threshold:
+            gathered_layers += _blk(_cdiv(model.layer_largest, n) * itemsize)
+        notes.append(
+            "parameters offloaded to CPU: only gathered ones on the GPU, each gathered from a "
+            f"copy of its host shard (up to {shard_copy / GIB:.2f} GiB beside the gathered "
+            "parameter)"
+        )
     forward = bucket + gathered_turn
     if not job.accumulating:
         # The gradient partition buffer exists from start-up, the forward included; the step
