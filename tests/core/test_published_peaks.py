@@ -10,6 +10,7 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.estimator import estimate
+from service.core.spec import ZERO_STAGES, Offload
 from tests.published_rows import DATA, Row, compute_capability, load
 
 # Tier A rows measure torch.cuda.max_memory_allocated with every input known; the estimator's
@@ -67,6 +68,20 @@ def test_error_table(errors: list[tuple[Row, float]], capsys: pytest.CaptureFixt
         lines.append(
             f"tier {tier}: {len(abs_errs)} rows, median |err| "
             f"{statistics.median(abs_errs):.1%}, p90 {_p90(abs_errs):.1%}"
+        )
+    lines.append("")
+    # The rows of multi-GPU strategies and DeepSpeed (on any GPU count), by strategy.
+    strategies: dict[str, list[float]] = defaultdict(list)
+    for row, err in errors:
+        par = row.spec.parallel
+        if par.gpus > 1 or par.strategy in ZERO_STAGES:
+            offload = "" if par.offload is Offload.NONE else f", offload {par.offload.value}"
+            strategies[f"{par.strategy.value}{offload}"].append(err)
+    for name, errs in sorted(strategies.items()):
+        abs_errs = [abs(e) for e in errs]
+        lines.append(
+            f"strategy {name}: {len(errs)} rows, median |err| {statistics.median(abs_errs):.1%}, "
+            f"range {min(errs):+.1%} to {max(errs):+.1%}"
         )
     lines.append("")
     for row, err in errors:
