@@ -233,6 +233,37 @@ def test_an_encoder_decoder_job_takes_target_length(client: TestClient) -> None:
     assert short.json()["peak"]["allocated_bytes"] < same.json()["peak"]["allocated_bytes"]
 
 
+def test_an_encoder_decoder_lora_job_under_deepspeed_zero3_offload(client: TestClient) -> None:
+    # PEFT's example: accelerate's DeepSpeed plugin, stage 3, both offloads, no bucket keys
+    job = {
+        "model": "bigscience/T0_3B",
+        "method": "lora",
+        "batch_size": 8,
+        "seq_len": 128,
+        "target_length": 4,
+        "dtype": "fp32",
+        "optim": "adamw_torch",
+        "attn_implementation": "eager",
+    }
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        }
+    }
+    alone = client.post("/v1/estimates", json=job)
+    zero = client.post("/v1/estimates", json={**job, "parallel": {"deepspeed_config": config}})
+    assert alone.status_code == zero.status_code == 200, zero.text
+    answer = zero.json()
+    assert answer["host_bytes"] > 10 * 2**30  # the fp32 model, pinned on the host
+    assert answer["peak"]["allocated_bytes"] < alone.json()["peak"]["allocated_bytes"]
+    assert any("reduce bucket of 500,000,000" in note for note in answer["assumptions"])
+    fsdp = {**job, "parallel": {"gpus": 2, "strategy": "fsdp"}}
+    body = _problem(client.post("/v1/estimates", json=fsdp), 422)
+    assert body["errors"][0]["loc"] == ["body", "parallel", "strategy"]
+
+
 def test_target_length_on_a_decoder_is_422(client: TestClient) -> None:
     body = _problem(client.post("/v1/estimates", json={**SMALL_JOB, "target_length": 3}), 422)
     assert body["errors"][0]["loc"] == ["body", "target_length"]
