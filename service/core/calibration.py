@@ -8,12 +8,18 @@ group (model, method, level; split by GPU or environment only where the data sho
 2. votes far from the median of votes (modified z-score on the MAD, in log space, because the
    errors are multiplicative) are rejected;
 3. the factor is the median of the remaining votes, once at least `MIN_NODES` nodes vote,
-   clamped to [`FACTOR_MIN`, `FACTOR_MAX`];
+   moved toward 1 by `SHIFT_Z` standard errors of that median (a soft threshold) and
+   clamped to [`FACTOR_MIN`, `FACTOR_MAX`]: a factor shifts an estimate only by what lies beyond
+   the uncertainty of its votes, so votes that disagree as much as they differ from 1 leave
+   the estimate as it was, while many votes that agree tightly shift it almost fully;
 4. the upper multiplier is the widest of: a one-sided upper prediction bound on the log ratio
    of one more node's run (Student's t for the number of votes, on the votes' robust spread
    floored at `MIN_LOG_SPREAD`), so that a few agreeing nodes never prove a zero spread; and
    the smallest multiplier that leaves at most 5 % of the voting nodes' runs above
-   `factor * upper_multiplier` (OOM runs are lower bounds: they can only raise it).
+   `factor * upper_multiplier` (OOM runs are lower bounds: they can only raise it). The
+   bound is taken over the larger of the median and the shifted factor, so moving a factor
+   toward 1 never lowers the safe bound (over a factor moved down, the multiplier can reach
+   `UPPER_MULTIPLIER_CEILING`).
 
 Each level is fitted on its own ratios. A model without enough nodes falls back to the global
 factor of its method and level, which models vote on as nodes vote on a model's factor: one
@@ -64,14 +70,28 @@ MIN_LOG_SPREAD = 0.05
 # normal quantile (Phi^-1(0.95) = 1.645) times the spread floor, the margin that prediction
 # bound reaches with unboundedly many agreeing nodes (t -> normal, the median known), 8.6 %.
 UPPER_MULTIPLIER_MIN = math.exp(NormalDist().inv_cdf(1 - UPPER_EXCEEDANCE) * MIN_LOG_SPREAD)
-# ... and never more than 50 % above it: a spread wider than that means the group mixes
-# different jobs, and widening the bound further would make every placement wasteful.
+# ... and never more than 50 % above the larger of the median and the factor: a spread wider
+# than that means the group mixes different jobs, and widening the bound further would make
+# every placement wasteful.
 UPPER_MULTIPLIER_MAX = 1.5
+# Over a factor shifted down toward 1 (never below 1) from a median of at most FACTOR_MAX,
+# the bound the median gives is at most this many times the factor.
+UPPER_MULTIPLIER_CEILING = UPPER_MULTIPLIER_MAX * FACTOR_MAX
 # Spread assumed when a group has no factor yet, for flagging uploads as outliers: with
 # OUTLIER_Z it flags ratios outside about [0.70, 1.42], i.e. far from the estimate.
 PRIOR_LOG_SPREAD = 0.10
-# Asymptotic standard error of a median is sqrt(pi / 2) sigma / sqrt(n) (normal data).
+# Asymptotic standard error of a median is sqrt(pi / 2) sigma / sqrt(n) (normal data):
+# the sample median's asymptotic variance is 1 / (4 n f(m)^2), f(m) = 1 / (sigma sqrt(2 pi))
+# the normal density at its median (Serfling, "Approximation Theorems of Mathematical
+# Statistics" (1980), 2.3: asymptotic normality of sample quantiles), so 1.2533 sigma/sqrt(n).
 MEDIAN_SE = math.sqrt(math.pi / 2)
+# A factor shifts an estimate by the part of log(median) beyond this many standard errors of
+# the median (soft thresholding, Donoho & Johnstone, "Ideal spatial adaptation by wavelet
+# shrinkage", Biometrika 81 (1994)): the two-sided 95 % normal quantile, Phi^-1(0.975) =
+# 1.96, so a median that a two-sided test at 5 % cannot tell from 1 shifts nothing. The
+# error is taken on the votes' own spread (not floored: the floor is the safe bound's, and
+# identical votes are the strongest evidence a median can have).
+SHIFT_Z = NormalDist().inv_cdf(0.975)
 # Student's t quantiles are found by bisection on the exact CDF to this width.
 T_QUANTILE_TOLERANCE = 1e-10
 # A GPU or environment gets its own factor when it differs from the model's by more than
@@ -181,7 +201,7 @@ class Factor:
     """A group's factor: multiply the estimate by `ratio`, the upper bound further by
     `upper_multiplier`."""
 
-    ratio: float
+    ratio: float  # the votes' median moved toward 1 (`shifted_log_ratio`), then clamped
     upper_multiplier: float
     nodes: int  # nodes whose vote counted
     models: int  # models whose vote counted: 1 for a model's own factor
@@ -191,7 +211,7 @@ class Factor:
     # Robust standard deviation of the kept votes, log space (may be 0; the global factor's:
     # the wider of its models' and its nodes' votes).
     log_spread: float
-    clamped: bool  # the median or the upper multiplier hit a clamp
+    clamped: bool  # the (shifted) factor or the upper multiplier hit a clamp
 
     @property
     def upper_ratio(self) -> float:
@@ -290,6 +310,20 @@ def upper_prediction_log_margin(log_spread: float, votes: int) -> float:
     return t * spread * math.sqrt(1 + MEDIAN_SE**2 / votes)
 
 
+def median_standard_error(log_spread: float, votes: int) -> float:
+    """The standard error of the median of `votes` votes whose spread is `log_spread`."""
+    if votes < 1:
+        raise ValueError(f"a median needs at least one vote, got {votes}")
+    return MEDIAN_SE * log_spread / math.sqrt(votes)
+
+
+def shifted_log_ratio(log_median: float, log_spread: float, votes: int) -> float:
+    """The part of a median log ratio beyond SHIFT_Z standard errors of it, toward 0 (a soft
+    threshold): what the votes show beyond their own uncertainty."""
+    threshold = SHIFT_Z * median_standard_error(log_spread, votes)
+    return math.copysign(max(abs(log_median) - threshold, 0.0), log_median)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Consensus:
     log_center: float  # median of the kept votes
@@ -330,38 +364,53 @@ def _factor(
 ) -> Factor:
     """A factor from its votes' median and spread and the ratios of the runs behind them."""
     raw_ratio = math.exp(log_center)
-    ratio = _clamp(raw_ratio, FACTOR_MIN, FACTOR_MAX)
+    median = _clamp(raw_ratio, FACTOR_MIN, FACTOR_MAX)
+    shifted = shifted_log_ratio(log_center, log_spread, voters)
+    # The shift is the median's (a median beyond a clamp shifts from where it lies); clamping
+    # after it keeps the factor between 1 and the clamped median.
+    unclamped = raw_ratio if shifted == log_center else math.exp(shifted)
+    ratio = _clamp(unclamped, FACTOR_MIN, FACTOR_MAX)
+    # The bound is taken over the larger of the median and the shifted factor: a factor moved
+    # down toward 1 keeps the bound its median gives, one moved up raises it.
+    reference = max(median, ratio)
     margin = math.exp(upper_prediction_log_margin(log_spread, voters))
     # The prediction bound holds over the votes' median and over the (clamped) factor alike,
     # and at most UPPER_EXCEEDANCE of the runs may lie above the bound.
-    upper = max(raw_ratio * margin, ratio * margin, _upper_quantile(completed))
+    upper = max(raw_ratio * margin, reference * margin, _upper_quantile(completed))
     # OOM runs needed more than they measured; one above the bound is a run the bound let
     # through, so it joins the population (and can only raise the quantile).
     pushing = [value for value in oom if value > upper]
     if pushing:
         upper = max(upper, _upper_quantile([*completed, *pushing]))
-    raw_multiplier = upper / ratio
+    raw_multiplier = upper / reference
+    over_reference = _clamp(raw_multiplier, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX)
     return Factor(
         ratio=ratio,
-        upper_multiplier=_clamp(raw_multiplier, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX),
+        upper_multiplier=over_reference * (reference / ratio),
         nodes=nodes,
         models=models,
         rejected_nodes=tuple(sorted(rejected_nodes)),
         runs=len(completed),
         oom_runs=len(pushing),
         log_spread=log_spread,
-        clamped=ratio != raw_ratio or raw_multiplier > UPPER_MULTIPLIER_MAX,
+        clamped=ratio != unclamped or raw_multiplier > UPPER_MULTIPLIER_MAX,
     )
 
 
 def fit_factor(samples: Iterable[Sample]) -> Factor | None:
     """The group's factor, or None when fewer than MIN_NODES nodes vote after rejection."""
+    fitted = _fit_with_median(samples)
+    return None if fitted is None else fitted[0]
+
+
+def _fit_with_median(samples: Iterable[Sample]) -> tuple[Factor, float] | None:
+    """The group's factor and the log median of its kept votes (before any shift)."""
     samples = list(samples)
     consensus = _consensus(node_votes(samples), MIN_NODES)
     if consensus is None:
         return None
     kept, rejected = consensus.kept, consensus.rejected
-    return _factor(
+    factor = _factor(
         log_center=consensus.log_center,
         log_spread=robust_spread(list(kept.values()), consensus.log_center),
         voters=len(kept),
@@ -374,6 +423,7 @@ def fit_factor(samples: Iterable[Sample]) -> Factor | None:
         models=1,
         rejected_nodes=rejected,
     )
+    return factor, consensus.log_center
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -455,10 +505,11 @@ class AppliedFactor:
     factor: Factor
 
 
-def _differs(sub: Factor, parent: Factor) -> bool:
-    """Whether a subgroup's factor differs from its model's by more than chance would."""
-    effect = abs(math.log(sub.ratio) - math.log(parent.ratio))
-    standard_error = MEDIAN_SE * sub.log_spread / math.sqrt(sub.nodes)
+def _differs(sub: Factor, sub_log_median: float, parent_log_median: float) -> bool:
+    """Whether a subgroup's votes differ from its model's by more than chance would (their
+    medians are compared: a shift toward 1 says how sure each is of differing from 1)."""
+    effect = abs(sub_log_median - parent_log_median)
+    standard_error = median_standard_error(sub.log_spread, sub.nodes)
     return effect > max(SPLIT_MIN_EFFECT, SPLIT_Z * standard_error)
 
 
@@ -544,9 +595,10 @@ def fit_table(observations: Iterable[Observation]) -> FactorTable:
         if factor is not None:
             factors[GroupKey(scope=Scope.GLOBAL, method=method, level=level)] = factor
     for (model, method, level), group in by_model.items():
-        parent = fit_factor(obs.sample for obs in group)
-        if parent is None:
+        fitted = _fit_with_median(obs.sample for obs in group)
+        if fitted is None:
             continue
+        parent, parent_log_median = fitted
         factors[GroupKey(scope=Scope.MODEL, method=method, level=level, model=model)] = parent
         variants: dict[tuple[Scope, str], list[Sample]] = defaultdict(list)
         for obs in group:
@@ -556,12 +608,12 @@ def fit_table(observations: Iterable[Observation]) -> FactorTable:
         for (scope, variant), samples in variants.items():
             if split_scopes[scope] < 2:
                 continue  # one GPU (or environment) only: the model's factor is its factor
-            sub = fit_factor(samples)
-            if sub is not None and _differs(sub, parent):
+            fitted_sub = _fit_with_median(samples)
+            if fitted_sub is not None and _differs(*fitted_sub, parent_log_median):
                 key = GroupKey(
                     scope=scope, method=method, level=level, model=model, variant=variant
                 )
-                factors[key] = sub
+                factors[key] = fitted_sub[0]
     return FactorTable(factors)
 
 

@@ -21,7 +21,7 @@ from service.core.calibration import (
     FACTOR_MAX,
     FACTOR_MIN,
     MIN_NODES,
-    UPPER_MULTIPLIER_MAX,
+    UPPER_MULTIPLIER_CEILING,
 )
 from service.core.estimator import ESTIMATOR_VERSION
 from service.store.keys import KeyScope, revoke_key
@@ -376,7 +376,7 @@ class TestFactors:
         after = reloaded_factors(store_client, store_app)
         for factor in after["factors"]:
             assert FACTOR_MIN <= factor["ratio"] <= FACTOR_MAX
-            assert factor["upper_multiplier"] <= UPPER_MULTIPLIER_MAX
+            assert factor["upper_multiplier"] <= UPPER_MULTIPLIER_CEILING
             assert factor["rejected_nodes"] == ["rogue"]
         assert [f["ratio"] for f in after["factors"]] == [f["ratio"] for f in before["factors"]]
 

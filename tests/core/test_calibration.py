@@ -15,10 +15,13 @@ from service.core.calibration import (
     EMPTY_TABLE,
     FACTOR_MAX,
     FACTOR_MIN,
+    MAD_TO_SIGMA,
     MIN_LOG_SPREAD,
     MIN_MODELS,
     MIN_NODES,
+    SHIFT_Z,
     UPPER_EXCEEDANCE,
+    UPPER_MULTIPLIER_CEILING,
     UPPER_MULTIPLIER_MAX,
     UPPER_MULTIPLIER_MIN,
     AppliedFactor,
@@ -119,16 +122,19 @@ class TestFitFactor:
         assert fit_factor([*runs, Sample(node_id="another", ratio=1.1)]) is not None
 
     def test_is_the_median_of_node_votes(self) -> None:
+        # Node b's runs (mean 1.10) vote with their median, 1.04, as a and c do: the votes
+        # agree exactly, so the median stands unshifted.
         samples = [
-            Sample(node_id="a", ratio=1.00),
-            Sample(node_id="b", ratio=1.10),
-            Sample(node_id="b", ratio=1.12),
-            Sample(node_id="b", ratio=1.14),
+            Sample(node_id="a", ratio=1.04),
+            Sample(node_id="b", ratio=0.96),
+            Sample(node_id="b", ratio=1.04),
+            Sample(node_id="b", ratio=1.30),
             Sample(node_id="c", ratio=1.04),
         ]
         factor = fit_factor(samples)
         assert factor is not None
         assert factor.ratio == pytest.approx(1.04)
+        assert factor.log_spread == 0.0
         assert factor.nodes == 3
         assert factor.runs == 5
         assert factor.rejected_nodes == ()
@@ -137,10 +143,12 @@ class TestFitFactor:
         samples = [Sample(node_id=f"n{i}", ratio=1.0 + 0.01 * i) for i in range(5)]
         samples.append(Sample(node_id="broken", ratio=1.45))
         factor = fit_factor(samples)
-        assert factor is not None
+        without = fit_factor(samples[:-1])
+        assert factor is not None and without is not None
         assert factor.rejected_nodes == ("broken",)
         assert factor.nodes == 5
-        assert factor.ratio == pytest.approx(1.02)
+        # The broken node moves nothing: the factor is the five others' alone.
+        assert replace(factor, rejected_nodes=()) == without
 
     def test_too_few_nodes_left_after_rejection_gives_none(self) -> None:
         samples = [
@@ -202,11 +210,12 @@ class TestFitFactor:
         factor = fit_factor(honest + flood)
         assert factor is not None
         assert FACTOR_MIN <= factor.ratio <= FACTOR_MAX
-        assert UPPER_MULTIPLIER_MIN <= factor.upper_multiplier <= UPPER_MULTIPLIER_MAX
+        assert UPPER_MULTIPLIER_MIN <= factor.upper_multiplier <= UPPER_MULTIPLIER_CEILING
+        assert factor.upper_ratio <= FACTOR_MAX * UPPER_MULTIPLIER_MAX * (1 + 1e-12)
         # One vote among honest ones moves the median by at most one rank: it stays
-        # between the honest votes (each clamped).
+        # between the honest votes (each clamped), and the shift only moves it toward 1.
         honest_votes = [min(max(v, FACTOR_MIN), FACTOR_MAX) for v in votes(honest).values()]
-        assert min(honest_votes) - 1e-9 <= factor.ratio <= max(honest_votes) + 1e-9
+        assert min(*honest_votes, 1.0) - 1e-9 <= factor.ratio <= max(*honest_votes, 1.0) + 1e-9
 
     @given(samples=honest_nodes(), copies=st.integers(min_value=2, max_value=50))
     @settings(max_examples=60, deadline=None)
@@ -232,7 +241,7 @@ class TestFitFactor:
 
     @given(samples=honest_nodes(), oom=st.lists(st.floats(0.1, 3.0), max_size=30))
     @settings(max_examples=100, deadline=None)
-    def test_oom_runs_never_lower_the_median_or_the_upper_bound(
+    def test_oom_runs_never_lower_the_factor_or_the_upper_bound(
         self, samples: list[Sample], oom: list[float]
     ) -> None:
         base = fit_factor(samples)
@@ -243,7 +252,9 @@ class TestFitFactor:
         ]
         with_oom = fit_factor(samples + lower_bounds)
         assert base is not None and with_oom is not None
-        assert with_oom.ratio == base.ratio
+        # The votes are the same; a bound the OOM runs raised can only hold a factor that the
+        # shift moved down nearer its median.
+        assert with_oom.ratio >= base.ratio
         assert with_oom.upper_ratio >= base.upper_ratio - 1e-12
 
 
@@ -312,6 +323,94 @@ class TestSafeBoundMargin:
         assert high.upper_ratio >= 1.45 * UPPER_MULTIPLIER_MIN
 
 
+def jittered(center: float, nodes: int, step: float = 0.01) -> list[Sample]:
+    """One run per node at `center` times exp(-step), 1 or exp(step) in turn: a log spread
+    of MAD_TO_SIGMA * step whatever the number of nodes (a multiple of three)."""
+    return [
+        Sample(node_id=f"n{i}", ratio=center * math.exp(step * (i % 3 - 1))) for i in range(nodes)
+    ]
+
+
+class TestShiftBeyondNoise:
+    """A factor shifts an estimate by what its median shows beyond the median's own standard
+    error (SHIFT_Z of them), never across 1, and never lowers the safe bound."""
+
+    def test_votes_that_disagree_as_much_as_they_differ_from_one_shift_nothing(self) -> None:
+        rows = [observation(f"n{i}", ratio) for i, ratio in enumerate((1.00, 1.02, 1.04))]
+        factor = fit_factor(row.sample for row in rows)
+        assert factor is not None
+        # Median 1.02, spread 1.4826 * 0.0194 = 0.0288: its standard error, 0.0208, puts 1
+        # within a standard error of it.
+        assert factor.ratio == 1.0
+        prior = estimate(10 * GIB, 11 * GIB, 12 * GIB, 14 * GIB)
+        peaks = calibrate(prior, fit_table(rows), model="m", method="lora")
+        assert peaks.device_bytes == prior.device_bytes
+        # The safe bound still stands over the median: three votes' prediction bound.
+        margin = math.exp(upper_prediction_log_margin(factor.log_spread, 3))
+        assert factor.upper_ratio == pytest.approx(1.02 * margin)
+        assert peaks.device_bytes_upper >= 1.02 * margin * prior.device_bytes
+
+    def test_the_shift_is_the_part_beyond_shift_z_standard_errors(self) -> None:
+        spread = MAD_TO_SIGMA * 0.01
+        for center in (1.10, 1 / 1.10):
+            factor = fit_factor(jittered(center, 3))
+            assert factor is not None
+            assert factor.log_spread == pytest.approx(spread)
+            # sqrt(pi / 2) * 0.0148 / sqrt(3) = 0.0107; 1.96 of them: 2.1 %, toward 1.
+            threshold = SHIFT_Z * math.sqrt(math.pi / 2) * spread / math.sqrt(3)
+            assert threshold == pytest.approx(0.0211, abs=1e-4)
+            toward_one = -math.copysign(threshold, math.log(center))
+            assert math.log(factor.ratio) == pytest.approx(math.log(center) + toward_one)
+
+    def test_many_tightly_agreeing_votes_shift_almost_fully(self) -> None:
+        ratios = []
+        for nodes in (3, 6, 12, 48, 192):
+            factor = fit_factor(jittered(1.10, nodes))
+            assert factor is not None
+            ratios.append(factor.ratio)
+        assert ratios == sorted(ratios) and len(set(ratios)) == len(ratios)
+        assert ratios[0] < 1.08  # three votes: 2.1 % of the 10 % is within noise
+        assert 1.10 * math.exp(-0.003) < ratios[-1] < 1.10  # 192 votes: within 0.3 %
+
+    def test_identical_votes_shift_by_their_whole_median(self) -> None:
+        factor = fit_factor([Sample(node_id=f"n{i}", ratio=0.9) for i in range(3)])
+        assert factor is not None and factor.ratio == 0.9
+
+    @given(
+        samples=honest_nodes(low=0.7, high=1.6),
+        oom=st.lists(st.floats(0.1, 3.0), max_size=10),
+    )
+    @settings(max_examples=100, deadline=None)
+    def test_the_shift_goes_toward_one_and_never_lowers_the_safe_bound(
+        self, samples: list[Sample], oom: list[float]
+    ) -> None:
+        samples += [
+            Sample(node_id=samples[i % len(samples)].node_id, ratio=r, outcome=Outcome.OOM)
+            for i, r in enumerate(oom)
+        ]
+        factor = fit_factor(samples)
+        assert factor is not None
+        kept = [
+            math.log(vote)
+            for node, vote in votes(samples).items()
+            if node not in factor.rejected_nodes
+        ]
+        kept.sort()
+        mid = len(kept) // 2
+        log_median = kept[mid] if len(kept) % 2 else (kept[mid - 1] + kept[mid]) / 2
+        median = min(max(math.exp(log_median), FACTOR_MIN), FACTOR_MAX)
+        # Between the median and 1, at most SHIFT_Z standard errors from the median.
+        assert min(median, 1.0) - 1e-12 <= factor.ratio <= max(median, 1.0) + 1e-12
+        standard_error = math.sqrt(math.pi / 2) * factor.log_spread / math.sqrt(factor.nodes)
+        assert abs(math.log(factor.ratio / median)) <= SHIFT_Z * standard_error + 1e-12
+        # The safe bound stands over the larger of the median and the factor: the votes'
+        # prediction bound, as far as the clamp allows.
+        margin = math.exp(upper_prediction_log_margin(factor.log_spread, factor.nodes))
+        reference = max(median, factor.ratio)
+        assert factor.upper_ratio >= reference * min(margin, UPPER_MULTIPLIER_MAX) * (1 - 1e-12)
+        assert factor.upper_multiplier <= UPPER_MULTIPLIER_CEILING
+
+
 def observation(
     node: str, ratio: float, *, model: str = "m", gpu: str = "A100", environment: str = "e"
 ) -> Observation:
@@ -349,7 +448,9 @@ class TestFactorTable:
         assert h100 is not None and h100.key == GroupKey(
             scope=Scope.MODEL_GPU, method="lora", level=Level.DEVICE, model="m", variant="H100"
         )
-        assert h100.factor.ratio == pytest.approx(1.2015)
+        assert h100.factor == fit_factor(row.sample for row in rows[4:])
+        # Four H100 votes within 0.3 % of each other: the median, 1.2015, shifts by 0.1 %.
+        assert h100.factor.ratio == pytest.approx(1.2015, abs=2e-3)
         assert other is not None and other.key.scope is Scope.MODEL
 
         alike = [observation(f"a{i}", 1.00 + i / 100, gpu="A100") for i in range(4)]
@@ -394,13 +495,15 @@ class TestGlobalFactor:
 
     def test_each_model_votes_once(self) -> None:
         # Twenty nodes of one model measure 1.10; two other models, one node each, ~1.0: the
-        # median of node votes would be 1.10, the median of model votes is 1.02.
+        # median of node votes would be 1.10, agreed on by most nodes, a factor that shifts
+        # estimates by 10 %. The models vote 1.10, 1.00 and 1.02: they disagree by as much as
+        # their median, 1.02, differs from 1, so the estimates stay as they are.
         rows = [observation(f"big-{i}", 1.10, model="big") for i in range(20)]
         rows += [observation("b", 1.00, model="b"), observation("c", 1.02, model="c")]
         found = fit_global_factor(rows)
         assert found is not None
-        assert found.ratio == pytest.approx(1.02)
-        assert found.models == 3
+        assert found.ratio == 1.0
+        assert found.models == 3 and found.nodes == 22
 
     def test_a_model_far_from_the_others_is_rejected(self) -> None:
         rows = [
@@ -408,11 +511,13 @@ class TestGlobalFactor:
             for m, r in (("a", 1.00), ("b", 1.02), ("c", 1.04))
             for i in range(2)
         ]
+        agreeing = list(rows)
         rows += [observation(f"odd-{i}", 1.45, model="odd") for i in range(3)]
         found = fit_global_factor(rows)
         assert found is not None
-        assert found.ratio == pytest.approx(1.02)
         assert found.models == 3 and found.rejected_nodes == ("odd-0", "odd-1", "odd-2")
+        # The odd model moves nothing: the factor is the three others' alone.
+        assert replace(found, rejected_nodes=()) == fit_global_factor(agreeing)
 
     def test_needs_min_nodes_nodes_behind_the_models(self) -> None:
         rows = [observation("one-node", 1.10, model=m) for m in ("a", "b", "c", "d")]

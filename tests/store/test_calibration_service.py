@@ -35,7 +35,9 @@ from service.core.calibration import (
     FactorTable,
     ImplausibleMeasurementError,
     Level,
+    Sample,
     Scope,
+    fit_factor,
 )
 from service.store.db import create_session_factory
 from service.store.keys import KeyScope, create_key
@@ -173,12 +175,18 @@ class TestFactors:
     def test_factors_are_fit_from_the_stored_ratios(
         self, session: Session, api_key: ApiKey
     ) -> None:
-        upload_fleet(session, api_key, {"a": [1.10, 1.12], "b": [1.08], "c": [1.20, 1.11]})
+        fleet = {"a": [1.10, 1.12], "b": [1.08], "c": [1.20, 1.11]}
+        upload_fleet(session, api_key, fleet)
         table = load_factor_table(session, VERSION)
         found = table.lookup(model=MODEL, method="lora", level=Level.DEVICE)
         assert found is not None and found.key.scope is Scope.MODEL
-        assert found.factor.nodes == 3
-        assert found.factor.ratio == pytest.approx(1.11 * 1.0, rel=1e-3)
+        assert found.factor.nodes == 3 and found.factor.runs == 5
+        # The votes' median, 1.11, moved toward 1 by 1.96 of its standard errors (the votes
+        # 1.08, 1.11 and 1.154 spread by 4 %): the factor the core fits from these ratios.
+        fitted = fit_factor(Sample(node_id=n, ratio=r) for n, rs in fleet.items() for r in rs)
+        assert fitted is not None
+        assert found.factor.ratio == pytest.approx(fitted.ratio, rel=1e-6)
+        assert 1.0 < found.factor.ratio < 1.11
         assert load_factor_table(session, "another-version") == EMPTY_TABLE
 
     def test_a_node_uploading_absurd_values_moves_no_factor_beyond_its_clamp(

@@ -5,12 +5,13 @@ for a new estimator version by a job that resumes where it stopped."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import Connection, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from service.calibration.factors import (
@@ -141,56 +142,89 @@ def test_a_load_refits_only_the_partitions_whose_ratios_changed(
     assert refresh_factors(session, VERSION) == 0
 
 
+def _insert_ratios(connection: Connection, ratios: Sequence[float]) -> None:
+    """One device-level LoRA ratio of org/alpha-7b per node, written as the schema stores
+    them (no factor fitted)."""
+    key_id = connection.execute(
+        insert(ApiKey).returning(ApiKey.id),
+        {
+            "prefix": "vc_old",
+            "key_hash": "0" * 64,
+            "name": "",
+            "scopes": ["upload"],
+            "created_at": NOW,
+        },
+    ).scalar_one()
+    for node, ratio in enumerate(ratios):
+        upload_id = connection.execute(
+            insert(CalibrationUpload).returning(CalibrationUpload.id),
+            {
+                "received_at": NOW,
+                "api_key_id": key_id,
+                "request_hash": "0" * 64,
+                "model": "org/alpha-7b",
+                "method": "lora",
+                "job": {},
+                "gpu_name": GPUS[0],
+                "gpu_memory_total_bytes": 80 * 2**30,
+                "measured_device_bytes": int(ratio * 2**30),
+                "outcome": Outcome.COMPLETED,
+                "environment": {},
+                "node_id": f"node-{node}",
+                "run_id": f"run-{node}",
+            },
+        ).scalar_one()
+        connection.execute(
+            insert(CalibrationRatio),
+            {
+                "upload_id": upload_id,
+                "estimator_version": VERSION,
+                "level": Level.DEVICE,
+                "estimated_bytes": 2**30,
+                "ratio": ratio,
+                "computed_at": NOW,
+            },
+        )
+
+
 def test_the_upgrade_builds_factors_for_ratios_stored_before_it(blank_database_url: str) -> None:
     upgrade(blank_database_url, "6f74beb0cf54")
     engine = create_engine_from_url(blank_database_url)
     try:
         with engine.begin() as connection:
-            key_id = connection.execute(
-                insert(ApiKey.__table__).returning(ApiKey.__table__.c.id),
-                {
-                    "prefix": "vc_old",
-                    "key_hash": "0" * 64,
-                    "name": "",
-                    "scopes": ["upload"],
-                    "created_at": NOW,
-                },
-            ).scalar_one()
-            for node, ratio in enumerate((1.10, 1.12, 1.08)):
-                upload_id = connection.execute(
-                    insert(CalibrationUpload.__table__).returning(CalibrationUpload.__table__.c.id),
-                    {
-                        "received_at": NOW,
-                        "api_key_id": key_id,
-                        "request_hash": "0" * 64,
-                        "model": "org/alpha-7b",
-                        "method": "lora",
-                        "job": {},
-                        "gpu_name": GPUS[0],
-                        "gpu_memory_total_bytes": 80 * 2**30,
-                        "measured_device_bytes": int(ratio * 2**30),
-                        "outcome": Outcome.COMPLETED,
-                        "environment": {},
-                        "node_id": f"node-{node}",
-                        "run_id": f"run-{node}",
-                    },
-                ).scalar_one()
-                connection.execute(
-                    insert(CalibrationRatio.__table__),
-                    {
-                        "upload_id": upload_id,
-                        "estimator_version": VERSION,
-                        "level": Level.DEVICE,
-                        "estimated_bytes": 2**30,
-                        "ratio": ratio,
-                        "computed_at": NOW,
-                    },
-                )
+            _insert_ratios(connection, (1.10, 1.12, 1.08))
         upgrade(blank_database_url)
         with create_session_factory(engine).begin() as session:
             table = load_factor_table(session, VERSION)
             assert table != EMPTY_TABLE
             assert table == fit_factor_table(session, VERSION)
+    finally:
+        engine.dispose()
+
+
+def test_the_upgrade_refits_factors_stored_before_the_shift(blank_database_url: str) -> None:
+    # Factors stored at their votes' median (1.10, the earlier fit) are refitted by the first
+    # load after the upgrade: the three votes' spread moves the factor toward 1.
+    upgrade(blank_database_url, "6f74beb0cf54")
+    engine = create_engine_from_url(blank_database_url)
+    try:
+        with engine.begin() as connection:
+            _insert_ratios(connection, (1.10, 1.14, 1.06))
+        upgrade(blank_database_url, "3c1d9e7a5b20")
+        with create_session_factory(engine).begin() as session:
+            stored = load_factor_table(session, VERSION)
+            for row in session.scalars(select(CalibrationFactor)):
+                row.ratio = 1.10
+            session.execute(delete(CalibrationChange))
+        with create_session_factory(engine).begin() as session:
+            assert stored_factor_table(session, VERSION) != fit_factor_table(session, VERSION)
+        upgrade(blank_database_url)
+        with create_session_factory(engine).begin() as session:
+            table = load_factor_table(session, VERSION)
+            assert table == fit_factor_table(session, VERSION)
+            factor = table.lookup(model="org/alpha-7b", method="lora", level=Level.DEVICE)
+            assert factor is not None and 1.0 <= factor.factor.ratio < 1.10
+            assert stored != EMPTY_TABLE
     finally:
         engine.dispose()
 

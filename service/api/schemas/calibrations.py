@@ -25,7 +25,8 @@ from service.core.calibration import (
     FACTOR_MAX,
     FACTOR_MIN,
     MIN_MODELS,
-    UPPER_MULTIPLIER_MAX,
+    SHIFT_Z,
+    UPPER_MULTIPLIER_CEILING,
     UPPER_MULTIPLIER_MIN,
     Factor,
     GroupKey,
@@ -356,12 +357,19 @@ class FactorOut(Out):
     variant: str | None = Field(
         max_length=MAX_NAME, description="The GPU or environment of a split group; null: none."
     )
-    ratio: float = Field(ge=FACTOR_MIN, le=FACTOR_MAX, description="measured / estimated.")
+    ratio: float = Field(
+        ge=FACTOR_MIN,
+        le=FACTOR_MAX,
+        description="measured / estimated: the median of the votes, moved toward 1 by "
+        f"{SHIFT_Z:.2f} standard errors of that median (1 where the votes disagree as much "
+        "as they differ from 1).",
+    )
     upper_multiplier: float = Field(
         ge=UPPER_MULTIPLIER_MIN,
-        le=UPPER_MULTIPLIER_MAX,
+        le=UPPER_MULTIPLIER_CEILING,
         description="The safe bound above the factor: an upper prediction bound on the measured "
-        "ratios, wide for few votes, and above all but 5 % of the runs.",
+        "ratios over the larger of the votes' median and the factor, wide for few votes, and "
+        "above all but 5 % of the runs.",
     )
     nodes: int = Field(ge=0, description="Nodes whose vote counted.")
     models: int = Field(
