@@ -34,12 +34,6 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.04,
         "prompt tuning's lengthened sequence: the reserved gap interpolated between powers of two",
     ),
-    # FSDP1 LoRA with an LM head not tied to the embedding: the trace's backward peak holds
-    # less recomputed activation than the estimate's top-layer moment (an over-estimate).
-    "phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-full-shard": (
-        0.03,
-        "FSDP1 LoRA, untied LM head: the recomputed layer's moment is over-counted",
-    ),
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{
@@ -54,14 +48,7 @@ COMPONENT_SLACK_BYTES = 16 * MIB
 # References the estimator does not yet meet the tolerances on, each with the bound it holds
 # and why; the README's accuracy section lists them. A gap that grows fails; one that closes
 # fails too, so this list only shrinks.
-KNOWN_GAPS: dict[str, tuple[float, str]] = {
-    # FSDP1 LoRA with an LM head not tied to the embedding: the trace's backward peak holds
-    # less recomputed activation than the estimate's top-layer moment (an over-estimate).
-    "phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-full-shard": (
-        0.03,
-        "FSDP1 LoRA, untied LM head: the recomputed layer's moment is over-counted",
-    ),
-}
+KNOWN_GAPS: dict[str, tuple[float, str]] = {}
 
 
 # Model types traced but not yet modelled: the estimate refuses them (a 422 naming the reason,

@@ -42,6 +42,9 @@ class RankLayout(NamedTuple):
     # The gradients held between micro-batches under gradient accumulation; None: as after
     # backward (`gradients`).
     accumulated_gradients: int | None = None
+    # At the top layer's recompute when the next layer's parameters are gathered only near the
+    # layer's end (`comm_backward` then holds at that end); None: no such moment.
+    comm_top: int | None = None
 
 
 def whole_layout(p: _Params, optimizer: tuple[int, int, int]) -> RankLayout:

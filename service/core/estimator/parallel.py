@@ -153,6 +153,23 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     # FSDP1 prefetches the last layer as the backward starts (its pre-backward hook on the
     # root's output); FSDP2 gathers it when the layer's backward begins.
     backward_start = root + layer if fsdp1 and prefetch and reshard else gathered_forward
+    # HF Trainer wraps a PEFT model with PEFT's policy (`update_fsdp_plugin_peft`): every
+    # module with trainable weights, each LoRA A and B, is a unit of its own. FSDP1 prefetches
+    # the next unit in backward order (torch/distributed/fsdp/_runtime_utils.py
+    # `_prefetch_handle`), which inside a layer is its next adapter; the layer below is
+    # prefetched only by the layer's first adapter in forward order, as its backward ends
+    # (reference trace phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-
+    # full-shard: the layer below gathered at the input norm's backward). A layer recomputed
+    # for checkpointing has only its own parameters gathered beside the root's.
+    late_prefetch = (
+        fsdp1
+        and prefetch
+        and reshard
+        and n > 1
+        and spec.method is not Method.FULL
+        and spec.framework is Framework.HF
+        and spec.gradient_checkpointing
+    )
     if one_group and n > 1:
         # With every layer in the root group, the tail group's flat all-gather buffer stays
         # until the loss (reference trace qwen2_5-0_5b__lora__r16-all-linear__b1-s512__fsdp2-
@@ -233,7 +250,8 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         comm_forward=gathered_forward,
         comm_backward_start=backward_start,
         comm_backward=in_backward,
-        comm_bottom=one_layer_back,
+        # (at the bottom layer there is no layer below to prefetch)
+        comm_bottom=root + layer if late_prefetch else one_layer_back,
         comm_end=at_end,
         comm_forward_start=forward_start,
         comm_step=0,
@@ -242,4 +260,5 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         embed_gradient_made=whole.embed_gradients,
         accumulated_gradients=accumulated,
         bottom_temporaries=in_flight,
+        comm_top=root + layer if late_prefetch else None,
     )

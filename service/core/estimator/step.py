@@ -69,6 +69,10 @@ class _Moment(NamedTuple):
 
 # What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).
 _HELD = (Component.WORKSPACES, Component.OPTIMIZER_STATE)
+# An RMS norm's backward with its fp32 upcast keeps four fp32 hidden-sized temporaries alive at
+# once (div, pow, mul by a scalar, mul: reference trace phi-3-mini-4k-instruct__lora__r16-all-
+# linear__b1-s512__ckpt__fsdp-2gpu-full-shard, the input norm's backward in the top layer).
+NORM_BACKWARD_FP32_TEMPORARIES = 4
 # An estimate keeps a phase's parts as one tuple in COMPONENT_ORDER (`PhasePeak.parts`): the
 # fixed parts, the held ones, then a moment's. Checked once, here.
 if (*_FixedParts._fields, *_HELD, *_Moment._fields) != COMPONENT_ORDER:
@@ -476,16 +480,31 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         # have their own; every other moment is at the top layer.
         comm_bottom = rank.comm_backward if rank.comm_bottom is None else rank.comm_bottom
         comm_end = rank.comm_backward if rank.comm_end is None else rank.comm_end
+        comm_top = rank.comm_backward if rank.comm_top is None else rank.comm_top
         candidates = [
             moment._replace(
                 communication=comm_bottom
                 if moment is bottom
                 else comm_end
                 if moment is end
-                else rank.comm_backward
+                else comm_top
             )
             for moment in candidates
         ]
+        if rank.comm_top is not None:
+            # The top layer's end, where the layer below is gathered (`RankLayout.comm_top`):
+            # its input norm's backward, with the norm's fp32 input (saved by the recompute) and
+            # its fp32 temporaries beside the gradients flowing down (reference trace
+            # phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-full-shard,
+            # peak at aten.mul.Tensor).
+            fp32_hidden = _blk(tokens * h * FP32_BYTES)
+            candidates.append(
+                top._replace(
+                    recompute=fp32_hidden,
+                    backward_temporaries=in_flight + NORM_BACKWARD_FP32_TEMPORARIES * fp32_hidden,
+                    communication=rank.comm_backward,
+                )
+            )
     forward_end = _Moment(
         gradients=ga_grads,
         activations=activations,
