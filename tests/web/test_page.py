@@ -444,3 +444,28 @@ def test_a_sharded_job_sends_its_strategy_and_shows_the_apis_numbers(
     answer = api.post("/v1/estimates", json=job).json()
     assert answer["host_bytes"] > 0  # the offloaded optimizer state
     assert_estimate_shown(d.shown(), answer)
+
+
+def test_prompt_tuning_sends_its_virtual_tokens_and_ia3_its_targets(
+    driver: Driver, api: httpx.Client
+) -> None:
+    d = driver
+    d.open("?model=Qwen%2FQwen2.5-0.5B&batch_size=2&seq_len=512&gpu=H100-SXM")
+    d.page.select_option("#method", "prompt-tuning")
+    assert d.page.is_hidden("#lora_r")
+    d.page.fill("#num_virtual_tokens", "200")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["method"] == "prompt-tuning"
+    assert job["prompt_tuning"] == {"num_virtual_tokens": 200}
+    assert "lora" not in job
+    answer = api.post("/v1/estimates", json=job).json()
+    assert_estimate_shown(d.shown(), answer)
+
+    d.page.select_option("#method", "ia3")
+    assert d.page.is_hidden("#lora_r") and d.page.is_visible("#target_modules")
+    d.page.fill("#target_modules", "k_proj, v_proj, down_proj")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["ia3"] == {"target_modules": ["k_proj", "v_proj", "down_proj"]}
+    assert_estimate_shown(d.shown(), api.post("/v1/estimates", json=job).json())

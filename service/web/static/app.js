@@ -30,6 +30,7 @@
     lora_r: 8,
     lora_alpha: 8,
     target_modules: "",
+    num_virtual_tokens: 20,
     quant_type: "nf4",
     double_quant: false,
     compute_dtype: "",
@@ -52,7 +53,7 @@
   };
   const INTEGER_FIELDS = new Set([
     "lora_r", "lora_alpha", "batch_size", "seq_len", "gradient_accumulation_steps", "gpu_count",
-    "max_gpus", "gpus_per_node",
+    "max_gpus", "gpus_per_node", "num_virtual_tokens",
   ]);
   // Checkbox groups kept in the state (and the link) as their checked values, comma-separated.
   const LIST_FIELDS = new Set(["strategies"]);
@@ -234,7 +235,12 @@
     const s = page.state;
     $("catalog-model").hidden = s.source !== "catalog";
     $("config-model").hidden = s.source !== "config";
-    $("lora-options").hidden = s.method === "full";
+    // (IA)³ and LN tuning take target modules but no rank; prompt tuning takes virtual tokens.
+    $("lora-options").hidden = ["full", "prompt-tuning"].includes(s.method);
+    const ranked = !["ia3", "ln-tuning"].includes(s.method);
+    $("rank-field").hidden = !ranked;
+    $("alpha-field").hidden = !ranked;
+    $("prompt-options").hidden = s.method !== "prompt-tuning";
     $("quant-options").hidden = s.method !== "qlora";
     $("placement-strategies").hidden = !placing(s);
   }
@@ -289,6 +295,12 @@
     } else if (["vera", "loha", "lokr"].includes(s.method)) {
       // PEFT's own options for these (VeraConfig, LoHaConfig, LoKrConfig): rank and targets
       job[s.method] = { r: s.lora_r, target_modules: modulesFrom(s.target_modules) };
+    } else if (s.method === "ia3") {
+      job.ia3 = { target_modules: modulesFrom(s.target_modules) };
+    } else if (s.method === "ln-tuning") {
+      job.ln_tuning = { target_modules: modulesFrom(s.target_modules) };
+    } else if (s.method === "prompt-tuning") {
+      job.prompt_tuning = { num_virtual_tokens: s.num_virtual_tokens };
     }
     if (s.method === "qlora") {
       job.quantization = {
@@ -533,6 +545,9 @@
     "/lora/r": "lora_r",
     "/lora/lora_alpha": "lora_alpha",
     "/lora/target_modules": "target_modules",
+    "/ia3/target_modules": "target_modules",
+    "/ln_tuning/target_modules": "target_modules",
+    "/prompt_tuning/num_virtual_tokens": "num_virtual_tokens",
     "/quantization": "quant_type",
     "/parallel/gpus": "gpu_count",
     "/job/parallel/gpus": "gpu_count",
