@@ -7,6 +7,7 @@ Fields left as `None` take the framework preset's default, resolved by `resolve(
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -549,7 +550,19 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
     if spec.method is Method.QLORA and quant is None:
         quant = QuantSpec()
-        notes.append("quantization not given: NF4 without double quant, kbit preparation on")
+        notes.append(
+            "quantization not given: NF4 without double quant"
+            + (", kbit preparation on" if spec.framework is Framework.HF else "")
+        )
+    if quant is not None and quant.prepare_kbit and spec.framework is not Framework.HF:
+        # LitGPT's finetune scripts quantize through Fabric's BitsandbytesPrecision and
+        # torchtune's recipes through torchao: neither runs PEFT's
+        # prepare_model_for_kbit_training, so no norm or embedding is cast to fp32.
+        quant = dataclasses.replace(quant, prepare_kbit=False)
+        notes.append(
+            f"{spec.framework} does not run PEFT's kbit preparation: norms and embeddings keep "
+            "the model dtype"
+        )
 
     ia3 = spec.ia3
     if spec.method is Method.IA3 and ia3 is None:

@@ -17,7 +17,7 @@ from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import METHOD_OPTIONS, Method, TrainingSpec
+from service.core.spec import METHOD_OPTIONS, Framework, Method, TrainingSpec
 from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
@@ -40,6 +40,7 @@ def estimate(
             arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
         )
     spec = sequence_spec(spec)
+    arch, untied = framework_arch(arch, spec)
     st = _step(arch, spec, compute_capability)
     plan = st.plan
     p = plan.params
@@ -61,7 +62,7 @@ def estimate(
         phases=phases,
         params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
-        assumptions=(*st.assumptions, *over.assumptions, stack_note(spec.stack)),
+        assumptions=(*st.assumptions, *untied, *over.assumptions, stack_note(spec.stack)),
         warnings=tuple(st.warnings),
         estimator_version=ESTIMATOR_VERSION,
         host_bytes=st.host,
@@ -81,10 +82,25 @@ def peak_levels(
             return seq2seq_peak_levels(arch, spec, compute_capability=compute_capability)
         return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
     spec = sequence_spec(spec)
+    arch, _untied = framework_arch(arch, spec)
     step = _step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
     return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
+
+
+def framework_arch(arch: ModelArch, spec: TrainingSpec) -> tuple[ModelArch, tuple[str, ...]]:
+    """The model as the framework builds it, with a note where that differs from `arch`:
+    LitGPT's GPT holds its own embedding and lm_head matrices (lit_gpt/model.py and
+    litgpt/model.py `GPT.__init__`: `transformer.wte` and `lm_head`, never tied), so a model
+    whose config ties them is two tables under LitGPT."""
+    if spec.framework is Framework.LITGPT and arch.tie_word_embeddings:
+        note = (
+            "LitGPT builds separate embedding and lm_head matrices: the config's tied table "
+            "is counted twice"
+        )
+        return replace(arch, tie_word_embeddings=False), (note,)
+    return arch, ()
 
 
 def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
