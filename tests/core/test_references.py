@@ -40,6 +40,16 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.03,
         "FSDP1 LoRA, untied LM head: the recomputed layer's moment is over-counted",
     ),
+    # DPO: the allocator replay runs the SFT schedule on the doubled batch, without the fused
+    # head's tiles, its gradient accumulators or the reference forward.
+    **{
+        name: (0.05, "DPO's reserved level replays the SFT schedule on the doubled batch")
+        for name in (
+            "llama-3_2-1b__full__dpo__b1-s512__ckpt",
+            "llama-3_2-1b__qlora__dpo__r16-all-linear__nf4-dq__b2-s512__ckpt",
+            "qwen2_5-0_5b__full__dpo__b1-s512",
+        )
+    },
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{
@@ -175,6 +185,10 @@ def test_reserved_matches_the_traces(
 # Peaks within the tolerance whose breakdown is not the trace's: the estimate's peak moment
 # holds the same total made up differently, each with why.
 COMPONENT_KNOWN_GAPS: dict[str, str] = {
+    "gemma-2-2b__qlora__dpo__precomputed-ref__r16-all-linear__nf4-dq__b2-s512__ckpt__eager": (
+        "Gemma-2 QLoRA, eager attention on 4 rows: the recomputed top layer's moment holds "
+        "18 MiB more than the trace's (0.4 % of the peak)"
+    ),
     "phi-3-mini-4k-instruct__full__b1-s512__ckpt__fsdp-2gpu-full-shard": (
         "FSDP1, untied LM head: the trace peaks as a layer above the bottom flattens its "
         "gradients (fewer sharded, more in flight); the estimate takes that at the bottom layer"

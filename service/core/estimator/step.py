@@ -65,6 +65,7 @@ class _Moment(NamedTuple):
     backward_temporaries: int = 0
     optimizer_temporaries: int = 0
     communication: int = 0
+    reference_model: int = 0  # DPO full fine-tuning's frozen reference copy
 
 
 # What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).
