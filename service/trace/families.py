@@ -181,9 +181,12 @@ def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(lora, 1, 512, **dpo)),
         (QWEN_05B, _spec(full, 1, 512, **dpo)),
         (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
+        (QWEN_05B, _spec(lora, 4, 1024, **settings(max_completion_length=512))),
         (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **dpo)),
         (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **settings(max_completion_length=256))),
         (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **dpo)),
+        # fp32 attention after kbit preparation: SDPA's math kernel in the reference forward
+        (LLAMA_1B, _spec(qlora, 2, 1024, **dpo)),
         # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
         (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
         (

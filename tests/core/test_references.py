@@ -40,16 +40,6 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.03,
         "FSDP1 LoRA, untied LM head: the recomputed layer's moment is over-counted",
     ),
-    # DPO: the allocator replay runs the SFT schedule on the doubled batch, without the fused
-    # head's tiles, its gradient accumulators or the reference forward.
-    **{
-        name: (0.05, "DPO's reserved level replays the SFT schedule on the doubled batch")
-        for name in (
-            "llama-3_2-1b__full__dpo__b1-s512__ckpt",
-            "llama-3_2-1b__qlora__dpo__r16-all-linear__nf4-dq__b2-s512__ckpt",
-            "qwen2_5-0_5b__full__dpo__b1-s512",
-        )
-    },
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{

@@ -113,10 +113,17 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
     p = st.plan.params
     phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in dpo.phases)
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    settings = spec.dpo_settings
+    reserved = replace(
+        st.plan.reserved,
+        dpo_completion=settings.max_completion_length or 0,
+        dpo_reference=not settings.precompute_ref_log_probs,
+        dpo_reference_copy=spec.method is Method.FULL and not settings.precompute_ref_log_probs,
+    )
     over = _above(
         arch,
         policy_spec(spec),
-        st.plan,
+        replace(st.plan, reserved=reserved),
         peak.allocated_bytes,
         st.paged_state,
         compute_capability,
