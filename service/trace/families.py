@@ -182,6 +182,11 @@ def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(full, 1, 512, **dpo)),
         (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
         (QWEN_05B, _spec(lora, 4, 1024, **settings(max_completion_length=512))),
+        # DPOConfig.disable_dropout (default True) turns LoRA's dropout off
+        (
+            QWEN_05B,
+            _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **dpo),
+        ),
         (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **dpo)),
         (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **settings(max_completion_length=256))),
         (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **dpo)),

@@ -66,13 +66,19 @@ def dpo_shape(arch: ModelArch, spec: TrainingSpec) -> DpoShape:
 
 
 def policy_spec(spec: TrainingSpec) -> TrainingSpec:
-    """The SFT step whose layers DPO's policy runs: the doubled batch, no logits."""
+    """The SFT step whose layers DPO's policy runs: the doubled batch, no logits, and no
+    dropout (DPOConfig.disable_dropout, True by default, sets every nn.Dropout's p to 0,
+    LoRA's included: trl/trainer/utils.py disable_dropout_in_model)."""
+    lora = spec.lora
+    if lora is not None and lora.lora_dropout:
+        lora = replace(lora, lora_dropout=0.0)
     return replace(
         spec,
         batch_size=2 * spec.batch_size,
         objective=Objective.SFT,
         dpo=None,
         loss=LossImpl.FUSED,
+        lora=lora,
     )
 
 
@@ -240,6 +246,8 @@ def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
         )
         + f": {d.scored} positions, in tiles of {TILE_TOKENS} x {TILE_VOCAB} logits",
     ]
+    if spec.lora is not None and spec.lora.lora_dropout:
+        notes.append("LoRA dropout off: DPOConfig.disable_dropout (default True) sets p = 0")
     if precompute:
         notes.append("reference log-probs precomputed: no reference forward, no reference copy")
     elif spec.method is Method.FULL:
