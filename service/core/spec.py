@@ -57,8 +57,18 @@ class Objective(StrEnum):
     DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
 
 
-# TRL's other trainers, refused with the reason rather than as unknown words.
-UNMODELLED_OBJECTIVES = ("orpo", "kto", "grpo", "ppo", "reward", "cpo", "bco", "rloo")
+# TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
+# rather than as unknown words.
+UNMODELLED_OBJECTIVES = {
+    "reward": "RewardTrainer",
+    "grpo": "GRPOTrainer",
+    "rloo": "RLOOTrainer",
+    "kto": "KTOTrainer",
+    "orpo": "ORPOTrainer",
+    "cpo": "CPOTrainer",
+    "online_dpo": "OnlineDPOTrainer",
+    "distillation": "DistillationTrainer",
+}
 # What DPO is modelled with: TRL's DPOTrainer over HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 
@@ -69,8 +79,9 @@ def objective_from(name: str) -> Objective:
         return Objective(name)
     except ValueError:
         modelled = ", ".join(repr(o.value) for o in Objective)
-        if name.lower() in UNMODELLED_OBJECTIVES:
-            reason = f"{name!r} (TRL's {name.upper()} trainer) is not modelled"
+        trainer = UNMODELLED_OBJECTIVES.get(name.lower())
+        if trainer is not None:
+            reason = f"{name!r} (TRL's {trainer}) is not modelled"
         else:
             reason = f"unknown objective {name!r}"
         raise InvalidSpecError("objective", f"{reason}; modelled: {modelled}") from None

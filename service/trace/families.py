@@ -206,6 +206,8 @@ def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
             ),
         ),
         (PHI_3, _spec(lora, 1, 1024, ckpt=True, **dpo)),
+        # an LM head apart from the embedding: its fp32 gradient accumulator and its cast
+        (PHI_3, _spec(full, 1, 512, ckpt=True, **dpo)),
     ]
 
 

@@ -19,17 +19,18 @@ from service.core.architecture import LinearKind, ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.result import Phase
+from service.core.schedule import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
 from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec
 from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
 # trl/kernels/chunked_logprob.py: tokens per projection tile (TOKEN_CHUNK_SIZE) and the
-# vocabulary width of a tile (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE).
-TILE_TOKENS = 4096
-TILE_VOCAB = 32768
-# ChunkedLogProbFunction.forward's fp32 per-token running statistics (running_max, sum_exp,
-# x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit): allocated whatever outputs
-# are asked for.
-RUNNING_STATS = 7
+# vocabulary width of a tile (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE); the fp32
+# per-token running statistics of ChunkedLogProbFunction.forward (running_max, sum_exp,
+# x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit), allocated whatever outputs
+# are asked for. The schedule replays the same tensors (service/core/schedule/step.py).
+TILE_TOKENS = DPO_TILE_TOKENS
+TILE_VOCAB = DPO_TILE_VOCAB
+RUNNING_STATS = DPO_RUNNING_STATS
 # The per-token fields the policy's head returns in DPOTrainer (log_probs, entropy,
 # mean_logits in fp32; is_top1 a bool), each scattered back to (rows, seq_len - 1).
 POLICY_FP32_OUTPUTS = 3
@@ -56,6 +57,8 @@ class DpoShape(NamedTuple):
 
 
 def dpo_shape(arch: ModelArch, spec: TrainingSpec) -> DpoShape:
+    """The [chosen; rejected] rows, the positions scored, and the head's dtype (fp32 after
+    kbit preparation, which casts the LM head)."""
     completion = spec.dpo_settings.max_completion_length or spec.seq_len
     rows = 2 * spec.batch_size
     prepared = spec.method is Method.QLORA and (
