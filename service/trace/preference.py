@@ -34,6 +34,17 @@ INDEX_OP = "aten.index.Tensor"
 CHECKPOINTING_KWARGS = {"use_reentrant": False}
 
 
+def note() -> str:
+    """What a DPO trace ran, with the installed TRL's version."""
+    from importlib.metadata import version
+
+    return (
+        f"DPO: trl {version('trl')} DPOTrainer's step (loss 'sigmoid'), its fused LM head as a "
+        "CUDA device runs it (compact positions, Triton folds, fp32-out GEMMs); the batch "
+        "unpadded"
+    )
+
+
 def compact_rows(spec: TrainingSpec) -> int:
     """Positions TRL's fused head scores on a GPU: the labels after the shift that are not
     -100, over the [chosen; rejected] batch (completion at the end of each sequence)."""

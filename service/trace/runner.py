@@ -310,6 +310,7 @@ def trace(
     dpo = spec.objective is Objective.DPO
     if dpo:
         preference.prepare(model, spec)
+        notes.append(preference.note())
     if resolved.loss is LossImpl.PLAIN and not dpo:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
