@@ -14,13 +14,14 @@ from service.cli.options import CliError, add_spec_options, load_model, option_e
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.result import PHASE_WORDS, Estimate, estimate_to_dict
+from service.core.spec import Objective
 from service.core.units import GIB
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 
 
-def format_estimate(model_id: str, est: Estimate) -> str:
+def format_estimate(model_id: str, est: Estimate, objective: Objective = Objective.SFT) -> str:
     """A readable breakdown: component, GiB, share of the allocated peak, the peak phase."""
     lines = [
         f"{model_id}: peak {est.allocated_bytes / GIB:.2f} GiB allocated, "
@@ -37,6 +38,13 @@ def format_estimate(model_id: str, est: Estimate) -> str:
     lines.append(f"  {'device':<24}{est.device_bytes / GIB:>10.2f}")
     lines.append(f"  {'device, safe bound':<24}{est.device_bytes_upper / GIB:>10.2f}")
     lines.append("")
+    if objective is Objective.DPO:
+        # the phases around the reference forward tell where DPO's cost sits
+        lines.append("  phases (GiB allocated, step 2):")
+        for ph in est.phases:
+            if ph.step == 2:
+                lines.append(f"    {ph.phase.value:<22}{ph.allocated_bytes / GIB:>10.2f}")
+        lines.append("")
     lines.append(f"  parameters: {est.params.total:,} total, {est.params.trainable:,} trainable")
     if est.host_bytes:
         lines.append(f"  host memory per GPU for what is offloaded: {est.host_bytes / GIB:.2f} GiB")
@@ -67,7 +75,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": model_id, **estimate_to_dict(est)}, indent=2))
     else:
-        print(format_estimate(model_id, est))
+        print(format_estimate(model_id, est, spec.objective))
     return EXIT_OK
 
 

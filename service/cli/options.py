@@ -51,6 +51,8 @@ _OPTION_FOR_FIELD = {
     "quantization": "--quant",
     "parallel.gpus": "--gpus",
     "parallel.offload": "--offload",
+    "dpo": "--precompute-ref-log-probs/--max-completion-length",
+    "dpo.max_completion_length": "--max-completion-length",
 }
 
 
@@ -139,6 +141,22 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         type=int,
         help="an encoder-decoder's (T5) decoder tokens, the labels' length; --seq-len is then "
         "the source's (default: as long as --seq-len)",
+    )
+    train.add_argument(
+        "--objective",
+        help="the training objective as TRL names its trainers: sft (default) or dpo",
+    )
+    train.add_argument(
+        "--precompute-ref-log-probs",
+        action="store_true",
+        default=None,
+        help="dpo: DPOConfig.precompute_ref_log_probs (no reference forward, no reference copy)",
+    )
+    train.add_argument(
+        "--max-completion-length",
+        type=int,
+        help="dpo: completion tokens of each sequence, scored by TRL's fused LM head "
+        "(default: the whole sequence)",
     )
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     train.add_argument(
@@ -316,6 +334,17 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
                 "prepare_kbit": not args.no_prepare_kbit and method is Method.QLORA,
             }
         )
+    objective = getattr(args, "objective", None)
+    if objective is not None:
+        data["objective"] = objective
+    dpo = _given(
+        {
+            "precompute_ref_log_probs": getattr(args, "precompute_ref_log_probs", None),
+            "max_completion_length": getattr(args, "max_completion_length", None),
+        }
+    )
+    if dpo:
+        data["dpo"] = dpo
     _apply_parallel_configs(args, data)
     try:
         data["allocator"] = alloc_conf_values(getattr(args, "alloc_conf", "") or "")

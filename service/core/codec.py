@@ -43,12 +43,14 @@ from service.core.spec import (
     METHOD_OPTIONS,
     SAVABLE_MODULES,
     AttnImpl,
+    DpoSpec,
     Framework,
     FsdpBackwardPrefetch,
     FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
+    Objective,
     Offload,
     Optim,
     ParallelSpec,
@@ -57,6 +59,7 @@ from service.core.spec import (
     SdpaKernel,
     Strategy,
     TrainingSpec,
+    objective_from,
 )
 from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
@@ -78,9 +81,17 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     methods besides LoRA only when set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
-    for name in ("num_labels", "target_length", *METHOD_OPTIONS.values(), *DELTA_OPTIONS.values()):
+    for name in (
+        "num_labels",
+        "target_length",
+        *METHOD_OPTIONS.values(),
+        *DELTA_OPTIONS.values(),
+        "dpo",
+    ):
         if plain.get(name) is None:
             plain.pop(name, None)
+    if spec.objective is Objective.SFT:  # written when another objective is asked for
+        plain.pop("objective", None)
     return plain
 
 
@@ -380,6 +391,18 @@ _ALLOCATOR: dict[str, Check] = {
     "expandable_segments": _boolean,
     "per_process_memory_fraction": _optional(_number(ge=0.0, le=1.0)),
 }
+
+
+def _objective(value: Any, field: str) -> Objective:
+    if not isinstance(value, str):
+        raise InvalidSpecError(field, "must be a string")
+    return objective_from(value)
+
+
+_DPO: dict[str, Check] = {
+    "precompute_ref_log_probs": _boolean,
+    "max_completion_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
+}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -409,4 +432,6 @@ _TRAINING: dict[str, Check] = {
     "vera": _optional(_object(VeraSpec, _VERA)),
     "loha": _optional(_object(LohaSpec, _LOHA)),
     "lokr": _optional(_object(LokrSpec, _LOKR)),
+    "objective": _objective,
+    "dpo": _optional(_object(DpoSpec, _DPO)),
 }

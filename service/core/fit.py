@@ -29,6 +29,7 @@ from service.core.spec import (
     SHARDING_STRATEGIES,
     LossImpl,
     Method,
+    Objective,
     Optim,
     QuantSpec,
     QuantType,
@@ -104,6 +105,8 @@ class Change(StrEnum):
     """Changes that lower a job's peak, least disruptive to the training run first."""
 
     FUSED_LOSS = "fused_loss"  # same loss, logits never materialised (Liger, CCE)
+    # DPO: the reference's log-probs computed once before training (a pass over the data)
+    PRECOMPUTE_REF_LOG_PROBS = "precompute_ref_log_probs"
     OPTIMIZER_8BIT = "optimizer_8bit"  # bitsandbytes 8-bit AdamW (Dettmers et al. 2022)
     PAGED_OPTIMIZER = "paged_optimizer"  # 8-bit AdamW state in pageable managed memory
     GRADIENT_CHECKPOINTING = "gradient_checkpointing"  # about 20-30 % slower steps
@@ -115,6 +118,9 @@ class Change(StrEnum):
 
 CHANGE_WORDS: dict[Change, str] = {
     Change.FUSED_LOSS: "use a fused linear cross-entropy loss (Liger, Cut Cross-Entropy)",
+    Change.PRECOMPUTE_REF_LOG_PROBS: (
+        "precompute the reference model's log-probs (DPOConfig.precompute_ref_log_probs)"
+    ),
     Change.OPTIMIZER_8BIT: "use bitsandbytes 8-bit AdamW",
     Change.PAGED_OPTIMIZER: "use bitsandbytes paged 8-bit AdamW",
     Change.GRADIENT_CHECKPOINTING: "turn on gradient checkpointing",
@@ -570,7 +576,14 @@ def _apply(
     """A spec-only change (everything but the micro-batch), or None when it does not apply."""
     match change:
         case Change.FUSED_LOSS:
+            if spec.objective is Objective.DPO:  # TRL's head materialises no logits already
+                return None
             return None if spec.loss is LossImpl.FUSED else replace(spec, loss=LossImpl.FUSED)
+        case Change.PRECOMPUTE_REF_LOG_PROBS:
+            settings = spec.dpo_settings
+            if spec.objective is not Objective.DPO or settings.precompute_ref_log_probs:
+                return None
+            return replace(spec, dpo=replace(settings, precompute_ref_log_probs=True))
         case Change.OPTIMIZER_8BIT:
             eight_bit = {
                 Optim.ADAMW_TORCH: Optim.ADAMW_BNB_8BIT,
@@ -612,6 +625,8 @@ def _without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingS
         match change:
             case Change.FUSED_LOSS:
                 return replace(spec, loss=job.loss)
+            case Change.PRECOMPUTE_REF_LOG_PROBS:
+                return replace(spec, dpo=job.dpo)
             case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:
                 return replace(spec, optim=job.optim)
             case Change.GRADIENT_CHECKPOINTING:

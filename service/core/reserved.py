@@ -98,6 +98,11 @@ class ReservedPlan:
     # LoKr on the adapted linears: by linear name, its factors' (rows, cols) per factor (one
     # whole parameter, or a rank-r pair's two)
     lokr: tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...] = ()
+    # DPO (TRL's DPOTrainer): completion tokens per sequence (-1: not DPO; 0: the whole
+    # sequence), the reference forward in the step, and the full fine-tuning reference copy
+    dpo_completion: int = -1
+    dpo_reference: bool = False
+    dpo_reference_copy: bool = False
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -298,6 +303,8 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         and plan.loss in (LossImpl.HF, LossImpl.PLAIN)
         else 0,
         clip=plan.clip,
+        dpo_scored=_dpo_scored(plan, batch, seq),
+        dpo_reference=plan.dpo_reference,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
         dora=plan.dora,
@@ -308,6 +315,14 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         alibi=arch.alibi,
         half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
+
+
+def _dpo_scored(plan: ReservedPlan, rows: int, seq: int) -> int:
+    """Positions DPO's fused head scores over `rows` sequences (0 when not DPO)."""
+    if plan.dpo_completion < 0:
+        return 0
+    completion = plan.dpo_completion or seq
+    return rows * min(completion, seq - 1)
 
 
 def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
@@ -365,6 +380,9 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     if plan.virtual_tokens:
         # prompt tuning's fp32 PromptEmbedding, registered after the base model
         sizes.append(plan.virtual_tokens * arch.hidden_size * FP32_BYTES)
+    if plan.dpo_reference_copy:
+        # DPOTrainer loads the reference model after the policy: the same tensors again
+        sizes += sizes
     return tuple(sizes)
 
 

@@ -24,6 +24,9 @@ class Component(StrEnum):
     # Several GPUs: parameters gathered from other ranks (FSDP, ZeRO-3) and the collectives'
     # buffers (DDP's gradient buckets, FSDP's reduce-scatter input, ZeRO's reduce buckets).
     COMMUNICATION = "communication"
+    # DPO full fine-tuning: the frozen reference copy of the model TRL's DPOTrainer loads
+    # beside the policy (trl/trainer/dpo_trainer.py __init__), held all run.
+    REFERENCE_MODEL = "reference_model"
 
 
 class Overhead(StrEnum):
@@ -36,6 +39,9 @@ class Overhead(StrEnum):
 
 class Phase(StrEnum):
     FORWARD_END = "forward_end"  # the loss computed, every saved activation alive
+    # DPO: the reference model's forward under no_grad, after the policy's (TRL's
+    # DPOTrainer._compute_loss), every policy activation alive
+    REFERENCE_FORWARD = "reference_forward"
     BACKWARD_START = "backward_start"  # the loss gradient: fp32 log-prob gradient is born
     BACKWARD = "backward"  # inside the layers' backward (recompute, gradients in flight)
     OPTIMIZER_STEP = "optimizer_step"
@@ -43,6 +49,7 @@ class Phase(StrEnum):
 
 PHASE_WORDS: dict[Phase, str] = {
     Phase.FORWARD_END: "at the end of the forward pass, with the loss computed",
+    Phase.REFERENCE_FORWARD: "during the reference model's forward pass (DPO)",
     Phase.BACKWARD_START: "at the start of the backward pass (the loss gradient)",
     Phase.BACKWARD: "inside the backward pass",
     Phase.OPTIMIZER_STEP: "during the optimizer step",
@@ -63,6 +70,7 @@ COMPONENT_ORDER = (
     Component.BACKWARD_TEMPORARIES,
     Component.OPTIMIZER_TEMPORARIES,
     Component.COMMUNICATION,
+    Component.REFERENCE_MODEL,
 )
 
 

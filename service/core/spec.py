@@ -51,6 +51,61 @@ METHOD_OPTIONS = {
 ADAPTER_METHODS = (Method.LLAMA_ADAPTER, Method.LLAMA_ADAPTER_V2)
 
 
+class Objective(StrEnum):
+    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer)."""
+
+    SFT = "sft"  # the causal-LM loss of HF Trainer (SFTTrainer's)
+    DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
+
+
+# TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
+# rather than as unknown words.
+UNMODELLED_OBJECTIVES = {
+    "reward": "RewardTrainer",
+    "grpo": "GRPOTrainer",
+    "rloo": "RLOOTrainer",
+    "kto": "KTOTrainer",
+    "orpo": "ORPOTrainer",
+    "cpo": "CPOTrainer",
+    "online_dpo": "OnlineDPOTrainer",
+    "distillation": "DistillationTrainer",
+}
+# What DPO is modelled with: TRL's DPOTrainer over HF + PEFT full, LoRA and QLoRA on one GPU.
+DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
+
+
+def objective_from(name: str) -> Objective:
+    """The objective called `name`, or an error naming the field and why it is refused."""
+    try:
+        return Objective(name)
+    except ValueError:
+        modelled = ", ".join(repr(o.value) for o in Objective)
+        trainer = UNMODELLED_OBJECTIVES.get(name.lower())
+        if trainer is not None:
+            reason = f"{name!r} (TRL's {trainer}) is not modelled"
+        else:
+            reason = f"unknown objective {name!r}"
+        raise InvalidSpecError("objective", f"{reason}; modelled: {modelled}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DpoSpec:
+    """DPOConfig's settings that change memory (TRL 1.16.0 trl/trainer/dpo_config.py)."""
+
+    # DPOConfig.precompute_ref_log_probs (default False): the reference's log-probabilities
+    # are computed before training, so the step runs no reference forward and full
+    # fine-tuning keeps no reference copy (DPOTrainer.__init__).
+    precompute_ref_log_probs: bool = False
+    # Completion tokens of each sequence (older DPOConfig's max_completion_length): only
+    # their positions go through the fused LM head on a GPU. None: every position but the
+    # first (the whole padded sequence is completion), the largest it can be.
+    max_completion_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise InvalidSpecError("dpo.max_completion_length", "must be at least 1")
+
+
 class QuantType(StrEnum):
     NF4 = "nf4"
     FP4 = "fp4"
@@ -353,6 +408,41 @@ class TrainingSpec:
     vera: VeraSpec | None = None
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    # The training objective (TRL's trainer names) and DPO's settings, for objective "dpo".
+    objective: Objective = Objective.SFT
+    dpo: DpoSpec | None = None
+
+    def _check_objective(self) -> None:
+        """DPO as it is modelled: TRL's DPOTrainer on one GPU, HF + PEFT full, LoRA or QLoRA,
+        without autocast; the padded batch is `batch_size` pairs of `seq_len` tokens."""
+        if self.objective is not Objective.DPO:
+            if self.dpo is not None:
+                raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
+            return
+        if self.method not in DPO_METHODS:
+            raise InvalidSpecError(
+                "method",
+                f"objective 'dpo' is modelled with methods "
+                f"{', '.join(m.value for m in DPO_METHODS)}, not {self.method.value!r}",
+            )
+        if self.framework is not Framework.HF:
+            raise InvalidSpecError(
+                "framework", "objective 'dpo' is TRL's DPOTrainer (framework 'hf')"
+            )
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError(
+                "parallel.gpus", "objective 'dpo' is modelled on one GPU (no parallel strategy)"
+            )
+        if self.autocast:
+            raise InvalidSpecError(
+                "autocast", "objective 'dpo' under mixed precision is not modelled"
+            )
+        if self.loss is not None:
+            raise InvalidSpecError(
+                "loss", "objective 'dpo' scores tokens with TRL's fused LM head, not a loss choice"
+            )
+        if self.num_labels is not None or self.target_length is not None:
+            raise InvalidSpecError("objective", "objective 'dpo' is modelled on decoder-only LMs")
 
     def _check_method_options(self) -> None:
         """Each method's options only with that method, and what the PEFT methods beside LoRA
@@ -415,6 +505,7 @@ class TrainingSpec:
         if self.method is Method.LORA_FA:
             self._check_lora_fa()
         self._check_method_options()
+        self._check_objective()
         if self.method in ADAPTER_METHODS:
             self._check_adapter_method()
         elif self.method is not Method.QLORA and self.quantization is not None:
@@ -431,6 +522,11 @@ class TrainingSpec:
                 "FSDP-QLoRA and DeepSpeed ZeRO-3 QLoRA guides); that layout is not modelled: "
                 "use ddp, zero1 or zero2",
             )
+
+    @property
+    def dpo_settings(self) -> DpoSpec:
+        """DPO's settings, DPOConfig's defaults where none are given."""
+        return self.dpo or DpoSpec()
 
     @property
     def kbit_base(self) -> bool:

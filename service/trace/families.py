@@ -9,8 +9,10 @@ from service.core.spec import (
     ALL_LINEAR,
     LORA_METHODS,
     AttnImpl,
+    DpoSpec,
     LoraSpec,
     Method,
+    Objective,
     Optim,
     QuantSpec,
     QuantType,
@@ -162,6 +164,50 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
                 full, 8, 128, target_length=4, dtype=fp32, attn_implementation=eager, optim=adamw
             ),
         ),
+    ]
+
+
+def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
+    """TRL's DPOTrainer (objective 'dpo'): full, LoRA and QLoRA on three families, the
+    reference forward on or precomputed, the whole sequence or a completion scored."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    eager = AttnImpl.EAGER
+    dpo = {"objective": Objective.DPO}
+
+    def settings(**kwargs: Any) -> dict[str, Any]:
+        return {**dpo, "dpo": DpoSpec(**kwargs)}
+
+    return [
+        (QWEN_05B, _spec(lora, 1, 512, **dpo)),
+        (QWEN_05B, _spec(full, 1, 512, **dpo)),
+        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
+        (QWEN_05B, _spec(lora, 4, 1024, **settings(max_completion_length=512))),
+        # DPOConfig.disable_dropout (default True) turns LoRA's dropout off
+        (
+            QWEN_05B,
+            _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **dpo),
+        ),
+        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **dpo)),
+        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **settings(max_completion_length=256))),
+        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **dpo)),
+        # fp32 attention after kbit preparation: SDPA's math kernel in the reference forward
+        (LLAMA_1B, _spec(qlora, 2, 1024, **dpo)),
+        # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
+        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
+        (
+            GEMMA_2B,
+            _spec(
+                qlora,
+                2,
+                512,
+                ckpt=True,
+                attn_implementation=eager,
+                **settings(precompute_ref_log_probs=True),
+            ),
+        ),
+        (PHI_3, _spec(lora, 1, 1024, ckpt=True, **dpo)),
+        # an LM head apart from the embedding: its fp32 gradient accumulator and its cast
+        (PHI_3, _spec(full, 1, 512, ckpt=True, **dpo)),
     ]
 
 

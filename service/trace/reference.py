@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.core.codec import spec_from_dict, spec_to_dict
+from service.core.result import Component
 from service.core.spec import (
     DELTA_OPTIONS,
     AttnImpl,
@@ -25,6 +26,7 @@ from service.core.spec import (
     FsdpSharding,
     LossImpl,
     Method,
+    Objective,
     Offload,
     Optim,
     ParallelSpec,
@@ -52,6 +54,7 @@ from service.trace.families import (
     QWEN_7B,
     QWEN_MOE,
     _dora_cases,
+    _dpo_cases,
     _falcon_bloom_cases,
     _int8_cases,
     _lora,
@@ -110,7 +113,13 @@ def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
     return {
         "allocated_bytes": snapshot.allocated_bytes,
         "op": snapshot.op,
-        "components": {c.value: n for c, n in snapshot.components.items()},
+        # the reference model's part only where there is one (DPO full fine-tuning), as
+        # references written before it
+        "components": {
+            c.value: n
+            for c, n in snapshot.components.items()
+            if n or c is not Component.REFERENCE_MODEL
+        },
     }
 
 
@@ -181,6 +190,13 @@ class Case:
 def reference_name(model_id: str, spec: TrainingSpec) -> str:
     """A file-safe name that spells out every option differing from the defaults."""
     parts = [model_id.split("/")[-1].lower(), spec.method.value]
+    if spec.objective is not Objective.SFT:
+        parts.append(spec.objective.value)
+        dpo = spec.dpo_settings
+        if dpo.precompute_ref_log_probs:
+            parts.append("precomputed-ref")
+        if dpo.max_completion_length is not None:
+            parts.append(f"completion{dpo.max_completion_length}")
     options = spec.vera or spec.loha or spec.lokr
     if options is not None:
         target = options.target_modules
@@ -529,6 +545,7 @@ def matrix() -> list[Case]:
                     )
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
+    cases.extend(_dpo_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())

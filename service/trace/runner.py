@@ -7,6 +7,7 @@ is `loss = model(input_ids, labels=labels).loss`, `loss.backward()`, `optimizer.
 
 from __future__ import annotations
 
+import functools
 import gc
 import warnings
 from collections import defaultdict
@@ -30,6 +31,7 @@ from service.core.spec import (
     Framework,
     LossImpl,
     Method,
+    Objective,
     Optim,
     QuantType,
     ResolvedSpec,
@@ -38,7 +40,7 @@ from service.core.spec import (
 )
 from service.core.stack import PINNED_STACK
 from service.core.units import DType
-from service.trace import kernels, parallel
+from service.trace import kernels, parallel, preference
 from service.trace.autocast import cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -233,7 +235,16 @@ class _Steering:
         def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return checkpoint(self._recomputing(function), *args, **kwargs)
 
+        run.labelling = True  # type: ignore[attr-defined]
         return run
+
+    def rewrap(self, model: torch.nn.Module) -> None:
+        """Label the checkpoint functions a gradient_checkpointing_enable() call has set anew
+        (TRL's disable_gradient_checkpointing around the DPO reference forward)."""
+        for module in model.modules():
+            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+            if checkpoint is not None and not getattr(checkpoint, "labelling", False):
+                module._gradient_checkpointing_func = self._labelling_checkpoint(checkpoint)
 
     def _recomputing(self, function: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -296,7 +307,11 @@ def trace(
         warnings.simplefilter("ignore")  # the libraries' deprecation notices
         built = build_meta_model(resolved, config)
     model = built.model
-    if resolved.loss is LossImpl.PLAIN:
+    dpo = spec.objective is Objective.DPO
+    if dpo:
+        preference.prepare(model, spec)
+        notes.append(preference.note())
+    if resolved.loss is LossImpl.PLAIN and not dpo:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
@@ -310,6 +325,13 @@ def trace(
     tracker.mark_host_outputs(kernels.EFFICIENT_OP, kernels.EFFICIENT_HOST_OUTPUTS)
     if real and not cpu_kernels:
         raise ValueError("a real CPU run needs cpu_kernels=True")
+    if dpo and not cpu_kernels:
+        tracker.rewrite(
+            preference.INDEX_OP,
+            preference.compact_index(
+                (2 * spec.batch_size, spec.seq_len - 1), preference.compact_rows(spec)
+            ),
+        )
     int8 = resolved.quantization is not None and resolved.quantization.type is QuantType.INT8
     if spec.method is Method.QLORA and not cpu_kernels:
         tracker.rewrite("bitsandbytes.gemm_4bit.default", kernels.gemm_4bit_cuda)
@@ -336,6 +358,8 @@ def trace(
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
+            if dpo and not cpu_kernels:
+                stack.enter_context(preference.gpu_fused_head())
             if int8 and not cpu_kernels:
                 import bitsandbytes as bnb
 
@@ -359,6 +383,12 @@ def trace(
                     owned = materialize(model)
             for tensor, component in owned:
                 tracker.label(tensor, component)
+            ref_model = None
+            if dpo and preference.needs_reference_copy(spec):
+                ref_model = preference.build_reference(spec, config)
+                with tracker.labelling(Component.REFERENCE_MODEL):
+                    for tensor, _ in materialize(ref_model):
+                        tracker.label(tensor, Component.REFERENCE_MODEL)
             if wrapping is not None and not wrapping.shards_before_tracking:
                 model = wrapping.wrap(model)
             if wrapping is not None:
@@ -375,23 +405,37 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            _run_steps(
-                model,
-                params,
-                optimizer,
-                tracker,
-                steering,
-                spec,
-                classes=is_encoder(config),
-                keep_gradients=keep_gradients,
-            )
+            if dpo:
+                preference.run_dpo_steps(
+                    model,
+                    ref_model,
+                    optimizer,
+                    params,
+                    tracker,
+                    steering,
+                    spec,
+                    steps=STEPS,
+                    rewrap_checkpoints=functools.partial(steering.rewrap, model),
+                    keep_gradients=keep_gradients,
+                )
+            else:
+                _run_steps(
+                    model,
+                    params,
+                    optimizer,
+                    tracker,
+                    steering,
+                    spec,
+                    classes=is_encoder(config),
+                    keep_gradients=keep_gradients,
+                )
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
             phase_reserved = tracker.phase_reserved()
             phases = tuple(_phase_table(tracker))
             steps = tuple(_step_peaks(tracker))
             peak = tracker.peak()
-            del optimizer, model, built
+            del optimizer, model, built, ref_model
         tracker.close()
     finally:
         if gc_was_enabled:
@@ -513,6 +557,11 @@ def _phase_table(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:
     for step in range(1, STEPS + 1):
         if (step, Phase.FORWARD_END) in marks:
             yield marks[(step, Phase.FORWARD_END)]
-        for phase in (Phase.BACKWARD_START, Phase.BACKWARD, Phase.OPTIMIZER_STEP):
+        for phase in (
+            Phase.REFERENCE_FORWARD,
+            Phase.BACKWARD_START,
+            Phase.BACKWARD,
+            Phase.OPTIMIZER_STEP,
+        ):
             if (step, phase) in peaks:
                 yield peaks[(step, phase)]

@@ -97,6 +97,15 @@ fields: dict[str, st.SearchStrategy[Any]] = {
         {},
         optional={"r": integers, "decompose_factor": integers, "decompose_both": st.booleans()},
     ),
+    "objective": st.sampled_from(["sft", "dpo", "orpo", "kto", "simpo-ish"]),
+    "dpo": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "precompute_ref_log_probs": st.booleans() | st.none(),
+            "max_completion_length": st.none() | integers,
+        },
+    ),
     "parallel": st.fixed_dictionaries(
         {},
         optional={

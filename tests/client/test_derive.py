@@ -193,3 +193,22 @@ def test_all_linear_as_peft_expands_it_names_the_modules() -> None:
         "up_proj",
         "v_proj",
     ]
+
+
+class DPOConfig(SimpleNamespace):
+    """TRL's DPOConfig as the derivation recognises it: by its class name."""
+
+
+def test_a_dpo_run_counts_pairs_and_its_reference_setting(service: Service) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=False))
+    args = DPOConfig(**{**values, "precompute_ref_log_probs": True})
+    job = job_from_hf(PeftModel(QWEN_0_5B), args, model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json()["objective"] == "dpo"
+    assert job.to_json()["dpo"] == {"precompute_ref_log_probs": True}
+    assert job.batch_size == 4  # pairs: the model takes 8 sequences
+    shapes = InputShapes()
+    shapes.max_batch_size, shapes.max_seq_len = 8, 1024
+    unsized = DPOConfig(**{**values, "per_device_train_batch_size": None})
+    assert job_from_hf(PeftModel(QWEN_0_5B), unsized, shapes=shapes).batch_size == 4
+    with VramcastClient(service.url) as client:
+        assert client.estimate(job).peak.allocated_bytes > 0

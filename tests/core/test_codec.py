@@ -31,18 +31,21 @@ from service.core.spec import (
     ADAPTER_METHODS,
     ALL_LINEAR,
     DELTA_OPTIONS,
+    DPO_METHODS,
     LORA_METHODS,
     METHOD_OPTIONS,
     SAVABLE_MODULES,
     SHARDING_STRATEGIES,
     ZERO_STAGES,
     AttnImpl,
+    DpoSpec,
     Framework,
     FsdpBackwardPrefetch,
     FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
+    Objective,
     Offload,
     Optim,
     ParallelSpec,
@@ -192,8 +195,35 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
 
 
 @st.composite
+def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
+    """Objective 'dpo': TRL's DPOTrainer on one GPU, HF + PEFT, without autocast."""
+    method = draw(st.sampled_from(DPO_METHODS))
+    return TrainingSpec(
+        method=method,
+        objective=Objective.DPO,
+        dpo=draw(
+            st.none()
+            | st.builds(
+                DpoSpec,
+                precompute_ref_log_probs=st.booleans(),
+                max_completion_length=st.none() | st.integers(1, MAX_SEQ_LEN),
+            )
+        ),
+        batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
+        seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
+        lora=draw(st.none() | loras) if method in LORA_METHODS else None,
+        quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
+        dtype=draw(st.sampled_from(DType)),
+        gradient_checkpointing=draw(st.booleans()),
+        allocator=draw(allocators),
+    )
+
+
+@st.composite
 def specs(draw: st.DrawFn) -> TrainingSpec:
     method = draw(st.sampled_from(Method))
+    if method in DPO_METHODS and draw(st.integers(0, 3)) == 0:
+        return draw(dpo_specs())
     if method in DELTA_METHODS:
         return draw(delta_specs(method))
     # PEFT's other methods are modelled with HF + PEFT on one GPU, without autocast
@@ -258,9 +288,11 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         names.remove("num_labels")
     if spec.target_length is None:  # encoder-decoder only: written when set
         names.remove("target_length")
-    for name in (*METHOD_OPTIONS.values(), *DELTA_OPTIONS.values()):  # written when set
+    for name in (*METHOD_OPTIONS.values(), *DELTA_OPTIONS.values(), "dpo"):  # written when set
         if getattr(spec, name) is None:
             names.remove(name)
+    if spec.objective is Objective.SFT:  # written when another objective is asked for
+        names.remove("objective")
     assert list(data) == names
     assert list(data["allocator"]) == [f.name for f in dataclasses.fields(AllocatorConfig)]
 

@@ -365,6 +365,8 @@ def _taken_back(change: Change, spec: TrainingSpec, job: TrainingSpec) -> Traini
     match change:
         case Change.FUSED_LOSS:
             return replace(spec, loss=job.loss)
+        case Change.PRECOMPUTE_REF_LOG_PROBS:
+            return replace(spec, dpo=job.dpo)
         case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:
             return replace(spec, optim=job.optim)
         case Change.GRADIENT_CHECKPOINTING:

@@ -162,6 +162,10 @@ def test_reserved_matches_the_traces(
 # Peaks within the tolerance whose breakdown is not the trace's: the estimate's peak moment
 # holds the same total made up differently, each with why.
 COMPONENT_KNOWN_GAPS: dict[str, str] = {
+    "gemma-2-2b__qlora__dpo__precomputed-ref__r16-all-linear__nf4-dq__b2-s512__ckpt__eager": (
+        "Gemma-2 QLoRA, eager attention on 4 rows: the recomputed top layer's moment holds "
+        "18 MiB more than the trace's (0.4 % of the peak)"
+    ),
     "phi-3-mini-4k-instruct__full__b1-s512__ckpt__fsdp-2gpu-full-shard": (
         "FSDP1, untied LM head: the trace peaks as a layer above the bottom flattens its "
         "gradients (fewer sharded, more in flight); the estimate takes that at the bottom layer"
@@ -197,3 +201,28 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
         and ref["name"] not in KNOWN_GAPS
     ]
     assert not misses, "\n".join(misses)
+
+
+def test_dpo_references_match(capsys: pytest.CaptureFixture[str]) -> None:
+    """The DPO references alone (`-k dpo`): allocated within PEAK_TOLERANCE, reserved within
+    RESERVED_TOLERANCE, the peak's phase the trace's; printed per reference."""
+    refs = [r for r in _references(TRACES) if r["spec"].get("objective") == "dpo"]
+    assert len(refs) >= 10, "the DPO references are missing"
+    lines = [f"{'reference':<66}{'traced GiB':>11}{'error':>9}{'reserved':>10}  peak"]
+    beyond = []
+    for ref in refs:
+        est = _estimate(ref)
+        err = est.allocated_bytes / ref["peak"]["allocated_bytes"] - 1
+        reserved = est.reserved_bytes / ref["reserved"]["bytes"] - 1
+        traced_phase = (ref["peak"]["phase"], ref["peak"]["step"])
+        if abs(err) > PEAK_TOLERANCE or abs(reserved) > RESERVED_TOLERANCE:
+            beyond.append(f"{ref['name']}: {err:+.3%} allocated, {reserved:+.3%} reserved")
+        if traced_phase != (est.peak_phase.value, est.peak_step):
+            beyond.append(f"{ref['name']}: peak {traced_phase}, estimated {est.peak_phase}")
+        lines.append(
+            f"{ref['name'][:65]:<66}{ref['peak']['allocated_bytes'] / 2**30:>11.2f}"
+            f"{err:>+9.3%}{reserved:>+10.3%}  {traced_phase[0]}/{traced_phase[1]}"
+        )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert not beyond, "\n".join(beyond)

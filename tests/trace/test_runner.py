@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,10 @@ def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
     )
     result = trace(spec, TINY, "tiny")
     phases = {(p.step, p.phase): p.snapshot for p in result.phases}
-    assert set(phases) == {(s, p) for s in (1, 2) for p in Phase}
+    # every phase but DPO's reference forward
+    assert set(phases) == {
+        (s, p) for s in (1, 2) for p in Phase if p is not Phase.REFERENCE_FORWARD
+    }
     # No optimizer state before the first step; all of it in the steady state.
     assert phases[(1, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE] == 0
     state = phases[(2, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE]
@@ -148,3 +152,21 @@ def test_the_trace_command_refuses_what_it_cannot_trace(
     argv = ["trace", "--config", str(config), "-b", "1", "-s", "16"]
     assert main([*argv, "--optim", "paged_adamw_8bit"]) == 2
     assert "managed memory" in capsys.readouterr().err
+
+
+def test_a_dpo_trace_runs_the_reference_forward_on_a_frozen_copy() -> None:
+    """TRL's DPO step on the tiny model: the reference forward is its own phase, and full
+    fine-tuning holds the reference copy (the policy's weights and buffers again)."""
+    from service.core.spec import DpoSpec, Objective
+
+    full = TrainingSpec(method=Method.FULL, batch_size=1, seq_len=32, objective=Objective.DPO)
+    result = trace(full, TINY, "tiny")
+    phases = {(p.step, p.phase): p.snapshot for p in result.phases}
+    assert (2, Phase.REFERENCE_FORWARD) in phases
+    weights = phases[(2, Phase.FORWARD_END)].components
+    policy = weights[Component.TRAINABLE_PARAMS] + weights[Component.FROZEN_WEIGHTS]
+    assert weights[Component.REFERENCE_MODEL] == policy > 0
+    pre = replace(full, dpo=DpoSpec(precompute_ref_log_probs=True))
+    result = trace(pre, TINY, "tiny")
+    assert Phase.REFERENCE_FORWARD not in {p.phase for p in result.phases}
+    assert not result.peak.components.get(Component.REFERENCE_MODEL)

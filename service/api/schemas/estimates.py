@@ -134,7 +134,10 @@ class GpuFitSummary(Out):
 ComponentBytes = dict[Component, Bytes]
 # Iterating an enum runs Python code per member: the members, once, with their values (the
 # encoder takes a plain string at a fraction of an enum member's cost).
-_COMPONENTS = tuple((c, c.value) for c in Component)
+# The reference model's part is listed only where there is one (DPO full fine-tuning), so the
+# answers of every other job keep the keys they had before it.
+_COMPONENTS = tuple((c, c.value) for c in Component if c is not Component.REFERENCE_MODEL)
+_REFERENCE_MODEL = Component.REFERENCE_MODEL
 _OVERHEADS = tuple((o, o.value) for o in Overhead)
 _PHASES = {phase: phase.value for phase in Phase}
 
@@ -146,7 +149,8 @@ class EstimateOut(Out):
     peak: PeakOut = Field(description="The peak, calibrated when calibration applies.")
     estimated: LevelsOut = Field(description="The estimator's peaks before calibration.")
     components: ComponentBytes = Field(
-        description="Allocated bytes at the peak by role; they sum to estimated.allocated_bytes."
+        description="Allocated bytes at the peak by role; they sum to estimated.allocated_bytes. "
+        "reference_model appears only where there is one (DPO full fine-tuning's frozen copy)."
     )
     overheads: dict[Overhead, Bytes] = Field(
         description="Bytes above allocated: reserved and device levels add these."
@@ -224,7 +228,14 @@ def estimate_values(
             "device_bytes": est.device_bytes,
             "device_bytes_upper": est.device_bytes_upper,
         },
-        "components": {key: components.get(c, 0) for c, key in _COMPONENTS},
+        "components": {
+            **{key: components.get(c, 0) for c, key in _COMPONENTS},
+            **(
+                {_REFERENCE_MODEL.value: components[_REFERENCE_MODEL]}
+                if _REFERENCE_MODEL in components
+                else {}
+            ),
+        },
         "overheads": {key: overheads.get(o, 0) for o, key in _OVERHEADS},
         "phases": [
             {"step": ph.step, "phase": phases[ph.phase], "allocated_bytes": ph.allocated_bytes}

@@ -253,7 +253,7 @@ def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
     before, after = spec_to_dict(old), spec_to_dict(new)
     changed: dict[str, JsonValue] = {}
     for name, value in after.items():
-        was = before[name]
+        was = before.get(name)  # options written only when set (dpo) may be new
         if value == was:
             continue
         if isinstance(value, dict) and isinstance(was, dict):

@@ -53,12 +53,14 @@ from service.core.spec import (
     ZERO3_MAX_LIVE_PARAMETERS,
     ZERO_ALLGATHER_BUCKET_SIZE,
     AttnImpl,
+    DpoSpec,
     Framework,
     FsdpBackwardPrefetch,
     FsdpSharding,
     LoraSpec,
     LossImpl,
     Method,
+    Objective,
     Offload,
     Optim,
     ParallelSpec,
@@ -67,11 +69,13 @@ from service.core.spec import (
     SdpaKernel,
     Strategy,
     TrainingSpec,
+    objective_from,
 )
 from service.core.stack import PINNED_STACK, STACK_PRESETS, VERSION_PATTERN, Stack
 from service.core.units import DType
 
 MAX_BATCH_JOBS = 1000
+MAX_OBJECTIVE_CHARS = 32  # longer than any trainer name TRL has
 MAX_FIT_GPUS = 64
 # Reported totals: from 1 GiB (nothing smaller trains a model) to 4 TiB.
 MIN_MEMORY_MIB = 1024
@@ -173,6 +177,32 @@ class QuantizationIn(In):
             double_quant=self.double_quant,
             compute_dtype=self.compute_dtype,
             prepare_kbit=self.prepare_kbit,
+        )
+
+
+class DpoIn(In):
+    """TRL DPOConfig's settings that change memory (objective 'dpo' only)."""
+
+    integer_fields = integers("max_completion_length")
+
+    precompute_ref_log_probs: Boolean = Field(
+        default=False,
+        description="DPOConfig.precompute_ref_log_probs: the reference's log-probs computed "
+        "before training, so no reference forward in the step and, for full fine-tuning, no "
+        "reference copy of the model.",
+    )
+    max_completion_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SEQ_LEN,
+        description="Completion tokens of each sequence (older DPOConfig's name): only they go "
+        "through TRL's fused LM head. null: the whole sequence is completion (the largest).",
+    )
+
+    def to_spec(self) -> DpoSpec:
+        return DpoSpec(
+            precompute_ref_log_probs=self.precompute_ref_log_probs,
+            max_completion_length=self.max_completion_length,
         )
 
 
@@ -540,6 +570,19 @@ class JobSpec(In):
             "llama-adapter-v2 (framework 'litgpt' only)."
         ),
     )
+    objective: str = Field(
+        default=Objective.SFT.value,
+        max_length=MAX_OBJECTIVE_CHARS,
+        description=(
+            "The training objective, as TRL names its trainers: sft (the causal-LM loss, "
+            "SFTTrainer's and HF Trainer's) or dpo (DPOTrainer: batch_size pairs run as "
+            "2 x batch_size sequences of seq_len tokens, a reference model's forward). Other "
+            "trainers (orpo, kto, grpo, ...) are a 422: not modelled."
+        ),
+    )
+    dpo: DpoIn | None = Field(
+        default=None, description="DPO settings (objective 'dpo' only); null: DPOConfig's."
+    )
     lora: LoraIn | None = Field(
         default=None,
         description="LoRA options (lora, qlora, lora-fa); null: PEFT's defaults.",
@@ -667,4 +710,6 @@ class JobSpec(In):
             num_labels=self.num_labels,
             target_length=self.target_length,
             stack=self.stack.to_spec(),
+            objective=objective_from(self.objective),
+            dpo=None if self.dpo is None else self.dpo.to_spec(),
         )

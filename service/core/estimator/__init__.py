@@ -9,8 +9,9 @@ calibration refines (`service.core.overhead`).
 By concern: `weights` (which modules train; parameters, gradients, optimizer state),
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
-by phase), `uncertainty` and `peak` (the estimate and its levels); `deepseek` (the model
-states of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the
+by phase), `uncertainty` and `peak` (the estimate and its levels), `preference` (DPO's step
+on top of the SFT one); `deepseek` (the model states of DeepSeek-V2/V3, whose step is not
+modelled yet). Other code imports the
 names below from this package, not from its modules.
 """
 
@@ -27,6 +28,7 @@ from service.core.estimator.deepseek import (
     deepseek_model_states,
 )
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
+from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
 from service.core.estimator.weights import (
     adapted_linears,
     default_target_modules,
@@ -36,6 +38,8 @@ from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_se
 
 __all__ = [
     "ESTIMATOR_VERSION",
+    "TILE_TOKENS",
+    "TILE_VOCAB",
     "LayerFlow",
     "LoraTargets",
     "ModelStates",
@@ -44,6 +48,7 @@ __all__ = [
     "deepseek_lora_targets",
     "deepseek_model_states",
     "default_target_modules",
+    "dpo_shape",
     "estimate",
     "gathered_elements",
     "kronecker_factors",
@@ -51,5 +56,6 @@ __all__ = [
     "layer_saved_bytes",
     "litgpt_zero_pad_width",
     "peak_levels",
+    "policy_spec",
     "zero_settings",
 ]

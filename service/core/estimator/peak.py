@@ -9,6 +9,7 @@ from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.plan import _Plan
+from service.core.estimator.preference import dpo_step, policy_spec
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _step
 from service.core.estimator.tuners import sequence_spec
@@ -17,7 +18,7 @@ from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import METHOD_OPTIONS, Framework, Method, TrainingSpec
+from service.core.spec import METHOD_OPTIONS, Framework, Method, Objective, TrainingSpec
 from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
@@ -31,6 +32,8 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
+    if spec.objective is Objective.DPO:
+        return _dpo_estimate(arch, spec, compute_capability)
     if _is_encoder(arch, spec):
         if arch.encoder_decoder:
             return seq2seq_estimate(
@@ -77,6 +80,11 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
+    if spec.objective is Objective.DPO:
+        est = _dpo_estimate(arch, spec, compute_capability)
+        return PeakLevels(
+            est.allocated_bytes, est.reserved_bytes, est.device_bytes, est.device_bytes_upper
+        )
     if _is_encoder(arch, spec):
         if arch.encoder_decoder:
             return seq2seq_peak_levels(arch, spec, compute_capability=compute_capability)
@@ -101,6 +109,58 @@ def framework_arch(arch: ModelArch, spec: TrainingSpec) -> tuple[ModelArch, tupl
         )
         return replace(arch, tie_word_embeddings=False), (note,)
     return arch, ()
+
+
+def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
+    """DPO's step (estimator/preference.py): the policy's SFT step on the doubled batch, the
+    fused head, the reference forward as a phase of its own."""
+    if arch.encoder or arch.encoder_decoder:
+        raise InvalidSpecError(
+            "objective", f"objective 'dpo' is modelled on decoder-only LMs, not {arch.model_type!r}"
+        )
+    if arch.is_moe:
+        raise InvalidSpecError(
+            "objective",
+            "objective 'dpo' on a mixture-of-experts model is not modelled (its router logits "
+            "and load-balancing loss in the policy's forward)",
+        )
+    dpo = dpo_step(arch, spec, compute_capability)
+    st = dpo.step
+    p = st.plan.params
+    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in dpo.phases)
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    settings = spec.dpo_settings
+    reserved = replace(
+        st.plan.reserved,
+        dpo_completion=settings.max_completion_length or 0,
+        dpo_reference=not settings.precompute_ref_log_probs,
+        dpo_reference_copy=spec.method is Method.FULL and not settings.precompute_ref_log_probs,
+    )
+    over = _above(
+        arch,
+        policy_spec(spec),
+        replace(st.plan, reserved=reserved),
+        peak.allocated_bytes,
+        st.paged_state,
+        compute_capability,
+    )
+    return Estimate(
+        allocated_bytes=peak.allocated_bytes,
+        reserved_bytes=over.reserved,
+        device_bytes=over.device,
+        device_bytes_upper=over.device_upper,
+        components=peak.components,
+        overheads=over.overheads,
+        peak_step=peak.step,
+        peak_phase=peak.phase,
+        phases=phases,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        upper_margin=over.upper_margin,
+        assumptions=(*dpo.assumptions, *st.assumptions, *over.assumptions, stack_note(spec.stack)),
+        warnings=tuple(st.warnings),
+        estimator_version=ESTIMATOR_VERSION,
+        host_bytes=st.host,
+    )
 
 
 def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:

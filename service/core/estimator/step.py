@@ -65,6 +65,7 @@ class _Moment(NamedTuple):
     backward_temporaries: int = 0
     optimizer_temporaries: int = 0
     communication: int = 0
+    reference_model: int = 0  # DPO full fine-tuning's frozen reference copy
 
 
 # What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).
@@ -177,7 +178,17 @@ def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
     )
 
 
-def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = None) -> _Step:
+def _step(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    compute_capability: str | None = None,
+    *,
+    top_layer_consumed: bool = False,
+) -> _Step:
+    """The step's allocated bytes phase by phase. `top_layer_consumed`: at the top layer's
+    attention backward without checkpointing, that layer keeps only what its attention's
+    backward reads (the MLP's saved tensors are consumed); DPO's references measure it
+    (llama-3_2-1b__qlora__dpo__*__b2-s1024), the SFT step keeps its own accounting."""
     _check_modelled(arch, spec)
     check_stack(spec.stack, arch.is_moe)
     unquantized = _unquantized(arch, spec)
@@ -468,10 +479,13 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
                 )
             )
         else:
+            acts_now = activations - final_norm + rope + masks
+            if top_layer_consumed:
+                acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s)
             candidates.append(
                 _Moment(
                     gradients=ga_grads,
-                    activations=activations - final_norm + rope + masks,
+                    activations=acts_now,
                     backward_temporaries=grads_now,
                 )
             )

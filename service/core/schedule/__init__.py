@@ -18,9 +18,17 @@ Events are `(key, nbytes)`: `nbytes > 0` allocates tensor `key`, `nbytes == 0` f
 from __future__ import annotations
 
 from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, LinearShape, StepShape, Updater
-from service.core.schedule.step import step_events
+from service.core.schedule.step import (
+    DPO_RUNNING_STATS,
+    DPO_TILE_TOKENS,
+    DPO_TILE_VOCAB,
+    step_events,
+)
 
 __all__ = [
+    "DPO_RUNNING_STATS",
+    "DPO_TILE_TOKENS",
+    "DPO_TILE_VOCAB",
     "HALF_BYTES",
     "Event",
     "Kernel",

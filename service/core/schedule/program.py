@@ -89,6 +89,7 @@ class _StepBase:
         # what a decoder layer returned besides its output, held until the next one returns
         # (BLOOM's attention probabilities, in the model loop's `outputs`)
         self.held = 0
+        self.dpo_saved: list[int] = []  # DPO: what the policy's fused head keeps
         self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
 

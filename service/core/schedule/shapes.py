@@ -146,3 +146,7 @@ class StepShape:
     vera: bool = False  # VeRA on the adapted linears (peft/tuners/vera/layer.py)
     loha: bool = False  # LoHa on the adapted linears (peft/tuners/loha/layer.py)
     lokr: bool = False  # LoKr on the adapted linears (peft/tuners/lokr/layer.py)
+    # DPO (TRL's DPOTrainer): positions its fused LM head scores (0: not DPO), and whether
+    # the step runs the reference model's forward (not with precomputed log-probs)
+    dpo_scored: int = 0
+    dpo_reference: bool = False

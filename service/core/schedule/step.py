@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from service.core.schedule.backward import _Backward
 from service.core.schedule.program import _Program, _Saved, _Stop
-from service.core.schedule.shapes import HALF_BYTES, Event, StepShape, Updater
+from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape, Updater
 from service.core.units import FP32_BYTES, INT64_BYTES
+
+# trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE and trl/trainer/utils.py
+# _CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16.0): a tile of the fused head's logits.
+DPO_TILE_TOKENS = 4096
+DPO_TILE_VOCAB = 32768
+# ChunkedLogProbFunction.forward's fp32 running statistics per scored position.
+DPO_RUNNING_STATS = 7
+# q-sized copies around SDPA's math kernel without grad: k and v expanded to every head, the
+# scaled q and its contiguous copy (reference trace llama-3_2-1b__qlora__dpo__*__b2-s1024).
+MATH_REFERENCE_COPIES = 4
 
 
 class _Step(_Backward):
@@ -222,6 +232,8 @@ class _Step(_Backward):
     def loss_forward(self, fn: int) -> tuple[int, int]:
         sh = self.sh
         v = sh.vocab
+        if sh.dpo_scored:
+            return self._dpo_forward(fn), 0
         if not sh.loss_materialised:
             self.f(fn) if not sh.head_trainable else None
             return 0, 0
@@ -253,6 +265,8 @@ class _Step(_Backward):
     def loss_backward(self, logits: int, logp: int, fn: int, final: _Saved) -> int:
         sh = self.sh
         v = sh.vocab
+        if sh.dpo_scored:
+            return self.norm_backward(self._dpo_head_backward(), final, "final")
         g = 0
         if sh.loss_materialised:
             lb = FP32_BYTES if sh.loss_upcast else sh.head_bytes
@@ -292,6 +306,143 @@ class _Step(_Backward):
                 self.f(gh)
                 gh = wide
         return self.norm_backward(gh, final, "final")
+
+    # -- DPO (TRL 1.16.0 DPOTrainer, trl/kernels/chunked_logprob.py on CUDA) -------------------
+
+    def _dpo_head(self, *, policy: bool) -> list[int]:
+        """TRL's fused head over the scored positions: their hidden states and targets
+        gathered (through nonzero), the fp32 running statistics, the tile, log Z and the
+        requested outputs. Returns what it keeps: the saved tensors for the policy, nothing
+        for the reference."""
+        sh = self.sh
+        n, h = sh.dpo_scored, sh.hidden
+        alloc, free = self.p.alloc, self.f
+        nonzero = alloc(n * 2 * INT64_BYTES)
+        hidden = alloc(n * h * sh.head_bytes)
+        free(nonzero)
+        nonzero = alloc(n * 2 * INT64_BYTES)
+        targets = alloc(n * INT64_BYTES)
+        free(nonzero)
+        stats = [alloc(n * FP32_BYTES) for _ in range(DPO_RUNNING_STATS)]
+        tile = alloc(min(n, DPO_TILE_TOKENS) * min(DPO_TILE_VOCAB, sh.vocab) * sh.head_bytes)
+        self.gemm()
+        free(tile)
+        log_sum = alloc(n * FP32_BYTES)
+        log_z = alloc(n * FP32_BYTES)
+        free(log_sum)
+        outputs = [alloc(n * FP32_BYTES)]  # log-probs
+        entropy = 0
+        if policy:
+            ratio = alloc(n * FP32_BYTES)
+            entropy = alloc(n * FP32_BYTES)
+            free(ratio)
+            outputs.append(alloc(n * FP32_BYTES))  # mean logits
+            left, right = alloc(n), alloc(n)
+            outputs.append(alloc(n))  # is_top1
+            free(left, right)
+        free(*stats)
+        return [hidden, targets, log_z, entropy, *outputs]
+
+    def _dpo_scatter(self, widths: list[int], compact: list[int]) -> list[int]:
+        """Each per-token output scattered back to (rows, seq - 1): zeros, then an out-of-place
+        masked_scatter; the compact ones in `compact` let go."""
+        padded = self.sh.batch * (self.sh.seq - 1)
+        out = []
+        for width in widths:
+            zeros = self.p.alloc(padded * width)
+            out.append(self.p.alloc(padded * width))
+            self.f(zeros)
+        self.f(*compact)
+        return out
+
+    def _dpo_forward(self, fn: int) -> int:
+        """The policy's fused head, then the reference forward (`dpo_reference`); the head's
+        saved tensors wait in `self.dpo_saved`. No logits: returns 0."""
+        sh = self.sh
+        mask = self.p.alloc(sh.batch * (sh.seq - 1))
+        hidden, targets, log_z, entropy, logp, mean, top1 = self._dpo_head(policy=True)
+        if not sh.head_trainable:
+            self.f(fn)
+        # log-probs, entropy, mean logits (fp32) and is_top1 (bool), scattered back
+        widths = [FP32_BYTES, FP32_BYTES, FP32_BYTES, 1]
+        outputs = self._dpo_scatter(widths, [logp, mean, top1])
+        if sh.dpo_reference:
+            self._dpo_reference_forward()
+        self.f(*outputs)  # `_compute_loss` returns: the outputs object is dropped
+        self.dpo_saved = [hidden, targets, log_z, entropy, mask]
+        if sh.head_trainable:
+            self.dpo_saved.append(fn)
+        return 0
+
+    def _dpo_reference_forward(self) -> None:
+        """The reference model's no-grad forward: each layer's transients, then its head."""
+        sh = self.sh
+        h, i = sh.hidden, sh.intermediate
+        x = self.a(sh.residual * h)
+        for _ in range(sh.layers):
+            normed = self.a(sh.residual * h)
+            attn = self._dpo_reference_attention()
+            self.f(normed)
+            residual = self.a(sh.residual * h)
+            self.f(attn)
+            normed = self.a(sh.residual * h)
+            act = self.a(sh.residual * i)
+            up = self.a(sh.residual * i)
+            product = self.a(sh.residual * i)
+            self.f(act, up, normed)
+            out = self.a(sh.residual * h)
+            self.f(product, residual, x)
+            x = out
+        normed = self.a(sh.residual * h)
+        self.f(x)
+        self.f(*self._dpo_head(policy=False), normed)
+        ref_outputs = self._dpo_scatter([FP32_BYTES], [])
+        self.f(*ref_outputs)
+
+    def _dpo_reference_attention(self) -> int:
+        """A no-grad attention's output; through SDPA's math kernel its q, k and v copies,
+        the scores, the probabilities and their all-masked-row check come and go first."""
+        sh = self.sh
+        h = sh.hidden
+        if sh.kernel is not Kernel.MATH:
+            return self.a(sh.residual * h)
+        q = self.a(sh.residual * h)
+        copies = [self.a(sh.residual * h) for _ in range(MATH_REFERENCE_COPIES)]
+        scores_bytes = sh.batch * sh.heads * sh.seq * sh.seq
+        scores = self.p.alloc(scores_bytes * sh.residual)
+        self.f(*copies[:2])
+        probs = self.p.alloc(scores_bytes * sh.residual)
+        check = self.p.alloc(scores_bytes)
+        self.f(check, scores)
+        out = self.a(sh.residual * h)
+        self.f(probs, q, *copies[2:])
+        return out
+
+    def _dpo_head_backward(self) -> int:
+        """ChunkedLogProbFunction.backward: fp32 accumulators, the tile, the casts back; then
+        the gather's and the shift's backward make the hidden states' gradient."""
+        sh = self.sh
+        n, h, v = sh.dpo_scored, sh.hidden, sh.vocab
+        hidden, targets, log_z, entropy, mask, *fn = self.dpo_saved
+        grad = self.p.alloc(n * FP32_BYTES)  # the log-probs' gradient, gathered
+        grad_hidden = self.p.alloc(n * h * FP32_BYTES)
+        grad_weight = self.p.alloc(v * h * FP32_BYTES) if sh.head_trainable else 0
+        tile = self.p.alloc(min(n, DPO_TILE_TOKENS) * min(DPO_TILE_VOCAB, v) * sh.head_bytes)
+        self.gemm()
+        self.f(tile, grad)
+        if sh.head_bytes != FP32_BYTES:
+            cast = self.p.alloc(n * h * sh.head_bytes)
+            self.f(grad_hidden)
+            grad_hidden = cast
+        if grad_weight:
+            self._head_gradient(v * h * sh.head_bytes)
+            self.f(grad_weight)
+        self.f(hidden, targets, log_z, entropy, *fn)
+        gathered = self.p.alloc(sh.batch * (sh.seq - 1) * h * sh.head_bytes)
+        self.f(grad_hidden, mask)
+        g = self.a(sh.residual * h)  # the shift's backward: the full sequence
+        self.f(gathered)
+        return g
 
     def _head_gradient(self, nbytes: int) -> None:
         """The LM head's weight gradient; a tied one that a later micro-batch makes waits

@@ -22,6 +22,7 @@ from typing import Any, get_args
 
 from vramcast_client.models import (
     AttnImplName,
+    Dpo,
     DTypeName,
     Job,
     Lora,
@@ -119,13 +120,15 @@ def job_from_hf(
     model_id: str | None = None,
 ) -> Job:
     """The job of an HF `Trainer` run: `model` as the Trainer holds it, `args` its
-    TrainingArguments (or TRL's SFTConfig, which adds max_length)."""
+    TrainingArguments (or TRL's SFTConfig, which adds max_length; or TRL's DPOConfig, whose
+    batches are pairs: the model takes 2 x per_device_train_batch_size sequences)."""
     base = find_hf_model(model)
+    dpo = _dpo(args)
     batch = _int(getattr(args, "per_device_train_batch_size", None))
-    if batch is None and shapes is not None:
-        batch = shapes.max_batch_size
+    if batch is None and shapes is not None and shapes.max_batch_size:
+        batch = shapes.max_batch_size // 2 if dpo else shapes.max_batch_size
     strategy, offload = _hf_parallel(args)
-    return _job(
+    job = _job(
         base,
         model_id=model_id,
         batch_size=batch,
@@ -141,6 +144,18 @@ def job_from_hf(
             offload=offload,
         ),
     )
+    if dpo is None:
+        return job
+    return job.model_copy(update={"objective": "dpo", "dpo": dpo})
+
+
+def _dpo(args: Any) -> Dpo | None:
+    """DPO's settings when `args` is TRL's DPOConfig (by its class name: TRL need not be
+    importable here), else None."""
+    if type(args).__name__ != "DPOConfig":
+        return None
+    precompute = getattr(args, "precompute_ref_log_probs", None)
+    return Dpo(precompute_ref_log_probs=precompute if isinstance(precompute, bool) else None)
 
 
 def job_from_lightning(

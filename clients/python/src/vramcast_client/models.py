@@ -37,6 +37,8 @@ FsdpBackwardPrefetchName = Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH
 OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
+# The training objectives the service models, by TRL's trainer names.
+ObjectiveName = Literal["sft", "dpo"]
 
 
 class _Request(BaseModel):
@@ -149,6 +151,14 @@ class Parallel(_Request):
     fsdp_config: dict[str, Any] | None = None
 
 
+class Dpo(_Request):
+    """TRL DPOConfig's settings that change memory (objective 'dpo' only)."""
+
+    precompute_ref_log_probs: bool | None = None
+    # Completion tokens of each sequence; None: the whole sequence.
+    max_completion_length: int | None = Field(default=None, ge=1)
+
+
 class Stack(_Request):
     """The library versions a job runs on; None: the service's traced stack's."""
 
@@ -165,6 +175,9 @@ class Job(_Request):
     batch_size: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     method: MethodName | None = None
+    # 'dpo': batch_size pairs run as 2 x batch_size sequences, with a reference model
+    objective: ObjectiveName | None = None
+    dpo: Dpo | None = None
     lora: Lora | None = None
     quantization: Quantization | None = None
     vera: Vera | None = None

@@ -1,0 +1,260 @@
+"""DPO's step (TRL 1.16.0 DPOTrainer): the SFT step on the doubled [chosen; rejected] batch, its
+logits replaced by TRL's fused chunked log-prob head, and the reference model's forward.
+
+The policy's layers are the SFT step's on 2 x batch_size rows (`_step`), with a loss that
+materialises no logits (`LossImpl.FUSED`); the fused head's own tensors are added here, as TRL's
+CUDA path allocates them (trl/kernels/chunked_logprob.py ChunkedLogProbFunction, Triton folds
+writing in place, fp32 accumulation by addmm(out_dtype=float32)). The reference forward is a
+phase of its own: every policy activation alive, one layer's no-grad transients, then the
+head's tiles. Full fine-tuning holds a frozen reference copy unless the log-probs are
+precomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from service.core.architecture import LinearKind, ModelArch
+from service.core.estimator.ledger import _blk
+from service.core.estimator.step import _Moment, _Step, _step
+from service.core.result import Phase
+from service.core.schedule import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
+from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec
+from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
+
+# trl/kernels/chunked_logprob.py: tokens per projection tile (TOKEN_CHUNK_SIZE) and the
+# vocabulary width of a tile (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE); the fp32
+# per-token running statistics of ChunkedLogProbFunction.forward (running_max, sum_exp,
+# x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit), allocated whatever outputs
+# are asked for. The schedule replays the same tensors (service/core/schedule/step.py).
+TILE_TOKENS = DPO_TILE_TOKENS
+TILE_VOCAB = DPO_TILE_VOCAB
+RUNNING_STATS = DPO_RUNNING_STATS
+# The per-token fields the policy's head returns in DPOTrainer (log_probs, entropy,
+# mean_logits in fp32; is_top1 a bool), each scattered back to (rows, seq_len - 1).
+POLICY_FP32_OUTPUTS = 3
+# The live bytes of one decoder layer's no-grad forward at its MLP product, in tokens x
+# intermediate_size elements of the compute dtype: SiLU(gate), up and their product
+# (transformers LlamaMLP.forward; reference traces *__dpo__*).
+MLP_TRANSIENTS = 3
+# ...and hidden-sized tensors in the residual dtype at that moment (same traces).
+LAYER_HIDDEN_TRANSIENTS = 4
+# SDPA's math kernel under no_grad (torch/nn/functional.py scaled_dot_product_attention's
+# math path): the scores and the softmax output, each b x heads x s x s in the attention's
+# dtype, and q-sized tensors beside them: q after RoPE, k and v expanded to every head, the
+# scaled q and its contiguous copy (reference trace llama-3_2-1b__qlora__dpo__*).
+MATH_SCORE_COPIES = 2
+MATH_Q_SIZED = 5
+
+
+class DpoShape(NamedTuple):
+    """The sizes DPO's step adds to the SFT machinery's."""
+
+    rows: int  # 2 x batch_size: [chosen; rejected]
+    scored: int  # positions the fused head scores (labels not -100 after the shift)
+    head_bytes: int  # bytes per element of the LM head's compute dtype
+
+
+def dpo_shape(arch: ModelArch, spec: TrainingSpec) -> DpoShape:
+    """The [chosen; rejected] rows, the positions scored, and the head's dtype (fp32 after
+    kbit preparation, which casts the LM head)."""
+    completion = spec.dpo_settings.max_completion_length or spec.seq_len
+    rows = 2 * spec.batch_size
+    prepared = spec.method is Method.QLORA and (
+        spec.quantization is None or spec.quantization.prepare_kbit
+    )
+    head = FP32_BYTES if prepared else DTYPE_BYTES[spec.dtype]
+    return DpoShape(rows, rows * min(completion, spec.seq_len - 1), head)
+
+
+def policy_spec(spec: TrainingSpec) -> TrainingSpec:
+    """The SFT step whose layers DPO's policy runs: the doubled batch, no logits, and no
+    dropout (DPOConfig.disable_dropout, True by default, sets every nn.Dropout's p to 0,
+    LoRA's included: trl/trainer/utils.py disable_dropout_in_model)."""
+    lora = spec.lora
+    if lora is not None and lora.lora_dropout:
+        lora = replace(lora, lora_dropout=0.0)
+    return replace(
+        spec,
+        batch_size=2 * spec.batch_size,
+        objective=Objective.SFT,
+        dpo=None,
+        loss=LossImpl.FUSED,
+        lora=lora,
+    )
+
+
+def _head_saved(arch: ModelArch, d: DpoShape, s: int) -> int:
+    """What the policy's fused head keeps from its forward into backward: the scored hidden
+    states (compact), their targets, log Z and entropy (ctx.save_for_backward), the label mask
+    and the per-token outputs scattered back to the padded shape."""
+    n, h = d.scored, arch.hidden_size
+    padded = d.rows * (s - 1)
+    return (
+        _blk(n * h * d.head_bytes)
+        + _blk(n * INT64_BYTES)
+        + 2 * _blk(n * FP32_BYTES)
+        + _blk(padded * BOOL_BYTES)
+        + POLICY_FP32_OUTPUTS * _blk(padded * FP32_BYTES)
+        + _blk(padded * BOOL_BYTES)
+    )
+
+
+def _head_tile(arch: ModelArch, d: DpoShape) -> int:
+    """One forward's tile buffer and running statistics (ChunkedLogProbFunction.forward)."""
+    tile = _blk(min(d.scored, TILE_TOKENS) * min(TILE_VOCAB, arch.vocab_size) * d.head_bytes)
+    return tile + RUNNING_STATS * _blk(d.scored * FP32_BYTES)
+
+
+def _head_backward(arch: ModelArch, d: DpoShape, head_trains: bool) -> int:
+    """ChunkedLogProbFunction.backward at its end: the fp32 gradient accumulators (hidden, and
+    the head's weight when it trains), the tile buffer, and the accumulators cast back to the
+    inputs' dtypes (no copy when they are fp32 already)."""
+    n, h, v = d.scored, arch.hidden_size, arch.vocab_size
+    tile = _blk(min(n, TILE_TOKENS) * min(TILE_VOCAB, v) * d.head_bytes)
+    cast = d.head_bytes != FP32_BYTES
+    grad = _blk(n * h * FP32_BYTES) + tile + (_blk(n * h * d.head_bytes) if cast else 0)
+    if head_trains:
+        grad += _blk(v * h * FP32_BYTES) + (_head_weight_grad(arch, d) if cast else 0)
+    return grad
+
+
+def _head_weight_grad(arch: ModelArch, d: DpoShape) -> int:
+    """The head weight's gradient in its dtype, as the fused head's backward returns it."""
+    return _blk(arch.vocab_size * arch.hidden_size * d.head_bytes)
+
+
+def _reference_layer(arch: ModelArch, spec: TrainingSpec, d: DpoShape, st: _Step) -> int:
+    """One decoder layer's no-grad forward at its MLP product, beyond what the policy holds:
+    SiLU(gate), up and their product (with a fused gate_up projection, Phi-3, its whole
+    output too), beside the layer's input, the residual after attention, the normed input
+    and the embedding-sized output the model keeps between layers (reference traces
+    llama-3_2-1b__lora__dpo__*, phi-3-mini-4k-instruct__lora__dpo__*)."""
+    tokens = d.rows * spec.seq_len
+    f = st.plan.flow
+    mlp_in = sum(1 for lin in arch.linears if lin.kind is LinearKind.MLP_IN)
+    intermediates = MLP_TRANSIENTS + (1 if mlp_in == 1 else 0)
+    return intermediates * _blk(tokens * arch.intermediate_size * f.norm_out) + (
+        LAYER_HIDDEN_TRANSIENTS * _blk(tokens * arch.hidden_size * f.residual)
+    )
+
+
+def _reference_attention(arch: ModelArch, spec: TrainingSpec, d: DpoShape, st: _Step) -> int:
+    """One layer's no-grad attention through SDPA's math kernel (fp32 q/k/v with grouped
+    heads after kbit preparation, or sdpa_kernel 'math'): its scores and probabilities with
+    their boolean check, the causal mask, the layer's input and normed input, and the q-sized
+    and k/v-sized tensors around the kernel (reference trace
+    llama-3_2-1b__qlora__dpo__*: the peak at the probabilities' all-masked-row check)."""
+    b, s = d.rows, spec.seq_len
+    tokens = b * s
+    f = st.plan.flow
+    scores = b * arch.num_attention_heads * s * s
+    return (
+        MATH_SCORE_COPIES * _blk(scores * f.attn)
+        + _blk(scores * BOOL_BYTES)
+        + _blk(s * s * f.attn)
+        + 2 * _blk(tokens * arch.hidden_size * f.residual)
+        + MATH_Q_SIZED * _blk(tokens * arch.q_dim * f.attn)
+        + 2 * _blk(tokens * arch.kv_dim * f.attn)
+    )
+
+
+def _reference_head(arch: ModelArch, d: DpoShape) -> int:
+    """The reference's fused head: the scored hidden states gathered again, the tile buffer
+    and the running statistics."""
+    return _head_tile(arch, d) + _blk(d.scored * arch.hidden_size * d.head_bytes)
+
+
+class DpoStep(NamedTuple):
+    """DPO's phases as (step, phase, parts) with the SFT step they extend."""
+
+    step: _Step
+    phases: tuple[tuple[int, Phase, tuple[int, ...]], ...]
+    assumptions: tuple[str, ...]
+
+
+def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> DpoStep:
+    d = dpo_shape(arch, spec)
+    st = _step(arch, policy_spec(spec), compute_capability, top_layer_consumed=True)
+    settings = spec.dpo_settings
+    precompute = settings.precompute_ref_log_probs
+    reference = st.fixed.trainable_params if spec.method is Method.FULL and not precompute else 0
+    saved = _head_saved(arch, d, spec.seq_len)
+    head_trains = st.plan.traits.head_trains
+    # the end of the policy's forward: what its head keeps (its tiles are freed by then)
+    forward_end = st.forward_end._replace(logits_loss=saved, reference_model=reference)
+    backward_start = st.backward_start._replace(
+        logits_loss=saved + _head_backward(arch, d, head_trains), reference_model=reference
+    )
+    # the reference forward's largest moment: inside a layer, or in its head
+    in_layer = st.forward_end._replace(
+        activations=st.forward_end.activations + _reference_layer(arch, spec, d, st),
+        logits_loss=saved,
+        reference_model=reference,
+    )
+    in_head = st.forward_end._replace(
+        logits_loss=saved + _reference_head(arch, d), reference_model=reference
+    )
+    candidates = [in_layer, in_head]
+    if st.plan.traits.scores and spec.attn_implementation is AttnImpl.SDPA:
+        attention = _reference_attention(arch, spec, d, st)
+        candidates.append(in_layer._replace(activations=st.forward_end.activations + attention))
+    ref_forward = max(candidates, key=sum)
+    backward = st.backward._replace(reference_model=reference)
+    if head_trains and arch.tie_word_embeddings:
+        # The top layer's backward: every activation still alive, and the tied weight's
+        # gradient from the fused head waiting for the embedding's to join it
+        # (reference trace qwen2_5-0_5b__full__dpo__b1-s512).
+        tokens = d.rows * spec.seq_len
+        top = _Moment(
+            gradients=st.backward_start.gradients,
+            activations=st.forward_end.activations,
+            logits_loss=_head_weight_grad(arch, d),
+            backward_temporaries=2 * _blk(tokens * arch.hidden_size * st.plan.flow.residual),
+            reference_model=reference,
+        )
+        weight_grad = _head_weight_grad(arch, d)
+        if backward.backward_temporaries >= weight_grad and not backward.logits_loss:
+            # at the embedding's gradient the tied weight's earlier gradient is the fused
+            # head's output (the same traces label it with the head)
+            backward = backward._replace(
+                backward_temporaries=backward.backward_temporaries - weight_grad,
+                logits_loss=weight_grad,
+            )
+        backward = max(backward, top, key=sum)
+    optimizer = st.optimizer_step._replace(reference_model=reference)
+    one, both = st.workspaces
+    fixed = tuple(st.fixed)
+    first = (*fixed, one, 0)
+    steady = (*fixed, both, st.optimizer_state)
+    rows: list[tuple[int, Phase, tuple[int, ...]]] = []
+    for step, held in ((1, first), (2, steady)):
+        rows.append((step, Phase.FORWARD_END, held + tuple(forward_end)))
+        if not precompute:
+            rows.append((step, Phase.REFERENCE_FORWARD, held + tuple(ref_forward)))
+        rows.append((step, Phase.BACKWARD_START, held + tuple(backward_start)))
+        back_held = (*fixed, both, 0) if step == 1 else steady
+        rows.append((step, Phase.BACKWARD, back_held + tuple(backward)))
+    rows.append((1, Phase.OPTIMIZER_STEP, steady + tuple(optimizer)))
+    completion = settings.max_completion_length
+    notes = [
+        f"DPO (TRL 1.16.0 DPOTrainer, loss 'sigmoid'): {spec.batch_size} pairs run as "
+        f"{d.rows} sequences of {spec.seq_len} tokens ([chosen; rejected]), unpadded",
+        "the fused LM head scores "
+        + (
+            f"{completion} completion tokens per sequence"
+            if completion
+            else "every position but the first (the whole sequence as completion)"
+        )
+        + f": {d.scored} positions, in tiles of {TILE_TOKENS} x {TILE_VOCAB} logits",
+    ]
+    if spec.lora is not None and spec.lora.lora_dropout:
+        notes.append("LoRA dropout off: DPOConfig.disable_dropout (default True) sets p = 0")
+    if precompute:
+        notes.append("reference log-probs precomputed: no reference forward, no reference copy")
+    elif spec.method is Method.FULL:
+        notes.append("the reference model: a frozen copy of the policy's weights, held all run")
+    else:
+        notes.append("the reference model: the policy with its adapters disabled (no copy)")
+    return DpoStep(st, tuple(rows), tuple(notes))
