@@ -469,3 +469,29 @@ def test_prompt_tuning_sends_its_virtual_tokens_and_ia3_its_targets(
     job = d.last_post("/v1/estimates")
     assert job["ia3"] == {"target_modules": ["k_proj", "v_proj", "down_proj"]}
     assert_estimate_shown(d.shown(), api.post("/v1/estimates", json=job).json())
+
+
+def test_a_dpo_job_sends_its_objective_and_shows_the_reference_model(
+    driver: Driver, api: httpx.Client
+) -> None:
+    d = driver
+    d.open("?model=Qwen%2FQwen2.5-0.5B&method=full&batch_size=2&seq_len=512&gpu=H100-SXM")
+    assert d.page.is_hidden("#precompute_ref_log_probs")
+    d.page.select_option("#objective", "dpo")
+    d.page.fill("#max_completion_length", "256")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["objective"] == "dpo"
+    assert job["dpo"] == {"precompute_ref_log_probs": False, "max_completion_length": 256}
+    answer = api.post("/v1/estimates", json=job).json()
+    assert answer["components"]["reference_model"] > 0  # full fine-tuning's frozen copy
+    assert_estimate_shown(d.shown(), answer)
+    assert "Reference model (DPO)" in d.page.inner_text("body")
+
+    d.page.check("#precompute_ref_log_probs")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["dpo"]["precompute_ref_log_probs"] is True
+    answer = api.post("/v1/estimates", json=job).json()
+    assert "reference_model" not in answer["components"]
+    assert_estimate_shown(d.shown(), answer)

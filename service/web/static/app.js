@@ -31,6 +31,9 @@
     lora_alpha: 8,
     target_modules: "",
     num_virtual_tokens: 20,
+    objective: "sft",
+    max_completion_length: "",
+    precompute_ref_log_probs: false,
     quant_type: "nf4",
     double_quant: false,
     compute_dtype: "",
@@ -53,11 +56,13 @@
   };
   const INTEGER_FIELDS = new Set([
     "lora_r", "lora_alpha", "batch_size", "seq_len", "gradient_accumulation_steps", "gpu_count",
-    "max_gpus", "gpus_per_node", "num_virtual_tokens",
+    "max_gpus", "gpus_per_node", "num_virtual_tokens", "max_completion_length",
   ]);
   // Checkbox groups kept in the state (and the link) as their checked values, comma-separated.
   const LIST_FIELDS = new Set(["strategies"]);
-  const BOOLEAN_FIELDS = new Set(["double_quant", "prepare_kbit", "gradient_checkpointing"]);
+  const BOOLEAN_FIELDS = new Set([
+    "double_quant", "prepare_kbit", "gradient_checkpointing", "precompute_ref_log_probs",
+  ]);
 
   const COMPONENT_STYLE = {
     frozen_weights: { label: "Frozen weights", color: "#4b5563" },
@@ -66,6 +71,7 @@
     optimizer_state: { label: "Optimizer state", color: "#047857" },
     optimizer_temporaries: { label: "Optimizer temporaries", color: "#4d7c0f" },
     communication: { label: "Gathered parameters and buckets", color: "#be185d" },
+    reference_model: { label: "Reference model (DPO)", color: "#0f766e" },
     activations: { label: "Activations", color: "#7c3aed" },
     recompute: { label: "Recompute", color: "#a21caf" },
     logits_loss: { label: "Logits and loss", color: "#be123c" },
@@ -241,6 +247,7 @@
     $("rank-field").hidden = !ranked;
     $("alpha-field").hidden = !ranked;
     $("prompt-options").hidden = s.method !== "prompt-tuning";
+    $("dpo-options").hidden = s.objective !== "dpo";
     $("quant-options").hidden = s.method !== "qlora";
     $("placement-strategies").hidden = !placing(s);
   }
@@ -301,6 +308,15 @@
       job.ln_tuning = { target_modules: modulesFrom(s.target_modules) };
     } else if (s.method === "prompt-tuning") {
       job.prompt_tuning = { num_virtual_tokens: s.num_virtual_tokens };
+    }
+    if (s.objective !== DEFAULTS.objective) {
+      job.objective = s.objective;
+      if (s.objective === "dpo") {
+        job.dpo = {
+          precompute_ref_log_probs: s.precompute_ref_log_probs,
+          max_completion_length: s.max_completion_length === "" ? null : s.max_completion_length,
+        };
+      }
     }
     if (s.method === "qlora") {
       job.quantization = {
@@ -548,6 +564,8 @@
     "/ia3/target_modules": "target_modules",
     "/ln_tuning/target_modules": "target_modules",
     "/prompt_tuning/num_virtual_tokens": "num_virtual_tokens",
+    "/objective": "objective",
+    "/dpo/max_completion_length": "max_completion_length",
     "/quantization": "quant_type",
     "/parallel/gpus": "gpu_count",
     "/job/parallel/gpus": "gpu_count",
