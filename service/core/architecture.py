@@ -48,6 +48,9 @@ class Linear:
 # Activations transformers composes from elementwise ops (activations.py NewGELUActivation)
 # rather than calling one fused kernel, so autograd keeps their intermediates.
 COMPOSITE_TANH_GELU = frozenset({"gelu_new"})
+# A reward model's outputs: TRL's RewardTrainer builds its sequence classifier with
+# num_labels=1 (trl 1.16.0 trl/trainer/reward_trainer.py __init__).
+SCORE_OUTPUTS = 1
 
 
 class NormKind(StrEnum):
@@ -132,6 +135,10 @@ class ModelArch:
     decoder_layers: int = 0
     decoder_linears: tuple[Linear, ...] = ()
     relative_attention_num_buckets: int = 0
+    # A decoder built as a sequence classifier with one label (a reward model: transformers'
+    # GenericForSequenceClassification, modeling_layers.py): a `score` linear, hidden -> 1
+    # without bias, replaces the LM head, and nothing is tied to the embedding.
+    score_head: bool = False
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -254,6 +261,8 @@ class ModelArch:
         its pooler and classifier."""
         if self.encoder:
             return self.pooler_params + self.classifier_params(self.num_labels)
+        if self.score_head:
+            return self.hidden_size * SCORE_OUTPUTS
         if self.tie_word_embeddings:
             return 0
         return self.vocab_size * self.hidden_size + (self.vocab_size if self.lm_head_bias else 0)

@@ -21,6 +21,7 @@ from service.core.allocator import (
 )
 from service.core.architecture import (
     COMPOSITE_TANH_GELU,
+    SCORE_OUTPUTS,
     Linear,
     LinearKind,
     MlpKind,
@@ -289,7 +290,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         head_bytes=HALF_BYTES if plan.autocast else plan.head_bytes,
         head_trainable=plan.head_trainable,
         embed_trainable=plan.embed_trainable,
-        tied=arch.tie_word_embeddings,
+        tied=arch.tie_word_embeddings and not arch.score_head,
         updater=updater,
         trainable=plan.trainable,
         states=_states(plan, updater),
@@ -305,6 +306,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         clip=plan.clip,
         dpo_scored=_dpo_scored(plan, batch, seq),
         dpo_reference=plan.dpo_reference,
+        score_head=arch.score_head,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,
         dora=plan.dora,
@@ -371,9 +373,13 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     sizes.append(arch.hidden_size * other)
     if "final" in plan.trained_norms:
         sizes.append(arch.hidden_size * md)
-    if not arch.tie_word_embeddings:
+    if arch.score_head:
+        # the sequence classifier's score, and PEFT's SEQ_CLS copy of it
+        score = SCORE_OUTPUTS * arch.hidden_size * other
+        sizes += [score] if plan.method is Method.FULL else [score, score]
+    elif not arch.tie_word_embeddings:
         sizes.append(arch.vocab_size * arch.hidden_size * other)
-    if plan.head_trainable and plan.method is not Method.FULL:
+    if plan.head_trainable and plan.method is not Method.FULL and not arch.score_head:
         sizes.append(arch.vocab_size * arch.hidden_size * other)  # modules_to_save copy
     if plan.embed_trainable and plan.method is not Method.FULL:
         sizes.append(arch.vocab_size * arch.hidden_size * other)

@@ -52,16 +52,19 @@ ADAPTER_METHODS = (Method.LLAMA_ADAPTER, Method.LLAMA_ADAPTER_V2)
 
 
 class Objective(StrEnum):
-    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer)."""
+    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer,
+    RewardTrainer)."""
 
     SFT = "sft"  # the causal-LM loss of HF Trainer (SFTTrainer's)
     DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
+    # a reward model: a sequence classifier with one label scoring [chosen; rejected]
+    # (trl/trainer/reward_trainer.py, TRL 1.16.0)
+    REWARD = "reward"
 
 
 # TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
 # rather than as unknown words.
 UNMODELLED_OBJECTIVES = {
-    "reward": "RewardTrainer",
     "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
     "kto": "KTOTrainer",
@@ -70,8 +73,10 @@ UNMODELLED_OBJECTIVES = {
     "online_dpo": "OnlineDPOTrainer",
     "distillation": "DistillationTrainer",
 }
-# What DPO is modelled with: TRL's DPOTrainer over HF + PEFT full, LoRA and QLoRA on one GPU.
+# What DPO and reward modelling are modelled with: TRL's DPOTrainer and RewardTrainer over
+# HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
+PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer"}
 
 
 def objective_from(name: str) -> Objective:
@@ -413,36 +418,50 @@ class TrainingSpec:
     dpo: DpoSpec | None = None
 
     def _check_objective(self) -> None:
-        """DPO as it is modelled: TRL's DPOTrainer on one GPU, HF + PEFT full, LoRA or QLoRA,
-        without autocast; the padded batch is `batch_size` pairs of `seq_len` tokens."""
-        if self.objective is not Objective.DPO:
-            if self.dpo is not None:
-                raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
+        """DPO and reward modelling as they are modelled: TRL's DPOTrainer or RewardTrainer on
+        one GPU, HF + PEFT full, LoRA or QLoRA, without autocast; the padded batch is
+        `batch_size` pairs of `seq_len` tokens."""
+        if self.objective is not Objective.DPO and self.dpo is not None:
+            raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
+        if self.objective is Objective.SFT:
             return
+        name = self.objective.value
+        trainer = PREFERENCE_OBJECTIVES[name]
         if self.method not in DPO_METHODS:
             raise InvalidSpecError(
                 "method",
-                f"objective 'dpo' is modelled with methods "
+                f"objective {name!r} is modelled with methods "
                 f"{', '.join(m.value for m in DPO_METHODS)}, not {self.method.value!r}",
             )
         if self.framework is not Framework.HF:
             raise InvalidSpecError(
-                "framework", "objective 'dpo' is TRL's DPOTrainer (framework 'hf')"
+                "framework", f"objective {name!r} is TRL's {trainer} (framework 'hf')"
             )
         if self.parallel.gpus != 1:
             raise InvalidSpecError(
-                "parallel.gpus", "objective 'dpo' is modelled on one GPU (no parallel strategy)"
+                "parallel.gpus", f"objective {name!r} is modelled on one GPU (no parallel strategy)"
             )
         if self.autocast:
             raise InvalidSpecError(
-                "autocast", "objective 'dpo' under mixed precision is not modelled"
+                "autocast", f"objective {name!r} under mixed precision is not modelled"
             )
         if self.loss is not None:
-            raise InvalidSpecError(
-                "loss", "objective 'dpo' scores tokens with TRL's fused LM head, not a loss choice"
+            how = (
+                "scores tokens with TRL's fused LM head"
+                if self.objective is Objective.DPO
+                else "scores each sequence with a one-output head (no LM head)"
             )
-        if self.num_labels is not None or self.target_length is not None:
-            raise InvalidSpecError("objective", "objective 'dpo' is modelled on decoder-only LMs")
+            raise InvalidSpecError("loss", f"objective {name!r} {how}, not a loss choice")
+        if self.num_labels is not None:
+            raise InvalidSpecError(
+                "num_labels",
+                f"objective {name!r} is modelled on decoder-only LMs"
+                + (" (a reward model has one label)" if self.objective is Objective.REWARD else ""),
+            )
+        if self.target_length is not None:
+            raise InvalidSpecError(
+                "target_length", f"objective {name!r} is modelled on decoder-only LMs"
+            )
 
     def _check_method_options(self) -> None:
         """Each method's options only with that method, and what the PEFT methods beside LoRA

@@ -211,6 +211,20 @@ def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
     ]
 
 
+def _reward_cases() -> list[tuple[str, TrainingSpec]]:
+    """TRL's RewardTrainer (objective 'reward'): a one-label sequence classifier over the
+    [chosen; rejected] batch, full, LoRA and QLoRA on two families."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    reward = {"objective": Objective.REWARD}
+    return [
+        (QWEN_05B, _spec(lora, 2, 512, **reward)),
+        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **reward)),
+        (LLAMA_1B, _spec(lora, 4, 1024, ckpt=True, **reward)),
+        (LLAMA_1B, _spec(full, 1, 512, **reward)),
+        (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, **reward)),
+    ]
+
+
 def _dora_cases() -> list[tuple[str, TrainingSpec]]:
     """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing, autocast and
     dropout, on Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""

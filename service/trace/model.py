@@ -21,7 +21,14 @@ import torch
 
 from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 from service.core.result import Component
-from service.core.spec import ALL_LINEAR, LORA_METHODS, Method, QuantType, ResolvedSpec
+from service.core.spec import (
+    ALL_LINEAR,
+    LORA_METHODS,
+    Method,
+    Objective,
+    QuantType,
+    ResolvedSpec,
+)
 from service.core.units import DType
 from service.trace.delta import DELTA_METHODS, apply_delta
 
@@ -42,6 +49,10 @@ _PARAMS4BIT_ATTRIBUTES = (
     "module",
     "bnb_quantized",
 )
+# A reward model's one output (RewardTrainer sets num_labels=1) and the padding id on its
+# config (service/trace/reward.py).
+REWARD_LABELS = 1
+REWARD_PAD_TOKEN_ID = 0
 # LoRA hyperparameters never change memory but PEFT needs them; learning rate likewise.
 LEARNING_RATE = 1e-4
 
@@ -81,17 +92,25 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     values = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     model_type = values.pop("model_type")
     encoder = model_type in ENCODER_MODEL_TYPES
+    reward = spec.objective is Objective.REWARD
     if encoder and spec.num_labels is not None:
         values.pop("id2label", None)
         values.pop("label2id", None)
         values["num_labels"] = spec.num_labels
+    if reward:
+        # RewardTrainer: num_labels=1 and the tokenizer's padding id on the config
+        # (trl/trainer/reward_trainer.py __init__)
+        values.pop("id2label", None)
+        values.pop("label2id", None)
+        values["num_labels"] = REWARD_LABELS
+        values["pad_token_id"] = REWARD_PAD_TOKEN_ID
     hf_config = AutoConfig.for_model(model_type, **values)
     attn = spec.attn_implementation.value
     if attn == "flash_attention_2":
         attn = "sdpa"  # same saved tensors through SDPA's flash op; flash_attn is not needed
     hf_config._attn_implementation = attn
     auto: Any = AutoModelForCausalLM
-    if encoder:
+    if encoder or reward:
         auto = AutoModelForSequenceClassification
     elif model_type in ENCODER_DECODER_MODEL_TYPES:
         auto = AutoModelForSeq2SeqLM
@@ -115,7 +134,11 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return BuiltModel(
         model=model,
-        lm_head=base.classifier if encoder else base.get_output_embeddings(),
+        lm_head=base.classifier
+        if encoder
+        else base.score
+        if reward
+        else base.get_output_embeddings(),
         decoder_layers=_decoder_layers(base),
     )
 
@@ -249,7 +272,7 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         use_rslora=lora.use_rslora,
         # An encoder's classifier: PEFT's sequence-classification task trains the classifier
         # whole beside the adapters (PeftModelForSequenceClassification: modules_to_save).
-        task_type=_task_type(getattr(model.config, "model_type", "")),
+        task_type=_task_type(getattr(model.config, "model_type", ""), resolved.spec.objective),
     )
     spec = resolved.spec
     if spec.method in (Method.LORA, Method.LORA_FA) and spec.gradient_checkpointing:
@@ -275,10 +298,11 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
     return peft_model
 
 
-def _task_type(model_type: str) -> str:
+def _task_type(model_type: str, objective: Objective = Objective.SFT) -> str:
     """PEFT's task for the model: an encoder-decoder's SEQ_2_SEQ_LM
-    (PeftModelForSeq2SeqLM) adds no trained module of its own."""
-    if model_type in ENCODER_MODEL_TYPES:
+    (PeftModelForSeq2SeqLM) adds no trained module of its own; a reward model's SEQ_CLS trains
+    its `score` head whole beside the adapters (PeftModelForSequenceClassification)."""
+    if model_type in ENCODER_MODEL_TYPES or objective is Objective.REWARD:
         return "SEQ_CLS"
     if model_type in ENCODER_DECODER_MODEL_TYPES:
         return "SEQ_2_SEQ_LM"

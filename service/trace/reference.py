@@ -59,6 +59,7 @@ from service.trace.families import (
     _int8_cases,
     _lora,
     _qlora,
+    _reward_cases,
     _spec,
     _t5_cases,
     _tuner_cases,
@@ -546,6 +547,7 @@ def matrix() -> list[Case]:
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
     cases.extend(_dpo_cases())
+    cases.extend(_reward_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())

@@ -40,7 +40,7 @@ from service.core.spec import (
 )
 from service.core.stack import PINNED_STACK
 from service.core.units import DType
-from service.trace import kernels, parallel, preference
+from service.trace import kernels, parallel, preference, reward
 from service.trace.autocast import cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -311,7 +311,11 @@ def trace(
     if dpo:
         preference.prepare(model, spec)
         notes.append(preference.note())
-    if resolved.loss is LossImpl.PLAIN and not dpo:
+    rewarding = spec.objective is Objective.REWARD
+    if rewarding:
+        reward.prepare(model)
+        notes.append(reward.note())
+    if resolved.loss is LossImpl.PLAIN and not (dpo or rewarding):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
@@ -416,6 +420,17 @@ def trace(
                     spec,
                     steps=STEPS,
                     rewrap_checkpoints=functools.partial(steering.rewrap, model),
+                    keep_gradients=keep_gradients,
+                )
+            elif rewarding:
+                reward.run_reward_steps(
+                    model,
+                    optimizer,
+                    params,
+                    tracker,
+                    steering,
+                    spec,
+                    steps=STEPS,
                     keep_gradients=keep_gradients,
                 )
             else:

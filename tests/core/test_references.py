@@ -226,3 +226,28 @@ def test_dpo_references_match(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert not beyond, "\n".join(beyond)
+
+
+def test_reward_references_match(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reward-model references alone (`-k reward`): allocated within PEAK_TOLERANCE,
+    reserved within RESERVED_TOLERANCE, the peak's phase the trace's; printed per reference."""
+    refs = [r for r in _references(TRACES) if r["spec"].get("objective") == "reward"]
+    assert len(refs) >= 5, "the reward-model references are missing"
+    lines = [f"{'reference':<66}{'traced GiB':>11}{'error':>9}{'reserved':>10}  peak"]
+    beyond = []
+    for ref in refs:
+        est = _estimate(ref)
+        err = est.allocated_bytes / ref["peak"]["allocated_bytes"] - 1
+        reserved = est.reserved_bytes / ref["reserved"]["bytes"] - 1
+        traced_phase = (ref["peak"]["phase"], ref["peak"]["step"])
+        if abs(err) > PEAK_TOLERANCE or abs(reserved) > RESERVED_TOLERANCE:
+            beyond.append(f"{ref['name']}: {err:+.3%} allocated, {reserved:+.3%} reserved")
+        if traced_phase != (est.peak_phase.value, est.peak_step):
+            beyond.append(f"{ref['name']}: peak {traced_phase}, estimated {est.peak_phase}")
+        lines.append(
+            f"{ref['name'][:65]:<66}{ref['peak']['allocated_bytes'] / 2**30:>11.2f}"
+            f"{err:>+9.3%}{reserved:>+10.3%}  {traced_phase[0]}/{traced_phase[1]}"
+        )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert not beyond, "\n".join(beyond)

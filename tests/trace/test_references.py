@@ -35,6 +35,7 @@ RETRACED = (
     "qwen2_5-0_5b__ia3__b2-s512__ckpt",
     "qwen2_5-0_5b__prompt-tuning__20-virtual__b2-s512",
     "qwen2_5-0_5b__full__dpo__b1-s512",
+    "qwen2_5-0_5b__lora__reward__r16-all-linear__b2-s512",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these

@@ -170,3 +170,26 @@ def test_a_dpo_trace_runs_the_reference_forward_on_a_frozen_copy() -> None:
     result = trace(pre, TINY, "tiny")
     assert Phase.REFERENCE_FORWARD not in {p.phase for p in result.phases}
     assert not result.peak.components.get(Component.REFERENCE_MODEL)
+
+
+def test_a_reward_trace_runs_one_forward_through_the_score_head() -> None:
+    """TRL's reward step on the tiny model: a one-label sequence classifier (no LM head), the
+    [chosen; rejected] rows in one forward, PEFT's SEQ_CLS copy of the score trained beside
+    LoRA's adapters, no reference phase."""
+    from service.core.spec import Objective
+
+    spec = TrainingSpec(
+        method=Method.LORA, batch_size=2, seq_len=32, lora=LORA, objective=Objective.REWARD
+    )
+    result = trace(spec, TINY, "tiny")
+    assert Phase.REFERENCE_FORWARD not in {p.phase for p in result.phases}
+    sft = trace(replace(spec, objective=Objective.SFT), TINY, "tiny")
+    # the score's trainable copy (hidden x 1) is the only trainable tensor SFT's LoRA lacks
+    assert result.params_trainable == sft.params_trainable + TINY["hidden_size"]
+    key = (2, Phase.FORWARD_END)
+    forward = {(p.step, p.phase): p.snapshot for p in result.phases}[key]
+    sft_forward = {(p.step, p.phase): p.snapshot for p in sft.phases}[key]
+    # on twice the rows, still less than SFT's vocabulary-wide logits and loss
+    logits = Component.LOGITS_LOSS
+    assert forward.components[logits] < sft_forward.components[logits]
+    assert any("RewardTrainer" in note for note in result.assumptions)

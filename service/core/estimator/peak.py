@@ -10,6 +10,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import dpo_step, policy_spec
+from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _step
 from service.core.estimator.tuners import sequence_spec
@@ -34,6 +35,8 @@ def estimate(
     the device level's row when the GPU is known."""
     if spec.objective is Objective.DPO:
         return _dpo_estimate(arch, spec, compute_capability)
+    if spec.objective is Objective.REWARD:
+        return _reward_estimate(arch, spec, compute_capability)
     if _is_encoder(arch, spec):
         if arch.encoder_decoder:
             return seq2seq_estimate(
@@ -80,8 +83,8 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
-    if spec.objective is Objective.DPO:
-        est = _dpo_estimate(arch, spec, compute_capability)
+    if spec.objective in (Objective.DPO, Objective.REWARD):
+        est = estimate(arch, spec, compute_capability=compute_capability)
         return PeakLevels(
             est.allocated_bytes, est.reserved_bytes, est.device_bytes, est.device_bytes_upper
         )
@@ -157,6 +160,45 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
         assumptions=(*dpo.assumptions, *st.assumptions, *over.assumptions, stack_note(spec.stack)),
+        warnings=tuple(st.warnings),
+        estimator_version=ESTIMATOR_VERSION,
+        host_bytes=st.host,
+    )
+
+
+def _reward_estimate(
+    arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
+) -> Estimate:
+    """The reward model's step (estimator/reward.py): the SFT step on the doubled batch with
+    the score head in place of the LM head."""
+    reward = reward_step(arch, spec, compute_capability)
+    st = reward.step
+    model, run = reward_arch(arch), reward_spec(spec)
+    p = st.plan.params
+    phases = tuple(
+        PhasePeak(step, phase, sum(parts), parts)
+        for (step, phase), parts in zip(PHASES, st.parts(), strict=True)
+    )
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    over = _above(model, run, st.plan, peak.allocated_bytes, st.paged_state, compute_capability)
+    return Estimate(
+        allocated_bytes=peak.allocated_bytes,
+        reserved_bytes=over.reserved,
+        device_bytes=over.device,
+        device_bytes_upper=over.device_upper,
+        components=peak.components,
+        overheads=over.overheads,
+        peak_step=peak.step,
+        peak_phase=peak.phase,
+        phases=phases,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        upper_margin=over.upper_margin,
+        assumptions=(
+            *reward.assumptions,
+            *st.assumptions,
+            *over.assumptions,
+            stack_note(spec.stack),
+        ),
         warnings=tuple(st.warnings),
         estimator_version=ESTIMATOR_VERSION,
         host_bytes=st.host,

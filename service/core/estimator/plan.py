@@ -7,7 +7,14 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from service.core.allocator import AllocatorConfig
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.architecture import (
+    SCORE_OUTPUTS,
+    Linear,
+    LinearKind,
+    MlpKind,
+    ModelArch,
+    NormKind,
+)
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.estimator.activations import (
     LayerFlow,
@@ -262,7 +269,8 @@ def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow)
         )
     return _StepTraits(
         embed_trains=full or "embed_tokens" in saved,
-        head_trains=full or "lm_head" in saved,
+        # a reward model's score trains whole, or as PEFT's SEQ_CLS copy of it
+        head_trains=full or "lm_head" in saved or arch.score_head,
         shares_input=(arch.norm is NormKind.LAYER and not f.autocast) or f.residual == FP32_BYTES,
         down_stop=down_stop,
         qlora_gated_down=key.method is Method.QLORA
@@ -353,7 +361,11 @@ def _model_order(
         if arch.qk_norm:
             layer += [tensor(arch.head_dim, other)] * 2
     out += layer * arch.num_hidden_layers
-    if full:
+    if arch.score_head:
+        if full:
+            out += [tensor(h, other)] * (2 if arch.norm is NormKind.LAYER else 1)
+        out.append(tensor(SCORE_OUTPUTS * h, other))
+    elif full:
         out += [tensor(h, other)] * (2 if arch.norm is NormKind.LAYER else 1)
         if not arch.tie_word_embeddings:
             out.append(tensor(v * h, other))
@@ -414,7 +426,7 @@ def _reserved_plan(
         sdpa_kernel=spec.sdpa_kernel,
         loss=rs.loss,
         head_bytes=FP32_BYTES if prep else DTYPE_BYTES[spec.dtype],
-        head_trainable=spec.method is Method.FULL or "lm_head" in saved,
+        head_trainable=spec.method is Method.FULL or "lm_head" in saved or arch.score_head,
         embed_trainable=spec.method is Method.FULL or "embed_tokens" in saved,
         optim=spec.optim,
         trainable=tuple(sizes),

@@ -339,7 +339,8 @@ def _step(
     embed_grads = rank.embed_gradients
     ckpt = spec.gradient_checkpointing
     rs_r = rs.lora.r if rs.lora else 0
-    tied_head = arch.tie_word_embeddings
+    # (a reward model's score head ties nothing to the embedding)
+    tied_head = arch.tie_word_embeddings and not arch.score_head
     # bitsandbytes' 4-bit matmul dequantizes one weight to the compute dtype for each forward
     # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
     # of the largest quantized weight.

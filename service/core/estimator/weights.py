@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from service.core.architecture import Linear, ModelArch, NormKind
+from service.core.architecture import SCORE_OUTPUTS, Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.spec import (
@@ -275,7 +275,13 @@ def _params(
     embed_trainable = sum(t.nbytes for t in trainable[layers_end:])
     head_start = len(trainable)
     put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full or norms_train)
-    if not arch.tie_word_embeddings:
+    if arch.score_head:
+        # the sequence classifier's score (hidden -> 1, no bias); PEFT's SEQ_CLS task trains a
+        # copy of it beside the original (PeftModelForSequenceClassification: modules_to_save)
+        put(SCORE_OUTPUTS, arch.hidden_size, other, 1, full)
+        if not full:
+            trainable.append(_Tensor(SCORE_OUTPUTS, arch.hidden_size, other, 1))
+    elif not arch.tie_word_embeddings:
         if head_quantized:
             frozen += _quantized_matrix_bytes(arch.hidden_size, arch.vocab_size, quant)
         else:

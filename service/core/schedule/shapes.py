@@ -150,3 +150,5 @@ class StepShape:
     # the step runs the reference model's forward (not with precomputed log-probs)
     dpo_scored: int = 0
     dpo_reference: bool = False
+    # A reward model (TRL's RewardTrainer): a one-output score head instead of the LM head
+    score_head: bool = False

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from service.core.architecture import SCORE_OUTPUTS
 from service.core.schedule.backward import _Backward
 from service.core.schedule.program import _Program, _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape, Updater
-from service.core.units import FP32_BYTES, INT64_BYTES
+from service.core.units import BOOL_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
 
 # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE and trl/trainer/utils.py
 # _CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16.0): a tile of the fused head's logits.
@@ -234,6 +235,9 @@ class _Step(_Backward):
         v = sh.vocab
         if sh.dpo_scored:
             return self._dpo_forward(fn), 0
+        if sh.score_head:
+            self._score_forward()
+            return 0, 0
         if not sh.loss_materialised:
             self.f(fn) if not sh.head_trainable else None
             return 0, 0
@@ -267,6 +271,8 @@ class _Step(_Backward):
         v = sh.vocab
         if sh.dpo_scored:
             return self.norm_backward(self._dpo_head_backward(), final, "final")
+        if sh.score_head:
+            return self.norm_backward(self._score_backward(fn), final, "final")
         g = 0
         if sh.loss_materialised:
             lb = FP32_BYTES if sh.loss_upcast else sh.head_bytes
@@ -306,6 +312,41 @@ class _Step(_Backward):
                 self.f(gh)
                 gh = wide
         return self.norm_backward(gh, final, "final")
+
+    # -- reward model (TRL 1.16.0 RewardTrainer, GenericForSequenceClassification) ------------
+
+    def _score_forward(self) -> None:
+        """The score linear at every position (one output each), the last non-padding
+        token's pooled: the int32 padding mask, its product with the positions and their
+        argmax, then the pooled logits; the per-position logits go once pooled (indexing
+        keeps only the indices). The pairwise loss is a few per-pair scalars."""
+        sh = self.sh
+        logits = self.a(sh.head_bytes * SCORE_OUTPUTS)
+        self.gemm()
+        compared = self.a(BOOL_BYTES)
+        mask = self.a(INT32_BYTES)
+        self.f(compared)
+        positions = self.p.alloc(sh.seq * INT32_BYTES)
+        product = self.a(INT32_BYTES)
+        last = self.p.alloc(sh.batch * INT64_BYTES)
+        self.f(product)
+        rows = self.p.alloc(sh.batch * INT64_BYTES)
+        self.held_score = (rows, last, self.p.alloc(sh.batch * sh.head_bytes))
+        self.f(logits, mask, positions)  # the forward's locals, at its return
+
+    def _score_backward(self, fn: int) -> int:
+        """The pooled gradient scattered into a zero (positions x 1) tensor, the score
+        weight's gradient from it and the final norm's output, and the hidden states'
+        gradient; returns that gradient."""
+        sh = self.sh
+        rows, last, pooled = self.held_score
+        g = self.a(sh.head_bytes * SCORE_OUTPUTS)
+        self.f(rows, last, pooled)
+        self._head_gradient(SCORE_OUTPUTS * sh.hidden * sh.head_bytes)
+        gh = self.a(sh.head_bytes * sh.hidden)
+        self.gemm()
+        self.f(g, fn)
+        return gh
 
     # -- DPO (TRL 1.16.0 DPOTrainer, trl/kernels/chunked_logprob.py on CUDA) -------------------
 
