@@ -144,7 +144,8 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument(
         "--objective",
-        help="the training objective as TRL names its trainers: sft (default) or dpo",
+        help="the training objective as TRL names its trainers: sft (default), dpo or reward "
+        "(a one-label reward model, RewardTrainer)",
     )
     train.add_argument(
         "--precompute-ref-log-probs",

@@ -576,7 +576,8 @@ def _apply(
     """A spec-only change (everything but the micro-batch), or None when it does not apply."""
     match change:
         case Change.FUSED_LOSS:
-            if spec.objective is Objective.DPO:  # TRL's head materialises no logits already
+            # TRL's DPO head materialises no logits already; a reward model has none
+            if spec.objective is not Objective.SFT:
                 return None
             return None if spec.loss is LossImpl.FUSED else replace(spec, loss=LossImpl.FUSED)
         case Change.PRECOMPUTE_REF_LOG_PROBS:

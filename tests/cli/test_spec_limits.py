@@ -47,6 +47,12 @@ def service() -> Iterator[TestClient]:
             ["--alloc-conf", "roundup_power2_divisions:4096"],
             {"allocator": {"roundup_power2_divisions": 4096}},
         ),
+        # a reward model on several GPUs, or under mixed precision
+        (
+            ["--objective", "reward", "--gpus", "2"],
+            {"objective": "reward", "parallel": {"gpus": 2}},
+        ),
+        (["--objective", "reward", "--autocast"], {"objective": "reward", "autocast": True}),
     ],
 )
 def test_the_cli_refuses_what_the_api_refuses_for_the_same_reason(
@@ -87,3 +93,12 @@ def test_litgpt_adapters_over_a_4bit_base_are_estimated(
     out = capsys.readouterr().out
     assert "573,888 trainable" in out
     assert "not traced" in out
+
+
+def test_a_reward_model_is_estimated_from_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*ARGV, "--objective", "reward", "--method", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "RewardTrainer" in out and "4 sequences of 512 tokens" in out
+    assert "logits_loss" not in out

@@ -195,6 +195,23 @@ def test_all_linear_as_peft_expands_it_names_the_modules() -> None:
     ]
 
 
+class RewardConfig(SimpleNamespace):
+    """TRL's RewardConfig as the derivation recognises it: by its class name."""
+
+
+def test_a_reward_run_counts_pairs(service: Service) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=False))
+    job = job_from_hf(PeftModel(QWEN_0_5B), RewardConfig(**values), model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json()["objective"] == "reward" and "dpo" not in job.to_json()
+    assert job.batch_size == 4
+    shapes = InputShapes()
+    shapes.max_batch_size, shapes.max_seq_len = 8, 1024
+    unsized = RewardConfig(**{**values, "per_device_train_batch_size": None})
+    assert job_from_hf(PeftModel(QWEN_0_5B), unsized, shapes=shapes).batch_size == 4
+    with VramcastClient(service.url) as client:
+        assert client.estimate(job).peak.allocated_bytes > 0
+
+
 class DPOConfig(SimpleNamespace):
     """TRL's DPOConfig as the derivation recognises it: by its class name."""
 

@@ -196,19 +196,19 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
 
 @st.composite
 def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
-    """Objective 'dpo': TRL's DPOTrainer on one GPU, HF + PEFT, without autocast."""
+    """Objectives 'dpo' and 'reward': TRL's DPOTrainer or RewardTrainer on one GPU, HF +
+    PEFT, without autocast; DPO's settings with 'dpo' only."""
     method = draw(st.sampled_from(DPO_METHODS))
+    objective = draw(st.sampled_from((Objective.DPO, Objective.REWARD)))
+    dpo_settings = st.builds(
+        DpoSpec,
+        precompute_ref_log_probs=st.booleans(),
+        max_completion_length=st.none() | st.integers(1, MAX_SEQ_LEN),
+    )
     return TrainingSpec(
         method=method,
-        objective=Objective.DPO,
-        dpo=draw(
-            st.none()
-            | st.builds(
-                DpoSpec,
-                precompute_ref_log_probs=st.booleans(),
-                max_completion_length=st.none() | st.integers(1, MAX_SEQ_LEN),
-            )
-        ),
+        objective=objective,
+        dpo=draw(st.none() | dpo_settings) if objective is Objective.DPO else None,
         batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
         lora=draw(st.none() | loras) if method in LORA_METHODS else None,

@@ -576,8 +576,10 @@ class JobSpec(In):
         description=(
             "The training objective, as TRL names its trainers: sft (the causal-LM loss, "
             "SFTTrainer's and HF Trainer's) or dpo (DPOTrainer: batch_size pairs run as "
-            "2 x batch_size sequences of seq_len tokens, a reference model's forward). Other "
-            "trainers (orpo, kto, grpo, ...) are a 422: not modelled."
+            "2 x batch_size sequences of seq_len tokens, a reference model's forward) or "
+            "reward (RewardTrainer: a one-label sequence classifier, batch_size pairs run as "
+            "2 x batch_size sequences in one forward, no LM head). Other trainers (orpo, kto, "
+            "grpo, ...) are a 422: not modelled."
         ),
     )
     dpo: DpoIn | None = Field(

@@ -248,6 +248,7 @@
     $("alpha-field").hidden = !ranked;
     $("prompt-options").hidden = s.method !== "prompt-tuning";
     $("dpo-options").hidden = s.objective !== "dpo";
+    $("reward-hint").hidden = s.objective !== "reward";
     $("quant-options").hidden = s.method !== "qlora";
     $("placement-strategies").hidden = !placing(s);
   }

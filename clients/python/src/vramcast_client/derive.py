@@ -120,13 +120,16 @@ def job_from_hf(
     model_id: str | None = None,
 ) -> Job:
     """The job of an HF `Trainer` run: `model` as the Trainer holds it, `args` its
-    TrainingArguments (or TRL's SFTConfig, which adds max_length; or TRL's DPOConfig, whose
-    batches are pairs: the model takes 2 x per_device_train_batch_size sequences)."""
+    TrainingArguments (or TRL's SFTConfig, which adds max_length; or TRL's DPOConfig or
+    RewardConfig, whose batches are pairs: the model takes 2 x per_device_train_batch_size
+    sequences)."""
     base = find_hf_model(model)
     dpo = _dpo(args)
+    reward = type(args).__name__ == "RewardConfig"  # by name: TRL need not be importable
     batch = _int(getattr(args, "per_device_train_batch_size", None))
     if batch is None and shapes is not None and shapes.max_batch_size:
-        batch = shapes.max_batch_size // 2 if dpo else shapes.max_batch_size
+        pairs = dpo is not None or reward
+        batch = shapes.max_batch_size // 2 if pairs else shapes.max_batch_size
     strategy, offload = _hf_parallel(args)
     job = _job(
         base,
@@ -144,6 +147,8 @@ def job_from_hf(
             offload=offload,
         ),
     )
+    if reward:
+        return job.model_copy(update={"objective": "reward"})
     if dpo is None:
         return job
     return job.model_copy(update={"objective": "dpo", "dpo": dpo})

@@ -38,7 +38,7 @@ OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
-ObjectiveName = Literal["sft", "dpo"]
+ObjectiveName = Literal["sft", "dpo", "reward"]
 
 
 class _Request(BaseModel):
@@ -175,7 +175,8 @@ class Job(_Request):
     batch_size: int = Field(ge=1)
     seq_len: int = Field(ge=1)
     method: MethodName | None = None
-    # 'dpo': batch_size pairs run as 2 x batch_size sequences, with a reference model
+    # 'dpo': batch_size pairs run as 2 x batch_size sequences, with a reference model;
+    # 'reward': a one-label reward model, batch_size pairs as 2 x batch_size sequences
     objective: ObjectiveName | None = None
     dpo: Dpo | None = None
     lora: Lora | None = None
