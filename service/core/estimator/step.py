@@ -182,13 +182,8 @@ def _step(
     arch: ModelArch,
     spec: TrainingSpec,
     compute_capability: str | None = None,
-    *,
-    top_layer_consumed: bool = False,
 ) -> _Step:
-    """The step's allocated bytes phase by phase. `top_layer_consumed`: at the top layer's
-    attention backward without checkpointing, that layer keeps only what its attention's
-    backward reads (the MLP's saved tensors are consumed); DPO's references measure it
-    (llama-3_2-1b__qlora__dpo__*__b2-s1024), the SFT step keeps its own accounting."""
+    """The step's allocated bytes phase by phase."""
     _check_modelled(arch, spec)
     check_stack(spec.stack, arch.is_moe)
     unquantized = _unquantized(arch, spec)
@@ -479,9 +474,11 @@ def _step(
                 )
             )
         else:
+            # At the top layer's attention backward that layer keeps only what its attention's
+            # backward reads: its MLP's saved tensors are consumed (reference traces
+            # llama-3_2-1b__qlora__dpo__*__b2-s1024, peak at the scores' backward).
             acts_now = activations - final_norm + rope + masks
-            if top_layer_consumed:
-                acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s)
+            acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s)
             candidates.append(
                 _Moment(
                     gradients=ga_grads,
