@@ -33,6 +33,7 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_TRAINING_STEPS,
     MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
@@ -58,7 +59,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -318,6 +319,21 @@ _LOKR: dict[str, Check] = {
     "rank_dropout_scale": _boolean,
     "target_modules": _target_modules,
 }
+# AdaLoRA's options (service/core/spec_delta.py AdaLoraSpec); ranks and alpha bounded as LoRA's.
+_ADALORA: dict[str, Check] = {
+    "init_r": _integer(ge=1, le=MAX_LORA_R),
+    "target_r": _integer(ge=1, le=MAX_LORA_R),
+    "lora_alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "lora_dropout": _number(ge=0.0, lt=1.0),
+    "target_modules": _target_modules,
+    "orth_reg_weight": _number(ge=0.0, le=1e6),
+    "tinit": _integer(ge=0, le=MAX_TRAINING_STEPS),
+    "tfinal": _integer(ge=0, le=MAX_TRAINING_STEPS),
+    "deltaT": _integer(ge=1, le=MAX_TRAINING_STEPS),
+    "beta1": _number(ge=0.0, lt=1.0),
+    "beta2": _number(ge=0.0, lt=1.0),
+    "total_step": _optional(_integer(ge=1, le=MAX_TRAINING_STEPS)),
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -409,4 +425,5 @@ _TRAINING: dict[str, Check] = {
     "vera": _optional(_object(VeraSpec, _VERA)),
     "loha": _optional(_object(LohaSpec, _LOHA)),
     "lokr": _optional(_object(LokrSpec, _LOKR)),
+    "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
 }

@@ -98,6 +98,9 @@ class ReservedPlan:
     # LoKr on the adapted linears: by linear name, its factors' (rows, cols) per factor (one
     # whole parameter, or a rank-r pair's two)
     lokr: tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...] = ()
+    # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
+    # orthogonality penalty and its RankAllocator (service/core/schedule/adalora.py)
+    adalora: bool = False
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -305,9 +308,28 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         vera=plan.vera,
         loha=plan.loha,
         lokr=bool(plan.lokr),
+        adalora=plan.adalora,
+        penalty=_penalty_sizes(plan),
+        ranked=_penalty_sizes(plan, with_e=True),
         alibi=arch.alibi,
         half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
+
+
+def _penalty_sizes(plan: ReservedPlan, *, with_e: bool = False) -> tuple[int, ...]:
+    """The bytes of every lora_A and lora_B AdaLoRA's orthogonality penalty takes (with
+    `with_e` and each lora_E, what its RankAllocator takes), in named_parameters order; empty
+    for other methods."""
+    if not plan.adalora:
+        return ()
+    layer: list[int] = []
+    for lin in plan.arch.linears:
+        if lin.name in plan.adapted and not lin.expert:
+            layer.append(plan.rank * lin.in_features * plan.adapter)
+            layer.append(lin.out_features * plan.rank * plan.adapter)
+            if with_e:
+                layer.append(plan.rank * plan.adapter)
+    return tuple(layer * plan.arch.num_hidden_layers)
 
 
 def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
@@ -341,6 +363,8 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
         elif lin.name in plan.adapted:
             layer.append(plan.rank * lin.in_features * plan.adapter)
             layer.append(lin.out_features * plan.rank * plan.adapter)
+            if plan.adalora:  # lora_E, then ranknum (one fp32 element)
+                layer += [plan.rank * plan.adapter, FP32_BYTES]
         if lin.name in plan.ia3_out:  # (IA)^3's vector
             layer.append(lin.out_features * plan.adapter)
         if lin.name in plan.ia3_in:

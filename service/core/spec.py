@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -30,6 +30,9 @@ class Method(StrEnum):
     LOHA = "loha"
     # LoKr: a Kronecker product as a full-size delta (peft/tuners/lokr).
     LOKR = "lokr"
+    # AdaLoRA: SVD-shaped LoRA triplets, an orthogonality penalty, a rank allocator (peft/tuners/
+    # adalora).
+    ADALORA = "adalora"
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
     PROMPT_TUNING = "prompt-tuning"
@@ -170,7 +173,12 @@ SAVABLE_MODULES = ("embed_tokens", "lm_head")
 # The methods that take LoRA options (`lora`).
 LORA_METHODS = (Method.LORA, Method.QLORA, Method.LORA_FA)
 # The PEFT methods beside LoRA with options of their own: the TrainingSpec field of each.
-DELTA_OPTIONS = {Method.VERA: "vera", Method.LOHA: "loha", Method.LOKR: "lokr"}
+DELTA_OPTIONS = {
+    Method.VERA: "vera",
+    Method.LOHA: "loha",
+    Method.LOKR: "lokr",
+    Method.ADALORA: "adalora",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -352,6 +360,7 @@ class TrainingSpec:
     vera: VeraSpec | None = None
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    adalora: AdaLoraSpec | None = None
 
     def _check_method_options(self) -> None:
         """Each method's options only with that method, and what the PEFT methods beside LoRA
@@ -503,19 +512,22 @@ class ResolvedSpec:
     vera: VeraSpec | None = None
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    adalora: AdaLoraSpec | None = None
     options_field: str = "lora"
 
 
 # The PEFT defaults a VeRA, LoHa or LoKr job without options takes, and the note saying so.
-_DELTA_DEFAULTS: dict[Method, type[VeraSpec | LohaSpec | LokrSpec]] = {
+_DELTA_DEFAULTS: dict[Method, type[VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec]] = {
     Method.VERA: VeraSpec,
     Method.LOHA: LohaSpec,
     Method.LOKR: LokrSpec,
+    Method.ADALORA: AdaLoraSpec,
 }
 _DELTA_DEFAULT_NOTES = {
     Method.VERA: "VeRA options not given: r=256, default target modules",
     Method.LOHA: "LoHa options not given: r=8, alpha=8, default target modules",
     Method.LOKR: "LoKr options not given: r=8, alpha=8, default target modules",
+    Method.ADALORA: "AdaLoRA options not given: init_r=12, target_r=8, default target modules",
 }
 
 # LitGPT finetune/lora.py: lora_dropout default 0.05.
@@ -534,9 +546,9 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     notes: list[str] = []
     lora = spec.lora
     quant = spec.quantization
-    # VeRA, LoHa and LoKr: their options, and the linears they adapt and their rank in LoRA's
-    # terms (`adapted_linears`)
-    delta: VeraSpec | LohaSpec | LokrSpec | None = None
+    # VeRA, LoHa, LoKr and AdaLoRA: their options, and the linears they adapt and their rank
+    # in LoRA's terms (`adapted_linears`)
+    delta: VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec | None = None
     field_name = DELTA_OPTIONS.get(spec.method)
     if field_name is not None:
         given = getattr(spec, field_name)
@@ -617,5 +629,6 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         vera=delta if isinstance(delta, VeraSpec) else None,
         loha=delta if isinstance(delta, LohaSpec) else None,
         lokr=delta if isinstance(delta, LokrSpec) else None,
+        adalora=delta if isinstance(delta, AdaLoraSpec) else None,
         options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )

@@ -104,6 +104,9 @@ class LayerFlow:
     loha: bool = False
     # LoKr's options, on the adapted linears instead of LoRA (`_lokr_saves`).
     lokr: LokrSpec | None = None
+    # AdaLoRA's SVD triplets on the adapted linears: LoRA's saves and the scaled A and the
+    # rank divisor each matmul keeps (`_linear_saves`).
+    adalora: bool = False
     # LitGPT's LLaMA-Adapter: the prompt length when this layer attends to the adapter prompt
     # (0 below adapter_start_layer); v2: every linear's scale and bias (estimator/adapter.py).
     adapter_prompt: int = 0
@@ -188,6 +191,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         vera=spec.method is Method.VERA,
         loha=spec.method is Method.LOHA,
         lokr=rs.lokr,
+        adalora=spec.method is Method.ADALORA,
         adapter_prompt=ADAPTER_PROMPT_LENGTH if is_adapter(rs) else 0,
         adapter_v2=v2,
     )
@@ -239,6 +243,15 @@ def _linear_saves(
         # (tools/autograd/derivatives.yaml mm: mat2's formula alone reads self)
         led.add(cast_key, lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
+    if f.adalora:
+        # peft/tuners/adalora/layer.py SVDLinear.forward, `x @ (lora_A * lora_E).T @ lora_B.T
+        # * scaling / (ranknum + 1e-5)`: the first matmul keeps the product A * E for the
+        # input's gradient (when it takes one); the division by a tensor keeps its dividend,
+        # the scaled output (reference traces *__adalora__*), and its one-element divisor.
+        led.add(f"{lin.name}.adalora_scaled", lin.out_features * f.adapter)
+        if input_grad:
+            led.add(f"{lin.name}.adalora_ae", f.r * lin.in_features * f.adapter, _Kind.CONSTANT)
+        led.add(f"{lin.name}.adalora_ranknum", f.adapter, _Kind.CONSTANT)
     if f.autocast and f.adapter != AUTOCAST_BYTES:
         # Autocast casts the wider adapter weights to half precision for their matmuls, and
         # each matmul keeps its copy of A and of B for backward.

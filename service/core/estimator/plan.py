@@ -52,7 +52,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
@@ -347,6 +347,8 @@ def _model_order(
             layer.append(tensor(lin.out_features * f.r, f.adapter))
             if f.dora:  # PEFT registers lora_magnitude_vector after lora_A and lora_B
                 layer.append(tensor(lin.out_features, f.adapter))
+            if f.adalora:  # AdaLoRA's lora_E and ranknum, registered after lora_A and lora_B
+                layer += [tensor(f.r, f.adapter), tensor(1, FP32_BYTES)]
     if full:
         norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
         layer += [tensor(h, other)] * norm_tensors
@@ -434,6 +436,7 @@ def _reserved_plan(
         vera=f.vera,
         loha=f.loha,
         lokr=_lokr_factors(adapted_linears(arch, rs), f),
+        adalora=f.adalora,
         vera_projections=vera_projection_sizes(adapted_linears(arch, rs), lora.r)
         if f.vera and lora is not None
         else (),
@@ -469,6 +472,7 @@ class _PlanKey(NamedTuple):
     vera: VeraSpec | None = None  # the options of the PEFT methods beside LoRA
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    adalora: AdaLoraSpec | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -495,6 +499,7 @@ class _PlanKey(NamedTuple):
             spec.vera,
             spec.loha,
             spec.lokr,
+            spec.adalora,
         )
 
     def unit_spec(self) -> TrainingSpec:

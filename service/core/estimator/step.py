@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.adalora import adalora_parts
 from service.core.estimator.adapter import norm_product_bytes
 from service.core.estimator.deepseek import deepseek_model_states
 from service.core.estimator.ledger import _blk, _recipe_bytes
@@ -221,9 +222,10 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
     frozen = rank.frozen
     trainable = rank.trainable
     grads = rank.gradients
-    state = rank.optimizer_state
+    ada = adalora_parts(arch, rs)
+    state = rank.optimizer_state + ada.allocator_state
     state_outside = rank.state_outside
-    temps = rank.optimizer_temporaries
+    temps = max(rank.optimizer_temporaries, ada.allocator_temporaries)
 
     per_layer = _recipe_bytes(plan.layer, b, s)
     # prompt tuning: `s` counts the virtual tokens (`tuners.sequence_spec`), the inputs do not
@@ -356,6 +358,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         )
     top = _Moment(
         gradients=ga_grads if ga_grads else head_grads,
+        logits_loss=ada.penalty_gradients,
         activations=activations,
         recompute=recompute_end,
         backward_temporaries=in_flight,
@@ -507,7 +510,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
             )
     forward_end = _Moment(
         gradients=ga_grads,
-        activations=activations,
+        activations=activations + ada.penalty_saved,
         logits_loss=loss.forward_peak,
         communication=rank.comm_forward,
     )
@@ -533,7 +536,7 @@ def _step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None = 
         backward_start=_Moment(
             gradients=ga_grads,
             activations=activations,
-            logits_loss=loss.backward_peak,
+            logits_loss=loss.backward_peak + ada.penalty_gradients,
             communication=backward_start_comm,
         ),
         backward=max(candidates, key=sum),

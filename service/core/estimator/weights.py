@@ -321,6 +321,15 @@ def _params(
             trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
             layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
             layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
+            if method is Method.ADALORA:
+                # lora_E (r, 1), registered after lora_A and lora_B, then ranknum, one fp32
+                # element (peft/tuners/adalora/layer.py AdaLoraLayer.update_layer): created
+                # frozen, it is trainable once moved to the base layer's device (re-registered
+                # as a new Parameter; reference traces *__adalora__*)
+                trainable.append(_Tensor(r, 0, ad, L))
+                trainable.append(_Tensor(1, 0, FP32_BYTES, L))
+                layers_bytes += _Tensor(r, 0, ad, L).nbytes
+                layers_bytes += _Tensor(1, 0, FP32_BYTES, L).nbytes
             if lora.use_dora:
                 # DoRA's magnitude: one per output feature, the norm of the adapter-dtype weight
                 # (peft/tuners/lora/dora.py DoraLinearLayer.update_layer).

@@ -74,6 +74,11 @@ class _Backward(_Forward):
                 g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
             )
             before_saved = None
+        elif lin.adapted and sh.adalora:
+            g_base, gx_lora, acc = self._adalora_backward(
+                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
+            )
+            before_saved = None
         elif lin.adapted and sh.vera:
             g_base, gx_lora, acc = self._vera_backward(
                 g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved

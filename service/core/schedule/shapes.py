@@ -146,3 +146,8 @@ class StepShape:
     vera: bool = False  # VeRA on the adapted linears (peft/tuners/vera/layer.py)
     loha: bool = False  # LoHa on the adapted linears (peft/tuners/loha/layer.py)
     lokr: bool = False  # LoKr on the adapted linears (peft/tuners/lokr/layer.py)
+    adalora: bool = False  # AdaLoRA on the adapted linears (peft/tuners/adalora/layer.py)
+    # AdaLoRA's penalised parameters' bytes, every lora_A and lora_B in named_parameters order,
+    # and the RankAllocator's, every lora_A, lora_B and lora_E
+    penalty: tuple[int, ...] = ()
+    ranked: tuple[int, ...] = ()
