@@ -33,6 +33,7 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "vera",
             "loha",
             "lokr",
+            "adalora",
             "half",
         ]
     ),
@@ -96,6 +97,18 @@ fields: dict[str, st.SearchStrategy[Any]] = {
     | st.fixed_dictionaries(
         {},
         optional={"r": integers, "decompose_factor": integers, "decompose_both": st.booleans()},
+    ),
+    "adalora": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "init_r": integers,
+            "target_r": integers,
+            "lora_dropout": numbers,
+            "tinit": integers,
+            "total_step": st.none() | integers,
+            "beta1": numbers,
+        },
     ),
     "parallel": st.fixed_dictionaries(
         {},

@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
 from service.api.schemas.peft_methods import (
+    AdaLoraIn,
     IA3In,
     LnTuningIn,
     LohaIn,
@@ -536,8 +537,8 @@ class JobSpec(In):
         default=Method.LORA,
         description=(
             "full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
-            "ia3, ln-tuning, prompt-tuning, vera, loha or lokr, or LitGPT's llama-adapter or "
-            "llama-adapter-v2 (framework 'litgpt' only)."
+            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr or adalora, or LitGPT's "
+            "llama-adapter or llama-adapter-v2 (framework 'litgpt' only)."
         ),
     )
     lora: LoraIn | None = Field(
@@ -568,6 +569,9 @@ class JobSpec(In):
     )
     lokr: LokrIn | None = Field(
         default=None, description="LoKr options (lokr only); null: PEFT's defaults."
+    )
+    adalora: AdaLoraIn | None = Field(
+        default=None, description="AdaLoRA options (adalora only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -652,6 +656,7 @@ class JobSpec(In):
             vera=None if self.vera is None else self.vera.to_spec(),
             loha=None if self.loha is None else self.loha.to_spec(),
             lokr=None if self.lokr is None else self.lokr.to_spec(),
+            adalora=None if self.adalora is None else self.adalora.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

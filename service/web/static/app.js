@@ -289,6 +289,13 @@
     } else if (["vera", "loha", "lokr"].includes(s.method)) {
       // PEFT's own options for these (VeraConfig, LoHaConfig, LoKrConfig): rank and targets
       job[s.method] = { r: s.lora_r, target_modules: modulesFrom(s.target_modules) };
+    } else if (s.method === "adalora") {
+      // AdaLoraConfig: the rank is its initial rank init_r
+      job.adalora = {
+        init_r: s.lora_r,
+        lora_alpha: s.lora_alpha,
+        target_modules: modulesFrom(s.target_modules),
+      };
     }
     if (s.method === "qlora") {
       job.quantization = {
