@@ -25,7 +25,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
@@ -41,6 +41,7 @@ PEFT_METHODS = (
     "loha",
     "lokr",
     "adalora",
+    "oft",
 )
 # LitGPT's adapters; "(4-bit base)" rows quantize the base (finetune/adapter*.py --quantize)
 ADAPTER_METHODS = ("llama-adapter", "llama-adapter-v2")
@@ -107,6 +108,7 @@ MODELLED_METHODS = (
     "loha",
     "lokr",
     "adalora",
+    "oft",
 )
 
 
@@ -287,6 +289,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
             loha = None
             lokr = None
             adalora = None
+            oft = None
             if method is Method.VERA:
                 vera = VeraSpec(
                     r=int(raw["lora_r"] or 256),
@@ -308,6 +311,12 @@ def load() -> tuple[list[Row], list[Skipped]]:
                 )
             elif method is Method.ADALORA:
                 adalora = _adalora(raw)
+            elif method is Method.OFT:
+                oft = OftSpec(
+                    r=int(raw["lora_r"]),
+                    oft_block_size=0,
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
             elif method in LORA_METHODS:
                 lora = LoraSpec(
                     r=int(raw["lora_r"] or 8),
@@ -334,6 +343,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     loha=loha,
                     lokr=lokr,
                     adalora=adalora,
+                    oft=oft,
                     quantization=quant,
                     # PEFT's defaults, as the rows' target columns spell them out
                     ia3=IA3Spec() if method is Method.IA3 else None,

@@ -246,8 +246,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             getattr(args, n) is not None
             for n in ("lora_alpha", "lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
         ) or bool(args.modules_to_save)
-    elif method is Method.ADALORA:
-        # AdaLoRA takes the rank (its init_r), alpha and the targets
+    elif method in (Method.ADALORA, Method.OFT):
+        # AdaLoRA takes the rank (its init_r), alpha and the targets; OFT the rank (its block
+        # count) and the targets
         lora_given = any(
             getattr(args, n) is not None
             for n in ("lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
@@ -299,6 +300,10 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         data[peft_method] = {"target_modules": _names(args.target_modules)}
     if method in (Method.VERA, Method.LOHA, Method.LOKR):
         data[method.value] = _given({"r": args.r, "target_modules": _names(args.target_modules)})
+    if method is Method.OFT:
+        # --r is OFT's block count, given instead of its block size
+        blocks = None if args.r is None else {"r": args.r, "oft_block_size": 0}
+        data["oft"] = _given({**(blocks or {}), "target_modules": _names(args.target_modules)})
     if method is Method.ADALORA:
         # --r is AdaLoRA's initial rank; its target (a masking budget, no memory) is kept at
         # most that

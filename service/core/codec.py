@@ -59,7 +59,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -334,6 +334,18 @@ _ADALORA: dict[str, Check] = {
     "beta2": _number(ge=0.0, lt=1.0),
     "total_step": _optional(_integer(ge=1, le=MAX_TRAINING_STEPS)),
 }
+# OFT's options (service/core/spec_delta.py OftSpec); block counts and sizes bounded as LoRA's rank.
+_OFT: dict[str, Check] = {
+    "r": _integer(ge=0, le=MAX_LORA_R),
+    "oft_block_size": _integer(ge=0, le=MAX_LORA_R),
+    "module_dropout": _number(ge=0.0, lt=1.0),
+    "target_modules": _target_modules,
+    "coft": _boolean,
+    "eps": _number(ge=0.0, le=1.0),
+    "block_share": _boolean,
+    "use_cayley_neumann": _boolean,
+    "num_cayley_neumann_terms": _integer(ge=1, le=64),
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -426,4 +438,5 @@ _TRAINING: dict[str, Check] = {
     "loha": _optional(_object(LohaSpec, _LOHA)),
     "lokr": _optional(_object(LokrSpec, _LOKR)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
+    "oft": _optional(_object(OftSpec, _OFT)),
 }

@@ -37,7 +37,7 @@ from service.core.schedule import (
     step_events,
 )
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
-from service.core.units import FP32_BYTES, UINT8_BYTES
+from service.core.units import FP32_BYTES, INT64_BYTES, UINT8_BYTES
 
 # bitsandbytes 4-bit storage (bitsandbytes/functional.py quantize_4bit): two values per byte,
 # one absmax per 64 values, stored as uint8 with double quant (one fp32 absmax per 256 of
@@ -101,6 +101,8 @@ class ReservedPlan:
     # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
     # orthogonality penalty and its RankAllocator (service/core/schedule/adalora.py)
     adalora: bool = False
+    # OFT's blocks on the adapted linears: by linear name, (block count, block size)
+    oft: tuple[tuple[str, tuple[int, int]], ...] = ()
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -170,6 +172,7 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         bias=lin.bias,
         scales_output=lin.name in plan.ia3_out,
         scales_input=lin.name in plan.ia3_in,
+        oft_blocks=dict(plan.oft).get(lin.name, (0, 0)),
     )
 
 
@@ -309,6 +312,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         loha=plan.loha,
         lokr=bool(plan.lokr),
         adalora=plan.adalora,
+        oft=bool(plan.oft),
         penalty=_penalty_sizes(plan),
         ranked=_penalty_sizes(plan, with_e=True),
         alibi=arch.alibi,
@@ -357,6 +361,11 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
         elif lin.name in plan.adapted and plan.lokr:
             for pair in dict(plan.lokr)[lin.name]:
                 layer += [rows * cols * FP32_BYTES for rows, cols in pair]
+        elif lin.name in plan.adapted and plan.oft:
+            # the rotation's weight, then its int64 upper-triangle indices (rows, cols)
+            blocks, size = dict(plan.oft)[lin.name]
+            triangle = size * (size - 1) // 2
+            layer += [blocks * triangle * FP32_BYTES] + [triangle * INT64_BYTES] * 2
         elif lin.name in plan.adapted and plan.loha:
             out = lin.out_features * lin.count
             layer += [out * plan.rank * FP32_BYTES, plan.rank * lin.in_features * FP32_BYTES] * 2

@@ -177,3 +177,72 @@ class AdaLoraSpec:
                 "adalora.total_step", "must exceed tinit + tfinal (PEFT's budgeting phase)"
             )
         check_targets("adalora", self.target_modules)
+
+
+def oft_blocks(in_features: int, wanted: int) -> int:
+    """PEFT's OFTLayer.adjust_oft_parameters: `wanted` (a block count or size) moved to the
+    nearest divisor of `in_features` (the lower one on a tie), at most `in_features`."""
+    if wanted >= in_features:
+        return in_features
+    higher = wanted
+    while higher <= in_features and in_features % higher:
+        higher += 1
+    lower = wanted
+    while lower > 1 and in_features % lower:
+        lower -= 1
+    return lower if wanted - lower <= higher - wanted else higher
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OftSpec:
+    """PEFT OFTConfig (peft/tuners/oft/config.py): per adapted linear `r` orthogonal blocks of
+    `oft_block_size` (exactly one of the two given, the other 0), each trained as the
+    block_size·(block_size − 1)/2 entries of a skew-symmetric matrix, turned into a rotation by
+    the Cayley–Neumann series; the forward rotates the linear's input block by block
+    (peft/tuners/oft/layer.py OFTRotationModule.forward)."""
+
+    r: int = 0
+    oft_block_size: int = 32
+    module_dropout: float = 0.0
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING,
+    # a copy of LoRA's: q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+    coft: bool = False
+    eps: float = 6e-5  # COFT's constraint: no memory
+    block_share: bool = False
+    use_cayley_neumann: bool = True
+    num_cayley_neumann_terms: int = 5
+
+    def __post_init__(self) -> None:
+        if self.r < 0 or self.oft_block_size < 0:
+            raise InvalidSpecError("oft.r", "r and oft_block_size must be at least 0")
+        if (self.r == 0) == (self.oft_block_size == 0):
+            # peft/tuners/oft/config.py OFTConfig.__post_init__
+            raise InvalidSpecError(
+                "oft.r", "give exactly one of r and oft_block_size (the other 0)"
+            )
+        if not 0.0 <= self.module_dropout < 1.0:
+            raise InvalidSpecError("oft.module_dropout", "must be in [0, 1)")
+        if self.module_dropout:
+            raise InvalidSpecError("oft.module_dropout", "OFT with dropout is not modelled yet")
+        for name in ("coft", "block_share"):
+            if getattr(self, name):
+                raise InvalidSpecError(f"oft.{name}", f"OFT with {name} is not modelled yet")
+        if not self.use_cayley_neumann:
+            raise InvalidSpecError(
+                "oft.use_cayley_neumann", "the exact Cayley transform is not modelled yet"
+            )
+        if self.num_cayley_neumann_terms != 5:
+            raise InvalidSpecError(
+                "oft.num_cayley_neumann_terms", "only PEFT's default of 5 terms is modelled"
+            )
+        check_targets("oft", self.target_modules)
+
+    def blocks(self, in_features: int) -> tuple[int, int]:
+        """(block count, block size) on a linear of `in_features` inputs, as PEFT adjusts them
+        (OFTLayer.update_layer)."""
+        if self.r:
+            r = oft_blocks(in_features, self.r)
+            return r, in_features // r
+        size = oft_blocks(in_features, self.oft_block_size)
+        return in_features // size, size

@@ -10,7 +10,7 @@ from service.core.spec import ALL_LINEAR, Method, ResolvedSpec
 # AdaLoraConfig requires total_step; a trace without one runs the RankAllocator's schedule of
 # PEFT's method-comparison runs (method_comparison/MetaMathQA/experiments/adalora: 5000).
 TRACED_TOTAL_STEP = 5000
-DELTA_METHODS = (Method.VERA, Method.LOHA, Method.LOKR, Method.ADALORA)
+DELTA_METHODS = (Method.VERA, Method.LOHA, Method.LOKR, Method.ADALORA, Method.OFT)
 
 
 def _targets(target: tuple[str, ...] | str | None) -> Any:
@@ -19,7 +19,7 @@ def _targets(target: tuple[str, ...] | str | None) -> Any:
 
 def _config(resolved: ResolvedSpec) -> Any:
     """The method's PEFT config, from the resolved spec's options."""
-    from peft import AdaLoraConfig, LoHaConfig, LoKrConfig, VeraConfig
+    from peft import AdaLoraConfig, LoHaConfig, LoKrConfig, OFTConfig, VeraConfig
 
     if resolved.spec.method is Method.VERA and resolved.vera is not None:
         vera = resolved.vera
@@ -70,6 +70,20 @@ def _config(resolved: ResolvedSpec) -> Any:
             beta1=ada.beta1,
             beta2=ada.beta2,
             total_step=ada.total_step or TRACED_TOTAL_STEP,
+            task_type="CAUSAL_LM",
+        )
+    if resolved.spec.method is Method.OFT and resolved.oft is not None:
+        oft = resolved.oft
+        return OFTConfig(
+            r=oft.r,
+            oft_block_size=oft.oft_block_size,
+            module_dropout=oft.module_dropout,
+            target_modules=_targets(oft.target_modules),
+            coft=oft.coft,
+            eps=oft.eps,
+            block_share=oft.block_share,
+            use_cayley_neumann=oft.use_cayley_neumann,
+            num_cayley_neumann_terms=oft.num_cayley_neumann_terms,
             task_type="CAUSAL_LM",
         )
     raise ValueError(f"no PEFT config for method {resolved.spec.method.value!r}")

@@ -7,7 +7,7 @@ buffers), on Qwen2.5-0.5B and Llama-3.2-1B."""
 from __future__ import annotations
 
 from service.core.spec import ALL_LINEAR, LoraSpec, Method, TrainingSpec
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 
 QWEN_05B = "Qwen/Qwen2.5-0.5B"
 LLAMA_1B = "meta-llama/Llama-3.2-1B"
@@ -87,4 +87,7 @@ def peft_delta_cases() -> list[tuple[str, TrainingSpec]]:
                 adalora=AdaLoraSpec(init_r=64, target_r=32, **ADALORA_SCHEDULE),
             ),
         ),
+        (QWEN_05B, _job(Method.OFT, 2, 512, oft=OftSpec(r=16, oft_block_size=0))),
+        (QWEN_05B, _job(Method.OFT, 1, 512, ckpt=True, oft=OftSpec(target_modules=ALL_LINEAR))),
+        (LLAMA_1B, _job(Method.OFT, 2, 512, oft=OftSpec(r=32, oft_block_size=0))),
     ]

@@ -181,7 +181,7 @@ class Case:
 def reference_name(model_id: str, spec: TrainingSpec) -> str:
     """A file-safe name that spells out every option differing from the defaults."""
     parts = [model_id.split("/")[-1].lower(), spec.method.value]
-    options = spec.vera or spec.loha or spec.lokr or spec.adalora
+    options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
         targets = (
@@ -192,6 +192,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append(f"factor{spec.lokr.decompose_factor}")
         if spec.lokr is not None and spec.lokr.decompose_both:
             parts.append("decompose-both")
+        if spec.oft is not None and spec.oft.oft_block_size:
+            parts.append(f"block{spec.oft.oft_block_size}")
         if spec.adalora is not None:
             parts.append(f"target{spec.adalora.target_r}-tinit{spec.adalora.tinit}")
     lora = spec.lora

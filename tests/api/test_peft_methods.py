@@ -34,7 +34,8 @@ ADALORA_JOB: dict[str, Any] = {
     "method": "adalora",
     "adalora": {"init_r": 64, "target_r": 32, "tinit": 200, "tfinal": 500, "total_step": 5000},
 }
-CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB, ADALORA_JOB]
+OFT_JOB: dict[str, Any] = {**SMALL_JOB, "method": "oft", "oft": {"r": 32, "oft_block_size": 0}}
+CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB, ADALORA_JOB, OFT_JOB]
 
 
 @pytest.mark.parametrize("job", CASES, ids=lambda job: job["method"])
@@ -92,6 +93,9 @@ def test_vera_trains_its_vectors(client: TestClient) -> None:
         ({**ADALORA_JOB, "adalora": {"init_r": 8, "target_r": 16}}, "adalora.target_r"),
         ({**ADALORA_JOB, "adalora": {"lora_dropout": 0.1}}, "adalora.lora_dropout"),
         ({**ADALORA_JOB, "adalora": {"init_r": True}}, "adalora.init_r"),
+        ({**OFT_JOB, "oft": {"r": 4, "oft_block_size": 16}}, "oft.r"),
+        ({**OFT_JOB, "oft": {"coft": True}}, "oft.coft"),
+        ({**OFT_JOB, "adalora": {"init_r": 8}}, "adalora"),
     ],
 )
 def test_options_for_another_method_are_422(
@@ -108,3 +112,10 @@ def test_adalora_trains_its_triplets_and_rank_counts(client: TestClient) -> None
     # per linear lora_A (64 x 896), lora_E (64), lora_B (out x 64) and ranknum (one element)
     per_layer = sum(64 * 896 + 64 + out * 64 + 1 for out in (896, 128))
     assert body["params"]["trainable"] == 24 * per_layer
+
+
+def test_oft_trains_its_blocks(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=OFT_JOB).json()
+    # Qwen2.5-0.5B: 24 layers, PEFT's default q_proj and v_proj (896 inputs each); 32 blocks
+    # of 28, each 28 * 27 / 2 trained entries
+    assert body["params"]["trainable"] == 24 * 2 * 32 * (28 * 27 // 2)

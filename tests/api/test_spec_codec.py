@@ -34,6 +34,7 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "loha",
             "lokr",
             "adalora",
+            "oft",
             "half",
         ]
     ),
@@ -97,6 +98,16 @@ fields: dict[str, st.SearchStrategy[Any]] = {
     | st.fixed_dictionaries(
         {},
         optional={"r": integers, "decompose_factor": integers, "decompose_both": st.booleans()},
+    ),
+    "oft": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "r": integers,
+            "oft_block_size": integers,
+            "coft": st.booleans(),
+            "num_cayley_neumann_terms": integers,
+        },
     ),
     "adalora": st.none()
     | st.fixed_dictionaries(

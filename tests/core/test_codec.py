@@ -52,7 +52,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -154,7 +154,14 @@ veras = st.builds(
     save_projection=st.booleans(),
 )
 # The PEFT methods beside LoRA: PEFT's own step on one GPU, without autocast.
-DELTA_METHODS = (Method.LORA_FA, Method.VERA, Method.LOHA, Method.LOKR, Method.ADALORA)
+DELTA_METHODS = (
+    Method.LORA_FA,
+    Method.VERA,
+    Method.LOHA,
+    Method.LOKR,
+    Method.ADALORA,
+    Method.OFT,
+)
 lokrs = st.builds(
     LokrSpec,
     r=st.integers(1, MAX_LORA_R),
@@ -185,6 +192,13 @@ adaloras = st.builds(
     total_step=st.none() | st.integers(201, 10_000),
 )
 
+ofts = st.builds(
+    OftSpec,
+    r=st.integers(1, 64),
+    oft_block_size=st.just(0),
+    target_modules=st.none() | st.just(ALL_LINEAR),
+) | st.builds(OftSpec, r=st.just(0), oft_block_size=st.integers(1, 256))
+
 
 @st.composite
 def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
@@ -198,6 +212,7 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
         loha=draw(st.none() | lohas) if method is Method.LOHA else None,
         lokr=draw(st.none() | lokrs) if method is Method.LOKR else None,
         adalora=draw(st.none() | adaloras) if method is Method.ADALORA else None,
+        oft=draw(st.none() | ofts) if method is Method.OFT else None,
         dtype=draw(st.sampled_from(DType)),
         optim=draw(st.sampled_from((Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED))),
         gradient_checkpointing=draw(st.booleans()),
@@ -327,7 +342,8 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
             {"method": "nope"},
             "method",
             "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', "
-            "'adalora', 'ia3', 'ln-tuning', 'prompt-tuning', 'llama-adapter' or 'llama-adapter-v2'",
+            "'adalora', 'oft', 'ia3', 'ln-tuning', 'prompt-tuning', 'llama-adapter' or "
+            "'llama-adapter-v2'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
         (

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from service.core.errors import InvalidSpecError
-from service.core.estimator import estimate, layer_saved_bytes
-from service.core.estimator.adalora import ALLOCATOR_BUFFERS, adalora_parts
+from service.core.estimator import ALLOCATOR_BUFFERS, adalora_parts, estimate, layer_saved_bytes
 from service.core.result import Component
 from service.core.spec import Framework, LoraSpec, Method, ParallelSpec, TrainingSpec, resolve
 from service.core.spec_delta import AdaLoraSpec, VeraSpec

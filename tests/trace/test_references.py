@@ -71,6 +71,7 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
         "loha",
         "lokr",
         "adalora",
+        "oft",
     }
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}

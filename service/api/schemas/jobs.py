@@ -26,6 +26,7 @@ from service.api.schemas.peft_methods import (
     LohaIn,
     LokrIn,
     ModuleList,
+    OftIn,
     PromptTuningIn,
     VeraIn,
 )
@@ -537,7 +538,7 @@ class JobSpec(In):
         default=Method.LORA,
         description=(
             "full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
-            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr or adalora, or LitGPT's "
+            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr, adalora or oft, or LitGPT's "
             "llama-adapter or llama-adapter-v2 (framework 'litgpt' only)."
         ),
     )
@@ -572,6 +573,9 @@ class JobSpec(In):
     )
     adalora: AdaLoraIn | None = Field(
         default=None, description="AdaLoRA options (adalora only); null: PEFT's defaults."
+    )
+    oft: OftIn | None = Field(
+        default=None, description="OFT options (oft only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -657,6 +661,7 @@ class JobSpec(In):
             loha=None if self.loha is None else self.loha.to_spec(),
             lokr=None if self.lokr is None else self.lokr.to_spec(),
             adalora=None if self.adalora is None else self.adalora.to_spec(),
+            oft=None if self.oft is None else self.oft.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

@@ -296,6 +296,9 @@
         lora_alpha: s.lora_alpha,
         target_modules: modulesFrom(s.target_modules),
       };
+    } else if (s.method === "oft") {
+      // OFTConfig: the rank is its block count, given instead of a block size
+      job.oft = { r: s.lora_r, oft_block_size: 0, target_modules: modulesFrom(s.target_modules) };
     }
     if (s.method === "qlora") {
       job.quantization = {
