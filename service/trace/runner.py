@@ -2,7 +2,8 @@
 
 Step 1 has no optimizer state during forward and backward; step 2 is the steady state. Each step
 is `loss = model(input_ids, labels=labels).loss`, `loss.backward()`, `optimizer.step()`,
-`optimizer.zero_grad(set_to_none=True)`, as HF Trainer runs it with one micro-batch.
+`optimizer.zero_grad(set_to_none=True)`, as HF Trainer runs it with one micro-batch; AdaLoRA's
+steps also call its RankAllocator after the optimizer step, as PEFT's method-comparison loop does.
 """
 
 from __future__ import annotations
