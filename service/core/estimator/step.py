@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.adalora import adalora_parts
 from service.core.estimator.adapter import norm_product_bytes
 from service.core.estimator.deepseek import deepseek_model_states
 from service.core.estimator.ledger import _blk, _recipe_bytes
@@ -227,9 +228,10 @@ def _step(
     frozen = rank.frozen
     trainable = rank.trainable
     grads = rank.gradients
-    state = rank.optimizer_state
+    ada = adalora_parts(arch, rs)
+    state = rank.optimizer_state + ada.allocator_state
     state_outside = rank.state_outside
-    temps = rank.optimizer_temporaries
+    temps = max(rank.optimizer_temporaries, ada.allocator_temporaries)
 
     per_layer = _recipe_bytes(plan.layer, b, s)
     # prompt tuning: `s` counts the virtual tokens (`tuners.sequence_spec`), the inputs do not
@@ -362,6 +364,7 @@ def _step(
         )
     top = _Moment(
         gradients=ga_grads if ga_grads else head_grads,
+        logits_loss=ada.penalty_gradients,
         activations=activations,
         recompute=recompute_end,
         backward_temporaries=in_flight,
@@ -518,7 +521,7 @@ def _step(
             )
     forward_end = _Moment(
         gradients=ga_grads,
-        activations=activations,
+        activations=activations + ada.penalty_saved,
         logits_loss=loss.forward_peak,
         communication=rank.comm_forward,
     )
@@ -544,7 +547,7 @@ def _step(
         backward_start=_Moment(
             gradients=ga_grads,
             activations=activations,
-            logits_loss=loss.backward_peak,
+            logits_loss=loss.backward_peak + ada.penalty_gradients,
             communication=backward_start_comm,
         ),
         backward=max(candidates, key=sum),
