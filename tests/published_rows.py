@@ -25,14 +25,24 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
 
 DATA = Path(__file__).parent / "data" / "published_peaks.csv"
 # PEFT's methods besides LoRA, by the rows' method names (the spec's Method values)
-PEFT_METHODS = ("ia3", "ln-tuning", "prompt-tuning", "lora-fa", "vera", "loha", "lokr")
+PEFT_METHODS = (
+    "ia3",
+    "ln-tuning",
+    "prompt-tuning",
+    "lora-fa",
+    "vera",
+    "loha",
+    "lokr",
+    "adalora",
+    "oft",
+)
 # LitGPT's adapters; "(4-bit base)" rows quantize the base (finetune/adapter*.py --quantize)
 ADAPTER_METHODS = ("llama-adapter", "llama-adapter-v2")
 KBIT_SUFFIX = " (4-bit base)"
@@ -88,7 +98,18 @@ class Skipped:
 
 
 # The published rows' method column values the estimator answers (dora: LoRA with use_dora).
-MODELLED_METHODS = ("lora", "qlora", "full", "dora", "lora-fa", "vera", "loha", "lokr")
+MODELLED_METHODS = (
+    "lora",
+    "qlora",
+    "full",
+    "dora",
+    "lora-fa",
+    "vera",
+    "loha",
+    "lokr",
+    "adalora",
+    "oft",
+)
 
 
 def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
@@ -183,6 +204,24 @@ def _prompt_tuning(raw: str) -> PromptTuningSpec:
     return PromptTuningSpec(num_virtual_tokens=int(raw.split()[0]))
 
 
+# AdaLoRA's schedule in PEFT's method-comparison run the rows cite (method_comparison/
+# MetaMathQA/experiments/adalora/llama-3.2-3B-rank32/adapter_config.json); the rows give the
+# ranks, alpha and targets.
+ADALORA_SCHEDULE = {"tinit": 200, "tfinal": 500, "total_step": 5000}
+
+
+def _adalora(row: dict[str, str]) -> AdaLoraSpec:
+    """The row's "init_r=64,target_r=32" ranks, its alpha and targets."""
+    ranks = dict(part.split("=") for part in row["lora_r"].split(","))
+    return AdaLoraSpec(
+        init_r=int(ranks["init_r"]),
+        target_r=int(ranks["target_r"]),
+        lora_alpha=int(row["lora_alpha"] or 8),
+        target_modules=_targets(row["lora_targets"], ""),
+        **ADALORA_SCHEDULE,
+    )
+
+
 def _checkpointing(raw: dict[str, str]) -> bool:
     """As published; where not, the framework's default: LLaMA-Factory checkpoints unless
     disable_gradient_checkpointing is set (src/llamafactory/hparams/model_args.py, default
@@ -249,6 +288,8 @@ def load() -> tuple[list[Row], list[Skipped]]:
             vera = None
             loha = None
             lokr = None
+            adalora = None
+            oft = None
             if method is Method.VERA:
                 vera = VeraSpec(
                     r=int(raw["lora_r"] or 256),
@@ -266,6 +307,14 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     r=int(raw["lora_r"] or 8),
                     alpha=int(raw["lora_alpha"] or 8),
                     decompose_factor=int(factor) if factor.strip("-").isdigit() else -1,
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is Method.ADALORA:
+                adalora = _adalora(raw)
+            elif method is Method.OFT:
+                oft = OftSpec(
+                    r=int(raw["lora_r"]),
+                    oft_block_size=0,
                     target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
                 )
             elif method in LORA_METHODS:
@@ -293,6 +342,8 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     vera=vera,
                     loha=loha,
                     lokr=lokr,
+                    adalora=adalora,
+                    oft=oft,
                     quantization=quant,
                     # PEFT's defaults, as the rows' target columns spell them out
                     ia3=IA3Spec() if method is Method.IA3 else None,

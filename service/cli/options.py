@@ -35,6 +35,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_delta import AdaLoraSpec
 from service.core.units import DType
 
 # Spec field (dotted, as errors name it) -> the option that sets it.
@@ -264,6 +265,13 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             getattr(args, n) is not None
             for n in ("lora_alpha", "lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
         ) or bool(args.modules_to_save)
+    elif method in (Method.ADALORA, Method.OFT):
+        # AdaLoRA takes the rank (its init_r), alpha and the targets; OFT the rank (its block
+        # count) and the targets
+        lora_given = any(
+            getattr(args, n) is not None
+            for n in ("lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
+        ) or bool(args.modules_to_save)
     if method not in LORA_METHODS and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
     quant_given = bool(args.quant or args.double_quant or args.compute_dtype)
@@ -311,6 +319,22 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         data[peft_method] = {"target_modules": _names(args.target_modules)}
     if method in (Method.VERA, Method.LOHA, Method.LOKR):
         data[method.value] = _given({"r": args.r, "target_modules": _names(args.target_modules)})
+    if method is Method.OFT:
+        # --r is OFT's block count, given instead of its block size
+        blocks = None if args.r is None else {"r": args.r, "oft_block_size": 0}
+        data["oft"] = _given({**(blocks or {}), "target_modules": _names(args.target_modules)})
+    if method is Method.ADALORA:
+        # --r is AdaLoRA's initial rank; its target (a masking budget, no memory) is kept at
+        # most that
+        target_r = None if args.r is None else min(args.r, AdaLoraSpec().target_r)
+        data["adalora"] = _given(
+            {
+                "init_r": args.r,
+                "target_r": target_r,
+                "lora_alpha": args.lora_alpha,
+                "target_modules": _names(args.target_modules),
+            }
+        )
     if method in LORA_METHODS:
         saved = _names(args.modules_to_save)
         data["lora"] = _given(

@@ -33,6 +33,7 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
+    MAX_TRAINING_STEPS,
     MAX_VIRTUAL_TOKENS,
     MAX_ZERO_ELEMENTS,
     MODULE_NAME_PATTERN,
@@ -61,7 +62,7 @@ from service.core.spec import (
     TrainingSpec,
     objective_from,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -329,6 +330,33 @@ _LOKR: dict[str, Check] = {
     "rank_dropout_scale": _boolean,
     "target_modules": _target_modules,
 }
+# AdaLoRA's options (service/core/spec_delta.py AdaLoraSpec); ranks and alpha bounded as LoRA's.
+_ADALORA: dict[str, Check] = {
+    "init_r": _integer(ge=1, le=MAX_LORA_R),
+    "target_r": _integer(ge=1, le=MAX_LORA_R),
+    "lora_alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
+    "lora_dropout": _number(ge=0.0, lt=1.0),
+    "target_modules": _target_modules,
+    "orth_reg_weight": _number(ge=0.0, le=1e6),
+    "tinit": _integer(ge=0, le=MAX_TRAINING_STEPS),
+    "tfinal": _integer(ge=0, le=MAX_TRAINING_STEPS),
+    "deltaT": _integer(ge=1, le=MAX_TRAINING_STEPS),
+    "beta1": _number(ge=0.0, lt=1.0),
+    "beta2": _number(ge=0.0, lt=1.0),
+    "total_step": _optional(_integer(ge=1, le=MAX_TRAINING_STEPS)),
+}
+# OFT's options (service/core/spec_delta.py OftSpec); block counts and sizes bounded as LoRA's rank.
+_OFT: dict[str, Check] = {
+    "r": _integer(ge=0, le=MAX_LORA_R),
+    "oft_block_size": _integer(ge=0, le=MAX_LORA_R),
+    "module_dropout": _number(ge=0.0, lt=1.0),
+    "target_modules": _target_modules,
+    "coft": _boolean,
+    "eps": _number(ge=0.0, le=1.0),
+    "block_share": _boolean,
+    "use_cayley_neumann": _boolean,
+    "num_cayley_neumann_terms": _integer(ge=1, le=64),
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -434,4 +462,6 @@ _TRAINING: dict[str, Check] = {
     "lokr": _optional(_object(LokrSpec, _LOKR)),
     "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
+    "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
+    "oft": _optional(_object(OftSpec, _OFT)),
 }

@@ -21,6 +21,8 @@ MAX_ZERO_ELEMENTS = 1_000_000_000_000
 MAX_MODULES = 64
 # Prompt tuning's virtual tokens: PEFT's examples use 8 to a few hundred.
 MAX_VIRTUAL_TOKENS = 65_536
+# AdaLoRA's schedule (tinit, tfinal, total_step, deltaT): far above any run's optimizer steps.
+MAX_TRAINING_STEPS = 1_000_000_000
 
 # A module name as transformers names it ("q_proj", "model.layers.0.mlp").
 MAX_MODULE_NAME_CHARS = 128

@@ -38,7 +38,7 @@ from service.core.schedule import (
     step_events,
 )
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
-from service.core.units import FP32_BYTES, UINT8_BYTES
+from service.core.units import FP32_BYTES, INT64_BYTES, UINT8_BYTES
 
 # bitsandbytes 4-bit storage (bitsandbytes/functional.py quantize_4bit): two values per byte,
 # one absmax per 64 values, stored as uint8 with double quant (one fp32 absmax per 256 of
@@ -104,6 +104,11 @@ class ReservedPlan:
     dpo_completion: int = -1
     dpo_reference: bool = False
     dpo_reference_copy: bool = False
+    # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
+    # orthogonality penalty and its RankAllocator (service/core/schedule/adalora.py)
+    adalora: bool = False
+    # OFT's blocks on the adapted linears: by linear name, (block count, block size)
+    oft: tuple[tuple[str, tuple[int, int]], ...] = ()
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -173,6 +178,7 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         bias=lin.bias,
         scales_output=lin.name in plan.ia3_out,
         scales_input=lin.name in plan.ia3_in,
+        oft_blocks=dict(plan.oft).get(lin.name, (0, 0)),
     )
 
 
@@ -314,6 +320,10 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         vera=plan.vera,
         loha=plan.loha,
         lokr=bool(plan.lokr),
+        adalora=plan.adalora,
+        oft=bool(plan.oft),
+        penalty=_penalty_sizes(plan),
+        ranked=_penalty_sizes(plan, with_e=True),
         alibi=arch.alibi,
         half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
@@ -325,6 +335,22 @@ def _dpo_scored(plan: ReservedPlan, rows: int, seq: int) -> int:
         return 0
     completion = plan.dpo_completion or seq
     return rows * min(completion, seq - 1)
+
+
+def _penalty_sizes(plan: ReservedPlan, *, with_e: bool = False) -> tuple[int, ...]:
+    """The bytes of every lora_A and lora_B AdaLoRA's orthogonality penalty takes (with
+    `with_e` and each lora_E, what its RankAllocator takes), in named_parameters order; empty
+    for other methods."""
+    if not plan.adalora:
+        return ()
+    layer: list[int] = []
+    for lin in plan.arch.linears:
+        if lin.name in plan.adapted and not lin.expert:
+            layer.append(plan.rank * lin.in_features * plan.adapter)
+            layer.append(lin.out_features * plan.rank * plan.adapter)
+            if with_e:
+                layer.append(plan.rank * plan.adapter)
+    return tuple(layer * plan.arch.num_hidden_layers)
 
 
 def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
@@ -352,12 +378,19 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
         elif lin.name in plan.adapted and plan.lokr:
             for pair in dict(plan.lokr)[lin.name]:
                 layer += [rows * cols * FP32_BYTES for rows, cols in pair]
+        elif lin.name in plan.adapted and plan.oft:
+            # the rotation's weight, then its int64 upper-triangle indices (rows, cols)
+            blocks, size = dict(plan.oft)[lin.name]
+            triangle = size * (size - 1) // 2
+            layer += [blocks * triangle * FP32_BYTES] + [triangle * INT64_BYTES] * 2
         elif lin.name in plan.adapted and plan.loha:
             out = lin.out_features * lin.count
             layer += [out * plan.rank * FP32_BYTES, plan.rank * lin.in_features * FP32_BYTES] * 2
         elif lin.name in plan.adapted:
             layer.append(plan.rank * lin.in_features * plan.adapter)
             layer.append(lin.out_features * plan.rank * plan.adapter)
+            if plan.adalora:  # lora_E, then ranknum (one fp32 element)
+                layer += [plan.rank * plan.adapter, FP32_BYTES]
         if lin.name in plan.ia3_out:  # (IA)^3's vector
             layer.append(lin.out_features * plan.adapter)
         if lin.name in plan.ia3_in:

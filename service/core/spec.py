@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -31,6 +31,11 @@ class Method(StrEnum):
     LOHA = "loha"
     # LoKr: a Kronecker product as a full-size delta (peft/tuners/lokr).
     LOKR = "lokr"
+    # AdaLoRA: SVD-shaped LoRA triplets, an orthogonality penalty, a rank allocator (peft/tuners/
+    # adalora).
+    ADALORA = "adalora"
+    # OFT: block-diagonal orthogonal rotations of each adapted linear's input (peft/tuners/oft).
+    OFT = "oft"
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
     PROMPT_TUNING = "prompt-tuning"
@@ -231,7 +236,13 @@ SAVABLE_MODULES = ("embed_tokens", "lm_head")
 # The methods that take LoRA options (`lora`).
 LORA_METHODS = (Method.LORA, Method.QLORA, Method.LORA_FA)
 # The PEFT methods beside LoRA with options of their own: the TrainingSpec field of each.
-DELTA_OPTIONS = {Method.VERA: "vera", Method.LOHA: "loha", Method.LOKR: "lokr"}
+DELTA_OPTIONS = {
+    Method.VERA: "vera",
+    Method.LOHA: "loha",
+    Method.LOKR: "lokr",
+    Method.ADALORA: "adalora",
+    Method.OFT: "oft",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -413,6 +424,8 @@ class TrainingSpec:
     vera: VeraSpec | None = None
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    adalora: AdaLoraSpec | None = None
+    oft: OftSpec | None = None
     # The training objective (TRL's trainer names) and DPO's settings, for objective "dpo".
     objective: Objective = Objective.SFT
     dpo: DpoSpec | None = None
@@ -619,19 +632,25 @@ class ResolvedSpec:
     vera: VeraSpec | None = None
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    adalora: AdaLoraSpec | None = None
+    oft: OftSpec | None = None
     options_field: str = "lora"
 
 
 # The PEFT defaults a VeRA, LoHa or LoKr job without options takes, and the note saying so.
-_DELTA_DEFAULTS: dict[Method, type[VeraSpec | LohaSpec | LokrSpec]] = {
+_DELTA_DEFAULTS: dict[Method, type[VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec | OftSpec]] = {
     Method.VERA: VeraSpec,
     Method.LOHA: LohaSpec,
     Method.LOKR: LokrSpec,
+    Method.ADALORA: AdaLoraSpec,
+    Method.OFT: OftSpec,
 }
 _DELTA_DEFAULT_NOTES = {
     Method.VERA: "VeRA options not given: r=256, default target modules",
     Method.LOHA: "LoHa options not given: r=8, alpha=8, default target modules",
     Method.LOKR: "LoKr options not given: r=8, alpha=8, default target modules",
+    Method.ADALORA: "AdaLoRA options not given: init_r=12, target_r=8, default target modules",
+    Method.OFT: "OFT options not given: oft_block_size=32, default target modules",
 }
 
 # LitGPT finetune/lora.py: lora_dropout default 0.05.
@@ -650,16 +669,18 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     notes: list[str] = []
     lora = spec.lora
     quant = spec.quantization
-    # VeRA, LoHa and LoKr: their options, and the linears they adapt and their rank in LoRA's
-    # terms (`adapted_linears`)
-    delta: VeraSpec | LohaSpec | LokrSpec | None = None
+    # VeRA, LoHa, LoKr and AdaLoRA: their options, and the linears they adapt and their rank
+    # in LoRA's terms (`adapted_linears`)
+    delta: VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec | OftSpec | None = None
     field_name = DELTA_OPTIONS.get(spec.method)
     if field_name is not None:
         given = getattr(spec, field_name)
         delta = given or _DELTA_DEFAULTS[spec.method]()
         if given is None:
             notes.append(_DELTA_DEFAULT_NOTES[spec.method])
-        lora = LoraSpec(r=delta.r, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
+        # (OFT's rank counts blocks; an OFT job's LoRA-shaped placement takes its targets alone)
+        rank = max(delta.r, 1)
+        lora = LoraSpec(r=rank, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
     if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
         lora = LoraSpec()
         notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
@@ -745,5 +766,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         vera=delta if isinstance(delta, VeraSpec) else None,
         loha=delta if isinstance(delta, LohaSpec) else None,
         lokr=delta if isinstance(delta, LokrSpec) else None,
+        adalora=delta if isinstance(delta, AdaLoraSpec) else None,
+        oft=delta if isinstance(delta, OftSpec) else None,
         options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )

@@ -112,3 +112,137 @@ class LokrSpec:
             if value:
                 raise InvalidSpecError(f"lokr.{name}", "LoKr with dropout is not modelled yet")
         check_targets("lokr", self.target_modules)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaLoraSpec:
+    """PEFT AdaLoraConfig (peft/tuners/adalora/config.py): per adapted linear an SVD-shaped
+    triplet, lora_A (init_r x in), lora_E (init_r x 1) and lora_B (out x init_r), all trained
+    (peft/tuners/adalora/layer.py SVDLinear); AdaLoraModel.forward adds an orthogonality
+    penalty over every lora_A and lora_B to the loss, and the training loop's
+    `update_and_allocate` keeps three fp32 copies of every adapter parameter (the
+    RankAllocator's importance, its moving average and its uncertainty). Ranks are pruned by
+    masking lora_E in place: no tensor changes size during training."""
+
+    init_r: int = 12
+    target_r: int = 8  # the pruned average rank: lora_E masked, no memory
+    lora_alpha: int = 8  # scaling: no memory
+    lora_dropout: float = 0.0
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_ADALORA_TARGET_MODULES_MAPPING,
+    # q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+    orth_reg_weight: float = 0.5  # the penalty is built at any weight (0 included)
+    # The RankAllocator's schedule: steps of warm-up, of final fine-tuning, and in all. Its
+    # buffers exist from the first step to step total_step - tfinal whatever the schedule; the
+    # masking steps' scores are one parameter-sized temporary at a time.
+    tinit: int = 0
+    tfinal: int = 0
+    deltaT: int = 1  # PEFT's field name and default
+    beta1: float = 0.85  # moving averages' factors: no memory
+    beta2: float = 0.85
+    # PEFT requires it (AdaLoraConfig.__post_init__); None: not given, the memory does not
+    # depend on it while the RankAllocator runs.
+    total_step: int | None = None
+
+    @property
+    def r(self) -> int:
+        """The rank every adapted linear is built with."""
+        return self.init_r
+
+    def __post_init__(self) -> None:
+        if self.init_r < 1:
+            raise InvalidSpecError("adalora.init_r", "must be at least 1")
+        if not 1 <= self.target_r <= self.init_r:
+            raise InvalidSpecError("adalora.target_r", "must be between 1 and init_r")
+        if self.lora_alpha < 1:
+            raise InvalidSpecError("adalora.lora_alpha", "must be at least 1")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise InvalidSpecError("adalora.lora_dropout", "must be in [0, 1)")
+        if self.lora_dropout:
+            raise InvalidSpecError(
+                "adalora.lora_dropout", "AdaLoRA with dropout is not modelled yet: use 0.0"
+            )
+        if self.orth_reg_weight < 0:
+            raise InvalidSpecError("adalora.orth_reg_weight", "must be at least 0")
+        if self.tinit < 0 or self.tfinal < 0:
+            raise InvalidSpecError("adalora.tinit", "tinit and tfinal must be at least 0")
+        if self.deltaT < 1:
+            raise InvalidSpecError("adalora.deltaT", "must be at least 1")
+        for name in ("beta1", "beta2"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise InvalidSpecError(f"adalora.{name}", "must be in (0, 1)")
+        if self.total_step is not None and self.tinit >= self.total_step - self.tfinal:
+            # peft/tuners/adalora/config.py: no budgeting phase left
+            raise InvalidSpecError(
+                "adalora.total_step", "must exceed tinit + tfinal (PEFT's budgeting phase)"
+            )
+        check_targets("adalora", self.target_modules)
+
+
+def oft_blocks(in_features: int, wanted: int) -> int:
+    """PEFT's OFTLayer.adjust_oft_parameters: `wanted` (a block count or size) moved to the
+    nearest divisor of `in_features` (the lower one on a tie), at most `in_features`."""
+    if wanted >= in_features:
+        return in_features
+    higher = wanted
+    while higher <= in_features and in_features % higher:
+        higher += 1
+    lower = wanted
+    while lower > 1 and in_features % lower:
+        lower -= 1
+    return lower if wanted - lower <= higher - wanted else higher
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OftSpec:
+    """PEFT OFTConfig (peft/tuners/oft/config.py): per adapted linear `r` orthogonal blocks of
+    `oft_block_size` (exactly one of the two given, the other 0), each trained as the
+    block_size·(block_size − 1)/2 entries of a skew-symmetric matrix, turned into a rotation by
+    the Cayley–Neumann series; the forward rotates the linear's input block by block
+    (peft/tuners/oft/layer.py OFTRotationModule.forward)."""
+
+    r: int = 0
+    oft_block_size: int = 32
+    module_dropout: float = 0.0
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING,
+    # a copy of LoRA's: q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+    coft: bool = False
+    eps: float = 6e-5  # COFT's constraint: no memory
+    block_share: bool = False
+    use_cayley_neumann: bool = True
+    num_cayley_neumann_terms: int = 5
+
+    def __post_init__(self) -> None:
+        if self.r < 0 or self.oft_block_size < 0:
+            raise InvalidSpecError("oft.r", "r and oft_block_size must be at least 0")
+        if (self.r == 0) == (self.oft_block_size == 0):
+            # peft/tuners/oft/config.py OFTConfig.__post_init__
+            raise InvalidSpecError(
+                "oft.r", "give exactly one of r and oft_block_size (the other 0)"
+            )
+        if not 0.0 <= self.module_dropout < 1.0:
+            raise InvalidSpecError("oft.module_dropout", "must be in [0, 1)")
+        if self.module_dropout:
+            raise InvalidSpecError("oft.module_dropout", "OFT with dropout is not modelled yet")
+        for name in ("coft", "block_share"):
+            if getattr(self, name):
+                raise InvalidSpecError(f"oft.{name}", f"OFT with {name} is not modelled yet")
+        if not self.use_cayley_neumann:
+            raise InvalidSpecError(
+                "oft.use_cayley_neumann", "the exact Cayley transform is not modelled yet"
+            )
+        if self.num_cayley_neumann_terms != 5:
+            raise InvalidSpecError(
+                "oft.num_cayley_neumann_terms", "only PEFT's default of 5 terms is modelled"
+            )
+        check_targets("oft", self.target_modules)
+
+    def blocks(self, in_features: int) -> tuple[int, int]:
+        """(block count, block size) on a linear of `in_features` inputs, as PEFT adjusts them
+        (OFTLayer.update_layer)."""
+        if self.r:
+            r = oft_blocks(in_features, self.r)
+            return r, in_features // r
+        size = oft_blocks(in_features, self.oft_block_size)
+        return in_features // size, size

@@ -7,7 +7,10 @@ from typing import Any
 
 from service.core.spec import ALL_LINEAR, Method, ResolvedSpec
 
-DELTA_METHODS = (Method.VERA, Method.LOHA, Method.LOKR)
+# AdaLoraConfig requires total_step; a trace without one runs the RankAllocator's schedule of
+# PEFT's method-comparison runs (method_comparison/MetaMathQA/experiments/adalora: 5000).
+TRACED_TOTAL_STEP = 5000
+DELTA_METHODS = (Method.VERA, Method.LOHA, Method.LOKR, Method.ADALORA, Method.OFT)
 
 
 def _targets(target: tuple[str, ...] | str | None) -> Any:
@@ -16,7 +19,7 @@ def _targets(target: tuple[str, ...] | str | None) -> Any:
 
 def _config(resolved: ResolvedSpec) -> Any:
     """The method's PEFT config, from the resolved spec's options."""
-    from peft import LoHaConfig, LoKrConfig, VeraConfig
+    from peft import AdaLoraConfig, LoHaConfig, LoKrConfig, OFTConfig, VeraConfig
 
     if resolved.spec.method is Method.VERA and resolved.vera is not None:
         vera = resolved.vera
@@ -50,6 +53,37 @@ def _config(resolved: ResolvedSpec) -> Any:
             decompose_factor=lokr.decompose_factor,
             rank_dropout_scale=lokr.rank_dropout_scale,
             target_modules=_targets(lokr.target_modules),
+            task_type="CAUSAL_LM",
+        )
+    if resolved.spec.method is Method.ADALORA and resolved.adalora is not None:
+        ada = resolved.adalora
+        return AdaLoraConfig(
+            init_r=ada.init_r,
+            target_r=ada.target_r,
+            lora_alpha=ada.lora_alpha,
+            lora_dropout=ada.lora_dropout,
+            target_modules=_targets(ada.target_modules),
+            orth_reg_weight=ada.orth_reg_weight,
+            tinit=ada.tinit,
+            tfinal=ada.tfinal,
+            deltaT=ada.deltaT,
+            beta1=ada.beta1,
+            beta2=ada.beta2,
+            total_step=ada.total_step or TRACED_TOTAL_STEP,
+            task_type="CAUSAL_LM",
+        )
+    if resolved.spec.method is Method.OFT and resolved.oft is not None:
+        oft = resolved.oft
+        return OFTConfig(
+            r=oft.r,
+            oft_block_size=oft.oft_block_size,
+            module_dropout=oft.module_dropout,
+            target_modules=_targets(oft.target_modules),
+            coft=oft.coft,
+            eps=oft.eps,
+            block_share=oft.block_share,
+            use_cayley_neumann=oft.use_cayley_neumann,
+            num_cayley_neumann_terms=oft.num_cayley_neumann_terms,
             task_type="CAUSAL_LM",
         )
     raise ValueError(f"no PEFT config for method {resolved.spec.method.value!r}")

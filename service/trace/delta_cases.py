@@ -1,16 +1,20 @@
 """Reference cases of the PEFT methods beside LoRA that change what a step holds: LoRA-FA
 (lora_A frozen, PEFT's LoraFAOptimizer), VeRA (shared frozen projections, trained
 vectors), LoHa and LoKr (a full-size delta weight each forward: a Hadamard product, a Kronecker
-product), on Qwen2.5-0.5B and Llama-3.2-1B."""
+product), AdaLoRA (SVD-shaped triplets, the orthogonality penalty, the RankAllocator's
+buffers), on Qwen2.5-0.5B and Llama-3.2-1B."""
 
 from __future__ import annotations
 
 from service.core.spec import ALL_LINEAR, LoraSpec, Method, TrainingSpec
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 
 QWEN_05B = "Qwen/Qwen2.5-0.5B"
 LLAMA_1B = "meta-llama/Llama-3.2-1B"
 QUERY_VALUE = ("q_proj", "v_proj")
+# AdaLoRA's schedule in PEFT's method-comparison runs (method_comparison/MetaMathQA/
+# experiments/adalora/llama-3.2-3B-rank32/adapter_config.json): both traced steps in its warm-up.
+ADALORA_SCHEDULE = {"tinit": 200, "tfinal": 500, "total_step": 5000}
 
 
 def _job(method: Method, b: int, s: int, *, ckpt: bool = False, **options: object) -> TrainingSpec:
@@ -61,4 +65,29 @@ def peft_delta_cases() -> list[tuple[str, TrainingSpec]]:
             QWEN_05B,
             _job(Method.LOKR, 1, 256, ckpt=True, lokr=LokrSpec(r=4, decompose_both=True)),
         ),
+        (
+            QWEN_05B,
+            _job(
+                Method.ADALORA,
+                2,
+                512,
+                adalora=AdaLoraSpec(init_r=16, target_modules=ALL_LINEAR, **ADALORA_SCHEDULE),
+            ),
+        ),
+        (
+            QWEN_05B,
+            _job(Method.ADALORA, 1, 512, ckpt=True, adalora=AdaLoraSpec(tinit=2, total_step=100)),
+        ),
+        (
+            LLAMA_1B,
+            _job(
+                Method.ADALORA,
+                2,
+                512,
+                adalora=AdaLoraSpec(init_r=64, target_r=32, **ADALORA_SCHEDULE),
+            ),
+        ),
+        (QWEN_05B, _job(Method.OFT, 2, 512, oft=OftSpec(r=16, oft_block_size=0))),
+        (QWEN_05B, _job(Method.OFT, 1, 512, ckpt=True, oft=OftSpec(target_modules=ALL_LINEAR))),
+        (LLAMA_1B, _job(Method.OFT, 2, 512, oft=OftSpec(r=32, oft_block_size=0))),
     ]

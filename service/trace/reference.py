@@ -198,7 +198,7 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("precomputed-ref")
         if dpo.max_completion_length is not None:
             parts.append(f"completion{dpo.max_completion_length}")
-    options = spec.vera or spec.loha or spec.lokr
+    options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
         targets = (
@@ -209,6 +209,10 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append(f"factor{spec.lokr.decompose_factor}")
         if spec.lokr is not None and spec.lokr.decompose_both:
             parts.append("decompose-both")
+        if spec.oft is not None and spec.oft.oft_block_size:
+            parts.append(f"block{spec.oft.oft_block_size}")
+        if spec.adalora is not None:
+            parts.append(f"target{spec.adalora.target_r}-tinit{spec.adalora.tinit}")
     lora = spec.lora
     if lora is not None:
         target = lora.target_modules

@@ -2,7 +2,8 @@
 
 Step 1 has no optimizer state during forward and backward; step 2 is the steady state. Each step
 is `loss = model(input_ids, labels=labels).loss`, `loss.backward()`, `optimizer.step()`,
-`optimizer.zero_grad(set_to_none=True)`, as HF Trainer runs it with one micro-batch.
+`optimizer.zero_grad(set_to_none=True)`, as HF Trainer runs it with one micro-batch; AdaLoRA's
+steps also call its RankAllocator after the optimizer step, as PEFT's method-comparison loop does.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
         )
     if spec.optim is Optim.ADAFACTOR:
         raise NotTraceableError("adafactor is not traced")
+    adalora = resolved.adalora
+    if adalora is not None and adalora.tinit < STEPS:
+        # RankAllocator.mask_to_budget reads its threshold with .item(), which fake tensors
+        # cannot answer: the traced steps must fall in the warm-up
+        raise NotTraceableError(f"AdaLoRA is traced with tinit >= {STEPS} (no masking step)")
     if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
         notes.append(
             "flash_attention_2 traced as SDPA's flash kernel (the same saved tensors: q, k, v, "
@@ -553,8 +559,19 @@ def _run_steps(
             scaler.step(optimizer)
             scaler.update()
         tracker.host_scalar_ops = False
+        if spec.method is Method.ADALORA:
+            _allocate_ranks(model, tracker, step)
         optimizer.zero_grad(set_to_none=not keep_gradients)
         tracker.end_phase()
+
+
+def _allocate_ranks(model: torch.nn.Module, tracker: StorageTracker, step: int) -> None:
+    """AdaLoRA's RankAllocator after the optimizer step and before zero_grad, as PEFT's
+    method-comparison loop calls it (method_comparison/MetaMathQA/run.py train:
+    `model.base_model.update_and_allocate(step)`): its importance buffers, kept across steps,
+    and the temporaries that update them are labelled optimizer state."""
+    with tracker.labelling(Component.OPTIMIZER_STATE):
+        model.base_model.update_and_allocate(step)
 
 
 def _step_peaks(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:

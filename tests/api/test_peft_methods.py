@@ -29,7 +29,13 @@ LOKR_JOB: dict[str, Any] = {
     "method": "lokr",
     "lokr": {"r": 32, "alpha": 64, "decompose_factor": 4, "target_modules": "all-linear"},
 }
-CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB]
+ADALORA_JOB: dict[str, Any] = {
+    **SMALL_JOB,
+    "method": "adalora",
+    "adalora": {"init_r": 64, "target_r": 32, "tinit": 200, "tfinal": 500, "total_step": 5000},
+}
+OFT_JOB: dict[str, Any] = {**SMALL_JOB, "method": "oft", "oft": {"r": 32, "oft_block_size": 0}}
+CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB, ADALORA_JOB, OFT_JOB]
 
 
 @pytest.mark.parametrize("job", CASES, ids=lambda job: job["method"])
@@ -83,6 +89,13 @@ def test_vera_trains_its_vectors(client: TestClient) -> None:
         ({**LOKR_JOB, "loha": {"r": 8}}, "loha"),
         ({**LOKR_JOB, "lokr": {"decompose_factor": 0}}, "lokr.decompose_factor"),
         ({**LOHA_JOB, "loha": {"r": 16, "rank_dropout": 0.1}}, "loha.rank_dropout"),
+        ({**ADALORA_JOB, "lora": {"r": 8}}, "lora"),
+        ({**ADALORA_JOB, "adalora": {"init_r": 8, "target_r": 16}}, "adalora.target_r"),
+        ({**ADALORA_JOB, "adalora": {"lora_dropout": 0.1}}, "adalora.lora_dropout"),
+        ({**ADALORA_JOB, "adalora": {"init_r": True}}, "adalora.init_r"),
+        ({**OFT_JOB, "oft": {"r": 4, "oft_block_size": 16}}, "oft.r"),
+        ({**OFT_JOB, "oft": {"coft": True}}, "oft.coft"),
+        ({**OFT_JOB, "adalora": {"init_r": 8}}, "adalora"),
     ],
 )
 def test_options_for_another_method_are_422(
@@ -91,3 +104,18 @@ def test_options_for_another_method_are_422(
     response = client.post("/v1/estimates", json=job)
     assert response.status_code == 422, response.text
     assert response.json()["errors"][0]["loc"] == ["body", *field.split(".")]
+
+
+def test_adalora_trains_its_triplets_and_rank_counts(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=ADALORA_JOB).json()
+    # Qwen2.5-0.5B: 24 layers, PEFT's default q_proj (896 -> 896) and v_proj (896 -> 128);
+    # per linear lora_A (64 x 896), lora_E (64), lora_B (out x 64) and ranknum (one element)
+    per_layer = sum(64 * 896 + 64 + out * 64 + 1 for out in (896, 128))
+    assert body["params"]["trainable"] == 24 * per_layer
+
+
+def test_oft_trains_its_blocks(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=OFT_JOB).json()
+    # Qwen2.5-0.5B: 24 layers, PEFT's default q_proj and v_proj (896 inputs each); 32 blocks
+    # of 28, each 28 * 27 / 2 trained entries
+    assert body["params"]["trainable"] == 24 * 2 * 32 * (28 * 27 // 2)

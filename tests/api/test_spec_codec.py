@@ -33,6 +33,8 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "vera",
             "loha",
             "lokr",
+            "adalora",
+            "oft",
             "half",
         ]
     ),
@@ -104,6 +106,28 @@ fields: dict[str, st.SearchStrategy[Any]] = {
         optional={
             "precompute_ref_log_probs": st.booleans() | st.none(),
             "max_completion_length": st.none() | integers,
+        },
+    ),
+    "oft": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "r": integers,
+            "oft_block_size": integers,
+            "coft": st.booleans(),
+            "num_cayley_neumann_terms": integers,
+        },
+    ),
+    "adalora": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "init_r": integers,
+            "target_r": integers,
+            "lora_dropout": numbers,
+            "tinit": integers,
+            "total_step": st.none() | integers,
+            "beta1": numbers,
         },
     ),
     "parallel": st.fixed_dictionaries(

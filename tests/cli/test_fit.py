@@ -247,7 +247,7 @@ def test_dora_and_rslora_options_reach_the_spec_and_the_job() -> None:
     assert plain.lora is not None and not plain.lora.use_dora
 
 
-@pytest.mark.parametrize("method", ["lora-fa", "vera", "loha", "lokr"])
+@pytest.mark.parametrize("method", ["lora-fa", "vera", "loha", "lokr", "adalora", "oft"])
 def test_peft_methods_take_their_defaults_and_the_rank(method: str) -> None:
     plain = spec_from_args(build_parser().parse_args(["fit", *SMALL, "--method", method]))
     assert plain.method.value == method

@@ -55,7 +55,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -157,7 +157,14 @@ veras = st.builds(
     save_projection=st.booleans(),
 )
 # The PEFT methods beside LoRA: PEFT's own step on one GPU, without autocast.
-DELTA_METHODS = (Method.LORA_FA, Method.VERA, Method.LOHA, Method.LOKR)
+DELTA_METHODS = (
+    Method.LORA_FA,
+    Method.VERA,
+    Method.LOHA,
+    Method.LOKR,
+    Method.ADALORA,
+    Method.OFT,
+)
 lokrs = st.builds(
     LokrSpec,
     r=st.integers(1, MAX_LORA_R),
@@ -175,6 +182,26 @@ lohas = st.builds(
     | st.lists(module_names, min_size=1, max_size=MAX_MODULES).map(tuple),
 )
 
+adaloras = st.builds(
+    AdaLoraSpec,
+    init_r=st.integers(8, MAX_LORA_R),
+    target_r=st.integers(1, 8),
+    lora_alpha=st.integers(1, MAX_LORA_ALPHA),
+    target_modules=st.none() | st.just(ALL_LINEAR),
+    orth_reg_weight=st.floats(0.0, 1.0),
+    tinit=st.integers(0, 100),
+    tfinal=st.integers(0, 100),
+    deltaT=st.integers(1, 10),
+    total_step=st.none() | st.integers(201, 10_000),
+)
+
+ofts = st.builds(
+    OftSpec,
+    r=st.integers(1, 64),
+    oft_block_size=st.just(0),
+    target_modules=st.none() | st.just(ALL_LINEAR),
+) | st.builds(OftSpec, r=st.just(0), oft_block_size=st.integers(1, 256))
+
 
 @st.composite
 def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
@@ -187,6 +214,8 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
         vera=draw(st.none() | veras) if method is Method.VERA else None,
         loha=draw(st.none() | lohas) if method is Method.LOHA else None,
         lokr=draw(st.none() | lokrs) if method is Method.LOKR else None,
+        adalora=draw(st.none() | adaloras) if method is Method.ADALORA else None,
+        oft=draw(st.none() | ofts) if method is Method.OFT else None,
         dtype=draw(st.sampled_from(DType)),
         optim=draw(st.sampled_from((Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED))),
         gradient_checkpointing=draw(st.booleans()),
@@ -344,8 +373,9 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
         (
             {"method": "nope"},
             "method",
-            "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', 'ia3', "
-            "'ln-tuning', 'prompt-tuning', 'llama-adapter' or 'llama-adapter-v2'",
+            "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', "
+            "'adalora', 'oft', 'ia3', 'ln-tuning', 'prompt-tuning', 'llama-adapter' or "
+            "'llama-adapter-v2'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
         (

@@ -24,7 +24,7 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import DType
 
@@ -61,6 +61,8 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         Method.VERA: {"vera": VeraSpec(target_modules=ALL_LINEAR)},
         Method.LOHA: {"loha": LohaSpec(r=8, target_modules=ALL_LINEAR)},
         Method.LOKR: {"lokr": LokrSpec(r=8, target_modules=ALL_LINEAR)},
+        Method.ADALORA: {"adalora": AdaLoraSpec(init_r=8, target_r=4, target_modules=ALL_LINEAR)},
+        Method.OFT: {"oft": OftSpec(target_modules=ALL_LINEAR)},
     }.get(method, {})
     spec = TrainingSpec(
         **options,  # type: ignore[arg-type]
@@ -101,6 +103,8 @@ def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, Traini
         vera=None,
         loha=None,
         lokr=None,
+        adalora=None,
+        oft=None,
     )
     return model, plain
 

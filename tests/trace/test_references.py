@@ -36,6 +36,7 @@ RETRACED = (
     "qwen2_5-0_5b__prompt-tuning__20-virtual__b2-s512",
     "qwen2_5-0_5b__full__dpo__b1-s512",
     "qwen2_5-0_5b__lora__reward__r16-all-linear__b2-s512",
+    "qwen2_5-0_5b__adalora__r12-default__target8-tinit2__b1-s512__ckpt",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these
@@ -72,6 +73,8 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
         "vera",
         "loha",
         "lokr",
+        "adalora",
+        "oft",
     }
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}

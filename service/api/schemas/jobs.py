@@ -20,11 +20,13 @@ from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
 from service.api.schemas.peft_methods import (
+    AdaLoraIn,
     IA3In,
     LnTuningIn,
     LohaIn,
     LokrIn,
     ModuleList,
+    OftIn,
     PromptTuningIn,
     VeraIn,
 )
@@ -566,8 +568,8 @@ class JobSpec(In):
         default=Method.LORA,
         description=(
             "full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
-            "ia3, ln-tuning, prompt-tuning, vera, loha or lokr, or LitGPT's llama-adapter or "
-            "llama-adapter-v2 (framework 'litgpt' only)."
+            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr, adalora or oft, or LitGPT's "
+            "llama-adapter or llama-adapter-v2 (framework 'litgpt' only)."
         ),
     )
     objective: str = Field(
@@ -613,6 +615,12 @@ class JobSpec(In):
     )
     lokr: LokrIn | None = Field(
         default=None, description="LoKr options (lokr only); null: PEFT's defaults."
+    )
+    adalora: AdaLoraIn | None = Field(
+        default=None, description="AdaLoRA options (adalora only); null: PEFT's defaults."
+    )
+    oft: OftIn | None = Field(
+        default=None, description="OFT options (oft only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -697,6 +705,8 @@ class JobSpec(In):
             vera=None if self.vera is None else self.vera.to_spec(),
             loha=None if self.loha is None else self.loha.to_spec(),
             lokr=None if self.lokr is None else self.lokr.to_spec(),
+            adalora=None if self.adalora is None else self.adalora.to_spec(),
+            oft=None if self.oft is None else self.oft.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

@@ -1,6 +1,6 @@
 """The options of PEFT's methods besides LoRA in a job request, by PEFT's config names and
-defaults: (IA)^3, LN tuning and prompt tuning (service/core/spec_prompt.py), VeRA, LoHa and
-LoKr (service/core/spec_delta.py); and the module names every adapter option takes."""
+defaults: (IA)^3, LN tuning and prompt tuning (service/core/spec_prompt.py), VeRA, LoHa, LoKr,
+AdaLoRA and OFT (service/core/spec_delta.py); and the module names every adapter option takes."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from service.core.limits import (
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
+    MAX_TRAINING_STEPS,
     MAX_VIRTUAL_TOKENS,
     MODULE_NAME_PATTERN,
 )
 from service.core.spec import ALL_LINEAR
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 
 ModuleName = Annotated[
@@ -185,4 +186,103 @@ class LokrIn(In):
             decompose_factor=self.decompose_factor,
             rank_dropout_scale=self.rank_dropout_scale,
             target_modules=targets,
+        )
+
+
+class AdaLoraIn(In):
+    """PEFT AdaLoraConfig; the defaults are PEFT's (total_step, which PEFT requires, may be left
+    out: the memory does not depend on it)."""
+
+    integer_fields = integers("init_r", "target_r", "lora_alpha", "tinit", "tfinal", "deltaT")
+
+    init_r: int = Field(
+        default=12, ge=1, le=MAX_LORA_R, description="Initial rank of each triplet."
+    )
+    target_r: int = Field(
+        default=8, ge=1, le=MAX_LORA_R, description="Target average rank (masking, no memory)."
+    )
+    lora_alpha: int = Field(
+        default=8, ge=1, le=MAX_LORA_ALPHA, description="Scaling numerator (no memory)."
+    )
+    lora_dropout: Number = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout (0 only).")
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+    orth_reg_weight: Number = Field(
+        default=0.5, ge=0.0, le=1e6, description="Orthogonality penalty weight (no memory)."
+    )
+    tinit: int = Field(default=0, ge=0, le=MAX_TRAINING_STEPS, description="Warm-up steps.")
+    tfinal: int = Field(
+        default=0, ge=0, le=MAX_TRAINING_STEPS, description="Final fine-tuning steps."
+    )
+    deltaT: int = Field(
+        default=1, ge=1, le=MAX_TRAINING_STEPS, description="Steps between rank maskings."
+    )
+    beta1: Number = Field(default=0.85, ge=0.0, lt=1.0, description="Importance smoothing.")
+    beta2: Number = Field(default=0.85, ge=0.0, lt=1.0, description="Uncertainty smoothing.")
+    total_step: int | None = Field(
+        default=None, ge=1, le=MAX_TRAINING_STEPS, description="Total training steps."
+    )
+
+    def to_spec(self) -> AdaLoraSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return AdaLoraSpec(
+            init_r=self.init_r,
+            target_r=self.target_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=targets,
+            orth_reg_weight=self.orth_reg_weight,
+            tinit=self.tinit,
+            tfinal=self.tfinal,
+            deltaT=self.deltaT,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            total_step=self.total_step,
+        )
+
+
+class OftIn(In):
+    """PEFT OFTConfig; the defaults are PEFT's (exactly one of r and oft_block_size non-zero)."""
+
+    integer_fields = integers("r", "oft_block_size", "num_cayley_neumann_terms")
+
+    r: int = Field(default=0, ge=0, le=MAX_LORA_R, description="Blocks per adapted linear.")
+    oft_block_size: int = Field(default=32, ge=0, le=MAX_LORA_R, description="Block size.")
+    module_dropout: Number = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Multiplicative dropout (0 only)."
+    )
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+    coft: Boolean = Field(default=False, description="Constrained OFT (not modelled).")
+    eps: Number = Field(default=6e-5, ge=0.0, le=1.0, description="COFT's constraint.")
+    block_share: Boolean = Field(default=False, description="One block shared (not modelled).")
+    use_cayley_neumann: Boolean = Field(default=True, description="Cayley-Neumann series.")
+    num_cayley_neumann_terms: int = Field(
+        default=5, ge=1, le=64, description="Terms of the series (5 only)."
+    )
+
+    def to_spec(self) -> OftSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return OftSpec(
+            r=self.r,
+            oft_block_size=self.oft_block_size,
+            module_dropout=self.module_dropout,
+            target_modules=targets,
+            coft=self.coft,
+            eps=self.eps,
+            block_share=self.block_share,
+            use_cayley_neumann=self.use_cayley_neumann,
+            num_cayley_neumann_terms=self.num_cayley_neumann_terms,
         )

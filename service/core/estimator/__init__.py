@@ -9,10 +9,10 @@ calibration refines (`service.core.overhead`).
 By concern: `weights` (which modules train; parameters, gradients, optimizer state),
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
-by phase), `uncertainty` and `peak` (the estimate and its levels), `preference` (DPO's step
-on top of the SFT one); `deepseek` (the model states of DeepSeek-V2/V3, whose step is not
-modelled yet). Other code imports the
-names below from this package, not from its modules.
+by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
+estimate and its levels), `preference` (DPO's step on top of the SFT one); `deepseek` (the
+model states of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
+below from this package, not from its modules.
 """
 
 from service.core.estimator.activations import (
@@ -21,12 +21,14 @@ from service.core.estimator.activations import (
     layer_saved_bytes,
     litgpt_zero_pad_width,
 )
+from service.core.estimator.adalora import ALLOCATOR_BUFFERS, AdaLoraParts, adalora_parts
 from service.core.estimator.deepseek import (
     LoraTargets,
     ModelStates,
     deepseek_lora_targets,
     deepseek_model_states,
 )
+from service.core.estimator.oft import OFT_SERIES_SAVED
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
 from service.core.estimator.weights import (
@@ -37,13 +39,17 @@ from service.core.estimator.weights import (
 from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
 
 __all__ = [
+    "ALLOCATOR_BUFFERS",
     "ESTIMATOR_VERSION",
+    "OFT_SERIES_SAVED",
     "TILE_TOKENS",
     "TILE_VOCAB",
+    "AdaLoraParts",
     "LayerFlow",
     "LoraTargets",
     "ModelStates",
     "ZeroSettings",
+    "adalora_parts",
     "adapted_linears",
     "deepseek_lora_targets",
     "deepseek_model_states",

@@ -22,6 +22,7 @@ from service.core.estimator.adapter import (
     v2_linear_saves,
 )
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
+from service.core.estimator.oft import _oft_saves
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
     FUSED_GATE_UP_RANK_FACTOR,
@@ -39,7 +40,7 @@ from service.core.spec import (
     ResolvedSpec,
     SdpaKernel,
 )
-from service.core.spec_delta import LokrSpec
+from service.core.spec_delta import LokrSpec, OftSpec
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,
@@ -104,6 +105,11 @@ class LayerFlow:
     loha: bool = False
     # LoKr's options, on the adapted linears instead of LoRA (`_lokr_saves`).
     lokr: LokrSpec | None = None
+    # AdaLoRA's SVD triplets on the adapted linears: LoRA's saves and the scaled A and the
+    # rank divisor each matmul keeps (`_linear_saves`).
+    adalora: bool = False
+    # OFT's options, on the adapted linears instead of LoRA (`_oft_saves`).
+    oft: OftSpec | None = None
     # LitGPT's LLaMA-Adapter: the prompt length when this layer attends to the adapter prompt
     # (0 below adapter_start_layer); v2: every linear's scale and bias (estimator/adapter.py).
     adapter_prompt: int = 0
@@ -188,6 +194,8 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         vera=spec.method is Method.VERA,
         loha=spec.method is Method.LOHA,
         lokr=rs.lokr,
+        adalora=spec.method is Method.ADALORA,
+        oft=rs.oft,
         adapter_prompt=ADAPTER_PROMPT_LENGTH if is_adapter(rs) else 0,
         adapter_v2=v2,
     )
@@ -214,6 +222,9 @@ def _linear_saves(
     if f.lokr is not None:
         _lokr_saves(led, f, f.lokr, lin, x_key, x_bytes, input_grad)
         return
+    if f.oft is not None:
+        _oft_saves(led, f.oft, lin, x_key, x_bytes, input_grad)
+        return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
     lin_key = "qkv" if f.fused_qkv and lin.kind is LinearKind.ATTN_QKV else lin.name
     # PEFT lora.Linear.forward: x = self._cast_input_dtype(x, lora_A.weight.dtype), then
@@ -239,6 +250,15 @@ def _linear_saves(
         # (tools/autograd/derivatives.yaml mm: mat2's formula alone reads self)
         led.add(cast_key, lin.in_features * in_bytes)
     led.add(f"{lin.name}.lora_a_out", f.r * in_bytes)
+    if f.adalora:
+        # peft/tuners/adalora/layer.py SVDLinear.forward, `x @ (lora_A * lora_E).T @ lora_B.T
+        # * scaling / (ranknum + 1e-5)`: the first matmul keeps the product A * E for the
+        # input's gradient (when it takes one); the division by a tensor keeps its dividend,
+        # the scaled output (reference traces *__adalora__*), and its one-element divisor.
+        led.add(f"{lin.name}.adalora_scaled", lin.out_features * f.adapter)
+        if input_grad:
+            led.add(f"{lin.name}.adalora_ae", f.r * lin.in_features * f.adapter, _Kind.CONSTANT)
+        led.add(f"{lin.name}.adalora_ranknum", f.adapter, _Kind.CONSTANT)
     if f.autocast and f.adapter != AUTOCAST_BYTES:
         # Autocast casts the wider adapter weights to half precision for their matmuls, and
         # each matmul keeps its copy of A and of B for backward.

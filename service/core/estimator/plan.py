@@ -59,7 +59,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
@@ -141,6 +141,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         tuner_tensors(arch, rs) + adapter_tensors(arch, rs),
         rs.lokr,
         is_v2(rs),
+        rs.oft,
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
@@ -346,6 +347,9 @@ def _model_order(
             layer += [tensor(rows * cols, FP32_BYTES) for rows, cols in shape.tensors(f.r)]
         elif lin in adapted and f.loha:
             layer += [tensor(rows * cols, FP32_BYTES) for rows, cols in loha_tensors(lin, f.r)]
+        elif lin in adapted and f.oft is not None:
+            blocks, size = f.oft.blocks(lin.in_features)
+            layer.append(tensor(blocks * size * (size - 1) // 2, FP32_BYTES))
         elif lin in adapted and f.vera:
             layer.append(tensor(lin.out_features * lin.count, FP32_BYTES))  # vera_lambda_b
             layer.append(tensor(f.r, FP32_BYTES))  # vera_lambda_d
@@ -355,6 +359,8 @@ def _model_order(
             layer.append(tensor(lin.out_features * f.r, f.adapter))
             if f.dora:  # PEFT registers lora_magnitude_vector after lora_A and lora_B
                 layer.append(tensor(lin.out_features, f.adapter))
+            if f.adalora:  # AdaLoRA's lora_E and ranknum, registered after lora_A and lora_B
+                layer += [tensor(f.r, f.adapter), tensor(1, FP32_BYTES)]
     if full:
         norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
         layer += [tensor(h, other)] * norm_tensors
@@ -446,6 +452,10 @@ def _reserved_plan(
         vera=f.vera,
         loha=f.loha,
         lokr=_lokr_factors(adapted_linears(arch, rs), f),
+        adalora=f.adalora,
+        oft=tuple((lin.name, f.oft.blocks(lin.in_features)) for lin in adapted_linears(arch, rs))
+        if f.oft is not None
+        else (),
         vera_projections=vera_projection_sizes(adapted_linears(arch, rs), lora.r)
         if f.vera and lora is not None
         else (),
@@ -481,6 +491,8 @@ class _PlanKey(NamedTuple):
     vera: VeraSpec | None = None  # the options of the PEFT methods beside LoRA
     loha: LohaSpec | None = None
     lokr: LokrSpec | None = None
+    adalora: AdaLoraSpec | None = None
+    oft: OftSpec | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -507,6 +519,8 @@ class _PlanKey(NamedTuple):
             spec.vera,
             spec.loha,
             spec.lokr,
+            spec.adalora,
+            spec.oft,
         )
 
     def unit_spec(self) -> TrainingSpec:

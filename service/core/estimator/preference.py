@@ -176,7 +176,7 @@ class DpoStep(NamedTuple):
 
 def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> DpoStep:
     d = dpo_shape(arch, spec)
-    st = _step(arch, policy_spec(spec), compute_capability, top_layer_consumed=True)
+    st = _step(arch, policy_spec(spec), compute_capability)
     settings = spec.dpo_settings
     precompute = settings.precompute_ref_log_probs
     reference = st.fixed.trainable_params if spec.method is Method.FULL and not precompute else 0

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.adalora import adalora_parts
 from service.core.estimator.adapter import norm_product_bytes
 from service.core.estimator.deepseek import deepseek_model_states
 from service.core.estimator.ledger import _blk, _recipe_bytes
@@ -182,13 +183,8 @@ def _step(
     arch: ModelArch,
     spec: TrainingSpec,
     compute_capability: str | None = None,
-    *,
-    top_layer_consumed: bool = False,
 ) -> _Step:
-    """The step's allocated bytes phase by phase. `top_layer_consumed`: at the top layer's
-    attention backward without checkpointing, that layer keeps only what its attention's
-    backward reads (the MLP's saved tensors are consumed); DPO's references measure it
-    (llama-3_2-1b__qlora__dpo__*__b2-s1024), the SFT step keeps its own accounting."""
+    """The step's allocated bytes phase by phase."""
     _check_modelled(arch, spec)
     check_stack(spec.stack, arch.is_moe)
     unquantized = _unquantized(arch, spec)
@@ -232,9 +228,10 @@ def _step(
     frozen = rank.frozen
     trainable = rank.trainable
     grads = rank.gradients
-    state = rank.optimizer_state
+    ada = adalora_parts(arch, rs)
+    state = rank.optimizer_state + ada.allocator_state
     state_outside = rank.state_outside
-    temps = rank.optimizer_temporaries
+    temps = max(rank.optimizer_temporaries, ada.allocator_temporaries)
 
     per_layer = _recipe_bytes(plan.layer, b, s)
     # prompt tuning: `s` counts the virtual tokens (`tuners.sequence_spec`), the inputs do not
@@ -368,6 +365,7 @@ def _step(
         )
     top = _Moment(
         gradients=ga_grads if ga_grads else head_grads,
+        logits_loss=ada.penalty_gradients,
         activations=activations,
         recompute=recompute_end,
         backward_temporaries=in_flight,
@@ -480,9 +478,11 @@ def _step(
                 )
             )
         else:
+            # At the top layer's attention backward that layer keeps only what its attention's
+            # backward reads: its MLP's saved tensors are consumed (reference traces
+            # llama-3_2-1b__qlora__dpo__*__b2-s1024, peak at the scores' backward).
             acts_now = activations - final_norm + rope + masks
-            if top_layer_consumed:
-                acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s)
+            acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s)
             candidates.append(
                 _Moment(
                     gradients=ga_grads,
@@ -522,7 +522,7 @@ def _step(
             )
     forward_end = _Moment(
         gradients=ga_grads,
-        activations=activations,
+        activations=activations + ada.penalty_saved,
         logits_loss=loss.forward_peak,
         communication=rank.comm_forward,
     )
@@ -548,7 +548,7 @@ def _step(
         backward_start=_Moment(
             gradients=ga_grads,
             activations=activations,
-            logits_loss=loss.backward_peak,
+            logits_loss=loss.backward_peak + ada.penalty_gradients,
             communication=backward_start_comm,
         ),
         backward=max(candidates, key=sum),

@@ -18,13 +18,14 @@ from dataclasses import replace
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.weights import adapted_linears
 from service.core.spec import Method, ResolvedSpec, TrainingSpec
 from service.core.spec_prompt import (
     IA3_FEEDFORWARD_MODULES,
     IA3_TARGET_MODULES,
     LN_TUNING_TARGET_MODULES,
 )
-from service.core.units import DTYPE_BYTES
+from service.core.units import DTYPE_BYTES, FP32_BYTES
 
 # The decoder families whose (IA)^3 and LN-tuning steps the reference traces cover (dense
 # Llama-style layers: RMSNorm, a gated MLP, separate q/k/v projections).
@@ -138,6 +139,13 @@ def tuner_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, in
             tensors.append((arch.hidden_size, 0, md, L))
     if "final" in norms:
         tensors.append((arch.hidden_size, 0, md, 1))
+    if rs.oft is not None:
+        # OFTRotationModule.weight: (blocks, block_size * (block_size - 1) / 2), the upper
+        # triangles of the skew-symmetric blocks, fp32 (torch.empty, kept by
+        # autocast_adapter_dtype)
+        for lin in adapted_linears(arch, rs):
+            blocks, size = rs.oft.blocks(lin.in_features)
+            tensors.append((blocks, size * (size - 1) // 2, FP32_BYTES, L))
     if rs.prompt_tuning is not None:
         # PromptEmbedding.embedding: (num_virtual_tokens, token_dim), token_dim = hidden_size
         tensors.append((rs.prompt_tuning.num_virtual_tokens, arch.hidden_size, ad, 1))

@@ -18,8 +18,8 @@ from service.core.spec import (
     QuantType,
     ResolvedSpec,
 )
-from service.core.spec_delta import LokrSpec
-from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, UINT8_BYTES, DType
+from service.core.spec_delta import LokrSpec, OftSpec
+from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, INT64_BYTES, UINT8_BYTES, DType
 
 # bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
 # (bitsandbytes/functional.py quantize_4bit, blocksize=64); double quant stores the absmax
@@ -39,6 +39,9 @@ NF4_CODE_ENTRIES = 16  # quant_state.code: the 16 NF4/FP4 levels, fp32
 # block (bitsandbytes/optim/optimizer.py Optimizer2State, blockwise=True); parameters with
 # fewer than min_8bit_size = 4096 elements keep fp32 states.
 BNB_8BIT_BLOCK = 256
+# Two one-element tensors an OFT model holds beside its rotations and index buffers (reference
+# traces *__oft__*: 1024 bytes of frozen weights over the modules' own tensors).
+OFT_MODEL_CONSTANTS = 2 * 512
 BNB_MIN_8BIT_SIZE = 4096
 
 
@@ -220,6 +223,7 @@ def _params(
     tuner: tuple[tuple[int, int, int, int], ...] = (),
     lokr: LokrSpec | None = None,
     norms_train: bool = False,
+    oft: OftSpec | None = None,
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
     Cached: it depends on the model and method, not on batch or sequence length.
@@ -309,6 +313,16 @@ def _params(
             for tensor in shape.tensors(lora.r):
                 trainable.append(_Tensor(*tensor, FP32_BYTES, L))
                 layers_bytes += _Tensor(*tensor, FP32_BYTES, L).nbytes
+    elif oft is not None:
+        # OFT's rotations are `tuner` tensors (`tuners.tuner_tensors`); each rotation module
+        # registers the upper triangle's row and column indices as int64 buffers
+        # (peft/tuners/oft/layer.py OFTRotationModule.__init__: torch.triu_indices)
+        for lin in adapted:
+            _, size = oft.blocks(lin.in_features)
+            indices = _Tensor(size * (size - 1) // 2, 0, INT64_BYTES, L)
+            frozen += 2 * indices.nbytes
+            layers_bytes += 2 * indices.nbytes
+        frozen += OFT_MODEL_CONSTANTS
     elif lora is not None and method is Method.LOHA:
         for lin in adapted:
             for tensor in loha_tensors(lin, lora.r):
@@ -327,6 +341,15 @@ def _params(
             trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
             layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
             layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
+            if method is Method.ADALORA:
+                # lora_E (r, 1), registered after lora_A and lora_B, then ranknum, one fp32
+                # element (peft/tuners/adalora/layer.py AdaLoraLayer.update_layer): created
+                # frozen, it is trainable once moved to the base layer's device (re-registered
+                # as a new Parameter; reference traces *__adalora__*)
+                trainable.append(_Tensor(r, 0, ad, L))
+                trainable.append(_Tensor(1, 0, FP32_BYTES, L))
+                layers_bytes += _Tensor(r, 0, ad, L).nbytes
+                layers_bytes += _Tensor(1, 0, FP32_BYTES, L).nbytes
             if lora.use_dora:
                 # DoRA's magnitude: one per output feature, the norm of the adapter-dtype weight
                 # (peft/tuners/lora/dora.py DoraLinearLayer.update_layer).

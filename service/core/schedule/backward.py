@@ -54,6 +54,17 @@ class _Backward(_Forward):
                 self.f(acc, gin)
                 gin = total
             return gin
+        if lin.adapted and sh.oft:
+            return self._oft_backward(
+                g,
+                nbytes,
+                lin,
+                saved,
+                x_grad=x_grad,
+                acc=acc,
+                before_saved=before_saved,
+                in_bytes=in_bytes,
+            )
         if lin.adapted and sh.autocast:
             adapter_backward = (
                 self._dora_autocast_backward if sh.dora else self._lora_autocast_backward
@@ -71,6 +82,11 @@ class _Backward(_Forward):
             before_saved = None
         elif lin.adapted and (sh.loha or sh.lokr):
             g_base, gx_lora, acc = self._delta_backward(
+                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
+            )
+            before_saved = None
+        elif lin.adapted and sh.adalora:
+            g_base, gx_lora, acc = self._adalora_backward(
                 g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
             )
             before_saved = None

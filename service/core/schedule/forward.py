@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from service.core.bnb import uses_dequant_fallback
-from service.core.schedule.delta import _Delta
 from service.core.schedule.ia3 import _IA3
+from service.core.schedule.oft import _Oft
 from service.core.schedule.program import _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT8_BYTES, INT32_BYTES, INT64_BYTES
 
 
-class _Forward(_IA3, _Delta):
+class _Forward(_IA3, _Oft):
     """Appends the events of each module's forward."""
 
     # -- forward ----------------------------------------------------------------------------
@@ -79,6 +79,8 @@ class _Forward(_IA3, _Delta):
             return self.a(nbytes * lin.d_out)
         if lin.scales_input or lin.scales_output:
             return self.ia3_forward(x, nbytes, lin, saved)
+        if lin.adapted and sh.oft:
+            return self._oft(x, nbytes, lin, saved, stop)
         if lin.quantized:
             base = self._linear_4bit(x, nbytes, lin)
         elif lin.int8:
@@ -100,6 +102,8 @@ class _Forward(_IA3, _Delta):
             return self._loha(x, nbytes, lin, saved, base, stop)
         if sh.lokr:
             return self._lokr(x, nbytes, lin, saved, base, stop)
+        if sh.adalora:
+            return self._adalora(x, nbytes, lin, saved, base, stop)
         if sh.autocast and sh.dora:
             return self._dora_autocast(x, nbytes, lin, saved, base, stop)
         if sh.autocast:

@@ -92,6 +92,12 @@ class _StepBase:
         self.dpo_saved: list[int] = []  # DPO: what the policy's fused head keeps
         self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
+        # AdaLoRA (schedule/adalora.py): the penalty's gradients of lora_A and lora_B by bytes,
+        # waiting in their AccumulateGrad input buffers; what the penalty keeps for backward;
+        # the RankAllocator's three buffers per adapter parameter, kept across steps
+        self.waiting: dict[int, list[int]] = {}
+        self.penalty_saved: list[int] = []
+        self.allocator_buffers: list[list[int]] = []
 
     def norm_trains(self, name: str) -> bool:
         """Whether the norm `name` has a trainable weight (full fine-tuning, LN tuning)."""

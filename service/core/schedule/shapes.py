@@ -52,6 +52,9 @@ class LinearShape:
     # or the rank-r pair's two).
     lokr_factors: tuple[int, ...] = ()
     lokr_grads: tuple[tuple[int, ...], ...] = ()
+    # OFT's rotation of the input (peft/tuners/oft/layer.py): its block count and block size
+    # (0, 0: none)
+    oft_blocks: tuple[int, int] = (0, 0)
 
     @property
     def bnb(self) -> bool:
@@ -150,5 +153,11 @@ class StepShape:
     # the step runs the reference model's forward (not with precomputed log-probs)
     dpo_scored: int = 0
     dpo_reference: bool = False
+    adalora: bool = False  # AdaLoRA on the adapted linears (peft/tuners/adalora/layer.py)
+    oft: bool = False  # OFT on the adapted linears (peft/tuners/oft/layer.py)
+    # AdaLoRA's penalised parameters' bytes, every lora_A and lora_B in named_parameters order,
+    # and the RankAllocator's, every lora_A, lora_B and lora_E
+    penalty: tuple[int, ...] = ()
+    ranked: tuple[int, ...] = ()
     # A reward model (TRL's RewardTrainer): a one-output score head instead of the LM head
     score_head: bool = False

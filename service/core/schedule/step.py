@@ -263,6 +263,9 @@ class _Step(_Backward):
         self.f(upcast)
         if not sh.head_trainable:
             self.f(fn)
+        if sh.adalora:
+            # AdaLoraModel.forward holds the outputs while it adds its penalty to the loss
+            self.penalty_forward()
         self.f(logits)  # the outputs object is dropped once `.loss` is read
         return logits, logp
 
@@ -274,6 +277,8 @@ class _Step(_Backward):
         if sh.score_head:
             return self.norm_backward(self._score_backward(fn), final, "final")
         g = 0
+        if sh.adalora:
+            self.penalty_backward()
         if sh.loss_materialised:
             lb = FP32_BYTES if sh.loss_upcast else sh.head_bytes
             g1 = self.a(lb * v)
@@ -537,6 +542,8 @@ class _Step(_Backward):
             self._lorafa_step()
         elif up is Updater.ADAFACTOR:
             self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(3)])
+        if sh.adalora:
+            self.allocate_ranks()
         self.zero_grad()
 
     def zero_grad(self) -> None:

@@ -303,6 +303,16 @@
     } else if (["vera", "loha", "lokr"].includes(s.method)) {
       // PEFT's own options for these (VeraConfig, LoHaConfig, LoKrConfig): rank and targets
       job[s.method] = { r: s.lora_r, target_modules: modulesFrom(s.target_modules) };
+    } else if (s.method === "adalora") {
+      // AdaLoraConfig: the rank is its initial rank init_r
+      job.adalora = {
+        init_r: s.lora_r,
+        lora_alpha: s.lora_alpha,
+        target_modules: modulesFrom(s.target_modules),
+      };
+    } else if (s.method === "oft") {
+      // OFTConfig: the rank is its block count, given instead of a block size
+      job.oft = { r: s.lora_r, oft_block_size: 0, target_modules: modulesFrom(s.target_modules) };
     } else if (s.method === "ia3") {
       job.ia3 = { target_modules: modulesFrom(s.target_modules) };
     } else if (s.method === "ln-tuning") {

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vramcast_client.errors import Problem
 
-MethodName = Literal["full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr"]
+MethodName = Literal["full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr", "adalora", "oft"]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 OptimName = Literal[
     "adamw_torch",
@@ -117,6 +117,37 @@ class Lokr(_Request):
     target_modules: Literal["all-linear"] | list[str] | None = None
 
 
+class AdaLora(_Request):
+    """PEFT AdaLoraConfig (method adalora); None: PEFT's default."""
+
+    init_r: int | None = Field(default=None, ge=1)
+    target_r: int | None = Field(default=None, ge=1)
+    lora_alpha: int | None = Field(default=None, ge=1)
+    lora_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    target_modules: Literal["all-linear"] | list[str] | None = None
+    orth_reg_weight: float | None = Field(default=None, ge=0.0)
+    tinit: int | None = Field(default=None, ge=0)
+    tfinal: int | None = Field(default=None, ge=0)
+    deltaT: int | None = Field(default=None, ge=1)
+    beta1: float | None = Field(default=None, gt=0.0, lt=1.0)
+    beta2: float | None = Field(default=None, gt=0.0, lt=1.0)
+    total_step: int | None = Field(default=None, ge=1)
+
+
+class Oft(_Request):
+    """PEFT OFTConfig (method oft); None: PEFT's default."""
+
+    r: int | None = Field(default=None, ge=0)
+    oft_block_size: int | None = Field(default=None, ge=0)
+    module_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    target_modules: Literal["all-linear"] | list[str] | None = None
+    coft: bool | None = None
+    eps: float | None = Field(default=None, ge=0.0)
+    block_share: bool | None = None
+    use_cayley_neumann: bool | None = None
+    num_cayley_neumann_terms: int | None = Field(default=None, ge=1)
+
+
 class Quantization(_Request):
     """bitsandbytes quantization of the frozen base (QLoRA)."""
 
@@ -184,6 +215,8 @@ class Job(_Request):
     vera: Vera | None = None
     loha: Loha | None = None
     lokr: Lokr | None = None
+    adalora: AdaLora | None = None
+    oft: Oft | None = None
     dtype: DTypeName | None = None
     autocast: bool | None = None
     optim: OptimName | None = None
