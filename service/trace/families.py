@@ -222,6 +222,14 @@ def _reward_cases() -> list[tuple[str, TrainingSpec]]:
         (LLAMA_1B, _spec(lora, 4, 1024, ckpt=True, **reward)),
         (LLAMA_1B, _spec(full, 1, 512, **reward)),
         (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, **reward)),
+        (QWEN_05B, _spec(qlora, 2, 512, **reward)),
+        # RewardConfig.disable_dropout (default True) turns LoRA's dropout off
+        (
+            LLAMA_1B,
+            _spec(
+                lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **reward
+            ),
+        ),
     ]
 
 

@@ -442,11 +442,13 @@ def _step(
             acts_now = L * checkpoint + rope + masks
         else:
             acts_now = activations - final_norm + rope + masks - per_layer
+        # (without checkpointing the layer's tensors are its saved activations, not a
+        # recomputation: reference trace qwen2_5-0_5b__qlora__reward__*__b2-s512)
         candidates.append(
             _Moment(
                 gradients=ga_grads,
-                activations=acts_now,
-                recompute=layer_now,
+                activations=acts_now if ckpt else acts_now + layer_now,
+                recompute=layer_now if ckpt else 0,
                 backward_temporaries=grads_in,
             )
         )
