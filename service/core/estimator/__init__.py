@@ -10,7 +10,8 @@ By concern: `weights` (which modules train; parameters, gradients, optimizer sta
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
 by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
-estimate and its levels), `preference` (DPO's step on top of the SFT one); `deepseek` (the
+estimate and its levels), `preference` (DPO's step on top of the SFT one), `reward` (a reward
+model's step: the SFT one with a score head); `deepseek` (the
 model states of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
 below from this package, not from its modules.
 """
@@ -31,6 +32,7 @@ from service.core.estimator.deepseek import (
 from service.core.estimator.oft import OFT_SERIES_SAVED
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
+from service.core.estimator.reward import reward_arch, reward_spec
 from service.core.estimator.weights import (
     adapted_linears,
     default_target_modules,
@@ -63,5 +65,7 @@ __all__ = [
     "litgpt_zero_pad_width",
     "peak_levels",
     "policy_spec",
+    "reward_arch",
+    "reward_spec",
     "zero_settings",
 ]
