@@ -193,7 +193,9 @@ class AdaLoraIn(In):
     """PEFT AdaLoraConfig; the defaults are PEFT's (total_step, which PEFT requires, may be left
     out: the memory does not depend on it)."""
 
-    integer_fields = integers("init_r", "target_r", "lora_alpha", "tinit", "tfinal", "deltaT")
+    integer_fields = integers(
+        "init_r", "target_r", "lora_alpha", "tinit", "tfinal", "deltaT", "total_step"
+    )
 
     init_r: int = Field(
         default=12, ge=1, le=MAX_LORA_R, description="Initial rank of each triplet."
