@@ -12,7 +12,7 @@ from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
-from service.core.estimator.step import PHASES, _step
+from service.core.estimator.step import PHASES, _Step, _step
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.overhead import AboveAllocated, levels
@@ -49,30 +49,13 @@ def estimate(
     arch, untied = framework_arch(arch, spec)
     st = _step(arch, spec, compute_capability)
     plan = st.plan
-    p = plan.params
     phases = tuple(
         PhasePeak(step, phase, sum(parts), parts)
         for (step, phase), parts in zip(PHASES, st.parts(), strict=True)
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     over = _above(arch, spec, plan, peak.allocated_bytes, st.paged_state, compute_capability)
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
-        upper_margin=over.upper_margin,
-        assumptions=(*st.assumptions, *untied, *over.assumptions, stack_note(spec.stack)),
-        warnings=tuple(st.warnings),
-        estimator_version=ESTIMATOR_VERSION,
-        host_bytes=st.host,
-    )
+    return _answer(st, phases, peak, over, spec, after=untied)
 
 
 def peak_levels(
@@ -129,7 +112,6 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         )
     dpo = dpo_step(arch, spec, compute_capability)
     st = dpo.step
-    p = st.plan.params
     phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in dpo.phases)
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     settings = spec.dpo_settings
@@ -147,23 +129,7 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         st.paged_state,
         compute_capability,
     )
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
-        upper_margin=over.upper_margin,
-        assumptions=(*dpo.assumptions, *st.assumptions, *over.assumptions, stack_note(spec.stack)),
-        warnings=tuple(st.warnings),
-        estimator_version=ESTIMATOR_VERSION,
-        host_bytes=st.host,
-    )
+    return _answer(st, phases, peak, over, spec, before=dpo.assumptions)
 
 
 def _reward_estimate(
@@ -174,13 +140,28 @@ def _reward_estimate(
     reward = reward_step(arch, spec, compute_capability)
     st = reward.step
     model, run = reward_arch(arch), reward_spec(spec)
-    p = st.plan.params
     phases = tuple(
         PhasePeak(step, phase, sum(parts), parts)
         for (step, phase), parts in zip(PHASES, st.parts(), strict=True)
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     over = _above(model, run, st.plan, peak.allocated_bytes, st.paged_state, compute_capability)
+    return _answer(st, phases, peak, over, spec, before=reward.assumptions)
+
+
+def _answer(
+    st: _Step,
+    phases: tuple[PhasePeak, ...],
+    peak: PhasePeak,
+    over: AboveAllocated,
+    spec: TrainingSpec,
+    *,
+    before: tuple[str, ...] = (),
+    after: tuple[str, ...] = (),
+) -> Estimate:
+    """The estimate of a decoder's step `st` peaking at `peak`, with the levels `over` it; the
+    objective's notes come `before` the step's, the framework's `after` them."""
+    p = st.plan.params
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -194,8 +175,9 @@ def _reward_estimate(
         params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
         assumptions=(
-            *reward.assumptions,
+            *before,
             *st.assumptions,
+            *after,
             *over.assumptions,
             stack_note(spec.stack),
         ),
