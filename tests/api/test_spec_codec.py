@@ -179,3 +179,24 @@ def test_the_codec_agrees_with_the_api(job: dict[str, Any]) -> None:
         ), (exc.field, exc.reason, api)
     else:
         assert api == spec
+
+
+def test_an_unmodelled_objective_is_named_before_a_bad_combination() -> None:
+    # an objective TRL names but the estimate does not model, beside an offload DDP cannot do:
+    # both readers name the objective
+    job = {
+        "batch_size": 2,
+        "seq_len": 16,
+        "method": "full",
+        "objective": "orpo",
+        "parallel": {"offload": "optimizer"},
+    }
+    api = _api(job)
+    assert isinstance(api, list)
+    assert [field for field, _ in api] == ["objective"]
+    try:
+        spec_from_dict(job)
+    except InvalidSpecError as exc:
+        assert (exc.field, exc.reason) == api[0]
+    else:
+        raise AssertionError("the codec accepts an unmodelled objective")

@@ -693,6 +693,9 @@ class JobSpec(In):
 
     def to_spec(self) -> TrainingSpec:
         """The core spec; raises InvalidSpecError for invalid combinations."""
+        # The objective's name is checked before any combination, as the core codec checks it
+        # with the fields' values (service/core/codec.py `_objective`).
+        objective = objective_from(self.objective)
         return TrainingSpec(
             method=self.method,
             batch_size=self.batch_size,
@@ -722,6 +725,6 @@ class JobSpec(In):
             num_labels=self.num_labels,
             target_length=self.target_length,
             stack=self.stack.to_spec(),
-            objective=objective_from(self.objective),
+            objective=objective,
             dpo=None if self.dpo is None else self.dpo.to_spec(),
         )
