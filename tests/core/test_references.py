@@ -203,36 +203,16 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
     assert not misses, "\n".join(misses)
 
 
-def test_dpo_references_match(capsys: pytest.CaptureFixture[str]) -> None:
-    """The DPO references alone (`-k dpo`): allocated within PEAK_TOLERANCE, reserved within
+# Each objective's references with at least this many of them committed (`-k dpo`, `-k reward`).
+OBJECTIVE_REFERENCES = {"dpo": 10, "reward": 7}
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVE_REFERENCES))
+def test_objective_references_match(objective: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """One objective's references alone: allocated within PEAK_TOLERANCE, reserved within
     RESERVED_TOLERANCE, the peak's phase the trace's; printed per reference."""
-    refs = [r for r in _references(TRACES) if r["spec"].get("objective") == "dpo"]
-    assert len(refs) >= 10, "the DPO references are missing"
-    lines = [f"{'reference':<66}{'traced GiB':>11}{'error':>9}{'reserved':>10}  peak"]
-    beyond = []
-    for ref in refs:
-        est = _estimate(ref)
-        err = est.allocated_bytes / ref["peak"]["allocated_bytes"] - 1
-        reserved = est.reserved_bytes / ref["reserved"]["bytes"] - 1
-        traced_phase = (ref["peak"]["phase"], ref["peak"]["step"])
-        if abs(err) > PEAK_TOLERANCE or abs(reserved) > RESERVED_TOLERANCE:
-            beyond.append(f"{ref['name']}: {err:+.3%} allocated, {reserved:+.3%} reserved")
-        if traced_phase != (est.peak_phase.value, est.peak_step):
-            beyond.append(f"{ref['name']}: peak {traced_phase}, estimated {est.peak_phase}")
-        lines.append(
-            f"{ref['name'][:65]:<66}{ref['peak']['allocated_bytes'] / 2**30:>11.2f}"
-            f"{err:>+9.3%}{reserved:>+10.3%}  {traced_phase[0]}/{traced_phase[1]}"
-        )
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
-    assert not beyond, "\n".join(beyond)
-
-
-def test_reward_references_match(capsys: pytest.CaptureFixture[str]) -> None:
-    """The reward-model references alone (`-k reward`): allocated within PEAK_TOLERANCE,
-    reserved within RESERVED_TOLERANCE, the peak's phase the trace's; printed per reference."""
-    refs = [r for r in _references(TRACES) if r["spec"].get("objective") == "reward"]
-    assert len(refs) >= 7, "the reward-model references are missing"
+    refs = [r for r in _references(TRACES) if r["spec"].get("objective") == objective]
+    assert len(refs) >= OBJECTIVE_REFERENCES[objective], f"the {objective} references are missing"
     lines = [f"{'reference':<66}{'traced GiB':>11}{'error':>9}{'reserved':>10}  peak"]
     beyond = []
     for ref in refs:
