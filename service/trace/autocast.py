@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from service.core.spec import TrainingSpec
+from service.core.units import DType
 
 # The AutocastCUDA registrations of the pinned torch, by policy (ATen/autocast_mode.h lists).
 LOWER_PRECISION_FP = (
@@ -383,3 +386,37 @@ def cuda_autocast_policy() -> Iterator[None]:
             setattr(torch, name, original)
         policy.cache.clear()
         library._destroy()
+
+
+def autocast_dtype(spec: TrainingSpec) -> torch.dtype:
+    """HF Trainer's mixed precision: fp16 for an fp16 model (fp16=True), else bf16."""
+    return torch.float16 if spec.dtype is DType.FP16 else torch.bfloat16
+
+
+@contextmanager
+def accelerate_forward(models: Iterable[torch.nn.Module], spec: TrainingSpec) -> Iterator[None]:
+    """Each model's forward as accelerate 1.15 prepares it under mixed precision
+    (accelerate/accelerator.py `prepare_model`, `native_amp`): the forward inside autocast, its
+    half-precision outputs converted to fp32 (accelerate/utils/operations.py
+    `convert_outputs_to_fp32`). TRL's trainers call the prepared policy and reference models
+    this way, with their losses computed outside; without mixed precision nothing changes."""
+    if not spec.autocast:
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    dtype = autocast_dtype(spec)
+    wrapped = list(models)
+    for model in wrapped:
+        forward = model.forward
+
+        def autocast_forward(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            with torch.autocast("cpu", dtype=dtype):
+                return _forward(*args, **kwargs)
+
+        model.forward = convert_outputs_to_fp32(autocast_forward)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for model in wrapped:
+            del model.forward  # the class's forward again

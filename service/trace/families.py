@@ -233,6 +233,30 @@ def _reward_cases() -> list[tuple[str, TrainingSpec]]:
     ]
 
 
+def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
+    """DPO and reward modelling under TRL's default mixed precision (its configs set
+    bf16=True unless fp16 is asked for: trl/trainer/base_config.py): accelerate's autocast
+    around each model's forward, full, LoRA and QLoRA on three families."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    eager = AttnImpl.EAGER
+    dpo = {"objective": Objective.DPO, "autocast": True}
+    reward = {"objective": Objective.REWARD, "autocast": True}
+    return [
+        (QWEN_05B, _spec(lora, 1, 512, ckpt=True, **dpo)),
+        (QWEN_05B, _spec(full, 1, 512, **dpo)),
+        (QWEN_05B, _spec(qlora, 2, 512, **dpo)),
+        (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, **dpo)),
+        (LLAMA_1B, _spec(lora, 2, 512, **dpo)),
+        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **dpo, dpo=DpoSpec(max_completion_length=256))),
+        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
+        (PHI_3, _spec(qlora, 1, 1024, ckpt=True, **dpo)),
+        (QWEN_05B, _spec(lora, 2, 512, **reward)),
+        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, **reward)),
+        (LLAMA_1B, _spec(full, 1, 512, **reward)),
+        (LLAMA_1B, _spec(qlora, 2, 1024, **reward)),
+    ]
+
+
 def _dora_cases() -> list[tuple[str, TrainingSpec]]:
     """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing, autocast and
     dropout, on Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""

@@ -58,6 +58,7 @@ from service.trace.families import (
     _falcon_bloom_cases,
     _int8_cases,
     _lora,
+    _mixed_precision_objective_cases,
     _qlora,
     _reward_cases,
     _spec,
@@ -552,6 +553,7 @@ def matrix() -> list[Case]:
     cases.extend(_dora_cases())
     cases.extend(_dpo_cases())
     cases.extend(_reward_cases())
+    cases.extend(_mixed_precision_objective_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())

@@ -40,9 +40,8 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK
-from service.core.units import DType
 from service.trace import kernels, parallel, preference, reward
-from service.trace.autocast import cuda_autocast_policy
+from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
     CUDA_MIN_BLOCK_BYTES,
@@ -105,7 +104,7 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
     if spec.autocast:
         notes.append(
             "autocast traced with CUDA's policy on the CPU (service/trace/autocast.py): "
-            f"{_autocast_dtype(spec)} for the forward and the loss, as HF Trainer runs them"
+            f"{autocast_dtype(spec)} for the forward and the loss, as HF Trainer runs them"
         )
     if spec.optim in (Optim.PAGED_ADAMW_8BIT, Optim.PAGED_ADAMW_32BIT):
         raise NotTraceableError(
@@ -415,6 +414,10 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
+            if dpo or rewarding:  # TRL's trainers: the models' forwards as accelerate's
+                stack.enter_context(
+                    accelerate_forward((m for m in (model, ref_model) if m is not None), spec)
+                )
             if dpo:
                 preference.run_dpo_steps(
                     model,
@@ -488,11 +491,6 @@ def _numel(param: torch.Tensor) -> int:
     return param.numel()
 
 
-def _autocast_dtype(spec: TrainingSpec) -> torch.dtype:
-    """HF Trainer's mixed precision: fp16 for an fp16 model (fp16=True), else bf16."""
-    return torch.float16 if spec.dtype is DType.FP16 else torch.bfloat16
-
-
 def _run_steps(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter],
@@ -511,7 +509,7 @@ def _run_steps(
     (torch.nn.utils.clip_grad_norm_), the optimizer step, zero_grad(set_to_none=True), or with
     `keep_gradients` set_to_none=False (torch's default before 2.0)."""
     host_scalars = spec.optim is not Optim.ADAMW_TORCH_FUSED
-    dtype = _autocast_dtype(spec)
+    dtype = autocast_dtype(spec)
     scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
     with tracker.labelling(Component.INPUTS):
         input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
