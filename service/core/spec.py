@@ -432,7 +432,8 @@ class TrainingSpec:
 
     def _check_objective(self) -> None:
         """DPO and reward modelling as they are modelled: TRL's DPOTrainer or RewardTrainer on
-        one GPU, HF + PEFT full, LoRA or QLoRA, without autocast; the padded batch is
+        one GPU, HF + PEFT full, LoRA or QLoRA, in the model's dtype or under bf16 mixed
+        precision (accelerate's autocast around each model's forward); the padded batch is
         `batch_size` pairs of `seq_len` tokens."""
         if self.objective is not Objective.DPO and self.dpo is not None:
             raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
@@ -454,9 +455,11 @@ class TrainingSpec:
             raise InvalidSpecError(
                 "parallel.gpus", f"objective {name!r} is modelled on one GPU (no parallel strategy)"
             )
-        if self.autocast:
+        if self.autocast and self.dtype is DType.FP16:
             raise InvalidSpecError(
-                "autocast", f"objective {name!r} under mixed precision is not modelled"
+                "autocast",
+                f"objective {name!r} is modelled under bf16 mixed precision (TRL's default, "
+                "bf16=True), not fp16 with its gradient scaler",
             )
         if self.loss is not None:
             how = (

@@ -45,7 +45,7 @@ def test_the_reward_objective_reaches_the_core_and_the_answer(client: TestClient
         ({**REWARD_JOB, "model": "google/t5-v1_1-small", "method": "lora"}, "objective"),
         ({**REWARD_JOB, "framework": "litgpt"}, "framework"),
         ({**REWARD_JOB, "method": "ia3"}, "method"),
-        ({**REWARD_JOB, "autocast": True}, "autocast"),
+        ({**REWARD_JOB, "autocast": True, "dtype": "fp16"}, "autocast"),
         ({**REWARD_JOB, "num_labels": 2}, "num_labels"),
         ({**REWARD_JOB, "dpo": {}}, "dpo"),
     ],

@@ -22,6 +22,7 @@ from service.core.spec import (
     TrainingSpec,
     objective_from,
 )
+from service.core.units import DType
 
 CATALOG = default_catalog()
 QWEN_05B = CATALOG.resolve("Qwen/Qwen2.5-0.5B").arch
@@ -53,7 +54,7 @@ def test_an_objective_not_modelled_names_the_field_and_why(name: str, words: str
     [
         ({"method": Method.IA3}, "method"),
         ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
-        ({"autocast": True}, "autocast"),
+        ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
     ],
 )

@@ -34,6 +34,21 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.04,
         "prompt tuning's lengthened sequence: the reserved gap interpolated between powers of two",
     ),
+    # DPO under autocast with checkpointing: the allocator replay (service/core/schedule) runs
+    # the recomputed layers with the fused head's half-precision tiles and casts, but not yet
+    # with every autocast copy the traced recomputation makes in the policy's backward.
+    "llama-3_2-1b__qlora__dpo__r16-all-linear__nf4-dq__b2-s1024__ckpt__autocast": (
+        0.03,
+        "DPO under autocast with checkpointing: the replay's recomputed layers (over)",
+    ),
+    "phi-3-mini-4k-instruct__qlora__dpo__r16-all-linear__nf4-dq__b1-s1024__ckpt__autocast": (
+        0.025,
+        "DPO under autocast with checkpointing: the replay's recomputed layers (over)",
+    ),
+    "qwen2_5-0_5b__lora__dpo__r16-all-linear__b1-s512__ckpt__autocast": (
+        0.035,
+        "DPO under autocast with checkpointing: the replay's recomputed layers (under)",
+    ),
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{
@@ -162,6 +177,10 @@ def test_reserved_matches_the_traces(
 # Peaks within the tolerance whose breakdown is not the trace's: the estimate's peak moment
 # holds the same total made up differently, each with why.
 COMPONENT_KNOWN_GAPS: dict[str, str] = {
+    "phi-3-mini-4k-instruct__qlora__dpo__r16-all-linear__nf4-dq__b1-s1024__ckpt__autocast": (
+        "Phi-3 QLoRA DPO under autocast: the trace peaks inside the recomputed top layer's "
+        "fused gate_up, the estimate at its down_proj backward, 0.2 % above the trace"
+    ),
     "gemma-2-2b__qlora__dpo__precomputed-ref__r16-all-linear__nf4-dq__b2-s512__ckpt__eager": (
         "Gemma-2 QLoRA, eager attention on 4 rows: the recomputed top layer's moment holds "
         "18 MiB more than the trace's (0.4 % of the peak)"
@@ -204,13 +223,14 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
 
 
 # Each objective's references with at least this many of them committed (`-k dpo`, `-k reward`).
-OBJECTIVE_REFERENCES = {"dpo": 10, "reward": 7}
+OBJECTIVE_REFERENCES = {"dpo": 21, "reward": 11}
 
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_REFERENCES))
 def test_objective_references_match(objective: str, capsys: pytest.CaptureFixture[str]) -> None:
     """One objective's references alone: allocated within PEAK_TOLERANCE, reserved within
-    RESERVED_TOLERANCE, the peak's phase the trace's; printed per reference."""
+    RESERVED_TOLERANCE (or its known gap's bound), the peak's phase the trace's; printed per
+    reference."""
     refs = [r for r in _references(TRACES) if r["spec"].get("objective") == objective]
     assert len(refs) >= OBJECTIVE_REFERENCES[objective], f"the {objective} references are missing"
     lines = [f"{'reference':<66}{'traced GiB':>11}{'error':>9}{'reserved':>10}  peak"]
@@ -220,7 +240,8 @@ def test_objective_references_match(objective: str, capsys: pytest.CaptureFixtur
         err = est.allocated_bytes / ref["peak"]["allocated_bytes"] - 1
         reserved = est.reserved_bytes / ref["reserved"]["bytes"] - 1
         traced_phase = (ref["peak"]["phase"], ref["peak"]["step"])
-        if abs(err) > PEAK_TOLERANCE or abs(reserved) > RESERVED_TOLERANCE:
+        reserved_bound = RESERVED_KNOWN_GAPS.get(ref["name"], (RESERVED_TOLERANCE, ""))[0]
+        if abs(err) > PEAK_TOLERANCE or abs(reserved) > reserved_bound:
             beyond.append(f"{ref['name']}: {err:+.3%} allocated, {reserved:+.3%} reserved")
         if traced_phase != (est.peak_phase.value, est.peak_step):
             beyond.append(f"{ref['name']}: peak {traced_phase}, estimated {est.peak_phase}")

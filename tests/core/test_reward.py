@@ -22,6 +22,7 @@ from service.core.spec import (
     TrainingSpec,
     objective_from,
 )
+from service.core.units import DType
 
 CATALOG = default_catalog()
 QWEN_05B = CATALOG.resolve("Qwen/Qwen2.5-0.5B").arch
@@ -48,7 +49,7 @@ def test_reward_is_an_objective() -> None:
         ({"method": Method.IA3}, "method"),
         ({"framework": Framework.LITGPT}, "framework"),
         ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
-        ({"autocast": True}, "autocast"),
+        ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"num_labels": 2}, "num_labels"),
         ({"target_length": 32}, "target_length"),

@@ -21,7 +21,7 @@ from service.core.estimator.step import _Moment, _Step, _step
 from service.core.result import Phase
 from service.core.schedule import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
 from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec
-from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
+from service.core.units import AUTOCAST_BYTES, BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
 # trl/kernels/chunked_logprob.py: tokens per projection tile (TOKEN_CHUNK_SIZE) and the
 # vocabulary width of a tile (trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE); the fp32
@@ -53,19 +53,23 @@ class DpoShape(NamedTuple):
 
     rows: int  # 2 x batch_size: [chosen; rejected]
     scored: int  # positions the fused head scores (labels not -100 after the shift)
-    head_bytes: int  # bytes per element of the LM head's compute dtype
+    head_bytes: int  # bytes per element of the LM head's weight and of its input
+    # the tiles' dtype: the autocast dtype under mixed precision, else the input's
+    # (ChunkedLogProbFunction.forward `compute_dtype`)
+    compute_bytes: int
 
 
 def dpo_shape(arch: ModelArch, spec: TrainingSpec) -> DpoShape:
-    """The [chosen; rejected] rows, the positions scored, and the head's dtype (fp32 after
-    kbit preparation, which casts the LM head)."""
+    """The [chosen; rejected] rows, the positions scored, and the head's dtypes (fp32 after
+    kbit preparation, which casts the LM head; its tiles in half precision under autocast)."""
     completion = spec.dpo_settings.max_completion_length or spec.seq_len
     rows = 2 * spec.batch_size
     prepared = spec.method is Method.QLORA and (
         spec.quantization is None or spec.quantization.prepare_kbit
     )
     head = FP32_BYTES if prepared else DTYPE_BYTES[spec.dtype]
-    return DpoShape(rows, rows * min(completion, spec.seq_len - 1), head)
+    compute = AUTOCAST_BYTES if spec.autocast else head
+    return DpoShape(rows, rows * min(completion, spec.seq_len - 1), head, compute)
 
 
 def policy_spec(spec: TrainingSpec) -> TrainingSpec:
@@ -101,10 +105,27 @@ def _head_saved(arch: ModelArch, d: DpoShape, s: int) -> int:
     )
 
 
+def _tile(arch: ModelArch, d: DpoShape) -> int:
+    """The fused head's tile buffer, in the compute dtype."""
+    return _blk(min(d.scored, TILE_TOKENS) * min(TILE_VOCAB, arch.vocab_size) * d.compute_bytes)
+
+
+def _tile_casts(arch: ModelArch, d: DpoShape, weight_tiles: int) -> int:
+    """The casts to the compute dtype a tile's product reads when the head's input and weight
+    are wider (autocast over an fp32 head): the token chunk of the hidden states, and
+    `weight_tiles` copies of a vocabulary tile of the weight (chunked_logprob.py
+    `hidden[...].to(compute_dtype)`, `weight[start:end].to(compute_dtype)`)."""
+    if d.compute_bytes == d.head_bytes:
+        return 0
+    h = arch.hidden_size
+    chunk = _blk(min(d.scored, TILE_TOKENS) * h * d.compute_bytes)
+    return chunk + weight_tiles * _blk(min(TILE_VOCAB, arch.vocab_size) * h * d.compute_bytes)
+
+
 def _head_tile(arch: ModelArch, d: DpoShape) -> int:
-    """One forward's tile buffer and running statistics (ChunkedLogProbFunction.forward)."""
-    tile = _blk(min(d.scored, TILE_TOKENS) * min(TILE_VOCAB, arch.vocab_size) * d.head_bytes)
-    return tile + RUNNING_STATS * _blk(d.scored * FP32_BYTES)
+    """One forward's tile buffer and running statistics (ChunkedLogProbFunction.forward), with
+    the casts its product reads (one weight tile's, freed after its product)."""
+    return _tile(arch, d) + RUNNING_STATS * _blk(d.scored * FP32_BYTES) + _tile_casts(arch, d, 1)
 
 
 def _head_backward(arch: ModelArch, d: DpoShape, head_trains: bool) -> int:
@@ -112,9 +133,12 @@ def _head_backward(arch: ModelArch, d: DpoShape, head_trains: bool) -> int:
     the head's weight when it trains), the tile buffer, and the accumulators cast back to the
     inputs' dtypes (no copy when they are fp32 already)."""
     n, h, v = d.scored, arch.hidden_size, arch.vocab_size
-    tile = _blk(min(n, TILE_TOKENS) * min(TILE_VOCAB, v) * d.head_bytes)
     cast = d.head_bytes != FP32_BYTES
-    grad = _blk(n * h * FP32_BYTES) + tile + (_blk(n * h * d.head_bytes) if cast else 0)
+    # in the loop each vocabulary tile's weight cast is made before the previous one is let go
+    # (backward's `w_chunk = weight[start:end].to(compute_dtype)`)
+    in_loop = _tile_casts(arch, d, 2 if v > TILE_VOCAB else 1)
+    at_end = _blk(n * h * d.head_bytes) if cast else 0
+    grad = _blk(n * h * FP32_BYTES) + _tile(arch, d) + max(in_loop, at_end)
     if head_trains:
         grad += _blk(v * h * FP32_BYTES) + (_head_weight_grad(arch, d) if cast else 0)
     return grad

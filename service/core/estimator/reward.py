@@ -24,7 +24,7 @@ from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.spec import LossImpl, Method, Objective, TrainingSpec
-from service.core.units import DTYPE_BYTES, FP32_BYTES, HALF_BYTES
+from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, FP32_BYTES, HALF_BYTES
 
 # A gated MLP's backward in the bottom layer, once down_proj's weight gradient is made: the
 # gradient of down_proj's input and the product's two gradients (SiLU(gate)'s and up's), each
@@ -87,13 +87,31 @@ def _top_layer_forward(arch: ModelArch, spec: TrainingSpec, st: _Step) -> _Momen
         + _blk(tokens * FP32_BYTES)
         + _blk(tokens * h * plan.flow.residual)
     )
-    activations = (
-        st.forward_end.activations
-        - _recipe_bytes(plan.layer, b, s)
-        - final_norm
-        + _recipe_bytes(plan.up_proj_moment, b, s)
-    )
-    return st.forward_end._replace(activations=activations)
+    below = st.forward_end.activations - final_norm
+    at_up = below - _recipe_bytes(plan.layer, b, s) + _recipe_bytes(plan.up_proj_moment, b, s)
+    f = plan.flow
+    down = next((lin for lin in arch.linears if lin.kind is LinearKind.MLP_OUT), None)
+    at_down = 0
+    wider = f.autocast and f.adapter != AUTOCAST_BYTES and not f.quantized
+    if wider and down is not None and down.name in f.lora_targets:
+        # Under autocast with wider adapters the top layer's down_proj is the larger
+        # moment: the layer has saved everything (lora_A its half copy of the product),
+        # and alive beside are the MLP's input and the residual it will join, the
+        # product, PEFT's cast of it to the adapters' dtype (peft/tuners/lora/layer.py
+        # Linear.forward `_cast_input_dtype`, held until the forward returns), the base
+        # output, lora_B's half output and its scaled copy (reference trace
+        # qwen2_5-0_5b__lora__reward__r16-all-linear__b2-s512__autocast, peak at
+        # aten.mul.Tensor in the forward).
+        tokens_i = tokens * down.in_features
+        at_down = below + (
+            _blk(tokens * h * f.norm_out)
+            + _blk(tokens * h * f.residual)
+            + _blk(tokens_i * f.norm_out)
+            + _blk(tokens_i * f.adapter)
+            + _blk(tokens * h * f.norm_out)
+            + 2 * _blk(tokens * h * AUTOCAST_BYTES)
+        )
+    return st.forward_end._replace(activations=max(at_up, at_down))
 
 
 def _bottom_mlp_backward(arch: ModelArch, spec: TrainingSpec, st: _Step) -> _Moment | None:

@@ -25,7 +25,15 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.stack import check_stack
-from service.core.units import BOOL_BYTES, FP32_BYTES, GIB, HALF_BYTES, INT64_BYTES, DType
+from service.core.units import (
+    AUTOCAST_BYTES,
+    BOOL_BYTES,
+    FP32_BYTES,
+    GIB,
+    HALF_BYTES,
+    INT64_BYTES,
+    DType,
+)
 
 
 def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
@@ -434,8 +442,14 @@ def _step(
         # branch, through the 4-bit matmul (upcast back from the compute dtype), and their
         # sum (reference trace mistral-7b-v0_1__qlora__...__ckpt); with the gradient of the
         # layer's output, in the residual dtype.
+        # What the adapter's two matmuls saved is consumed: lora_A's input (the product
+        # itself when PEFT's cast to the adapters' dtype is a no-op, else that cast; under
+        # autocast its half copy) and lora_A's output (`activations._linear_saves`); under
+        # autocast the bf16 copy, not the product, is what lora_A kept (reference traces
+        # *__qlora__*__autocast of objectives without logits).
         i_bytes = tokens * arch.intermediate_size
-        down_input = _blk(i_bytes * f.norm_out) + _blk(tokens * rs_r * f.adapter)
+        lora_in = AUTOCAST_BYTES if f.autocast else f.adapter
+        down_input = _blk(i_bytes * lora_in) + _blk(tokens * rs_r * lora_in)
         grads_in = 3 * _blk(i_bytes * f.norm_out) + _blk(tokens * h * f.residual)
         layer_now = (recompute if ckpt else per_layer) - down_input
         if ckpt:

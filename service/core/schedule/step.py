@@ -370,9 +370,16 @@ class _Step(_Backward):
         targets = alloc(n * INT64_BYTES)
         free(nonzero)
         stats = [alloc(n * FP32_BYTES) for _ in range(DPO_RUNNING_STATS)]
-        tile = alloc(min(n, DPO_TILE_TOKENS) * min(DPO_TILE_VOCAB, sh.vocab) * sh.head_bytes)
+        compute = self._dpo_compute_bytes()
+        tile = alloc(min(n, DPO_TILE_TOKENS) * min(DPO_TILE_VOCAB, sh.vocab) * compute)
+        casts = []
+        if compute != sh.head_bytes:  # the token chunk's and a weight tile's casts
+            casts = [alloc(min(n, DPO_TILE_TOKENS) * h * compute)]
+            weight = alloc(min(DPO_TILE_VOCAB, sh.vocab) * h * compute)
         self.gemm()
-        free(tile)
+        if casts:
+            free(weight)
+        free(tile, *casts)
         log_sum = alloc(n * FP32_BYTES)
         log_z = alloc(n * FP32_BYTES)
         free(log_sum)
@@ -464,6 +471,10 @@ class _Step(_Backward):
         self.f(probs, q, *copies[2:])
         return out
 
+    def _dpo_compute_bytes(self) -> int:
+        """The fused head's tile dtype: autocast's under mixed precision, else the head's."""
+        return HALF_BYTES if self.sh.autocast else self.sh.head_bytes
+
     def _dpo_head_backward(self) -> int:
         """ChunkedLogProbFunction.backward: fp32 accumulators, the tile, the casts back; then
         the gather's and the shift's backward make the hidden states' gradient."""
@@ -473,8 +484,19 @@ class _Step(_Backward):
         grad = self.p.alloc(n * FP32_BYTES)  # the log-probs' gradient, gathered
         grad_hidden = self.p.alloc(n * h * FP32_BYTES)
         grad_weight = self.p.alloc(v * h * FP32_BYTES) if sh.head_trainable else 0
-        tile = self.p.alloc(min(n, DPO_TILE_TOKENS) * min(DPO_TILE_VOCAB, v) * sh.head_bytes)
+        compute = self._dpo_compute_bytes()
+        tile = self.p.alloc(min(n, DPO_TILE_TOKENS) * min(DPO_TILE_VOCAB, v) * compute)
+        if compute != sh.head_bytes:
+            # the token chunk's cast, and each weight tile's made before the last one goes
+            chunk = self.p.alloc(min(n, DPO_TILE_TOKENS) * h * compute)
+            weight = self.p.alloc(min(DPO_TILE_VOCAB, v) * h * compute)
+            if v > DPO_TILE_VOCAB:
+                following = self.p.alloc(min(DPO_TILE_VOCAB, v) * h * compute)
+                self.f(weight)
+                weight = following
         self.gemm()
+        if compute != sh.head_bytes:
+            self.f(weight, chunk)
         self.f(tile, grad)
         if sh.head_bytes != FP32_BYTES:
             cast = self.p.alloc(n * h * sh.head_bytes)
