@@ -47,12 +47,15 @@ def service() -> Iterator[TestClient]:
             ["--alloc-conf", "roundup_power2_divisions:4096"],
             {"allocator": {"roundup_power2_divisions": 4096}},
         ),
-        # a reward model on several GPUs, or under mixed precision
+        # a reward model on several GPUs, or under fp16 mixed precision
         (
             ["--objective", "reward", "--gpus", "2"],
             {"objective": "reward", "parallel": {"gpus": 2}},
         ),
-        (["--objective", "reward", "--autocast"], {"objective": "reward", "autocast": True}),
+        (
+            ["--objective", "reward", "--autocast", "--dtype", "fp16"],
+            {"objective": "reward", "autocast": True, "dtype": "fp16"},
+        ),
     ],
 )
 def test_the_cli_refuses_what_the_api_refuses_for_the_same_reason(
