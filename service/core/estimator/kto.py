@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch
+from service.core.estimator.ledger import _blk
 from service.core.estimator.preference import (
     TILE_TOKENS,
     TILE_VOCAB,
@@ -27,7 +28,11 @@ from service.core.estimator.preference import (
 from service.core.estimator.step import _Step, _step
 from service.core.result import Phase
 from service.core.spec import LossImpl, Method, Objective, TrainingSpec
-from service.core.units import DTYPE_BYTES, FP32_BYTES
+from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES
+
+# The KL batch's tensors in the collator's batch, int64 (batch, seq) each: KL_input_ids,
+# KL_attention_mask, KL_completion_mask (kto_trainer.py DataCollatorForUnpairedPreference).
+KL_BATCH_TENSORS = 3
 
 
 def kto_shape(spec: TrainingSpec) -> DpoShape:
@@ -52,6 +57,18 @@ def kto_policy_spec(spec: TrainingSpec) -> TrainingSpec:
     return replace(spec, objective=Objective.SFT, kto=None, loss=LossImpl.FUSED, lora=lora)
 
 
+def kto_inputs(spec: TrainingSpec) -> int:
+    """What the collator's batch holds beyond the SFT step's inputs: the KL batch's tensors,
+    and the precomputed log-probs (fp32 per example: ref_logps, and ref_KL_logps with the KL
+    batch)."""
+    settings = spec.kto_settings
+    kl = KL_BATCH_TENSORS * _blk(spec.batch_size * spec.seq_len * INT64_BYTES)
+    precomputed = (1 + settings.calculate_kl) * _blk(spec.batch_size * FP32_BYTES)
+    return (kl if settings.calculate_kl else 0) + (
+        precomputed if settings.precompute_ref_log_probs else 0
+    )
+
+
 def reference_copy(spec: TrainingSpec) -> bool:
     """Whether KTOTrainer loads a frozen reference model: full fine-tuning without precomputed
     log-probs (a PEFT policy is its own reference with the adapters disabled)."""
@@ -69,6 +86,7 @@ class KtoStep(NamedTuple):
 def kto_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> KtoStep:
     d = kto_shape(spec)
     st = _step(arch, kto_policy_spec(spec), compute_capability)
+    st = st._replace(fixed=st.fixed._replace(inputs=st.fixed.inputs + kto_inputs(spec)))
     settings = spec.kto_settings
     precompute = settings.precompute_ref_log_probs
     reference = st.fixed.trainable_params if reference_copy(spec) else 0
