@@ -215,8 +215,10 @@ def _compute_loss(
     no_checkpointing: Callable[[], Any],
     rewrap_checkpoints: Callable[[], None],
 ) -> torch.Tensor:
-    """KTOTrainer._compute_loss's tensors, in its order; the metrics' host scalars (`.item()`)
-    and their few-element reductions are left out."""
+    """KTOTrainer._compute_loss's tensors, in its order. Its metrics are left out: their host
+    scalars (`.item()`, which fake tensors cannot give) and the per-token copies they gather
+    (the mean logits and completion mask by label, batch x (seq - 1) elements each), made after
+    the reference forward and let go when `_compute_loss` returns, before backward."""
     rows = batch.input_ids.size(0)
     tracker.component = Component.ACTIVATIONS
     kl_logps = _kl_logps(model, batch)
