@@ -266,6 +266,11 @@ def _kto_cases() -> list[tuple[str, TrainingSpec]]:
         (GEMMA_2B, _spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
         (GEMMA_2B, _spec(qlora, 2, 512, ckpt=True, attn_implementation=eager, **no_kl)),
         (PHI_3, _spec(lora, 2, 512, ckpt=True, **kto)),
+        # an LM head apart from the embedding: its fp32 gradient accumulator and its cast
+        (PHI_3, _spec(full, 2, 512, ckpt=True, **kto)),
+        # longer and wider: the reference forwards' transients beside every saved activation
+        (QWEN_05B, _spec(lora, 4, 1024, **kto)),
+        (LLAMA_1B, _spec(full, 2, 1024, **kto)),
     ]
 
 
