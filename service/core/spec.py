@@ -435,9 +435,9 @@ class TrainingSpec:
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
 
     def _check_objective(self) -> None:
-        """DPO and reward modelling as they are modelled: TRL's DPOTrainer or RewardTrainer on
-        one GPU, HF + PEFT full, LoRA or QLoRA, without autocast; the padded batch is
-        `batch_size` pairs of `seq_len` tokens."""
+        """DPO, KTO and reward modelling as they are modelled: TRL's DPOTrainer, KTOTrainer or
+        RewardTrainer on one GPU, HF + PEFT full, LoRA or QLoRA, without autocast; the padded
+        batch is `batch_size` pairs (KTO: unpaired examples) of `seq_len` tokens."""
         if self.objective is not Objective.DPO and self.dpo is not None:
             raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
         if self.objective is not Objective.KTO and self.kto is not None:
