@@ -54,6 +54,7 @@ _OPTION_FOR_FIELD = {
     "parallel.offload": "--offload",
     "dpo": "--precompute-ref-log-probs/--max-completion-length",
     "dpo.max_completion_length": "--max-completion-length",
+    "kto": "--precompute-ref-log-probs/--kto-loss-type",
 }
 
 
@@ -145,14 +146,21 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument(
         "--objective",
-        help="the training objective as TRL names its trainers: sft (default), dpo or reward "
-        "(a one-label reward model, RewardTrainer)",
+        help="the training objective as TRL names its trainers: sft (default), dpo, reward "
+        "(a one-label reward model, RewardTrainer) or kto (KTOTrainer)",
     )
     train.add_argument(
         "--precompute-ref-log-probs",
         action="store_true",
         default=None,
-        help="dpo: DPOConfig.precompute_ref_log_probs (no reference forward, no reference copy)",
+        help="dpo, kto: precompute_ref_log_probs of DPOConfig or KTOConfig (no reference "
+        "forward, no reference copy)",
+    )
+    train.add_argument(
+        "--kto-loss-type",
+        choices=("kto", "apo_zero_unpaired"),
+        help="kto: KTOConfig.loss_type (default kto, with the KL batch; apo_zero_unpaired "
+        "runs none)",
     )
     train.add_argument(
         "--max-completion-length",
@@ -362,14 +370,22 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     objective = getattr(args, "objective", None)
     if objective is not None:
         data["objective"] = objective
-    dpo = _given(
+    precompute = getattr(args, "precompute_ref_log_probs", None)
+    kto = objective == "kto" or getattr(args, "kto_loss_type", None) is not None
+    settings = _given(
         {
-            "precompute_ref_log_probs": getattr(args, "precompute_ref_log_probs", None),
+            "precompute_ref_log_probs": precompute,
             "max_completion_length": getattr(args, "max_completion_length", None),
         }
     )
-    if dpo:
-        data["dpo"] = dpo
+    if kto:
+        # KTOConfig's settings; DPO's completion length stays DPO's
+        data["kto"] = _given(
+            {"precompute_ref_log_probs": precompute, "loss_type": args.kto_loss_type}
+        )
+        settings.pop("precompute_ref_log_probs", None)
+    if settings:
+        data["dpo"] = settings
     _apply_parallel_configs(args, data)
     try:
         data["allocator"] = alloc_conf_values(getattr(args, "alloc_conf", "") or "")

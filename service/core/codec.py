@@ -63,6 +63,7 @@ from service.core.spec import (
     objective_from,
 )
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -88,6 +89,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         *METHOD_OPTIONS.values(),
         *DELTA_OPTIONS.values(),
         "dpo",
+        "kto",
     ):
         if plain.get(name) is None:
             plain.pop(name, None)
@@ -431,6 +433,10 @@ _DPO: dict[str, Check] = {
     "precompute_ref_log_probs": _boolean,
     "max_completion_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
 }
+_KTO: dict[str, Check] = {
+    "precompute_ref_log_probs": _boolean,
+    "loss_type": _choice(KtoLossType),
+}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -462,6 +468,7 @@ _TRAINING: dict[str, Check] = {
     "lokr": _optional(_object(LokrSpec, _LOKR)),
     "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
+    "kto": _optional(_object(KtoSpec, _KTO)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
 }

@@ -105,7 +105,7 @@ class Change(StrEnum):
     """Changes that lower a job's peak, least disruptive to the training run first."""
 
     FUSED_LOSS = "fused_loss"  # same loss, logits never materialised (Liger, CCE)
-    # DPO: the reference's log-probs computed once before training (a pass over the data)
+    # DPO, KTO: the reference's log-probs computed once before training (a pass over the data)
     PRECOMPUTE_REF_LOG_PROBS = "precompute_ref_log_probs"
     OPTIMIZER_8BIT = "optimizer_8bit"  # bitsandbytes 8-bit AdamW (Dettmers et al. 2022)
     PAGED_OPTIMIZER = "paged_optimizer"  # 8-bit AdamW state in pageable managed memory
@@ -119,7 +119,8 @@ class Change(StrEnum):
 CHANGE_WORDS: dict[Change, str] = {
     Change.FUSED_LOSS: "use a fused linear cross-entropy loss (Liger, Cut Cross-Entropy)",
     Change.PRECOMPUTE_REF_LOG_PROBS: (
-        "precompute the reference model's log-probs (DPOConfig.precompute_ref_log_probs)"
+        "precompute the reference model's log-probs (precompute_ref_log_probs of DPOConfig "
+        "or KTOConfig)"
     ),
     Change.OPTIMIZER_8BIT: "use bitsandbytes 8-bit AdamW",
     Change.PAGED_OPTIMIZER: "use bitsandbytes paged 8-bit AdamW",
@@ -261,8 +262,10 @@ class _Curve:
         i = bisect_left(self.xs, x)
         if i < len(self.xs) and self.xs[i] == x:
             return self.values[i]
+        # below the objective's smallest micro-batch (KTO's KL batch: 2) the bound is the
+        # smallest's, so a batch that cannot run is never the largest that fits
         spec = (
-            replace(self._spec, batch_size=x)
+            replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
             if self.dimension == "batch_size"
             else replace(self._spec, seq_len=x)
         )
@@ -428,10 +431,12 @@ class _Solver:
         """The largest micro-batch that divides the effective batch and fits, accumulating
         the rest; without one that fits, the last one tried."""
         largest = min(self.max_batch(spec, capacity), spec.batch_size - 1)
-        if largest < 1:
+        smallest = spec.min_batch_size
+        if largest < smallest:
             return None
         effective = spec.batch_size * spec.gradient_accumulation_steps
-        divisors = [d for d in range(largest, 0, -1) if effective % d == 0][:MICRO_BATCH_TRIES]
+        divisors = [d for d in range(largest, smallest - 1, -1) if effective % d == 0]
+        divisors = divisors[:MICRO_BATCH_TRIES]
         candidate: TrainingSpec | None = None
         for micro in divisors:
             candidate = replace(
@@ -581,6 +586,11 @@ def _apply(
                 return None
             return None if spec.loss is LossImpl.FUSED else replace(spec, loss=LossImpl.FUSED)
         case Change.PRECOMPUTE_REF_LOG_PROBS:
+            if spec.objective is Objective.KTO:
+                kto = spec.kto_settings
+                if kto.precompute_ref_log_probs:
+                    return None
+                return replace(spec, kto=replace(kto, precompute_ref_log_probs=True))
             settings = spec.dpo_settings
             if spec.objective is not Objective.DPO or settings.precompute_ref_log_probs:
                 return None
@@ -627,7 +637,7 @@ def _without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingS
             case Change.FUSED_LOSS:
                 return replace(spec, loss=job.loss)
             case Change.PRECOMPUTE_REF_LOG_PROBS:
-                return replace(spec, dpo=job.dpo)
+                return replace(spec, dpo=job.dpo, kto=job.kto)
             case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:
                 return replace(spec, optim=job.optim)
             case Change.GRADIENT_CHECKPOINTING:

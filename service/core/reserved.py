@@ -104,6 +104,10 @@ class ReservedPlan:
     dpo_completion: int = -1
     dpo_reference: bool = False
     dpo_reference_copy: bool = False
+    # KTO (TRL's KTOTrainer) on the fused-head step: its KL batch's no-grad forwards, and a
+    # policy head without is_top1
+    kto_kl: bool = False
+    dpo_top1: bool = True
     # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
     # orthogonality penalty and its RankAllocator (service/core/schedule/adalora.py)
     adalora: bool = False
@@ -312,6 +316,8 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         clip=plan.clip,
         dpo_scored=_dpo_scored(plan, batch, seq),
         dpo_reference=plan.dpo_reference,
+        kto_kl=plan.kto_kl,
+        dpo_top1=plan.dpo_top1,
         score_head=arch.score_head,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,

@@ -24,8 +24,9 @@ class Component(StrEnum):
     # Several GPUs: parameters gathered from other ranks (FSDP, ZeRO-3) and the collectives'
     # buffers (DDP's gradient buckets, FSDP's reduce-scatter input, ZeRO's reduce buckets).
     COMMUNICATION = "communication"
-    # DPO full fine-tuning: the frozen reference copy of the model TRL's DPOTrainer loads
-    # beside the policy (trl/trainer/dpo_trainer.py __init__), held all run.
+    # DPO and KTO full fine-tuning: the frozen reference copy of the model TRL's DPOTrainer
+    # and KTOTrainer load beside the policy (trl/trainer/dpo_trainer.py, kto_trainer.py
+    # __init__), held all run.
     REFERENCE_MODEL = "reference_model"
 
 
@@ -39,8 +40,8 @@ class Overhead(StrEnum):
 
 class Phase(StrEnum):
     FORWARD_END = "forward_end"  # the loss computed, every saved activation alive
-    # DPO: the reference model's forward under no_grad, after the policy's (TRL's
-    # DPOTrainer._compute_loss), every policy activation alive
+    # DPO, KTO: the reference model's forwards under no_grad, after the policy's (TRL's
+    # DPOTrainer._compute_loss, KTOTrainer._compute_loss), every policy activation alive
     REFERENCE_FORWARD = "reference_forward"
     BACKWARD_START = "backward_start"  # the loss gradient: fp32 log-prob gradient is born
     BACKWARD = "backward"  # inside the layers' backward (recompute, gradients in flight)
@@ -49,7 +50,7 @@ class Phase(StrEnum):
 
 PHASE_WORDS: dict[Phase, str] = {
     Phase.FORWARD_END: "at the end of the forward pass, with the loss computed",
-    Phase.REFERENCE_FORWARD: "during the reference model's forward pass (DPO)",
+    Phase.REFERENCE_FORWARD: "during the reference model's forward pass (DPO, KTO)",
     Phase.BACKWARD_START: "at the start of the backward pass (the loss gradient)",
     Phase.BACKWARD: "inside the backward pass",
     Phase.OPTIMIZER_STEP: "during the optimizer step",

@@ -14,6 +14,7 @@ from enum import StrEnum
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_kto import KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -65,6 +66,9 @@ class Objective(StrEnum):
     # a reward model: a sequence classifier with one label scoring [chosen; rejected]
     # (trl/trainer/reward_trainer.py, TRL 1.16.0)
     REWARD = "reward"
+    # Kahneman-Tversky optimization: unpaired completions with a KL batch and a reference
+    # (trl/trainer/kto_trainer.py, TRL 1.16.0)
+    KTO = "kto"
 
 
 # TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
@@ -72,7 +76,6 @@ class Objective(StrEnum):
 UNMODELLED_OBJECTIVES = {
     "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
-    "kto": "KTOTrainer",
     "orpo": "ORPOTrainer",
     "cpo": "CPOTrainer",
     "online_dpo": "OnlineDPOTrainer",
@@ -81,7 +84,7 @@ UNMODELLED_OBJECTIVES = {
 # What DPO and reward modelling are modelled with: TRL's DPOTrainer and RewardTrainer over
 # HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
-PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer"}
+PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
 
 
 def objective_from(name: str) -> Objective:
@@ -429,14 +432,17 @@ class TrainingSpec:
     # The training objective (TRL's trainer names) and DPO's settings, for objective "dpo".
     objective: Objective = Objective.SFT
     dpo: DpoSpec | None = None
+    kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
 
     def _check_objective(self) -> None:
-        """DPO and reward modelling as they are modelled: TRL's DPOTrainer or RewardTrainer on
-        one GPU, HF + PEFT full, LoRA or QLoRA, in the model's dtype or under bf16 mixed
-        precision (accelerate's autocast around each model's forward); the padded batch is
-        `batch_size` pairs of `seq_len` tokens."""
+        """DPO, KTO and reward modelling as they are modelled: TRL's DPOTrainer, KTOTrainer or
+        RewardTrainer on one GPU, HF + PEFT full, LoRA or QLoRA, in the model's dtype or under
+        bf16 mixed precision (accelerate's autocast around each model's forward); the padded
+        batch is `batch_size` pairs (KTO: unpaired examples) of `seq_len` tokens."""
         if self.objective is not Objective.DPO and self.dpo is not None:
             raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
+        if self.objective is not Objective.KTO and self.kto is not None:
+            raise InvalidSpecError("kto", "KTO settings need objective 'kto'")
         if self.objective is Objective.SFT:
             return
         name = self.objective.value
@@ -455,6 +461,10 @@ class TrainingSpec:
             raise InvalidSpecError(
                 "parallel.gpus", f"objective {name!r} is modelled on one GPU (no parallel strategy)"
             )
+        if self.autocast and self.objective is Objective.KTO:
+            raise InvalidSpecError(
+                "autocast", f"objective {name!r} under mixed precision is not modelled"
+            )
         if self.autocast and self.dtype is DType.FP16:
             raise InvalidSpecError(
                 "autocast",
@@ -464,7 +474,7 @@ class TrainingSpec:
         if self.loss is not None:
             how = (
                 "scores tokens with TRL's fused LM head"
-                if self.objective is Objective.DPO
+                if self.objective in (Objective.DPO, Objective.KTO)
                 else "scores each sequence with a one-output head (no LM head)"
             )
             raise InvalidSpecError("loss", f"objective {name!r} {how}, not a loss choice")
@@ -477,6 +487,15 @@ class TrainingSpec:
         if self.target_length is not None:
             raise InvalidSpecError(
                 "target_length", f"objective {name!r} is modelled on decoder-only LMs"
+            )
+        if self.batch_size < self.min_batch_size:
+            # KTOTrainer.__init__ refuses it: the KL batch rotates completions within it
+            raise InvalidSpecError(
+                "batch_size",
+                f"KTO's loss_type {self.kto_settings.loss_type.value!r} needs at least "
+                f"{self.min_batch_size} "
+                "examples per micro-batch (KTOTrainer: the KL completions are the batch's "
+                "own rotated by one)",
             )
 
     def _check_method_options(self) -> None:
@@ -557,6 +576,16 @@ class TrainingSpec:
                 "FSDP-QLoRA and DeepSpeed ZeRO-3 QLoRA guides); that layout is not modelled: "
                 "use ddp, zero1 or zero2",
             )
+
+    @property
+    def min_batch_size(self) -> int:
+        """The smallest micro-batch the objective's trainer runs (KTO's KL batch needs two)."""
+        return self.kto_settings.min_batch_size if self.objective is Objective.KTO else 1
+
+    @property
+    def kto_settings(self) -> KtoSpec:
+        """KTO's settings, KTOConfig's defaults where none are given."""
+        return self.kto or KtoSpec()
 
     @property
     def dpo_settings(self) -> DpoSpec:

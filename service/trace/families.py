@@ -18,6 +18,7 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
+from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -254,6 +255,46 @@ def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, **reward)),
         (LLAMA_1B, _spec(full, 1, 512, **reward)),
         (LLAMA_1B, _spec(qlora, 2, 1024, **reward)),
+    ]
+
+
+def _kto_cases() -> list[tuple[str, TrainingSpec]]:
+    """TRL's KTOTrainer (objective 'kto'): full, LoRA and QLoRA on four families, with the KL
+    batch (loss 'kto') or without it ('apo_zero_unpaired'), the reference forward on or
+    precomputed, with and without checkpointing."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    eager = AttnImpl.EAGER
+    kto = {"objective": Objective.KTO}
+
+    def settings(**kwargs: Any) -> dict[str, Any]:
+        return {**kto, "kto": KtoSpec(**kwargs)}
+
+    no_kl = settings(loss_type=KtoLossType.APO_ZERO_UNPAIRED)
+    return [
+        (QWEN_05B, _spec(lora, 2, 512, **kto)),
+        (QWEN_05B, _spec(full, 2, 512, **kto)),
+        (QWEN_05B, _spec(lora, 2, 1024, ckpt=True, **no_kl)),
+        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
+        # KTOConfig.disable_dropout (default True) turns LoRA's dropout off
+        (
+            QWEN_05B,
+            _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **kto),
+        ),
+        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **kto)),
+        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **kto)),
+        (LLAMA_1B, _spec(full, 2, 512, ckpt=True, **kto)),
+        # fp32 attention after kbit preparation: SDPA's math kernel in the no-grad forwards
+        (LLAMA_1B, _spec(qlora, 2, 1024, **kto)),
+        (LLAMA_1B, _spec(qlora, 2, 512, **settings(precompute_ref_log_probs=True))),
+        # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
+        (GEMMA_2B, _spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
+        (GEMMA_2B, _spec(qlora, 2, 512, ckpt=True, attn_implementation=eager, **no_kl)),
+        (PHI_3, _spec(lora, 2, 512, ckpt=True, **kto)),
+        # an LM head apart from the embedding: its fp32 gradient accumulator and its cast
+        (PHI_3, _spec(full, 2, 512, ckpt=True, **kto)),
+        # longer and wider: the reference forwards' transients beside every saved activation
+        (QWEN_05B, _spec(lora, 4, 1024, **kto)),
+        (LLAMA_1B, _spec(full, 2, 1024, **kto)),
     ]
 
 

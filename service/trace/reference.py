@@ -57,6 +57,7 @@ from service.trace.families import (
     _dpo_cases,
     _falcon_bloom_cases,
     _int8_cases,
+    _kto_cases,
     _lora,
     _mixed_precision_objective_cases,
     _qlora,
@@ -199,6 +200,11 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("precomputed-ref")
         if dpo.max_completion_length is not None:
             parts.append(f"completion{dpo.max_completion_length}")
+        kto_settings = spec.kto_settings
+        if spec.objective is Objective.KTO and kto_settings.precompute_ref_log_probs:
+            parts.append("precomputed-ref")
+        if spec.objective is Objective.KTO and not kto_settings.calculate_kl:
+            parts.append(kto_settings.loss_type.value.replace("_", "-"))
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
@@ -554,6 +560,7 @@ def matrix() -> list[Case]:
     cases.extend(_dpo_cases())
     cases.extend(_reward_cases())
     cases.extend(_mixed_precision_objective_cases())
+    cases.extend(_kto_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())

@@ -40,7 +40,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK
-from service.trace import kernels, parallel, preference, reward
+from service.trace import kernels, kto, parallel, preference, reward
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -316,11 +316,15 @@ def trace(
     if dpo:
         preference.prepare(model, spec)
         notes.append(preference.note())
+    kto_step = spec.objective is Objective.KTO
+    if kto_step:
+        kto.prepare(model)
+        notes.append(kto.note(spec))
     rewarding = spec.objective is Objective.REWARD
     if rewarding:
         reward.prepare(model)
         notes.append(reward.note())
-    if resolved.loss is LossImpl.PLAIN and not (dpo or rewarding):
+    if resolved.loss is LossImpl.PLAIN and not (dpo or kto_step or rewarding):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
@@ -340,6 +344,11 @@ def trace(
             preference.compact_index(
                 (2 * spec.batch_size, spec.seq_len - 1), preference.compact_rows(spec)
             ),
+        )
+    if kto_step and not cpu_kernels:
+        tracker.rewrite(
+            preference.INDEX_OP,
+            preference.compact_index(kto.mask_shape(spec), kto.compact_rows(spec)),
         )
     int8 = resolved.quantization is not None and resolved.quantization.type is QuantType.INT8
     if spec.method is Method.QLORA and not cpu_kernels:
@@ -367,7 +376,7 @@ def trace(
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
-            if dpo and not cpu_kernels:
+            if (dpo or kto_step) and not cpu_kernels:
                 stack.enter_context(preference.gpu_fused_head())
             if int8 and not cpu_kernels:
                 import bitsandbytes as bnb
@@ -398,6 +407,11 @@ def trace(
                 with tracker.labelling(Component.REFERENCE_MODEL):
                     for tensor, _ in materialize(ref_model):
                         tracker.label(tensor, Component.REFERENCE_MODEL)
+            if kto_step and kto.needs_reference_copy(spec):
+                ref_model = kto.build_reference(spec, config)
+                with tracker.labelling(Component.REFERENCE_MODEL):
+                    for tensor, _ in materialize(ref_model):
+                        tracker.label(tensor, Component.REFERENCE_MODEL)
             if wrapping is not None and not wrapping.shards_before_tracking:
                 model = wrapping.wrap(model)
             if wrapping is not None:
@@ -420,6 +434,19 @@ def trace(
                 )
             if dpo:
                 preference.run_dpo_steps(
+                    model,
+                    ref_model,
+                    optimizer,
+                    params,
+                    tracker,
+                    steering,
+                    spec,
+                    steps=STEPS,
+                    rewrap_checkpoints=functools.partial(steering.rewrap, model),
+                    keep_gradients=keep_gradients,
+                )
+            elif kto_step:
+                kto.run_kto_steps(
                     model,
                     ref_model,
                     optimizer,

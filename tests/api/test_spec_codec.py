@@ -108,6 +108,14 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "max_completion_length": st.none() | integers,
         },
     ),
+    "kto": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "precompute_ref_log_probs": st.booleans() | st.none(),
+            "loss_type": st.sampled_from(["kto", "apo_zero_unpaired", "sigmoid"]),
+        },
+    ),
     "oft": st.none()
     | st.fixed_dictionaries(
         {},

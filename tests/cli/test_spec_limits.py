@@ -56,6 +56,8 @@ def service() -> Iterator[TestClient]:
             ["--objective", "reward", "--autocast", "--dtype", "fp16"],
             {"objective": "reward", "autocast": True, "dtype": "fp16"},
         ),
+        # KTO's KL batch needs two examples per micro-batch
+        (["--objective", "kto", "-b", "1"], {"objective": "kto", "batch_size": 1}),
     ],
 )
 def test_the_cli_refuses_what_the_api_refuses_for_the_same_reason(
@@ -105,3 +107,17 @@ def test_a_reward_model_is_estimated_from_the_command_line(
     out = capsys.readouterr().out
     assert "RewardTrainer" in out and "4 sequences of 512 tokens" in out
     assert "logits_loss" not in out
+
+
+def test_a_kto_job_is_estimated_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    kto = ["--objective", "kto", "--method", "full"]
+    assert main([*ARGV, *kto]) == 0
+    out = capsys.readouterr().out
+    assert "KTOTrainer" in out and "2 unpaired examples of 512 tokens" in out
+    assert "reference_model" in out and "reference_forward" in out
+    assert (
+        main([*ARGV, *kto, "--precompute-ref-log-probs", "--kto-loss-type", "apo_zero_unpaired"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "no KL batch" in out and "reference_model" not in out

@@ -243,3 +243,22 @@ def test_a_dpo_run_under_trls_default_bf16_is_estimated(service: Service) -> Non
         mixed, fp = client.estimate(job), client.estimate(plain)
     assert mixed.peak.allocated_bytes > 0
     assert mixed.peak.allocated_bytes != fp.peak.allocated_bytes
+
+
+class KTOConfig(SimpleNamespace):
+    """TRL's KTOConfig as the derivation recognises it: by its class name."""
+
+
+def test_a_kto_run_counts_examples_and_its_settings(service: Service) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=False))
+    args = KTOConfig(**{**values, "precompute_ref_log_probs": True, "loss_type": "kto"})
+    job = job_from_hf(PeftModel(QWEN_0_5B), args, model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json()["objective"] == "kto" and "dpo" not in job.to_json()
+    assert job.to_json()["kto"] == {"precompute_ref_log_probs": True, "loss_type": "kto"}
+    assert job.batch_size == 4  # unpaired: the model takes 4 sequences
+    shapes = InputShapes()
+    shapes.max_batch_size, shapes.max_seq_len = 8, 1024
+    unsized = KTOConfig(**{**values, "per_device_train_batch_size": None})
+    assert job_from_hf(PeftModel(QWEN_0_5B), unsized, shapes=shapes).batch_size == 8
+    with VramcastClient(service.url) as client:
+        assert client.estimate(job).peak.allocated_bytes > 0

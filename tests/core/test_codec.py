@@ -56,6 +56,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -225,20 +226,27 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
 
 @st.composite
 def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
-    """Objectives 'dpo' and 'reward': TRL's DPOTrainer or RewardTrainer on one GPU, HF +
-    PEFT, without autocast; DPO's settings with 'dpo' only."""
+    """Objectives 'dpo', 'reward' and 'kto': TRL's DPOTrainer, RewardTrainer or KTOTrainer on
+    one GPU, HF + PEFT, without autocast; DPO's and KTO's settings with their objective only
+    (KTO's KL batch with two examples at least)."""
     method = draw(st.sampled_from(DPO_METHODS))
-    objective = draw(st.sampled_from((Objective.DPO, Objective.REWARD)))
+    objective = draw(st.sampled_from((Objective.DPO, Objective.REWARD, Objective.KTO)))
     dpo_settings = st.builds(
         DpoSpec,
         precompute_ref_log_probs=st.booleans(),
         max_completion_length=st.none() | st.integers(1, MAX_SEQ_LEN),
     )
+    kto_settings = st.builds(
+        KtoSpec, precompute_ref_log_probs=st.booleans(), loss_type=st.sampled_from(KtoLossType)
+    )
+    kto = draw(st.none() | kto_settings) if objective is Objective.KTO else None
+    kl = objective is Objective.KTO and (kto is None or kto.calculate_kl)
     return TrainingSpec(
         method=method,
         objective=objective,
         dpo=draw(st.none() | dpo_settings) if objective is Objective.DPO else None,
-        batch_size=draw(st.integers(1, MAX_BATCH_SIZE)),
+        kto=kto,
+        batch_size=draw(st.integers(2 if kl else 1, MAX_BATCH_SIZE)),
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
         lora=draw(st.none() | loras) if method in LORA_METHODS else None,
         quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
@@ -317,7 +325,7 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         names.remove("num_labels")
     if spec.target_length is None:  # encoder-decoder only: written when set
         names.remove("target_length")
-    for name in (*METHOD_OPTIONS.values(), *DELTA_OPTIONS.values(), "dpo"):  # written when set
+    for name in (*METHOD_OPTIONS.values(), *DELTA_OPTIONS.values(), "dpo", "kto"):  # when set
         if getattr(spec, name) is None:
             names.remove(name)
     if spec.objective is Objective.SFT:  # written when another objective is asked for

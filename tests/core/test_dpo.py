@@ -41,7 +41,7 @@ def _dpo(method: Method = Method.LORA, **kwargs: object) -> TrainingSpec:
 
 @pytest.mark.parametrize(
     ("name", "words"),
-    [("orpo", "not modelled"), ("kto", "not modelled"), ("grpo", "not modelled"), ("x", "unknown")],
+    [("orpo", "not modelled"), ("grpo", "not modelled"), ("x", "unknown")],
 )
 def test_an_objective_not_modelled_names_the_field_and_why(name: str, words: str) -> None:
     with pytest.raises(InvalidSpecError, match=words) as caught:
@@ -89,8 +89,10 @@ def test_the_policy_runs_the_doubled_batch_without_logits() -> None:
     assert policy.batch_size == 2 * spec.batch_size and policy.objective is Objective.SFT
     sft = estimate(QWEN_7B, policy)
     est = estimate(QWEN_7B, spec)
-    forward = {(p.step, p.phase): p for p in est.phases}[(2, Phase.FORWARD_END)]
-    sft_forward = {(p.step, p.phase): p for p in sft.phases}[(2, Phase.FORWARD_END)]
+    # at the start of backward (the forward's phase peaks inside the fused head, the final
+    # norm's output beside the saved tensors)
+    forward = {(p.step, p.phase): p for p in est.phases}[(2, Phase.BACKWARD_START)]
+    sft_forward = {(p.step, p.phase): p for p in sft.phases}[(2, Phase.BACKWARD_START)]
     # the layers' saved tensors are the SFT step's on 2 x batch_size rows
     assert (
         forward.components[Component.ACTIVATIONS] == sft_forward.components[Component.ACTIVATIONS]

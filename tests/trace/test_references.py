@@ -104,10 +104,10 @@ def test_a_reference_is_well_formed(name: str) -> None:
     assert Phase(peak["phase"]) in Phase
     assert peak["step"] in (1, 2)
     phases = document["phases"]
-    # the reference forward is DPO's phase, absent with precomputed log-probs
+    # the reference forward is DPO's and KTO's phase, absent with precomputed log-probs
     reference_forward = (
         spec.objective is Objective.DPO and not spec.dpo_settings.precompute_ref_log_probs
-    )
+    ) or (spec.objective is Objective.KTO and not spec.kto_settings.precompute_ref_log_probs)
     assert [(p["step"], p["phase"]) for p in phases] == [
         (step, phase.value)
         for step in (1, 2)

@@ -172,6 +172,33 @@ def test_a_dpo_trace_runs_the_reference_forward_on_a_frozen_copy() -> None:
     assert not result.peak.components.get(Component.REFERENCE_MODEL)
 
 
+def test_a_kto_trace_runs_the_kl_batch_and_the_reference_forward() -> None:
+    """TRL's KTO step on the tiny model: the reference forward is its own phase, full
+    fine-tuning holds the reference copy, and the KL batch's three (rows, seq) int64 tensors
+    are in the collator's batch only with a loss type that estimates the KL term."""
+    from service.core.spec import Objective
+    from service.core.spec_kto import KtoLossType, KtoSpec
+
+    full = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=32, objective=Objective.KTO)
+    result = trace(full, TINY, "tiny")
+    phases = {(p.step, p.phase): p.snapshot for p in result.phases}
+    assert (2, Phase.REFERENCE_FORWARD) in phases
+    weights = phases[(2, Phase.FORWARD_END)].components
+    policy = weights[Component.TRAINABLE_PARAMS] + weights[Component.FROZEN_WEIGHTS]
+    assert weights[Component.REFERENCE_MODEL] == policy > 0
+    assert any("KTOTrainer" in note for note in result.assumptions)
+    apo = replace(full, kto=KtoSpec(loss_type=KtoLossType.APO_ZERO_UNPAIRED))
+    without = {(p.step, p.phase): p.snapshot for p in trace(apo, TINY, "tiny").phases}
+    inputs = Component.INPUTS
+    kl_batch = 3 * 2 * 32 * 8  # KL_input_ids, KL_attention_mask, KL_completion_mask
+    key = (2, Phase.FORWARD_END)
+    assert phases[key].components[inputs] - without[key].components[inputs] == kl_batch
+    pre = replace(full, kto=KtoSpec(precompute_ref_log_probs=True))
+    result = trace(pre, TINY, "tiny")
+    assert Phase.REFERENCE_FORWARD not in {p.phase for p in result.phases}
+    assert not result.peak.components.get(Component.REFERENCE_MODEL)
+
+
 def test_a_reward_trace_runs_one_forward_through_the_score_head() -> None:
     """TRL's reward step on the tiny model: a one-label sequence classifier (no LM head), the
     [chosen; rejected] rows in one forward, PEFT's SEQ_CLS copy of the score trained beside

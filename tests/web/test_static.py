@@ -64,3 +64,17 @@ def test_the_page_loads_nothing_from_other_hosts(name: str) -> None:
     text = resources.files("service.web").joinpath("static", name).read_text(encoding="utf-8")
     found = {m.group(0) for m in EXTERNAL_URL.finditer(text)} - ALLOWED_URLS
     assert not found, f"{name} refers to other hosts: {sorted(found)}"
+
+
+def test_every_objective_the_page_offers_is_answered(client: TestClient) -> None:
+    """The Objective select's values, each posted as the page posts it (its defaults beside
+    the objective): every one is an objective the API models."""
+    page = (REPO_ROOT / "service" / "web" / "static" / "index.html").read_text(encoding="utf-8")
+    select = re.search(r'<select id="objective"[^>]*>(.*?)</select>', page, re.S)
+    assert select is not None
+    values = re.findall(r'<option value="([^"]+)"', select.group(1))
+    assert {"sft", "dpo", "reward", "kto"} <= set(values)
+    for value in values:
+        job = {"model": "Qwen/Qwen2.5-0.5B", "batch_size": 2, "seq_len": 512, "objective": value}
+        response = client.post("/v1/estimates", json=job)
+        assert response.status_code == 200, (value, response.text)

@@ -150,7 +150,8 @@ class EstimateOut(Out):
     estimated: LevelsOut = Field(description="The estimator's peaks before calibration.")
     components: ComponentBytes = Field(
         description="Allocated bytes at the peak by role; they sum to estimated.allocated_bytes. "
-        "reference_model appears only where there is one (DPO full fine-tuning's frozen copy)."
+        "reference_model appears only where there is one (DPO and KTO full fine-tuning's "
+        "frozen copy)."
     )
     overheads: dict[Overhead, Bytes] = Field(
         description="Bytes above allocated: reserved and device levels add these."

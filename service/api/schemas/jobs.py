@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
+from service.api.schemas.kto import KtoIn
 from service.api.schemas.peft_methods import (
     AdaLoraIn,
     IA3In,
@@ -580,12 +581,16 @@ class JobSpec(In):
             "SFTTrainer's and HF Trainer's) or dpo (DPOTrainer: batch_size pairs run as "
             "2 x batch_size sequences of seq_len tokens, a reference model's forward) or "
             "reward (RewardTrainer: a one-label sequence classifier, batch_size pairs run as "
-            "2 x batch_size sequences in one forward, no LM head). Other trainers (orpo, kto, "
-            "grpo, ...) are a 422: not modelled."
+            "2 x batch_size sequences in one forward, no LM head) or kto (KTOTrainer: "
+            "batch_size unpaired examples, a KL batch and a reference model's forwards). Other "
+            "trainers (orpo, grpo, ...) are a 422: not modelled."
         ),
     )
     dpo: DpoIn | None = Field(
         default=None, description="DPO settings (objective 'dpo' only); null: DPOConfig's."
+    )
+    kto: KtoIn | None = Field(
+        default=None, description="KTO settings (objective 'kto' only); null: KTOConfig's."
     )
     lora: LoraIn | None = Field(
         default=None,
@@ -727,4 +732,5 @@ class JobSpec(In):
             stack=self.stack.to_spec(),
             objective=objective,
             dpo=None if self.dpo is None else self.dpo.to_spec(),
+            kto=None if self.kto is None else self.kto.to_spec(),
         )

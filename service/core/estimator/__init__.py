@@ -10,7 +10,8 @@ By concern: `weights` (which modules train; parameters, gradients, optimizer sta
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
 by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
-estimate and its levels), `preference` (DPO's step on top of the SFT one), `reward` (a reward
+estimate and its levels), `preference` (DPO's step on top of the SFT one), `kto` (KTO's: DPO's
+fused-head step on unpaired rows), `reward` (a reward
 model's step: the SFT one with a score head); `deepseek` (the
 model states of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
 below from this package, not from its modules.
@@ -29,6 +30,7 @@ from service.core.estimator.deepseek import (
     deepseek_lora_targets,
     deepseek_model_states,
 )
+from service.core.estimator.kto import KL_BATCH_TENSORS, kto_policy_spec, kto_shape
 from service.core.estimator.oft import OFT_SERIES_SAVED
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
@@ -43,6 +45,7 @@ from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_se
 __all__ = [
     "ALLOCATOR_BUFFERS",
     "ESTIMATOR_VERSION",
+    "KL_BATCH_TENSORS",
     "OFT_SERIES_SAVED",
     "TILE_TOKENS",
     "TILE_VOCAB",
@@ -60,6 +63,8 @@ __all__ = [
     "estimate",
     "gathered_elements",
     "kronecker_factors",
+    "kto_policy_spec",
+    "kto_shape",
     "layer_flow",
     "layer_saved_bytes",
     "litgpt_zero_pad_width",

@@ -8,6 +8,7 @@ from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
+from service.core.estimator.kto import kto_policy_spec, kto_step, reference_copy
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -33,7 +34,7 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
-    if spec.objective is Objective.DPO:
+    if spec.objective in (Objective.DPO, Objective.KTO):
         return _dpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.REWARD:
         return _reward_estimate(arch, spec, compute_capability)
@@ -66,7 +67,7 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
-    if spec.objective in (Objective.DPO, Objective.REWARD):
+    if spec.objective in (Objective.DPO, Objective.KTO, Objective.REWARD):
         est = estimate(arch, spec, compute_capability=compute_capability)
         return PeakLevels(
             est.allocated_bytes, est.reserved_bytes, est.device_bytes, est.device_bytes_upper
@@ -99,17 +100,22 @@ def framework_arch(arch: ModelArch, spec: TrainingSpec) -> tuple[ModelArch, tupl
 
 def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
     """DPO's step (estimator/preference.py): the policy's SFT step on the doubled batch, the
-    fused head, the reference forward as a phase of its own."""
+    fused head, the reference forward as a phase of its own; KTO's (estimator/kto.py) is the
+    same step on the batch's unpaired rows."""
+    name = spec.objective.value
     if arch.encoder or arch.encoder_decoder:
         raise InvalidSpecError(
-            "objective", f"objective 'dpo' is modelled on decoder-only LMs, not {arch.model_type!r}"
+            "objective",
+            f"objective {name!r} is modelled on decoder-only LMs, not {arch.model_type!r}",
         )
     if arch.is_moe:
         raise InvalidSpecError(
             "objective",
-            "objective 'dpo' on a mixture-of-experts model is not modelled (its router logits "
-            "and load-balancing loss in the policy's forward)",
+            f"objective {name!r} on a mixture-of-experts model is not modelled (its router "
+            "logits and load-balancing loss in the policy's forward)",
         )
+    if spec.objective is Objective.KTO:
+        return _kto_estimate(arch, spec, compute_capability)
     dpo = dpo_step(arch, spec, compute_capability)
     st = dpo.step
     phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in dpo.phases)
@@ -130,6 +136,31 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         compute_capability,
     )
     return _answer(st, phases, peak, over, spec, before=dpo.assumptions)
+
+
+def _kto_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
+    """KTO's step (estimator/kto.py): DPO's fused-head step on the batch's unpaired rows."""
+    kto = kto_step(arch, spec, compute_capability)
+    st = kto.step
+    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in kto.phases)
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    reserved = replace(
+        st.plan.reserved,
+        dpo_completion=0,
+        dpo_reference=not spec.kto_settings.precompute_ref_log_probs,
+        dpo_reference_copy=reference_copy(spec),
+        kto_kl=spec.kto_settings.calculate_kl,
+        dpo_top1=False,
+    )
+    over = _above(
+        arch,
+        kto_policy_spec(spec),
+        replace(st.plan, reserved=reserved),
+        peak.allocated_bytes,
+        st.paged_state,
+        compute_capability,
+    )
+    return _answer(st, phases, peak, over, spec, before=kto.assumptions)
 
 
 def _reward_estimate(

@@ -59,17 +59,21 @@ class DpoShape(NamedTuple):
     compute_bytes: int
 
 
-def dpo_shape(arch: ModelArch, spec: TrainingSpec) -> DpoShape:
-    """The [chosen; rejected] rows, the positions scored, and the head's dtypes (fp32 after
-    kbit preparation, which casts the LM head; its tiles in half precision under autocast)."""
-    completion = spec.dpo_settings.max_completion_length or spec.seq_len
-    rows = 2 * spec.batch_size
+def head_dtypes(spec: TrainingSpec) -> tuple[int, int]:
+    """The fused head's bytes per element: of its weight and input (fp32 after kbit
+    preparation, which casts the LM head), and of its tiles (half precision under autocast)."""
     prepared = spec.method is Method.QLORA and (
         spec.quantization is None or spec.quantization.prepare_kbit
     )
     head = FP32_BYTES if prepared else DTYPE_BYTES[spec.dtype]
-    compute = AUTOCAST_BYTES if spec.autocast else head
-    return DpoShape(rows, rows * min(completion, spec.seq_len - 1), head, compute)
+    return head, AUTOCAST_BYTES if spec.autocast else head
+
+
+def dpo_shape(arch: ModelArch, spec: TrainingSpec) -> DpoShape:
+    """The [chosen; rejected] rows, the positions scored, and the head's dtypes."""
+    completion = spec.dpo_settings.max_completion_length or spec.seq_len
+    rows = 2 * spec.batch_size
+    return DpoShape(rows, rows * min(completion, spec.seq_len - 1), *head_dtypes(spec))
 
 
 def policy_spec(spec: TrainingSpec) -> TrainingSpec:
@@ -89,10 +93,11 @@ def policy_spec(spec: TrainingSpec) -> TrainingSpec:
     )
 
 
-def _head_saved(arch: ModelArch, d: DpoShape, s: int) -> int:
+def _head_saved(arch: ModelArch, d: DpoShape, s: int, *, top1: bool = True) -> int:
     """What the policy's fused head keeps from its forward into backward: the scored hidden
     states (compact), their targets, log Z and entropy (ctx.save_for_backward), the label mask
-    and the per-token outputs scattered back to the padded shape."""
+    and the per-token outputs scattered back to the padded shape (is_top1 a bool where
+    `top1`)."""
     n, h = d.scored, arch.hidden_size
     padded = d.rows * (s - 1)
     return (
@@ -101,7 +106,7 @@ def _head_saved(arch: ModelArch, d: DpoShape, s: int) -> int:
         + 2 * _blk(n * FP32_BYTES)
         + _blk(padded * BOOL_BYTES)
         + POLICY_FP32_OUTPUTS * _blk(padded * FP32_BYTES)
-        + _blk(padded * BOOL_BYTES)
+        + (_blk(padded * BOOL_BYTES) if top1 else 0)
     )
 
 
@@ -184,30 +189,53 @@ def _reference_attention(arch: ModelArch, spec: TrainingSpec, d: DpoShape, st: _
     )
 
 
+def _policy_head(arch: ModelArch, d: DpoShape, s: int) -> int:
+    """The policy's fused head at its tile (ChunkedLogProbFunction.forward): the label mask,
+    the scored hidden states and targets gathered, the tile and the running statistics
+    (reference trace llama-3_2-1b__qlora__kto__precomputed-ref__*: the peak at the tile)."""
+    padded = d.rows * (s - 1)
+    return (
+        _head_tile(arch, d)
+        + _blk(d.scored * arch.hidden_size * d.head_bytes)
+        + _blk(d.scored * INT64_BYTES)
+        + _blk(padded * BOOL_BYTES)
+    )
+
+
 def _reference_head(arch: ModelArch, d: DpoShape) -> int:
     """The reference's fused head: the scored hidden states gathered again, the tile buffer
     and the running statistics."""
     return _head_tile(arch, d) + _blk(d.scored * arch.hidden_size * d.head_bytes)
 
 
-class DpoStep(NamedTuple):
-    """DPO's phases as (step, phase, parts) with the SFT step they extend."""
-
-    step: _Step
-    phases: tuple[tuple[int, Phase, tuple[int, ...]], ...]
-    assumptions: tuple[str, ...]
-
-
-def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> DpoStep:
-    d = dpo_shape(arch, spec)
-    st = _step(arch, policy_spec(spec), compute_capability)
-    settings = spec.dpo_settings
-    precompute = settings.precompute_ref_log_probs
-    reference = st.fixed.trainable_params if spec.method is Method.FULL and not precompute else 0
-    saved = _head_saved(arch, d, spec.seq_len)
+def fused_head_phases(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    d: DpoShape,
+    st: _Step,
+    *,
+    reference_forward: bool,
+    reference: int,
+    top1: bool = True,
+) -> tuple[tuple[int, Phase, tuple[int, ...]], ...]:
+    """The phases of a step whose policy `st` (the SFT step on `d.rows` rows) scores tokens
+    with TRL's fused head, with a no-grad reference forward after the policy's when
+    `reference_forward`, and `reference` bytes of frozen reference copy held all run; `top1`:
+    the policy's head also returns is_top1 (DPOTrainer's, not KTOTrainer's)."""
+    saved = _head_saved(arch, d, spec.seq_len, top1=top1)
     head_trains = st.plan.traits.head_trains
     # the end of the policy's forward: what its head keeps (its tiles are freed by then)
     forward_end = st.forward_end._replace(logits_loss=saved, reference_model=reference)
+    # ...or inside its head, the final norm's output still alive where the head is frozen
+    # (it is freed after the head; a trained head keeps it)
+    tokens = d.rows * spec.seq_len
+    final_norm = 0 if head_trains else _blk(tokens * arch.hidden_size * st.plan.flow.residual)
+    in_policy_head = st.forward_end._replace(
+        activations=st.forward_end.activations + final_norm,
+        logits_loss=_policy_head(arch, d, spec.seq_len),
+        reference_model=reference,
+    )
+    forward_end = max(forward_end, in_policy_head, key=sum)
     backward_start = st.backward_start._replace(
         logits_loss=saved + _head_backward(arch, d, head_trains), reference_model=reference
     )
@@ -230,7 +258,6 @@ def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
         # The top layer's backward: every activation still alive, and the tied weight's
         # gradient from the fused head waiting for the embedding's to join it
         # (reference trace qwen2_5-0_5b__full__dpo__b1-s512).
-        tokens = d.rows * spec.seq_len
         top = _Moment(
             gradients=st.backward_start.gradients,
             activations=st.forward_end.activations,
@@ -255,12 +282,32 @@ def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
     rows: list[tuple[int, Phase, tuple[int, ...]]] = []
     for step, held in ((1, first), (2, steady)):
         rows.append((step, Phase.FORWARD_END, held + tuple(forward_end)))
-        if not precompute:
+        if reference_forward:
             rows.append((step, Phase.REFERENCE_FORWARD, held + tuple(ref_forward)))
         rows.append((step, Phase.BACKWARD_START, held + tuple(backward_start)))
         back_held = (*fixed, both, 0) if step == 1 else steady
         rows.append((step, Phase.BACKWARD, back_held + tuple(backward)))
     rows.append((1, Phase.OPTIMIZER_STEP, steady + tuple(optimizer)))
+    return tuple(rows)
+
+
+class DpoStep(NamedTuple):
+    """DPO's phases as (step, phase, parts) with the SFT step they extend."""
+
+    step: _Step
+    phases: tuple[tuple[int, Phase, tuple[int, ...]], ...]
+    assumptions: tuple[str, ...]
+
+
+def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> DpoStep:
+    d = dpo_shape(arch, spec)
+    st = _step(arch, policy_spec(spec), compute_capability)
+    settings = spec.dpo_settings
+    precompute = settings.precompute_ref_log_probs
+    reference = st.fixed.trainable_params if spec.method is Method.FULL and not precompute else 0
+    rows = fused_head_phases(
+        arch, spec, d, st, reference_forward=not precompute, reference=reference
+    )
     completion = settings.max_completion_length
     notes = [
         f"DPO (TRL 1.16.0 DPOTrainer, loss 'sigmoid'): {spec.batch_size} pairs run as "
@@ -281,4 +328,4 @@ def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
         notes.append("the reference model: a frozen copy of the policy's weights, held all run")
     else:
         notes.append("the reference model: the policy with its adapters disabled (no copy)")
-    return DpoStep(st, tuple(rows), tuple(notes))
+    return DpoStep(st, rows, tuple(notes))

@@ -153,6 +153,11 @@ class StepShape:
     # the step runs the reference model's forward (not with precomputed log-probs)
     dpo_scored: int = 0
     dpo_reference: bool = False
+    # KTO (TRL's KTOTrainer) on DPO's fused-head step: the KL batch through the policy under
+    # no_grad before its forward and through the reference before the completions; the
+    # policy's head returns no is_top1 (dpo_top1 False)
+    kto_kl: bool = False
+    dpo_top1: bool = True
     adalora: bool = False  # AdaLoRA on the adapted linears (peft/tuners/adalora/layer.py)
     oft: bool = False  # OFT on the adapted linears (peft/tuners/oft/layer.py)
     # AdaLoRA's penalised parameters' bytes, every lora_A and lora_B in named_parameters order,

@@ -62,6 +62,9 @@ class _Step(_Backward):
         h = sh.hidden
         self.handle = "forward"
         leaf = 0
+        if sh.kto_kl:
+            # KTOTrainer._compute_kl_logps: the KL batch through the policy under no_grad
+            self._dpo_reference_forward(policy=True)
         if sh.virtual_tokens:
             embed, leaf = self._prompt_forward()
         else:
@@ -390,9 +393,10 @@ class _Step(_Backward):
             entropy = alloc(n * FP32_BYTES)
             free(ratio)
             outputs.append(alloc(n * FP32_BYTES))  # mean logits
-            left, right = alloc(n), alloc(n)
-            outputs.append(alloc(n))  # is_top1
-            free(left, right)
+            if sh.dpo_top1:
+                left, right = alloc(n), alloc(n)
+                outputs.append(alloc(n))  # is_top1
+                free(left, right)
         free(*stats)
         return [hidden, targets, log_z, entropy, *outputs]
 
@@ -413,13 +417,15 @@ class _Step(_Backward):
         saved tensors wait in `self.dpo_saved`. No logits: returns 0."""
         sh = self.sh
         mask = self.p.alloc(sh.batch * (sh.seq - 1))
-        hidden, targets, log_z, entropy, logp, mean, top1 = self._dpo_head(policy=True)
+        hidden, targets, log_z, entropy, *compact = self._dpo_head(policy=True)
         if not sh.head_trainable:
             self.f(fn)
         # log-probs, entropy, mean logits (fp32) and is_top1 (bool), scattered back
-        widths = [FP32_BYTES, FP32_BYTES, FP32_BYTES, 1]
-        outputs = self._dpo_scatter(widths, [logp, mean, top1])
+        widths = [FP32_BYTES, FP32_BYTES, FP32_BYTES] + ([1] if sh.dpo_top1 else [])
+        outputs = self._dpo_scatter(widths, compact)
         if sh.dpo_reference:
+            if sh.kto_kl:  # KTO's reference: the KL batch, then the completions
+                self._dpo_reference_forward()
             self._dpo_reference_forward()
         self.f(*outputs)  # `_compute_loss` returns: the outputs object is dropped
         self.dpo_saved = [hidden, targets, log_z, entropy, mask]
@@ -427,8 +433,9 @@ class _Step(_Backward):
             self.dpo_saved.append(fn)
         return 0
 
-    def _dpo_reference_forward(self) -> None:
-        """The reference model's no-grad forward: each layer's transients, then its head."""
+    def _dpo_reference_forward(self, *, policy: bool = False) -> None:
+        """The reference model's no-grad forward: each layer's transients, then its head (the
+        policy's head, with its outputs, for KTO's KL batch through the policy)."""
         sh = self.sh
         h, i = sh.hidden, sh.intermediate
         x = self.a(sh.residual * h)
@@ -448,8 +455,9 @@ class _Step(_Backward):
             x = out
         normed = self.a(sh.residual * h)
         self.f(x)
-        self.f(*self._dpo_head(policy=False), normed)
-        ref_outputs = self._dpo_scatter([FP32_BYTES], [])
+        head = self._dpo_head(policy=policy)
+        self.f(*head[:4], normed)
+        ref_outputs = self._dpo_scatter([FP32_BYTES] * (len(head) - 4), head[4:])
         self.f(*ref_outputs)
 
     def _dpo_reference_attention(self) -> int:

@@ -25,6 +25,7 @@ from vramcast_client.models import (
     Dpo,
     DTypeName,
     Job,
+    Kto,
     Lora,
     MethodName,
     ModelRef,
@@ -122,9 +123,10 @@ def job_from_hf(
     """The job of an HF `Trainer` run: `model` as the Trainer holds it, `args` its
     TrainingArguments (or TRL's SFTConfig, which adds max_length; or TRL's DPOConfig or
     RewardConfig, whose batches are pairs: the model takes 2 x per_device_train_batch_size
-    sequences)."""
+    sequences; or TRL's KTOConfig, whose batches are unpaired examples)."""
     base = find_hf_model(model)
     dpo = _dpo(args)
+    kto = _kto(args)
     reward = type(args).__name__ == "RewardConfig"  # by name: TRL need not be importable
     batch = _int(getattr(args, "per_device_train_batch_size", None))
     if batch is None and shapes is not None and shapes.max_batch_size:
@@ -149,6 +151,8 @@ def job_from_hf(
     )
     if reward:
         return job.model_copy(update={"objective": "reward"})
+    if kto is not None:
+        return job.model_copy(update={"objective": "kto", "kto": kto})
     if dpo is None:
         return job
     return job.model_copy(update={"objective": "dpo", "dpo": dpo})
@@ -161,6 +165,18 @@ def _dpo(args: Any) -> Dpo | None:
         return None
     precompute = getattr(args, "precompute_ref_log_probs", None)
     return Dpo(precompute_ref_log_probs=precompute if isinstance(precompute, bool) else None)
+
+
+def _kto(args: Any) -> Kto | None:
+    """KTO's settings when `args` is TRL's KTOConfig (by its class name), else None."""
+    if type(args).__name__ != "KTOConfig":
+        return None
+    precompute = getattr(args, "precompute_ref_log_probs", None)
+    loss_type = getattr(args, "loss_type", None)
+    return Kto(
+        precompute_ref_log_probs=precompute if isinstance(precompute, bool) else None,
+        loss_type=loss_type if loss_type in ("kto", "apo_zero_unpaired") else None,
+    )
 
 
 def job_from_lightning(

@@ -38,7 +38,7 @@ OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
-ObjectiveName = Literal["sft", "dpo", "reward"]
+ObjectiveName = Literal["sft", "dpo", "reward", "kto"]
 
 
 class _Request(BaseModel):
@@ -190,6 +190,14 @@ class Dpo(_Request):
     max_completion_length: int | None = Field(default=None, ge=1)
 
 
+class Kto(_Request):
+    """TRL KTOConfig's settings that change memory (objective 'kto' only)."""
+
+    precompute_ref_log_probs: bool | None = None
+    # 'kto' runs the KL batch (and needs batch_size >= 2); 'apo_zero_unpaired' runs none
+    loss_type: Literal["kto", "apo_zero_unpaired"] | None = None
+
+
 class Stack(_Request):
     """The library versions a job runs on; None: the service's traced stack's."""
 
@@ -207,9 +215,11 @@ class Job(_Request):
     seq_len: int = Field(ge=1)
     method: MethodName | None = None
     # 'dpo': batch_size pairs run as 2 x batch_size sequences, with a reference model;
-    # 'reward': a one-label reward model, batch_size pairs as 2 x batch_size sequences
+    # 'reward': a one-label reward model, batch_size pairs as 2 x batch_size sequences;
+    # 'kto': batch_size unpaired examples, a KL batch and a reference model
     objective: ObjectiveName | None = None
     dpo: Dpo | None = None
+    kto: Kto | None = None
     lora: Lora | None = None
     quantization: Quantization | None = None
     vera: Vera | None = None
