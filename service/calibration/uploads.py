@@ -223,6 +223,7 @@ def submit_upload(
         measured_device_bytes=upload.measured.device_bytes,
         outcome=upload.outcome,
         environment=dict(upload.environment),
+        environment_key=environment_key(upload.environment),
         node_id=upload.node_id,
         run_id=upload.run_id,
     )
@@ -246,7 +247,9 @@ def submit_upload(
         results = derive_ratios(upload, estimated, factors)
         repository.add_ratios(_ratio_rows(row.id, version, results, received_at))
         if results:
-            repository.mark_changed(version, {(upload.method, r.level.value) for r in results})
+            repository.mark_changed(
+                version, {(upload.method, r.level.value, upload.model) for r in results}
+            )
     receipt = UploadReceipt(
         upload_id=row.id,
         received_at=received_at,
@@ -376,7 +379,8 @@ def rederive_ratios(
             if results:
                 job.derived += 1
                 repository.mark_changed(
-                    estimator_version, {(upload.method, r.level.value) for r in results}
+                    estimator_version,
+                    {(upload.method, r.level.value, upload.model) for r in results},
                 )
         job.cursor_id = batch[-1].id
         job.done += len(batch)

@@ -38,6 +38,10 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
+# The environment key of an environment that names neither torch nor CUDA, the default of a
+# row inserted without one.
+UNKNOWN_ENVIRONMENT = "torch ?, cuda ?"
+
 # BIGINT on PostgreSQL; SQLite only auto-increments a column declared INTEGER PRIMARY KEY.
 BigIntegerPK = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -145,6 +149,9 @@ class CalibrationUpload(Base):
         )
     )
     environment: Mapped[dict[str, Any]]  # torch, cuda, driver, ... as the node reported them
+    # The part of `environment` that splits a model's factor (torch and CUDA, major.minor:
+    # `service.calibration.factors.environment_key`), kept so a refit can group by it in SQL.
+    environment_key: Mapped[str] = mapped_column(String(200), server_default=UNKNOWN_ENVIRONMENT)
     node_id: Mapped[str] = mapped_column(String(200), index=True)
     run_id: Mapped[str] = mapped_column(String(200))
 
@@ -193,9 +200,10 @@ class CalibrationRatio(Base):
 class CalibrationFactor(Base):
     """One group's fitted factor for one estimator version: what replicas load and apply.
 
-    Rows of a (version, method, level) are replaced together whenever a ratio of that
-    partition is added (see `CalibrationChange`); `model` and `variant` are '' where the
-    group has none (the global scope; a model's own factor), so the unique key holds.
+    A model's rows of a (version, method, level) and the partition's global row are replaced
+    whenever a ratio of that model is added (see `CalibrationChange`); `model` and `variant`
+    are '' where the group has none (the global scope; a model's own factor), so the unique
+    key holds.
     """
 
     __tablename__ = "calibration_factor"
@@ -232,9 +240,10 @@ class CalibrationFactor(Base):
 
 
 class CalibrationChange(Base):
-    """A ratio partition (version, method, level) whose factors are out of date: written in
-    the transaction that adds its ratios (insert only, so concurrent uploads never wait on
-    each other), deleted by the refit that covered it."""
+    """A model whose factors in a ratio partition (version, method, level) are out of date,
+    with the partition's global factor: written in the transaction that adds its ratios
+    (insert only, so concurrent uploads never wait on each other), deleted by the refit that
+    covered it. No model (NULL): every model of the partition is out of date."""
 
     __tablename__ = "calibration_change"
     __table_args__ = (Index("ix_calibration_change_estimator_version", "estimator_version"),)
@@ -243,6 +252,7 @@ class CalibrationChange(Base):
     estimator_version: Mapped[str] = mapped_column(String(64))
     method: Mapped[str] = mapped_column(String(16))
     level: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str | None] = mapped_column(String(200))
 
 
 class CalibrationRederivation(Base):

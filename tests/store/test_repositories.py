@@ -43,6 +43,7 @@ def upload_row(api_key: ApiKey, **changes: object) -> CalibrationUpload:
         "measured_device_bytes": 66_000_000_000,
         "outcome": Outcome.COMPLETED,
         "environment": {"torch": "2.5.1", "cuda": "12.4"},
+        "environment_key": "torch 2.5, cuda 12.4",
         "node_id": "gpu-node-17",
         "run_id": "job-4711-rank0",
     }
