@@ -1,9 +1,10 @@
-"""Changes name the model whose ratios were added, and uploads keep their environment's key, so
-a refit fits only the changed models' factors (and the partition's global one) in SQL.
+"""Changes name the model whose ratios were added, and every ratio carries its upload's groups
+(method, model, node, GPU, environment key, outcome) under one index, so that a refit fits only
+the changed models' factors (and their partition's global one) from index ranges in SQL.
 
-`calibration_upload.environment_key` is filled for every stored upload from its environment,
-as the service derives it (torch and CUDA, major.minor). Changes stored before name no model:
-the refit takes them as changes of every model of their partition.
+The copies are filled from each stored ratio's upload; the environment key as the service
+derives it (torch and CUDA, major.minor). Changes stored before name no model: a refit takes
+them as changes of every model of their partition.
 
 Revision ID: b7d2e4f19a06
 Revises: 8e41c07d2a93
@@ -22,9 +23,17 @@ down_revision: str | None = "8e41c07d2a93"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# The key of an environment that names neither torch nor CUDA: the column's default (an
-# upload the service stores always names its key).
-_UNKNOWN_KEY = "torch ?, cuda ?"
+# Copied from the upload as they are named there.
+_COPIED = ("method", "model", "node_id", "gpu_name", "outcome")
+_GROUP_INDEX = (
+    "estimator_version",
+    "method",
+    "level",
+    "model",
+    "outcome",
+    "node_id",
+    "ratio",
+)
 
 
 def _environment_key(environment: Any) -> str:
@@ -39,30 +48,67 @@ def _environment_key(environment: Any) -> str:
     return f"torch {major_minor('torch')}, cuda {major_minor('cuda')}"
 
 
-def upgrade() -> None:
-    op.add_column("calibration_change", sa.Column("model", sa.String(length=200), nullable=True))
-    op.add_column(
-        "calibration_upload",
-        sa.Column(
-            "environment_key",
-            sa.String(length=200),
-            nullable=False,
-            server_default=_UNKNOWN_KEY,
-        ),
+def _outcome() -> sa.Enum:
+    return sa.Enum(
+        "completed", "oom", name="outcome", native_enum=False, create_constraint=True, length=16
+    )
+
+
+def _columns(nullable: bool) -> list[sa.Column[Any]]:
+    return [
+        sa.Column("method", sa.String(length=16), nullable=nullable),
+        sa.Column("model", sa.String(length=200), nullable=nullable),
+        sa.Column("node_id", sa.String(length=200), nullable=nullable),
+        sa.Column("gpu_name", sa.String(length=200), nullable=nullable),
+        sa.Column("environment_key", sa.String(length=200), nullable=nullable),
+        sa.Column("outcome", _outcome(), nullable=nullable),
+    ]
+
+
+def _fill(connection: sa.Connection) -> None:
+    ratio = sa.table(
+        "calibration_ratio",
+        sa.column("upload_id"),
+        sa.column("environment_key"),
+        *map(sa.column, _COPIED),
+    )
+    upload = sa.table(
+        "calibration_upload", sa.column("id"), sa.column("environment"), *map(sa.column, _COPIED)
+    )
+    own = upload.c.id == ratio.c.upload_id
+    connection.execute(
+        ratio.update().values(
+            {name: sa.select(upload.c[name]).where(own).scalar_subquery() for name in _COPIED}
+        )
     )
     # One UPDATE per distinct environment as stored (a fleet reports few), not one per upload.
-    connection = op.get_bind()
-    stored = sa.cast(sa.column("environment"), sa.Text())
-    upload = sa.table("calibration_upload", sa.column("environment"), sa.column("environment_key"))
-    texts = connection.execute(sa.select(stored).select_from(upload).distinct()).scalars().all()
+    stored = sa.cast(upload.c.environment, sa.Text())
+    texts = connection.execute(sa.select(stored).distinct()).scalars().all()
     for text in texts:
-        key = _environment_key(json.loads(text))
-        if key != _UNKNOWN_KEY:
-            connection.execute(upload.update().where(stored == text).values(environment_key=key))
+        uploads = sa.select(upload.c.id).where(stored == text)
+        connection.execute(
+            ratio.update()
+            .where(ratio.c.upload_id.in_(uploads))
+            .values(environment_key=_environment_key(json.loads(text)))
+        )
+
+
+def upgrade() -> None:
+    op.add_column("calibration_change", sa.Column("model", sa.String(length=200), nullable=True))
+    with op.batch_alter_table("calibration_ratio") as batch:
+        for column in _columns(nullable=True):
+            batch.add_column(column)
+    _fill(op.get_bind())
+    with op.batch_alter_table("calibration_ratio") as batch:
+        for column in _columns(nullable=False):
+            batch.alter_column(column.name, existing_type=column.type, nullable=False)
+        batch.create_index("ix_calibration_ratio_group", list(_GROUP_INDEX))
 
 
 def downgrade() -> None:
-    # Dropped in place (SQLite 3.35+): a batch rebuild of calibration_upload would cascade
-    # its deletion to every ratio, foreign keys being enforced.
-    op.drop_column("calibration_upload", "environment_key")
+    with op.batch_alter_table("calibration_ratio") as batch:
+        batch.drop_index("ix_calibration_ratio_group")
+        batch.drop_constraint(op.f("ck_calibration_ratio_outcome"), type_="check")
+        for column in reversed(_columns(nullable=False)):
+            batch.drop_column(column.name)
     op.drop_column("calibration_change", "model")

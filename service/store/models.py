@@ -38,10 +38,6 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# The environment key of an environment that names neither torch nor CUDA, the default of a
-# row inserted without one.
-UNKNOWN_ENVIRONMENT = "torch ?, cuda ?"
-
 # BIGINT on PostgreSQL; SQLite only auto-increments a column declared INTEGER PRIMARY KEY.
 BigIntegerPK = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -69,6 +65,17 @@ class UtcDateTime(TypeDecorator[datetime]):
 
 def _values(enum: type[Level] | type[Outcome]) -> list[str]:
     return [member.value for member in enum]
+
+
+def _outcome() -> Enum:
+    return Enum(
+        Outcome,
+        name="outcome",
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=_values,
+    )
 
 
 class Base(DeclarativeBase):
@@ -138,20 +145,8 @@ class CalibrationUpload(Base):
     measured_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     measured_reserved_bytes: Mapped[int | None] = mapped_column(BigInteger)
     measured_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    outcome: Mapped[Outcome] = mapped_column(
-        Enum(
-            Outcome,
-            name="outcome",
-            native_enum=False,
-            create_constraint=True,
-            length=16,
-            values_callable=_values,
-        )
-    )
+    outcome: Mapped[Outcome] = mapped_column(_outcome())
     environment: Mapped[dict[str, Any]]  # torch, cuda, driver, ... as the node reported them
-    # The part of `environment` that splits a model's factor (torch and CUDA, major.minor:
-    # `service.calibration.factors.environment_key`), kept so a refit can group by it in SQL.
-    environment_key: Mapped[str] = mapped_column(String(200), server_default=UNKNOWN_ENVIRONMENT)
     node_id: Mapped[str] = mapped_column(String(200), index=True)
     run_id: Mapped[str] = mapped_column(String(200))
 
@@ -161,12 +156,30 @@ class CalibrationUpload(Base):
 
 
 class CalibrationRatio(Base):
-    """measured / estimated at one level, for one upload and one estimator version."""
+    """measured / estimated at one level, for one upload and one estimator version.
+
+    It carries the groups its upload belongs to (method, model, node, GPU, environment key,
+    outcome: copies of the upload's, which never change), so that a refit reads a group's
+    runs from one index range (`ix_calibration_ratio_group`) without joining the uploads.
+    """
 
     __tablename__ = "calibration_ratio"
     __table_args__ = (
         UniqueConstraint("upload_id", "level", "estimator_version"),
         Index("ix_calibration_ratio_estimator_version_level", "estimator_version", "level"),
+        # A model's runs, by outcome, node, then ratio: each node's median, a model's counts
+        # and ranked ratios from one range; a partition's completed runs in (model, node)
+        # order for its nodes' medians.
+        Index(
+            "ix_calibration_ratio_group",
+            "estimator_version",
+            "method",
+            "level",
+            "model",
+            "outcome",
+            "node_id",
+            "ratio",
+        ),
         CheckConstraint("estimated_bytes > 0", name="estimated_bytes_positive"),
         CheckConstraint("ratio > 0", name="ratio_positive"),
     )
@@ -186,6 +199,14 @@ class CalibrationRatio(Base):
     )
     estimated_bytes: Mapped[int] = mapped_column(BigInteger)
     ratio: Mapped[float] = mapped_column(Float)
+    method: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(200))
+    node_id: Mapped[str] = mapped_column(String(200))
+    gpu_name: Mapped[str] = mapped_column(String(200))
+    # The part of the upload's environment that splits a model's factor (torch and CUDA,
+    # major.minor: `service.calibration.factors.environment_key`).
+    environment_key: Mapped[str] = mapped_column(String(200))
+    outcome: Mapped[Outcome] = mapped_column(_outcome())
     # Why the ratio is far from what its group expected when it was derived; None when not.
     outlier_reason: Mapped[str | None] = mapped_column(String(500))
     computed_at: Mapped[datetime]

@@ -326,29 +326,26 @@ class CalibrationRepository:
 
     @staticmethod
     def _runs(group: RatioGroup, *columns: Any) -> Select[Any]:
-        query = (
-            select(*columns)
-            .select_from(CalibrationRatio)
-            .join(CalibrationRatio.upload)
-            .where(
-                CalibrationRatio.estimator_version == group.estimator_version,
-                CalibrationRatio.level == Level(group.level),
-                CalibrationUpload.method == group.method,
-            )
+        """The ratios of `group`, from their own columns (`ix_calibration_ratio_group`)."""
+        ratio = CalibrationRatio
+        query = select(*columns).where(
+            ratio.estimator_version == group.estimator_version,
+            ratio.method == group.method,
+            ratio.level == Level(group.level),
         )
         if group.model is not None:
-            query = query.where(CalibrationUpload.model == group.model)
+            query = query.where(ratio.model == group.model)
         if group.gpu_name is not None:
-            query = query.where(CalibrationUpload.gpu_name == group.gpu_name)
+            query = query.where(ratio.gpu_name == group.gpu_name)
         if group.environment_key is not None:
-            query = query.where(CalibrationUpload.environment_key == group.environment_key)
+            query = query.where(ratio.environment_key == group.environment_key)
         return query
 
     @staticmethod
     def _selected(query: Select[Any], selection: Selection) -> Select[Any]:
-        query = query.where(CalibrationUpload.model.in_(sorted(selection.models)))
+        query = query.where(CalibrationRatio.model.in_(sorted(selection.models)))
         if selection.dropped:
-            pair = tuple_(CalibrationUpload.model, CalibrationUpload.node_id)
+            pair = tuple_(CalibrationRatio.model, CalibrationRatio.node_id)
             query = query.where(pair.not_in(sorted(selection.dropped)))
         return query
 
@@ -356,19 +353,19 @@ class CalibrationRepository:
         """The completed runs in the middle of each (model, node)'s runs of `group`, by
         ratio: one for an odd number of runs, two for an even one (a median's), in one pass
         of the database, not of Python, over the group."""
-        pair = (CalibrationUpload.model, CalibrationUpload.node_id)
+        pair = (CalibrationRatio.model, CalibrationRatio.node_id)
         ranked = (
             self._runs(
                 group,
-                CalibrationUpload.model,
-                CalibrationUpload.node_id,
+                CalibrationRatio.model,
+                CalibrationRatio.node_id,
                 CalibrationRatio.ratio,
                 func.row_number()
                 .over(partition_by=pair, order_by=CalibrationRatio.ratio)
                 .label("position"),
                 func.count().over(partition_by=pair).label("runs"),
             )
-            .where(CalibrationUpload.outcome == Outcome.COMPLETED)
+            .where(CalibrationRatio.outcome == Outcome.COMPLETED)
             .subquery()
         )
         middle = or_(
@@ -384,7 +381,7 @@ class CalibrationRepository:
         """How many runs of `selection` in `group` ended with `outcome` (with a ratio above
         `above`, if given)."""
         query = self._selected(self._runs(group, func.count()), selection).where(
-            CalibrationUpload.outcome == outcome
+            CalibrationRatio.outcome == outcome
         )
         if above is not None:
             query = query.where(CalibrationRatio.ratio > above)
@@ -395,11 +392,11 @@ class CalibrationRepository:
     ) -> float:
         """The ratio `rank` others lie above among the completed runs of `selection` (and its
         OOM runs above `oom_above`, if given): a top-k query, not a sort in Python."""
-        runs = CalibrationUpload.outcome == Outcome.COMPLETED
+        runs = CalibrationRatio.outcome == Outcome.COMPLETED
         if oom_above is not None:
             runs = or_(
                 runs,
-                and_(CalibrationUpload.outcome == Outcome.OOM, CalibrationRatio.ratio > oom_above),
+                and_(CalibrationRatio.outcome == Outcome.OOM, CalibrationRatio.ratio > oom_above),
             )
         query = (
             self._selected(self._runs(group, CalibrationRatio.ratio), selection)
@@ -412,8 +409,8 @@ class CalibrationRepository:
 
     def variants(self, group: RatioGroup) -> tuple[list[str], list[str]]:
         """The GPUs and the environment keys that runs of `group` name."""
-        gpus = self._runs(group, CalibrationUpload.gpu_name).distinct()
-        keys = self._runs(group, CalibrationUpload.environment_key).distinct()
+        gpus = self._runs(group, CalibrationRatio.gpu_name).distinct()
+        keys = self._runs(group, CalibrationRatio.environment_key).distinct()
         return (
             sorted(self.session.scalars(gpus).all()),
             sorted(self.session.scalars(keys).all()),
@@ -422,7 +419,7 @@ class CalibrationRepository:
     def models(self, estimator_version: str, method: str, level: str) -> list[str]:
         """The models of one partition's ratios."""
         group = RatioGroup(estimator_version=estimator_version, method=method, level=level)
-        query = self._runs(group, CalibrationUpload.model).distinct()
+        query = self._runs(group, CalibrationRatio.model).distinct()
         return sorted(self.session.scalars(query).all())
 
     def factors(self, estimator_version: str) -> Sequence[CalibrationFactor]:

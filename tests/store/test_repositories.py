@@ -43,7 +43,6 @@ def upload_row(api_key: ApiKey, **changes: object) -> CalibrationUpload:
         "measured_device_bytes": 66_000_000_000,
         "outcome": Outcome.COMPLETED,
         "environment": {"torch": "2.5.1", "cuda": "12.4"},
-        "environment_key": "torch 2.5, cuda 12.4",
         "node_id": "gpu-node-17",
         "run_id": "job-4711-rank0",
     }
@@ -58,6 +57,12 @@ def ratio_row(upload: CalibrationUpload, **changes: object) -> CalibrationRatio:
         "level": Level.DEVICE,
         "estimated_bytes": 60_000_000_000,
         "ratio": 1.1,
+        "method": upload.method,
+        "model": upload.model,
+        "node_id": upload.node_id,
+        "gpu_name": upload.gpu_name,
+        "environment_key": "torch 2.5, cuda 12.4",
+        "outcome": upload.outcome,
         "outlier_reason": None,
         "computed_at": T0,
     }
