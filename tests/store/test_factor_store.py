@@ -15,6 +15,8 @@ from sqlalchemy import Connection, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from service.calibration.factors import (
+    StoredRuns,
+    environment_key,
     fit_factor_table,
     load_factor_table,
     refresh_factors,
@@ -27,7 +29,16 @@ from service.calibration.uploads import (
     rederive_ratios,
     submit_upload,
 )
-from service.core.calibration import EMPTY_TABLE, FACTOR_MAX, Level, Outcome, Scope
+from service.core.calibration import (
+    EMPTY_TABLE,
+    FACTOR_MAX,
+    Level,
+    Outcome,
+    Sample,
+    SampleRuns,
+    Scope,
+    Selection,
+)
 from service.core.errors import UnknownModelError
 from service.store.db import create_engine_from_url, create_session_factory
 from service.store.keys import KeyScope, create_key
@@ -39,6 +50,7 @@ from service.store.models import (
     CalibrationRatio,
     CalibrationUpload,
 )
+from service.store.repositories import CalibrationRepository, RatioGroup
 from tests.store.factories import VERSION, fake_estimate, new_upload, render
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -203,9 +215,60 @@ def test_stored_factors_equal_a_full_refit_as_one_model_changes(
     assert split == {(model, "torch 2.4, cuda 12.4"), (model, "torch 2.5, cuda 12.4")}
 
 
+def test_the_store_answers_a_fit_s_questions_as_the_runs_in_memory_do(
+    session: Session, api_key: ApiKey
+) -> None:
+    # Odd and even numbers of runs per node, ties, OOM runs, three models: the votes, counts
+    # and ranked ratios the database gives equal those of the runs held in memory.
+    rng = random.Random(7)
+    held: list[tuple[str, Sample]] = []
+    for index in range(120):
+        model = MODELS[index % 3]
+        node = f"node-{rng.randrange(7)}"
+        ratio = round(rng.uniform(0.9, 1.3), 2)  # two decimals: many ties
+        outcome = Outcome.OOM if rng.random() < 0.2 else Outcome.COMPLETED
+        upload = new_upload(
+            model=model,
+            estimate_gib=10.0,
+            device_gib=12.0 * ratio,
+            node_id=node,
+            run_id=f"run-{index}",
+            outcome=outcome,
+        )
+        _upload(session, api_key, upload)
+    for row in session.scalars(select(CalibrationRatio).where(CalibrationRatio.level == "device")):
+        held.append((row.model, Sample(node_id=row.node_id, ratio=row.ratio, outcome=row.outcome)))
+    group = RatioGroup(estimator_version=VERSION, method="lora", level="device")
+    stored = StoredRuns(CalibrationRepository(session), group)
+    memory = SampleRuns(held)
+    assert stored.votes() == memory.votes()
+    selections = [
+        Selection(models=frozenset(MODELS[:3]), dropped=frozenset()),
+        Selection(models=frozenset(MODELS[:2]), dropped=frozenset({(MODELS[0], "node-1")})),
+        Selection(
+            models=frozenset({MODELS[2]}),
+            dropped=frozenset({(MODELS[2], "node-0"), (MODELS[2], "node-5")}),
+        ),
+    ]
+    for selection in selections:
+        completed = memory.completed(selection)
+        assert stored.completed(selection) == completed > 0
+        for bound in (1.0, 1.15, 1.25):
+            assert stored.oom_above(selection, bound) == memory.oom_above(selection, bound)
+        for rank in (0, 1, completed // 20, completed - 1):
+            assert stored.largest(selection, rank) == memory.largest(selection, rank)
+            assert stored.largest(selection, rank, oom_above=1.1) == memory.largest(
+                selection, rank, oom_above=1.1
+            )
+
+
+# Environments nodes reported before the ratios carried their keys.
+OLD_ENVIRONMENTS = ({}, {"torch": "2.4.1"}, {"torch": "2.5.1+cu124", "cuda": "12.4"})
+
+
 def _insert_ratios(connection: Connection, ratios: Sequence[float]) -> None:
-    """One device-level LoRA ratio of org/alpha-7b per node, written as the schema stores
-    them (no factor fitted)."""
+    """One device-level LoRA ratio of org/alpha-7b per node, written as the schema stored
+    them before ratios carried their upload's groups (no factor fitted)."""
     key_id = connection.execute(
         insert(ApiKey).returning(ApiKey.id),
         {
@@ -230,7 +293,7 @@ def _insert_ratios(connection: Connection, ratios: Sequence[float]) -> None:
                 "gpu_memory_total_bytes": 80 * 2**30,
                 "measured_device_bytes": int(ratio * 2**30),
                 "outcome": Outcome.COMPLETED,
-                "environment": {},
+                "environment": OLD_ENVIRONMENTS[node % len(OLD_ENVIRONMENTS)],
                 "node_id": f"node-{node}",
                 "run_id": f"run-{node}",
             },
@@ -259,6 +322,25 @@ def test_the_upgrade_builds_factors_for_ratios_stored_before_it(blank_database_u
             table = load_factor_table(session, VERSION)
             assert table != EMPTY_TABLE
             assert table == fit_factor_table(session, VERSION)
+            # Each ratio got its upload's groups, the environment's key as the service
+            # derives it.
+            ratios = session.scalars(select(CalibrationRatio)).all()
+            assert len(ratios) == 3
+            for row in ratios:
+                upload = row.upload
+                assert (row.method, row.model, row.node_id, row.gpu_name, row.outcome) == (
+                    upload.method,
+                    upload.model,
+                    upload.node_id,
+                    upload.gpu_name,
+                    upload.outcome,
+                )
+                assert row.environment_key == environment_key(upload.environment)
+            assert {row.environment_key for row in ratios} == {
+                "torch ?, cuda ?",
+                "torch 2.4, cuda ?",
+                "torch 2.5, cuda 12.4",
+            }
     finally:
         engine.dispose()
 
