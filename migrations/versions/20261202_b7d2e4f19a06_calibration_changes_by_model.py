@@ -75,22 +75,24 @@ def _fill(connection: sa.Connection) -> None:
     upload = sa.table(
         "calibration_upload", sa.column("id"), sa.column("environment"), *map(sa.column, _COPIED)
     )
-    own = upload.c.id == ratio.c.upload_id
-    connection.execute(
-        ratio.update().values(
-            {name: sa.select(upload.c[name]).where(own).scalar_subquery() for name in _COPIED}
-        )
-    )
-    # One UPDATE per distinct environment as stored (a fleet reports few), not one per upload.
+    # The key of each distinct environment as stored (a fleet reports few).
     stored = sa.cast(upload.c.environment, sa.Text())
     texts = connection.execute(sa.select(stored).distinct()).scalars().all()
-    for text in texts:
-        uploads = sa.select(upload.c.id).where(stored == text)
-        connection.execute(
-            ratio.update()
-            .where(ratio.c.upload_id.in_(uploads))
-            .values(environment_key=_environment_key(json.loads(text)))
+    keys = {text: _environment_key(json.loads(text)) for text in texts}
+    if not keys:
+        return
+    # One UPDATE ... FROM (PostgreSQL; SQLite 3.33+): each ratio rewritten once, its upload
+    # found by a join, not a lookup per ratio and column.
+    connection.execute(
+        ratio.update()
+        .where(ratio.c.upload_id == upload.c.id)
+        .values(
+            {
+                **{name: upload.c[name] for name in _COPIED},
+                "environment_key": sa.case(keys, value=stored, else_=_environment_key({})),
+            }
         )
+    )
 
 
 def upgrade() -> None:
