@@ -34,13 +34,13 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import lru_cache
 from statistics import NormalDist
 from types import MappingProxyType
 from typing import Protocol
 
 from service.core.errors import EstimatorError
 from service.core.result import Levels
+from service.core.student_t import student_t_quantile
 
 # A vote needs this many distinct nodes: with three votes the median survives one bad node
 # (the median's breakdown point is floor((n - 1) / 2) votes).
@@ -93,8 +93,6 @@ MEDIAN_SE = math.sqrt(math.pi / 2)
 # error is taken on the votes' own spread (not floored: the floor is the safe bound's, and
 # identical votes are the strongest evidence a median can have).
 SHIFT_Z = NormalDist().inv_cdf(0.975)
-# Student's t quantiles are found by bisection on the exact CDF to this width.
-T_QUANTILE_TOLERANCE = 1e-10
 # A GPU or environment gets its own factor when it differs from the model's by more than
 # 5 % and by more than three standard errors of its median.
 SPLIT_MIN_EFFECT = math.log(1.05)
@@ -248,47 +246,6 @@ def node_votes(samples: Iterable[Sample]) -> dict[str, float]:
 def robust_spread(log_values: Sequence[float], center: float) -> float:
     """MAD-based standard deviation of log values around `center` (may be zero)."""
     return MAD_TO_SIGMA * _median([abs(value - center) for value in log_values])
-
-
-def _student_t_cdf(t: float, df: int) -> float:
-    """P(T <= t) for Student's t with an integer `df` >= 1, exactly (Abramowitz & Stegun,
-    "Handbook of Mathematical Functions", 26.7.3 and 26.7.4: finite series in cos(theta),
-    theta = atan(t / sqrt(df)), for P(|T| <= t))."""
-    theta = math.atan(t / math.sqrt(df))
-    cos2 = math.cos(theta) ** 2
-    if df % 2:
-        term = series = math.cos(theta)
-        for power in range(3, df - 1, 2):  # cos^3 ... cos^(df - 2): 2/3, 2*4/(3*5), ...
-            term *= cos2 * (power - 1) / power
-            series += term
-        within = 2 / math.pi * (theta + (math.sin(theta) * series if df > 1 else 0.0))
-    else:
-        term = series = 1.0
-        for power in range(2, df - 1, 2):  # cos^2 ... cos^(df - 2): 1/2, 1*3/(2*4), ...
-            term *= cos2 * (power - 1) / power
-            series += term
-        within = math.sin(theta) * series
-    return (1 + within) / 2
-
-
-@lru_cache(maxsize=1024)
-def student_t_quantile(p: float, df: int) -> float:
-    """The `p`-quantile (0.5 <= p < 1) of Student's t with `df` degrees of freedom, rounded up
-    by at most T_QUANTILE_TOLERANCE."""
-    if not 0.5 <= p < 1:
-        raise ValueError(f"p must be in [0.5, 1), got {p}")
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
-    low, high = 0.0, 1.0
-    while _student_t_cdf(high, df) < p:
-        low, high = high, 2 * high
-    while high - low > T_QUANTILE_TOLERANCE:
-        middle = (low + high) / 2
-        if _student_t_cdf(middle, df) < p:
-            low = middle
-        else:
-            high = middle
-    return high
 
 
 def upper_prediction_log_margin(log_spread: float, votes: int) -> float:
