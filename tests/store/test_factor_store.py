@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session
 
 from service.calibration.factors import (
     StoredRuns,
+    _fit_changed,
+    _store_refit,
     environment_key,
     fit_factor_table,
     load_factor_table,
@@ -213,6 +215,30 @@ def test_stored_factors_equal_a_full_refit_as_one_model_changes(
         (key.model, key.variant) for key in stored.factors if key.scope is Scope.MODEL_ENVIRONMENT
     }
     assert split == {(model, "torch 2.4, cuda 12.4"), (model, "torch 2.5, cuda 12.4")}
+
+
+def test_a_refit_is_stored_only_while_none_of_its_changes_was_covered_by_another(
+    session: Session, api_key: ApiKey
+) -> None:
+    # Two replicas fit what changed, one after the other upload; whichever stores first
+    # wins, the other's fit is dropped, and what it alone saw is refitted by the next load.
+    for node in range(3):
+        for model in MODELS[:3]:
+            upload = new_upload(model=model, node_id=f"n{node}", run_id=f"{model}-{node}")
+            _upload(session, api_key, upload)
+    load_factor_table(session, VERSION)
+    _upload(session, api_key, new_upload(model=MODELS[0], node_id="n7", run_id="a"))
+    first = _fit_changed(session, VERSION)
+    _upload(session, api_key, new_upload(model=MODELS[1], node_id="n8", run_id="b"))
+    second = _fit_changed(session, VERSION)
+    assert _store_refit(session, VERSION, first, NOW) == 1
+    # The second fit covers the first's change too, which is gone: it is not stored.
+    assert _store_refit(session, VERSION, second, LATER) == 0
+    changes = session.execute(select(CalibrationChange.model)).scalars().all()
+    assert changes == [MODELS[1]]
+    assert stored_factor_table(session, VERSION) != fit_factor_table(session, VERSION)
+    assert refresh_factors(session, VERSION) == 1
+    assert stored_factor_table(session, VERSION) == fit_factor_table(session, VERSION)
 
 
 def test_the_store_answers_a_fit_s_questions_as_the_runs_in_memory_do(
