@@ -725,7 +725,11 @@ def run_scale(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> list[dic
                         "upload p50 ms": round(1e3 * ordered[len(ordered) // 2], 1),
                         "upload p99 ms": round(1e3 * ordered[int(0.99 * len(ordered))], 1),
                         "one upload ms": round(1e3 * upload_s, 1),
-                        "one upload -> served s": round(pickup_s, 2),
+                        "one upload -> a replica's load serves it s": round(pickup_s, 2),
+                        # The replica that took the upload reloads at its next tick; the
+                        # others once their factors pass the TTL.
+                        f"upload -> every replica serves it, at most s (target <= "
+                        f"{SCALE_PICKUP_S:g})": round(FACTOR_TTL_S + REFRESH_TICK_S + pickup_s, 2),
                         f"refit after {SCALE_UPLOADS} uploads of {SCALE_MODELS} models s": round(
                             burst_s, 2
                         ),
@@ -759,13 +763,9 @@ def scale_figures(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> dict
         figures[
             f"scale: p99 at {sizes[-1]:,} / at {sizes[0]:,} (target <= {SCALE_P99_GROWTH:g})"
         ] = round(growth, 2)
-    if rows:
-        # The replica that took the upload reloads at its next tick; the others once their
-        # factors pass the TTL: at most TTL + tick + the load after the upload.
-        worst = FACTOR_TTL_S + REFRESH_TICK_S + max(row["one upload -> served s"] for row in rows)
-        figures[
-            f"scale: upload -> every replica serves it, at most (target <= {SCALE_PICKUP_S:g} s)"
-        ] = f"{worst:.2f} s ({FACTOR_TTL_S:g} s TTL + {REFRESH_TICK_S:g} s tick + the load)"
+    figures["scale: every replica serves an upload within"] = (
+        f"{FACTOR_TTL_S:g} s TTL + {REFRESH_TICK_S:g} s tick + a replica's load after the upload"
+    )
     figures["scale: load average"] = " ".join(f"{v:.1f}" for v in os.getloadavg())
     return figures
 
