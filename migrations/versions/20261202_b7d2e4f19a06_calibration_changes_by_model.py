@@ -1,10 +1,12 @@
-"""Changes name the model whose ratios were added, and every ratio carries its upload's groups
-(method, model, node, GPU, environment key, outcome) under one index, so that a refit fits only
-the changed models' factors (and their partition's global one) from index ranges in SQL.
+"""Changes name the model whose ratios were added, every ratio carries its upload's groups
+(method, model, node, GPU, environment key, outcome) under one index, and each node's vote per
+model is kept (`calibration_vote`), so that a refit fits only the changed models' factors (and
+their partition's global one) from index ranges in SQL.
 
 The copies are filled from each stored ratio's upload; the environment key as the service
 derives it (torch and CUDA, major.minor). Changes stored before name no model: a refit takes
-them as changes of every model of their partition.
+them as changes of every model of their partition. Every partition with ratios is marked
+changed, so the first load builds its votes.
 
 Revision ID: b7d2e4f19a06
 Revises: 8e41c07d2a93
@@ -97,6 +99,24 @@ def _fill(connection: sa.Connection) -> None:
 
 def upgrade() -> None:
     op.add_column("calibration_change", sa.Column("model", sa.String(length=200), nullable=True))
+    op.create_table(
+        "calibration_vote",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
+        sa.Column("estimator_version", sa.String(length=64), nullable=False),
+        sa.Column("method", sa.String(length=16), nullable=False),
+        sa.Column("level", sa.String(length=16), nullable=False),
+        sa.Column("model", sa.String(length=200), nullable=False),
+        sa.Column("node_id", sa.String(length=200), nullable=False),
+        sa.Column("log_vote", sa.Float(), nullable=False),
+        sa.Column("completed_runs", sa.Integer(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_calibration_vote")),
+    )
+    op.create_index(
+        "ix_calibration_vote_pair",
+        "calibration_vote",
+        ["estimator_version", "method", "level", "model", "node_id"],
+        unique=True,
+    )
     with op.batch_alter_table("calibration_ratio") as batch:
         for column in _columns(nullable=True):
             batch.add_column(column)
@@ -105,6 +125,10 @@ def upgrade() -> None:
         for column in _columns(nullable=False):
             batch.alter_column(column.name, existing_type=column.type, nullable=False)
         batch.create_index("ix_calibration_ratio_group", list(_GROUP_INDEX))
+    op.execute(
+        "INSERT INTO calibration_change (estimator_version, method, level) "
+        "SELECT DISTINCT estimator_version, method, level FROM calibration_ratio"
+    )
 
 
 def downgrade() -> None:
@@ -113,4 +137,6 @@ def downgrade() -> None:
         batch.drop_constraint(op.f("ck_calibration_ratio_outcome"), type_="check")
         for column in reversed(_columns(nullable=False)):
             batch.drop_column(column.name)
+    op.drop_index("ix_calibration_vote_pair", "calibration_vote")
+    op.drop_table("calibration_vote")
     op.drop_column("calibration_change", "model")

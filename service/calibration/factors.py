@@ -7,7 +7,8 @@ refit (`refresh_factors`) and stores those factors; then it reads the stored fac
 number does not grow with the ratios. A refit fits each changed model's factors and its
 partition's global one with the core's rules (`fit_model_factors`, `fit_global_runs`) over
 runs that the database summarises (`StoredRuns`): each node's median per model and the few
-order statistics of the safe bound, by queries, so no run is read into Python. Every group
+order statistics of the safe bound, by queries, so no run is read into Python; the global
+factor reads the votes kept per (model, node) (`PartitionRuns`) and a top-k query. Every group
 lies within one method and level, and a model's groups within the model, so the factors equal
 those of `fit_table` on every ratio (`fit_factor_table`, the definition).
 Replicas store refits one at a time (an advisory lock on PostgreSQL); the others read.
@@ -51,7 +52,7 @@ from service.core.calibration import (
     fit_table,
 )
 from service.store.db import read_only_sessions
-from service.store.models import CalibrationFactor
+from service.store.models import CalibrationFactor, CalibrationVote
 from service.store.repositories import CalibrationRepository, RatioGroup
 
 # Factors a replica serves are at most this old: with one load it stays within the 10 s in
@@ -156,12 +157,14 @@ class StoredRuns:
         self._repository = repository
         self._group = group
         self._votes: dict[Pair, float] | None = None
+        self._completed_runs: dict[Pair, int] = {}
 
     def votes(self) -> Mapping[Pair, float]:
         if self._votes is None:
             middles: dict[Pair, list[float]] = defaultdict(list)
-            for model, node, ratio in self._repository.middle_runs(self._group):
+            for model, node, ratio, runs in self._repository.middle_runs(self._group):
                 middles[(model, node)].append(math.log(ratio))
+                self._completed_runs[(model, node)] = runs
             # The median of the logs, as `node_votes` takes it: the middle one, or the mean
             # of the middle two.
             self._votes = {
@@ -169,6 +172,11 @@ class StoredRuns:
                 for pair, logs in middles.items()
             }
         return self._votes
+
+    def completed_runs(self) -> Mapping[Pair, int]:
+        """Each (model, node)'s number of completed runs."""
+        self.votes()
+        return self._completed_runs
 
     def completed(self, selection: Selection) -> int:
         return self._repository.count_runs(self._group, selection, Outcome.COMPLETED, above=None)
@@ -180,22 +188,62 @@ class StoredRuns:
         return self._repository.ranked_ratio(self._group, selection, rank, oom_above=oom_above)
 
 
+class PartitionRuns(StoredRuns):
+    """A partition's runs, for its global factor: the votes the store keeps per (model, node)
+    (`calibration_vote`), those of the models refitted now taken from their fresh runs, and
+    run counts summed from them, so no query reads every run for them; the ranked ratios of
+    the safe bound are still queried over the partition's runs."""
+
+    def __init__(
+        self,
+        repository: CalibrationRepository,
+        group: RatioGroup,
+        fresh: Mapping[str, StoredRuns],
+    ) -> None:
+        super().__init__(repository, group)
+        votes: dict[Pair, float] = {}
+        for row in repository.votes(group.estimator_version, group.method, group.level):
+            if row.model not in fresh:
+                votes[(row.model, row.node_id)] = row.log_vote
+                self._completed_runs[(row.model, row.node_id)] = row.completed_runs
+        for runs in fresh.values():
+            votes.update(runs.votes())
+            self._completed_runs.update(runs.completed_runs())
+        self._votes = votes
+
+    def completed(self, selection: Selection) -> int:
+        return sum(
+            runs
+            for (model, node), runs in self._completed_runs.items()
+            if model in selection.models and (model, node) not in selection.dropped
+        )
+
+
+# A node's vote on a model: (model, node, log vote, completed runs).
+VoteRow = tuple[str, str, float, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionFit:
+    factors: dict[GroupKey, Factor]  # the refitted models', and the partition's global one
+    votes: list[VoteRow]  # the refitted models' nodes' votes
+
+
 def fit_partition(
     repository: CalibrationRepository,
     estimator_version: str,
     method: str,
     level: str,
     models: list[str],
-) -> dict[GroupKey, Factor]:
-    """The global factor of one partition and the factors of `models` in it, from the
-    store's summaries of their runs."""
+) -> PartitionFit:
+    """The factors of `models` in one partition and the partition's global factor, from the
+    store's summaries of their runs and the votes it keeps of the other models."""
     partition = RatioGroup(estimator_version=estimator_version, method=method, level=level)
     factors: dict[GroupKey, Factor] = {}
-    found = fit_global_runs(StoredRuns(repository, partition))
-    if found is not None:
-        factors[GroupKey(scope=Scope.GLOBAL, method=method, level=Level(level))] = found
+    fresh: dict[str, StoredRuns] = {}
     for model in models:
         group = replace(partition, model=model)
+        runs = fresh[model] = StoredRuns(repository, group)
         gpus, environments = repository.variants(group)
         variants: dict[tuple[Scope, str], Runs] = {
             (Scope.MODEL_GPU, gpu): StoredRuns(repository, replace(group, gpu_name=gpu))
@@ -211,21 +259,25 @@ def fit_partition(
         )
         factors.update(
             fit_model_factors(
-                model=model,
-                method=method,
-                level=Level(level),
-                runs=StoredRuns(repository, group),
-                variants=variants,
+                model=model, method=method, level=Level(level), runs=runs, variants=variants
             )
         )
-    return factors
+    found = fit_global_runs(PartitionRuns(repository, partition, fresh))
+    if found is not None:
+        factors[GroupKey(scope=Scope.GLOBAL, method=method, level=Level(level))] = found
+    votes = [
+        (model, node, vote, runs.completed_runs()[(model, node)])
+        for runs in fresh.values()
+        for (model, node), vote in runs.votes().items()
+    ]
+    return PartitionFit(factors=factors, votes=votes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _PartitionRefit:
     change_ids: list[int]  # the changes this refit covers
     models: list[str]  # the models refitted
-    factors: dict[GroupKey, Factor]  # theirs, and the partition's global factor
+    fit: PartitionFit
 
 
 def _fit_changed(
@@ -254,7 +306,7 @@ def _fit_changed(
         refits[partition] = _PartitionRefit(
             change_ids=ids,
             models=models,
-            factors=fit_partition(repository, estimator_version, method, level, models),
+            fit=fit_partition(repository, estimator_version, method, level, models),
         )
     return refits
 
@@ -275,8 +327,21 @@ def _store_refit(
     for (method, level), refit in refits.items():
         if not pending.issuperset(refit.change_ids):
             continue
-        rows = _factor_rows(estimator_version, FactorTable(refit.factors), fitted_at)
+        rows = _factor_rows(estimator_version, FactorTable(refit.fit.factors), fitted_at)
         repository.replace_factors(estimator_version, method, level, refit.models, rows)
+        votes = [
+            CalibrationVote(
+                estimator_version=estimator_version,
+                method=method,
+                level=level,
+                model=model,
+                node_id=node,
+                log_vote=vote,
+                completed_runs=runs,
+            )
+            for model, node, vote, runs in refit.fit.votes
+        ]
+        repository.replace_votes(estimator_version, method, level, refit.models, votes)
         repository.forget_changes(refit.change_ids)
         stored += 1
     session.flush()

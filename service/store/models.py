@@ -260,6 +260,35 @@ class CalibrationFactor(Base):
     fitted_at: Mapped[datetime]
 
 
+class CalibrationVote(Base):
+    """One node's vote on one model's factor (the median of the log ratios of its completed
+    runs) and how many completed runs it has, as the model's last refit found them: a refit
+    of a partition's global factor reads these instead of every run. Replaced with the
+    model's factors."""
+
+    __tablename__ = "calibration_vote"
+    __table_args__ = (
+        Index(
+            "ix_calibration_vote_pair",
+            "estimator_version",
+            "method",
+            "level",
+            "model",
+            "node_id",
+            unique=True,
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntegerPK, primary_key=True)
+    estimator_version: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(16))
+    level: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(200))
+    node_id: Mapped[str] = mapped_column(String(200))
+    log_vote: Mapped[float] = mapped_column(Float)
+    completed_runs: Mapped[int] = mapped_column(Integer)
+
+
 class CalibrationChange(Base):
     """A model whose factors in a ratio partition (version, method, level) are out of date,
     with the partition's global factor: written in the transaction that adds its ratios

@@ -20,6 +20,7 @@ from service.store.models import (
     CalibrationRatio,
     CalibrationRederivation,
     CalibrationUpload,
+    CalibrationVote,
 )
 
 # PostgreSQL advisory lock class (the first key) that serialises refits of one estimator
@@ -349,10 +350,11 @@ class CalibrationRepository:
             query = query.where(pair.not_in(sorted(selection.dropped)))
         return query
 
-    def middle_runs(self, group: RatioGroup) -> list[tuple[str, str, float]]:
+    def middle_runs(self, group: RatioGroup) -> list[tuple[str, str, float, int]]:
         """The completed runs in the middle of each (model, node)'s runs of `group`, by
         ratio: one for an odd number of runs, two for an even one (a median's), in one pass
-        of the database, not of Python, over the group."""
+        of the database, not of Python, over the group; each with its pair's number of
+        completed runs."""
         pair = (CalibrationRatio.model, CalibrationRatio.node_id)
         ranked = (
             self._runs(
@@ -372,8 +374,43 @@ class CalibrationRepository:
             ranked.c.position == (ranked.c.runs + 1) // 2,
             ranked.c.position == ranked.c.runs // 2 + 1,
         )
-        query = select(ranked.c.model, ranked.c.node_id, ranked.c.ratio).where(middle)
-        return [(row.model, row.node_id, row.ratio) for row in self.session.execute(query)]
+        query = select(ranked.c.model, ranked.c.node_id, ranked.c.ratio, ranked.c.runs).where(
+            middle
+        )
+        return [
+            (row.model, row.node_id, row.ratio, row.runs) for row in self.session.execute(query)
+        ]
+
+    def votes(self, estimator_version: str, method: str, level: str) -> Sequence[CalibrationVote]:
+        """Every node's stored vote per model in one partition."""
+        return self.session.scalars(
+            select(CalibrationVote).where(
+                CalibrationVote.estimator_version == estimator_version,
+                CalibrationVote.method == method,
+                CalibrationVote.level == level,
+            )
+        ).all()
+
+    def replace_votes(
+        self,
+        estimator_version: str,
+        method: str,
+        level: str,
+        models: Sequence[str],
+        votes: Sequence[CalibrationVote],
+    ) -> None:
+        """The votes of `models` in one partition, instead of those stored."""
+        for start in range(0, len(models), _CHUNK):
+            self.session.execute(
+                delete(CalibrationVote).where(
+                    CalibrationVote.estimator_version == estimator_version,
+                    CalibrationVote.method == method,
+                    CalibrationVote.level == level,
+                    CalibrationVote.model.in_(models[start : start + _CHUNK]),
+                )
+            )
+        self.session.add_all(votes)
+        self.session.flush()
 
     def count_runs(
         self, group: RatioGroup, selection: Selection, outcome: Outcome, *, above: float | None
