@@ -1,12 +1,17 @@
 """The factors a replica applies: fitted from the store's ratios, stored, cached with a TTL.
 
-An upload adds its ratios and notes which (estimator version, method, level) partitions they
-changed, in its own transaction, and nothing more: its cost does not grow with the ratios
-stored. A load (`load_factor_table`) first refits the partitions changed since the last
-refit (`refresh_factors`: `fit_table` on each such partition's ratios, the same factors a
-refit of everything gives, since every group lies within one method and level) and stores
-their factors; then it reads the stored factors, whose number does not grow with the ratios.
-Replicas refit one at a time (an advisory lock on PostgreSQL); the others read.
+An upload adds its ratios and notes which model of which (estimator version, method, level)
+partition they changed, in its own transaction, and nothing more: its cost does not grow with
+the ratios stored. A load (`load_factor_table`) first refits what changed since the last
+refit (`refresh_factors`) and stores those factors; then it reads the stored factors, whose
+number does not grow with the ratios. A refit fits each changed model's factors and its
+partition's global one with the core's rules (`fit_model_factors`, `fit_global_runs`) over
+runs that the database summarises (`StoredRuns`): each node's median per model and the few
+order statistics of the safe bound, by queries, so no run is read into Python; the global
+factor reads the votes kept per (model, node) (`PartitionRuns`) and a top-k query. Every group
+lies within one method and level, and a model's groups within the model, so the factors equal
+those of `fit_table` on every ratio (`fit_factor_table`, the definition).
+Replicas store refits one at a time (an advisory lock on PostgreSQL); the others read.
 
 Requests only read the cache (`FactorCache.peek`); `keep_fresh` reloads it in a worker thread.
 When the store is down, the cache keeps the last factors loaded (`stale`) or none (`none`).
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -34,13 +41,19 @@ from service.core.calibration import (
     GroupKey,
     Level,
     Observation,
+    Outcome,
+    Pair,
+    Runs,
     Sample,
     Scope,
+    Selection,
+    fit_global_runs,
+    fit_model_factors,
     fit_table,
 )
 from service.store.db import read_only_sessions
-from service.store.models import CalibrationFactor
-from service.store.repositories import CalibrationRepository
+from service.store.models import CalibrationFactor, CalibrationVote
+from service.store.repositories import CalibrationRepository, RatioGroup
 
 # Factors a replica serves are at most this old: with one load it stays within the 10 s in
 # which an upload must reach every replica's answers.
@@ -136,45 +149,200 @@ def _stored(row: CalibrationFactor) -> tuple[GroupKey, Factor]:
     return key, factor
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Refit:
-    """Partitions fitted from the ratios a session saw, and the changes that fit covers."""
+class StoredRuns:
+    """A group's runs as the store's queries answer them (`Runs`): the votes from each
+    (model, node)'s middle runs, counts and ranked ratios from top-k queries."""
 
-    change_ids: dict[tuple[str, str], list[int]]  # (method, level) -> its changes' ids
-    tables: dict[tuple[str, str], FactorTable]
+    def __init__(self, repository: CalibrationRepository, group: RatioGroup) -> None:
+        self._repository = repository
+        self._group = group
+        self._votes: dict[Pair, float] | None = None
+        self._completed_runs: dict[Pair, int] = {}
+
+    def votes(self) -> Mapping[Pair, float]:
+        if self._votes is None:
+            middles: dict[Pair, list[float]] = defaultdict(list)
+            for model, node, ratio, runs in self._repository.middle_runs(self._group):
+                middles[(model, node)].append(math.log(ratio))
+                self._completed_runs[(model, node)] = runs
+            # The median of the logs, as `node_votes` takes it: the middle one, or the mean
+            # of the middle two.
+            self._votes = {
+                pair: logs[0] if len(logs) == 1 else (logs[0] + logs[1]) / 2
+                for pair, logs in middles.items()
+            }
+        return self._votes
+
+    def completed_runs(self) -> Mapping[Pair, int]:
+        """Each (model, node)'s number of completed runs."""
+        self.votes()
+        return self._completed_runs
+
+    def completed(self, selection: Selection) -> int:
+        return self._repository.count_runs(self._group, selection, Outcome.COMPLETED, above=None)
+
+    def oom_above(self, selection: Selection, bound: float) -> int:
+        return self._repository.count_runs(self._group, selection, Outcome.OOM, above=bound)
+
+    def largest(self, selection: Selection, rank: int, *, oom_above: float | None = None) -> float:
+        return self._repository.ranked_ratio(self._group, selection, rank, oom_above=oom_above)
 
 
-def _fit_changed(session: Session, estimator_version: str) -> _Refit:
-    changes = CalibrationRepository(session).changes(estimator_version)
-    change_ids: dict[tuple[str, str], list[int]] = {}
-    for change_id, method, level in changes:
-        change_ids.setdefault((method, level), []).append(change_id)
-    # The ratios are read after the changes: every change seen is covered by the fit.
-    tables = {
-        (method, level): fit_factor_table(
-            session, estimator_version, method=method, level=Level(level)
+class PartitionRuns(StoredRuns):
+    """A partition's runs, for its global factor: the votes the store keeps per (model, node)
+    (`calibration_vote`), those of the models refitted now taken from their fresh runs, and
+    run counts summed from them, so no query reads every run for them; the ranked ratios of
+    the safe bound are still queried over the partition's runs."""
+
+    def __init__(
+        self,
+        repository: CalibrationRepository,
+        group: RatioGroup,
+        fresh: Mapping[str, StoredRuns],
+    ) -> None:
+        super().__init__(repository, group)
+        votes: dict[Pair, float] = {}
+        for row in repository.votes(group.estimator_version, group.method, group.level):
+            if row.model not in fresh:
+                votes[(row.model, row.node_id)] = row.log_vote
+                self._completed_runs[(row.model, row.node_id)] = row.completed_runs
+        for runs in fresh.values():
+            votes.update(runs.votes())
+            self._completed_runs.update(runs.completed_runs())
+        self._votes = votes
+
+    def completed(self, selection: Selection) -> int:
+        return sum(
+            runs
+            for (model, node), runs in self._completed_runs.items()
+            if model in selection.models and (model, node) not in selection.dropped
         )
-        for method, level in sorted(change_ids)
-    }
-    return _Refit(change_ids=change_ids, tables=tables)
+
+
+# A node's vote on a model: (model, node, log vote, completed runs).
+VoteRow = tuple[str, str, float, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionFit:
+    factors: dict[GroupKey, Factor]  # the refitted models', and the partition's global one
+    votes: list[VoteRow]  # the refitted models' nodes' votes
+
+
+def fit_partition(
+    repository: CalibrationRepository,
+    estimator_version: str,
+    method: str,
+    level: str,
+    models: list[str],
+) -> PartitionFit:
+    """The factors of `models` in one partition and the partition's global factor, from the
+    store's summaries of their runs and the votes it keeps of the other models."""
+    partition = RatioGroup(estimator_version=estimator_version, method=method, level=level)
+    factors: dict[GroupKey, Factor] = {}
+    fresh: dict[str, StoredRuns] = {}
+    for model in models:
+        group = replace(partition, model=model)
+        runs = fresh[model] = StoredRuns(repository, group)
+        gpus, environments = repository.variants(group)
+        variants: dict[tuple[Scope, str], Runs] = {
+            (Scope.MODEL_GPU, gpu): StoredRuns(repository, replace(group, gpu_name=gpu))
+            for gpu in gpus
+        }
+        variants.update(
+            {
+                (Scope.MODEL_ENVIRONMENT, key): StoredRuns(
+                    repository, replace(group, environment_key=key)
+                )
+                for key in environments
+            }
+        )
+        factors.update(
+            fit_model_factors(
+                model=model, method=method, level=Level(level), runs=runs, variants=variants
+            )
+        )
+    found = fit_global_runs(PartitionRuns(repository, partition, fresh))
+    if found is not None:
+        factors[GroupKey(scope=Scope.GLOBAL, method=method, level=Level(level))] = found
+    votes = [
+        (model, node, vote, runs.completed_runs()[(model, node)])
+        for runs in fresh.values()
+        for (model, node), vote in runs.votes().items()
+    ]
+    return PartitionFit(factors=factors, votes=votes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PartitionRefit:
+    change_ids: list[int]  # the changes this refit covers
+    models: list[str]  # the models refitted
+    fit: PartitionFit
+
+
+def _fit_changed(
+    session: Session, estimator_version: str
+) -> dict[tuple[str, str], _PartitionRefit]:
+    """Refits of every (method, level) partition with changes, of its changed models."""
+    repository = CalibrationRepository(session)
+    change_ids: dict[tuple[str, str], list[int]] = defaultdict(list)
+    changed: dict[tuple[str, str], set[str] | None] = {}
+    for change in repository.changes(estimator_version):
+        partition = (change.method, change.level)
+        change_ids[partition].append(change.id)
+        named = changed.setdefault(partition, set())
+        if change.model is None:
+            changed[partition] = None  # every model of the partition
+        elif named is not None:
+            named.add(change.model)
+    # The runs are read after the changes: every change seen is covered by the fit.
+    refits = {}
+    for partition, ids in sorted(change_ids.items()):
+        method, level = partition
+        names = changed[partition]
+        models = (
+            repository.models(estimator_version, method, level) if names is None else sorted(names)
+        )
+        refits[partition] = _PartitionRefit(
+            change_ids=ids,
+            models=models,
+            fit=fit_partition(repository, estimator_version, method, level, models),
+        )
+    return refits
 
 
 def _store_refit(
-    session: Session, estimator_version: str, refit: _Refit, fitted_at: datetime
+    session: Session,
+    estimator_version: str,
+    refits: Mapping[tuple[str, str], _PartitionRefit],
+    fitted_at: datetime,
 ) -> int:
-    """Store the fitted partitions whose changes no other refit has covered meanwhile (one
-    that did read more ratios than this one); returns how many were stored."""
+    """Store the refitted partitions none of whose changes another refit covered meanwhile
+    (one that did may have read more runs than this one; the changes it left are refitted
+    next time); returns how many were stored."""
     repository = CalibrationRepository(session)
     repository.lock_refit(estimator_version)
-    pending = {change_id for change_id, _method, _level in repository.changes(estimator_version)}
+    pending = {change.id for change in repository.changes(estimator_version)}
     stored = 0
-    for partition, ids in refit.change_ids.items():
-        if not pending.intersection(ids):
+    for (method, level), refit in refits.items():
+        if not pending.issuperset(refit.change_ids):
             continue
-        method, level = partition
-        rows = _factor_rows(estimator_version, refit.tables[partition], fitted_at)
-        repository.replace_factors(estimator_version, method, level, rows)
-        repository.forget_changes(ids)
+        rows = _factor_rows(estimator_version, FactorTable(refit.fit.factors), fitted_at)
+        repository.replace_factors(estimator_version, method, level, refit.models, rows)
+        votes = [
+            CalibrationVote(
+                estimator_version=estimator_version,
+                method=method,
+                level=level,
+                model=model,
+                node_id=node,
+                log_vote=vote,
+                completed_runs=runs,
+            )
+            for model, node, vote, runs in refit.fit.votes
+        ]
+        repository.replace_votes(estimator_version, method, level, refit.models, votes)
+        repository.forget_changes(refit.change_ids)
         stored += 1
     session.flush()
     return stored
@@ -183,14 +351,14 @@ def _store_refit(
 def refresh_factors(
     session: Session, estimator_version: str, *, now: Callable[[], datetime] | None = None
 ) -> int:
-    """Refit the partitions whose ratios changed since their last refit and store their
-    factors, in one transaction; returns how many partitions were refitted. The caller
-    commits."""
+    """Refit the models (and their partitions' global factors) whose ratios changed since
+    their last refit and store their factors, in one transaction; returns how many
+    partitions were refitted. The caller commits."""
     CalibrationRepository(session).lock_refit(estimator_version)
-    refit = _fit_changed(session, estimator_version)
-    if not refit.change_ids:
+    refits = _fit_changed(session, estimator_version)
+    if not refits:
         return 0
-    return _store_refit(session, estimator_version, refit, (now or _utc_now)())
+    return _store_refit(session, estimator_version, refits, (now or _utc_now)())
 
 
 def _utc_now() -> datetime:
@@ -311,10 +479,10 @@ def factor_loader(
         # waits for the write lock, so uploads go on meanwhile); only storing its result
         # writes, briefly.
         with readers() as session:
-            refit = _fit_changed(session, estimator_version)
-        if refit.change_ids:
+            refits = _fit_changed(session, estimator_version)
+        if refits:
             with sessions.begin() as session:
-                _store_refit(session, estimator_version, refit, _utc_now())
+                _store_refit(session, estimator_version, refits, _utc_now())
         with readers() as session:
             return stored_factor_table(session, estimator_version)
 

@@ -162,15 +162,23 @@ def derive_ratios(
 
 
 def _ratio_rows(
-    upload_id: int, version: str, results: Sequence[RatioResult], now: datetime
+    upload: CalibrationUpload, version: str, results: Sequence[RatioResult], now: datetime
 ) -> list[CalibrationRatio]:
+    """The rows of an upload's ratios, each with the upload's groups."""
+    key = environment_key(upload.environment)
     return [
         CalibrationRatio(
-            upload_id=upload_id,
+            upload_id=upload.id,
             estimator_version=version,
             level=result.level,
             estimated_bytes=result.estimated_bytes,
             ratio=result.ratio,
+            method=upload.method,
+            model=upload.model,
+            node_id=upload.node_id,
+            gpu_name=upload.gpu_name,
+            environment_key=key,
+            outcome=upload.outcome,
             outlier_reason=result.outlier_reason,
             computed_at=now,
         )
@@ -244,9 +252,11 @@ def submit_upload(
     else:
         version = estimated.estimator_version
         results = derive_ratios(upload, estimated, factors)
-        repository.add_ratios(_ratio_rows(row.id, version, results, received_at))
+        repository.add_ratios(_ratio_rows(row, version, results, received_at))
         if results:
-            repository.mark_changed(version, {(upload.method, r.level.value) for r in results})
+            repository.mark_changed(
+                version, {(upload.method, r.level.value, upload.model) for r in results}
+            )
     receipt = UploadReceipt(
         upload_id=row.id,
         received_at=received_at,
@@ -372,11 +382,12 @@ def rederive_ratios(
                     f"the estimator is {estimated.estimator_version!r}, not {estimator_version!r}"
                 )
             results = derive_ratios(upload, estimated, EMPTY_TABLE)
-            repository.add_ratios(_ratio_rows(upload.id, estimator_version, results, now()))
+            repository.add_ratios(_ratio_rows(upload, estimator_version, results, now()))
             if results:
                 job.derived += 1
                 repository.mark_changed(
-                    estimator_version, {(upload.method, r.level.value) for r in results}
+                    estimator_version,
+                    {(upload.method, r.level.value, upload.model) for r in results},
                 )
         job.cursor_id = batch[-1].id
         job.done += len(batch)

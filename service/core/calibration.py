@@ -34,12 +34,13 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import lru_cache
 from statistics import NormalDist
 from types import MappingProxyType
+from typing import Protocol
 
 from service.core.errors import EstimatorError
 from service.core.result import Levels
+from service.core.student_t import student_t_quantile
 
 # A vote needs this many distinct nodes: with three votes the median survives one bad node
 # (the median's breakdown point is floor((n - 1) / 2) votes).
@@ -92,8 +93,6 @@ MEDIAN_SE = math.sqrt(math.pi / 2)
 # error is taken on the votes' own spread (not floored: the floor is the safe bound's, and
 # identical votes are the strongest evidence a median can have).
 SHIFT_Z = NormalDist().inv_cdf(0.975)
-# Student's t quantiles are found by bisection on the exact CDF to this width.
-T_QUANTILE_TOLERANCE = 1e-10
 # A GPU or environment gets its own factor when it differs from the model's by more than
 # 5 % and by more than three standard errors of its median.
 SPLIT_MIN_EFFECT = math.log(1.05)
@@ -230,11 +229,9 @@ def _clamp(value: float, low: float, high: float) -> float:
     return min(max(value, low), high)
 
 
-def _upper_quantile(ratios: Sequence[float]) -> float:
-    """The smallest value that at most UPPER_EXCEEDANCE of `ratios` lie above."""
-    ordered = sorted(ratios)
-    allowed_above = math.floor(UPPER_EXCEEDANCE * len(ordered))
-    return ordered[len(ordered) - 1 - allowed_above]
+def _allowed_above(runs: int) -> int:
+    """How many of `runs` runs may lie above the safe bound."""
+    return math.floor(UPPER_EXCEEDANCE * runs)
 
 
 def node_votes(samples: Iterable[Sample]) -> dict[str, float]:
@@ -249,47 +246,6 @@ def node_votes(samples: Iterable[Sample]) -> dict[str, float]:
 def robust_spread(log_values: Sequence[float], center: float) -> float:
     """MAD-based standard deviation of log values around `center` (may be zero)."""
     return MAD_TO_SIGMA * _median([abs(value - center) for value in log_values])
-
-
-def _student_t_cdf(t: float, df: int) -> float:
-    """P(T <= t) for Student's t with an integer `df` >= 1, exactly (Abramowitz & Stegun,
-    "Handbook of Mathematical Functions", 26.7.3 and 26.7.4: finite series in cos(theta),
-    theta = atan(t / sqrt(df)), for P(|T| <= t))."""
-    theta = math.atan(t / math.sqrt(df))
-    cos2 = math.cos(theta) ** 2
-    if df % 2:
-        term = series = math.cos(theta)
-        for power in range(3, df - 1, 2):  # cos^3 ... cos^(df - 2): 2/3, 2*4/(3*5), ...
-            term *= cos2 * (power - 1) / power
-            series += term
-        within = 2 / math.pi * (theta + (math.sin(theta) * series if df > 1 else 0.0))
-    else:
-        term = series = 1.0
-        for power in range(2, df - 1, 2):  # cos^2 ... cos^(df - 2): 1/2, 1*3/(2*4), ...
-            term *= cos2 * (power - 1) / power
-            series += term
-        within = math.sin(theta) * series
-    return (1 + within) / 2
-
-
-@lru_cache(maxsize=1024)
-def student_t_quantile(p: float, df: int) -> float:
-    """The `p`-quantile (0.5 <= p < 1) of Student's t with `df` degrees of freedom, rounded up
-    by at most T_QUANTILE_TOLERANCE."""
-    if not 0.5 <= p < 1:
-        raise ValueError(f"p must be in [0.5, 1), got {p}")
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
-    low, high = 0.0, 1.0
-    while _student_t_cdf(high, df) < p:
-        low, high = high, 2 * high
-    while high - low > T_QUANTILE_TOLERANCE:
-        middle = (low + high) / 2
-        if _student_t_cdf(middle, df) < p:
-            low = middle
-        else:
-            high = middle
-    return high
 
 
 def upper_prediction_log_margin(log_spread: float, votes: int) -> float:
@@ -356,13 +312,13 @@ def _factor(
     log_center: float,
     log_spread: float,
     voters: int,
-    completed: Sequence[float],
-    oom: Sequence[float],
+    runs: Runs,
+    selection: Selection,
     nodes: int,
     models: int,
     rejected_nodes: Iterable[str],
 ) -> Factor:
-    """A factor from its votes' median and spread and the ratios of the runs behind them."""
+    """A factor from its votes' median and spread and the `selection` of `runs` behind them."""
     raw_ratio = math.exp(log_center)
     median = _clamp(raw_ratio, FACTOR_MIN, FACTOR_MAX)
     shifted = shifted_log_ratio(log_center, log_spread, voters)
@@ -376,12 +332,20 @@ def _factor(
     margin = math.exp(upper_prediction_log_margin(log_spread, voters))
     # The prediction bound holds over the votes' median and over the (clamped) factor alike,
     # and at most UPPER_EXCEEDANCE of the runs may lie above the bound.
-    upper = max(raw_ratio * margin, reference * margin, _upper_quantile(completed))
+    completed = runs.completed(selection)
+    upper = max(
+        raw_ratio * margin,
+        reference * margin,
+        runs.largest(selection, _allowed_above(completed)),
+    )
     # OOM runs needed more than they measured; one above the bound is a run the bound let
     # through, so it joins the population (and can only raise the quantile).
-    pushing = [value for value in oom if value > upper]
+    pushing = runs.oom_above(selection, upper)
     if pushing:
-        upper = max(upper, _upper_quantile([*completed, *pushing]))
+        upper = max(
+            upper,
+            runs.largest(selection, _allowed_above(completed + pushing), oom_above=upper),
+        )
     raw_multiplier = upper / reference
     over_reference = _clamp(raw_multiplier, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX)
     return Factor(
@@ -390,23 +354,105 @@ def _factor(
         nodes=nodes,
         models=models,
         rejected_nodes=tuple(sorted(rejected_nodes)),
-        runs=len(completed),
-        oom_runs=len(pushing),
+        runs=completed,
+        oom_runs=pushing,
         log_spread=log_spread,
         clamped=ratio != unclamped or raw_multiplier > UPPER_MULTIPLIER_MAX,
     )
 
 
+# A (model, node) pair: a node's vote on a model's factor, and the runs behind it.
+Pair = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Selection:
+    """The runs of a group that set its safe bound: those of `models`, except the runs of
+    the `dropped` (model, node) pairs (voters rejected as far from the others)."""
+
+    models: frozenset[str]
+    dropped: frozenset[Pair]
+
+
+class Runs(Protocol):
+    """A group's runs as its fit reads them: each node's vote per model, and the few order
+    statistics the safe bound needs. `SampleRuns` holds them in memory; a store can answer
+    the same questions with queries, without reading every run."""
+
+    def votes(self) -> Mapping[Pair, float]:
+        """Each (model, node)'s vote: the median of the log ratios of its completed runs."""
+        ...
+
+    def completed(self, selection: Selection) -> int:
+        """How many completed runs `selection` holds."""
+        ...
+
+    def oom_above(self, selection: Selection, bound: float) -> int:
+        """How many OOM runs of `selection` have a ratio above `bound`."""
+        ...
+
+    def largest(self, selection: Selection, rank: int, *, oom_above: float | None = None) -> float:
+        """The ratio that `rank` others lie above (0: the largest) among the completed runs
+        of `selection` and, if `oom_above` is given, its OOM runs above `oom_above`."""
+        ...
+
+
+class SampleRuns:
+    """Runs held in memory: the definition the other `Runs` must agree with."""
+
+    def __init__(self, runs: Iterable[tuple[str, Sample]]) -> None:
+        self._runs = list(runs)
+        self._votes: dict[Pair, float] | None = None
+
+    @classmethod
+    def of_model(cls, samples: Iterable[Sample], model: str = "") -> SampleRuns:
+        return cls((model, sample) for sample in samples)
+
+    def votes(self) -> Mapping[Pair, float]:
+        if self._votes is None:
+            by_model: dict[str, list[Sample]] = defaultdict(list)
+            for model, sample in self._runs:
+                by_model[model].append(sample)
+            self._votes = {
+                (model, node): vote
+                for model, samples in by_model.items()
+                for node, vote in node_votes(samples).items()
+            }
+        return self._votes
+
+    def _ratios(self, selection: Selection, outcome: Outcome) -> list[float]:
+        return [
+            sample.ratio
+            for model, sample in self._runs
+            if sample.outcome is outcome
+            and model in selection.models
+            and (model, sample.node_id) not in selection.dropped
+        ]
+
+    def completed(self, selection: Selection) -> int:
+        return len(self._ratios(selection, Outcome.COMPLETED))
+
+    def oom_above(self, selection: Selection, bound: float) -> int:
+        return sum(1 for ratio in self._ratios(selection, Outcome.OOM) if ratio > bound)
+
+    def largest(self, selection: Selection, rank: int, *, oom_above: float | None = None) -> float:
+        ratios = self._ratios(selection, Outcome.COMPLETED)
+        if oom_above is not None:
+            ratios += [r for r in self._ratios(selection, Outcome.OOM) if r > oom_above]
+        return sorted(ratios, reverse=True)[rank]
+
+
 def fit_factor(samples: Iterable[Sample]) -> Factor | None:
     """The group's factor, or None when fewer than MIN_NODES nodes vote after rejection."""
-    fitted = _fit_with_median(samples)
+    fitted = _fit_model_runs(SampleRuns.of_model(samples), "")
     return None if fitted is None else fitted[0]
 
 
-def _fit_with_median(samples: Iterable[Sample]) -> tuple[Factor, float] | None:
-    """The group's factor and the log median of its kept votes (before any shift)."""
-    samples = list(samples)
-    consensus = _consensus(node_votes(samples), MIN_NODES)
+def _fit_model_runs(runs: Runs, model: str) -> tuple[Factor, float] | None:
+    """A model's group factor (its nodes vote) and the log median of its kept votes (before
+    any shift)."""
+    votes = {node: vote for (_model, node), vote in runs.votes().items()}
+    consensus = _consensus(votes, MIN_NODES)
     if consensus is None:
         return None
     kept, rejected = consensus.kept, consensus.rejected
@@ -414,11 +460,11 @@ def _fit_with_median(samples: Iterable[Sample]) -> tuple[Factor, float] | None:
         log_center=consensus.log_center,
         log_spread=robust_spread(list(kept.values()), consensus.log_center),
         voters=len(kept),
-        completed=[
-            s.ratio for s in samples if s.outcome is Outcome.COMPLETED and s.node_id in kept
-        ],
-        # Rejected nodes' OOM runs are left out as well.
-        oom=[s.ratio for s in samples if s.outcome is Outcome.OOM and s.node_id not in rejected],
+        runs=runs,
+        # The kept nodes' completed runs, and the OOM runs of every node not rejected.
+        selection=Selection(
+            models=frozenset({model}), dropped=frozenset((model, node) for node in rejected)
+        ),
         nodes=len(kept),
         models=1,
         rejected_nodes=rejected,
@@ -439,6 +485,11 @@ class Observation:
 
 
 def fit_global_factor(observations: Iterable[Observation]) -> Factor | None:
+    """The factor of one method and level across models (see `fit_global_runs`)."""
+    return fit_global_runs(SampleRuns((obs.model, obs.sample) for obs in observations))
+
+
+def fit_global_runs(runs: Runs) -> Factor | None:
     """The factor of one method and level across models, or None unless at least MIN_MODELS
     models agree and MIN_NODES nodes stand behind them.
 
@@ -448,13 +499,10 @@ def fit_global_factor(observations: Iterable[Observation]) -> Factor | None:
     bound's prediction counts models (a new model is what the global factor is for), on the
     wider of the models' and the nodes' spreads.
     """
-    by_model: dict[str, list[Sample]] = defaultdict(list)
-    for obs in observations:
-        by_model[obs.model].append(obs.sample)
-    votes_of = {model: node_votes(samples) for model, samples in by_model.items()}
-    model_votes = {
-        model: _median(list(votes.values())) for model, votes in votes_of.items() if votes
-    }
+    votes_of: dict[str, dict[str, float]] = defaultdict(dict)
+    for (model, node), vote in runs.votes().items():
+        votes_of[model][node] = vote
+    model_votes = {model: _median(list(votes.values())) for model, votes in votes_of.items()}
     consensus = _consensus(model_votes, MIN_MODELS)
     if consensus is None:
         return None
@@ -469,21 +517,16 @@ def fit_global_factor(observations: Iterable[Observation]) -> Factor | None:
     if len(nodes) < MIN_NODES:
         return None
     dropped = {(model, node) for model, votes in votes_of.items() for node in votes} - kept
-    samples = [(model, sample) for model in consensus.kept for sample in by_model[model]]
     return _factor(
         log_center=center,
         log_spread=max(robust_spread(list(consensus.kept.values()), center), pair_spread),
         voters=len(consensus.kept),
-        completed=[
-            s.ratio
-            for model, s in samples
-            if s.outcome is Outcome.COMPLETED and (model, s.node_id) in kept
-        ],
-        oom=[
-            s.ratio
-            for model, s in samples
-            if s.outcome is Outcome.OOM and (model, s.node_id) not in dropped
-        ],
+        runs=runs,
+        # The kept models' runs, less those of their nodes left out.
+        selection=Selection(
+            models=frozenset(consensus.kept),
+            dropped=frozenset(pair for pair in dropped if pair[0] in consensus.kept),
+        ),
         nodes=len(nodes),
         models=len(consensus.kept),
         rejected_nodes={node for _model, node in dropped},
@@ -595,26 +638,50 @@ def fit_table(observations: Iterable[Observation]) -> FactorTable:
         if factor is not None:
             factors[GroupKey(scope=Scope.GLOBAL, method=method, level=level)] = factor
     for (model, method, level), group in by_model.items():
-        fitted = _fit_with_median(obs.sample for obs in group)
-        if fitted is None:
-            continue
-        parent, parent_log_median = fitted
-        factors[GroupKey(scope=Scope.MODEL, method=method, level=level, model=model)] = parent
         variants: dict[tuple[Scope, str], list[Sample]] = defaultdict(list)
         for obs in group:
             variants[(Scope.MODEL_GPU, obs.gpu)].append(obs.sample)
             variants[(Scope.MODEL_ENVIRONMENT, obs.environment)].append(obs.sample)
-        split_scopes = Counter(scope for scope, _ in variants)
-        for (scope, variant), samples in variants.items():
-            if split_scopes[scope] < 2:
-                continue  # one GPU (or environment) only: the model's factor is its factor
-            fitted_sub = _fit_with_median(samples)
-            if fitted_sub is not None and _differs(*fitted_sub, parent_log_median):
-                key = GroupKey(
-                    scope=scope, method=method, level=level, model=model, variant=variant
-                )
-                factors[key] = fitted_sub[0]
+        factors.update(
+            fit_model_factors(
+                model=model,
+                method=method,
+                level=level,
+                runs=SampleRuns.of_model((obs.sample for obs in group), model),
+                variants={
+                    variant: SampleRuns.of_model(samples, model)
+                    for variant, samples in variants.items()
+                },
+            )
+        )
     return FactorTable(factors)
+
+
+def fit_model_factors(
+    *,
+    model: str,
+    method: str,
+    level: Level,
+    runs: Runs,
+    variants: Mapping[tuple[Scope, str], Runs],
+) -> dict[GroupKey, Factor]:
+    """One model's factors at one method and level: its own, and those of the GPUs (or
+    environments) whose runs differ from it. `variants` holds the runs of each GPU and each
+    environment the model's runs name (`Scope.MODEL_GPU` or `Scope.MODEL_ENVIRONMENT`)."""
+    fitted = _fit_model_runs(runs, model)
+    if fitted is None:
+        return {}
+    parent, parent_log_median = fitted
+    factors = {GroupKey(scope=Scope.MODEL, method=method, level=level, model=model): parent}
+    split_scopes = Counter(scope for scope, _ in variants)
+    for (scope, variant), variant_runs in variants.items():
+        if split_scopes[scope] < 2:
+            continue  # one GPU (or environment) only: the model's factor is its factor
+        fitted_sub = _fit_model_runs(variant_runs, model)
+        if fitted_sub is not None and _differs(*fitted_sub, parent_log_median):
+            key = GroupKey(scope=scope, method=method, level=level, model=model, variant=variant)
+            factors[key] = fitted_sub[0]
+    return factors
 
 
 def flag_outlier(ratio: float, outcome: Outcome, applied: AppliedFactor | None) -> str | None:

@@ -67,6 +67,17 @@ def _values(enum: type[Level] | type[Outcome]) -> list[str]:
     return [member.value for member in enum]
 
 
+def _outcome() -> Enum:
+    return Enum(
+        Outcome,
+        name="outcome",
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=_values,
+    )
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map: ClassVar[dict[Any, Any]] = {
@@ -134,16 +145,7 @@ class CalibrationUpload(Base):
     measured_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     measured_reserved_bytes: Mapped[int | None] = mapped_column(BigInteger)
     measured_device_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    outcome: Mapped[Outcome] = mapped_column(
-        Enum(
-            Outcome,
-            name="outcome",
-            native_enum=False,
-            create_constraint=True,
-            length=16,
-            values_callable=_values,
-        )
-    )
+    outcome: Mapped[Outcome] = mapped_column(_outcome())
     environment: Mapped[dict[str, Any]]  # torch, cuda, driver, ... as the node reported them
     node_id: Mapped[str] = mapped_column(String(200), index=True)
     run_id: Mapped[str] = mapped_column(String(200))
@@ -154,12 +156,30 @@ class CalibrationUpload(Base):
 
 
 class CalibrationRatio(Base):
-    """measured / estimated at one level, for one upload and one estimator version."""
+    """measured / estimated at one level, for one upload and one estimator version.
+
+    It carries the groups its upload belongs to (method, model, node, GPU, environment key,
+    outcome: copies of the upload's, which never change), so that a refit reads a group's
+    runs from one index range (`ix_calibration_ratio_group`) without joining the uploads.
+    """
 
     __tablename__ = "calibration_ratio"
     __table_args__ = (
         UniqueConstraint("upload_id", "level", "estimator_version"),
         Index("ix_calibration_ratio_estimator_version_level", "estimator_version", "level"),
+        # A model's runs, by outcome, node, then ratio: each node's median, a model's counts
+        # and ranked ratios from one range; a partition's completed runs in (model, node)
+        # order for its nodes' medians.
+        Index(
+            "ix_calibration_ratio_group",
+            "estimator_version",
+            "method",
+            "level",
+            "model",
+            "outcome",
+            "node_id",
+            "ratio",
+        ),
         CheckConstraint("estimated_bytes > 0", name="estimated_bytes_positive"),
         CheckConstraint("ratio > 0", name="ratio_positive"),
     )
@@ -179,6 +199,14 @@ class CalibrationRatio(Base):
     )
     estimated_bytes: Mapped[int] = mapped_column(BigInteger)
     ratio: Mapped[float] = mapped_column(Float)
+    method: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(200))
+    node_id: Mapped[str] = mapped_column(String(200))
+    gpu_name: Mapped[str] = mapped_column(String(200))
+    # The part of the upload's environment that splits a model's factor (torch and CUDA,
+    # major.minor: `service.calibration.factors.environment_key`).
+    environment_key: Mapped[str] = mapped_column(String(200))
+    outcome: Mapped[Outcome] = mapped_column(_outcome())
     # Why the ratio is far from what its group expected when it was derived; None when not.
     outlier_reason: Mapped[str | None] = mapped_column(String(500))
     computed_at: Mapped[datetime]
@@ -193,9 +221,10 @@ class CalibrationRatio(Base):
 class CalibrationFactor(Base):
     """One group's fitted factor for one estimator version: what replicas load and apply.
 
-    Rows of a (version, method, level) are replaced together whenever a ratio of that
-    partition is added (see `CalibrationChange`); `model` and `variant` are '' where the
-    group has none (the global scope; a model's own factor), so the unique key holds.
+    A model's rows of a (version, method, level) and the partition's global row are replaced
+    whenever a ratio of that model is added (see `CalibrationChange`); `model` and `variant`
+    are '' where the group has none (the global scope; a model's own factor), so the unique
+    key holds.
     """
 
     __tablename__ = "calibration_factor"
@@ -231,10 +260,40 @@ class CalibrationFactor(Base):
     fitted_at: Mapped[datetime]
 
 
+class CalibrationVote(Base):
+    """One node's vote on one model's factor (the median of the log ratios of its completed
+    runs) and how many completed runs it has, as the model's last refit found them: a refit
+    of a partition's global factor reads these instead of every run. Replaced with the
+    model's factors."""
+
+    __tablename__ = "calibration_vote"
+    __table_args__ = (
+        Index(
+            "ix_calibration_vote_pair",
+            "estimator_version",
+            "method",
+            "level",
+            "model",
+            "node_id",
+            unique=True,
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntegerPK, primary_key=True)
+    estimator_version: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(16))
+    level: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(200))
+    node_id: Mapped[str] = mapped_column(String(200))
+    log_vote: Mapped[float] = mapped_column(Float)
+    completed_runs: Mapped[int] = mapped_column(Integer)
+
+
 class CalibrationChange(Base):
-    """A ratio partition (version, method, level) whose factors are out of date: written in
-    the transaction that adds its ratios (insert only, so concurrent uploads never wait on
-    each other), deleted by the refit that covered it."""
+    """A model whose factors in a ratio partition (version, method, level) are out of date,
+    with the partition's global factor: written in the transaction that adds its ratios
+    (insert only, so concurrent uploads never wait on each other), deleted by the refit that
+    covered it. No model (NULL): every model of the partition is out of date."""
 
     __tablename__ = "calibration_change"
     __table_args__ = (Index("ix_calibration_change_estimator_version", "estimator_version"),)
@@ -243,6 +302,7 @@ class CalibrationChange(Base):
     estimator_version: Mapped[str] = mapped_column(String(64))
     method: Mapped[str] = mapped_column(String(16))
     level: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str | None] = mapped_column(String(200))
 
 
 class CalibrationRederivation(Base):

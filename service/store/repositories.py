@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, exists, func, select, text
+from sqlalchemy import and_, delete, exists, func, or_, select, text, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, joinedload
+from sqlalchemy.sql import Select
 
-from service.core.calibration import Level, Outcome
+from service.core.calibration import Level, Outcome, Scope, Selection
 from service.store.models import (
     ApiKey,
     CalibrationChange,
@@ -19,6 +20,7 @@ from service.store.models import (
     CalibrationRatio,
     CalibrationRederivation,
     CalibrationUpload,
+    CalibrationVote,
 )
 
 # PostgreSQL advisory lock class (the first key) that serialises refits of one estimator
@@ -73,6 +75,33 @@ class ObservationRow:
     environment: dict[str, Any]
     outcome: Outcome
     ratio: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RatioGroup:
+    """The ratios of one estimator version, method and level (a partition); of one model,
+    and of one GPU or environment key of it, where given."""
+
+    estimator_version: str
+    method: str
+    level: str
+    model: str | None = None
+    gpu_name: str | None = None
+    environment_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Change:
+    """A change not yet covered by a refit: `model` None for every model of the partition."""
+
+    id: int
+    method: str
+    level: str
+    model: str | None
+
+
+# Bound parameters per statement when deleting by a list of values (SQLite allows 32,766).
+_CHUNK = 1000
 
 
 class CalibrationRepository:
@@ -213,12 +242,14 @@ class CalibrationRepository:
             CalibrationRatio.estimator_version == estimator_version,
         )
 
-    def mark_changed(self, estimator_version: str, partitions: set[tuple[str, str]]) -> None:
-        """Note that ratios of these (method, level) partitions were added: an insert only,
-        so that concurrent uploads never wait on one another's row."""
+    def mark_changed(self, estimator_version: str, changes: set[tuple[str, str, str]]) -> None:
+        """Note that ratios of these (method, level, model) were added: an insert only, so
+        that concurrent uploads never wait on one another's row."""
         self.session.add_all(
-            CalibrationChange(estimator_version=estimator_version, method=method, level=level)
-            for method, level in sorted(partitions)
+            CalibrationChange(
+                estimator_version=estimator_version, method=method, level=level, model=model
+            )
+            for method, level, model in sorted(changes)
         )
         self.session.flush()
 
@@ -231,14 +262,19 @@ class CalibrationRepository:
                 {"lock_class": REFIT_LOCK_CLASS, "version": estimator_version},
             )
 
-    def changes(self, estimator_version: str) -> list[tuple[int, str, str]]:
-        """(id, method, level) of each change not yet covered by a refit."""
+    def changes(self, estimator_version: str) -> list[Change]:
+        """Each change of one version not yet covered by a refit."""
         rows = self.session.execute(
-            select(CalibrationChange.id, CalibrationChange.method, CalibrationChange.level).where(
-                CalibrationChange.estimator_version == estimator_version
-            )
+            select(
+                CalibrationChange.id,
+                CalibrationChange.method,
+                CalibrationChange.level,
+                CalibrationChange.model,
+            ).where(CalibrationChange.estimator_version == estimator_version)
         )
-        return [(row.id, row.method, row.level) for row in rows]
+        return [
+            Change(id=row.id, method=row.method, level=row.level, model=row.model) for row in rows
+        ]
 
     def has_changes(self, estimator_version: str) -> bool:
         return (
@@ -251,24 +287,177 @@ class CalibrationRepository:
         )
 
     def forget_changes(self, ids: Sequence[int]) -> None:
-        for start in range(0, len(ids), 1000):
+        for start in range(0, len(ids), _CHUNK):
             self.session.execute(
-                delete(CalibrationChange).where(CalibrationChange.id.in_(ids[start : start + 1000]))
+                delete(CalibrationChange).where(
+                    CalibrationChange.id.in_(ids[start : start + _CHUNK])
+                )
             )
 
     def replace_factors(
-        self, estimator_version: str, method: str, level: str, factors: Sequence[CalibrationFactor]
+        self,
+        estimator_version: str,
+        method: str,
+        level: str,
+        models: Sequence[str],
+        factors: Sequence[CalibrationFactor],
     ) -> None:
-        """The factors of one partition, instead of those stored."""
+        """The global factor of one partition and the factors of `models` in it, instead of
+        those stored."""
+        partition = (
+            CalibrationFactor.estimator_version == estimator_version,
+            CalibrationFactor.method == method,
+            CalibrationFactor.level == level,
+        )
         self.session.execute(
             delete(CalibrationFactor).where(
-                CalibrationFactor.estimator_version == estimator_version,
-                CalibrationFactor.method == method,
-                CalibrationFactor.level == level,
+                *partition, CalibrationFactor.scope == Scope.GLOBAL.value
             )
         )
+        for start in range(0, len(models), _CHUNK):
+            self.session.execute(
+                delete(CalibrationFactor).where(
+                    *partition, CalibrationFactor.model.in_(models[start : start + _CHUNK])
+                )
+            )
         self.session.add_all(factors)
         self.session.flush()
+
+    # --- A group's runs, as a refit reads them (`service.core.calibration.Runs`) ----------
+
+    @staticmethod
+    def _runs(group: RatioGroup, *columns: Any) -> Select[Any]:
+        """The ratios of `group`, from their own columns (`ix_calibration_ratio_group`)."""
+        ratio = CalibrationRatio
+        query = select(*columns).where(
+            ratio.estimator_version == group.estimator_version,
+            ratio.method == group.method,
+            ratio.level == Level(group.level),
+        )
+        if group.model is not None:
+            query = query.where(ratio.model == group.model)
+        if group.gpu_name is not None:
+            query = query.where(ratio.gpu_name == group.gpu_name)
+        if group.environment_key is not None:
+            query = query.where(ratio.environment_key == group.environment_key)
+        return query
+
+    @staticmethod
+    def _selected(query: Select[Any], selection: Selection) -> Select[Any]:
+        query = query.where(CalibrationRatio.model.in_(sorted(selection.models)))
+        if selection.dropped:
+            pair = tuple_(CalibrationRatio.model, CalibrationRatio.node_id)
+            query = query.where(pair.not_in(sorted(selection.dropped)))
+        return query
+
+    def middle_runs(self, group: RatioGroup) -> list[tuple[str, str, float, int]]:
+        """The completed runs in the middle of each (model, node)'s runs of `group`, by
+        ratio: one for an odd number of runs, two for an even one (a median's), in one pass
+        of the database, not of Python, over the group; each with its pair's number of
+        completed runs."""
+        pair = (CalibrationRatio.model, CalibrationRatio.node_id)
+        ranked = (
+            self._runs(
+                group,
+                CalibrationRatio.model,
+                CalibrationRatio.node_id,
+                CalibrationRatio.ratio,
+                func.row_number()
+                .over(partition_by=pair, order_by=CalibrationRatio.ratio)
+                .label("position"),
+                func.count().over(partition_by=pair).label("runs"),
+            )
+            .where(CalibrationRatio.outcome == Outcome.COMPLETED)
+            .subquery()
+        )
+        middle = or_(
+            ranked.c.position == (ranked.c.runs + 1) // 2,
+            ranked.c.position == ranked.c.runs // 2 + 1,
+        )
+        query = select(ranked.c.model, ranked.c.node_id, ranked.c.ratio, ranked.c.runs).where(
+            middle
+        )
+        return [
+            (row.model, row.node_id, row.ratio, row.runs) for row in self.session.execute(query)
+        ]
+
+    def votes(self, estimator_version: str, method: str, level: str) -> Sequence[CalibrationVote]:
+        """Every node's stored vote per model in one partition."""
+        return self.session.scalars(
+            select(CalibrationVote).where(
+                CalibrationVote.estimator_version == estimator_version,
+                CalibrationVote.method == method,
+                CalibrationVote.level == level,
+            )
+        ).all()
+
+    def replace_votes(
+        self,
+        estimator_version: str,
+        method: str,
+        level: str,
+        models: Sequence[str],
+        votes: Sequence[CalibrationVote],
+    ) -> None:
+        """The votes of `models` in one partition, instead of those stored."""
+        for start in range(0, len(models), _CHUNK):
+            self.session.execute(
+                delete(CalibrationVote).where(
+                    CalibrationVote.estimator_version == estimator_version,
+                    CalibrationVote.method == method,
+                    CalibrationVote.level == level,
+                    CalibrationVote.model.in_(models[start : start + _CHUNK]),
+                )
+            )
+        self.session.add_all(votes)
+        self.session.flush()
+
+    def count_runs(
+        self, group: RatioGroup, selection: Selection, outcome: Outcome, *, above: float | None
+    ) -> int:
+        """How many runs of `selection` in `group` ended with `outcome` (with a ratio above
+        `above`, if given)."""
+        query = self._selected(self._runs(group, func.count()), selection).where(
+            CalibrationRatio.outcome == outcome
+        )
+        if above is not None:
+            query = query.where(CalibrationRatio.ratio > above)
+        return self.session.scalar(query) or 0
+
+    def ranked_ratio(
+        self, group: RatioGroup, selection: Selection, rank: int, *, oom_above: float | None
+    ) -> float:
+        """The ratio `rank` others lie above among the completed runs of `selection` (and its
+        OOM runs above `oom_above`, if given): a top-k query, not a sort in Python."""
+        runs = CalibrationRatio.outcome == Outcome.COMPLETED
+        if oom_above is not None:
+            runs = or_(
+                runs,
+                and_(CalibrationRatio.outcome == Outcome.OOM, CalibrationRatio.ratio > oom_above),
+            )
+        query = (
+            self._selected(self._runs(group, CalibrationRatio.ratio), selection)
+            .where(runs)
+            .order_by(CalibrationRatio.ratio.desc())
+            .offset(rank)
+            .limit(1)
+        )
+        return float(self.session.execute(query).scalar_one())
+
+    def variants(self, group: RatioGroup) -> tuple[list[str], list[str]]:
+        """The GPUs and the environment keys that runs of `group` name."""
+        gpus = self._runs(group, CalibrationRatio.gpu_name).distinct()
+        keys = self._runs(group, CalibrationRatio.environment_key).distinct()
+        return (
+            sorted(self.session.scalars(gpus).all()),
+            sorted(self.session.scalars(keys).all()),
+        )
+
+    def models(self, estimator_version: str, method: str, level: str) -> list[str]:
+        """The models of one partition's ratios."""
+        group = RatioGroup(estimator_version=estimator_version, method=method, level=level)
+        query = self._runs(group, CalibrationRatio.model).distinct()
+        return sorted(self.session.scalars(query).all())
 
     def factors(self, estimator_version: str) -> Sequence[CalibrationFactor]:
         return self.session.scalars(

@@ -40,10 +40,10 @@ from service.core.calibration import (
     fit_global_factor,
     fit_table,
     flag_outlier,
-    student_t_quantile,
     upper_prediction_log_margin,
 )
 from service.core.result import Estimate, ParamCounts, Phase
+from service.core.student_t import student_t_quantile
 from service.core.units import GIB
 
 GPU_TOTAL = 80 * GIB

@@ -15,6 +15,10 @@ from sqlalchemy import Connection, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from service.calibration.factors import (
+    StoredRuns,
+    _fit_changed,
+    _store_refit,
+    environment_key,
     fit_factor_table,
     load_factor_table,
     refresh_factors,
@@ -27,7 +31,16 @@ from service.calibration.uploads import (
     rederive_ratios,
     submit_upload,
 )
-from service.core.calibration import EMPTY_TABLE, FACTOR_MAX, Level, Outcome, Scope
+from service.core.calibration import (
+    EMPTY_TABLE,
+    FACTOR_MAX,
+    Level,
+    Outcome,
+    Sample,
+    SampleRuns,
+    Scope,
+    Selection,
+)
 from service.core.errors import UnknownModelError
 from service.store.db import create_engine_from_url, create_session_factory
 from service.store.keys import KeyScope, create_key
@@ -39,6 +52,7 @@ from service.store.models import (
     CalibrationRatio,
     CalibrationUpload,
 )
+from service.store.repositories import CalibrationRepository, RatioGroup
 from tests.store.factories import VERSION, fake_estimate, new_upload, render
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -121,30 +135,166 @@ def test_stored_factors_equal_a_full_refit_as_uploads_come_in(
     assert {key.level for key in stored.factors} == set(Level)
 
 
-def test_a_load_refits_only_the_partitions_whose_ratios_changed(
+def test_a_load_refits_only_the_models_whose_ratios_changed(
     session: Session, api_key: ApiKey
 ) -> None:
     for node in range(3):
         for method in ("lora", "full"):
-            upload = new_upload(node_id=f"n{node}", run_id=f"{method}-{node}", device_gib=26.4)
-            _upload(session, api_key, replace(upload, method=method))
+            for model in MODELS[:3]:
+                upload = new_upload(
+                    model=model,
+                    node_id=f"n{node}",
+                    run_id=f"{method}-{model}-{node}",
+                    device_gib=26.4,
+                )
+                _upload(session, api_key, replace(upload, method=method))
     assert refresh_factors(session, VERSION, now=lambda: NOW) == 2
     assert session.scalar(select(func.count()).select_from(CalibrationChange)) == 0
 
-    _upload(session, api_key, new_upload(node_id="n9", run_id="one-more", device_gib=30.0))
-    changes = session.execute(select(CalibrationChange.method, CalibrationChange.level)).all()
-    assert [(row.method, row.level) for row in changes] == [("lora", "device")]
+    _upload(
+        session,
+        api_key,
+        new_upload(model=MODELS[0], node_id="n9", run_id="one-more", device_gib=30.0),
+    )
+    changes = session.execute(
+        select(CalibrationChange.method, CalibrationChange.level, CalibrationChange.model)
+    ).all()
+    assert [tuple(row) for row in changes] == [("lora", "device", MODELS[0])]
     assert refresh_factors(session, VERSION, now=lambda: LATER) == 1
-    fitted = session.execute(select(CalibrationFactor.method, CalibrationFactor.fitted_at)).all()
-    # The other method's factors were left as they were; the changed partition's refitted.
-    assert sorted(fitted) == [("full", NOW), ("lora", LATER)]
+    fitted = session.execute(
+        select(
+            CalibrationFactor.method,
+            CalibrationFactor.scope,
+            CalibrationFactor.model,
+            CalibrationFactor.fitted_at,
+        ).where(CalibrationFactor.level == "device")
+    ).all()
+    # The changed model's factor and its partition's global factor were refitted; the other
+    # models' and the other method's were left as they were.
+    refitted = {(row.method, row.scope, row.model) for row in fitted if row.fitted_at == LATER}
+    assert refitted == {("lora", "model", MODELS[0]), ("lora", "global", "")}
+    assert len(fitted) == 2 * (1 + 3)
     assert stored_factor_table(session, VERSION) == fit_factor_table(session, VERSION)
     assert refresh_factors(session, VERSION) == 0
 
 
+def test_stored_factors_equal_a_full_refit_as_one_model_changes(
+    session: Session, api_key: ApiKey
+) -> None:
+    # Rounds of uploads of one model only, after a fleet round of every model: each load
+    # refits that model and the global factors, and keeps the others' stored factors. On
+    # the older torch the model needs more, so its environments' factors split off.
+    rng = random.Random(20261202)
+    _fleet_round(session, api_key, rng, 0)
+    load_factor_table(session, VERSION)
+    model = MODELS[2]
+    for round_no in range(1, 5):
+        for node in range(NODES - 1):
+            torch = TORCH[node % 2]
+            for run in range(3):
+                ratio = TRUE_RATIO[model] * rng.lognormvariate(0.0, 0.02)
+                if torch == TORCH[0]:
+                    ratio *= 1.15
+                upload = new_upload(
+                    model=model,
+                    estimate_gib=10.0,
+                    device_gib=12.0 * ratio,
+                    node_id=f"node-{node}",
+                    run_id=f"one-{round_no}-{node}-{run}",
+                    gpu_name=GPUS[0],
+                    torch=torch,
+                    outcome=Outcome.OOM if rng.random() < 0.1 else Outcome.COMPLETED,
+                )
+                _upload(session, api_key, upload)
+        changed = set(session.scalars(select(CalibrationChange.model)))
+        assert changed == {model}
+        stored = load_factor_table(session, VERSION)
+        assert stored == fit_factor_table(session, VERSION), f"round {round_no}"
+    # Each torch differs from the model's pooled runs: both environments split off.
+    split = {
+        (key.model, key.variant) for key in stored.factors if key.scope is Scope.MODEL_ENVIRONMENT
+    }
+    assert split == {(model, "torch 2.4, cuda 12.4"), (model, "torch 2.5, cuda 12.4")}
+
+
+def test_a_refit_is_stored_only_while_none_of_its_changes_was_covered_by_another(
+    session: Session, api_key: ApiKey
+) -> None:
+    # Two replicas fit what changed, one after the other upload; whichever stores first
+    # wins, the other's fit is dropped, and what it alone saw is refitted by the next load.
+    for node in range(3):
+        for model in MODELS[:3]:
+            upload = new_upload(model=model, node_id=f"n{node}", run_id=f"{model}-{node}")
+            _upload(session, api_key, upload)
+    load_factor_table(session, VERSION)
+    _upload(session, api_key, new_upload(model=MODELS[0], node_id="n7", run_id="a"))
+    first = _fit_changed(session, VERSION)
+    _upload(session, api_key, new_upload(model=MODELS[1], node_id="n8", run_id="b"))
+    second = _fit_changed(session, VERSION)
+    assert _store_refit(session, VERSION, first, NOW) == 1
+    # The second fit covers the first's change too, which is gone: it is not stored.
+    assert _store_refit(session, VERSION, second, LATER) == 0
+    changes = session.execute(select(CalibrationChange.model)).scalars().all()
+    assert changes == [MODELS[1]]
+    assert stored_factor_table(session, VERSION) != fit_factor_table(session, VERSION)
+    assert refresh_factors(session, VERSION) == 1
+    assert stored_factor_table(session, VERSION) == fit_factor_table(session, VERSION)
+
+
+def test_the_store_answers_a_fit_s_questions_as_the_runs_in_memory_do(
+    session: Session, api_key: ApiKey
+) -> None:
+    # Odd and even numbers of runs per node, ties, OOM runs, three models: the votes, counts
+    # and ranked ratios the database gives equal those of the runs held in memory.
+    rng = random.Random(7)
+    held: list[tuple[str, Sample]] = []
+    for index in range(120):
+        model = MODELS[index % 3]
+        node = f"node-{rng.randrange(7)}"
+        ratio = round(rng.uniform(0.9, 1.3), 2)  # two decimals: many ties
+        outcome = Outcome.OOM if rng.random() < 0.2 else Outcome.COMPLETED
+        upload = new_upload(
+            model=model,
+            estimate_gib=10.0,
+            device_gib=12.0 * ratio,
+            node_id=node,
+            run_id=f"run-{index}",
+            outcome=outcome,
+        )
+        _upload(session, api_key, upload)
+    for row in session.scalars(select(CalibrationRatio).where(CalibrationRatio.level == "device")):
+        held.append((row.model, Sample(node_id=row.node_id, ratio=row.ratio, outcome=row.outcome)))
+    group = RatioGroup(estimator_version=VERSION, method="lora", level="device")
+    stored = StoredRuns(CalibrationRepository(session), group)
+    memory = SampleRuns(held)
+    assert stored.votes() == memory.votes()
+    selections = [
+        Selection(models=frozenset(MODELS[:3]), dropped=frozenset()),
+        Selection(models=frozenset(MODELS[:2]), dropped=frozenset({(MODELS[0], "node-1")})),
+        Selection(
+            models=frozenset({MODELS[2]}),
+            dropped=frozenset({(MODELS[2], "node-0"), (MODELS[2], "node-5")}),
+        ),
+    ]
+    for selection in selections:
+        completed = memory.completed(selection)
+        assert stored.completed(selection) == completed > 0
+        for bound in (1.0, 1.15, 1.25):
+            assert stored.oom_above(selection, bound) == memory.oom_above(selection, bound)
+        for rank in (0, 1, completed // 20, completed - 1):
+            assert stored.largest(selection, rank) == memory.largest(selection, rank)
+            assert stored.largest(selection, rank, oom_above=1.1) == memory.largest(
+                selection, rank, oom_above=1.1
+            )
+
+
+# Environments nodes reported before the ratios carried their keys.
+OLD_ENVIRONMENTS = ({}, {"torch": "2.4.1"}, {"torch": "2.5.1+cu124", "cuda": "12.4"})
+
+
 def _insert_ratios(connection: Connection, ratios: Sequence[float]) -> None:
-    """One device-level LoRA ratio of org/alpha-7b per node, written as the schema stores
-    them (no factor fitted)."""
+    """One device-level LoRA ratio of org/alpha-7b per node, written as the schema stored
+    them before ratios carried their upload's groups (no factor fitted)."""
     key_id = connection.execute(
         insert(ApiKey).returning(ApiKey.id),
         {
@@ -169,7 +319,7 @@ def _insert_ratios(connection: Connection, ratios: Sequence[float]) -> None:
                 "gpu_memory_total_bytes": 80 * 2**30,
                 "measured_device_bytes": int(ratio * 2**30),
                 "outcome": Outcome.COMPLETED,
-                "environment": {},
+                "environment": OLD_ENVIRONMENTS[node % len(OLD_ENVIRONMENTS)],
                 "node_id": f"node-{node}",
                 "run_id": f"run-{node}",
             },
@@ -198,33 +348,65 @@ def test_the_upgrade_builds_factors_for_ratios_stored_before_it(blank_database_u
             table = load_factor_table(session, VERSION)
             assert table != EMPTY_TABLE
             assert table == fit_factor_table(session, VERSION)
+            # Each ratio got its upload's groups, the environment's key as the service
+            # derives it.
+            ratios = session.scalars(select(CalibrationRatio)).all()
+            assert len(ratios) == 3
+            for row in ratios:
+                upload = row.upload
+                assert (row.method, row.model, row.node_id, row.gpu_name, row.outcome) == (
+                    upload.method,
+                    upload.model,
+                    upload.node_id,
+                    upload.gpu_name,
+                    upload.outcome,
+                )
+                assert row.environment_key == environment_key(upload.environment)
+            assert {row.environment_key for row in ratios} == {
+                "torch ?, cuda ?",
+                "torch 2.4, cuda ?",
+                "torch 2.5, cuda 12.4",
+            }
     finally:
         engine.dispose()
 
 
 def test_the_upgrade_refits_factors_stored_before_the_shift(blank_database_url: str) -> None:
-    # Factors stored at their votes' median (1.10, the earlier fit) are refitted by the first
+    # A factor stored at its votes' median (1.10, the earlier fit) is refitted by the first
     # load after the upgrade: the three votes' spread moves the factor toward 1.
-    upgrade(blank_database_url, "6f74beb0cf54")
+    upgrade(blank_database_url, "3c1d9e7a5b20")
     engine = create_engine_from_url(blank_database_url)
     try:
         with engine.begin() as connection:
             _insert_ratios(connection, (1.10, 1.14, 1.06))
-        upgrade(blank_database_url, "3c1d9e7a5b20")
-        with create_session_factory(engine).begin() as session:
-            stored = load_factor_table(session, VERSION)
-            for row in session.scalars(select(CalibrationFactor)):
-                row.ratio = 1.10
-            session.execute(delete(CalibrationChange))
-        with create_session_factory(engine).begin() as session:
-            assert stored_factor_table(session, VERSION) != fit_factor_table(session, VERSION)
+            connection.execute(delete(CalibrationChange))
+            connection.execute(
+                insert(CalibrationFactor),
+                {
+                    "estimator_version": VERSION,
+                    "method": "lora",
+                    "level": "device",
+                    "scope": "model",
+                    "model": "org/alpha-7b",
+                    "variant": "",
+                    "ratio": 1.10,
+                    "upper_multiplier": 1.2,
+                    "nodes": 3,
+                    "models": 1,
+                    "rejected_nodes": [],
+                    "runs": 3,
+                    "oom_runs": 0,
+                    "log_spread": 0.05,
+                    "clamped": False,
+                    "fitted_at": NOW,
+                },
+            )
         upgrade(blank_database_url)
         with create_session_factory(engine).begin() as session:
             table = load_factor_table(session, VERSION)
             assert table == fit_factor_table(session, VERSION)
             factor = table.lookup(model="org/alpha-7b", method="lora", level=Level.DEVICE)
             assert factor is not None and 1.0 <= factor.factor.ratio < 1.10
-            assert stored != EMPTY_TABLE
     finally:
         engine.dispose()
 

@@ -22,6 +22,7 @@ TABLES = {
     "calibration_factor",
     "calibration_change",
     "calibration_rederivation",
+    "calibration_vote",
 }
 
 

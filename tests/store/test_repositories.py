@@ -57,6 +57,12 @@ def ratio_row(upload: CalibrationUpload, **changes: object) -> CalibrationRatio:
         "level": Level.DEVICE,
         "estimated_bytes": 60_000_000_000,
         "ratio": 1.1,
+        "method": upload.method,
+        "model": upload.model,
+        "node_id": upload.node_id,
+        "gpu_name": upload.gpu_name,
+        "environment_key": "torch 2.5, cuda 12.4",
+        "outcome": upload.outcome,
         "outlier_reason": None,
         "computed_at": T0,
     }
