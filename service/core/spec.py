@@ -85,9 +85,6 @@ UNMODELLED_OBJECTIVES = {
 # HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
-# The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD})
 
 
 def objective_from(name: str) -> Objective:
@@ -460,15 +457,10 @@ class TrainingSpec:
             raise InvalidSpecError(
                 "framework", f"objective {name!r} is TRL's {trainer} (framework 'hf')"
             )
-        if self.parallel.gpus != 1 and (
-            self.parallel.strategy is not Strategy.DDP or self.objective not in DDP_OBJECTIVES
-        ):
-            where = (
-                "on one GPU or under DDP"
-                if self.objective in DDP_OBJECTIVES
-                else "on one GPU (no parallel strategy)"
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError(
+                "parallel.gpus", f"objective {name!r} is modelled on one GPU (no parallel strategy)"
             )
-            raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
         if self.autocast and self.objective is Objective.KTO:
             raise InvalidSpecError(
                 "autocast", f"objective {name!r} under mixed precision is not modelled"
