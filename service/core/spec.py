@@ -435,10 +435,8 @@ class TrainingSpec:
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
 
     def _check_objective(self) -> None:
-        """DPO, KTO and reward modelling as they are modelled: TRL's DPOTrainer, KTOTrainer or
-        RewardTrainer on one GPU, HF + PEFT full, LoRA or QLoRA, in the model's dtype or under
-        bf16 mixed precision (accelerate's autocast around each model's forward); the padded
-        batch is `batch_size` pairs (KTO: unpaired examples) of `seq_len` tokens."""
+        """TRL's DPOTrainer, KTOTrainer or RewardTrainer on one GPU, HF + PEFT full, LoRA or
+        QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
         if self.objective is not Objective.DPO and self.dpo is not None:
             raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
         if self.objective is not Objective.KTO and self.kto is not None:
@@ -466,11 +464,8 @@ class TrainingSpec:
                 "autocast", f"objective {name!r} under mixed precision is not modelled"
             )
         if self.autocast and self.dtype is DType.FP16:
-            raise InvalidSpecError(
-                "autocast",
-                f"objective {name!r} is modelled under bf16 mixed precision (TRL's default, "
-                "bf16=True), not fp16 with its gradient scaler",
-            )
+            why = "under bf16 mixed precision (TRL's default), not fp16 with its gradient scaler"
+            raise InvalidSpecError("autocast", f"objective {name!r} is modelled {why}")
         if self.loss is not None:
             how = (
                 "scores tokens with TRL's fused LM head"
