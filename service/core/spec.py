@@ -14,6 +14,7 @@ from enum import StrEnum
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
 from service.core.spec_kto import KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
@@ -85,6 +86,9 @@ UNMODELLED_OBJECTIVES = {
 # HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
+# The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
+# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*).
+DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD})
 
 
 def objective_from(name: str) -> Objective:
@@ -99,24 +103,6 @@ def objective_from(name: str) -> Objective:
         else:
             reason = f"unknown objective {name!r}"
         raise InvalidSpecError("objective", f"{reason}; modelled: {modelled}") from None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DpoSpec:
-    """DPOConfig's settings that change memory (TRL 1.16.0 trl/trainer/dpo_config.py)."""
-
-    # DPOConfig.precompute_ref_log_probs (default False): the reference's log-probabilities
-    # are computed before training, so the step runs no reference forward and full
-    # fine-tuning keeps no reference copy (DPOTrainer.__init__).
-    precompute_ref_log_probs: bool = False
-    # Completion tokens of each sequence (older DPOConfig's max_completion_length): only
-    # their positions go through the fused LM head on a GPU. None: every position but the
-    # first (the whole padded sequence is completion), the largest it can be.
-    max_completion_length: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise InvalidSpecError("dpo.max_completion_length", "must be at least 1")
 
 
 class QuantType(StrEnum):
@@ -455,10 +441,15 @@ class TrainingSpec:
             raise InvalidSpecError(
                 "framework", f"objective {name!r} is TRL's {trainer} (framework 'hf')"
             )
-        if self.parallel.gpus != 1:
-            raise InvalidSpecError(
-                "parallel.gpus", f"objective {name!r} is modelled on one GPU (no parallel strategy)"
+        if self.parallel.gpus != 1 and (
+            self.parallel.strategy is not Strategy.DDP or self.objective not in DDP_OBJECTIVES
+        ):
+            where = (
+                "on one GPU or under DDP"
+                if self.objective in DDP_OBJECTIVES
+                else "on one GPU (no parallel strategy)"
             )
+            raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
         if self.autocast and self.objective is Objective.KTO:
             raise InvalidSpecError(
                 "autocast", f"objective {name!r} under mixed precision is not modelled"

@@ -173,7 +173,13 @@ class _HeadSteering:
             hidden.register_hook(self.on_backbone_grad)
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DistributedDataParallel wrapper (accelerate's `unwrap_model`)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
+    model = unwrapped(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.base_model  # type: ignore[no-any-return]
 
@@ -216,7 +222,7 @@ def run_dpo_steps(
         input_ids = torch.zeros(rows, seq, dtype=torch.long)
         attention_mask = torch.ones(rows, seq, dtype=torch.long)
         completion_mask = torch.zeros(rows, seq, dtype=torch.long)
-        completion_mask[:, seq - completion :] = 1
+        completion_mask[:, seq - completion :].fill_(1)
         ref_logps_in = (
             (torch.zeros(spec.batch_size), torch.zeros(spec.batch_size)) if precompute else None
         )
@@ -238,7 +244,7 @@ def run_dpo_steps(
                     step=step,
                     use_adapter=use_adapter,
                     no_checkpointing=lambda: disable_gradient_checkpointing(
-                        model, CHECKPOINTING_KWARGS
+                        unwrapped(model), CHECKPOINTING_KWARGS
                     ),
                     rewrap_checkpoints=rewrap_checkpoints,
                 )
@@ -299,7 +305,7 @@ def _compute_loss(
             stack.enter_context(torch.no_grad())
             stack.enter_context(no_checkpointing())
             if ref_model is None:
-                stack.enter_context(use_adapter(model, adapter_name=None))
+                stack.enter_context(use_adapter(unwrapped(model), adapter_name=None))
                 forward = model
             else:
                 stack.enter_context(nullcontext())

@@ -634,8 +634,21 @@ def parallel_matrix() -> list[Case]:
         ParallelSpec(strategy=Strategy.FSDP2, reshard_after_forward=False),
     ):
         add(QWEN_05B, base, setup, 4)
-    # An encoder (BERT sequence classification) under DDP.
+    # TRL's DPO and reward steps under DDP: each rank the one-GPU step with DDP's buckets
+    # (and for full fine-tuning DPO's frozen reference copy, held whole on every rank).
     ddp = setups[0]
+    dpo = {"objective": Objective.DPO}
+    reward = {"objective": Objective.REWARD}
+    for model_id, spec, gpus in (
+        (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
+        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
+        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **dpo), 4),
+        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
+        (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
+        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
+    ):
+        add(model_id, spec, ddp, gpus)
+    # An encoder (BERT sequence classification) under DDP.
     fp32 = DType.FP32
     add(BERT_BASE, _spec(full, 4, 512, dtype=fp32), ddp, 2)
     add(BERT_BASE, _spec(lora, 4, 512, lora=_lora(r=8, targets=None)), ddp, 2)

@@ -430,7 +430,9 @@ def trace(
             stack.enter_context(steering.installed(model, params))
             if dpo or rewarding:  # TRL's trainers: the models' forwards as accelerate's
                 stack.enter_context(
-                    accelerate_forward((m for m in (model, ref_model) if m is not None), spec)
+                    accelerate_forward(
+                        (preference.unwrapped(m) for m in (model, ref_model) if m is not None), spec
+                    )
                 )
             if dpo:
                 preference.run_dpo_steps(

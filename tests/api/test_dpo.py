@@ -55,7 +55,7 @@ def test_sft_is_the_default_and_its_answer_is_unchanged(client: TestClient) -> N
         ({**SMALL_JOB, "objective": "orpo"}, "objective"),
         ({**SMALL_JOB, "objective": "simpo-ish"}, "objective"),
         ({**SMALL_JOB, "dpo": {}}, "dpo"),
-        ({**DPO_JOB, "parallel": {"gpus": 2, "strategy": "ddp"}}, "parallel"),
+        ({**DPO_JOB, "parallel": {"gpus": 2, "strategy": "fsdp"}}, "parallel"),
         ({**DPO_JOB, "model": "google-bert/bert-base-uncased", "method": "full"}, "objective"),
         ({**DPO_JOB, "framework": "litgpt"}, "framework"),
         ({**DPO_JOB, "dpo": {"max_completion_length": 0}}, "dpo"),
@@ -74,3 +74,14 @@ def test_a_fit_check_can_suggest_precomputed_reference_log_probs(client: TestCli
     response = client.post("/v1/fit-checks", json={"job": job, "gpus": ["A100-40GB"]})
     assert response.status_code == 200, response.text
     assert "precompute_ref_log_probs" in str(response.json())
+
+
+def test_dpo_under_ddp_answers_per_rank_with_the_buckets(client: TestClient) -> None:
+    job = {**DPO_JOB, "method": "full", "parallel": {"gpus": 4, "strategy": "ddp"}}
+    response = client.post("/v1/estimates", json=job)
+    assert response.status_code == 200, response.text
+    one_gpu = client.post("/v1/estimates", json={**DPO_JOB, "method": "full"}).json()
+    body = response.json()
+    # each rank holds the one-GPU step, the frozen reference copy included, plus DDP's buckets
+    assert body["peak"]["allocated_bytes"] > one_gpu["peak"]["allocated_bytes"]
+    assert "reference_model" in str(body) and "4 sequences of 512 tokens" in str(body)

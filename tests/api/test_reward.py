@@ -40,7 +40,7 @@ def test_the_reward_objective_reaches_the_core_and_the_answer(client: TestClient
 @pytest.mark.parametrize(
     ("job", "field"),
     [
-        ({**REWARD_JOB, "parallel": {"gpus": 2, "strategy": "ddp"}}, "parallel"),
+        ({**REWARD_JOB, "parallel": {"gpus": 2, "strategy": "zero2"}}, "parallel"),
         ({**REWARD_JOB, "model": "google-bert/bert-base-uncased", "method": "full"}, "objective"),
         ({**REWARD_JOB, "model": "google/t5-v1_1-small", "method": "lora"}, "objective"),
         ({**REWARD_JOB, "framework": "litgpt"}, "framework"),

@@ -47,10 +47,10 @@ def service() -> Iterator[TestClient]:
             ["--alloc-conf", "roundup_power2_divisions:4096"],
             {"allocator": {"roundup_power2_divisions": 4096}},
         ),
-        # a reward model on several GPUs, or under fp16 mixed precision
+        # a reward model under ZeRO (DDP is modelled), or under fp16 mixed precision
         (
-            ["--objective", "reward", "--gpus", "2"],
-            {"objective": "reward", "parallel": {"gpus": 2}},
+            ["--objective", "reward", "--gpus", "2", "--strategy", "zero2"],
+            {"objective": "reward", "parallel": {"gpus": 2, "strategy": "zero2"}},
         ),
         (
             ["--objective", "reward", "--autocast", "--dtype", "fp16"],

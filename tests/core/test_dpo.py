@@ -19,6 +19,7 @@ from service.core.spec import (
     Method,
     Objective,
     ParallelSpec,
+    Strategy,
     TrainingSpec,
     objective_from,
 )
@@ -53,7 +54,7 @@ def test_an_objective_not_modelled_names_the_field_and_why(name: str, words: str
     ("kwargs", "field"),
     [
         ({"method": Method.IA3}, "method"),
-        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.ZERO2)}, "parallel.gpus"),
         ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
     ],

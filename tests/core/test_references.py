@@ -177,6 +177,10 @@ def test_reserved_matches_the_traces(
 # Peaks within the tolerance whose breakdown is not the trace's: the estimate's peak moment
 # holds the same total made up differently, each with why.
 COMPONENT_KNOWN_GAPS: dict[str, str] = {
+    "llama-3_2-1b__lora__dpo__r16-all-linear__b2-s512__ckpt__autocast__ddp-4gpu": (
+        "DPO LoRA under autocast with checkpointing: the estimate's moment inside the layers' "
+        "backward holds 16 MiB more activations than the trace's (0.5 % of the peak)"
+    ),
     "phi-3-mini-4k-instruct__qlora__dpo__r16-all-linear__nf4-dq__b1-s1024__ckpt__autocast": (
         "Phi-3 QLoRA DPO under autocast: the trace peaks inside the recomputed top layer's "
         "fused gate_up, the estimate at its down_proj backward, 0.2 % above the trace"

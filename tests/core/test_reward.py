@@ -19,6 +19,7 @@ from service.core.spec import (
     Method,
     Objective,
     ParallelSpec,
+    Strategy,
     TrainingSpec,
     objective_from,
 )
@@ -48,7 +49,7 @@ def test_reward_is_an_objective() -> None:
     [
         ({"method": Method.IA3}, "method"),
         ({"framework": Framework.LITGPT}, "framework"),
-        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.ZERO2)}, "parallel.gpus"),
         ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"num_labels": 2}, "num_labels"),

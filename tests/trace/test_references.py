@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from service.core.result import Component, Phase
-from service.core.spec import Objective
 from service.core.units import GIB, DType
 from service.trace.reference import (
     REFERENCE_DIR,
@@ -18,6 +17,7 @@ from service.trace.reference import (
     spec_from_json,
     spec_to_json,
 )
+from tests.trace.phases import expected_phases
 
 pytestmark = pytest.mark.trace
 
@@ -104,16 +104,7 @@ def test_a_reference_is_well_formed(name: str) -> None:
     assert Phase(peak["phase"]) in Phase
     assert peak["step"] in (1, 2)
     phases = document["phases"]
-    # the reference forward is DPO's and KTO's phase, absent with precomputed log-probs
-    reference_forward = (
-        spec.objective is Objective.DPO and not spec.dpo_settings.precompute_ref_log_probs
-    ) or (spec.objective is Objective.KTO and not spec.kto_settings.precompute_ref_log_probs)
-    assert [(p["step"], p["phase"]) for p in phases] == [
-        (step, phase.value)
-        for step in (1, 2)
-        for phase in Phase
-        if phase is not Phase.REFERENCE_FORWARD or reference_forward
-    ]
+    assert [(p["step"], p["phase"]) for p in phases] == expected_phases(spec)
     for entry in phases:
         _check_snapshot(entry)
         assert entry["allocated_bytes"] <= peak["allocated_bytes"]
