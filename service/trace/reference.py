@@ -60,6 +60,7 @@ from service.trace.families import (
     _kto_cases,
     _lora,
     _mixed_precision_objective_cases,
+    _orpo_cases,
     _qlora,
     _reward_cases,
     _spec,
@@ -205,6 +206,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("precomputed-ref")
         if spec.objective is Objective.KTO and not kto_settings.calculate_kl:
             parts.append(kto_settings.loss_type.value.replace("_", "-"))
+        if spec.objective is Objective.ORPO and not spec.orpo_settings.disable_dropout:
+            parts.append("dropout-kept")
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
@@ -561,6 +564,7 @@ def matrix() -> list[Case]:
     cases.extend(_reward_cases())
     cases.extend(_mixed_precision_objective_cases())
     cases.extend(_kto_cases())
+    cases.extend(_orpo_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
