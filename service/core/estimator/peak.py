@@ -9,7 +9,7 @@ from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.kto import kto_policy_spec, kto_step, reference_copy
-from service.core.estimator.orpo import orpo_policy_spec, orpo_step
+from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -183,6 +183,7 @@ def _orpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str 
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     replay = replace(orpo_policy_spec(spec), loss=LossImpl.PLAIN)
     plan = _step(arch, replay, compute_capability).plan
+    plan = replace(plan, reserved=replace(plan.reserved, orpo_logits=logits_bytes(spec)))
     over = _above(arch, replay, plan, peak.allocated_bytes, st.paged_state, compute_capability)
     return _answer(st, phases, peak, over, spec, before=orpo.assumptions)
 
