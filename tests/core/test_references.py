@@ -49,33 +49,6 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.035,
         "DPO under autocast with checkpointing: the replay's recomputed layers (under)",
     ),
-    # ORPO: the allocator replay (service/core/schedule/step.py `_orpo_forward`,
-    # `_orpo_backward`) runs the logits and their gradients as the trace does; where a
-    # logits-sized block lands beside the checkpointed or autocast layers' blocks differs.
-    "qwen2_5-0_5b__full__orpo__b2-s1024__ckpt": (
-        0.065,
-        "ORPO full fine-tuning with checkpointing: the replay's logits gradients' segments (under)",
-    ),
-    "qwen2_5-0_5b__full__orpo__b1-s512__autocast": (
-        0.05,
-        "ORPO under autocast: the replay's fp32 logits beside the half ones (over)",
-    ),
-    "qwen2_5-0_5b__lora__orpo__r16-all-linear__b2-s512__ckpt__autocast": (
-        0.17,
-        "ORPO LoRA under autocast with checkpointing: the replay's recomputed layers (under)",
-    ),
-    "qwen2_5-0_5b__qlora__orpo__r16-all-linear__nf4-dq__b2-s512": (
-        0.095,
-        "ORPO QLoRA without checkpointing: the replay's fp32 logits' segments (under)",
-    ),
-    "gemma-2-2b__lora__orpo__r16-all-linear__b1-s512__ckpt__eager": (
-        0.025,
-        "ORPO on Gemma-2: the replay's softcapped logits' segments (over)",
-    ),
-    "gemma-2-2b__qlora__orpo__r16-all-linear__nf4-dq__b1-s512__ckpt__eager": (
-        0.05,
-        "ORPO on Gemma-2: the replay's softcapped logits' segments (over)",
-    ),
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{

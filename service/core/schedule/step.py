@@ -339,6 +339,11 @@ class _Step(_Backward):
         self.f(divided)
         return self.a(e * v)
 
+    def _orpo_chosen(self) -> int:
+        """Bytes of the chosen rows' logits without their last position: the NLL's."""
+        sh = self.sh
+        return sh.batch // 2 * (sh.seq - 1) * sh.vocab * sh.orpo_logits
+
     def _orpo_forward(self, logits: int, fn: int) -> tuple[int, int]:
         """`concatenated_forward` after the LM head: accelerate's fp32 copy of the outputs under
         autocast, the NLL's contiguous copy of the chosen half and its log-softmax (the copy
@@ -350,8 +355,11 @@ class _Step(_Backward):
             self.f(logits)
             logits = wide
         logits = self._softcap(logits, e)
-        copy = self.a(e * v // 2)
-        logp = self.a(e * v // 2)
+        chosen = self._orpo_chosen()
+        # `.contiguous()` copies the chosen rows' [:, :-1] slice, unless it is one row (a
+        # contiguous view already)
+        copy = self.p.alloc(chosen) if sh.batch > 2 else 0
+        logp = self.p.alloc(chosen)
         self.f(copy)
         if not sh.head_trainable:
             self.f(fn)
@@ -363,14 +371,15 @@ class _Step(_Backward):
         their sum; the softcap's backward, then the cast back to the head's dtype."""
         sh = self.sh
         v, e = sh.vocab, sh.orpo_logits
-        kernel = self.a(e * v)
+        chosen = self._orpo_chosen()
+        kernel = self.p.alloc(2 * chosen)  # (rows, seq - 1, vocab)
         self.f(logits)
         sliced = self.a(e * v)
         self.f(kernel)
-        nll = self.a(e * v // 2)
-        soft = self.a(e * v // 2)
+        nll = self.p.alloc(chosen)
+        soft = self.p.alloc(chosen)
         self.f(nll, logp)
-        half = self.a(e * v // 2)
+        half = self.a(e * v // 2)  # the chosen rows, every position
         self.f(soft)
         whole = self.a(e * v)
         self.f(half)
