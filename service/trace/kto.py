@@ -26,7 +26,12 @@ from service.core.result import Component, Phase
 from service.core.spec import Method, TrainingSpec
 from service.core.spec_kto import KtoLossType
 from service.trace import preference
-from service.trace.preference import CHECKPOINTING_KWARGS, IGNORE_INDEX
+from service.trace.preference import (
+    CHECKPOINTING_KWARGS,
+    IGNORE_INDEX,
+    backward,
+    optimizer_step,
+)
 
 # KTOConfig.beta, desirable_weight and undesirable_weight defaults
 # (trl/trainer/kto_config.py); the values do not change memory.
@@ -152,24 +157,9 @@ def run_kto_steps(
                     ),
                     rewrap_checkpoints=rewrap_checkpoints,
                 )
-                tracker.begin_phase(step, Phase.BACKWARD_START)
-                tracker.component = Component.LOGITS_LOSS
-                steering.in_backward = head.in_backward = True
-                tracker.blas_handle = "backward"
-                loss.backward()
-                steering.in_backward = head.in_backward = False
-                tracker.blas_handle = None
-                logged = logged + loss.detach()
+                logged = logged + backward(loss, tracker, step, steering, head)
                 del loss
-            tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-            tracker.component = Component.OPTIMIZER_TEMPORARIES
-            if spec.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-            tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-            optimizer.step()
-            tracker.host_scalar_ops = False
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            tracker.end_phase()
+            optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
     finally:
         for handle in handles:
             handle.remove()

@@ -27,7 +27,7 @@ import torch
 
 from service.core.result import Component, Phase
 from service.core.spec import TrainingSpec
-from service.trace.preference import _Launch
+from service.trace.preference import _Launch, backward, optimizer_step
 
 # ORPOConfig.beta default (trl/experimental/orpo/orpo_config.py); the value changes no memory.
 ORPO_BETA = 0.1
@@ -188,21 +188,6 @@ def run_orpo_steps(
             tracker.mark(step, Phase.FORWARD_END)
             # get_batch_loss_metrics returns: its logits views and metrics go
             del chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll, losses, _
-            tracker.begin_phase(step, Phase.BACKWARD_START)
-            tracker.component = Component.LOGITS_LOSS
-            steering.in_backward = True
-            tracker.blas_handle = "backward"
-            loss.backward()
-            steering.in_backward = False
-            tracker.blas_handle = None
-            logged = logged + loss.detach()
+            logged = logged + backward(loss, tracker, step, steering)
             del loss
-        tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-        tracker.component = Component.OPTIMIZER_TEMPORARIES
-        if spec.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-        tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-        optimizer.step()
-        tracker.host_scalar_ops = False
-        optimizer.zero_grad(set_to_none=not keep_gradients)
-        tracker.end_phase()
+        optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)

@@ -248,28 +248,51 @@ def run_dpo_steps(
                     ),
                     rewrap_checkpoints=rewrap_checkpoints,
                 )
-                tracker.begin_phase(step, Phase.BACKWARD_START)
-                tracker.component = Component.LOGITS_LOSS
-                steering.in_backward = head.in_backward = True
-                tracker.blas_handle = "backward"
-                loss.backward()
-                steering.in_backward = head.in_backward = False
-                tracker.blas_handle = None
-                logged = logged + loss.detach()
+                logged = logged + backward(loss, tracker, step, steering, head)
                 del loss
-            tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-            tracker.component = Component.OPTIMIZER_TEMPORARIES
-            if spec.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-            tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-            optimizer.step()
-            tracker.host_scalar_ops = False
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            tracker.end_phase()
+            optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
     finally:
         for handle in handles:
             handle.remove()
     del attention_mask
+
+
+def backward(loss: torch.Tensor, tracker: Any, step: int, *steered: Any) -> torch.Tensor:
+    """HF Trainer's backward of one micro-batch's loss as TRL's trainers run it: the phase
+    opened, each steering object told backward runs while it does (the autograd thread's
+    cuBLAS handle), the detached loss returned for the logged total."""
+    tracker.begin_phase(step, Phase.BACKWARD_START)
+    tracker.component = Component.LOGITS_LOSS
+    for steering in steered:
+        steering.in_backward = True
+    tracker.blas_handle = "backward"
+    loss.backward()
+    for steering in steered:
+        steering.in_backward = False
+    tracker.blas_handle = None
+    return loss.detach()
+
+
+def optimizer_step(
+    tracker: Any,
+    step: int,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    spec: TrainingSpec,
+    *,
+    keep_gradients: bool,
+) -> None:
+    """HF Trainer's end of a step as in service/trace/runner.py: the gradients clipped to
+    `max_grad_norm`, the optimizer step, zero_grad (set_to_none unless `keep_gradients`)."""
+    tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
+    tracker.component = Component.OPTIMIZER_TEMPORARIES
+    if spec.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
+    tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
+    optimizer.step()
+    tracker.host_scalar_ops = False
+    optimizer.zero_grad(set_to_none=not keep_gradients)
+    tracker.end_phase()
 
 
 def _compute_loss(
