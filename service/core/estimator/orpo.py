@@ -19,9 +19,10 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk
-from service.core.estimator.preference import head_dtypes
+from service.core.estimator.preference import head_dtypes, step_phases
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.result import Phase
+from service.core.schedule import PAIR_SIDES
 from service.core.spec import LossImpl, Objective, TrainingSpec
 from service.core.units import FP32_BYTES, INT64_BYTES
 
@@ -58,7 +59,7 @@ def logits_bytes(spec: TrainingSpec) -> int:
 
 
 def orpo_shape(arch: ModelArch, spec: TrainingSpec) -> OrpoShape:
-    rows, s, v = 2 * spec.batch_size, spec.seq_len, arch.vocab_size
+    rows, s, v = PAIR_SIDES * spec.batch_size, spec.seq_len, arch.vocab_size
     e = logits_bytes(spec)
     return OrpoShape(rows, _blk(rows * s * v * e), _blk(spec.batch_size * (s - 1) * v * e), e)
 
@@ -72,7 +73,7 @@ def orpo_policy_spec(spec: TrainingSpec) -> TrainingSpec:
         lora = replace(lora, lora_dropout=0.0)
     return replace(
         spec,
-        batch_size=2 * spec.batch_size,
+        batch_size=PAIR_SIDES * spec.batch_size,
         objective=Objective.SFT,
         orpo=None,
         loss=LossImpl.FUSED,
@@ -116,16 +117,7 @@ def orpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | Non
         logits_loss=d.logits,
     )
     backward = max(st.backward, at_head, key=sum)
-    one, both = st.workspaces
-    first = (*fixed, one, 0)
-    steady = (*fixed, both, st.optimizer_state)
-    rows: list[tuple[int, Phase, tuple[int, ...]]] = []
-    for step, held in ((1, first), (2, steady)):
-        rows.append((step, Phase.FORWARD_END, held + tuple(forward_end)))
-        rows.append((step, Phase.BACKWARD_START, held + tuple(backward_start)))
-        back_held = (*fixed, both, 0) if step == 1 else steady
-        rows.append((step, Phase.BACKWARD, back_held + tuple(backward)))
-    rows.append((1, Phase.OPTIMIZER_STEP, steady + tuple(st.optimizer_step)))
+    rows = step_phases(st, forward_end, backward_start, backward, st.optimizer_step)
     notes = [
         f"ORPO (TRL 1.16.0 ORPOTrainer): {spec.batch_size} pairs run as {d.rows} sequences "
         f"of {spec.seq_len} tokens ([chosen; rejected]), unpadded, the prompt half of each; "
@@ -139,4 +131,4 @@ def orpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | Non
             if spec.orpo_settings.disable_dropout
             else "LoRA dropout kept: ORPOConfig.disable_dropout is False"
         )
-    return OrpoStep(st, tuple(rows), tuple(notes))
+    return OrpoStep(st, rows, tuple(notes))

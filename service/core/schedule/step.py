@@ -17,6 +17,9 @@ DPO_RUNNING_STATS = 7
 # q-sized copies around SDPA's math kernel without grad: k and v expanded to every head, the
 # scaled q and its contiguous copy (reference trace llama-3_2-1b__qlora__dpo__*__b2-s1024).
 MATH_REFERENCE_COPIES = 4
+# ORPO's [chosen; rejected] rows on the batch axis (trl/experimental/orpo/orpo_trainer.py
+# concatenated_inputs): the chosen half is the NLL's.
+PAIR_SIDES = 2
 
 
 class _Step(_Backward):
@@ -342,7 +345,7 @@ class _Step(_Backward):
     def _orpo_chosen(self) -> int:
         """Bytes of the chosen rows' logits without their last position: the NLL's."""
         sh = self.sh
-        return sh.batch // 2 * (sh.seq - 1) * sh.vocab * sh.orpo_logits
+        return sh.batch // PAIR_SIDES * (sh.seq - 1) * sh.vocab * sh.orpo_logits
 
     def _orpo_forward(self, logits: int, fn: int) -> tuple[int, int]:
         """`concatenated_forward` after the LM head: accelerate's fp32 copy of the outputs under
@@ -358,7 +361,7 @@ class _Step(_Backward):
         chosen = self._orpo_chosen()
         # `.contiguous()` copies the chosen rows' [:, :-1] slice, unless it is one row (a
         # contiguous view already)
-        copy = self.p.alloc(chosen) if sh.batch > 2 else 0
+        copy = self.p.alloc(chosen) if sh.batch > PAIR_SIDES else 0
         logp = self.p.alloc(chosen)
         self.f(copy)
         if not sh.head_trainable:
@@ -372,14 +375,14 @@ class _Step(_Backward):
         sh = self.sh
         v, e = sh.vocab, sh.orpo_logits
         chosen = self._orpo_chosen()
-        kernel = self.p.alloc(2 * chosen)  # (rows, seq - 1, vocab)
+        kernel = self.p.alloc(PAIR_SIDES * chosen)  # (rows, seq - 1, vocab)
         self.f(logits)
         sliced = self.a(e * v)
         self.f(kernel)
         nll = self.p.alloc(chosen)
         soft = self.p.alloc(chosen)
         self.f(nll, logp)
-        half = self.a(e * v // 2)  # the chosen rows, every position
+        half = self.a(e * v // PAIR_SIDES)  # the chosen rows, every position
         self.f(soft)
         whole = self.a(e * v)
         self.f(half)
