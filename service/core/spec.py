@@ -458,7 +458,7 @@ class TrainingSpec:
             raise InvalidSpecError(
                 "autocast", f"objective {name!r} under mixed precision is not modelled"
             )
-        if refusal := orpo_refusal(self):
+        if refusal := orpo_refusal(self.objective.value, self.method.value, self.autocast):
             raise refusal
         if self.autocast and self.dtype is DType.FP16:
             why = "under bf16 mixed precision (TRL's default), not fp16 with its gradient scaler"

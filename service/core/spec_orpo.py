@@ -11,12 +11,8 @@ the other fields change none either.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from service.core.errors import InvalidSpecError
-
-if TYPE_CHECKING:
-    from service.core.spec import TrainingSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,12 +26,12 @@ class OrpoSpec:
     disable_dropout: bool = True
 
 
-def orpo_refusal(spec: TrainingSpec) -> InvalidSpecError | None:
+def orpo_refusal(objective: str, method: str, autocast: bool) -> InvalidSpecError | None:
     """What ORPO is not modelled with beyond the preference objectives' shared limits: QLoRA
     under bf16 (ORPOTrainer.__init__ then runs trl/experimental/utils.py
     peft_module_casting_to_bf16, which recasts the norms, the embedding and the LM head, and
     compute_loss runs the whole loss under autocast)."""
-    if spec.objective.value == "orpo" and spec.autocast and spec.method.value == "qlora":
+    if objective == "orpo" and autocast and method == "qlora":
         return InvalidSpecError(
             "autocast",
             "objective 'orpo' with qlora under bf16 mixed precision is not modelled "

@@ -9,8 +9,7 @@ import pytest
 from service.catalog.models import default_catalog
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import InvalidSpecError
-from service.core.estimator import estimate
-from service.core.estimator.orpo import ADDED_GRADIENTS, orpo_policy_spec, orpo_shape
+from service.core.estimator import ADDED_GRADIENTS, estimate, orpo_policy_spec, orpo_shape
 from service.core.result import Component, Phase
 from service.core.spec import (
     Framework,
