@@ -63,3 +63,14 @@ def test_orpo_under_trls_default_bf16_is_answered(client: TestClient) -> None:
     plain = client.post("/v1/estimates", json=ORPO_JOB)
     assert mixed.status_code == plain.status_code == 200, mixed.text
     assert mixed.json()["peak"]["allocated_bytes"] > plain.json()["peak"]["allocated_bytes"]
+
+
+def test_a_fit_check_suggests_nothing_orpo_trainer_cannot_do(client: TestClient) -> None:
+    """No reference log-probs to precompute and no loss to swap: ORPO's changes are the
+    optimizer's, checkpointing and the micro-batch."""
+    job = {**ORPO_JOB, "model": "Qwen/Qwen2.5-7B", "method": "lora", "seq_len": 4096}
+    response = client.post("/v1/fit-checks", json={"job": job, "gpus": ["A100-40GB"]})
+    assert response.status_code == 200, response.text
+    text = str(response.json())
+    assert "precompute_ref_log_probs" not in text and "fused_loss" not in text
+    assert "gradient_checkpointing" in text or "max_batch_size" in text

@@ -509,3 +509,18 @@ def test_a_reward_model_job_sends_its_objective(driver: Driver, api: httpx.Clien
     answer = api.post("/v1/estimates", json=job).json()
     assert "logits_loss" not in answer["components"] or not answer["components"]["logits_loss"]
     assert_estimate_shown(d.shown(), answer)
+
+
+def test_an_orpo_job_sends_its_objective(driver: Driver, api: httpx.Client) -> None:
+    d = driver
+    d.open("?model=Qwen%2FQwen2.5-0.5B&method=lora&batch_size=2&seq_len=512&gpu=H100-SXM")
+    assert d.page.is_hidden("#orpo-hint")
+    d.page.select_option("#objective", "orpo")
+    d.wait_ready()
+    assert d.page.is_visible("#orpo-hint") and d.page.is_hidden("#reward-hint")
+    job = d.last_post("/v1/estimates")
+    assert job["objective"] == "orpo" and "dpo" not in job
+    answer = api.post("/v1/estimates", json=job).json()
+    assert "reference_model" not in answer["components"]
+    assert answer["components"]["logits_loss"] > 0
+    assert_estimate_shown(d.shown(), answer)
