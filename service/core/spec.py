@@ -450,10 +450,6 @@ class TrainingSpec:
                 else "on one GPU (no parallel strategy)"
             )
             raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
-        if self.autocast and self.objective is Objective.KTO:
-            raise InvalidSpecError(
-                "autocast", f"objective {name!r} under mixed precision is not modelled"
-            )
         if self.autocast and self.dtype is DType.FP16:
             why = "under bf16 mixed precision (TRL's default), not fp16 with its gradient scaler"
             raise InvalidSpecError("autocast", f"objective {name!r} is modelled {why}")

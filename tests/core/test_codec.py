@@ -227,8 +227,8 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
 @st.composite
 def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
     """Objectives 'dpo', 'reward' and 'kto': TRL's DPOTrainer, RewardTrainer or KTOTrainer on
-    one GPU, HF + PEFT, without autocast; DPO's and KTO's settings with their objective only
-    (KTO's KL batch with two examples at least)."""
+    one GPU, HF + PEFT, under bf16 autocast or without it; DPO's and KTO's settings with their
+    objective only (KTO's KL batch with two examples at least)."""
     method = draw(st.sampled_from(DPO_METHODS))
     objective = draw(st.sampled_from((Objective.DPO, Objective.REWARD, Objective.KTO)))
     dpo_settings = st.builds(
@@ -241,6 +241,7 @@ def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
     )
     kto = draw(st.none() | kto_settings) if objective is Objective.KTO else None
     kl = objective is Objective.KTO and (kto is None or kto.calculate_kl)
+    dtype = draw(st.sampled_from(DType))
     return TrainingSpec(
         method=method,
         objective=objective,
@@ -250,7 +251,9 @@ def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
         lora=draw(st.none() | loras) if method in LORA_METHODS else None,
         quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
-        dtype=draw(st.sampled_from(DType)),
+        dtype=dtype,
+        # bf16 mixed precision (TRL's default); fp16's gradient scaler is not modelled
+        autocast=dtype is not DType.FP16 and draw(st.booleans()),
         gradient_checkpointing=draw(st.booleans()),
         allocator=draw(allocators),
     )
