@@ -454,10 +454,6 @@ class TrainingSpec:
                 else "on one GPU (no parallel strategy)"
             )
             raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
-        if self.autocast and self.objective is Objective.KTO:
-            raise InvalidSpecError(
-                "autocast", f"objective {name!r} under mixed precision is not modelled"
-            )
         if refusal := orpo_refusal(self.objective.value, self.method.value, self.autocast):
             raise refusal
         if self.autocast and self.dtype is DType.FP16:

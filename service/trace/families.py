@@ -236,13 +236,15 @@ def _reward_cases() -> list[tuple[str, TrainingSpec]]:
 
 
 def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
-    """DPO and reward modelling under TRL's default mixed precision (its configs set
+    """DPO, KTO and reward modelling under TRL's default mixed precision (its configs set
     bf16=True unless fp16 is asked for: trl/trainer/base_config.py): accelerate's autocast
-    around each model's forward, full, LoRA and QLoRA on three families."""
+    around each model's forward, full, LoRA and QLoRA on four families."""
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
     eager = AttnImpl.EAGER
     dpo = {"objective": Objective.DPO, "autocast": True}
     reward = {"objective": Objective.REWARD, "autocast": True}
+    kto = {"objective": Objective.KTO, "autocast": True}
+    no_kl = {**kto, "kto": KtoSpec(loss_type=KtoLossType.APO_ZERO_UNPAIRED)}
     return [
         (QWEN_05B, _spec(lora, 1, 512, ckpt=True, **dpo)),
         (QWEN_05B, _spec(full, 1, 512, **dpo)),
@@ -256,6 +258,15 @@ def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, **reward)),
         (LLAMA_1B, _spec(full, 1, 512, **reward)),
         (LLAMA_1B, _spec(qlora, 2, 1024, **reward)),
+        (QWEN_05B, _spec(lora, 2, 512, **kto)),
+        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto)),
+        (QWEN_05B, _spec(qlora, 2, 1024, ckpt=True, **no_kl)),
+        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **kto)),
+        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **kto)),
+        (LLAMA_1B, _spec(full, 2, 512, **kto)),
+        (LLAMA_1B, _spec(qlora, 2, 1024, **kto)),
+        (GEMMA_2B, _spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
+        (PHI_3, _spec(lora, 2, 512, ckpt=True, **kto)),
     ]
 
 

@@ -434,7 +434,7 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            if dpo or orpo_step or rewarding:  # TRL's trainers: forwards as accelerate's
+            if dpo or kto_step or orpo_step or rewarding:  # TRL's: forwards as accelerate's
                 stack.enter_context(
                     accelerate_forward(
                         (preference.unwrapped(m) for m in (model, ref_model) if m is not None), spec

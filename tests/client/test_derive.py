@@ -232,22 +232,25 @@ def test_a_dpo_run_counts_pairs_and_its_reference_setting(service: Service) -> N
         assert client.estimate(job).peak.allocated_bytes > 0
 
 
-def test_a_dpo_run_under_trls_default_bf16_is_estimated(service: Service) -> None:
+class KTOConfig(SimpleNamespace):
+    """TRL's KTOConfig as the derivation recognises it: by its class name."""
+
+
+@pytest.mark.parametrize("config", [DPOConfig, KTOConfig, RewardConfig])
+def test_a_preference_run_under_trls_default_bf16_is_estimated(
+    service: Service, config: type[SimpleNamespace]
+) -> None:
     # TRL's configs set bf16=True unless fp16 is asked for (trl/trainer/base_config.py)
     values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=True))
-    job = job_from_hf(PeftModel(QWEN_0_5B), DPOConfig(**values), model_id="Qwen/Qwen2.5-0.5B")
-    assert job.to_json()["autocast"] is True and job.to_json()["objective"] == "dpo"
+    job = job_from_hf(PeftModel(QWEN_0_5B), config(**values), model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json()["autocast"] is True
     plain = job_from_hf(
-        PeftModel(QWEN_0_5B), DPOConfig(**{**values, "bf16": False}), model_id="Qwen/Qwen2.5-0.5B"
+        PeftModel(QWEN_0_5B), config(**{**values, "bf16": False}), model_id="Qwen/Qwen2.5-0.5B"
     )
     with VramcastClient(service.url) as client:
         mixed, fp = client.estimate(job), client.estimate(plain)
     assert mixed.peak.allocated_bytes > 0
     assert mixed.peak.allocated_bytes != fp.peak.allocated_bytes
-
-
-class KTOConfig(SimpleNamespace):
-    """TRL's KTOConfig as the derivation recognises it: by its class name."""
 
 
 def test_a_kto_run_counts_examples_and_its_settings(service: Service) -> None:

@@ -228,8 +228,9 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
 @st.composite
 def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
     """Objectives 'dpo', 'reward', 'kto' and 'orpo': TRL's DPOTrainer, RewardTrainer,
-    KTOTrainer or ORPOTrainer on one GPU, HF + PEFT, without autocast; DPO's, KTO's and ORPO's
-    settings with their objective only (KTO's KL batch with two examples at least)."""
+    KTOTrainer or ORPOTrainer on one GPU, HF + PEFT, under bf16 autocast or without it (ORPO's
+    QLoRA without); DPO's, KTO's and ORPO's settings with their objective only (KTO's KL batch
+    with two examples at least)."""
     method = draw(st.sampled_from(DPO_METHODS))
     objective = draw(
         st.sampled_from((Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO))
@@ -245,6 +246,9 @@ def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
     )
     kto = draw(st.none() | kto_settings) if objective is Objective.KTO else None
     kl = objective is Objective.KTO and (kto is None or kto.calculate_kl)
+    dtype = draw(st.sampled_from(DType))
+    # ORPOTrainer's QLoRA under bf16 (peft_module_casting_to_bf16) is not modelled
+    orpo_qlora = objective is Objective.ORPO and method is Method.QLORA
     return TrainingSpec(
         method=method,
         objective=objective,
@@ -255,7 +259,9 @@ def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
         lora=draw(st.none() | loras) if method in LORA_METHODS else None,
         quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
-        dtype=draw(st.sampled_from(DType)),
+        dtype=dtype,
+        # bf16 mixed precision (TRL's default); fp16's gradient scaler is not modelled
+        autocast=dtype is not DType.FP16 and not orpo_qlora and draw(st.booleans()),
         gradient_checkpointing=draw(st.booleans()),
         allocator=draw(allocators),
     )

@@ -22,6 +22,7 @@ from service.core.spec import (
     objective_from,
 )
 from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.units import DType
 
 CATALOG = default_catalog()
 QWEN_05B = CATALOG.resolve("Qwen/Qwen2.5-0.5B").arch
@@ -43,7 +44,8 @@ def test_kto_is_a_modelled_objective() -> None:
     [
         ({"method": Method.IA3}, "method"),
         ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
-        ({"autocast": True}, "autocast"),
+        # fp16 mixed precision (GradScaler); bf16, TRL's default, is modelled
+        ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"framework": Framework.LITGPT}, "framework"),
         ({"num_labels": 2}, "num_labels"),
