@@ -29,8 +29,6 @@ from service.trace import preference
 from service.trace.preference import (
     CHECKPOINTING_KWARGS,
     IGNORE_INDEX,
-    backward,
-    optimizer_step,
 )
 
 # KTOConfig.beta, desirable_weight and undesirable_weight defaults
@@ -137,29 +135,24 @@ def run_kto_steps(
             ref_kl_logps=torch.zeros(rows) if precompute and kl else None,
             chosen=chosen,
         )
-        logged = torch.zeros(())
+
+    def micro_batch(step: int) -> torch.Tensor:
+        return _compute_loss(
+            model,
+            ref_model,
+            batch,
+            spec,
+            tracker=tracker,
+            step=step,
+            use_adapter=use_adapter,
+            no_checkpointing=lambda: disable_gradient_checkpointing(model, CHECKPOINTING_KWARGS),
+            rewrap_checkpoints=rewrap_checkpoints,
+        )
+
     try:
-        for step in range(1, steps + 1):
-            steering.step = step
-            for _ in range(spec.gradient_accumulation_steps):
-                tracker.begin_phase(step, Phase.FORWARD_END)
-                tracker.blas_handle = "forward"
-                loss = _compute_loss(
-                    model,
-                    ref_model,
-                    batch,
-                    spec,
-                    tracker=tracker,
-                    step=step,
-                    use_adapter=use_adapter,
-                    no_checkpointing=lambda: disable_gradient_checkpointing(
-                        model, CHECKPOINTING_KWARGS
-                    ),
-                    rewrap_checkpoints=rewrap_checkpoints,
-                )
-                logged = logged + backward(loss, tracker, step, steering, head)
-                del loss
-            optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
+        preference.trainer_steps(
+            tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients, head
+        )
     finally:
         for handle in handles:
             handle.remove()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 
 from service.core.result import Component, Phase
 from service.core.spec import TrainingSpec
-from service.trace.preference import _Launch, backward, optimizer_step
+from service.trace.preference import _Launch
 
 # ORPOConfig.beta default (trl/experimental/orpo/orpo_config.py); the value changes no memory.
 ORPO_BETA = 0.1
@@ -143,21 +143,13 @@ def _batch(spec: TrainingSpec) -> dict[str, torch.Tensor]:
     return batch
 
 
-def run_orpo_steps(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    tracker: Any,
-    steering: Any,
-    spec: TrainingSpec,
-    *,
-    steps: int,
-    keep_gradients: bool = False,
-) -> None:
-    """`steps` optimizer steps of ORPOTrainer: per micro-batch `compute_loss`
-    (`get_batch_loss_metrics` without its metrics), backward, then HF Trainer's clipping,
-    optimizer step and zero_grad as in service/trace/runner.py. The LM head's output carries
-    the steering's hook that opens the layers' backward."""
+def micro_batches(
+    model: torch.nn.Module, tracker: Any, spec: TrainingSpec
+) -> Callable[[int], torch.Tensor]:
+    """ORPOTrainer's `compute_loss` for one micro-batch (`get_batch_loss_metrics` without its
+    metrics), on the collator's batch made here, for service/trace/preference.py
+    `trainer_steps`. The LM head's output carries the steering's hook that opens the layers'
+    backward."""
     from trl.experimental.orpo import ORPOTrainer
 
     trainer = _Trainer()
@@ -169,25 +161,21 @@ def run_orpo_steps(
 
     with tracker.labelling(Component.INPUTS):
         batch = _batch(spec)
-        logged = torch.zeros(())
-    for step in range(1, steps + 1):
-        steering.step = step
-        for _ in range(spec.gradient_accumulation_steps):
-            tracker.begin_phase(step, Phase.FORWARD_END)
-            tracker.component = Component.ACTIVATIONS
-            tracker.blas_handle = "forward"
-            chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll = (
-                ORPOTrainer.concatenated_forward(trainer, forward, batch)  # type: ignore[arg-type]
-            )
-            losses, *_ = ORPOTrainer.odds_ratio_loss(
-                trainer,  # type: ignore[arg-type]
-                chosen_logps,
-                rejected_logps,
-            )
-            loss = nll - losses.mean()
-            tracker.mark(step, Phase.FORWARD_END)
-            # get_batch_loss_metrics returns: its logits views and metrics go
-            del chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll, losses, _
-            logged = logged + backward(loss, tracker, step, steering)
-            del loss
-        optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
+
+    def micro_batch(step: int) -> torch.Tensor:
+        # get_batch_loss_metrics: its logits views and metrics go when it returns
+        chosen_logps, rejected_logps, *_, nll = ORPOTrainer.concatenated_forward(
+            trainer,  # type: ignore[arg-type]
+            forward,
+            batch,
+        )
+        losses, *_ = ORPOTrainer.odds_ratio_loss(
+            trainer,  # type: ignore[arg-type]
+            chosen_logps,
+            rejected_logps,
+        )
+        loss: torch.Tensor = nll - losses.mean()
+        tracker.mark(step, Phase.FORWARD_END)
+        return loss
+
+    return micro_batch

@@ -226,35 +226,60 @@ def run_dpo_steps(
         ref_logps_in = (
             (torch.zeros(spec.batch_size), torch.zeros(spec.batch_size)) if precompute else None
         )
-        logged = torch.zeros(())
+
+    def micro_batch(step: int) -> torch.Tensor:
+        return _compute_loss(
+            model,
+            ref_model,
+            input_ids,
+            completion_mask,
+            ref_logps_in,
+            tracker=tracker,
+            step=step,
+            use_adapter=use_adapter,
+            no_checkpointing=lambda: disable_gradient_checkpointing(
+                unwrapped(model), CHECKPOINTING_KWARGS
+            ),
+            rewrap_checkpoints=rewrap_checkpoints,
+        )
+
     try:
-        for step in range(1, steps + 1):
-            steering.step = step
-            for _ in range(spec.gradient_accumulation_steps):
-                tracker.begin_phase(step, Phase.FORWARD_END)
-                tracker.component = Component.ACTIVATIONS
-                tracker.blas_handle = "forward"
-                loss = _compute_loss(
-                    model,
-                    ref_model,
-                    input_ids,
-                    completion_mask,
-                    ref_logps_in,
-                    tracker=tracker,
-                    step=step,
-                    use_adapter=use_adapter,
-                    no_checkpointing=lambda: disable_gradient_checkpointing(
-                        unwrapped(model), CHECKPOINTING_KWARGS
-                    ),
-                    rewrap_checkpoints=rewrap_checkpoints,
-                )
-                logged = logged + backward(loss, tracker, step, steering, head)
-                del loss
-            optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
+        trainer_steps(
+            tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients, head
+        )
     finally:
         for handle in handles:
             handle.remove()
     del attention_mask
+
+
+def trainer_steps(
+    tracker: Any,
+    steering: Any,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    spec: TrainingSpec,
+    micro_batch: Callable[[int], torch.Tensor],
+    steps: int,
+    keep_gradients: bool,
+    *steered: Any,
+) -> None:
+    """HF Trainer's loop as TRL's trainers run it: per micro-batch `micro_batch(step)` (the
+    trainer's compute_loss, which marks the forward's end), backward with the steering objects
+    told it runs, the detached loss added to the logged total; then clipping, the optimizer
+    step and zero_grad (`optimizer_step`)."""
+    with tracker.labelling(Component.INPUTS):
+        logged = torch.zeros(())  # Trainer's tr_loss
+    for step in range(1, steps + 1):
+        steering.step = step
+        for _ in range(spec.gradient_accumulation_steps):
+            tracker.begin_phase(step, Phase.FORWARD_END)
+            tracker.component = Component.ACTIVATIONS
+            tracker.blas_handle = "forward"
+            loss = micro_batch(step)
+            logged = logged + backward(loss, tracker, step, steering, *steered)
+            del loss
+        optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
 
 
 def backward(loss: torch.Tensor, tracker: Any, step: int, *steered: Any) -> torch.Tensor:

@@ -467,15 +467,9 @@ def trace(
                     keep_gradients=keep_gradients,
                 )
             elif orpo_step:
-                orpo.run_orpo_steps(
-                    model,
-                    optimizer,
-                    params,
-                    tracker,
-                    steering,
-                    spec,
-                    steps=STEPS,
-                    keep_gradients=keep_gradients,
+                micro_batch = orpo.micro_batches(model, tracker, spec)
+                preference.trainer_steps(
+                    tracker, steering, optimizer, params, spec, micro_batch, STEPS, keep_gradients
                 )
             elif rewarding:
                 reward.run_reward_steps(

@@ -9,11 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.schemas import JobSpec
-from service.catalog.models import default_catalog
-from service.core.estimator import estimate
 from service.core.spec import Method, Objective
 from service.core.spec_orpo import OrpoSpec
-from tests.api.conftest import SMALL_JOB
+from tests.api.conftest import SMALL_JOB, answered_as_the_core, refused_naming
 
 ORPO_JOB: dict[str, Any] = {**SMALL_JOB, "objective": "orpo"}
 
@@ -23,12 +21,7 @@ def test_orpo_settings_reach_the_core_and_the_answer(client: TestClient) -> None
     spec = JobSpec.model_validate(job).to_spec()
     assert spec.objective is Objective.ORPO and spec.method is Method.LORA
     assert spec.orpo == OrpoSpec(disable_dropout=False)
-    response = client.post("/v1/estimates", json=job)
-    assert response.status_code == 200, response.text
-    body = response.json()
-    expected = estimate(default_catalog().resolve("Qwen/Qwen2.5-0.5B").arch, spec)
-    assert body["peak"]["allocated_bytes"] == expected.allocated_bytes
-    text = str(body)
+    text = str(answered_as_the_core(client, job))
     assert "ORPOTrainer" in text and "4 sequences of 512 tokens" in text
     assert "reference_model" not in text
 
@@ -52,10 +45,7 @@ def test_orpo_settings_reach_the_core_and_the_answer(client: TestClient) -> None
 def test_what_orpo_does_not_model_is_422_naming_the_field(
     client: TestClient, job: dict[str, Any], field: str
 ) -> None:
-    response = client.post("/v1/estimates", json=job)
-    assert response.status_code == 422, response.text
-    locs = [e["loc"] for e in response.json()["errors"]]
-    assert any(field in loc for loc in locs), locs
+    refused_naming(client, job, field)
 
 
 def test_orpo_under_trls_default_bf16_is_answered(client: TestClient) -> None:
