@@ -325,6 +325,8 @@ def _orpo_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(qlora, 2, 512, **orpo)),
         (QWEN_05B, _spec(lora, 2, 512, ckpt=True, **mixed)),
         (QWEN_05B, _spec(full, 1, 512, **mixed)),
+        # an fp32 model under autocast: the LM head's half weight copy beside the logits
+        (QWEN_05B, _spec(lora, 1, 512, dtype=DType.FP32, **mixed)),
         # ORPOConfig.disable_dropout (default True) turns LoRA's dropout off; False keeps it
         (QWEN_05B, _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=dropout, **orpo)),
         (QWEN_05B, _spec(lora, 2, 512, lora=dropout, orpo=OrpoSpec(disable_dropout=False), **orpo)),

@@ -105,16 +105,20 @@ def orpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | Non
     kernel = KERNEL_SAVED * _blk(d.rows * (spec.seq_len - 1) * FP32_BYTES)
     # Gemma-2's final softcapping (tanh(logits / cap) * cap) keeps its tanh's output
     softcap = d.logits if arch.final_logit_softcapping is not None else 0
-    saved = d.logits + d.chosen + kernel + softcap
+    # autocast's half copy of a wider LM head weight, saved by its matmul until its backward
+    head, compute = head_dtypes(spec)
+    weight = _blk(arch.vocab_size * arch.hidden_size * compute) if compute != head else 0
+    saved = d.logits + d.chosen + kernel + softcap + weight
     forward_end = st.forward_end._replace(logits_loss=st.forward_end.logits_loss + saved)
     backward_start = st.backward_start._replace(
-        logits_loss=st.backward_start.logits_loss + ADDED_GRADIENTS * d.logits + softcap
+        logits_loss=st.backward_start.logits_loss + ADDED_GRADIENTS * d.logits + softcap + weight
     )
-    # the LM head's backward: the summed gradient of the logits beside every activation
+    # the LM head's backward: the logits' gradient in the head's output dtype (accelerate's
+    # fp32 conversion undone) beside every activation and the weight's half copy
     at_head = _Moment(
         gradients=st.backward_start.gradients,
         activations=st.backward_start.activations,
-        logits_loss=d.logits,
+        logits_loss=_blk(d.rows * spec.seq_len * arch.vocab_size * compute) + weight,
     )
     backward = max(st.backward, at_head, key=sum)
     rows = step_phases(st, forward_end, backward_start, backward, st.optimizer_step)
