@@ -87,8 +87,8 @@ UNMODELLED_OBJECTIVES = {
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD})
+# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*, *__kto__*__ddp-*).
+DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO})
 
 
 def objective_from(name: str) -> Objective:
