@@ -91,8 +91,8 @@ DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
 PREFERENCE_OBJECTIVES["orpo"] = "ORPOTrainer"
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD})
+# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*, *__kto__*__ddp-*).
+DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO})
 
 
 def objective_from(name: str) -> Objective:
@@ -426,8 +426,8 @@ class TrainingSpec:
     orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
 
     def _check_objective(self) -> None:
-        """TRL's DPOTrainer, KTOTrainer or RewardTrainer on one GPU, HF + PEFT full, LoRA or
-        QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
+        """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
+        or QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
         for own in ("dpo", "kto", "orpo"):  # each objective's settings, for it alone
             if self.objective.value != own and getattr(self, own) is not None:
                 raise InvalidSpecError(own, f"{own.upper()} settings need objective {own!r}")

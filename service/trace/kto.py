@@ -145,7 +145,9 @@ def run_kto_steps(
             tracker=tracker,
             step=step,
             use_adapter=use_adapter,
-            no_checkpointing=lambda: disable_gradient_checkpointing(model, CHECKPOINTING_KWARGS),
+            no_checkpointing=lambda: disable_gradient_checkpointing(
+                preference.unwrapped(model), CHECKPOINTING_KWARGS
+            ),
             rewrap_checkpoints=rewrap_checkpoints,
         )
 
@@ -230,7 +232,7 @@ def _compute_loss(
             stack.enter_context(torch.no_grad())
             stack.enter_context(no_checkpointing())
             if ref_model is None:
-                stack.enter_context(use_adapter(model, adapter_name=None))
+                stack.enter_context(use_adapter(preference.unwrapped(model), adapter_name=None))
                 forward = model
             else:
                 forward = ref_model

@@ -638,11 +638,12 @@ def parallel_matrix() -> list[Case]:
         ParallelSpec(strategy=Strategy.FSDP2, reshard_after_forward=False),
     ):
         add(QWEN_05B, base, setup, 4)
-    # TRL's DPO and reward steps under DDP: each rank the one-GPU step with DDP's buckets
-    # (and for full fine-tuning DPO's frozen reference copy, held whole on every rank).
+    # TRL's DPO, KTO and reward steps under DDP: each rank the one-GPU step with DDP's buckets
+    # (and for full fine-tuning the frozen reference copy, held whole on every rank).
     ddp = setups[0]
     dpo = {"objective": Objective.DPO}
     reward = {"objective": Objective.REWARD}
+    kto = {"objective": Objective.KTO}
     for model_id, spec, gpus in (
         (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
         (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
@@ -650,6 +651,9 @@ def parallel_matrix() -> list[Case]:
         (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
         (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
         (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
+        (QWEN_05B, _spec(lora, 2, 512, **kto), 2),
+        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto), 2),
+        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
     ):
         add(model_id, spec, ddp, gpus)
     # An encoder (BERT sequence classification) under DDP.

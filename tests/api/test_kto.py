@@ -58,7 +58,7 @@ def test_without_the_kl_batch_one_example_per_batch_is_taken(client: TestClient)
         ({**KTO_JOB, "kto": {"loss_type": "sigmoid"}}, "loss_type"),
         ({**KTO_JOB, "kto": {"precompute_ref_log_probs": "yes"}}, "precompute_ref_log_probs"),
         ({**KTO_JOB, "dpo": {}}, "dpo"),
-        ({**KTO_JOB, "parallel": {"gpus": 2, "strategy": "ddp"}}, "parallel"),
+        ({**KTO_JOB, "parallel": {"gpus": 2, "strategy": "fsdp"}}, "parallel"),
         ({**KTO_JOB, "autocast": True, "dtype": "fp16"}, "autocast"),
         ({**KTO_JOB, "model": "google-bert/bert-base-uncased", "method": "full"}, "objective"),
         ({**KTO_JOB, "model": "google/t5-v1_1-small", "method": "full"}, "objective"),

@@ -18,6 +18,7 @@ from service.core.spec import (
     Method,
     Objective,
     ParallelSpec,
+    Strategy,
     TrainingSpec,
     objective_from,
 )
@@ -43,7 +44,8 @@ def test_kto_is_a_modelled_objective() -> None:
     ("kwargs", "field"),
     [
         ({"method": Method.IA3}, "method"),
-        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
+        # DDP is modelled, the sharding strategies not
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.FSDP)}, "parallel.gpus"),
         # fp16 mixed precision (GradScaler); bf16, TRL's default, is modelled
         ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
