@@ -91,8 +91,8 @@ DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
 PREFERENCE_OBJECTIVES["orpo"] = "ORPOTrainer"
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*, *__kto__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO})
+# (reference traces tests/data/traces_parallel/*__{dpo,reward,kto,orpo}__*__ddp-*).
+DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO})
 
 
 def objective_from(name: str) -> Objective:

@@ -644,6 +644,7 @@ def parallel_matrix() -> list[Case]:
     dpo = {"objective": Objective.DPO}
     reward = {"objective": Objective.REWARD}
     kto = {"objective": Objective.KTO}
+    orpo = {"objective": Objective.ORPO}
     for model_id, spec, gpus in (
         (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
         (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
@@ -652,6 +653,9 @@ def parallel_matrix() -> list[Case]:
         (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
         (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
         (QWEN_05B, _spec(lora, 2, 512, **kto), 2),
+        (QWEN_05B, _spec(lora, 2, 512, **orpo), 2),
+        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **orpo), 2),
+        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
         (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto), 2),
         (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
     ):

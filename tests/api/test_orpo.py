@@ -32,7 +32,7 @@ def test_orpo_settings_reach_the_core_and_the_answer(client: TestClient) -> None
         ({**SMALL_JOB, "orpo": {}}, "orpo"),
         ({**ORPO_JOB, "orpo": {"disable_dropout": "maybe"}}, "disable_dropout"),
         ({**ORPO_JOB, "dpo": {}}, "dpo"),
-        ({**ORPO_JOB, "parallel": {"gpus": 2, "strategy": "ddp"}}, "parallel"),
+        ({**ORPO_JOB, "parallel": {"gpus": 2, "strategy": "fsdp"}}, "parallel"),
         ({**ORPO_JOB, "autocast": True, "dtype": "fp16"}, "autocast"),
         ({**ORPO_JOB, "method": "qlora", "autocast": True}, "autocast"),
         ({**ORPO_JOB, "model": "google-bert/bert-base-uncased", "method": "full"}, "objective"),

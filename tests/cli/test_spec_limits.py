@@ -64,8 +64,8 @@ def service() -> Iterator[TestClient]:
             {"objective": "orpo", "method": "qlora", "autocast": True},
         ),
         (
-            ["--objective", "orpo", "--gpus", "2", "--strategy", "ddp"],
-            {"objective": "orpo", "parallel": {"gpus": 2, "strategy": "ddp"}},
+            ["--objective", "orpo", "--gpus", "2", "--strategy", "fsdp"],
+            {"objective": "orpo", "parallel": {"gpus": 2, "strategy": "fsdp"}},
         ),
     ],
 )

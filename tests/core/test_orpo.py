@@ -19,6 +19,7 @@ from service.core.spec import (
     Objective,
     ParallelSpec,
     QuantSpec,
+    Strategy,
     TrainingSpec,
     objective_from,
 )
@@ -44,7 +45,8 @@ def test_orpo_is_a_modelled_objective() -> None:
     [
         ({"method": Method.IA3}, "method"),
         ({"framework": Framework.LITGPT}, "framework"),
-        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
+        # DDP is modelled, the sharding strategies not
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.ZERO3)}, "parallel.gpus"),
         ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"method": Method.QLORA, "autocast": True, "quantization": QuantSpec()}, "autocast"),
