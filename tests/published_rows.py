@@ -25,7 +25,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
@@ -42,6 +42,7 @@ PEFT_METHODS = (
     "lokr",
     "adalora",
     "oft",
+    "boft",
 )
 # LitGPT's adapters; "(4-bit base)" rows quantize the base (finetune/adapter*.py --quantize)
 ADAPTER_METHODS = ("llama-adapter", "llama-adapter-v2")
@@ -109,6 +110,7 @@ MODELLED_METHODS = (
     "lokr",
     "adalora",
     "oft",
+    "boft",
 )
 
 
@@ -124,6 +126,11 @@ def _targets(raw: str, model_type: str) -> tuple[str, ...] | str | None:
         return ("q_proj", "v_proj")
     head = text.split("+")[0].split("(")[0]
     return tuple(n.strip() for n in head.split(",") if n.strip())
+
+
+def _option(raw: str, name: str) -> str:
+    """An option the targets column spells out in parentheses: '... (name=value, ...)'."""
+    return raw.split(f"{name}=")[1].split(",")[0].split(")")[0].strip()
 
 
 def _modules_to_save(raw: str) -> tuple[str, ...]:
@@ -290,6 +297,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
             lokr = None
             adalora = None
             oft = None
+            boft = None
             if method is Method.VERA:
                 vera = VeraSpec(
                     r=int(raw["lora_r"] or 256),
@@ -315,6 +323,12 @@ def load() -> tuple[list[Row], list[Skipped]]:
                 oft = OftSpec(
                     r=int(raw["lora_r"]),
                     oft_block_size=0,
+                    target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
+                )
+            elif method is Method.BOFT:
+                boft = BoftSpec(
+                    boft_block_size=int(_option(raw["lora_targets"], "boft_block_size")),
+                    boft_n_butterfly_factor=int(_option(raw["lora_targets"], "n_butterfly_factor")),
                     target_modules=_targets(raw["lora_targets"], entry.arch.model_type),
                 )
             elif method in LORA_METHODS:
@@ -344,6 +358,7 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     lokr=lokr,
                     adalora=adalora,
                     oft=oft,
+                    boft=boft,
                     quantization=quant,
                     # PEFT's defaults, as the rows' target columns spell them out
                     ia3=IA3Spec() if method is Method.IA3 else None,

@@ -62,7 +62,7 @@ from service.core.spec import (
     TrainingSpec,
     objective_from,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
@@ -361,6 +361,25 @@ _OFT: dict[str, Check] = {
     "use_cayley_neumann": _boolean,
     "num_cayley_neumann_terms": _integer(ge=1, le=64),
 }
+
+
+def _boft_bias(value: Any, field: str) -> str:
+    """BOFTConfig.bias: 'none', 'all' or 'boft_only' (peft/tuners/boft/config.py)."""
+    if value not in ("none", "all", "boft_only"):
+        raise InvalidSpecError(field, "Input should be 'none', 'all' or 'boft_only'")
+    return str(value)
+
+
+# BOFT's options (service/core/spec_delta.py BoftSpec); block counts and sizes bounded as
+# LoRA's rank.
+_BOFT: dict[str, Check] = {
+    "boft_block_size": _integer(ge=0, le=MAX_LORA_R),
+    "boft_block_num": _integer(ge=0, le=MAX_LORA_R),
+    "boft_n_butterfly_factor": _integer(ge=1, le=16),
+    "boft_dropout": _number(ge=0.0, lt=1.0),
+    "bias": _boft_bias,
+    "target_modules": _target_modules,
+}
 _QUANTIZATION: dict[str, Check] = {
     "type": _choice(QuantType),
     "double_quant": _boolean,
@@ -475,4 +494,5 @@ _TRAINING: dict[str, Check] = {
     "orpo": _optional(_object(OrpoSpec, _ORPO)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
+    "boft": _optional(_object(BoftSpec, _BOFT)),
 }

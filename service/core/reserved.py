@@ -115,6 +115,8 @@ class ReservedPlan:
     adalora: bool = False
     # OFT's blocks on the adapted linears: by linear name, (block count, block size)
     oft: tuple[tuple[str, tuple[int, int]], ...] = ()
+    # BOFT's on the adapted linears: by linear name, (factors, block count, block size)
+    boft: tuple[tuple[str, tuple[int, int, int]], ...] = ()
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -392,6 +394,12 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
             blocks, size = dict(plan.oft)[lin.name]
             triangle = size * (size - 1) // 2
             layer += [blocks * triangle * FP32_BYTES] + [triangle * INT64_BYTES] * 2
+        elif lin.name in plan.adapted and plan.boft:
+            # the permutations' fp32 buffer boft_P, then boft_R and boft_s
+            factors, blocks, size = dict(plan.boft)[lin.name]
+            out = lin.out_features * lin.count
+            layer += [factors * lin.in_features**2 * FP32_BYTES]
+            layer += [factors * blocks * size * size * FP32_BYTES, out * FP32_BYTES]
         elif lin.name in plan.adapted and plan.loha:
             out = lin.out_features * lin.count
             layer += [out * plan.rank * FP32_BYTES, plan.rank * lin.in_features * FP32_BYTES] * 2

@@ -13,7 +13,16 @@ from enum import StrEnum
 
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import (
+    DELTA_DEFAULTS,
+    AdaLoraSpec,
+    BoftSpec,
+    DeltaSpec,
+    LohaSpec,
+    LokrSpec,
+    OftSpec,
+    VeraSpec,
+)
 from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
@@ -39,6 +48,8 @@ class Method(StrEnum):
     ADALORA = "adalora"
     # OFT: block-diagonal orthogonal rotations of each adapted linear's input (peft/tuners/oft).
     OFT = "oft"
+    # BOFT: OFT's butterfly generalisation, a dense rotation of the input (peft/tuners/boft).
+    BOFT = "boft"
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
     PROMPT_TUNING = "prompt-tuning"
@@ -235,6 +246,7 @@ DELTA_OPTIONS = {
     Method.LOKR: "lokr",
     Method.ADALORA: "adalora",
     Method.OFT: "oft",
+    Method.BOFT: "boft",
 }
 
 
@@ -419,6 +431,7 @@ class TrainingSpec:
     lokr: LokrSpec | None = None
     adalora: AdaLoraSpec | None = None
     oft: OftSpec | None = None
+    boft: BoftSpec | None = None
     # The training objective (TRL's trainer names) and DPO's settings, for objective "dpo".
     objective: Objective = Objective.SFT
     dpo: DpoSpec | None = None
@@ -657,24 +670,9 @@ class ResolvedSpec:
     lokr: LokrSpec | None = None
     adalora: AdaLoraSpec | None = None
     oft: OftSpec | None = None
+    boft: BoftSpec | None = None
     options_field: str = "lora"
 
-
-# The PEFT defaults a VeRA, LoHa or LoKr job without options takes, and the note saying so.
-_DELTA_DEFAULTS: dict[Method, type[VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec | OftSpec]] = {
-    Method.VERA: VeraSpec,
-    Method.LOHA: LohaSpec,
-    Method.LOKR: LokrSpec,
-    Method.ADALORA: AdaLoraSpec,
-    Method.OFT: OftSpec,
-}
-_DELTA_DEFAULT_NOTES = {
-    Method.VERA: "VeRA options not given: r=256, default target modules",
-    Method.LOHA: "LoHa options not given: r=8, alpha=8, default target modules",
-    Method.LOKR: "LoKr options not given: r=8, alpha=8, default target modules",
-    Method.ADALORA: "AdaLoRA options not given: init_r=12, target_r=8, default target modules",
-    Method.OFT: "OFT options not given: oft_block_size=32, default target modules",
-}
 
 # LitGPT finetune/lora.py: lora_dropout default 0.05.
 LITGPT_LORA_DROPOUT = 0.05
@@ -694,13 +692,14 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     quant = spec.quantization
     # VeRA, LoHa, LoKr and AdaLoRA: their options, and the linears they adapt and their rank
     # in LoRA's terms (`adapted_linears`)
-    delta: VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec | OftSpec | None = None
+    delta: DeltaSpec | None = None
     field_name = DELTA_OPTIONS.get(spec.method)
     if field_name is not None:
         given = getattr(spec, field_name)
-        delta = given or _DELTA_DEFAULTS[spec.method]()
+        default, note = DELTA_DEFAULTS[field_name]
+        delta = given or default()
         if given is None:
-            notes.append(_DELTA_DEFAULT_NOTES[spec.method])
+            notes.append(note)
         # (OFT's rank counts blocks; an OFT job's LoRA-shaped placement takes its targets alone)
         rank = max(delta.r, 1)
         lora = LoraSpec(r=rank, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
@@ -791,5 +790,6 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         lokr=delta if isinstance(delta, LokrSpec) else None,
         adalora=delta if isinstance(delta, AdaLoraSpec) else None,
         oft=delta if isinstance(delta, OftSpec) else None,
+        boft=delta if isinstance(delta, BoftSpec) else None,
         options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )

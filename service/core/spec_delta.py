@@ -246,3 +246,84 @@ class OftSpec:
             return r, in_features // r
         size = oft_blocks(in_features, self.oft_block_size)
         return in_features // size, size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoftSpec:
+    """PEFT BOFTConfig (peft/tuners/boft/config.py): per adapted linear `boft_n_butterfly_factor`
+    butterfly factors, each `boft_block_num` orthogonal blocks of `boft_block_size` (exactly one
+    of the two given, the other 0) trained as full square matrices turned orthogonal by the
+    Cayley transform, composed with fixed permutations into a dense in × in rotation of the
+    input (peft/tuners/boft/layer.py Linear.forward). A butterfly factor above 1 needs PEFT's
+    CUDA extension fbd_cuda (without it PEFT falls back to 1): the GPU path is modelled."""
+
+    boft_block_size: int = 4
+    boft_block_num: int = 0
+    boft_n_butterfly_factor: int = 1
+    boft_dropout: float = 0.0
+    bias: str = "none"
+    # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_BOFT_TARGET_MODULES_MAPPING,
+    # a copy of LoRA's: q_proj and v_proj for Llama-family models).
+    target_modules: tuple[str, ...] | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.boft_block_size < 0 or self.boft_block_num < 0:
+            raise InvalidSpecError("boft.boft_block_size", "block size and count must be >= 0")
+        if (self.boft_block_size == 0) == (self.boft_block_num == 0):
+            # peft/tuners/boft/config.py BOFTConfig.__post_init__
+            raise InvalidSpecError(
+                "boft.boft_block_size",
+                "give exactly one of boft_block_size and boft_block_num (the other 0)",
+            )
+        if self.boft_n_butterfly_factor < 1:
+            raise InvalidSpecError("boft.boft_n_butterfly_factor", "must be at least 1")
+        if not 0.0 <= self.boft_dropout < 1.0:
+            raise InvalidSpecError("boft.boft_dropout", "must be in [0, 1)")
+        if self.boft_dropout:
+            raise InvalidSpecError("boft.boft_dropout", "BOFT with dropout is not modelled yet")
+        if self.bias != "none":
+            raise InvalidSpecError("boft.bias", "only bias='none' is modelled")
+        check_targets("boft", self.target_modules)
+
+    @property
+    def r(self) -> int:
+        """The block count given (0: a block size is given), LoRA-shaped placement's rank."""
+        return self.boft_block_num
+
+    def blocks(self, in_features: int) -> tuple[int, int, int]:
+        """(factors, block count, block size) on a linear of `in_features` inputs, or a 422 for
+        a combination PEFT refuses (BOFTLayer.update_layer)."""
+        factors, field = self.boft_n_butterfly_factor, "boft.boft_block_size"
+        wanted = self.boft_block_size or self.boft_block_num
+        if in_features % wanted:
+            raise InvalidSpecError(field, f"in_features {in_features} is not divisible by {wanted}")
+        num = self.boft_block_num or in_features // self.boft_block_size
+        size = in_features // num
+        if factors > 1 and (num % 2 ** (factors - 1) or num % 2 or size % 2):
+            raise InvalidSpecError(
+                "boft.boft_n_butterfly_factor",
+                f"{num} blocks of {size} on in_features {in_features} take no "
+                f"{factors} butterfly factors (blocks and size even, blocks a multiple of "
+                f"2^{factors - 1})",
+            )
+        return factors, num, size
+
+
+# The options of any one PEFT method beside LoRA (service.core.spec DELTA_OPTIONS).
+DeltaSpec = VeraSpec | LohaSpec | LokrSpec | AdaLoraSpec | OftSpec | BoftSpec
+# The PEFT defaults a job of each without options takes, and the note saying so, by the
+# TrainingSpec field of its options.
+DELTA_DEFAULTS: dict[str, tuple[type[DeltaSpec], str]] = {
+    "vera": (VeraSpec, "VeRA options not given: r=256, default target modules"),
+    "loha": (LohaSpec, "LoHa options not given: r=8, alpha=8, default target modules"),
+    "lokr": (LokrSpec, "LoKr options not given: r=8, alpha=8, default target modules"),
+    "adalora": (
+        AdaLoraSpec,
+        "AdaLoRA options not given: init_r=12, target_r=8, default target modules",
+    ),
+    "oft": (OftSpec, "OFT options not given: oft_block_size=32, default target modules"),
+    "boft": (
+        BoftSpec,
+        "BOFT options not given: boft_block_size=4, one butterfly factor, default targets",
+    ),
+}

@@ -10,7 +10,7 @@ from service.core.spec import ALL_LINEAR, Method, ResolvedSpec
 # AdaLoraConfig requires total_step; a trace without one runs the RankAllocator's schedule of
 # PEFT's method-comparison runs (method_comparison/MetaMathQA/experiments/adalora: 5000).
 TRACED_TOTAL_STEP = 5000
-DELTA_METHODS = (Method.VERA, Method.LOHA, Method.LOKR, Method.ADALORA, Method.OFT)
+DELTA_METHODS = (Method.VERA, Method.LOHA, Method.LOKR, Method.ADALORA, Method.OFT, Method.BOFT)
 
 
 def _targets(target: tuple[str, ...] | str | None) -> Any:
@@ -19,7 +19,7 @@ def _targets(target: tuple[str, ...] | str | None) -> Any:
 
 def _config(resolved: ResolvedSpec) -> Any:
     """The method's PEFT config, from the resolved spec's options."""
-    from peft import AdaLoraConfig, LoHaConfig, LoKrConfig, OFTConfig, VeraConfig
+    from peft import AdaLoraConfig, BOFTConfig, LoHaConfig, LoKrConfig, OFTConfig, VeraConfig
 
     if resolved.spec.method is Method.VERA and resolved.vera is not None:
         vera = resolved.vera
@@ -86,6 +86,17 @@ def _config(resolved: ResolvedSpec) -> Any:
             num_cayley_neumann_terms=oft.num_cayley_neumann_terms,
             task_type="CAUSAL_LM",
         )
+    if resolved.spec.method is Method.BOFT and resolved.boft is not None:
+        boft = resolved.boft
+        return BOFTConfig(
+            boft_block_size=boft.boft_block_size,
+            boft_block_num=boft.boft_block_num,
+            boft_n_butterfly_factor=boft.boft_n_butterfly_factor,
+            boft_dropout=boft.boft_dropout,
+            bias=boft.bias,
+            target_modules=_targets(boft.target_modules),
+            task_type="CAUSAL_LM",
+        )
     raise ValueError(f"no PEFT config for method {resolved.spec.method.value!r}")
 
 
@@ -118,6 +129,43 @@ def _answer_module_dropout() -> None:
     lokr_layer.torch = _TorchDrawingAboveZero()  # type: ignore[attr-defined]
 
 
+class _FastBlockDiagKernel:
+    """PEFT's CUDA extension fbd_cuda (peft/tuners/boft/fbd/fbd_cuda_kernel.cu) as a GPU run
+    loads it, on fake tensors: forward allocates the zeroed (N, D·H, D·H) block-diagonal
+    output and writes the blocks in place; backward a zeroed gradient the input's shape,
+    filled from the output gradient's diagonal blocks. The CPU tracer cannot build it, and
+    without it PEFT falls back to one butterfly factor and torch.block_diag."""
+
+    @staticmethod
+    def _blocks(full: Any, d: int, h: int) -> Any:
+        import torch
+
+        n = full.shape[0]
+        return torch.diagonal(full.view(n, d, h, d, h), dim1=1, dim2=3)  # (N, H, H, D)
+
+    def forward(self, blocks: Any) -> list[Any]:
+        import torch
+
+        n, d, h, _ = blocks.shape
+        output = torch.zeros((n, d * h, d * h), dtype=blocks.dtype, device=blocks.device)
+        self._blocks(output, d, h).copy_(blocks.permute(0, 2, 3, 1))
+        return [output]
+
+    def backward(self, grad_output: Any, blocks: Any) -> list[Any]:
+        import torch
+
+        _, d, h, _ = blocks.shape
+        grad = torch.zeros_like(blocks)
+        grad.permute(0, 2, 3, 1).copy_(self._blocks(grad_output, d, h))
+        return [grad]
+
+
+def _load_fbd_kernel() -> None:
+    from peft.tuners.boft import layer as boft_layer
+
+    boft_layer._FBD_CUDA = _FastBlockDiagKernel()  # type: ignore[attr-defined]
+
+
 def apply_delta(model: Any, resolved: ResolvedSpec) -> Any:
     """get_peft_model with the method's config (PEFT's autocast_adapter_dtype=True, the
     default: adapters in fp32 beside a half-precision base); with checkpointing, HF's
@@ -127,6 +175,8 @@ def apply_delta(model: Any, resolved: ResolvedSpec) -> Any:
     spec = resolved.spec
     if spec.method in (Method.LOHA, Method.LOKR):
         _answer_module_dropout()
+    if spec.method is Method.BOFT:
+        _load_fbd_kernel()
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with warnings.catch_warnings():

@@ -7,7 +7,7 @@ buffers), on Qwen2.5-0.5B and Llama-3.2-1B."""
 from __future__ import annotations
 
 from service.core.spec import ALL_LINEAR, LoraSpec, Method, TrainingSpec
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 
 QWEN_05B = "Qwen/Qwen2.5-0.5B"
 LLAMA_1B = "meta-llama/Llama-3.2-1B"
@@ -90,4 +90,8 @@ def peft_delta_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _job(Method.OFT, 2, 512, oft=OftSpec(r=16, oft_block_size=0))),
         (QWEN_05B, _job(Method.OFT, 1, 512, ckpt=True, oft=OftSpec(target_modules=ALL_LINEAR))),
         (LLAMA_1B, _job(Method.OFT, 2, 512, oft=OftSpec(r=32, oft_block_size=0))),
+        (QWEN_05B, _job(Method.BOFT, 2, 512, boft=BoftSpec())),
+        (QWEN_05B, _job(Method.BOFT, 1, 512, ckpt=True, boft=BoftSpec(boft_n_butterfly_factor=2))),
+        (LLAMA_1B, _job(Method.BOFT, 2, 256, boft=BoftSpec(boft_block_size=8))),
+        (LLAMA_1B, _job(Method.BOFT, 1, 512, ckpt=True, boft=BoftSpec(boft_n_butterfly_factor=3))),
     ]

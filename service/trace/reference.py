@@ -208,7 +208,7 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append(kto_settings.loss_type.value.replace("_", "-"))
         if spec.objective is Objective.ORPO and not spec.orpo_settings.disable_dropout:
             parts.append("dropout-kept")
-    options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
+    options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft or spec.boft
     if options is not None:
         target = options.target_modules
         targets = (
@@ -221,6 +221,11 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("decompose-both")
         if spec.oft is not None and spec.oft.oft_block_size:
             parts.append(f"block{spec.oft.oft_block_size}")
+        if spec.boft is not None:
+            boft = spec.boft
+            blocks = f"block{boft.boft_block_size}" if boft.boft_block_size else ""
+            parts.append(blocks or f"num{boft.boft_block_num}")
+            parts.append(f"butterfly{boft.boft_n_butterfly_factor}")
         if spec.adalora is not None:
             parts.append(f"target{spec.adalora.target_r}-tinit{spec.adalora.tinit}")
     lora = spec.lora

@@ -35,7 +35,12 @@ ADALORA_JOB: dict[str, Any] = {
     "adalora": {"init_r": 64, "target_r": 32, "tinit": 200, "tfinal": 500, "total_step": 5000},
 }
 OFT_JOB: dict[str, Any] = {**SMALL_JOB, "method": "oft", "oft": {"r": 32, "oft_block_size": 0}}
-CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB, ADALORA_JOB, OFT_JOB]
+BOFT_JOB: dict[str, Any] = {
+    **SMALL_JOB,
+    "method": "boft",
+    "boft": {"boft_block_size": 8, "boft_n_butterfly_factor": 2},
+}
+CASES = [LORA_FA_JOB, VERA_JOB, LOHA_JOB, LOKR_JOB, ADALORA_JOB, OFT_JOB, BOFT_JOB]
 
 
 @pytest.mark.parametrize("job", CASES, ids=lambda job: job["method"])
@@ -96,6 +101,14 @@ def test_vera_trains_its_vectors(client: TestClient) -> None:
         ({**OFT_JOB, "oft": {"r": 4, "oft_block_size": 16}}, "oft.r"),
         ({**OFT_JOB, "oft": {"coft": True}}, "oft.coft"),
         ({**OFT_JOB, "adalora": {"init_r": 8}}, "adalora"),
+        ({**BOFT_JOB, "boft": {"boft_block_size": 4, "boft_block_num": 8}}, "boft.boft_block_size"),
+        ({**BOFT_JOB, "boft": {"boft_dropout": 0.1}}, "boft.boft_dropout"),
+        ({**BOFT_JOB, "boft": {"bias": "all"}}, "boft.bias"),
+        ({**BOFT_JOB, "boft": {"bias": "some"}}, "boft.bias"),
+        ({**BOFT_JOB, "boft": {"boft_block_size": 6}}, "boft.boft_block_size"),
+        ({**BOFT_JOB, "boft": {"boft_n_butterfly_factor": 0}}, "boft.boft_n_butterfly_factor"),
+        ({**BOFT_JOB, "boft": {"boft_n_butterfly_factor": 9}}, "boft.boft_n_butterfly_factor"),
+        ({**BOFT_JOB, "oft": {"r": 8, "oft_block_size": 0}}, "oft"),
     ],
 )
 def test_options_for_another_method_are_422(
@@ -119,3 +132,11 @@ def test_oft_trains_its_blocks(client: TestClient) -> None:
     # Qwen2.5-0.5B: 24 layers, PEFT's default q_proj and v_proj (896 inputs each); 32 blocks
     # of 28, each 28 * 27 / 2 trained entries
     assert body["params"]["trainable"] == 24 * 2 * 32 * (28 * 27 // 2)
+
+
+def test_boft_trains_its_blocks_and_scales(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=BOFT_JOB).json()
+    # Qwen2.5-0.5B: 24 layers, PEFT's default q_proj (896 -> 896) and v_proj (896 -> 128);
+    # per linear boft_R (2 factors x 112 blocks x 8 x 8) and boft_s (one per output)
+    per_layer = sum(2 * 112 * 8 * 8 + out for out in (896, 128))
+    assert body["params"]["trainable"] == 24 * per_layer

@@ -55,7 +55,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
@@ -160,6 +160,7 @@ veras = st.builds(
 )
 # The PEFT methods beside LoRA: PEFT's own step on one GPU, without autocast.
 DELTA_METHODS = (
+    Method.BOFT,
     Method.LORA_FA,
     Method.VERA,
     Method.LOHA,
@@ -204,6 +205,13 @@ ofts = st.builds(
     target_modules=st.none() | st.just(ALL_LINEAR),
 ) | st.builds(OftSpec, r=st.just(0), oft_block_size=st.integers(1, 256))
 
+bofts = st.builds(
+    BoftSpec,
+    boft_block_size=st.integers(1, 64),
+    boft_n_butterfly_factor=st.integers(1, 4),
+    target_modules=st.none() | st.just(ALL_LINEAR),
+) | st.builds(BoftSpec, boft_block_size=st.just(0), boft_block_num=st.integers(1, 256))
+
 
 @st.composite
 def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
@@ -218,6 +226,7 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
         lokr=draw(st.none() | lokrs) if method is Method.LOKR else None,
         adalora=draw(st.none() | adaloras) if method is Method.ADALORA else None,
         oft=draw(st.none() | ofts) if method is Method.OFT else None,
+        boft=draw(st.none() | bofts) if method is Method.BOFT else None,
         dtype=draw(st.sampled_from(DType)),
         optim=draw(st.sampled_from((Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED))),
         gradient_checkpointing=draw(st.booleans()),
@@ -393,7 +402,7 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
             {"method": "nope"},
             "method",
             "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', "
-            "'adalora', 'oft', 'ia3', 'ln-tuning', 'prompt-tuning', 'llama-adapter' or "
+            "'adalora', 'oft', 'boft', 'ia3', 'ln-tuning', 'prompt-tuning', 'llama-adapter' or "
             "'llama-adapter-v2'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),

@@ -76,6 +76,7 @@ def test_the_matrix_spans_the_axes_it_promises() -> None:
         "lokr",
         "adalora",
         "oft",
+        "boft",
     }
     assert {s.gradient_checkpointing for s in specs} == {True, False}
     assert {s.autocast for s in specs} == {True, False}

@@ -22,7 +22,7 @@ from service.core.estimator.adapter import (
     v2_linear_saves,
 )
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
-from service.core.estimator.oft import _oft_saves
+from service.core.estimator.oft import _boft_saves, _oft_saves
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
     FUSED_GATE_UP_RANK_FACTOR,
@@ -40,7 +40,7 @@ from service.core.spec import (
     ResolvedSpec,
     SdpaKernel,
 )
-from service.core.spec_delta import LokrSpec, OftSpec
+from service.core.spec_delta import BoftSpec, LokrSpec, OftSpec
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,
@@ -110,6 +110,7 @@ class LayerFlow:
     adalora: bool = False
     # OFT's options, on the adapted linears instead of LoRA (`_oft_saves`).
     oft: OftSpec | None = None
+    boft: BoftSpec | None = None  # BOFT's, likewise (`_boft_saves`)
     # LitGPT's LLaMA-Adapter: the prompt length when this layer attends to the adapter prompt
     # (0 below adapter_start_layer); v2: every linear's scale and bias (estimator/adapter.py).
     adapter_prompt: int = 0
@@ -196,6 +197,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         lokr=rs.lokr,
         adalora=spec.method is Method.ADALORA,
         oft=rs.oft,
+        boft=rs.boft,
         adapter_prompt=ADAPTER_PROMPT_LENGTH if is_adapter(rs) else 0,
         adapter_v2=v2,
     )
@@ -224,6 +226,9 @@ def _linear_saves(
         return
     if f.oft is not None:
         _oft_saves(led, f.oft, lin, x_key, x_bytes, input_grad)
+        return
+    if f.boft is not None:
+        _boft_saves(led, f.boft, lin, x_key, x_bytes, input_grad)
         return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
     lin_key = "qkv" if f.fused_qkv and lin.kind is LinearKind.ATTN_QKV else lin.name

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.core.architecture import Linear
 from service.core.estimator.ledger import _Kind, _Ledger
-from service.core.spec_delta import OftSpec
+from service.core.spec_delta import BoftSpec, OftSpec
 from service.core.units import FP32_BYTES
 
 # The Cayley–Neumann series' products each forward keeps for backward (peft/tuners/oft/
@@ -29,3 +29,27 @@ def _oft_saves(
         led.add(f"{lin.name}.oft_series{index}", square, _Kind.CONSTANT)
     if input_grad:
         led.add(f"{lin.name}.oft_rotation", square, _Kind.CONSTANT)
+
+
+def _boft_saves(
+    led: _Ledger, boft: BoftSpec, lin: Linear, x_key: str, x_bytes: int, input_grad: bool
+) -> None:
+    """PEFT's BOFT linear (peft/tuners/boft/layer.py Linear.forward, fbd_cuda's block
+    diagonal): the permutations' half copy boft_P.to(x) both bmms keep; with several factors
+    the bmms' product (its slices the chained matmuls keep) and each partial product but the
+    last; the identity the rotation's matmul with torch.eye keeps; the input (for the
+    rotation's gradient) and, when it takes a gradient, the rotation; the base linear's
+    output, which the multiplication by boft_s keeps. The Cayley transform's and the block
+    diagonal's tensors are block-sized (blocks · size² fp32 each): not counted."""
+    factors, _, _ = boft.blocks(lin.in_features)
+    square = lin.in_features * lin.in_features * x_bytes
+    led.add(f"{lin.name}.boft_perms", factors * square, _Kind.CONSTANT)
+    if factors > 1:
+        led.add(f"{lin.name}.boft_factors", factors * square, _Kind.CONSTANT)
+        for index in range(factors - 2):
+            led.add(f"{lin.name}.boft_partial{index}", square, _Kind.CONSTANT)
+    led.add(f"{lin.name}.boft_eye", square, _Kind.CONSTANT)
+    led.add(x_key, lin.in_features * x_bytes)
+    if input_grad:
+        led.add(f"{lin.name}.boft_rotation", square, _Kind.CONSTANT)
+    led.add(f"{lin.name}.boft_base_out", lin.out_features * lin.count * x_bytes)

@@ -59,7 +59,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
@@ -142,6 +142,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         rs.lokr,
         is_v2(rs),
         rs.oft,
+        rs.boft,
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
@@ -350,6 +351,10 @@ def _model_order(
         elif lin in adapted and f.oft is not None:
             blocks, size = f.oft.blocks(lin.in_features)
             layer.append(tensor(blocks * size * (size - 1) // 2, FP32_BYTES))
+        elif lin in adapted and f.boft is not None:
+            factors, blocks, size = f.boft.blocks(lin.in_features)
+            layer.append(tensor(factors * blocks * size * size, FP32_BYTES))  # boft_R
+            layer.append(tensor(lin.out_features * lin.count, FP32_BYTES))  # boft_s
         elif lin in adapted and f.vera:
             layer.append(tensor(lin.out_features * lin.count, FP32_BYTES))  # vera_lambda_b
             layer.append(tensor(f.r, FP32_BYTES))  # vera_lambda_d
@@ -456,6 +461,9 @@ def _reserved_plan(
         oft=tuple((lin.name, f.oft.blocks(lin.in_features)) for lin in adapted_linears(arch, rs))
         if f.oft is not None
         else (),
+        boft=tuple((lin.name, f.boft.blocks(lin.in_features)) for lin in adapted_linears(arch, rs))
+        if f.boft is not None
+        else (),
         vera_projections=vera_projection_sizes(adapted_linears(arch, rs), lora.r)
         if f.vera and lora is not None
         else (),
@@ -493,6 +501,7 @@ class _PlanKey(NamedTuple):
     lokr: LokrSpec | None = None
     adalora: AdaLoraSpec | None = None
     oft: OftSpec | None = None
+    boft: BoftSpec | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -521,6 +530,7 @@ class _PlanKey(NamedTuple):
             spec.lokr,
             spec.adalora,
             spec.oft,
+            spec.boft,
         )
 
     def unit_spec(self) -> TrainingSpec:

@@ -146,6 +146,13 @@ def tuner_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, in
         for lin in adapted_linears(arch, rs):
             blocks, size = rs.oft.blocks(lin.in_features)
             tensors.append((blocks, size * (size - 1) // 2, FP32_BYTES, L))
+    if rs.boft is not None:
+        # BOFTLayer.update_layer: boft_R (factors, blocks, size, size) and boft_s (out, 1), fp32
+        # (torch.zeros / torch.ones, kept by autocast_adapter_dtype)
+        for lin in adapted_linears(arch, rs):
+            factors, blocks, size = rs.boft.blocks(lin.in_features)
+            tensors.append((factors * blocks * size, size, FP32_BYTES, L))
+            tensors.append((lin.out_features * lin.count, 0, FP32_BYTES, L))
     if rs.prompt_tuning is not None:
         # PromptEmbedding.embedding: (num_virtual_tokens, token_dim), token_dim = hidden_size
         tensors.append((rs.prompt_tuning.num_virtual_tokens, arch.hidden_size, ad, 1))

@@ -18,7 +18,7 @@ from service.core.spec import (
     QuantType,
     ResolvedSpec,
 )
-from service.core.spec_delta import LokrSpec, OftSpec
+from service.core.spec_delta import BoftSpec, LokrSpec, OftSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, INT64_BYTES, UINT8_BYTES, DType
 
 # bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
@@ -224,6 +224,7 @@ def _params(
     lokr: LokrSpec | None = None,
     norms_train: bool = False,
     oft: OftSpec | None = None,
+    boft: BoftSpec | None = None,
 ) -> _Params:
     """Weights by role. Every decoder layer is alike, so one is counted and multiplied.
     Cached: it depends on the model and method, not on batch or sequence length.
@@ -323,6 +324,16 @@ def _params(
             frozen += 2 * indices.nbytes
             layers_bytes += 2 * indices.nbytes
         frozen += OFT_MODEL_CONSTANTS
+    elif boft is not None:
+        # BOFT's blocks and scales are `tuner` tensors (`tuners.tuner_tensors`); each adapted
+        # linear registers its butterfly permutations as a dense fp32 buffer (peft/tuners/boft/
+        # layer.py BOFTLayer.update_layer: boft_P, (factors, in, in), torch.empty)
+        for lin in adapted:
+            factors, _, _ = boft.blocks(lin.in_features)
+            perms = _Tensor(factors * lin.in_features, lin.in_features, FP32_BYTES, L)
+            frozen += perms.nbytes
+            layers_bytes += perms.nbytes
+        frozen += OFT_MODEL_CONSTANTS  # (the same two in the traces *__boft__*)
     elif lora is not None and method is Method.LOHA:
         for lin in adapted:
             for tensor in loha_tensors(lin, lora.r):
