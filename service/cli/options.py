@@ -281,7 +281,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             getattr(args, n) is not None
             for n in ("lora_alpha", "lora_dropout", "adapter_dtype", "use_dora", "use_rslora")
         ) or bool(args.modules_to_save)
-    elif method in (Method.ADALORA, Method.OFT):
+    elif method in (Method.ADALORA, Method.OFT, Method.BOFT):
         # AdaLoRA takes the rank (its init_r), alpha and the targets; OFT the rank (its block
         # count) and the targets
         lora_given = any(
@@ -339,6 +339,10 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         # --r is OFT's block count, given instead of its block size
         blocks = None if args.r is None else {"r": args.r, "oft_block_size": 0}
         data["oft"] = _given({**(blocks or {}), "target_modules": _names(args.target_modules)})
+    if method is Method.BOFT:
+        # --r is BOFT's block count, given instead of its block size
+        blocks = None if args.r is None else {"boft_block_num": args.r, "boft_block_size": 0}
+        data["boft"] = _given({**(blocks or {}), "target_modules": _names(args.target_modules)})
     if method is Method.ADALORA:
         # --r is AdaLoRA's initial rank; its target (a masking budget, no memory) is kept at
         # most that

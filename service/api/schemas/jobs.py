@@ -23,6 +23,7 @@ from service.api.schemas.kto import KtoIn
 from service.api.schemas.orpo import OrpoIn
 from service.api.schemas.peft_methods import (
     AdaLoraIn,
+    BoftIn,
     IA3In,
     LnTuningIn,
     LohaIn,
@@ -570,7 +571,7 @@ class JobSpec(In):
         default=Method.LORA,
         description=(
             "full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
-            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr, adalora or oft, or LitGPT's "
+            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr, adalora, oft or boft, or LitGPT's "
             "llama-adapter or llama-adapter-v2 (framework 'litgpt' only)."
         ),
     )
@@ -632,6 +633,9 @@ class JobSpec(In):
     )
     oft: OftIn | None = Field(
         default=None, description="OFT options (oft only); null: PEFT's defaults."
+    )
+    boft: BoftIn | None = Field(
+        default=None, description="BOFT options (boft only); null: PEFT's defaults."
     )
     dtype: DType = Field(default=DType.BF16, description="torch_dtype the base is loaded in.")
     autocast: Boolean = Field(default=False, description="TrainingArguments bf16/fp16 autocast.")
@@ -721,6 +725,7 @@ class JobSpec(In):
             lokr=None if self.lokr is None else self.lokr.to_spec(),
             adalora=None if self.adalora is None else self.adalora.to_spec(),
             oft=None if self.oft is None else self.oft.to_spec(),
+            boft=None if self.boft is None else self.boft.to_spec(),
             dtype=self.dtype,
             autocast=self.autocast,
             optim=self.optim,

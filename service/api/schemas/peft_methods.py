@@ -19,7 +19,7 @@ from service.core.limits import (
     MODULE_NAME_PATTERN,
 )
 from service.core.spec import ALL_LINEAR
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 
 ModuleName = Annotated[
@@ -287,4 +287,44 @@ class OftIn(In):
             block_share=self.block_share,
             use_cayley_neumann=self.use_cayley_neumann,
             num_cayley_neumann_terms=self.num_cayley_neumann_terms,
+        )
+
+
+class BoftIn(In):
+    """PEFT BOFTConfig; the defaults are PEFT's (exactly one of boft_block_size and
+    boft_block_num non-zero). A butterfly factor above 1 is PEFT's fbd_cuda path."""
+
+    integer_fields = integers("boft_block_size", "boft_block_num", "boft_n_butterfly_factor")
+
+    boft_block_size: int = Field(default=4, ge=0, le=MAX_LORA_R, description="Block size.")
+    boft_block_num: int = Field(
+        default=0, ge=0, le=MAX_LORA_R, description="Blocks per adapted linear."
+    )
+    boft_n_butterfly_factor: int = Field(
+        default=1, ge=1, le=16, description="Butterfly factors (1: OFT's blocks)."
+    )
+    boft_dropout: Number = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Multiplicative dropout (0 only)."
+    )
+    bias: Literal["none", "all", "boft_only"] = Field(
+        default="none", description="Trained biases ('none' only)."
+    )
+    target_modules: Literal["all-linear"] | ModuleList | None = Field(
+        default=None,
+        description="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+    )
+
+    def to_spec(self) -> BoftSpec:
+        targets: tuple[str, ...] | str | None
+        if self.target_modules is None or self.target_modules == ALL_LINEAR:
+            targets = self.target_modules
+        else:
+            targets = tuple(self.target_modules)
+        return BoftSpec(
+            boft_block_size=self.boft_block_size,
+            boft_block_num=self.boft_block_num,
+            boft_n_butterfly_factor=self.boft_n_butterfly_factor,
+            boft_dropout=self.boft_dropout,
+            bias=self.bias,
+            target_modules=targets,
         )

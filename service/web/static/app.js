@@ -314,6 +314,13 @@
     } else if (s.method === "oft") {
       // OFTConfig: the rank is its block count, given instead of a block size
       job.oft = { r: s.lora_r, oft_block_size: 0, target_modules: modulesFrom(s.target_modules) };
+    } else if (s.method === "boft") {
+      // BOFTConfig: the rank is its block count, given instead of a block size
+      job.boft = {
+        boft_block_num: s.lora_r,
+        boft_block_size: 0,
+        target_modules: modulesFrom(s.target_modules),
+      };
     } else if (s.method === "ia3") {
       job.ia3 = { target_modules: modulesFrom(s.target_modules) };
     } else if (s.method === "ln-tuning") {

@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vramcast_client.errors import Problem
 
-MethodName = Literal["full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr", "adalora", "oft"]
+MethodName = Literal[
+    "full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr", "adalora", "oft", "boft"
+]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 OptimName = Literal[
     "adamw_torch",
@@ -134,6 +136,17 @@ class AdaLora(_Request):
     total_step: int | None = Field(default=None, ge=1)
 
 
+class Boft(_Request):
+    """PEFT BOFTConfig (method boft); None: PEFT's default."""
+
+    boft_block_size: int | None = Field(default=None, ge=0)
+    boft_block_num: int | None = Field(default=None, ge=0)
+    boft_n_butterfly_factor: int | None = Field(default=None, ge=1)
+    boft_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    bias: Literal["none", "all", "boft_only"] | None = None
+    target_modules: Literal["all-linear"] | list[str] | None = None
+
+
 class Oft(_Request):
     """PEFT OFTConfig (method oft); None: PEFT's default."""
 
@@ -236,6 +249,7 @@ class Job(_Request):
     lokr: Lokr | None = None
     adalora: AdaLora | None = None
     oft: Oft | None = None
+    boft: Boft | None = None
     dtype: DTypeName | None = None
     autocast: bool | None = None
     optim: OptimName | None = None
