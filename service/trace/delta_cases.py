@@ -6,11 +6,12 @@ buffers), on Qwen2.5-0.5B and Llama-3.2-1B."""
 
 from __future__ import annotations
 
-from service.core.spec import ALL_LINEAR, LoraSpec, Method, TrainingSpec
+from service.core.spec import ALL_LINEAR, AttnImpl, LoraSpec, Method, TrainingSpec
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 
 QWEN_05B = "Qwen/Qwen2.5-0.5B"
 LLAMA_1B = "meta-llama/Llama-3.2-1B"
+GEMMA_2B = "google/gemma-2-2b"
 QUERY_VALUE = ("q_proj", "v_proj")
 # AdaLoRA's schedule in PEFT's method-comparison runs (method_comparison/MetaMathQA/
 # experiments/adalora/llama-3.2-3B-rank32/adapter_config.json): both traced steps in its warm-up.
@@ -94,4 +95,25 @@ def peft_delta_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _job(Method.BOFT, 1, 512, ckpt=True, boft=BoftSpec(boft_n_butterfly_factor=2))),
         (LLAMA_1B, _job(Method.BOFT, 2, 256, boft=BoftSpec(boft_block_size=8))),
         (LLAMA_1B, _job(Method.BOFT, 1, 512, ckpt=True, boft=BoftSpec(boft_n_butterfly_factor=3))),
+        (
+            GEMMA_2B,
+            _job(
+                Method.BOFT,
+                1,
+                256,
+                attn_implementation=AttnImpl.EAGER,
+                boft=BoftSpec(boft_n_butterfly_factor=2),
+            ),
+        ),
+        (
+            GEMMA_2B,
+            _job(
+                Method.BOFT,
+                1,
+                512,
+                ckpt=True,
+                attn_implementation=AttnImpl.EAGER,
+                boft=BoftSpec(boft_block_size=8),
+            ),
+        ),
     ]
