@@ -64,6 +64,7 @@ from service.core.spec import (
 )
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -90,6 +91,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         *DELTA_OPTIONS.values(),
         "dpo",
         "kto",
+        "orpo",
     ):
         if plain.get(name) is None:
             plain.pop(name, None)
@@ -437,6 +439,7 @@ _KTO: dict[str, Check] = {
     "precompute_ref_log_probs": _boolean,
     "loss_type": _choice(KtoLossType),
 }
+_ORPO: dict[str, Check] = {"disable_dropout": _boolean}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -469,6 +472,7 @@ _TRAINING: dict[str, Check] = {
     "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
     "kto": _optional(_object(KtoSpec, _KTO)),
+    "orpo": _optional(_object(OrpoSpec, _ORPO)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
 }

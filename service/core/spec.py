@@ -16,6 +16,7 @@ from service.core.errors import InvalidSpecError
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
 from service.core.spec_kto import KtoSpec
+from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -70,6 +71,9 @@ class Objective(StrEnum):
     # Kahneman-Tversky optimization: unpaired completions with a KL batch and a reference
     # (trl/trainer/kto_trainer.py, TRL 1.16.0)
     KTO = "kto"
+    # odds-ratio preference optimization: NLL on chosen plus an odds-ratio term, no reference
+    # (trl/experimental/orpo/orpo_trainer.py, TRL 1.16.0)
+    ORPO = "orpo"
 
 
 # TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
@@ -77,7 +81,6 @@ class Objective(StrEnum):
 UNMODELLED_OBJECTIVES = {
     "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
-    "orpo": "ORPOTrainer",
     "cpo": "CPOTrainer",
     "online_dpo": "OnlineDPOTrainer",
     "distillation": "DistillationTrainer",
@@ -86,9 +89,10 @@ UNMODELLED_OBJECTIVES = {
 # HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
+PREFERENCE_OBJECTIVES["orpo"] = "ORPOTrainer"
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*, *__kto__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO})
+# (reference traces tests/data/traces_parallel/*__{dpo,reward,kto,orpo}__*__ddp-*).
+DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO})
 
 
 def objective_from(name: str) -> Objective:
@@ -419,14 +423,14 @@ class TrainingSpec:
     objective: Objective = Objective.SFT
     dpo: DpoSpec | None = None
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
+    orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
 
     def _check_objective(self) -> None:
-        """TRL's DPOTrainer, KTOTrainer or RewardTrainer on one GPU, HF + PEFT full, LoRA or
-        QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
-        if self.objective is not Objective.DPO and self.dpo is not None:
-            raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
-        if self.objective is not Objective.KTO and self.kto is not None:
-            raise InvalidSpecError("kto", "KTO settings need objective 'kto'")
+        """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
+        or QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
+        for own in ("dpo", "kto", "orpo"):  # each objective's settings, for it alone
+            if self.objective.value != own and getattr(self, own) is not None:
+                raise InvalidSpecError(own, f"{own.upper()} settings need objective {own!r}")
         if self.objective is Objective.SFT:
             return
         name = self.objective.value
@@ -450,14 +454,14 @@ class TrainingSpec:
                 else "on one GPU (no parallel strategy)"
             )
             raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
+        if refusal := orpo_refusal(self.objective.value, self.method.value, self.autocast):
+            raise refusal
         if self.autocast and self.dtype is DType.FP16:
             why = "under bf16 mixed precision (TRL's default), not fp16 with its gradient scaler"
             raise InvalidSpecError("autocast", f"objective {name!r} is modelled {why}")
         if self.loss is not None:
-            how = (
-                "scores tokens with TRL's fused LM head"
-                if self.objective in (Objective.DPO, Objective.KTO)
-                else "scores each sequence with a one-output head (no LM head)"
+            how = {"reward": "scores each sequence with a one-output head (no LM head)"}.get(
+                name, "scores tokens with TRL's own LM-head loss"
             )
             raise InvalidSpecError("loss", f"objective {name!r} {how}, not a loss choice")
         if self.num_labels is not None:
@@ -568,6 +572,11 @@ class TrainingSpec:
     def kto_settings(self) -> KtoSpec:
         """KTO's settings, KTOConfig's defaults where none are given."""
         return self.kto or KtoSpec()
+
+    @property
+    def orpo_settings(self) -> OrpoSpec:
+        """ORPO's settings, ORPOConfig's defaults where none are given."""
+        return self.orpo or OrpoSpec()
 
     @property
     def dpo_settings(self) -> DpoSpec:

@@ -60,6 +60,7 @@ from service.trace.families import (
     _kto_cases,
     _lora,
     _mixed_precision_objective_cases,
+    _orpo_cases,
     _qlora,
     _reward_cases,
     _spec,
@@ -205,6 +206,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("precomputed-ref")
         if spec.objective is Objective.KTO and not kto_settings.calculate_kl:
             parts.append(kto_settings.loss_type.value.replace("_", "-"))
+        if spec.objective is Objective.ORPO and not spec.orpo_settings.disable_dropout:
+            parts.append("dropout-kept")
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
@@ -566,6 +569,7 @@ def matrix() -> list[Case]:
     cases.extend(_reward_cases())
     cases.extend(_mixed_precision_objective_cases())
     cases.extend(_kto_cases())
+    cases.extend(_orpo_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
@@ -645,6 +649,7 @@ def parallel_matrix() -> list[Case]:
     dpo = {"objective": Objective.DPO}
     reward = {"objective": Objective.REWARD}
     kto = {"objective": Objective.KTO}
+    orpo = {"objective": Objective.ORPO}
     for model_id, spec, gpus in (
         (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
         (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
@@ -653,6 +658,9 @@ def parallel_matrix() -> list[Case]:
         (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
         (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
         (QWEN_05B, _spec(lora, 2, 512, **kto), 2),
+        (QWEN_05B, _spec(lora, 2, 512, **orpo), 2),
+        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **orpo), 2),
+        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
         (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto), 2),
         (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
     ):

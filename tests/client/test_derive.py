@@ -17,6 +17,7 @@ from vramcast_client.derive import (
     job_from_hf,
     name_or_path,
 )
+from vramcast_client.errors import InvalidRequestError
 
 
 class Config:
@@ -265,3 +266,27 @@ def test_a_kto_run_counts_examples_and_its_settings(service: Service) -> None:
     assert job_from_hf(PeftModel(QWEN_0_5B), unsized, shapes=shapes).batch_size == 8
     with VramcastClient(service.url) as client:
         assert client.estimate(job).peak.allocated_bytes > 0
+
+
+class ORPOConfig(SimpleNamespace):
+    """TRL's ORPOConfig as the derivation recognises it: by its class name."""
+
+
+def test_an_orpo_run_counts_pairs_and_its_settings(service: Service) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=True))
+    args = ORPOConfig(**{**values, "disable_dropout": False})
+    job = job_from_hf(PeftModel(QWEN_0_5B), args, model_id="Qwen/Qwen2.5-0.5B")
+    data = job.to_json()
+    assert data["objective"] == "orpo" and "dpo" not in data and "kto" not in data
+    assert data["orpo"] == {"disable_dropout": False}
+    assert data["autocast"] is True  # ORPOConfig's bf16=True: accelerate's autocast
+    shapes = InputShapes()
+    shapes.max_batch_size, shapes.max_seq_len = 8, 1024
+    unsized = ORPOConfig(**{**values, "per_device_train_batch_size": None})
+    assert job_from_hf(PeftModel(QWEN_0_5B), unsized, shapes=shapes).batch_size == 4  # pairs
+    with VramcastClient(service.url) as client:
+        # this model is 4-bit: QLoRA under bf16 is refused, naming autocast
+        with pytest.raises(InvalidRequestError, match="autocast"):
+            client.estimate(job)
+        plain = job.model_copy(update={"autocast": False})
+        assert client.estimate(plain).peak.allocated_bytes > 0

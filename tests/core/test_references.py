@@ -246,8 +246,8 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
 
 
 # Each objective's references with at least this many of them committed (`-k dpo`, `-k kto`,
-# `-k reward`).
-OBJECTIVE_REFERENCES = {"dpo": 21, "kto": 24, "reward": 11}
+# `-k orpo`, `-k reward`).
+OBJECTIVE_REFERENCES = {"dpo": 21, "kto": 24, "orpo": 18, "reward": 11}
 
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_REFERENCES))

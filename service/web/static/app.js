@@ -249,6 +249,7 @@
     $("prompt-options").hidden = s.method !== "prompt-tuning";
     $("dpo-options").hidden = s.objective !== "dpo";
     $("reward-hint").hidden = s.objective !== "reward";
+    $("orpo-hint").hidden = s.objective !== "orpo";
     $("quant-options").hidden = s.method !== "qlora";
     $("placement-strategies").hidden = !placing(s);
   }
