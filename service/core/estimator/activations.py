@@ -22,7 +22,7 @@ from service.core.estimator.adapter import (
     v2_linear_saves,
 )
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
-from service.core.estimator.oft import _boft_saves, _oft_saves
+from service.core.estimator.oft import rotation_saves
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
     FUSED_GATE_UP_RANK_FACTOR,
@@ -224,11 +224,7 @@ def _linear_saves(
     if f.lokr is not None:
         _lokr_saves(led, f, f.lokr, lin, x_key, x_bytes, input_grad)
         return
-    if f.oft is not None:
-        _oft_saves(led, f.oft, lin, x_key, x_bytes, input_grad)
-        return
-    if f.boft is not None:
-        _boft_saves(led, f.boft, lin, x_key, x_bytes, input_grad)
+    if rotation_saves(led, f.oft, f.boft, lin, x_key, x_bytes, input_grad):
         return
     # A fused q/k/v projection has one adapter input (cast or dropout) shared by q, k and v.
     lin_key = "qkv" if f.fused_qkv and lin.kind is LinearKind.ATTN_QKV else lin.name

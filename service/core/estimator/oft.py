@@ -53,3 +53,20 @@ def _boft_saves(
     if input_grad:
         led.add(f"{lin.name}.boft_rotation", square, _Kind.CONSTANT)
     led.add(f"{lin.name}.boft_base_out", lin.out_features * lin.count * x_bytes)
+
+
+def rotation_saves(
+    led: _Ledger,
+    oft: OftSpec | None,
+    boft: BoftSpec | None,
+    lin: Linear,
+    x_key: str,
+    x_bytes: int,
+    input_grad: bool,
+) -> bool:
+    """OFT's or BOFT's saves on an adapted linear; False when the job runs neither."""
+    if oft is not None:
+        _oft_saves(led, oft, lin, x_key, x_bytes, input_grad)
+    elif boft is not None:
+        _boft_saves(led, boft, lin, x_key, x_bytes, input_grad)
+    return oft is not None or boft is not None
