@@ -15,6 +15,7 @@ from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
+from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
@@ -59,8 +60,7 @@ ADAPTER_METHODS = (Method.LLAMA_ADAPTER, Method.LLAMA_ADAPTER_V2)
 
 
 class Objective(StrEnum):
-    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer,
-    RewardTrainer)."""
+    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer, ...)."""
 
     SFT = "sft"  # the causal-LM loss of HF Trainer (SFTTrainer's)
     DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
@@ -70,12 +70,12 @@ class Objective(StrEnum):
     # Kahneman-Tversky optimization: unpaired completions with a KL batch and a reference
     # (trl/trainer/kto_trainer.py, TRL 1.16.0)
     KTO = "kto"
+    GRPO = "grpo"  # generated completions, scored (trl/trainer/grpo_trainer.py, TRL 1.16.0)
 
 
 # TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
 # rather than as unknown words.
 UNMODELLED_OBJECTIVES = {
-    "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
     "orpo": "ORPOTrainer",
     "cpo": "CPOTrainer",
@@ -86,6 +86,7 @@ UNMODELLED_OBJECTIVES = {
 # HF + PEFT full, LoRA and QLoRA on one GPU.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
+PREFERENCE_OBJECTIVES["grpo"] = "GRPOTrainer"
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
 # (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*).
 DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD})
@@ -419,14 +420,16 @@ class TrainingSpec:
     objective: Objective = Objective.SFT
     dpo: DpoSpec | None = None
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
+    grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
 
     def _check_objective(self) -> None:
-        """TRL's DPOTrainer, KTOTrainer or RewardTrainer on one GPU, HF + PEFT full, LoRA or
-        QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
+        """TRL's trainers on one GPU, HF + PEFT full, LoRA or QLoRA (spec_grpo.py for GRPO)."""
         if self.objective is not Objective.DPO and self.dpo is not None:
             raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
         if self.objective is not Objective.KTO and self.kto is not None:
             raise InvalidSpecError("kto", "KTO settings need objective 'kto'")
+        if self.objective is not Objective.GRPO and self.grpo is not None:
+            raise InvalidSpecError("grpo", "GRPO settings need objective 'grpo'")
         if self.objective is Objective.SFT:
             return
         name = self.objective.value
@@ -450,7 +453,9 @@ class TrainingSpec:
                 else "on one GPU (no parallel strategy)"
             )
             raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
-        if self.autocast and self.objective is Objective.KTO:
+        if self.objective is Objective.GRPO:
+            check_grpo(self)
+        if self.autocast and self.objective in (Objective.KTO, Objective.GRPO):
             raise InvalidSpecError(
                 "autocast", f"objective {name!r} under mixed precision is not modelled"
             )
@@ -460,7 +465,7 @@ class TrainingSpec:
         if self.loss is not None:
             how = (
                 "scores tokens with TRL's fused LM head"
-                if self.objective in (Objective.DPO, Objective.KTO)
+                if self.objective in (Objective.DPO, Objective.KTO, Objective.GRPO)
                 else "scores each sequence with a one-output head (no LM head)"
             )
             raise InvalidSpecError("loss", f"objective {name!r} {how}, not a loss choice")
@@ -567,6 +572,11 @@ class TrainingSpec:
     def min_batch_size(self) -> int:
         """The smallest micro-batch the objective's trainer runs (KTO's KL batch needs two)."""
         return self.kto_settings.min_batch_size if self.objective is Objective.KTO else 1
+
+    @property
+    def grpo_settings(self) -> GrpoSpec:
+        """GRPO's settings, GRPOConfig's defaults where none are given."""
+        return self.grpo or GrpoSpec()
 
     @property
     def kto_settings(self) -> KtoSpec:
