@@ -63,6 +63,7 @@ from service.core.spec import (
     objective_from,
 )
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
@@ -90,6 +91,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         *DELTA_OPTIONS.values(),
         "dpo",
         "kto",
+        "grpo",
     ):
         if plain.get(name) is None:
             plain.pop(name, None)
@@ -437,6 +439,15 @@ _KTO: dict[str, Check] = {
     "precompute_ref_log_probs": _boolean,
     "loss_type": _choice(KtoLossType),
 }
+# GRPOConfig's names (spec_grpo.py); what is not modelled is refused by the spec's checks.
+_GRPO: dict[str, Check] = {
+    "num_generations": _integer(ge=1, le=MAX_BATCH_SIZE),
+    "max_prompt_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
+    "max_completion_length": _integer(ge=1, le=MAX_SEQ_LEN),
+    "beta": _number(ge=0.0),
+    "num_iterations": _integer(ge=1),
+    "use_vllm": _boolean,
+}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -469,6 +480,7 @@ _TRAINING: dict[str, Check] = {
     "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
     "kto": _optional(_object(KtoSpec, _KTO)),
+    "grpo": _optional(_object(GrpoSpec, _GRPO)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
 }

@@ -108,6 +108,7 @@ class ReservedPlan:
     # policy head without is_top1
     kto_kl: bool = False
     dpo_top1: bool = True
+    dpo_mean_logits: bool = True  # GRPO's policy head returns no mean logits
     # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
     # orthogonality penalty and its RankAllocator (service/core/schedule/adalora.py)
     adalora: bool = False
@@ -318,6 +319,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         dpo_reference=plan.dpo_reference,
         kto_kl=plan.kto_kl,
         dpo_top1=plan.dpo_top1,
+        dpo_mean_logits=plan.dpo_mean_logits,
         score_head=arch.score_head,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,

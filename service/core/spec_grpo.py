@@ -93,3 +93,37 @@ def check_grpo(spec: TrainingSpec) -> None:
             f"GRPO's sequence is max_prompt_length + max_completion_length tokens "
             f"({prompt} + {settings.max_completion_length}), not {seq_len}",
         )
+
+
+def fewer_generations(spec: TrainingSpec) -> TrainingSpec | None:
+    """The fit-check's "fewer generations per prompt": half the completions per step, the
+    prompts per step kept (num_generations and batch_size halved together), or None where
+    GRPOConfig's minimum of two generations stops it."""
+    from dataclasses import replace
+
+    settings = spec.grpo_settings
+    half = settings.num_generations // 2
+    if half < MIN_GENERATIONS or spec.batch_size % 2:
+        return None
+    return replace(
+        spec,
+        batch_size=spec.batch_size // 2,
+        grpo=replace(settings, num_generations=half),
+    )
+
+
+def shorter_completions(spec: TrainingSpec) -> TrainingSpec | None:
+    """The fit-check's "shorter completions": max_completion_length halved, the sequence
+    shortened with it (the prompts kept), or None below one token."""
+    from dataclasses import replace
+
+    settings = spec.grpo_settings
+    half = settings.max_completion_length // 2
+    if half < 1:
+        return None
+    prompt = settings.prompt_length(spec.seq_len)
+    return replace(
+        spec,
+        seq_len=prompt + half,
+        grpo=replace(settings, max_prompt_length=prompt, max_completion_length=half),
+    )

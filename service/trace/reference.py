@@ -56,6 +56,7 @@ from service.trace.families import (
     _dora_cases,
     _dpo_cases,
     _falcon_bloom_cases,
+    _grpo_cases,
     _int8_cases,
     _kto_cases,
     _lora,
@@ -205,6 +206,9 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("precomputed-ref")
         if spec.objective is Objective.KTO and not kto_settings.calculate_kl:
             parts.append(kto_settings.loss_type.value.replace("_", "-"))
+        if spec.objective is Objective.GRPO:
+            g = spec.grpo_settings
+            parts.append(f"g{g.num_generations}-p{g.prompt_length(spec.seq_len)}")
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
@@ -561,6 +565,7 @@ def matrix() -> list[Case]:
     cases.extend(_reward_cases())
     cases.extend(_mixed_precision_objective_cases())
     cases.extend(_kto_cases())
+    cases.extend(_grpo_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())

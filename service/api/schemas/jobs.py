@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
+from service.api.schemas.grpo import GrpoIn
 from service.api.schemas.kto import KtoIn
 from service.api.schemas.peft_methods import (
     AdaLoraIn,
@@ -582,8 +583,9 @@ class JobSpec(In):
             "2 x batch_size sequences of seq_len tokens, a reference model's forward) or "
             "reward (RewardTrainer: a one-label sequence classifier, batch_size pairs run as "
             "2 x batch_size sequences in one forward, no LM head) or kto (KTOTrainer: "
-            "batch_size unpaired examples, a KL batch and a reference model's forwards). Other "
-            "trainers (orpo, grpo, ...) are a 422: not modelled."
+            "batch_size unpaired examples, a KL batch and a reference model's forwards) or grpo "
+            "(GRPOTrainer: model.generate's completions, batch_size of them, then the policy's "
+            "loss on them). Other trainers (orpo, rloo, ...) are a 422: not modelled."
         ),
     )
     dpo: DpoIn | None = Field(
@@ -591,6 +593,9 @@ class JobSpec(In):
     )
     kto: KtoIn | None = Field(
         default=None, description="KTO settings (objective 'kto' only); null: KTOConfig's."
+    )
+    grpo: GrpoIn | None = Field(
+        default=None, description="GRPO settings (objective 'grpo' only); null: GRPOConfig's."
     )
     lora: LoraIn | None = Field(
         default=None,
@@ -733,4 +738,5 @@ class JobSpec(In):
             objective=objective,
             dpo=None if self.dpo is None else self.dpo.to_spec(),
             kto=None if self.kto is None else self.kto.to_spec(),
+            grpo=None if self.grpo is None else self.grpo.to_spec(),
         )

@@ -158,6 +158,7 @@ class StepShape:
     # policy's head returns no is_top1 (dpo_top1 False)
     kto_kl: bool = False
     dpo_top1: bool = True
+    dpo_mean_logits: bool = True  # GRPO's policy head: log-probs and entropy alone
     adalora: bool = False  # AdaLoRA on the adapted linears (peft/tuners/adalora/layer.py)
     oft: bool = False  # OFT on the adapted linears (peft/tuners/oft/layer.py)
     # AdaLoRA's penalised parameters' bytes, every lora_A and lora_B in named_parameters order,

@@ -392,7 +392,8 @@ class _Step(_Backward):
             ratio = alloc(n * FP32_BYTES)
             entropy = alloc(n * FP32_BYTES)
             free(ratio)
-            outputs.append(alloc(n * FP32_BYTES))  # mean logits
+            if sh.dpo_mean_logits:
+                outputs.append(alloc(n * FP32_BYTES))  # mean logits
             if sh.dpo_top1:
                 left, right = alloc(n), alloc(n)
                 outputs.append(alloc(n))  # is_top1
@@ -421,7 +422,7 @@ class _Step(_Backward):
         if not sh.head_trainable:
             self.f(fn)
         # log-probs, entropy, mean logits (fp32) and is_top1 (bool), scattered back
-        widths = [FP32_BYTES, FP32_BYTES, FP32_BYTES] + ([1] if sh.dpo_top1 else [])
+        widths = [FP32_BYTES] * (2 + sh.dpo_mean_logits) + ([1] if sh.dpo_top1 else [])
         outputs = self._dpo_scatter(widths, compact)
         if sh.dpo_reference:
             if sh.kto_kl:  # KTO's reference: the KL batch, then the completions

@@ -38,7 +38,7 @@ OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
-ObjectiveName = Literal["sft", "dpo", "reward", "kto"]
+ObjectiveName = Literal["sft", "dpo", "reward", "kto", "grpo"]
 
 
 class _Request(BaseModel):
@@ -198,6 +198,18 @@ class Kto(_Request):
     loss_type: Literal["kto", "apo_zero_unpaired"] | None = None
 
 
+class Grpo(_Request):
+    """TRL GRPOConfig's settings that change memory (objective 'grpo' only); the job's
+    batch_size counts completions, its seq_len is prompt + completion tokens."""
+
+    num_generations: int | None = Field(default=None, ge=1)
+    max_prompt_length: int | None = Field(default=None, ge=1)
+    max_completion_length: int | None = Field(default=None, ge=1)
+    beta: float | None = Field(default=None, ge=0.0)
+    num_iterations: int | None = Field(default=None, ge=1)
+    use_vllm: bool | None = None
+
+
 class Stack(_Request):
     """The library versions a job runs on; None: the service's traced stack's."""
 
@@ -220,6 +232,7 @@ class Job(_Request):
     objective: ObjectiveName | None = None
     dpo: Dpo | None = None
     kto: Kto | None = None
+    grpo: Grpo | None = None
     lora: Lora | None = None
     quantization: Quantization | None = None
     vera: Vera | None = None
