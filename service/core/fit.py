@@ -35,7 +35,7 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
-from service.core.spec_grpo import fewer_generations, shorter_completions
+from service.core.spec_grpo import curve_point, fewer_generations, shorter_completions
 from service.core.units import MIB
 
 # CUDA hands out less than nvidia-smi's total: on the H200 of tests/data/gpu/ torch reported
@@ -269,11 +269,12 @@ class _Curve:
             return self.values[i]
         # below the objective's smallest micro-batch (KTO's KL batch: 2) the bound is the
         # smallest's, so a batch that cannot run is never the largest that fits
-        spec = (
-            replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
-            if self.dimension == "batch_size"
-            else replace(self._spec, seq_len=x)
-        )
+        if self._spec.objective is Objective.GRPO:  # the generation batch divisible
+            spec = curve_point(self._spec, self.dimension, x)
+        elif self.dimension == "batch_size":
+            spec = replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
+        else:
+            spec = replace(self._spec, seq_len=x)
         value = self.requirements(spec).device_bytes_upper
         self.xs.insert(i, x)
         self.values.insert(i, value)

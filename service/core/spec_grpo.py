@@ -10,13 +10,10 @@ per_device_train_batch_size x steps_per_generation: GRPOConfig.__post_init__).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
 
 from service.core.errors import InvalidSpecError
-
-if TYPE_CHECKING:
-    from service.core.spec import TrainingSpec
 
 # GRPOConfig.__post_init__: "num_generations ... is less than the minimum required" below 2.
 MIN_GENERATIONS = 2
@@ -49,7 +46,26 @@ class GrpoSpec:
         return seq_len - self.max_completion_length
 
 
-def check_grpo(spec: TrainingSpec) -> None:
+class _Job(Protocol):
+    """What of a TrainingSpec these checks read (spec.py imports this module)."""
+
+    @property
+    def grpo_settings(self) -> GrpoSpec: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+
+
+Job = TypeVar("Job", bound=_Job)
+
+
+def check_grpo(spec: _Job) -> None:
     """What is modelled of GRPOTrainer: model.generate's completions, the policy's loss with
     num_iterations 1 and beta 0.0; the generation batch divisible by num_generations; the
     step's batch `batch_size` completions of `seq_len` tokens."""
@@ -95,35 +111,48 @@ def check_grpo(spec: TrainingSpec) -> None:
         )
 
 
-def fewer_generations(spec: TrainingSpec) -> TrainingSpec | None:
+def fewer_generations(spec: Job) -> Job | None:
     """The fit-check's "fewer generations per prompt": half the completions per step, the
     prompts per step kept (num_generations and batch_size halved together), or None where
     GRPOConfig's minimum of two generations stops it."""
-    from dataclasses import replace
-
     settings = spec.grpo_settings
     half = settings.num_generations // 2
     if half < MIN_GENERATIONS or spec.batch_size % 2:
         return None
-    return replace(
-        spec,
-        batch_size=spec.batch_size // 2,
-        grpo=replace(settings, num_generations=half),
+    changed: Any = replace(  # type: ignore[type-var]
+        spec, batch_size=spec.batch_size // 2, grpo=replace(settings, num_generations=half)
     )
+    return changed
 
 
-def shorter_completions(spec: TrainingSpec) -> TrainingSpec | None:
+def shorter_completions(spec: Job) -> Job | None:
     """The fit-check's "shorter completions": max_completion_length halved, the sequence
     shortened with it (the prompts kept), or None below one token."""
-    from dataclasses import replace
-
     settings = spec.grpo_settings
     half = settings.max_completion_length // 2
     if half < 1:
         return None
     prompt = settings.prompt_length(spec.seq_len)
-    return replace(
-        spec,
-        seq_len=prompt + half,
-        grpo=replace(settings, max_prompt_length=prompt, max_completion_length=half),
-    )
+    grpo = replace(settings, max_prompt_length=prompt, max_completion_length=half)
+    changed: Any = replace(spec, seq_len=prompt + half, grpo=grpo)  # type: ignore[type-var]
+    return changed
+
+
+def curve_point(spec: Job, dimension: str, x: int) -> Job:
+    """The fit-check's job at micro-batch (or sequence length) `x`: the memory depends on the
+    generation batch and the lengths alone, so num_generations becomes the generation batch
+    where `x` does not divide by it, and the completion is cut to leave a prompt token."""
+    settings = spec.grpo_settings
+    if dimension == "batch_size":
+        # below two completions per generation batch the bound is two's (GRPOConfig's minimum)
+        rows = max(x * spec.gradient_accumulation_steps, MIN_GENERATIONS)
+        generations = settings.num_generations if rows % settings.num_generations == 0 else rows
+        batch = -(-rows // spec.gradient_accumulation_steps)
+        grpo = replace(settings, num_generations=generations)
+        changed: Any = replace(spec, batch_size=batch, grpo=grpo)  # type: ignore[type-var]
+        return changed
+    seq = max(x, 2)
+    completion = min(settings.max_completion_length, seq - 1)
+    grpo = replace(settings, max_prompt_length=seq - completion, max_completion_length=completion)
+    changed = replace(spec, seq_len=seq, grpo=grpo)  # type: ignore[type-var]
+    return changed

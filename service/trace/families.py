@@ -436,4 +436,10 @@ def _grpo_cases() -> list[tuple[str, TrainingSpec]]:
         (LLAMA_1B, _spec(full, 4, 512, ckpt=True, **grpo(480, 32, generations=4))),
         (GEMMA_2B, _spec(lora, 8, 512, ckpt=True, attn_implementation=eager, **grpo(480, 32))),
         (PHI_3, _spec(qlora, 8, 512, ckpt=True, **grpo(480, 32))),
+        # one completion per micro-batch, sixteen accumulated: generate's prefill on all
+        # sixteen rows is the peak
+        (
+            QWEN_05B,
+            _spec(lora, 1, 512, ckpt=True, gradient_accumulation_steps=16, **grpo(480, 32)),
+        ),
     ]
