@@ -130,27 +130,32 @@ def _gpu_generation(max_length: int, tracker: Any) -> Iterator[None]:
     from transformers.generation import utils
 
     stop = _StopLate(max_length)
+    # the cache layers' update methods (a sliding-window model's layers have their own)
+    layers = (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer)
+    updates = [layer.__dict__["update"] for layer in layers]
     saved = (
         utils.StopCheck,
         utils.DeferredStopCheck.is_supported,
         torch.multinomial,
-        cache_utils.DynamicLayer.update,
         masking_utils.fast_all,
     )
-    update = cache_utils.DynamicLayer.update
 
-    def labelled_update(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before = tracker.component
-        tracker.component = Component.GENERATION_KV_CACHE
-        try:
-            return update(self, *args, **kwargs)
-        finally:
-            tracker.component = before
+    def labelled(update: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before = tracker.component
+            tracker.component = Component.GENERATION_KV_CACHE
+            try:
+                return update(self, *args, **kwargs)
+            finally:
+                tracker.component = before
+
+        return run
 
     utils.StopCheck = lambda streamer=None: stop  # type: ignore[assignment,misc]
     utils.DeferredStopCheck.is_supported = staticmethod(lambda *a, **k: False)  # type: ignore[method-assign]
     torch.multinomial = _multinomial_one  # type: ignore[assignment]
-    cache_utils.DynamicLayer.update = labelled_update  # type: ignore[method-assign]
+    for layer, update in zip(layers, updates, strict=True):
+        layer.update = labelled(update)  # type: ignore[method-assign]
     # the prompts unpadded: every attention mask all ones, which SDPA's mask skip reads on
     # the device (masking_utils._ignore_causal_mask_sdpa); fake tensors have no values
     masking_utils.fast_all = lambda tensor: True
@@ -162,10 +167,11 @@ def _gpu_generation(max_length: int, tracker: Any) -> Iterator[None]:
             utils.StopCheck,
             is_supported,
             torch.multinomial,
-            cache_utils.DynamicLayer.update,
             masking_utils.fast_all,
         ) = saved
         utils.DeferredStopCheck.is_supported = is_supported  # type: ignore[method-assign]
+        for layer, update in zip(layers, updates, strict=True):
+            layer.update = update  # type: ignore[method-assign]
 
 
 def _generate(model: torch.nn.Module, spec: TrainingSpec, tracker: Any) -> None:

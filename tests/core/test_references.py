@@ -24,6 +24,7 @@ PARALLEL_TRACES = TRACES.with_name("traces_parallel")
 REFERENCE_SETS = {"one-gpu": (TRACES, 140), "multi-gpu": (PARALLEL_TRACES, 60)}
 PEAK_TOLERANCE = 0.01  # each reference's allocated peak
 RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model's replay)
+GRPO_GAP = "GRPO: the generation's blocks (its KV cache grown token by token) are not replayed"
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
 # that grows fails, one that closes fails too.
 RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
@@ -49,6 +50,16 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.035,
         "DPO under autocast with checkpointing: the replay's recomputed layers (under)",
     ),
+    # GRPO: the allocator replay runs the training step's schedule, not model.generate's (its
+    # KV cache grown by torch.cat a token at a time leaves cached blocks the step reuses), so
+    # the reserved level is under where the generation fragments most (QLoRA, long prefills).
+    "llama-3_2-1b__lora__grpo__g8-p480__r16-all-linear__b8-s512__ckpt": (0.03, GRPO_GAP),
+    "llama-3_2-1b__qlora__grpo__g8-p448__r16-all-linear__nf4-dq__b8-s512__ckpt": (0.07, GRPO_GAP),
+    "phi-3-mini-4k-instruct__qlora__grpo__g8-p480__r16-all-linear__nf4-dq__b8-s512__ckpt": (
+        0.10,
+        GRPO_GAP,
+    ),
+    "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b1-s512__ckpt__ga16": (0.06, GRPO_GAP),
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{
@@ -226,9 +237,9 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
     assert not misses, "\n".join(misses)
 
 
-# Each objective's references with at least this many of them committed (`-k dpo`, `-k kto`,
-# `-k reward`).
-OBJECTIVE_REFERENCES = {"dpo": 21, "kto": 15, "reward": 11}
+# Each objective's references with at least this many of them committed (`-k dpo`, `-k grpo`,
+# `-k kto`, `-k reward`).
+OBJECTIVE_REFERENCES = {"dpo": 21, "grpo": 9, "kto": 15, "reward": 11}
 
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_REFERENCES))

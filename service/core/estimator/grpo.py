@@ -72,10 +72,13 @@ def grpo_policy_spec(spec: TrainingSpec) -> TrainingSpec:
     return replace(spec, objective=Objective.SFT, grpo=None, loss=LossImpl.FUSED)
 
 
-def kv_cache_bytes(arch: ModelArch, spec: TrainingSpec, tokens: int) -> int:
+def kv_cache_bytes(arch: ModelArch, spec: TrainingSpec, tokens: int, attn: int = 0) -> int:
     """The generation's DynamicCache at `tokens` positions: a key and a value per layer, each
-    rows x kv_heads x tokens x head_dim in the model's dtype."""
-    per = _blk(generation_rows(spec) * arch.kv_dim * tokens * DTYPE_BYTES[spec.dtype])
+    rows x kv_heads x tokens x head_dim in the attention's dtype (`attn` bytes; fp32 after
+    QLoRA's kbit preparation, reference trace phi-3-mini-4k-instruct__qlora__grpo__*), the
+    model's dtype where not given."""
+    e = attn or DTYPE_BYTES[spec.dtype]
+    per = _blk(generation_rows(spec) * arch.kv_dim * tokens * e)
     return arch.num_hidden_layers * KV_TENSORS * per
 
 
@@ -102,15 +105,15 @@ def _generation(arch: ModelArch, spec: TrainingSpec, st: _Step) -> tuple[int, in
     g = spec.grpo_settings
     rows, prompt = generation_rows(spec), g.prompt_length(spec.seq_len)
     tokens = rows * prompt
-    e = DTYPE_BYTES[spec.dtype]
-    prefill = PREFILL_INTERMEDIATES * _blk(tokens * arch.intermediate_size * e) + (
-        PREFILL_HIDDEN * _blk(tokens * arch.hidden_size * e)
+    f = st.plan.flow
+    prefill = PREFILL_INTERMEDIATES * _blk(tokens * arch.intermediate_size * f.norm_out) + (
+        PREFILL_HIDDEN * _blk(tokens * arch.hidden_size * f.residual)
     )
     inputs = 2 * _blk(tokens * INT64_BYTES)
-    at_prefill = prefill + kv_cache_bytes(arch, spec, prompt)
-    at_end = kv_cache_bytes(arch, spec, prompt + g.max_completion_length)
-    if at_prefill >= at_end:
-        return inputs, prefill, kv_cache_bytes(arch, spec, prompt)
+    at_prompt = kv_cache_bytes(arch, spec, prompt, f.attn)
+    at_end = kv_cache_bytes(arch, spec, prompt + g.max_completion_length, f.attn)
+    if prefill + at_prompt >= at_end:
+        return inputs, prefill, at_prompt
     return inputs, 0, at_end
 
 
