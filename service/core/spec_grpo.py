@@ -119,7 +119,7 @@ def fewer_generations(spec: Job) -> Job | None:
     half = settings.num_generations // 2
     if half < MIN_GENERATIONS or spec.batch_size % 2:
         return None
-    changed: Any = replace(  # type: ignore[type-var]
+    changed: Job = replace(  # type: ignore[type-var]
         spec, batch_size=spec.batch_size // 2, grpo=replace(settings, num_generations=half)
     )
     return changed
@@ -134,7 +134,7 @@ def shorter_completions(spec: Job) -> Job | None:
         return None
     prompt = settings.prompt_length(spec.seq_len)
     grpo = replace(settings, max_prompt_length=prompt, max_completion_length=half)
-    changed: Any = replace(spec, seq_len=prompt + half, grpo=grpo)  # type: ignore[type-var]
+    changed: Job = replace(spec, seq_len=prompt + half, grpo=grpo)  # type: ignore[type-var]
     return changed
 
 
@@ -149,7 +149,7 @@ def curve_point(spec: Job, dimension: str, x: int) -> Job:
         generations = settings.num_generations if rows % settings.num_generations == 0 else rows
         batch = -(-rows // spec.gradient_accumulation_steps)
         grpo = replace(settings, num_generations=generations)
-        changed: Any = replace(spec, batch_size=batch, grpo=grpo)  # type: ignore[type-var]
+        changed: Job = replace(spec, batch_size=batch, grpo=grpo)  # type: ignore[type-var]
         return changed
     seq = max(x, 2)
     completion = min(settings.max_completion_length, seq - 1)

@@ -117,12 +117,12 @@ def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
     return {
         "allocated_bytes": snapshot.allocated_bytes,
         "op": snapshot.op,
-        # the reference model's part only where there is one (DPO full fine-tuning), as
-        # references written before it
+        # the reference model's part and the generation's KV cache only where there is one
+        # (DPO full fine-tuning; GRPO's generation), as references written before them
         "components": {
             c.value: n
             for c, n in snapshot.components.items()
-            if n or c is not Component.REFERENCE_MODEL
+            if n or c not in (Component.REFERENCE_MODEL, Component.GENERATION_KV_CACHE)
         },
     }
 
