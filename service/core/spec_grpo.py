@@ -11,7 +11,7 @@ per_device_train_batch_size x steps_per_generation: GRPOConfig.__post_init__).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from service.core.errors import InvalidSpecError
 
