@@ -38,9 +38,9 @@ def format_estimate(model_id: str, est: Estimate, objective: Objective = Objecti
     lines.append(f"  {'device':<24}{est.device_bytes / GIB:>10.2f}")
     lines.append(f"  {'device, safe bound':<24}{est.device_bytes_upper / GIB:>10.2f}")
     lines.append("")
-    if objective in (Objective.DPO, Objective.KTO, Objective.GRPO):
-        # the phases around the reference forward (GRPO: the generation) tell where the
-        # objective's cost sits
+    if objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.GRPO):
+        # the phases tell where a preference objective's cost sits (DPO's and KTO's reference
+        # forward, ORPO's logits' gradients at the start of backward, GRPO's generation)
         lines.append("  phases (GiB allocated, step 2):")
         for ph in est.phases:
             if ph.step == 2:

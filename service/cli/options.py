@@ -57,6 +57,7 @@ _OPTION_FOR_FIELD = {
     "dpo.max_completion_length": "--max-completion-length",
     "kto": "--precompute-ref-log-probs/--kto-loss-type",
     **GRPO_OPTIONS,
+    "orpo": "--objective orpo/--keep-dropout",
 }
 
 
@@ -149,7 +150,8 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument(
         "--objective",
         help="the training objective as TRL names its trainers: sft (default), dpo, reward "
-        "(a one-label reward model, RewardTrainer), kto (KTOTrainer) or grpo (GRPOTrainer)",
+        "(a one-label reward model, RewardTrainer), kto (KTOTrainer), orpo (ORPOTrainer) or "
+        "grpo (GRPOTrainer)",
     )
     train.add_argument(
         "--precompute-ref-log-probs",
@@ -163,6 +165,13 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         choices=("kto", "apo_zero_unpaired"),
         help="kto: KTOConfig.loss_type (default kto, with the KL batch; apo_zero_unpaired "
         "runs none)",
+    )
+    train.add_argument(
+        "--keep-dropout",
+        action="store_true",
+        default=None,
+        help="orpo: ORPOConfig.disable_dropout=False (LoRA's dropout kept; TRL's default sets "
+        "every dropout's p to 0)",
     )
     train.add_argument(
         "--max-completion-length",
@@ -392,6 +401,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         settings.pop("max_completion_length", None)
     if settings:
         data["dpo"] = settings
+    if getattr(args, "keep_dropout", None):
+        data["orpo"] = {"disable_dropout": False}  # ORPOConfig's, for objective 'orpo'
     _apply_parallel_configs(args, data)
     try:
         data["allocator"] = alloc_conf_values(getattr(args, "alloc_conf", "") or "")

@@ -65,6 +65,7 @@ from service.core.spec import (
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -92,6 +93,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         "dpo",
         "kto",
         "grpo",
+        "orpo",
     ):
         if plain.get(name) is None:
             plain.pop(name, None)
@@ -448,6 +450,7 @@ _GRPO: dict[str, Check] = {
     "num_iterations": _integer(ge=1),
     "use_vllm": _boolean,
 }
+_ORPO: dict[str, Check] = {"disable_dropout": _boolean}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -481,6 +484,7 @@ _TRAINING: dict[str, Check] = {
     "dpo": _optional(_object(DpoSpec, _DPO)),
     "kto": _optional(_object(KtoSpec, _KTO)),
     "grpo": _optional(_object(GrpoSpec, _GRPO)),
+    "orpo": _optional(_object(OrpoSpec, _ORPO)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
 }

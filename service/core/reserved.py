@@ -109,6 +109,8 @@ class ReservedPlan:
     kto_kl: bool = False
     dpo_top1: bool = True
     dpo_mean_logits: bool = True  # GRPO's policy head returns no mean logits
+    # ORPO (TRL's ORPOTrainer): bytes per logit of the logits it keeps (0: not ORPO)
+    orpo_logits: int = 0
     # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
     # orthogonality penalty and its RankAllocator (service/core/schedule/adalora.py)
     adalora: bool = False
@@ -320,6 +322,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         kto_kl=plan.kto_kl,
         dpo_top1=plan.dpo_top1,
         dpo_mean_logits=plan.dpo_mean_logits,
+        orpo_logits=plan.orpo_logits,
         score_head=arch.score_head,
         param_bytes=plan.dtype_bytes,
         accumulation=plan.accumulation,

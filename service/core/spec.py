@@ -17,6 +17,7 @@ from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, Ve
 from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
 from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
+from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -64,12 +65,11 @@ class Objective(StrEnum):
 
     SFT = "sft"  # the causal-LM loss of HF Trainer (SFTTrainer's)
     DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
-    # a reward model: a sequence classifier with one label scoring [chosen; rejected]
-    # (trl/trainer/reward_trainer.py, TRL 1.16.0)
-    REWARD = "reward"
-    # Kahneman-Tversky optimization: unpaired completions with a KL batch and a reference
-    # (trl/trainer/kto_trainer.py, TRL 1.16.0)
-    KTO = "kto"
+    REWARD = "reward"  # a one-label classifier on [chosen; rejected] (reward_trainer.py)
+    KTO = "kto"  # unpaired completions, a KL batch, a reference (kto_trainer.py, TRL 1.16.0)
+    # odds-ratio preference optimization: NLL on chosen plus an odds-ratio term, no reference
+    # (trl/experimental/orpo/orpo_trainer.py, TRL 1.16.0)
+    ORPO = "orpo"
     GRPO = "grpo"  # generated completions, scored (trl/trainer/grpo_trainer.py, TRL 1.16.0)
 
 
@@ -77,19 +77,17 @@ class Objective(StrEnum):
 # rather than as unknown words.
 UNMODELLED_OBJECTIVES = {
     "rloo": "RLOOTrainer",
-    "orpo": "ORPOTrainer",
     "cpo": "CPOTrainer",
     "online_dpo": "OnlineDPOTrainer",
     "distillation": "DistillationTrainer",
 }
-# What DPO and reward modelling are modelled with: TRL's DPOTrainer and RewardTrainer over
-# HF + PEFT full, LoRA and QLoRA on one GPU.
+# What TRL's trainers are modelled with: HF + PEFT full, LoRA and QLoRA.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
-PREFERENCE_OBJECTIVES["grpo"] = "GRPOTrainer"
+PREFERENCE_OBJECTIVES.update(orpo="ORPOTrainer", grpo="GRPOTrainer")
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces *__dpo__*__ddp-*, *__reward__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD})
+# (reference traces tests/data/traces_parallel/*__{dpo,reward,kto,orpo}__*__ddp-*).
+DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO})
 
 
 def objective_from(name: str) -> Objective:
@@ -421,15 +419,14 @@ class TrainingSpec:
     dpo: DpoSpec | None = None
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
     grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
+    orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
 
     def _check_objective(self) -> None:
-        """TRL's trainers on one GPU, HF + PEFT full, LoRA or QLoRA (spec_grpo.py for GRPO)."""
-        if self.objective is not Objective.DPO and self.dpo is not None:
-            raise InvalidSpecError("dpo", "DPO settings need objective 'dpo'")
-        if self.objective is not Objective.KTO and self.kto is not None:
-            raise InvalidSpecError("kto", "KTO settings need objective 'kto'")
-        if self.objective is not Objective.GRPO and self.grpo is not None:
-            raise InvalidSpecError("grpo", "GRPO settings need objective 'grpo'")
+        """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
+        or QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
+        for own in ("dpo", "kto", "orpo", "grpo"):  # each objective's settings, for it alone
+            if self.objective.value != own and getattr(self, own) is not None:
+                raise InvalidSpecError(own, f"{own.upper()} settings need objective {own!r}")
         if self.objective is Objective.SFT:
             return
         name = self.objective.value
@@ -455,18 +452,14 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
         if self.objective is Objective.GRPO:
             check_grpo(self)
-        if self.autocast and self.objective in (Objective.KTO, Objective.GRPO):
-            raise InvalidSpecError(
-                "autocast", f"objective {name!r} under mixed precision is not modelled"
-            )
+        if refusal := orpo_refusal(self.objective.value, self.method.value, self.autocast):
+            raise refusal
         if self.autocast and self.dtype is DType.FP16:
             why = "under bf16 mixed precision (TRL's default), not fp16 with its gradient scaler"
             raise InvalidSpecError("autocast", f"objective {name!r} is modelled {why}")
         if self.loss is not None:
-            how = (
-                "scores tokens with TRL's fused LM head"
-                if self.objective in (Objective.DPO, Objective.KTO, Objective.GRPO)
-                else "scores each sequence with a one-output head (no LM head)"
+            how = {"reward": "scores each sequence with a one-output head (no LM head)"}.get(
+                name, "scores tokens with TRL's own LM-head loss"
             )
             raise InvalidSpecError("loss", f"objective {name!r} {how}, not a loss choice")
         if self.num_labels is not None:
@@ -582,6 +575,11 @@ class TrainingSpec:
     def kto_settings(self) -> KtoSpec:
         """KTO's settings, KTOConfig's defaults where none are given."""
         return self.kto or KtoSpec()
+
+    @property
+    def orpo_settings(self) -> OrpoSpec:
+        """ORPO's settings, ORPOConfig's defaults where none are given."""
+        return self.orpo or OrpoSpec()
 
     @property
     def dpo_settings(self) -> DpoSpec:

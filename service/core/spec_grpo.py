@@ -50,6 +50,9 @@ class _Job(Protocol):
     """What of a TrainingSpec these checks read (spec.py imports this module)."""
 
     @property
+    def autocast(self) -> bool: ...
+
+    @property
     def grpo_settings(self) -> GrpoSpec: ...
 
     @property
@@ -71,6 +74,8 @@ def check_grpo(spec: _Job) -> None:
     step's batch `batch_size` completions of `seq_len` tokens."""
     settings, batch_size, seq_len = spec.grpo_settings, spec.batch_size, spec.seq_len
     accumulation = spec.gradient_accumulation_steps
+    if spec.autocast:
+        raise InvalidSpecError("autocast", "objective 'grpo' under mixed precision is not modelled")
     if settings.use_vllm:
         raise InvalidSpecError(
             "grpo.use_vllm",

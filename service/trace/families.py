@@ -20,6 +20,7 @@ from service.core.spec import (
 )
 from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -236,13 +237,15 @@ def _reward_cases() -> list[tuple[str, TrainingSpec]]:
 
 
 def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
-    """DPO and reward modelling under TRL's default mixed precision (its configs set
+    """DPO, KTO and reward modelling under TRL's default mixed precision (its configs set
     bf16=True unless fp16 is asked for: trl/trainer/base_config.py): accelerate's autocast
-    around each model's forward, full, LoRA and QLoRA on three families."""
+    around each model's forward, full, LoRA and QLoRA on four families."""
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
     eager = AttnImpl.EAGER
     dpo = {"objective": Objective.DPO, "autocast": True}
     reward = {"objective": Objective.REWARD, "autocast": True}
+    kto = {"objective": Objective.KTO, "autocast": True}
+    no_kl = {**kto, "kto": KtoSpec(loss_type=KtoLossType.APO_ZERO_UNPAIRED)}
     return [
         (QWEN_05B, _spec(lora, 1, 512, ckpt=True, **dpo)),
         (QWEN_05B, _spec(full, 1, 512, **dpo)),
@@ -256,6 +259,15 @@ def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, **reward)),
         (LLAMA_1B, _spec(full, 1, 512, **reward)),
         (LLAMA_1B, _spec(qlora, 2, 1024, **reward)),
+        (QWEN_05B, _spec(lora, 2, 512, **kto)),
+        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto)),
+        (QWEN_05B, _spec(qlora, 2, 1024, ckpt=True, **no_kl)),
+        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **kto)),
+        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **kto)),
+        (LLAMA_1B, _spec(full, 2, 512, **kto)),
+        (LLAMA_1B, _spec(qlora, 2, 1024, **kto)),
+        (GEMMA_2B, _spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
+        (PHI_3, _spec(lora, 2, 512, ckpt=True, **kto)),
     ]
 
 
@@ -296,6 +308,40 @@ def _kto_cases() -> list[tuple[str, TrainingSpec]]:
         # longer and wider: the reference forwards' transients beside every saved activation
         (QWEN_05B, _spec(lora, 4, 1024, **kto)),
         (LLAMA_1B, _spec(full, 2, 1024, **kto)),
+    ]
+
+
+def _orpo_cases() -> list[tuple[str, TrainingSpec]]:
+    """TRL's ORPOTrainer (objective 'orpo'): full, LoRA and QLoRA on four families, with and
+    without checkpointing, with and without TRL's default bf16 mixed precision."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    eager = AttnImpl.EAGER
+    orpo: dict[str, Any] = {"objective": Objective.ORPO}
+    mixed: dict[str, Any] = {**orpo, "autocast": True}
+    dropout = _lora(lora_dropout=0.1)
+    return [
+        (QWEN_05B, _spec(lora, 2, 512, **orpo)),
+        (QWEN_05B, _spec(full, 2, 512, **orpo)),
+        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **orpo)),
+        (QWEN_05B, _spec(qlora, 2, 512, **orpo)),
+        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, **mixed)),
+        (QWEN_05B, _spec(full, 1, 512, **mixed)),
+        # an fp32 model under autocast: the LM head's half weight copy beside the logits
+        (QWEN_05B, _spec(lora, 1, 512, dtype=DType.FP32, **mixed)),
+        # ORPOConfig.disable_dropout (default True) turns LoRA's dropout off; False keeps it
+        (QWEN_05B, _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=dropout, **orpo)),
+        (QWEN_05B, _spec(lora, 2, 512, lora=dropout, orpo=OrpoSpec(disable_dropout=False), **orpo)),
+        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **orpo)),
+        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **orpo)),
+        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **orpo)),
+        (LLAMA_1B, _spec(lora, 2, 512, **mixed)),
+        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **mixed)),
+        # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
+        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **orpo)),
+        (GEMMA_2B, _spec(qlora, 1, 512, ckpt=True, attn_implementation=eager, **orpo)),
+        (PHI_3, _spec(lora, 1, 512, ckpt=True, **orpo)),
+        # an LM head apart from the embedding: its weight's gradient beside the logits'
+        (PHI_3, _spec(full, 1, 512, ckpt=True, **orpo)),
     ]
 
 

@@ -26,7 +26,10 @@ from service.core.result import Component, Phase
 from service.core.spec import Method, TrainingSpec
 from service.core.spec_kto import KtoLossType
 from service.trace import preference
-from service.trace.preference import CHECKPOINTING_KWARGS, IGNORE_INDEX
+from service.trace.preference import (
+    CHECKPOINTING_KWARGS,
+    IGNORE_INDEX,
+)
 
 # KTOConfig.beta, desirable_weight and undesirable_weight defaults
 # (trl/trainer/kto_config.py); the values do not change memory.
@@ -132,44 +135,26 @@ def run_kto_steps(
             ref_kl_logps=torch.zeros(rows) if precompute and kl else None,
             chosen=chosen,
         )
-        logged = torch.zeros(())
+
+    def micro_batch(step: int) -> torch.Tensor:
+        return _compute_loss(
+            model,
+            ref_model,
+            batch,
+            spec,
+            tracker=tracker,
+            step=step,
+            use_adapter=use_adapter,
+            no_checkpointing=lambda: disable_gradient_checkpointing(
+                preference.unwrapped(model), CHECKPOINTING_KWARGS
+            ),
+            rewrap_checkpoints=rewrap_checkpoints,
+        )
+
     try:
-        for step in range(1, steps + 1):
-            steering.step = step
-            for _ in range(spec.gradient_accumulation_steps):
-                tracker.begin_phase(step, Phase.FORWARD_END)
-                tracker.blas_handle = "forward"
-                loss = _compute_loss(
-                    model,
-                    ref_model,
-                    batch,
-                    spec,
-                    tracker=tracker,
-                    step=step,
-                    use_adapter=use_adapter,
-                    no_checkpointing=lambda: disable_gradient_checkpointing(
-                        model, CHECKPOINTING_KWARGS
-                    ),
-                    rewrap_checkpoints=rewrap_checkpoints,
-                )
-                tracker.begin_phase(step, Phase.BACKWARD_START)
-                tracker.component = Component.LOGITS_LOSS
-                steering.in_backward = head.in_backward = True
-                tracker.blas_handle = "backward"
-                loss.backward()
-                steering.in_backward = head.in_backward = False
-                tracker.blas_handle = None
-                logged = logged + loss.detach()
-                del loss
-            tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-            tracker.component = Component.OPTIMIZER_TEMPORARIES
-            if spec.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-            tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-            optimizer.step()
-            tracker.host_scalar_ops = False
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            tracker.end_phase()
+        preference.trainer_steps(
+            tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients, head
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -247,7 +232,7 @@ def _compute_loss(
             stack.enter_context(torch.no_grad())
             stack.enter_context(no_checkpointing())
             if ref_model is None:
-                stack.enter_context(use_adapter(model, adapter_name=None))
+                stack.enter_context(use_adapter(preference.unwrapped(model), adapter_name=None))
                 forward = model
             else:
                 forward = ref_model

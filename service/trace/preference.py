@@ -226,50 +226,98 @@ def run_dpo_steps(
         ref_logps_in = (
             (torch.zeros(spec.batch_size), torch.zeros(spec.batch_size)) if precompute else None
         )
-        logged = torch.zeros(())
+
+    def micro_batch(step: int) -> torch.Tensor:
+        return _compute_loss(
+            model,
+            ref_model,
+            input_ids,
+            completion_mask,
+            ref_logps_in,
+            tracker=tracker,
+            step=step,
+            use_adapter=use_adapter,
+            no_checkpointing=lambda: disable_gradient_checkpointing(
+                unwrapped(model), CHECKPOINTING_KWARGS
+            ),
+            rewrap_checkpoints=rewrap_checkpoints,
+        )
+
     try:
-        for step in range(1, steps + 1):
-            steering.step = step
-            for _ in range(spec.gradient_accumulation_steps):
-                tracker.begin_phase(step, Phase.FORWARD_END)
-                tracker.component = Component.ACTIVATIONS
-                tracker.blas_handle = "forward"
-                loss = _compute_loss(
-                    model,
-                    ref_model,
-                    input_ids,
-                    completion_mask,
-                    ref_logps_in,
-                    tracker=tracker,
-                    step=step,
-                    use_adapter=use_adapter,
-                    no_checkpointing=lambda: disable_gradient_checkpointing(
-                        unwrapped(model), CHECKPOINTING_KWARGS
-                    ),
-                    rewrap_checkpoints=rewrap_checkpoints,
-                )
-                tracker.begin_phase(step, Phase.BACKWARD_START)
-                tracker.component = Component.LOGITS_LOSS
-                steering.in_backward = head.in_backward = True
-                tracker.blas_handle = "backward"
-                loss.backward()
-                steering.in_backward = head.in_backward = False
-                tracker.blas_handle = None
-                logged = logged + loss.detach()
-                del loss
-            tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-            tracker.component = Component.OPTIMIZER_TEMPORARIES
-            if spec.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-            tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-            optimizer.step()
-            tracker.host_scalar_ops = False
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            tracker.end_phase()
+        trainer_steps(
+            tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients, head
+        )
     finally:
         for handle in handles:
             handle.remove()
     del attention_mask
+
+
+def trainer_steps(
+    tracker: Any,
+    steering: Any,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    spec: TrainingSpec,
+    micro_batch: Callable[[int], torch.Tensor],
+    steps: int,
+    keep_gradients: bool,
+    *steered: Any,
+) -> None:
+    """HF Trainer's loop as TRL's trainers run it: per micro-batch `micro_batch(step)` (the
+    trainer's compute_loss, which marks the forward's end), backward with the steering objects
+    told it runs, the detached loss added to the logged total; then clipping, the optimizer
+    step and zero_grad (`optimizer_step`)."""
+    with tracker.labelling(Component.INPUTS):
+        logged = torch.zeros(())  # Trainer's tr_loss
+    for step in range(1, steps + 1):
+        steering.step = step
+        for _ in range(spec.gradient_accumulation_steps):
+            tracker.begin_phase(step, Phase.FORWARD_END)
+            tracker.component = Component.ACTIVATIONS
+            tracker.blas_handle = "forward"
+            loss = micro_batch(step)
+            logged = logged + backward(loss, tracker, step, steering, *steered)
+            del loss
+        optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
+
+
+def backward(loss: torch.Tensor, tracker: Any, step: int, *steered: Any) -> torch.Tensor:
+    """HF Trainer's backward of one micro-batch's loss as TRL's trainers run it: the phase
+    opened, each steering object told backward runs while it does (the autograd thread's
+    cuBLAS handle), the detached loss returned for the logged total."""
+    tracker.begin_phase(step, Phase.BACKWARD_START)
+    tracker.component = Component.LOGITS_LOSS
+    for steering in steered:
+        steering.in_backward = True
+    tracker.blas_handle = "backward"
+    loss.backward()
+    for steering in steered:
+        steering.in_backward = False
+    tracker.blas_handle = None
+    return loss.detach()
+
+
+def optimizer_step(
+    tracker: Any,
+    step: int,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    spec: TrainingSpec,
+    *,
+    keep_gradients: bool,
+) -> None:
+    """HF Trainer's end of a step as in service/trace/runner.py: the gradients clipped to
+    `max_grad_norm`, the optimizer step, zero_grad (set_to_none unless `keep_gradients`)."""
+    tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
+    tracker.component = Component.OPTIMIZER_TEMPORARIES
+    if spec.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
+    tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
+    optimizer.step()
+    tracker.host_scalar_ops = False
+    optimizer.zero_grad(set_to_none=not keep_gradients)
+    tracker.end_phase()
 
 
 def _compute_loss(

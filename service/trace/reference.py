@@ -61,6 +61,7 @@ from service.trace.families import (
     _kto_cases,
     _lora,
     _mixed_precision_objective_cases,
+    _orpo_cases,
     _qlora,
     _reward_cases,
     _spec,
@@ -209,6 +210,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         if spec.objective is Objective.GRPO:
             g = spec.grpo_settings
             parts.append(f"g{g.num_generations}-p{g.prompt_length(spec.seq_len)}")
+        if spec.objective is Objective.ORPO and not spec.orpo_settings.disable_dropout:
+            parts.append("dropout-kept")
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft
     if options is not None:
         target = options.target_modules
@@ -566,6 +569,7 @@ def matrix() -> list[Case]:
     cases.extend(_mixed_precision_objective_cases())
     cases.extend(_kto_cases())
     cases.extend(_grpo_cases())
+    cases.extend(_orpo_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
@@ -639,11 +643,13 @@ def parallel_matrix() -> list[Case]:
         ParallelSpec(strategy=Strategy.FSDP2, reshard_after_forward=False),
     ):
         add(QWEN_05B, base, setup, 4)
-    # TRL's DPO and reward steps under DDP: each rank the one-GPU step with DDP's buckets
-    # (and for full fine-tuning DPO's frozen reference copy, held whole on every rank).
+    # TRL's DPO, KTO and reward steps under DDP: each rank the one-GPU step with DDP's buckets
+    # (and for full fine-tuning the frozen reference copy, held whole on every rank).
     ddp = setups[0]
     dpo = {"objective": Objective.DPO}
     reward = {"objective": Objective.REWARD}
+    kto = {"objective": Objective.KTO}
+    orpo = {"objective": Objective.ORPO}
     for model_id, spec, gpus in (
         (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
         (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
@@ -651,6 +657,12 @@ def parallel_matrix() -> list[Case]:
         (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
         (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
         (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
+        (QWEN_05B, _spec(lora, 2, 512, **kto), 2),
+        (QWEN_05B, _spec(lora, 2, 512, **orpo), 2),
+        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **orpo), 2),
+        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
+        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto), 2),
+        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
     ):
         add(model_id, spec, ddp, gpus)
     # An encoder (BERT sequence classification) under DDP.

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from service.core.result import Component, Phase
 from service.core.spec import TrainingSpec
+from service.trace.preference import trainer_steps
 
 # A token id other than the padding one the model's config is given
 # (service/trace/model.py REWARD_PAD_TOKEN_ID: RewardTrainer.__init__ sets config.pad_token_id
@@ -68,33 +69,13 @@ def run_reward_steps(
         # creation skips, so it is held but not passed
         input_ids = torch.full((rows, spec.seq_len), TOKEN_ID, dtype=torch.long)
         attention_mask = torch.ones(rows, spec.seq_len, dtype=torch.long)
-        logged = torch.zeros(())
-    for step in range(1, steps + 1):
-        steering.step = step
-        for _ in range(spec.gradient_accumulation_steps):
-            tracker.begin_phase(step, Phase.FORWARD_END)
-            tracker.component = Component.ACTIVATIONS
-            tracker.blas_handle = "forward"
-            loss = compute_loss(model, input_ids, tracker)
-            tracker.mark(step, Phase.FORWARD_END)
-            tracker.begin_phase(step, Phase.BACKWARD_START)
-            tracker.component = Component.LOGITS_LOSS
-            steering.in_backward = True
-            tracker.blas_handle = "backward"
-            loss.backward()
-            steering.in_backward = False
-            tracker.blas_handle = None
-            logged = logged + loss.detach()
-            del loss
-        tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-        tracker.component = Component.OPTIMIZER_TEMPORARIES
-        if spec.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-        tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-        optimizer.step()
-        tracker.host_scalar_ops = False
-        optimizer.zero_grad(set_to_none=not keep_gradients)
-        tracker.end_phase()
+
+    def micro_batch(step: int) -> torch.Tensor:
+        loss = compute_loss(model, input_ids, tracker)
+        tracker.mark(step, Phase.FORWARD_END)
+        return loss
+
+    trainer_steps(tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients)
     del attention_mask
 
 

@@ -40,7 +40,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK
-from service.trace import grpo, kernels, kto, parallel, preference, reward
+from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -324,11 +324,17 @@ def trace(
     if grpo_step:
         grpo.prepare(model)
         notes.append(grpo.note(spec))
+    orpo_step = spec.objective is Objective.ORPO
+    if orpo_step:
+        orpo.prepare(model, spec)
+        notes.append(orpo.note())
     rewarding = spec.objective is Objective.REWARD
     if rewarding:
         reward.prepare(model)
         notes.append(reward.note())
-    if resolved.loss is LossImpl.PLAIN and not (dpo or kto_step or grpo_step or rewarding):
+    if resolved.loss is LossImpl.PLAIN and not (
+        dpo or kto_step or orpo_step or grpo_step or rewarding
+    ):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
@@ -387,6 +393,8 @@ def trace(
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
             if (dpo or kto_step or grpo_step) and not cpu_kernels:
                 stack.enter_context(preference.gpu_fused_head())
+            if orpo_step and not cpu_kernels:
+                stack.enter_context(orpo.gpu_logprob_kernel())
             if int8 and not cpu_kernels:
                 import bitsandbytes as bnb
 
@@ -437,7 +445,7 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
-            if dpo or rewarding:  # TRL's trainers: the models' forwards as accelerate's
+            if dpo or kto_step or orpo_step or rewarding:  # TRL's: forwards as accelerate's
                 stack.enter_context(
                     accelerate_forward(
                         (preference.unwrapped(m) for m in (model, ref_model) if m is not None), spec
@@ -480,6 +488,11 @@ def trace(
                     steps=STEPS,
                     rewrap_checkpoints=functools.partial(steering.rewrap, model),
                     keep_gradients=keep_gradients,
+                )
+            elif orpo_step:
+                micro_batch = orpo.micro_batches(model, tracker, spec)
+                preference.trainer_steps(
+                    tracker, steering, optimizer, params, spec, micro_batch, STEPS, keep_gradients
                 )
             elif rewarding:
                 reward.run_reward_steps(

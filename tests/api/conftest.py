@@ -56,6 +56,30 @@ FULL_JOB: dict[str, Any] = {
 SMALL_JOB: dict[str, Any] = {"model": "Qwen/Qwen2.5-0.5B", "batch_size": 2, "seq_len": 512}
 
 
+def answered_as_the_core(client: TestClient, job: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/estimates of `job`: a 200 whose allocated peak is the core estimator's for the
+    spec the schema makes of it; returns the answer."""
+    from service.api.schemas import JobSpec
+    from service.catalog.models import default_catalog
+    from service.core.estimator import estimate
+
+    spec = JobSpec.model_validate(job).to_spec()
+    response = client.post("/v1/estimates", json=job)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    expected = estimate(default_catalog().resolve(job["model"]).arch, spec)
+    assert body["peak"]["allocated_bytes"] == expected.allocated_bytes
+    return body
+
+
+def refused_naming(client: TestClient, job: dict[str, Any], field: str) -> None:
+    """POST /v1/estimates of `job` is a 422 with an error located at `field`."""
+    response = client.post("/v1/estimates", json=job)
+    assert response.status_code == 422, response.text
+    locs = [e["loc"] for e in response.json()["errors"]]
+    assert any(field in loc for loc in locs), locs
+
+
 @functools.cache
 def read_only_store_url() -> str:
     directory = Path(tempfile.mkdtemp(prefix="vramcast-api-tests-"))

@@ -52,7 +52,7 @@ def test_sft_is_the_default_and_its_answer_is_unchanged(client: TestClient) -> N
 @pytest.mark.parametrize(
     ("job", "field"),
     [
-        ({**SMALL_JOB, "objective": "orpo"}, "objective"),
+        ({**SMALL_JOB, "objective": "cpo"}, "objective"),
         ({**SMALL_JOB, "objective": "simpo-ish"}, "objective"),
         ({**SMALL_JOB, "dpo": {}}, "dpo"),
         ({**DPO_JOB, "parallel": {"gpus": 2, "strategy": "fsdp"}}, "parallel"),

@@ -99,7 +99,7 @@ fields: dict[str, st.SearchStrategy[Any]] = {
         {},
         optional={"r": integers, "decompose_factor": integers, "decompose_both": st.booleans()},
     ),
-    "objective": st.sampled_from(["sft", "dpo", "orpo", "kto", "simpo-ish"]),
+    "objective": st.sampled_from(["sft", "dpo", "orpo", "cpo", "kto", "simpo-ish"]),
     "dpo": st.none()
     | st.fixed_dictionaries(
         {},
@@ -196,7 +196,7 @@ def test_an_unmodelled_objective_is_named_before_a_bad_combination() -> None:
         "batch_size": 2,
         "seq_len": 16,
         "method": "full",
-        "objective": "orpo",
+        "objective": "cpo",
         "parallel": {"offload": "optimizer"},
     }
     api = _api(job)

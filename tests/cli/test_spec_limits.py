@@ -67,6 +67,15 @@ def service() -> Iterator[TestClient]:
             ["--objective", "grpo", "--max-completion-length", "256"],
             {"objective": "grpo", "grpo": {"max_completion_length": 256}},
         ),
+        # ORPO with QLoRA under bf16 (ORPOTrainer's peft_module_casting_to_bf16), or on DDP
+        (
+            ["--objective", "orpo", "--method", "qlora", "--autocast"],
+            {"objective": "orpo", "method": "qlora", "autocast": True},
+        ),
+        (
+            ["--objective", "orpo", "--gpus", "2", "--strategy", "fsdp"],
+            {"objective": "orpo", "parallel": {"gpus": 2, "strategy": "fsdp"}},
+        ),
     ],
 )
 def test_the_cli_refuses_what_the_api_refuses_for_the_same_reason(
@@ -141,3 +150,15 @@ def test_a_grpo_job_is_estimated_from_the_command_line(capsys: pytest.CaptureFix
     assert main([*ARGV, *grpo, "--grpo-beta", "0.04"]) == 2
     err = capsys.readouterr().err
     assert "--grpo-beta (grpo.beta): beta above 0.0 is not modelled" in err
+
+
+def test_an_orpo_job_is_estimated_from_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    orpo = ["--objective", "orpo", "--method", "lora"]
+    assert main([*ARGV, *orpo]) == 0
+    out = capsys.readouterr().out
+    assert "ORPOTrainer" in out and "4 sequences of 512 tokens" in out
+    assert "backward_start" in out and "reference_model" not in out
+    assert main([*ARGV, *orpo, "--lora-dropout", "0.1", "--keep-dropout"]) == 0
+    assert "LoRA dropout kept" in capsys.readouterr().out

@@ -17,6 +17,7 @@ from vramcast_client.derive import (
     job_from_hf,
     name_or_path,
 )
+from vramcast_client.errors import InvalidRequestError
 
 
 class Config:
@@ -231,22 +232,25 @@ def test_a_dpo_run_counts_pairs_and_its_reference_setting(service: Service) -> N
         assert client.estimate(job).peak.allocated_bytes > 0
 
 
-def test_a_dpo_run_under_trls_default_bf16_is_estimated(service: Service) -> None:
+class KTOConfig(SimpleNamespace):
+    """TRL's KTOConfig as the derivation recognises it: by its class name."""
+
+
+@pytest.mark.parametrize("config", [DPOConfig, KTOConfig, RewardConfig])
+def test_a_preference_run_under_trls_default_bf16_is_estimated(
+    service: Service, config: type[SimpleNamespace]
+) -> None:
     # TRL's configs set bf16=True unless fp16 is asked for (trl/trainer/base_config.py)
     values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=True))
-    job = job_from_hf(PeftModel(QWEN_0_5B), DPOConfig(**values), model_id="Qwen/Qwen2.5-0.5B")
-    assert job.to_json()["autocast"] is True and job.to_json()["objective"] == "dpo"
+    job = job_from_hf(PeftModel(QWEN_0_5B), config(**values), model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json()["autocast"] is True
     plain = job_from_hf(
-        PeftModel(QWEN_0_5B), DPOConfig(**{**values, "bf16": False}), model_id="Qwen/Qwen2.5-0.5B"
+        PeftModel(QWEN_0_5B), config(**{**values, "bf16": False}), model_id="Qwen/Qwen2.5-0.5B"
     )
     with VramcastClient(service.url) as client:
         mixed, fp = client.estimate(job), client.estimate(plain)
     assert mixed.peak.allocated_bytes > 0
     assert mixed.peak.allocated_bytes != fp.peak.allocated_bytes
-
-
-class KTOConfig(SimpleNamespace):
-    """TRL's KTOConfig as the derivation recognises it: by its class name."""
 
 
 def test_a_kto_run_counts_examples_and_its_settings(service: Service) -> None:
@@ -284,3 +288,27 @@ def test_a_grpo_run_counts_completions_and_its_settings(service: Service) -> Non
         vllm = job.model_copy(update={"grpo": job.grpo.model_copy(update={"use_vllm": True})})
         with pytest.raises(Exception, match="use_vllm"):
             client.estimate(vllm)
+
+
+class ORPOConfig(SimpleNamespace):
+    """TRL's ORPOConfig as the derivation recognises it: by its class name."""
+
+
+def test_an_orpo_run_counts_pairs_and_its_settings(service: Service) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=True))
+    args = ORPOConfig(**{**values, "disable_dropout": False})
+    job = job_from_hf(PeftModel(QWEN_0_5B), args, model_id="Qwen/Qwen2.5-0.5B")
+    data = job.to_json()
+    assert data["objective"] == "orpo" and "dpo" not in data and "kto" not in data
+    assert data["orpo"] == {"disable_dropout": False}
+    assert data["autocast"] is True  # ORPOConfig's bf16=True: accelerate's autocast
+    shapes = InputShapes()
+    shapes.max_batch_size, shapes.max_seq_len = 8, 1024
+    unsized = ORPOConfig(**{**values, "per_device_train_batch_size": None})
+    assert job_from_hf(PeftModel(QWEN_0_5B), unsized, shapes=shapes).batch_size == 4  # pairs
+    with VramcastClient(service.url) as client:
+        # this model is 4-bit: QLoRA under bf16 is refused, naming autocast
+        with pytest.raises(InvalidRequestError, match="autocast"):
+            client.estimate(job)
+        plain = job.model_copy(update={"autocast": False})
+        assert client.estimate(plain).peak.allocated_bytes > 0

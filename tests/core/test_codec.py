@@ -57,6 +57,7 @@ from service.core.spec import (
 )
 from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
@@ -226,11 +227,15 @@ def delta_specs(draw: st.DrawFn, method: Method) -> TrainingSpec:
 
 @st.composite
 def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
-    """Objectives 'dpo', 'reward' and 'kto': TRL's DPOTrainer, RewardTrainer or KTOTrainer on
-    one GPU, HF + PEFT, without autocast; DPO's and KTO's settings with their objective only
-    (KTO's KL batch with two examples at least)."""
+    """Objectives 'dpo', 'reward', 'kto' and 'orpo': TRL's DPOTrainer, RewardTrainer,
+    KTOTrainer or ORPOTrainer on one GPU, HF + PEFT, under bf16 autocast or without it (ORPO's
+    QLoRA without); DPO's, KTO's and ORPO's settings with their objective only (KTO's KL batch
+    with two examples at least)."""
     method = draw(st.sampled_from(DPO_METHODS))
-    objective = draw(st.sampled_from((Objective.DPO, Objective.REWARD, Objective.KTO)))
+    objective = draw(
+        st.sampled_from((Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO))
+    )
+    orpo_settings = st.builds(OrpoSpec, disable_dropout=st.booleans())
     dpo_settings = st.builds(
         DpoSpec,
         precompute_ref_log_probs=st.booleans(),
@@ -241,16 +246,22 @@ def dpo_specs(draw: st.DrawFn) -> TrainingSpec:
     )
     kto = draw(st.none() | kto_settings) if objective is Objective.KTO else None
     kl = objective is Objective.KTO and (kto is None or kto.calculate_kl)
+    dtype = draw(st.sampled_from(DType))
+    # ORPOTrainer's QLoRA under bf16 (peft_module_casting_to_bf16) is not modelled
+    orpo_qlora = objective is Objective.ORPO and method is Method.QLORA
     return TrainingSpec(
         method=method,
         objective=objective,
         dpo=draw(st.none() | dpo_settings) if objective is Objective.DPO else None,
         kto=kto,
+        orpo=draw(st.none() | orpo_settings) if objective is Objective.ORPO else None,
         batch_size=draw(st.integers(2 if kl else 1, MAX_BATCH_SIZE)),
         seq_len=draw(st.integers(1, MAX_SEQ_LEN)),
         lora=draw(st.none() | loras) if method in LORA_METHODS else None,
         quantization=draw(st.none() | quantizations) if method is Method.QLORA else None,
-        dtype=draw(st.sampled_from(DType)),
+        dtype=dtype,
+        # bf16 mixed precision (TRL's default); fp16's gradient scaler is not modelled
+        autocast=dtype is not DType.FP16 and not orpo_qlora and draw(st.booleans()),
         gradient_checkpointing=draw(st.booleans()),
         allocator=draw(allocators),
     )
@@ -330,6 +341,7 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         *DELTA_OPTIONS.values(),
         "dpo",
         "kto",
+        "orpo",
         "grpo",
     ):  # when set
         if getattr(spec, name) is None:

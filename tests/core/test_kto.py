@@ -18,10 +18,12 @@ from service.core.spec import (
     Method,
     Objective,
     ParallelSpec,
+    Strategy,
     TrainingSpec,
     objective_from,
 )
 from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.units import DType
 
 CATALOG = default_catalog()
 QWEN_05B = CATALOG.resolve("Qwen/Qwen2.5-0.5B").arch
@@ -42,8 +44,10 @@ def test_kto_is_a_modelled_objective() -> None:
     ("kwargs", "field"),
     [
         ({"method": Method.IA3}, "method"),
-        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
-        ({"autocast": True}, "autocast"),
+        # DDP is modelled, the sharding strategies not
+        ({"parallel": ParallelSpec(gpus=2, strategy=Strategy.FSDP)}, "parallel.gpus"),
+        # fp16 mixed precision (GradScaler); bf16, TRL's default, is modelled
+        ({"autocast": True, "dtype": DType.FP16}, "autocast"),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"framework": Framework.LITGPT}, "framework"),
         ({"num_labels": 2}, "num_labels"),

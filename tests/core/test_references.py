@@ -60,6 +60,25 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         GRPO_GAP,
     ),
     "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b1-s512__ckpt__ga16": (0.06, GRPO_GAP),
+    # KTO under autocast: the replay's allocated peak falls 108 MB short of the trace's with
+    # checkpointing on Llama-3.2-1B QLoRA (the estimate's allocated level is exact, so the
+    # recomputed layers' autocast copies are missing from the replay, as for DPO); on
+    # Qwen2.5-0.5B QLoRA the replay's peak matches and its gap is 75 MB short; without
+    # checkpointing, Llama-3.2-1B full's replay reserves 1.5 GB more in its second step than
+    # in its first, where the trace's adds 0.5 GB. The safe bound holds on all three.
+    "llama-3_2-1b__qlora__kto__r16-all-linear__nf4-dq__b2-s512__ckpt__autocast": (
+        0.05,
+        "KTO under autocast with checkpointing: the replay's recomputed layers (under)",
+    ),
+    "qwen2_5-0_5b__qlora__kto__apo-zero-unpaired__r16-all-linear__nf4-dq__b2-s1024__ckpt"
+    "__autocast": (
+        0.055,
+        "KTO under autocast with checkpointing: the replay's segments (under)",
+    ),
+    "llama-3_2-1b__full__kto__b2-s512__autocast": (
+        0.055,
+        "KTO under autocast, full fine-tuning: the replay's second step (over)",
+    ),
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{
@@ -238,8 +257,8 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
 
 
 # Each objective's references with at least this many of them committed (`-k dpo`, `-k grpo`,
-# `-k kto`, `-k reward`).
-OBJECTIVE_REFERENCES = {"dpo": 21, "grpo": 9, "kto": 15, "reward": 11}
+# `-k kto`, `-k orpo`, `-k reward`).
+OBJECTIVE_REFERENCES = {"dpo": 21, "grpo": 9, "kto": 24, "orpo": 18, "reward": 11}
 
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_REFERENCES))

@@ -74,8 +74,9 @@ def test_a_parallel_reference_is_well_formed(name: str) -> None:
     assert f"{spec.parallel.strategy.value}-{spec.parallel.gpus}gpu" in name
     peak = document["peak"]
     assert [(p["step"], p["phase"]) for p in document["phases"]] == expected_phases(spec)
-    # the reference model's part is written only where there is one (DPO's full fine-tuning)
-    reference_copy = spec.objective is Objective.DPO and spec.method is Method.FULL
+    # the reference model's part is written only where there is one (DPO's and KTO's full
+    # fine-tuning)
+    reference_copy = spec.objective in (Objective.DPO, Objective.KTO) and spec.method is Method.FULL
     for entry in [peak, *document["phases"], *document["steps"]]:
         components = entry["components"]
         assert (Component.REFERENCE_MODEL.value in components) is reference_copy

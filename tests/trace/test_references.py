@@ -36,6 +36,7 @@ RETRACED = (
     "qwen2_5-0_5b__prompt-tuning__20-virtual__b2-s512",
     "qwen2_5-0_5b__full__dpo__b1-s512",
     "qwen2_5-0_5b__lora__reward__r16-all-linear__b2-s512",
+    "qwen2_5-0_5b__lora__orpo__r16-all-linear__b2-s512",
     "qwen2_5-0_5b__adalora__r12-default__target8-tinit2__b1-s512__ckpt",
 )
 

@@ -231,6 +231,28 @@ def test_a_grpo_trace_runs_generate_with_its_kv_cache_then_the_step() -> None:
     assert any("GRPOTrainer" in note for note in result.assumptions)
 
 
+def test_an_orpo_trace_keeps_the_logits_and_adds_their_gradients() -> None:
+    """TRL's ORPO step on the tiny model: no reference model or reference forward, the peak at
+    the start of backward where the kernel's and the NLL's logits gradients are added, and the
+    collator's batch (chosen and rejected ids, masks and labels, the prompt's ids and mask)."""
+    from service.core.spec import Objective
+    from service.trace import orpo
+
+    spec = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=32, objective=Objective.ORPO)
+    result = trace(spec, TINY, "tiny")
+    assert Phase.REFERENCE_FORWARD not in {p.phase for p in result.phases}
+    assert not result.peak.components.get(Component.REFERENCE_MODEL)
+    assert any("ORPOTrainer" in note for note in result.assumptions)
+    phases = {(p.step, p.phase): p.snapshot for p in result.phases}
+    start = phases[(2, Phase.BACKWARD_START)]
+    assert start.op == "aten.add.Tensor"
+    logits = 2 * 2 * 32 * TINY["vocab_size"] * 2  # bf16 [chosen; rejected] logits
+    assert start.components[Component.LOGITS_LOSS] >= 3 * logits
+    prompt = 32 // orpo.PROMPT_DIVISOR
+    batch = 6 * 2 * 32 * 8 + 2 * 2 * prompt * 8
+    assert phases[(2, Phase.FORWARD_END)].components[Component.INPUTS] >= batch
+
+
 def test_a_reward_trace_runs_one_forward_through_the_score_head() -> None:
     """TRL's reward step on the tiny model: a one-label sequence classifier (no LM head), the
     [chosen; rejected] rows in one forward, PEFT's SEQ_CLS copy of the score trained beside

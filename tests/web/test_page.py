@@ -497,15 +497,24 @@ def test_a_dpo_job_sends_its_objective_and_shows_the_reference_model(
     assert_estimate_shown(d.shown(), answer)
 
 
-def test_a_reward_model_job_sends_its_objective(driver: Driver, api: httpx.Client) -> None:
+@pytest.mark.parametrize("objective", ["reward", "orpo"])
+def test_a_pairs_objective_job_sends_its_objective(
+    driver: Driver, api: httpx.Client, objective: str
+) -> None:
+    """A reward model (no LM head) and ORPO (the whole logits, no reference model): each
+    objective's hint shown alone, the objective sent without DPO's settings."""
     d = driver
+    hint, other = f"#{objective}-hint", "#orpo-hint" if objective == "reward" else "#reward-hint"
     d.open("?model=Qwen%2FQwen2.5-0.5B&method=lora&batch_size=2&seq_len=512&gpu=H100-SXM")
-    assert d.page.is_hidden("#reward-hint")
-    d.page.select_option("#objective", "reward")
+    assert d.page.is_hidden(hint)
+    d.page.select_option("#objective", objective)
     d.wait_ready()
-    assert d.page.is_visible("#reward-hint") and d.page.is_hidden("#max_completion_length")
+    assert d.page.is_visible(hint) and d.page.is_hidden(other)
+    assert d.page.is_hidden("#max_completion_length")
     job = d.last_post("/v1/estimates")
-    assert job["objective"] == "reward" and "dpo" not in job
+    assert job["objective"] == objective and "dpo" not in job
     answer = api.post("/v1/estimates", json=job).json()
-    assert "logits_loss" not in answer["components"] or not answer["components"]["logits_loss"]
+    logits = answer["components"].get("logits_loss", 0)
+    assert (logits > 0) if objective == "orpo" else not logits
+    assert "reference_model" not in answer["components"]
     assert_estimate_shown(d.shown(), answer)

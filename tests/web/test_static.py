@@ -73,7 +73,7 @@ def test_every_objective_the_page_offers_is_answered(client: TestClient) -> None
     select = re.search(r'<select id="objective"[^>]*>(.*?)</select>', page, re.S)
     assert select is not None
     values = re.findall(r'<option value="([^"]+)"', select.group(1))
-    assert {"sft", "dpo", "reward", "kto", "grpo"} <= set(values)
+    assert {"sft", "dpo", "reward", "kto", "orpo", "grpo"} <= set(values)
     for value in values:
         job: dict[str, object] = {
             "model": "Qwen/Qwen2.5-0.5B",

@@ -11,9 +11,9 @@ By concern: `weights` (which modules train; parameters, gradients, optimizer sta
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
 by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
 estimate and its levels), `preference` (DPO's step on top of the SFT one), `kto` (KTO's: DPO's
-fused-head step on unpaired rows), `reward` (a reward
-model's step: the SFT one with a score head); `deepseek` (the
-model states of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
+fused-head step on unpaired rows), `orpo` (ORPO's: the SFT step with the whole logits),
+`reward` (a reward model's step: the SFT one with a score head); `deepseek` (the model states
+of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
 below from this package, not from its modules.
 """
 
@@ -32,6 +32,7 @@ from service.core.estimator.deepseek import (
 )
 from service.core.estimator.kto import KL_BATCH_TENSORS, kto_policy_spec, kto_shape
 from service.core.estimator.oft import OFT_SERIES_SAVED
+from service.core.estimator.orpo import ADDED_GRADIENTS, orpo_policy_spec, orpo_shape
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec
@@ -43,6 +44,7 @@ from service.core.estimator.weights import (
 from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
 
 __all__ = [
+    "ADDED_GRADIENTS",
     "ALLOCATOR_BUFFERS",
     "ESTIMATOR_VERSION",
     "KL_BATCH_TENSORS",
@@ -68,6 +70,8 @@ __all__ = [
     "layer_flow",
     "layer_saved_bytes",
     "litgpt_zero_pad_width",
+    "orpo_policy_spec",
+    "orpo_shape",
     "peak_levels",
     "policy_spec",
     "reward_arch",

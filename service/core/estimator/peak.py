@@ -10,6 +10,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.grpo import grpo_policy_spec, grpo_step
 from service.core.estimator.kto import kto_policy_spec, kto_step, reference_copy
+from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -21,7 +22,14 @@ from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
-from service.core.spec import METHOD_OPTIONS, Framework, Method, Objective, TrainingSpec
+from service.core.spec import (
+    METHOD_OPTIONS,
+    Framework,
+    LossImpl,
+    Method,
+    Objective,
+    TrainingSpec,
+)
 from service.core.stack import stack_note
 from service.core.units import FP32_BYTES
 
@@ -35,7 +43,7 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
-    if spec.objective in (Objective.DPO, Objective.KTO, Objective.GRPO):
+    if spec.objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.GRPO):
         return _dpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.REWARD:
         return _reward_estimate(arch, spec, compute_capability)
@@ -68,7 +76,13 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
-    if spec.objective in (Objective.DPO, Objective.KTO, Objective.GRPO, Objective.REWARD):
+    if spec.objective in (
+        Objective.DPO,
+        Objective.KTO,
+        Objective.ORPO,
+        Objective.GRPO,
+        Objective.REWARD,
+    ):
         est = estimate(arch, spec, compute_capability=compute_capability)
         return PeakLevels(
             est.allocated_bytes, est.reserved_bytes, est.device_bytes, est.device_bytes_upper
@@ -119,6 +133,8 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         return _kto_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.GRPO:
         return _grpo_estimate(arch, spec, compute_capability)
+    if spec.objective is Objective.ORPO:
+        return _orpo_estimate(arch, spec, compute_capability)
     dpo = dpo_step(arch, spec, compute_capability)
     st = dpo.step
     phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in dpo.phases)
@@ -190,6 +206,21 @@ def _grpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str 
         compute_capability,
     )
     return _answer(st, phases, peak, over, spec, before=grpo.assumptions)
+
+
+def _orpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
+    """ORPO's step (estimator/orpo.py): the policy's SFT step on the doubled batch with the
+    whole logits, no reference; the levels above allocated replay the SFT step whose loss
+    keeps its logits as ORPO's does (`LossImpl.PLAIN` on the doubled batch)."""
+    orpo = orpo_step(arch, spec, compute_capability)
+    st = orpo.step
+    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in orpo.phases)
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    replay = replace(orpo_policy_spec(spec), loss=LossImpl.PLAIN)
+    plan = _step(arch, replay, compute_capability).plan
+    plan = replace(plan, reserved=replace(plan.reserved, orpo_logits=logits_bytes(spec)))
+    over = _above(arch, replay, plan, peak.allocated_bytes, st.paged_state, compute_capability)
+    return _answer(st, phases, peak, over, spec, before=orpo.assumptions)
 
 
 def _reward_estimate(

@@ -279,6 +279,29 @@ def fused_head_phases(
             )
         backward = max(backward, top, key=sum)
     optimizer = st.optimizer_step._replace(reference_model=reference)
+    return step_phases(
+        st,
+        forward_end,
+        backward_start,
+        backward,
+        optimizer,
+        reference_forward=ref_forward if reference_forward else None,
+    )
+
+
+def step_phases(
+    st: _Step,
+    forward_end: _Moment,
+    backward_start: _Moment,
+    backward: _Moment,
+    optimizer: _Moment,
+    *,
+    reference_forward: _Moment | None = None,
+) -> tuple[tuple[int, Phase, tuple[int, ...]], ...]:
+    """A TRL trainer's phases as (step, phase, parts) from its moments: both steps' forward,
+    reference forward (when there is one), backward start and backward, the first step's
+    optimizer step; the first step without optimizer state, and without the autograd
+    thread's cuBLAS workspace before its backward."""
     one, both = st.workspaces
     fixed = tuple(st.fixed)
     first = (*fixed, one, 0)
@@ -286,8 +309,8 @@ def fused_head_phases(
     rows: list[tuple[int, Phase, tuple[int, ...]]] = []
     for step, held in ((1, first), (2, steady)):
         rows.append((step, Phase.FORWARD_END, held + tuple(forward_end)))
-        if reference_forward:
-            rows.append((step, Phase.REFERENCE_FORWARD, held + tuple(ref_forward)))
+        if reference_forward is not None:
+            rows.append((step, Phase.REFERENCE_FORWARD, held + tuple(reference_forward)))
         rows.append((step, Phase.BACKWARD_START, held + tuple(backward_start)))
         back_held = (*fixed, both, 0) if step == 1 else steady
         rows.append((step, Phase.BACKWARD, back_held + tuple(backward)))

@@ -22,6 +22,7 @@ from service.core.schedule.step import (
     DPO_RUNNING_STATS,
     DPO_TILE_TOKENS,
     DPO_TILE_VOCAB,
+    PAIR_SIDES,
     step_events,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "DPO_TILE_TOKENS",
     "DPO_TILE_VOCAB",
     "HALF_BYTES",
+    "PAIR_SIDES",
     "Event",
     "Kernel",
     "LinearShape",

@@ -159,6 +159,9 @@ class StepShape:
     kto_kl: bool = False
     dpo_top1: bool = True
     dpo_mean_logits: bool = True  # GRPO's policy head: log-probs and entropy alone
+    # ORPO (TRL's ORPOTrainer): bytes per logit of its whole logits (0: not ORPO), kept for
+    # its log-prob kernel, with the chosen half's NLL beside them
+    orpo_logits: int = 0
     adalora: bool = False  # AdaLoRA on the adapted linears (peft/tuners/adalora/layer.py)
     oft: bool = False  # OFT on the adapted linears (peft/tuners/oft/layer.py)
     # AdaLoRA's penalised parameters' bytes, every lora_A and lora_B in named_parameters order,

@@ -17,6 +17,9 @@ DPO_RUNNING_STATS = 7
 # q-sized copies around SDPA's math kernel without grad: k and v expanded to every head, the
 # scaled q and its contiguous copy (reference trace llama-3_2-1b__qlora__dpo__*__b2-s1024).
 MATH_REFERENCE_COPIES = 4
+# ORPO's [chosen; rejected] rows on the batch axis (trl/experimental/orpo/orpo_trainer.py
+# concatenated_inputs): the chosen half is the NLL's.
+PAIR_SIDES = 2
 
 
 class _Step(_Backward):
@@ -254,6 +257,8 @@ class _Step(_Backward):
         self.gemm()
         if not sh.head_trainable:
             self.f(x_half)
+        if sh.orpo_logits:
+            return self._orpo_forward(logits, fn)
         self.softcap_tanh = 0
         if sh.final_softcap:  # logits / cap, tanh (kept for backward), * cap
             divided = self.a(sh.head_bytes * v)
@@ -282,7 +287,9 @@ class _Step(_Backward):
         g = 0
         if sh.adalora:
             self.penalty_backward()
-        if sh.loss_materialised:
+        if sh.orpo_logits:
+            g = self._orpo_backward(logits, logp)
+        elif sh.loss_materialised:
             lb = FP32_BYTES if sh.loss_upcast else sh.head_bytes
             g1 = self.a(lb * v)
             g2 = self.a(lb * v)
@@ -320,6 +327,79 @@ class _Step(_Backward):
                 self.f(gh)
                 gh = wide
         return self.norm_backward(gh, final, "final")
+
+    # -- ORPO (TRL 1.16.0 ORPOTrainer, trl/experimental/orpo/orpo_trainer.py) ---------------
+
+    def _softcap(self, logits: int, e: int) -> int:
+        """Gemma-2's final softcapping: logits / cap, tanh (kept for backward), * cap."""
+        v = self.sh.vocab
+        self.softcap_tanh = 0
+        if not self.sh.final_softcap:
+            return logits
+        divided = self.a(e * v)
+        self.f(logits)
+        self.softcap_tanh = self.a(e * v)
+        self.f(divided)
+        return self.a(e * v)
+
+    def _orpo_chosen(self) -> int:
+        """Bytes of the chosen rows' logits without their last position: the NLL's."""
+        sh = self.sh
+        return sh.batch // PAIR_SIDES * (sh.seq - 1) * sh.vocab * sh.orpo_logits
+
+    def _orpo_forward(self, logits: int, fn: int) -> tuple[int, int]:
+        """`concatenated_forward` after the LM head: accelerate's fp32 copy of the outputs under
+        autocast, the NLL's contiguous copy of the chosen half and its log-softmax (the copy
+        let go), the whole logits kept for the log-prob kernel (estimator/orpo.py)."""
+        sh = self.sh
+        v, e = sh.vocab, sh.orpo_logits
+        if e != sh.head_bytes:  # convert_outputs_to_fp32
+            wide = self.a(e * v)
+            self.f(logits)
+            logits = wide
+        logits = self._softcap(logits, e)
+        chosen = self._orpo_chosen()
+        # `.contiguous()` copies the chosen rows' [:, :-1] slice, unless it is one row (a
+        # contiguous view already)
+        copy = self.p.alloc(chosen) if sh.batch > PAIR_SIDES else 0
+        logp = self.p.alloc(chosen)
+        self.f(copy)
+        if not sh.head_trainable:
+            self.f(fn)
+        return logits, logp
+
+    def _orpo_backward(self, logits: int, logp: int) -> int:
+        """The logits' gradients: the kernel's (its [:, :-1] slice's backward a full-shape
+        copy, the saved logits let go), the NLL's (log-softmax's, then two slices' backward),
+        their sum; the softcap's backward, then the cast back to the head's dtype."""
+        sh = self.sh
+        v, e = sh.vocab, sh.orpo_logits
+        chosen = self._orpo_chosen()
+        kernel = self.p.alloc(PAIR_SIDES * chosen)  # (rows, seq - 1, vocab)
+        self.f(logits)
+        sliced = self.a(e * v)
+        self.f(kernel)
+        nll = self.p.alloc(chosen)
+        soft = self.p.alloc(chosen)
+        self.f(nll, logp)
+        half = self.a(e * v // PAIR_SIDES)  # the chosen rows, every position
+        self.f(soft)
+        whole = self.a(e * v)
+        self.f(half)
+        g = self.a(e * v)
+        self.f(sliced, whole)
+        if sh.final_softcap:  # * cap, tanh's backward, / cap
+            for release in (False, True, False):
+                nxt = self.a(e * v)
+                self.f(g)
+                if release:
+                    self.f(self.softcap_tanh)
+                g = nxt
+        if e != sh.head_bytes:
+            narrow = self.a(sh.head_bytes * v)
+            self.f(g)
+            g = narrow
+        return g
 
     # -- reward model (TRL 1.16.0 RewardTrainer, GenericForSequenceClassification) ------------
 

@@ -252,6 +252,7 @@
     $("dpo-hint").hidden = s.objective !== "dpo";
     $("grpo-hint").hidden = s.objective !== "grpo";
     $("reward-hint").hidden = s.objective !== "reward";
+    $("orpo-hint").hidden = s.objective !== "orpo";
     $("quant-options").hidden = s.method !== "qlora";
     $("placement-strategies").hidden = !placing(s);
   }

@@ -31,6 +31,7 @@ from vramcast_client.models import (
     MethodName,
     ModelRef,
     OptimName,
+    Orpo,
     Parallel,
     Quantization,
     QuantTypeName,
@@ -124,16 +125,18 @@ def job_from_hf(
     """The job of an HF `Trainer` run: `model` as the Trainer holds it, `args` its
     TrainingArguments (or TRL's SFTConfig, which adds max_length; or TRL's DPOConfig or
     RewardConfig, whose batches are pairs: the model takes 2 x per_device_train_batch_size
-    sequences; or TRL's KTOConfig, whose batches are unpaired examples; or TRL's GRPOConfig,
-    whose batch counts completions of prompt + max_completion_length tokens)."""
+    sequences; or TRL's KTOConfig, whose batches are unpaired examples; or TRL's ORPOConfig,
+    pairs too; or TRL's GRPOConfig, whose batch counts completions of prompt +
+    max_completion_length tokens)."""
     base = find_hf_model(model)
     dpo = _dpo(args)
     kto = _kto(args)
+    orpo = _orpo(args)
     grpo = _grpo(args)
     reward = type(args).__name__ == "RewardConfig"  # by name: TRL need not be importable
     batch = _int(getattr(args, "per_device_train_batch_size", None))
     if batch is None and shapes is not None and shapes.max_batch_size:
-        pairs = dpo is not None or reward
+        pairs = dpo is not None or orpo is not None or reward
         batch = shapes.max_batch_size // 2 if pairs else shapes.max_batch_size
     strategy, offload = _hf_parallel(args)
     job = _job(
@@ -158,6 +161,8 @@ def job_from_hf(
         return job.model_copy(update={"objective": "kto", "kto": kto})
     if grpo is not None:
         return job.model_copy(update={"objective": "grpo", "grpo": grpo})
+    if orpo is not None:
+        return job.model_copy(update={"objective": "orpo", "orpo": orpo})
     if dpo is None:
         return job
     return job.model_copy(update={"objective": "dpo", "dpo": dpo})
@@ -170,6 +175,14 @@ def _dpo(args: Any) -> Dpo | None:
         return None
     precompute = getattr(args, "precompute_ref_log_probs", None)
     return Dpo(precompute_ref_log_probs=precompute if isinstance(precompute, bool) else None)
+
+
+def _orpo(args: Any) -> Orpo | None:
+    """ORPO's settings when `args` is TRL's ORPOConfig (by its class name), else None."""
+    if type(args).__name__ != "ORPOConfig":
+        return None
+    disable = getattr(args, "disable_dropout", None)
+    return Orpo(disable_dropout=disable if isinstance(disable, bool) else None)
 
 
 def _kto(args: Any) -> Kto | None:

@@ -38,7 +38,7 @@ OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
-ObjectiveName = Literal["sft", "dpo", "reward", "kto", "grpo"]
+ObjectiveName = Literal["sft", "dpo", "reward", "kto", "orpo", "grpo"]
 
 
 class _Request(BaseModel):
@@ -210,6 +210,13 @@ class Grpo(_Request):
     use_vllm: bool | None = None
 
 
+class Orpo(_Request):
+    """TRL ORPOConfig's settings that change memory (objective 'orpo' only)."""
+
+    # False keeps LoRA's dropout (ORPOConfig's default True sets every dropout's p to 0)
+    disable_dropout: bool | None = None
+
+
 class Stack(_Request):
     """The library versions a job runs on; None: the service's traced stack's."""
 
@@ -228,11 +235,13 @@ class Job(_Request):
     method: MethodName | None = None
     # 'dpo': batch_size pairs run as 2 x batch_size sequences, with a reference model;
     # 'reward': a one-label reward model, batch_size pairs as 2 x batch_size sequences;
-    # 'kto': batch_size unpaired examples, a KL batch and a reference model
+    # 'kto': batch_size unpaired examples, a KL batch and a reference model;
+    # 'orpo': batch_size pairs as 2 x batch_size sequences, the whole logits kept, no reference
     objective: ObjectiveName | None = None
     dpo: Dpo | None = None
     kto: Kto | None = None
     grpo: Grpo | None = None
+    orpo: Orpo | None = None
     lora: Lora | None = None
     quantization: Quantization | None = None
     vera: Vera | None = None
