@@ -8,8 +8,7 @@ import pytest
 from service.catalog.models import default_catalog
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import InvalidSpecError
-from service.core.estimator import estimate
-from service.core.estimator.grpo import buffered_inputs, kv_cache_bytes
+from service.core.estimator import buffered_inputs, estimate, kv_cache_bytes
 from service.core.fit import Change, GpuOffer, Requirement, check_fit
 from service.core.result import Component, Phase
 from service.core.spec import Framework, LoraSpec, Method, Objective, TrainingSpec
