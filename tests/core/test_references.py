@@ -207,6 +207,15 @@ def test_reserved_matches_the_traces(
 # Peaks within the tolerance whose breakdown is not the trace's: the estimate's peak moment
 # holds the same total made up differently, each with why.
 COMPONENT_KNOWN_GAPS: dict[str, str] = {
+    "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b8-s512": (
+        "GRPO LoRA without checkpointing: the trace peaks inside the top layer's MLP forward, "
+        "before the fused head; the estimate's forward end holds the head's tiles (17 MB of "
+        "logits_loss) and is 0.75 % under"
+    ),
+    "gemma-2-2b__lora__grpo__g8-p480__r16-all-linear__b8-s512__ckpt__eager": (
+        "Gemma-2 LoRA GRPO, eager attention on 8 rows: the estimate's moment inside the "
+        "layers' backward holds 19 MB more backward temporaries than the trace's (0.3 %)"
+    ),
     "llama-3_2-1b__lora__dpo__r16-all-linear__b2-s512__ckpt__autocast__ddp-4gpu": (
         "DPO LoRA under autocast with checkpointing: the estimate's moment inside the layers' "
         "backward holds 16 MiB more activations than the trace's (0.5 % of the peak)"
