@@ -85,9 +85,12 @@ def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
     )
     result = trace(spec, TINY, "tiny")
     phases = {(p.step, p.phase): p.snapshot for p in result.phases}
-    # every phase but DPO's reference forward
+    # every phase but DPO's reference forward and GRPO's generation
     assert set(phases) == {
-        (s, p) for s in (1, 2) for p in Phase if p is not Phase.REFERENCE_FORWARD
+        (s, p)
+        for s in (1, 2)
+        for p in Phase
+        if p not in (Phase.REFERENCE_FORWARD, Phase.GENERATION)
     }
     # No optimizer state before the first step; all of it in the steady state.
     assert phases[(1, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE] == 0
