@@ -403,6 +403,11 @@ def matrix() -> list[Case]:
         _spec(full, 1, 1024, ckpt=True),
         _spec(lora, 1, 1024, ckpt=True, sdpa_kernel=SdpaKernel.EFFICIENT),
         _spec(lora, 1, 4096, ckpt=True),
+        # Without checkpointing, the memory-efficient kernel (fp32 after kbit preparation;
+        # past the window, its mask) keeps the value, a view of the fused qkv output, whole.
+        _spec(qlora, 1, 1024),
+        _spec(qlora, 2, 2048),
+        _spec(lora, 1, 1024, sdpa_kernel=SdpaKernel.EFFICIENT),
     )
     # Qwen1.5-MoE-A2.7B: 60 routed experts (grouped_mm) plus a shared expert per layer.
     add(

@@ -466,10 +466,17 @@ def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnCho
         # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
         # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda). With
         # a mask transformers repeats them itself (repeat_kv): from one key/value head that is
-        # an expanded view, and the kernel keeps k and v themselves.
-        rep = kv_bytes if arch.num_key_value_heads == 1 and spec.windowed else q_bytes
-        led.add("k_rep", rep)
-        led.add("v_rep", rep)
+        # an expanded view, and the kernel keeps k and v themselves. So it does without
+        # grouped heads (repeat_kv returns its input): the value is then a view of its
+        # projection's output, of the whole fused one where q, k and v share it (Phi-3's
+        # qkv_proj), as the flash kernel's (traces phi-3*__qlora__*nf4-dq__b1-s1024*).
+        n_kv = arch.num_key_value_heads
+        if n_kv < n_h and not (n_kv == 1 and spec.windowed):
+            led.add("k_rep", q_bytes)
+            led.add("v_rep", q_bytes)
+        else:
+            led.add("k_rope", kv_bytes)
+            led.add(v_key, v_bytes)
         led.add("attn_out", q_bytes)
         led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
         if spec.windowed:
