@@ -24,7 +24,7 @@ PARALLEL_TRACES = TRACES.with_name("traces_parallel")
 REFERENCE_SETS = {"one-gpu": (TRACES, 140), "multi-gpu": (PARALLEL_TRACES, 60)}
 PEAK_TOLERANCE = 0.01  # each reference's allocated peak
 RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model's replay)
-GRPO_GAP = "GRPO: the generation's blocks (its KV cache grown token by token) are not replayed"
+GRPO_GAP = "GRPO: the replayed KV cache growth takes more segments than the trace's (over)"
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
 # that grows fails, one that closes fails too.
 RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
@@ -50,16 +50,23 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.035,
         "DPO under autocast with checkpointing: the replay's recomputed layers (under)",
     ),
-    # GRPO: the allocator replay runs the training step's schedule, not model.generate's (its
-    # KV cache grown by torch.cat a token at a time leaves cached blocks the step reuses), so
-    # the reserved level is under where the generation fragments most (QLoRA, long prefills).
-    "llama-3_2-1b__lora__grpo__g8-p480__r16-all-linear__b8-s512__ckpt": (0.03, GRPO_GAP),
-    "llama-3_2-1b__qlora__grpo__g8-p448__r16-all-linear__nf4-dq__b8-s512__ckpt": (0.07, GRPO_GAP),
+    # GRPO: the allocator replay runs model.generate's prefill and its KV cache grown by
+    # torch.cat a token at a time before each step (service/core/schedule/generation.py).
+    # Where every head has its own key and value (Phi-3-mini: a 45 MiB tensor per layer at
+    # 480 prompt tokens) the replayed growth outruns each segment's rounding and takes new
+    # segments for all of them: 9.2 GB reserved during the generation where the trace's holds
+    # 7.0 GB (its tensors 6.4 GB); which freed blocks the traced growth reuses is not found.
+    "llama-3_2-1b__qlora__grpo__g8-p448__r16-all-linear__nf4-dq__b8-s512__ckpt": (0.025, GRPO_GAP),
     "phi-3-mini-4k-instruct__qlora__grpo__g8-p480__r16-all-linear__nf4-dq__b8-s512__ckpt": (
-        0.10,
+        0.33,
         GRPO_GAP,
     ),
-    "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b1-s512__ckpt__ga16": (0.06, GRPO_GAP),
+    # a 16-row generation batch for one-completion micro-batches: the replay's gap at the
+    # generation is 0.1 GB short of the trace's (the safe bound above it by 12 MiB)
+    "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b1-s512__ckpt__ga16": (
+        0.03,
+        "GRPO: the generation's reserved gap beside a one-row step (under)",
+    ),
     # KTO under autocast: the replay's allocated peak falls 108 MB short of the trace's with
     # checkpointing on Llama-3.2-1B QLoRA (the estimate's allocated level is exact, so the
     # recomputed layers' autocast copies are missing from the replay, as for DPO); on

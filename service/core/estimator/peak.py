@@ -196,6 +196,7 @@ def _grpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str 
         dpo_reference_copy=False,
         dpo_top1=False,
         dpo_mean_logits=False,
+        generation=True,
     )
     over = _above(
         arch,

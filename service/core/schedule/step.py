@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from service.core.architecture import SCORE_OUTPUTS
 from service.core.schedule.backward import _Backward
+from service.core.schedule.generation import generation_events
 from service.core.schedule.program import _Program, _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape, Updater
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
@@ -32,6 +33,8 @@ class _Step(_Backward):
         .grad (the first creates it; later ones are added in place and freed), then the
         optimizer."""
         self.accumulated = bool(self.grads)  # kept by zero_grad(set_to_none=False)
+        self.f(*self.buffered)
+        self.buffered = generation_events(self.sh, self.p) if self.sh.generation_tokens else []
         for _ in range(self.sh.accumulation):
             self._micro_batch()
             self.accumulated = True

@@ -385,6 +385,13 @@ class Params(_Result):
     trainable: int
 
 
+class Generation(_Result):
+    """GRPO's generation phase at its peak (step 2), its KV cache apart."""
+
+    allocated_bytes: int
+    kv_cache_bytes: int
+
+
 class Estimate(_Result):
     """A job's peak on one GPU, where it goes and when it happens."""
 
@@ -394,6 +401,7 @@ class Estimate(_Result):
     components: dict[str, int]
     overheads: dict[str, int]
     phases: list[PhaseBytes]
+    generation: Generation | None = None  # GRPO's generation phase; None for other objectives
     params: Params
     host_bytes: int = 0
     upper_margin: float
