@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from service.api.schemas.base import Boolean, In, Number
+from service.api.schemas.base import Boolean, In, Number, integers
 from service.core.spec_grpo import GrpoSpec
 
 _DEFAULTS = GrpoSpec()
@@ -15,6 +15,10 @@ class GrpoIn(In):
     """TRL GRPOConfig's settings that change memory (objective 'grpo' only). batch_size counts
     completions (per_device_train_batch_size: prompts x num_generations) and seq_len is
     max_prompt_length + max_completion_length."""
+
+    integer_fields = integers(
+        "num_generations", "max_prompt_length", "max_completion_length", "num_iterations"
+    )
 
     num_generations: int = Field(
         default=_DEFAULTS.num_generations,
