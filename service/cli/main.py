@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from service.cli.options import CliError, add_spec_options, load_model, option_error, spec_from_args
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
-from service.core.result import PHASE_WORDS, Estimate, estimate_to_dict
+from service.core.result import PHASE_WORDS, Component, Estimate, estimate_to_dict
 from service.core.spec import Objective
 from service.core.units import GIB
 
@@ -38,13 +38,18 @@ def format_estimate(model_id: str, est: Estimate, objective: Objective = Objecti
     lines.append(f"  {'device':<24}{est.device_bytes / GIB:>10.2f}")
     lines.append(f"  {'device, safe bound':<24}{est.device_bytes_upper / GIB:>10.2f}")
     lines.append("")
-    if objective in (Objective.DPO, Objective.KTO, Objective.ORPO):
+    if objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.GRPO):
         # the phases tell where a preference objective's cost sits (DPO's and KTO's reference
-        # forward, ORPO's logits' gradients at the start of backward)
+        # forward, ORPO's logits' gradients at the start of backward, GRPO's generation)
         lines.append("  phases (GiB allocated, step 2):")
         for ph in est.phases:
             if ph.step == 2:
                 lines.append(f"    {ph.phase.value:<22}{ph.allocated_bytes / GIB:>10.2f}")
+                kv = ph.components.get(Component.GENERATION_KV_CACHE, 0)
+                if kv:
+                    lines.append(
+                        f"      {Component.GENERATION_KV_CACHE.value:<20}{kv / GIB:>10.2f}"
+                    )
         lines.append("")
     lines.append(f"  parameters: {est.params.total:,} total, {est.params.trainable:,} trainable")
     if est.host_bytes:

@@ -12,6 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from service.cli.grpo_options import GRPO_OPTIONS, add_grpo_options, grpo_settings
 from service.core.allocator import alloc_conf_values
 from service.core.architecture import ModelArch
 from service.core.codec import spec_from_dict, spec_to_dict
@@ -55,6 +56,7 @@ _OPTION_FOR_FIELD = {
     "dpo": "--precompute-ref-log-probs/--max-completion-length",
     "dpo.max_completion_length": "--max-completion-length",
     "kto": "--precompute-ref-log-probs/--kto-loss-type",
+    **GRPO_OPTIONS,
     "orpo": "--objective orpo/--keep-dropout",
 }
 
@@ -148,7 +150,8 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument(
         "--objective",
         help="the training objective as TRL names its trainers: sft (default), dpo, reward "
-        "(a one-label reward model, RewardTrainer), kto (KTOTrainer) or orpo (ORPOTrainer)",
+        "(a one-label reward model, RewardTrainer), kto (KTOTrainer), orpo (ORPOTrainer) or "
+        "grpo (GRPOTrainer)",
     )
     train.add_argument(
         "--precompute-ref-log-probs",
@@ -173,9 +176,10 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument(
         "--max-completion-length",
         type=int,
-        help="dpo: completion tokens of each sequence, scored by TRL's fused LM head "
-        "(default: the whole sequence)",
+        help="dpo, grpo: completion tokens of each sequence, scored by TRL's fused LM head "
+        "(dpo default: the whole sequence; grpo: GRPOConfig's 512, generated)",
     )
+    add_grpo_options(train)
     train.add_argument("--framework", choices=_choices(Framework), default=Framework.HF.value)
     train.add_argument(
         "--stack",
@@ -396,6 +400,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             {"precompute_ref_log_probs": precompute, "loss_type": args.kto_loss_type}
         )
         settings.pop("precompute_ref_log_probs", None)
+    if objective == "grpo":
+        data["grpo"] = grpo_settings(args)
+        settings.pop("max_completion_length", None)
     if settings:
         data["dpo"] = settings
     if getattr(args, "keep_dropout", None):

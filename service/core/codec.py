@@ -63,6 +63,7 @@ from service.core.spec import (
     objective_from,
 )
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
@@ -91,6 +92,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         *DELTA_OPTIONS.values(),
         "dpo",
         "kto",
+        "grpo",
         "orpo",
     ):
         if plain.get(name) is None:
@@ -458,6 +460,15 @@ _KTO: dict[str, Check] = {
     "precompute_ref_log_probs": _boolean,
     "loss_type": _choice(KtoLossType),
 }
+# GRPOConfig's names (spec_grpo.py); what is not modelled is refused by the spec's checks.
+_GRPO: dict[str, Check] = {
+    "num_generations": _integer(ge=1, le=MAX_BATCH_SIZE),
+    "max_prompt_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
+    "max_completion_length": _integer(ge=1, le=MAX_SEQ_LEN),
+    "beta": _number(ge=0.0),
+    "num_iterations": _integer(ge=1),
+    "use_vllm": _boolean,
+}
 _ORPO: dict[str, Check] = {"disable_dropout": _boolean}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
@@ -491,6 +502,7 @@ _TRAINING: dict[str, Check] = {
     "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
     "kto": _optional(_object(KtoSpec, _KTO)),
+    "grpo": _optional(_object(GrpoSpec, _GRPO)),
     "orpo": _optional(_object(OrpoSpec, _ORPO)),
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),

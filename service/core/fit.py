@@ -35,6 +35,7 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
+from service.core.spec_grpo import curve_point, fewer_generations, shorter_completions
 from service.core.units import MIB
 
 # CUDA hands out less than nvidia-smi's total: on the H200 of tests/data/gpu/ torch reported
@@ -111,6 +112,8 @@ class Change(StrEnum):
     PAGED_OPTIMIZER = "paged_optimizer"  # 8-bit AdamW state in pageable managed memory
     GRADIENT_CHECKPOINTING = "gradient_checkpointing"  # about 20-30 % slower steps
     SMALLER_MICRO_BATCH = "smaller_micro_batch"  # same effective batch, more accumulation
+    FEWER_GENERATIONS = "fewer_generations"  # GRPO: smaller groups, the prompts per step kept
+    SHORTER_COMPLETIONS = "shorter_completions"  # GRPO: max_completion_length halved
     FEWER_TARGET_MODULES = "fewer_target_modules"  # fewer adapters: fewer trainable params
     LORA = "lora"  # a different training method than full fine-tuning
     QLORA = "qlora"  # 4-bit base weights: slower and slightly lossy
@@ -128,6 +131,8 @@ CHANGE_WORDS: dict[Change, str] = {
     Change.SMALLER_MICRO_BATCH: (
         "use a smaller micro-batch with gradient accumulation (same effective batch)"
     ),
+    Change.FEWER_GENERATIONS: "sample fewer generations per prompt (GRPOConfig.num_generations)",
+    Change.SHORTER_COMPLETIONS: "generate shorter completions (GRPOConfig.max_completion_length)",
     Change.FEWER_TARGET_MODULES: "adapt fewer modules (PEFT's default target modules)",
     Change.LORA: "train LoRA adapters instead of every weight",
     Change.QLORA: "quantize the base weights to NF4 (QLoRA, double quantization)",
@@ -264,11 +269,12 @@ class _Curve:
             return self.values[i]
         # below the objective's smallest micro-batch (KTO's KL batch: 2) the bound is the
         # smallest's, so a batch that cannot run is never the largest that fits
-        spec = (
-            replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
-            if self.dimension == "batch_size"
-            else replace(self._spec, seq_len=x)
-        )
+        if self._spec.objective is Objective.GRPO:  # the generation batch divisible
+            spec = curve_point(self._spec, self.dimension, x)
+        elif self.dimension == "batch_size":
+            spec = replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
+        else:
+            spec = replace(self._spec, seq_len=x)
         value = self.requirements(spec).device_bytes_upper
         self.xs.insert(i, x)
         self.values.insert(i, value)
@@ -595,6 +601,12 @@ def _apply(
             if spec.objective is not Objective.DPO or settings.precompute_ref_log_probs:
                 return None
             return replace(spec, dpo=replace(settings, precompute_ref_log_probs=True))
+        case Change.FEWER_GENERATIONS | Change.SHORTER_COMPLETIONS:
+            if spec.objective is not Objective.GRPO:
+                return None
+            if change is Change.FEWER_GENERATIONS:
+                return fewer_generations(spec)
+            return shorter_completions(spec)
         case Change.OPTIMIZER_8BIT:
             eight_bit = {
                 Optim.ADAMW_TORCH: Optim.ADAMW_BNB_8BIT,
@@ -636,6 +648,8 @@ def _without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingS
         match change:
             case Change.FUSED_LOSS:
                 return replace(spec, loss=job.loss)
+            case Change.FEWER_GENERATIONS | Change.SHORTER_COMPLETIONS:
+                return replace(spec, batch_size=job.batch_size, seq_len=job.seq_len, grpo=job.grpo)
             case Change.PRECOMPUTE_REF_LOG_PROBS:
                 return replace(spec, dpo=job.dpo, kto=job.kto)
             case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:

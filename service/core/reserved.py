@@ -108,6 +108,8 @@ class ReservedPlan:
     # policy head without is_top1
     kto_kl: bool = False
     dpo_top1: bool = True
+    dpo_mean_logits: bool = True  # GRPO's policy head returns no mean logits
+    generation: bool = False  # GRPO: model.generate before each step (dpo_completion tokens)
     # ORPO (TRL's ORPOTrainer): bytes per logit of the logits it keeps (0: not ORPO)
     orpo_logits: int = 0
     # AdaLoRA's triplets (A, B, E and the frozen ranknum) on the adapted linears, its
@@ -322,6 +324,13 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         dpo_reference=plan.dpo_reference,
         kto_kl=plan.kto_kl,
         dpo_top1=plan.dpo_top1,
+        dpo_mean_logits=plan.dpo_mean_logits,
+        # GRPO's generation batch: the micro-batch's rows times the steps per generation, its
+        # prompts the sequence less the completion
+        generation_rows=batch * plan.accumulation if plan.generation else 0,
+        generation_prompt=max(1, seq - plan.dpo_completion) if plan.generation else 0,
+        generation_tokens=plan.dpo_completion if plan.generation else 0,
+        generation_kv_bytes=plan.attn,
         orpo_logits=plan.orpo_logits,
         score_head=arch.score_head,
         param_bytes=plan.dtype_bytes,

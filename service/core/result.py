@@ -28,6 +28,10 @@ class Component(StrEnum):
     # and KTOTrainer load beside the policy (trl/trainer/dpo_trainer.py, kto_trainer.py
     # __init__), held all run.
     REFERENCE_MODEL = "reference_model"
+    # GRPO: the KV cache of model.generate's completions (transformers DynamicCache, one key
+    # and one value tensor per layer, grown a token at a time: trl/trainer/grpo_trainer.py
+    # `_generate_single_turn`), alive during the generation phase alone.
+    GENERATION_KV_CACHE = "generation_kv_cache"
 
 
 class Overhead(StrEnum):
@@ -39,6 +43,8 @@ class Overhead(StrEnum):
 
 
 class Phase(StrEnum):
+    # GRPO: model.generate's completions under no_grad, before the step's forward
+    GENERATION = "generation"
     FORWARD_END = "forward_end"  # the loss computed, every saved activation alive
     # DPO, KTO: the reference model's forwards under no_grad, after the policy's (TRL's
     # DPOTrainer._compute_loss, KTOTrainer._compute_loss), every policy activation alive
@@ -49,6 +55,7 @@ class Phase(StrEnum):
 
 
 PHASE_WORDS: dict[Phase, str] = {
+    Phase.GENERATION: "while generating the completions (GRPO's model.generate)",
     Phase.FORWARD_END: "at the end of the forward pass, with the loss computed",
     Phase.REFERENCE_FORWARD: "during the reference model's forward pass (DPO, KTO)",
     Phase.BACKWARD_START: "at the start of the backward pass (the loss gradient)",
@@ -72,6 +79,7 @@ COMPONENT_ORDER = (
     Component.OPTIMIZER_TEMPORARIES,
     Component.COMMUNICATION,
     Component.REFERENCE_MODEL,
+    Component.GENERATION_KV_CACHE,
 )
 
 

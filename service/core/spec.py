@@ -24,6 +24,7 @@ from service.core.spec_delta import (
     VeraSpec,
 )
 from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
+from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
@@ -71,36 +72,30 @@ ADAPTER_METHODS = (Method.LLAMA_ADAPTER, Method.LLAMA_ADAPTER_V2)
 
 
 class Objective(StrEnum):
-    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer,
-    RewardTrainer)."""
+    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer, ...)."""
 
     SFT = "sft"  # the causal-LM loss of HF Trainer (SFTTrainer's)
     DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
-    # a reward model: a sequence classifier with one label scoring [chosen; rejected]
-    # (trl/trainer/reward_trainer.py, TRL 1.16.0)
-    REWARD = "reward"
-    # Kahneman-Tversky optimization: unpaired completions with a KL batch and a reference
-    # (trl/trainer/kto_trainer.py, TRL 1.16.0)
-    KTO = "kto"
+    REWARD = "reward"  # a one-label classifier on [chosen; rejected] (reward_trainer.py)
+    KTO = "kto"  # unpaired completions, a KL batch, a reference (kto_trainer.py, TRL 1.16.0)
     # odds-ratio preference optimization: NLL on chosen plus an odds-ratio term, no reference
     # (trl/experimental/orpo/orpo_trainer.py, TRL 1.16.0)
     ORPO = "orpo"
+    GRPO = "grpo"  # generated completions, scored (trl/trainer/grpo_trainer.py, TRL 1.16.0)
 
 
 # TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
 # rather than as unknown words.
 UNMODELLED_OBJECTIVES = {
-    "grpo": "GRPOTrainer",
     "rloo": "RLOOTrainer",
     "cpo": "CPOTrainer",
     "online_dpo": "OnlineDPOTrainer",
     "distillation": "DistillationTrainer",
 }
-# What DPO and reward modelling are modelled with: TRL's DPOTrainer and RewardTrainer over
-# HF + PEFT full, LoRA and QLoRA on one GPU.
+# What TRL's trainers are modelled with: HF + PEFT full, LoRA and QLoRA.
 DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
 PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
-PREFERENCE_OBJECTIVES["orpo"] = "ORPOTrainer"
+PREFERENCE_OBJECTIVES.update(orpo="ORPOTrainer", grpo="GRPOTrainer")
 # The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
 # (reference traces tests/data/traces_parallel/*__{dpo,reward,kto,orpo}__*__ddp-*).
 DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO})
@@ -436,12 +431,13 @@ class TrainingSpec:
     objective: Objective = Objective.SFT
     dpo: DpoSpec | None = None
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
+    grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
     orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
         or QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
-        for own in ("dpo", "kto", "orpo"):  # each objective's settings, for it alone
+        for own in ("dpo", "kto", "orpo", "grpo"):  # each objective's settings, for it alone
             if self.objective.value != own and getattr(self, own) is not None:
                 raise InvalidSpecError(own, f"{own.upper()} settings need objective {own!r}")
         if self.objective is Objective.SFT:
@@ -467,6 +463,8 @@ class TrainingSpec:
                 else "on one GPU (no parallel strategy)"
             )
             raise InvalidSpecError("parallel.gpus", f"objective {name!r} is modelled {where}")
+        if self.objective is Objective.GRPO:
+            check_grpo(self)
         if refusal := orpo_refusal(self.objective.value, self.method.value, self.autocast):
             raise refusal
         if self.autocast and self.dtype is DType.FP16:
@@ -580,6 +578,11 @@ class TrainingSpec:
     def min_batch_size(self) -> int:
         """The smallest micro-batch the objective's trainer runs (KTO's KL batch needs two)."""
         return self.kto_settings.min_batch_size if self.objective is Objective.KTO else 1
+
+    @property
+    def grpo_settings(self) -> GrpoSpec:
+        """GRPO's settings, GRPOConfig's defaults where none are given."""
+        return self.grpo or GrpoSpec()
 
     @property
     def kto_settings(self) -> KtoSpec:

@@ -18,6 +18,7 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
+from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
@@ -453,4 +454,38 @@ def _int8_cases() -> list[tuple[str, TrainingSpec]]:
         (LLAMA_1B, _spec(qlora, 1, 1024, ckpt=True, quantization=int8)),
         (LLAMA_1B, _spec(qlora, 2, 512, quantization=raw)),
         (MISTRAL_7B, _spec(qlora, 1, 2048, ckpt=True, quantization=int8)),
+    ]
+
+
+def _grpo_cases() -> list[tuple[str, TrainingSpec]]:
+    """TRL's GRPOTrainer (objective 'grpo', beta 0.0, model.generate): full, LoRA and QLoRA on
+    four families, eight completions of one prompt per step (GRPOConfig.num_generations 8),
+    with and without checkpointing; short completions (the tracer runs every decode step of
+    model.generate on fake tensors, a fraction of a second each)."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    eager = AttnImpl.EAGER
+
+    def grpo(prompt: int, completion: int, generations: int = 8) -> dict[str, Any]:
+        settings = GrpoSpec(
+            num_generations=generations,
+            max_prompt_length=prompt,
+            max_completion_length=completion,
+        )
+        return {"objective": Objective.GRPO, "grpo": settings}
+
+    return [
+        (QWEN_05B, _spec(lora, 8, 512, **grpo(480, 32))),
+        (QWEN_05B, _spec(full, 8, 512, ckpt=True, **grpo(448, 64))),
+        (QWEN_05B, _spec(lora, 4, 1024, gradient_accumulation_steps=2, **grpo(992, 32))),
+        (LLAMA_1B, _spec(lora, 8, 512, ckpt=True, **grpo(480, 32))),
+        (LLAMA_1B, _spec(qlora, 8, 512, ckpt=True, **grpo(448, 64))),
+        (LLAMA_1B, _spec(full, 4, 512, ckpt=True, **grpo(480, 32, generations=4))),
+        (GEMMA_2B, _spec(lora, 8, 512, ckpt=True, attn_implementation=eager, **grpo(480, 32))),
+        (PHI_3, _spec(qlora, 8, 512, ckpt=True, **grpo(480, 32))),
+        # one completion per micro-batch, sixteen accumulated: generate's prefill on all
+        # sixteen rows is the peak
+        (
+            QWEN_05B,
+            _spec(lora, 1, 512, ckpt=True, gradient_accumulation_steps=16, **grpo(480, 32)),
+        ),
     ]

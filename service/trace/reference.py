@@ -56,6 +56,7 @@ from service.trace.families import (
     _dora_cases,
     _dpo_cases,
     _falcon_bloom_cases,
+    _grpo_cases,
     _int8_cases,
     _kto_cases,
     _lora,
@@ -117,12 +118,12 @@ def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
     return {
         "allocated_bytes": snapshot.allocated_bytes,
         "op": snapshot.op,
-        # the reference model's part only where there is one (DPO full fine-tuning), as
-        # references written before it
+        # the reference model's part and the generation's KV cache only where there is one
+        # (DPO full fine-tuning; GRPO's generation), as references written before them
         "components": {
             c.value: n
             for c, n in snapshot.components.items()
-            if n or c is not Component.REFERENCE_MODEL
+            if n or c not in (Component.REFERENCE_MODEL, Component.GENERATION_KV_CACHE)
         },
     }
 
@@ -206,6 +207,9 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("precomputed-ref")
         if spec.objective is Objective.KTO and not kto_settings.calculate_kl:
             parts.append(kto_settings.loss_type.value.replace("_", "-"))
+        if spec.objective is Objective.GRPO:
+            g = spec.grpo_settings
+            parts.append(f"g{g.num_generations}-p{g.prompt_length(spec.seq_len)}")
         if spec.objective is Objective.ORPO and not spec.orpo_settings.disable_dropout:
             parts.append("dropout-kept")
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft or spec.boft
@@ -574,6 +578,7 @@ def matrix() -> list[Case]:
     cases.extend(_reward_cases())
     cases.extend(_mixed_precision_objective_cases())
     cases.extend(_kto_cases())
+    cases.extend(_grpo_cases())
     cases.extend(_orpo_cases())
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())

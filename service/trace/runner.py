@@ -40,7 +40,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK
-from service.trace import kernels, kto, orpo, parallel, preference, reward
+from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -320,6 +320,10 @@ def trace(
     if kto_step:
         kto.prepare(model)
         notes.append(kto.note(spec))
+    grpo_step = spec.objective is Objective.GRPO
+    if grpo_step:
+        grpo.prepare(model)
+        notes.append(grpo.note(spec))
     orpo_step = spec.objective is Objective.ORPO
     if orpo_step:
         orpo.prepare(model, spec)
@@ -328,7 +332,9 @@ def trace(
     if rewarding:
         reward.prepare(model)
         notes.append(reward.note())
-    if resolved.loss is LossImpl.PLAIN and not (dpo or kto_step or orpo_step or rewarding):
+    if resolved.loss is LossImpl.PLAIN and not (
+        dpo or kto_step or orpo_step or grpo_step or rewarding
+    ):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.loss_function = plain_causal_lm_loss
 
@@ -353,6 +359,11 @@ def trace(
         tracker.rewrite(
             preference.INDEX_OP,
             preference.compact_index(kto.mask_shape(spec), kto.compact_rows(spec)),
+        )
+    if grpo_step and not cpu_kernels:
+        tracker.rewrite(
+            preference.INDEX_OP,
+            preference.compact_index(grpo.mask_shape(spec), grpo.compact_rows(spec)),
         )
     int8 = resolved.quantization is not None and resolved.quantization.type is QuantType.INT8
     if spec.method is Method.QLORA and not cpu_kernels:
@@ -380,7 +391,7 @@ def trace(
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
-            if (dpo or kto_step) and not cpu_kernels:
+            if (dpo or kto_step or grpo_step) and not cpu_kernels:
                 stack.enter_context(preference.gpu_fused_head())
             if orpo_step and not cpu_kernels:
                 stack.enter_context(orpo.gpu_logprob_kernel())
@@ -457,6 +468,18 @@ def trace(
                 kto.run_kto_steps(
                     model,
                     ref_model,
+                    optimizer,
+                    params,
+                    tracker,
+                    steering,
+                    spec,
+                    steps=STEPS,
+                    rewrap_checkpoints=functools.partial(steering.rewrap, model),
+                    keep_gradients=keep_gradients,
+                )
+            elif grpo_step:
+                grpo.run_grpo_steps(
+                    model,
                     optimizer,
                     params,
                     tracker,
@@ -621,10 +644,13 @@ def _step_peaks(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:
 
 
 def _phase_table(tracker: StorageTracker) -> Iterator[PhaseSnapshot]:
-    """Per step: the forward-end mark, then the peaks of backward start, backward, optimizer."""
+    """Per step: the generation's peak (GRPO), the forward-end mark, then the peaks of backward
+    start, backward, optimizer."""
     peaks = {(p.step, p.phase): p for p in tracker.phase_peaks()}
     marks = {(m.step, m.phase): m for m in tracker.marks()}
     for step in range(1, STEPS + 1):
+        if (step, Phase.GENERATION) in peaks:  # GRPO's model.generate, before the forward
+            yield peaks[(step, Phase.GENERATION)]
         if (step, Phase.FORWARD_END) in marks:
             yield marks[(step, Phase.FORWARD_END)]
         for phase in (

@@ -41,8 +41,9 @@ def test_minimal_job_gets_the_full_breakdown(client: TestClient) -> None:
         <= peak["device_bytes_upper"]
     )
     assert sum(body["components"].values()) == body["estimated"]["allocated_bytes"]
-    # every component but the reference model's, listed only where there is one (DPO)
-    assert set(body["components"]) == {c.value for c in Component} - {"reference_model"}
+    # the reference model's and the generation's KV cache only where there are (DPO, GRPO)
+    own = {"reference_model", "generation_kv_cache"}
+    assert set(body["components"]) == {c.value for c in Component} - own
     assert peak["step"] in (1, 2) and peak["phase"] and peak["phase_words"]
     assert body["calibration"] == {
         "applied": False,

@@ -58,6 +58,15 @@ def service() -> Iterator[TestClient]:
         ),
         # KTO's KL batch needs two examples per micro-batch
         (["--objective", "kto", "-b", "1"], {"objective": "kto", "batch_size": 1}),
+        # GRPO: vLLM not traced; the generation batch divisible by num_generations
+        (
+            ["--objective", "grpo", "--use-vllm", "--max-completion-length", "256"],
+            {"objective": "grpo", "grpo": {"use_vllm": True, "max_completion_length": 256}},
+        ),
+        (
+            ["--objective", "grpo", "--max-completion-length", "256"],
+            {"objective": "grpo", "grpo": {"max_completion_length": 256}},
+        ),
         # ORPO with QLoRA under bf16 (ORPOTrainer's peft_module_casting_to_bf16), or on DDP
         (
             ["--objective", "orpo", "--method", "qlora", "--autocast"],
@@ -130,6 +139,17 @@ def test_a_kto_job_is_estimated_from_the_command_line(capsys: pytest.CaptureFixt
     )
     out = capsys.readouterr().out
     assert "no KL batch" in out and "reference_model" not in out
+
+
+def test_a_grpo_job_is_estimated_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    grpo = ["--objective", "grpo", "--num-generations", "2", "--max-completion-length", "256"]
+    assert main([*ARGV, *grpo]) == 0
+    out = capsys.readouterr().out
+    assert "GRPOTrainer" in out and "2 rows (2 per prompt) on 256-token prompts" in out
+    assert "generation" in out and "generation_kv_cache" in out
+    assert main([*ARGV, *grpo, "--grpo-beta", "0.04"]) == 2
+    err = capsys.readouterr().err
+    assert "--grpo-beta (grpo.beta): beta above 0.0 is not modelled" in err
 
 
 def test_an_orpo_job_is_estimated_from_the_command_line(

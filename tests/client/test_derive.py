@@ -268,6 +268,28 @@ def test_a_kto_run_counts_examples_and_its_settings(service: Service) -> None:
         assert client.estimate(job).peak.allocated_bytes > 0
 
 
+class GRPOConfig(SimpleNamespace):
+    """TRL's GRPOConfig as the derivation recognises it: by its class name."""
+
+
+def test_a_grpo_run_counts_completions_and_its_settings(service: Service) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=False))
+    values.update(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_length=None)
+    grpo = {"num_generations": 8, "max_completion_length": 256, "beta": 0.0, "use_vllm": False}
+    args = GRPOConfig(**{**values, **grpo, "num_iterations": 1})
+    job = job_from_hf(PeftModel(QWEN_0_5B), args, seq_len=512, model_id="Qwen/Qwen2.5-0.5B")
+    data = job.to_json()
+    assert data["objective"] == "grpo" and "dpo" not in data and "kto" not in data
+    assert data["grpo"] == {**grpo, "num_iterations": 1}
+    assert job.batch_size == 8 and job.seq_len == 512  # completions of prompt + completion
+    assert job.grpo is not None
+    with VramcastClient(service.url) as client:
+        assert client.estimate(job).peak.allocated_bytes > 0
+        vllm = job.model_copy(update={"grpo": job.grpo.model_copy(update={"use_vllm": True})})
+        with pytest.raises(Exception, match="use_vllm"):
+            client.estimate(vllm)
+
+
 class ORPOConfig(SimpleNamespace):
     """TRL's ORPOConfig as the derivation recognises it: by its class name."""
 

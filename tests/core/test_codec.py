@@ -345,7 +345,14 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         names.remove("num_labels")
     if spec.target_length is None:  # encoder-decoder only: written when set
         names.remove("target_length")
-    for name in (*METHOD_OPTIONS.values(), *DELTA_OPTIONS.values(), "dpo", "kto", "orpo"):
+    for name in (
+        *METHOD_OPTIONS.values(),
+        *DELTA_OPTIONS.values(),
+        "dpo",
+        "kto",
+        "orpo",
+        "grpo",
+    ):  # when set
         if getattr(spec, name) is None:
             names.remove(name)
     if spec.objective is Objective.SFT:  # written when another objective is asked for

@@ -42,7 +42,7 @@ def _dpo(method: Method = Method.LORA, **kwargs: object) -> TrainingSpec:
 
 @pytest.mark.parametrize(
     ("name", "words"),
-    [("cpo", "not modelled"), ("grpo", "not modelled"), ("x", "unknown")],
+    [("cpo", "not modelled"), ("rloo", "not modelled"), ("x", "unknown")],
 )
 def test_an_objective_not_modelled_names_the_field_and_why(name: str, words: str) -> None:
     with pytest.raises(InvalidSpecError, match=words) as caught:

@@ -24,6 +24,7 @@ PARALLEL_TRACES = TRACES.with_name("traces_parallel")
 REFERENCE_SETS = {"one-gpu": (TRACES, 140), "multi-gpu": (PARALLEL_TRACES, 60)}
 PEAK_TOLERANCE = 0.01  # each reference's allocated peak
 RESERVED_TOLERANCE = 0.02  # each reference's reserved peak (the allocator model's replay)
+GRPO_GAP = "GRPO: the replayed KV cache growth takes more segments than the trace's (over)"
 # Reserved peaks not yet within the tolerance, each with the bound it holds and why; a gap
 # that grows fails, one that closes fails too.
 RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
@@ -48,6 +49,23 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
     "qwen2_5-0_5b__lora__dpo__r16-all-linear__b1-s512__ckpt__autocast": (
         0.035,
         "DPO under autocast with checkpointing: the replay's recomputed layers (under)",
+    ),
+    # GRPO: the allocator replay runs model.generate's prefill and its KV cache grown by
+    # torch.cat a token at a time before each step (service/core/schedule/generation.py).
+    # Where every head has its own key and value (Phi-3-mini: a 45 MiB tensor per layer at
+    # 480 prompt tokens) the replayed growth outruns each segment's rounding and takes new
+    # segments for all of them: 9.2 GB reserved during the generation where the trace's holds
+    # 7.0 GB (its tensors 6.4 GB); which freed blocks the traced growth reuses is not found.
+    "llama-3_2-1b__qlora__grpo__g8-p448__r16-all-linear__nf4-dq__b8-s512__ckpt": (0.025, GRPO_GAP),
+    "phi-3-mini-4k-instruct__qlora__grpo__g8-p480__r16-all-linear__nf4-dq__b8-s512__ckpt": (
+        0.33,
+        GRPO_GAP,
+    ),
+    # a 16-row generation batch for one-completion micro-batches: the replay's gap at the
+    # generation is 0.1 GB short of the trace's (the safe bound above it by 12 MiB)
+    "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b1-s512__ckpt__ga16": (
+        0.03,
+        "GRPO: the generation's reserved gap beside a one-row step (under)",
     ),
     # KTO under autocast: the replay's allocated peak falls 108 MB short of the trace's with
     # checkpointing on Llama-3.2-1B QLoRA (the estimate's allocated level is exact, so the
@@ -204,6 +222,15 @@ def test_reserved_matches_the_traces(
 # Peaks within the tolerance whose breakdown is not the trace's: the estimate's peak moment
 # holds the same total made up differently, each with why.
 COMPONENT_KNOWN_GAPS: dict[str, str] = {
+    "qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b8-s512": (
+        "GRPO LoRA without checkpointing: the trace peaks inside the top layer's MLP forward, "
+        "before the fused head; the estimate's forward end holds the head's tiles (17 MB of "
+        "logits_loss) and is 0.75 % under"
+    ),
+    "gemma-2-2b__lora__grpo__g8-p480__r16-all-linear__b8-s512__ckpt__eager": (
+        "Gemma-2 LoRA GRPO, eager attention on 8 rows: the estimate's moment inside the "
+        "layers' backward holds 19 MB more backward temporaries than the trace's (0.3 %)"
+    ),
     "llama-3_2-1b__lora__dpo__r16-all-linear__b2-s512__ckpt__autocast__ddp-4gpu": (
         "DPO LoRA under autocast with checkpointing: the estimate's moment inside the layers' "
         "backward holds 16 MiB more activations than the trace's (0.5 % of the peak)"
@@ -253,9 +280,9 @@ def test_peak_phase_matches_the_traces(compared: list[tuple[dict[str, Any], Esti
     assert not misses, "\n".join(misses)
 
 
-# Each objective's references with at least this many of them committed (`-k dpo`, `-k kto`,
-# `-k orpo`, `-k reward`).
-OBJECTIVE_REFERENCES = {"dpo": 21, "kto": 24, "orpo": 18, "reward": 11}
+# Each objective's references with at least this many of them committed (`-k dpo`, `-k grpo`,
+# `-k kto`, `-k orpo`, `-k reward`).
+OBJECTIVE_REFERENCES = {"dpo": 21, "grpo": 9, "kto": 24, "orpo": 18, "reward": 11}
 
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_REFERENCES))

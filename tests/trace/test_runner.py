@@ -85,9 +85,12 @@ def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
     )
     result = trace(spec, TINY, "tiny")
     phases = {(p.step, p.phase): p.snapshot for p in result.phases}
-    # every phase but DPO's reference forward
+    # every phase but DPO's reference forward and GRPO's generation
     assert set(phases) == {
-        (s, p) for s in (1, 2) for p in Phase if p is not Phase.REFERENCE_FORWARD
+        (s, p)
+        for s in (1, 2)
+        for p in Phase
+        if p not in (Phase.REFERENCE_FORWARD, Phase.GENERATION)
     }
     # No optimizer state before the first step; all of it in the steady state.
     assert phases[(1, Phase.FORWARD_END)].components[Component.OPTIMIZER_STATE] == 0
@@ -197,6 +200,38 @@ def test_a_kto_trace_runs_the_kl_batch_and_the_reference_forward() -> None:
     result = trace(pre, TINY, "tiny")
     assert Phase.REFERENCE_FORWARD not in {p.phase for p in result.phases}
     assert not result.peak.components.get(Component.REFERENCE_MODEL)
+
+
+def test_a_grpo_trace_runs_generate_with_its_kv_cache_then_the_step() -> None:
+    """TRL's GRPO step on the tiny model: model.generate is its own phase, its DynamicCache
+    labelled generation_kv_cache (a key and a value per layer over the prompt and every
+    sampled token), freed before the step's forward."""
+    from service.core.spec import Objective
+    from service.core.spec_grpo import GrpoSpec
+
+    settings = GrpoSpec(num_generations=2, max_prompt_length=8, max_completion_length=4)
+    spec = TrainingSpec(
+        method=Method.LORA,
+        batch_size=2,
+        seq_len=12,
+        lora=LORA,
+        objective=Objective.GRPO,
+        grpo=settings,
+    )
+    result = trace(spec, TINY, "tiny")
+    phases = {(p.step, p.phase): p.snapshot for p in result.phases}
+    assert [p.phase for p in result.phases if p.step == 2][:2] == [
+        Phase.GENERATION,
+        Phase.FORWARD_END,
+    ]
+    cache = phases[(2, Phase.GENERATION)].components[Component.GENERATION_KV_CACHE]
+    layers, kv = TINY["num_hidden_layers"], TINY["num_key_value_heads"]
+    head = TINY["hidden_size"] // TINY["num_attention_heads"]
+    # the peak at the prefill's MLP: per layer a key and a value of 2 rows x 2 KV heads x 8
+    # prompt tokens x 16 x 2 bytes (1024 bytes, two 512-byte blocks)
+    assert cache == layers * 2 * (2 * kv * 8 * head * 2) == 4096
+    assert not phases[(2, Phase.FORWARD_END)].components.get(Component.GENERATION_KV_CACHE)
+    assert any("GRPOTrainer" in note for note in result.assumptions)
 
 
 def test_an_orpo_trace_keeps_the_logits_and_adds_their_gradients() -> None:

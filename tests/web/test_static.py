@@ -73,8 +73,27 @@ def test_every_objective_the_page_offers_is_answered(client: TestClient) -> None
     select = re.search(r'<select id="objective"[^>]*>(.*?)</select>', page, re.S)
     assert select is not None
     values = re.findall(r'<option value="([^"]+)"', select.group(1))
-    assert {"sft", "dpo", "reward", "kto", "orpo"} <= set(values)
+    assert {"sft", "dpo", "reward", "kto", "orpo", "grpo"} <= set(values)
     for value in values:
-        job = {"model": "Qwen/Qwen2.5-0.5B", "batch_size": 2, "seq_len": 512, "objective": value}
+        job: dict[str, object] = {
+            "model": "Qwen/Qwen2.5-0.5B",
+            "batch_size": 2,
+            "seq_len": 512,
+            "objective": value,
+        }
+        if value == "grpo":  # app.js: one prompt's group per step, half the sequence generated
+            job["grpo"] = {"num_generations": 2, "max_completion_length": 256}
         response = client.post("/v1/estimates", json=job)
         assert response.status_code == 200, (value, response.text)
+        if value == "grpo":
+            generation = response.json()["generation"]
+            assert generation["kv_cache_bytes"] > 0
+
+
+def test_the_page_sends_grpo_settings_as_the_api_names_them() -> None:
+    """app.js builds GRPO's settings by GRPOConfig's names, and shows their hint."""
+    script = (REPO_ROOT / "service" / "web" / "static" / "app.js").read_text(encoding="utf-8")
+    assert "job.grpo = {" in script and "num_generations:" in script
+    assert '"/grpo/max_completion_length": "max_completion_length"' in script
+    page = (REPO_ROOT / "service" / "web" / "static" / "index.html").read_text(encoding="utf-8")
+    assert 'id="grpo-hint"' in page

@@ -49,6 +49,15 @@ class PhaseOut(Out):
     allocated_bytes: Bytes = Field(description="Live bytes at this phase.")
 
 
+class GenerationOut(Out):
+    """GRPO's generation phase (model.generate) at its peak, step 2: its KV cache apart."""
+
+    allocated_bytes: Bytes = Field(description="Live bytes at the generation's peak.")
+    kv_cache_bytes: Bytes = Field(
+        description="The generation's KV cache (component generation_kv_cache) at that moment."
+    )
+
+
 class ParamsOut(Out):
     total: int = Field(ge=0, description="Parameters of the model.")
     trainable: int = Field(ge=0, description="Parameters that take a gradient.")
@@ -136,7 +145,8 @@ ComponentBytes = dict[Component, Bytes]
 # encoder takes a plain string at a fraction of an enum member's cost).
 # The reference model's part is listed only where there is one (DPO full fine-tuning), so the
 # answers of every other job keep the keys they had before it.
-_COMPONENTS = tuple((c, c.value) for c in Component if c is not Component.REFERENCE_MODEL)
+_OWN_COMPONENTS = (Component.REFERENCE_MODEL, Component.GENERATION_KV_CACHE)
+_COMPONENTS = tuple((c, c.value) for c in Component if c not in _OWN_COMPONENTS)
 _REFERENCE_MODEL = Component.REFERENCE_MODEL
 _OVERHEADS = tuple((o, o.value) for o in Overhead)
 _PHASES = {phase: phase.value for phase in Phase}
@@ -157,6 +167,11 @@ class EstimateOut(Out):
         description="Bytes above allocated: reserved and device levels add these."
     )
     phases: list[PhaseOut] = Field(max_length=16, description="Allocated bytes per phase.")
+    generation: GenerationOut | None = Field(
+        default=None,
+        description="GRPO: the generation phase's peak with its KV cache apart; null for "
+        "objectives that generate nothing.",
+    )
     params: ParamsOut = Field(description="Parameter counts.")
     host_bytes: Bytes = Field(
         description="Host (CPU) memory one rank keeps for what it offloads (optimizer state, "
@@ -231,17 +246,14 @@ def estimate_values(
         },
         "components": {
             **{key: components.get(c, 0) for c, key in _COMPONENTS},
-            **(
-                {_REFERENCE_MODEL.value: components[_REFERENCE_MODEL]}
-                if _REFERENCE_MODEL in components
-                else {}
-            ),
+            **{c.value: components[c] for c in _OWN_COMPONENTS if c in components},
         },
         "overheads": {key: overheads.get(o, 0) for o, key in _OVERHEADS},
         "phases": [
             {"step": ph.step, "phase": phases[ph.phase], "allocated_bytes": ph.allocated_bytes}
             for ph in est.phases
         ],
+        "generation": _generation_values(est),
         "params": {"total": est.params.total, "trainable": est.params.trainable},
         "host_bytes": est.host_bytes,
         "upper_margin": upper_margin,
@@ -252,6 +264,17 @@ def estimate_values(
         "warnings": [*est.warnings, *warnings],
         "estimator_version": est.estimator_version,
     }
+
+
+def _generation_values(est: Estimate) -> dict[str, int] | None:
+    """GRPO's generation phase at step 2 (the steady state), or None without one."""
+    for ph in est.phases:
+        if ph.phase is Phase.GENERATION and ph.step == 2:
+            return {
+                "allocated_bytes": ph.allocated_bytes,
+                "kv_cache_bytes": ph.components.get(Component.GENERATION_KV_CACHE, 0),
+            }
+    return None
 
 
 # Calibrations described: a replica applies a few factor groups to many jobs. Forgotten whole

@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.api.schemas.base import Boolean, In, Number, integers
+from service.api.schemas.grpo import GrpoIn
 from service.api.schemas.kto import KtoIn
 from service.api.schemas.orpo import OrpoIn
 from service.api.schemas.peft_methods import (
@@ -584,10 +585,11 @@ class JobSpec(In):
             "2 x batch_size sequences of seq_len tokens, a reference model's forward) or "
             "reward (RewardTrainer: a one-label sequence classifier, batch_size pairs run as "
             "2 x batch_size sequences in one forward, no LM head) or kto (KTOTrainer: "
-            "batch_size unpaired examples, a KL batch and a reference model's forwards) or orpo "
+            "batch_size unpaired examples, a KL batch and a reference model's forwards), orpo "
             "(ORPOTrainer: batch_size pairs run as 2 x batch_size sequences with the whole "
-            "logits kept, no reference model). Other trainers (grpo, cpo, ...) are a 422: not "
-            "modelled."
+            "logits kept, no reference model) or grpo (GRPOTrainer: model.generate's "
+            "completions, batch_size of them, then the policy's loss on them). Other trainers "
+            "(rloo, cpo, ...) are a 422: not modelled."
         ),
     )
     dpo: DpoIn | None = Field(
@@ -595,6 +597,9 @@ class JobSpec(In):
     )
     kto: KtoIn | None = Field(
         default=None, description="KTO settings (objective 'kto' only); null: KTOConfig's."
+    )
+    grpo: GrpoIn | None = Field(
+        default=None, description="GRPO settings (objective 'grpo' only); null: GRPOConfig's."
     )
     orpo: OrpoIn | None = Field(
         default=None, description="ORPO settings (objective 'orpo' only); null: ORPOConfig's."
@@ -744,5 +749,6 @@ class JobSpec(In):
             objective=objective,
             dpo=None if self.dpo is None else self.dpo.to_spec(),
             kto=None if self.kto is None else self.kto.to_spec(),
+            grpo=None if self.grpo is None else self.grpo.to_spec(),
             orpo=None if self.orpo is None else self.orpo.to_spec(),
         )

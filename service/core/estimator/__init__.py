@@ -10,8 +10,9 @@ By concern: `weights` (which modules train; parameters, gradients, optimizer sta
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
 by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
-estimate and its levels), `preference` (DPO's step on top of the SFT one), `kto` (KTO's: DPO's
-fused-head step on unpaired rows), `orpo` (ORPO's: the SFT step with the whole logits),
+estimate and its levels), `preference` (DPO's step on top of the SFT one), `grpo` (GRPO's:
+the generation, then DPO's fused head on the completions), `kto` (KTO's: DPO's fused-head
+step on unpaired rows), `orpo` (ORPO's: the SFT step with the whole logits),
 `reward` (a reward model's step: the SFT one with a score head); `deepseek` (the model states
 of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
 below from this package, not from its modules.
@@ -30,6 +31,7 @@ from service.core.estimator.deepseek import (
     deepseek_lora_targets,
     deepseek_model_states,
 )
+from service.core.estimator.grpo import buffered_inputs, kv_cache_bytes
 from service.core.estimator.kto import KL_BATCH_TENSORS, kto_policy_spec, kto_shape
 from service.core.estimator.oft import OFT_SERIES_SAVED
 from service.core.estimator.orpo import ADDED_GRADIENTS, orpo_policy_spec, orpo_shape
@@ -58,6 +60,7 @@ __all__ = [
     "ZeroSettings",
     "adalora_parts",
     "adapted_linears",
+    "buffered_inputs",
     "deepseek_lora_targets",
     "deepseek_model_states",
     "default_target_modules",
@@ -67,6 +70,7 @@ __all__ = [
     "kronecker_factors",
     "kto_policy_spec",
     "kto_shape",
+    "kv_cache_bytes",
     "layer_flow",
     "layer_saved_bytes",
     "litgpt_zero_pad_width",

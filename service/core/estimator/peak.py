@@ -8,6 +8,7 @@ from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
+from service.core.estimator.grpo import grpo_policy_spec, grpo_step
 from service.core.estimator.kto import kto_policy_spec, kto_step, reference_copy
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.plan import _Plan
@@ -42,7 +43,7 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
-    if spec.objective in (Objective.DPO, Objective.KTO, Objective.ORPO):
+    if spec.objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.GRPO):
         return _dpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.REWARD:
         return _reward_estimate(arch, spec, compute_capability)
@@ -75,7 +76,13 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
-    if spec.objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.REWARD):
+    if spec.objective in (
+        Objective.DPO,
+        Objective.KTO,
+        Objective.ORPO,
+        Objective.GRPO,
+        Objective.REWARD,
+    ):
         est = estimate(arch, spec, compute_capability=compute_capability)
         return PeakLevels(
             est.allocated_bytes, est.reserved_bytes, est.device_bytes, est.device_bytes_upper
@@ -124,6 +131,8 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         )
     if spec.objective is Objective.KTO:
         return _kto_estimate(arch, spec, compute_capability)
+    if spec.objective is Objective.GRPO:
+        return _grpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.ORPO:
         return _orpo_estimate(arch, spec, compute_capability)
     dpo = dpo_step(arch, spec, compute_capability)
@@ -171,6 +180,33 @@ def _kto_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
         compute_capability,
     )
     return _answer(st, phases, peak, over, spec, before=kto.assumptions)
+
+
+def _grpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
+    """GRPO's step (estimator/grpo.py): the generation, then DPO's fused-head step on the
+    micro-batch's completions."""
+    grpo = grpo_step(arch, spec, compute_capability)
+    st = grpo.step
+    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in grpo.phases)
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    reserved = replace(
+        st.plan.reserved,
+        dpo_completion=spec.grpo_settings.max_completion_length,
+        dpo_reference=False,
+        dpo_reference_copy=False,
+        dpo_top1=False,
+        dpo_mean_logits=False,
+        generation=True,
+    )
+    over = _above(
+        arch,
+        grpo_policy_spec(spec),
+        replace(st.plan, reserved=reserved),
+        peak.allocated_bytes,
+        st.paged_state,
+        compute_capability,
+    )
+    return _answer(st, phases, peak, over, spec, before=grpo.assumptions)
 
 
 def _orpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:

@@ -93,11 +93,13 @@ def policy_spec(spec: TrainingSpec) -> TrainingSpec:
     )
 
 
-def _head_saved(arch: ModelArch, d: DpoShape, s: int, *, top1: bool = True) -> int:
+def _head_saved(
+    arch: ModelArch, d: DpoShape, s: int, *, top1: bool = True, fp32_outputs: int = 0
+) -> int:
     """What the policy's fused head keeps from its forward into backward: the scored hidden
     states (compact), their targets, log Z and entropy (ctx.save_for_backward), the label mask
     and the per-token outputs scattered back to the padded shape (is_top1 a bool where
-    `top1`)."""
+    `top1`; `fp32_outputs` of them in fp32, POLICY_FP32_OUTPUTS where 0)."""
     n, h = d.scored, arch.hidden_size
     padded = d.rows * (s - 1)
     return (
@@ -105,7 +107,7 @@ def _head_saved(arch: ModelArch, d: DpoShape, s: int, *, top1: bool = True) -> i
         + _blk(n * INT64_BYTES)
         + 2 * _blk(n * FP32_BYTES)
         + _blk(padded * BOOL_BYTES)
-        + POLICY_FP32_OUTPUTS * _blk(padded * FP32_BYTES)
+        + (fp32_outputs or POLICY_FP32_OUTPUTS) * _blk(padded * FP32_BYTES)
         + (_blk(padded * BOOL_BYTES) if top1 else 0)
     )
 
@@ -217,12 +219,14 @@ def fused_head_phases(
     reference_forward: bool,
     reference: int,
     top1: bool = True,
+    fp32_outputs: int = 0,
 ) -> tuple[tuple[int, Phase, tuple[int, ...]], ...]:
     """The phases of a step whose policy `st` (the SFT step on `d.rows` rows) scores tokens
     with TRL's fused head, with a no-grad reference forward after the policy's when
     `reference_forward`, and `reference` bytes of frozen reference copy held all run; `top1`:
-    the policy's head also returns is_top1 (DPOTrainer's, not KTOTrainer's)."""
-    saved = _head_saved(arch, d, spec.seq_len, top1=top1)
+    the policy's head also returns is_top1 (DPOTrainer's, not KTOTrainer's); `fp32_outputs`:
+    its fp32 per-token outputs where they are not POLICY_FP32_OUTPUTS (GRPOTrainer's two)."""
+    saved = _head_saved(arch, d, spec.seq_len, top1=top1, fp32_outputs=fp32_outputs)
     head_trains = st.plan.traits.head_trains
     # the end of the policy's forward: what its head keeps (its tiles are freed by then)
     forward_end = st.forward_end._replace(logits_loss=saved, reference_model=reference)

@@ -75,6 +75,7 @@ class _Moment(NamedTuple):
     optimizer_temporaries: int = 0
     communication: int = 0
     reference_model: int = 0  # DPO full fine-tuning's frozen reference copy
+    generation_kv_cache: int = 0  # GRPO's generation phase: model.generate's KV cache
 
 
 # What a phase holds throughout besides the fixed parts, in this order (`_Step.parts`).

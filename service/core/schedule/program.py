@@ -90,6 +90,7 @@ class _StepBase:
         # (BLOOM's attention probabilities, in the model loop's `outputs`)
         self.held = 0
         self.dpo_saved: list[int] = []  # DPO: what the policy's fused head keeps
+        self.buffered: list[int] = []  # GRPO: the generation's batch, kept for the step
         self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
         # AdaLoRA (schedule/adalora.py): the penalty's gradients of lora_A and lora_B by bytes,

@@ -158,6 +158,13 @@ class StepShape:
     # policy's head returns no is_top1 (dpo_top1 False)
     kto_kl: bool = False
     dpo_top1: bool = True
+    dpo_mean_logits: bool = True  # GRPO's policy head: log-probs and entropy alone
+    # GRPO's generation before each optimizer step (schedule/generation.py): its rows, prompt
+    # tokens, generated tokens (0: none) and the KV cache's bytes per element
+    generation_rows: int = 0
+    generation_prompt: int = 0
+    generation_tokens: int = 0
+    generation_kv_bytes: int = 0
     # ORPO (TRL's ORPOTrainer): bytes per logit of its whole logits (0: not ORPO), kept for
     # its log-prob kernel, with the chosen half's NLL beside them
     orpo_logits: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from service.core.architecture import SCORE_OUTPUTS
 from service.core.schedule.backward import _Backward
+from service.core.schedule.generation import generation_events
 from service.core.schedule.program import _Program, _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape, Updater
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
@@ -32,6 +33,8 @@ class _Step(_Backward):
         .grad (the first creates it; later ones are added in place and freed), then the
         optimizer."""
         self.accumulated = bool(self.grads)  # kept by zero_grad(set_to_none=False)
+        self.f(*self.buffered)
+        self.buffered = generation_events(self.sh, self.p) if self.sh.generation_tokens else []
         for _ in range(self.sh.accumulation):
             self._micro_batch()
             self.accumulated = True
@@ -472,7 +475,8 @@ class _Step(_Backward):
             ratio = alloc(n * FP32_BYTES)
             entropy = alloc(n * FP32_BYTES)
             free(ratio)
-            outputs.append(alloc(n * FP32_BYTES))  # mean logits
+            if sh.dpo_mean_logits:
+                outputs.append(alloc(n * FP32_BYTES))  # mean logits
             if sh.dpo_top1:
                 left, right = alloc(n), alloc(n)
                 outputs.append(alloc(n))  # is_top1
@@ -501,7 +505,7 @@ class _Step(_Backward):
         if not sh.head_trainable:
             self.f(fn)
         # log-probs, entropy, mean logits (fp32) and is_top1 (bool), scattered back
-        widths = [FP32_BYTES, FP32_BYTES, FP32_BYTES] + ([1] if sh.dpo_top1 else [])
+        widths = [FP32_BYTES] * (2 + sh.dpo_mean_logits) + ([1] if sh.dpo_top1 else [])
         outputs = self._dpo_scatter(widths, compact)
         if sh.dpo_reference:
             if sh.kto_kl:  # KTO's reference: the KL batch, then the completions

@@ -247,7 +247,10 @@
     $("rank-field").hidden = !ranked;
     $("alpha-field").hidden = !ranked;
     $("prompt-options").hidden = s.method !== "prompt-tuning";
-    $("dpo-options").hidden = s.objective !== "dpo";
+    $("dpo-options").hidden = !["dpo", "grpo"].includes(s.objective);
+    $("precompute-field").hidden = s.objective !== "dpo";
+    $("dpo-hint").hidden = s.objective !== "dpo";
+    $("grpo-hint").hidden = s.objective !== "grpo";
     $("reward-hint").hidden = s.objective !== "reward";
     $("orpo-hint").hidden = s.objective !== "orpo";
     $("quant-options").hidden = s.method !== "qlora";
@@ -334,6 +337,15 @@
         job.dpo = {
           precompute_ref_log_probs: s.precompute_ref_log_probs,
           max_completion_length: s.max_completion_length === "" ? null : s.max_completion_length,
+        };
+      } else if (s.objective === "grpo") {
+        // one prompt's group per optimizer step: every completion of the generation batch
+        // (micro-batch x accumulation) samples the same prompt; half the sequence generated
+        // unless the completion tokens are given
+        job.grpo = {
+          num_generations: s.batch_size * s.gradient_accumulation_steps,
+          max_completion_length: s.max_completion_length === ""
+            ? Math.max(1, Math.floor(s.seq_len / 2)) : s.max_completion_length,
         };
       }
     }
@@ -585,6 +597,7 @@
     "/prompt_tuning/num_virtual_tokens": "num_virtual_tokens",
     "/objective": "objective",
     "/dpo/max_completion_length": "max_completion_length",
+    "/grpo/max_completion_length": "max_completion_length",
     "/quantization": "quant_type",
     "/parallel/gpus": "gpu_count",
     "/job/parallel/gpus": "gpu_count",

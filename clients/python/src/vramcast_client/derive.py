@@ -24,6 +24,7 @@ from vramcast_client.models import (
     AttnImplName,
     Dpo,
     DTypeName,
+    Grpo,
     Job,
     Kto,
     Lora,
@@ -125,11 +126,13 @@ def job_from_hf(
     TrainingArguments (or TRL's SFTConfig, which adds max_length; or TRL's DPOConfig or
     RewardConfig, whose batches are pairs: the model takes 2 x per_device_train_batch_size
     sequences; or TRL's KTOConfig, whose batches are unpaired examples; or TRL's ORPOConfig,
-    pairs too)."""
+    pairs too; or TRL's GRPOConfig, whose batch counts completions of prompt +
+    max_completion_length tokens)."""
     base = find_hf_model(model)
     dpo = _dpo(args)
     kto = _kto(args)
     orpo = _orpo(args)
+    grpo = _grpo(args)
     reward = type(args).__name__ == "RewardConfig"  # by name: TRL need not be importable
     batch = _int(getattr(args, "per_device_train_batch_size", None))
     if batch is None and shapes is not None and shapes.max_batch_size:
@@ -156,6 +159,8 @@ def job_from_hf(
         return job.model_copy(update={"objective": "reward"})
     if kto is not None:
         return job.model_copy(update={"objective": "kto", "kto": kto})
+    if grpo is not None:
+        return job.model_copy(update={"objective": "grpo", "grpo": grpo})
     if orpo is not None:
         return job.model_copy(update={"objective": "orpo", "orpo": orpo})
     if dpo is None:
@@ -189,6 +194,19 @@ def _kto(args: Any) -> Kto | None:
     return Kto(
         precompute_ref_log_probs=precompute if isinstance(precompute, bool) else None,
         loss_type=loss_type if loss_type in ("kto", "apo_zero_unpaired") else None,
+    )
+
+
+def _grpo(args: Any) -> Grpo | None:
+    """GRPO's settings when `args` is TRL's GRPOConfig (by its class name), else None."""
+    if type(args).__name__ != "GRPOConfig":
+        return None
+    return Grpo(
+        num_generations=_int(getattr(args, "num_generations", None)),
+        max_completion_length=_int(getattr(args, "max_completion_length", None)),
+        beta=_float(getattr(args, "beta", None)),
+        num_iterations=_int(getattr(args, "num_iterations", None)),
+        use_vllm=bool(getattr(args, "use_vllm", False)),
     )
 
 

@@ -40,7 +40,7 @@ OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
 QuantTypeName = Literal["nf4", "fp4", "int8"]
 OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
-ObjectiveName = Literal["sft", "dpo", "reward", "kto", "orpo"]
+ObjectiveName = Literal["sft", "dpo", "reward", "kto", "orpo", "grpo"]
 
 
 class _Request(BaseModel):
@@ -211,6 +211,18 @@ class Kto(_Request):
     loss_type: Literal["kto", "apo_zero_unpaired"] | None = None
 
 
+class Grpo(_Request):
+    """TRL GRPOConfig's settings that change memory (objective 'grpo' only); the job's
+    batch_size counts completions, its seq_len is prompt + completion tokens."""
+
+    num_generations: int | None = Field(default=None, ge=1)
+    max_prompt_length: int | None = Field(default=None, ge=1)
+    max_completion_length: int | None = Field(default=None, ge=1)
+    beta: float | None = Field(default=None, ge=0.0)
+    num_iterations: int | None = Field(default=None, ge=1)
+    use_vllm: bool | None = None
+
+
 class Orpo(_Request):
     """TRL ORPOConfig's settings that change memory (objective 'orpo' only)."""
 
@@ -241,6 +253,7 @@ class Job(_Request):
     objective: ObjectiveName | None = None
     dpo: Dpo | None = None
     kto: Kto | None = None
+    grpo: Grpo | None = None
     orpo: Orpo | None = None
     lora: Lora | None = None
     quantization: Quantization | None = None
@@ -386,6 +399,13 @@ class Params(_Result):
     trainable: int
 
 
+class Generation(_Result):
+    """GRPO's generation phase at its peak (step 2), its KV cache apart."""
+
+    allocated_bytes: int
+    kv_cache_bytes: int
+
+
 class Estimate(_Result):
     """A job's peak on one GPU, where it goes and when it happens."""
 
@@ -395,6 +415,7 @@ class Estimate(_Result):
     components: dict[str, int]
     overheads: dict[str, int]
     phases: list[PhaseBytes]
+    generation: Generation | None = None  # GRPO's generation phase; None for other objectives
     params: Params
     host_bytes: int = 0
     upper_margin: float
