@@ -24,7 +24,7 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_prompt import PromptTuningSpec
 from service.core.units import DType
 
@@ -63,6 +63,7 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         Method.LOKR: {"lokr": LokrSpec(r=8, target_modules=ALL_LINEAR)},
         Method.ADALORA: {"adalora": AdaLoraSpec(init_r=8, target_r=4, target_modules=ALL_LINEAR)},
         Method.OFT: {"oft": OftSpec(target_modules=ALL_LINEAR)},
+        Method.BOFT: {"boft": BoftSpec(target_modules=ALL_LINEAR)},
     }.get(method, {})
     spec = TrainingSpec(
         **options,  # type: ignore[arg-type]
@@ -105,6 +106,7 @@ def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, Traini
         lokr=None,
         adalora=None,
         oft=None,
+        boft=None,
     )
     return model, plain
 
