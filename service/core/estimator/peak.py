@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
-from service.core.estimator.grpo import grpo_policy_spec, grpo_step
-from service.core.estimator.kto import kto_policy_spec, kto_step, reference_copy
+from service.core.estimator.grpo import GrpoStep, grpo_policy_spec, grpo_step
+from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, reference_copy
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.plan import _Plan
-from service.core.estimator.preference import dpo_step, policy_spec
+from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _Step, _step
@@ -136,61 +137,72 @@ def _dpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str |
     if spec.objective is Objective.ORPO:
         return _orpo_estimate(arch, spec, compute_capability)
     dpo = dpo_step(arch, spec, compute_capability)
-    st = dpo.step
-    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in dpo.phases)
-    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     settings = spec.dpo_settings
-    reserved = replace(
-        st.plan.reserved,
+    return _fused_head_answer(
+        arch,
+        spec,
+        dpo,
+        policy_spec(spec),
+        compute_capability,
         dpo_completion=settings.max_completion_length or 0,
         dpo_reference=not settings.precompute_ref_log_probs,
         dpo_reference_copy=spec.method is Method.FULL and not settings.precompute_ref_log_probs,
     )
+
+
+def _fused_head_answer(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    objective: DpoStep | KtoStep | GrpoStep,
+    policy: TrainingSpec,
+    compute_capability: str | None,
+    **replayed: Any,  # ReservedPlan fields
+) -> Estimate:
+    """The answer of a step on TRL's fused head (DPO, KTO, GRPO): its phases' peak, and the
+    levels above allocated from the policy's replay with the objective's `replayed` plan
+    fields."""
+    st = objective.step
+    phases = tuple(
+        PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in objective.phases
+    )
+    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
+    reserved = replace(st.plan.reserved, **replayed)
     over = _above(
         arch,
-        policy_spec(spec),
+        policy,
         replace(st.plan, reserved=reserved),
         peak.allocated_bytes,
         st.paged_state,
         compute_capability,
     )
-    return _answer(st, phases, peak, over, spec, before=dpo.assumptions)
+    return _answer(st, phases, peak, over, spec, before=objective.assumptions)
 
 
 def _kto_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
     """KTO's step (estimator/kto.py): DPO's fused-head step on the batch's unpaired rows."""
-    kto = kto_step(arch, spec, compute_capability)
-    st = kto.step
-    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in kto.phases)
-    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    reserved = replace(
-        st.plan.reserved,
+    return _fused_head_answer(
+        arch,
+        spec,
+        kto_step(arch, spec, compute_capability),
+        kto_policy_spec(spec),
+        compute_capability,
         dpo_completion=0,
         dpo_reference=not spec.kto_settings.precompute_ref_log_probs,
         dpo_reference_copy=reference_copy(spec),
         kto_kl=spec.kto_settings.calculate_kl,
         dpo_top1=False,
     )
-    over = _above(
-        arch,
-        kto_policy_spec(spec),
-        replace(st.plan, reserved=reserved),
-        peak.allocated_bytes,
-        st.paged_state,
-        compute_capability,
-    )
-    return _answer(st, phases, peak, over, spec, before=kto.assumptions)
 
 
 def _grpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
     """GRPO's step (estimator/grpo.py): the generation, then DPO's fused-head step on the
     micro-batch's completions."""
-    grpo = grpo_step(arch, spec, compute_capability)
-    st = grpo.step
-    phases = tuple(PhasePeak(step, phase, sum(parts), parts) for step, phase, parts in grpo.phases)
-    peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    reserved = replace(
-        st.plan.reserved,
+    return _fused_head_answer(
+        arch,
+        spec,
+        grpo_step(arch, spec, compute_capability),
+        grpo_policy_spec(spec),
+        compute_capability,
         dpo_completion=spec.grpo_settings.max_completion_length,
         dpo_reference=False,
         dpo_reference_copy=False,
@@ -198,15 +210,6 @@ def _grpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str 
         dpo_mean_logits=False,
         generation=True,
     )
-    over = _above(
-        arch,
-        grpo_policy_spec(spec),
-        replace(st.plan, reserved=reserved),
-        peak.allocated_bytes,
-        st.paged_state,
-        compute_capability,
-    )
-    return _answer(st, phases, peak, over, spec, before=grpo.assumptions)
 
 
 def _orpo_estimate(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> Estimate:
