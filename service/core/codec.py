@@ -99,6 +99,9 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
             plain.pop(name, None)
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         plain.pop("objective", None)
+    for name in ("optimizer_in_backward", "activation_offloading"):  # written when on
+        if not plain.get(name):
+            plain.pop(name, None)
     return plain
 
 
@@ -487,6 +490,8 @@ _TRAINING: dict[str, Check] = {
     "gradient_accumulation_steps": _integer(ge=1, le=MAX_GRADIENT_ACCUMULATION),
     "max_grad_norm": _number(ge=0, le=MAX_GRAD_NORM),
     "gradient_checkpointing": _boolean,
+    "optimizer_in_backward": _boolean,
+    "activation_offloading": _boolean,
     "attn_implementation": _choice(AttnImpl),
     "sdpa_kernel": _choice(SdpaKernel),
     "loss": _optional(_choice(LossImpl)),

@@ -85,6 +85,7 @@ class ReservedPlan:
     compute_capability: str | None = None
     autocast: bool = False  # HF Trainer's mixed precision
     clip: bool = False  # gradients clipped to max_grad_norm
+    in_backward: bool = False  # each gradient stepped and freed as it lands (torchtune)
     accumulation: int = 1  # micro-batches per optimizer step
     # (IA)^3's scaled linears (output, input) and LN tuning's trained norms
     ia3_out: frozenset[str] = frozenset()
@@ -320,6 +321,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         and plan.loss in (LossImpl.HF, LossImpl.PLAIN)
         else 0,
         clip=plan.clip,
+        in_backward=plan.in_backward,
         dpo_scored=_dpo_scored(plan, batch, seq),
         dpo_reference=plan.dpo_reference,
         kto_kl=plan.kto_kl,

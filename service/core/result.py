@@ -145,6 +145,7 @@ class Estimate:
     warnings: tuple[str, ...]
     estimator_version: str
     host_bytes: int = 0  # host memory per rank for offloaded states
+    host_pinned_bytes: int = 0  # pinned host memory per rank for offloaded activations
 
 
 def estimate_to_dict(est: Estimate) -> dict[str, object]:
@@ -171,6 +172,7 @@ def estimate_to_dict(est: Estimate) -> dict[str, object]:
         ],
         "params": {"total": est.params.total, "trainable": est.params.trainable},
         "host_bytes": est.host_bytes,
+        "host_pinned_bytes": est.host_pinned_bytes,
         "upper_margin": est.upper_margin,
         "assumptions": list(est.assumptions),
         "warnings": list(est.warnings),

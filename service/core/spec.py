@@ -1,8 +1,6 @@
 """The training-job spec: what the estimator is asked about, with HF Trainer + PEFT defaults.
-
-Field names follow the ecosystem (PEFT's `r`, `lora_alpha`, `target_modules`; HF
-TrainingArguments' `optim`, `gradient_checkpointing`; transformers' `attn_implementation`).
-Fields left as `None` take the framework preset's default, resolved by `resolve()`.
+Field names follow the ecosystem (PEFT's `r`, HF TrainingArguments' `optim`); fields left as
+`None` take the framework preset's default, resolved by `resolve()`.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_train import check_training_features
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -405,6 +404,8 @@ class TrainingSpec:
     # optimizer step unless it is 0.
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool = False
+    optimizer_in_backward: bool = False  # torchtune's optimizer_in_bwd (spec_train.py)
+    activation_offloading: bool = False  # torchtune's enable_activation_offloading
     attn_implementation: AttnImpl = AttnImpl.SDPA
     sdpa_kernel: SdpaKernel = SdpaKernel.AUTO
     loss: LossImpl | None = None
@@ -557,6 +558,7 @@ class TrainingSpec:
             self._check_lora_fa()
         self._check_method_options()
         self._check_objective()
+        check_training_features(self)
         if self.method in ADAPTER_METHODS:
             self._check_adapter_method()
         elif self.method is not Method.QLORA and self.quantization is not None:

@@ -10,7 +10,9 @@ from service.core.spec import (
     LORA_METHODS,
     AttnImpl,
     DpoSpec,
+    Framework,
     LoraSpec,
+    LossImpl,
     Method,
     Objective,
     Optim,
@@ -488,4 +490,23 @@ def _grpo_cases() -> list[tuple[str, TrainingSpec]]:
             QWEN_05B,
             _spec(lora, 1, 512, ckpt=True, gradient_accumulation_steps=16, **grpo(480, 32)),
         ),
+    ]
+
+
+def train_feature_cases() -> list[tuple[str, TrainingSpec]]:
+    """torchtune's optimizer in backward (full fine-tuning, no clipping, as its recipe needs)
+    and its activation offloading (with checkpointing, as its recipes need), on two families;
+    transformers' loss on the logits (the tracer runs no chunked loss)."""
+    lora, full = Method.LORA, Method.FULL
+    tune: dict[str, Any] = {"framework": Framework.TORCHTUNE, "loss": LossImpl.HF}
+    in_bwd: dict[str, Any] = {**tune, "optimizer_in_backward": True, "max_grad_norm": 0.0}
+    offload: dict[str, Any] = {**tune, "activation_offloading": True}
+    return [
+        (QWEN_05B, _spec(full, 1, 2048, **in_bwd)),
+        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **in_bwd)),
+        (LLAMA_1B, _spec(full, 1, 1024, **in_bwd)),
+        (QWEN_05B, _spec(lora, 2, 1024, ckpt=True, **offload)),
+        (QWEN_05B, _spec(full, 1, 2048, ckpt=True, **offload)),
+        (LLAMA_1B, _spec(lora, 1, 2048, ckpt=True, **offload)),
+        (LLAMA_1B, _spec(full, 1, 1024, ckpt=True, **{**offload, **in_bwd})),
     ]

@@ -24,6 +24,7 @@ from service.core.spec import (
     AttnImpl,
     FsdpBackwardPrefetch,
     FsdpSharding,
+    Framework,
     LossImpl,
     Method,
     Objective,
@@ -38,6 +39,7 @@ from service.core.spec import (
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
+    train_feature_cases,
     ATTENTION_PROJECTIONS,
     BERT_BASE,
     BERT_LARGE,
@@ -167,6 +169,8 @@ def result_to_json(name: str, result: TraceResult) -> dict[str, Any]:
         "steps": [_phase_json(p, reserved) for p in result.steps],
         "phases": [_phase_json(p, reserved) for p in result.phases],
         "params": {"total": result.params_total, "trainable": result.params_trainable},
+        # pinned host memory only where activations are offloaded, as references before it
+        **({"host_pinned_bytes": result.host_pinned_bytes} if result.host_pinned_bytes else {}),
         "assumptions": list(result.assumptions),
         "versions": library_versions(),
     }
@@ -282,6 +286,12 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(f"ga{spec.gradient_accumulation_steps}")
     if spec.max_grad_norm != 1.0:
         parts.append(f"clip{spec.max_grad_norm:g}")
+    if spec.framework is Framework.TORCHTUNE:
+        parts.append("torchtune")
+    if spec.optimizer_in_backward:
+        parts.append("optim-in-bwd")
+    if spec.activation_offloading:
+        parts.append("offload-acts")
     if spec.parallel.gpus != 1:
         parts.append(_parallel_name(spec.parallel))
     return "__".join(parts).replace(".", "_")
@@ -584,6 +594,7 @@ def matrix() -> list[Case]:
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
     cases.extend(peft_delta_cases())
+    cases.extend(train_feature_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.
     fp32 = DType.FP32

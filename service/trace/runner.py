@@ -41,6 +41,7 @@ from service.core.spec import (
 )
 from service.core.stack import PINNED_STACK
 from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward
+from service.trace.train_features import Offloader, in_backward_optimizers, offloaded_forward
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -81,6 +82,7 @@ class TraceResult:
     reserved_bytes: int = 0
     phase_reserved: Mapping[tuple[int, Phase], int] = field(default_factory=dict)
     allocator_allocated_bytes: int = 0
+    host_pinned_bytes: int = 0  # pinned host memory at its peak (activation offloading)
 
 
 def check_traceable(resolved: ResolvedSpec) -> list[str]:
@@ -97,8 +99,17 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
             f"the tracer runs the installed stack ({PINNED_STACK.describe()}), not "
             f"{spec.stack.describe()}"
         )
-    if spec.framework is not Framework.HF:
+    torchtune_step = spec.optimizer_in_backward or spec.activation_offloading
+    if spec.framework is not Framework.HF and not (
+        spec.framework is Framework.TORCHTUNE and torchtune_step
+    ):
         raise NotTraceableError(f"framework {spec.framework!r} is not traced, only HF + PEFT")
+    if spec.framework is Framework.TORCHTUNE:
+        notes.append(
+            "torchtune's step traced on transformers' layers (PEFT's LoRA in the model dtype), "
+            "with its optimizer in backward or activation offloading (service/trace/"
+            "train_features.py)"
+        )
     if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):
         raise NotTraceableError(f"loss {resolved.loss!r} is not traced (hf and plain are)")
     if spec.autocast:
@@ -445,6 +456,9 @@ def trace(
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
             steering = _Steering(tracker, built.lm_head)
             stack.enter_context(steering.installed(model, params))
+            if spec.optimizer_in_backward:  # after the steering's hooks, which label .grad
+                optimizer = _in_backward(params, spec, tracker, stack, fake=not real)
+            offloader = Offloader(tracker) if spec.activation_offloading else None
             if dpo or kto_step or orpo_step or rewarding:  # TRL's: forwards as accelerate's
                 stack.enter_context(
                     accelerate_forward(
@@ -515,6 +529,7 @@ def trace(
                     spec,
                     classes=is_encoder(config),
                     keep_gradients=keep_gradients,
+                    offloader=offloader,
                 )
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
@@ -542,7 +557,48 @@ def trace(
         reserved_bytes=allocator.peak_reserved,
         phase_reserved=phase_reserved,
         allocator_allocated_bytes=allocator.peak_allocated,
+        host_pinned_bytes=tracker.host_peak,
     )
+
+
+def _in_backward(
+    params: list[torch.nn.Parameter],
+    spec: TrainingSpec,
+    tracker: StorageTracker,
+    stack: ExitStack,
+    *,
+    fake: bool,
+) -> torch.optim.Optimizer:
+    """torchtune's optimizers in backward, their states labelled; returns the first as the
+    step's optimizer (its step and zero_grad are the hooks' business)."""
+
+    def make(group: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = make_optimizer(group, spec.optim, fake=fake)
+        optimizer.state = _LabelledState(tracker)
+        return optimizer
+
+    optimizers, handles = in_backward_optimizers(params, make)
+    stack.callback(lambda: [handle.remove() for handle in handles])
+    return next(iter(optimizers.values()))
+
+
+def _offloaded_loss(
+    model: torch.nn.Module,
+    offloader: Offloader,
+    lm_head: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+) -> torch.Tensor:
+    """torchtune's _loss_step: the model's forward under the offloading hooks, the loss after
+    it (here transformers' own loss function on the logits)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with offloaded_forward(offloader, lm_head):
+        logits = model(input_ids=input_ids).logits
+    loss: torch.Tensor = base.loss_function(
+        logits=logits, labels=labels, vocab_size=base.config.vocab_size
+    )
+    del logits
+    return loss
 
 
 def _numel(param: torch.Tensor) -> int:
@@ -564,6 +620,7 @@ def _run_steps(
     *,
     classes: bool = False,
     keep_gradients: bool = False,
+    offloader: Offloader | None = None,
 ) -> None:
     """HF Trainer's steps (trainer.py training_step and _inner_training_loop): the forward and
     the loss under autocast when mixed precision is on (accelerate's autocast), backward
@@ -591,7 +648,10 @@ def _run_steps(
             tracker.component = Component.ACTIVATIONS
             tracker.blas_handle = "forward"
             with torch.autocast("cpu", dtype=dtype, enabled=spec.autocast):
-                loss = model(input_ids=input_ids, labels=labels).loss
+                if offloader is None:
+                    loss = model(input_ids=input_ids, labels=labels).loss
+                else:
+                    loss = _offloaded_loss(model, offloader, steering.lm_head, input_ids, labels)
             tracker.mark(step, Phase.FORWARD_END)
 
             tracker.begin_phase(step, Phase.BACKWARD_START)
@@ -608,6 +668,9 @@ def _run_steps(
 
         tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
         tracker.component = Component.OPTIMIZER_TEMPORARIES
+        if spec.optimizer_in_backward:  # each parameter stepped as its gradient landed
+            tracker.end_phase()
+            continue
         if scaler is not None:
             scaler.unscale_(optimizer)
         if spec.max_grad_norm > 0:

@@ -58,6 +58,14 @@ def _inner_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
             yield from _inner_tensors(inner)
 
 
+def pinned_size(nbytes: int) -> int:
+    """Bytes the pinned-memory caching allocator takes for a request: the next power of two
+    (aten/src/ATen/core/CachingHostAllocator.h allocate, PowerOf2Ceil of the size)."""
+    if nbytes <= 0:
+        return 0
+    return 1 << (nbytes - 1).bit_length()
+
+
 def _empty_breakdown() -> dict[Component, int]:
     return dict.fromkeys(Component, 0)
 
@@ -158,6 +166,11 @@ class StorageTracker(TorchDispatchMode):
         self._host_outputs: dict[str, tuple[int, ...]] = {}
         self._rewrites: dict[str, Callable[..., Any]] = {}
         self._rewriting: set[str] = set()
+        # Pinned host copies (activation offloading): counted apart from the device total.
+        self._off_device = False
+        self._host_blocks: dict[int, tuple[int, weakref.finalize]] = {}
+        self.host_total = 0
+        self.host_peak = 0
 
     # -- the dispatch hook -------------------------------------------------------------------
 
@@ -168,6 +181,8 @@ class StorageTracker(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self._off_device:  # a host copy's ops: host memory, counted by `host_pinned`
+            return func(*args, **(kwargs or {}))
         name = str(func)
         rewrite = self._rewrites.get(name)
         if rewrite is not None and name not in self._rewriting:
@@ -222,6 +237,34 @@ class StorageTracker(TorchDispatchMode):
     def mark_host_outputs(self, op: str, indices: tuple[int, ...]) -> None:
         """Outputs `indices` (flattened) of `op` live in host memory on a GPU; do not count them."""
         self._host_outputs[op] = indices
+
+    @contextmanager
+    def off_device(self) -> Iterator[None]:
+        """Ops inside the block make host tensors: the device total does not count them."""
+        before = self._off_device
+        self._off_device = True
+        try:
+            yield
+        finally:
+            self._off_device = before
+
+    def host_pinned(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage as a pinned host block until it dies."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._host_blocks:
+            return
+        size = pinned_size(storage.nbytes())
+        finalizer = weakref.finalize(storage, self._host_free, key)
+        finalizer.atexit = False
+        self._host_blocks[key] = (size, finalizer)
+        self.host_total += size
+        self.host_peak = max(self.host_peak, self.host_total)
+
+    def _host_free(self, key: int) -> None:
+        block = self._host_blocks.pop(key, None)
+        if block is not None:
+            self.host_total -= block[0]
 
     # -- storages ----------------------------------------------------------------------------
 
@@ -434,3 +477,6 @@ class StorageTracker(TorchDispatchMode):
         for block in self._blocks.values():
             block.finalizer.detach()
         self._blocks.clear()
+        for _, finalizer in self._host_blocks.values():
+            finalizer.detach()
+        self._host_blocks.clear()

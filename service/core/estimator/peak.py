@@ -279,6 +279,7 @@ def _answer(
         warnings=tuple(st.warnings),
         estimator_version=ESTIMATOR_VERSION,
         host_bytes=st.host,
+        host_pinned_bytes=st.host_pinned,
     )
 
 

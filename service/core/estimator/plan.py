@@ -446,6 +446,7 @@ def _reserved_plan(
         allocator=spec.allocator,
         autocast=spec.autocast,
         clip=spec.max_grad_norm > 0,
+        in_backward=spec.optimizer_in_backward,
         accumulation=spec.gradient_accumulation_steps,
         dora=f.dora,
         ia3_out=f.ia3_out,
@@ -502,6 +503,8 @@ class _PlanKey(NamedTuple):
     adalora: AdaLoraSpec | None = None
     oft: OftSpec | None = None
     boft: BoftSpec | None = None
+    optimizer_in_backward: bool = False  # torchtune's options (spec_train.py)
+    activation_offloading: bool = False
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -531,6 +534,8 @@ class _PlanKey(NamedTuple):
             spec.adalora,
             spec.oft,
             spec.boft,
+            optimizer_in_backward=spec.optimizer_in_backward,
+            activation_offloading=spec.activation_offloading,
         )
 
     def unit_spec(self) -> TrainingSpec:

@@ -15,6 +15,12 @@ from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
+from service.core.estimator.train_features import (
+    check_offloadable,
+    host_pinned_bytes,
+    in_backward_gradients,
+    resident_layer_inputs,
+)
 from service.core.estimator.tuners import virtual_tokens
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
@@ -120,6 +126,7 @@ class _Step(NamedTuple):
     host: int  # host memory per rank (offloaded states)
     assumptions: list[str]
     warnings: list[str]
+    host_pinned: int = 0  # pinned host memory of offloaded activations
 
     def parts(self) -> list[tuple[int, ...]]:
         """The parts of each of `PHASES`, in COMPONENT_ORDER."""
@@ -261,6 +268,25 @@ def _step(
     checkpoint_input = _blk(tokens * h * f.residual)
     # what each checkpointed layer keeps: its input, and what checkpointing cannot drop
     checkpoint = checkpoint_input + _recipe_bytes(plan.kept_past_checkpoints, b, s)
+    # every layer's checkpoint, or with offloading the few inputs the GPU still holds
+    stored_checkpoints = L * checkpoint
+    host_pinned = 0
+    if spec.activation_offloading:
+        check_offloadable(arch.norm is NormKind.RMS)
+        kept = resident_layer_inputs(traits.embed_trains)
+        stored_checkpoints += (kept - L) * checkpoint_input
+        host_pinned = host_pinned_bytes(
+            layers=L,
+            tokens=tokens,
+            hidden=h,
+            layer_input_bytes=tokens * h * f.residual,
+            embed_trains=traits.embed_trains,
+            norm_trains=spec.method is Method.FULL,
+        )
+        assumptions.append(
+            f"activation offloading: {kept} layer inputs stay on the GPU, "
+            f"{host_pinned / GIB:.2f} GiB of pinned host memory"
+        )
     inputs = 2 * _blk(b * (s - virtual) * INT64_BYTES)  # input_ids and labels (torch.long)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     if "final" in f.trained_norms:
@@ -314,7 +340,7 @@ def _step(
         # takes a gradient; the concatenation's AccumulateGrad keeps it until backward ends
         final_norm += _blk(b * (s - virtual) * h * f.residual)
     if spec.gradient_checkpointing:
-        activations = L * checkpoint + final_norm
+        activations = stored_checkpoints + final_norm
         # The recomputed first norm saves the layer's input itself when it needs no fp32 copy
         # (an fp32 residual stream, or LayerNorm): that storage is the checkpoint.
         recompute = top_layer - (checkpoint_input if traits.shares_input else 0)
@@ -432,7 +458,7 @@ def _step(
         candidates.append(
             _Moment(
                 gradients=ga_grads,
-                activations=L * checkpoint + rope + masks,
+                activations=stored_checkpoints + rope + masks,
                 recompute=moment,
                 backward_temporaries=arriving,
             )
@@ -454,7 +480,7 @@ def _step(
         grads_in = 3 * _blk(i_bytes * f.norm_out) + _blk(tokens * h * f.residual)
         layer_now = (recompute if ckpt else per_layer) - down_input
         if ckpt:
-            acts_now = L * checkpoint + rope + masks
+            acts_now = stored_checkpoints + rope + masks
         else:
             acts_now = activations - final_norm + rope + masks - per_layer
         # (without checkpointing the layer's tensors are its saved activations, not a
@@ -489,7 +515,7 @@ def _step(
             candidates.append(
                 _Moment(
                     gradients=ga_grads,
-                    activations=L * checkpoint + rope + masks,
+                    activations=stored_checkpoints + rope + masks,
                     recompute=attention_part,
                     backward_temporaries=grads_now,
                 )
@@ -507,6 +533,15 @@ def _step(
                     backward_temporaries=grads_now,
                 )
             )
+    if spec.optimizer_in_backward:
+        # each gradient is stepped and freed as it lands; a tied head's waits for the embedding
+        held_head = head_grads if tied_head else 0
+        candidates = [
+            m._replace(gradients=in_backward_gradients(m.gradients, held_head=held_head))
+            for m in candidates
+        ]
+        grads = temps = 0  # nothing left for the optimizer step after backward
+        assumptions.append("optimizer in backward: each gradient freed after its step")
     if rank.comm_backward or rank.comm_end or rank.comm_bottom:
         # Gathered parameters and buckets: the bottom layer's and the embedding's moments may
         # have their own; every other moment is at the top layer.
@@ -546,7 +581,7 @@ def _step(
     if spec.gradient_checkpointing and holds_scores_between_layers(arch, spec):
         # The last layer's forward at its softmax, every checkpoint kept (reference trace
         # falcon-7b__lora__r16-all-linear__b1-s2048__ckpt__eager).
-        held = L * checkpoint + rope + masks + embed_norm + softmax_moment(arch, f, b, s)
+        held = stored_checkpoints + rope + masks + embed_norm + softmax_moment(arch, f, b, s)
         at_softmax = _Moment(gradients=ga_grads, activations=held)
         forward_end = max(forward_end, at_softmax, key=sum)
     if rank.comm_forward_start is not None:
@@ -579,4 +614,5 @@ def _step(
         host=rank.host,
         assumptions=assumptions,
         warnings=warnings,
+        host_pinned=host_pinned,
     )

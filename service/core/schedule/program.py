@@ -137,6 +137,13 @@ class _StepBase:
         """A trainable tensor's gradient, held until `zero_grad`; a later micro-batch's is
         added into it in place and freed."""
         key = self.p.alloc(nbytes)
+        sh = self.sh
+        if sh.in_backward:
+            if not self.states:  # the optimizer's lazy state, from step 1's first gradient
+                self.states = [k for k in map(self.p.alloc, sh.states) if k]
+            if not (sh.tied and sh.embed_trainable and not self.grads):
+                self.f(key)  # stepped, then set to None
+                return
         if self.accumulated:
             self.f(key)
         elif key:

@@ -127,6 +127,9 @@ class StepShape:
     autocast: bool = False
     head_weight_copy: int = 0
     clip: bool = False
+    # torchtune's optimizer in backward: each gradient stepped and freed as it lands, a tied
+    # head's waiting for the embedding's; the states made at the first gradient of step 1
+    in_backward: bool = False
     param_bytes: int = 2  # bytes per element of the model's (trainable) weights
     accumulation: int = 1  # micro-batches per optimizer step
     # BLOOM: ALiBi instead of RoPE and its own baddbmm attention (modeling_bloom.py)

@@ -164,7 +164,10 @@ class _Step(_Backward):
                     self.f(self.head_grad, new, total)  # then added into .grad in place
                 else:
                     self.f(self.grads.pop(0), new)
-                    self.grads.append(total)
+                    if sh.in_backward:
+                        self.f(total)  # the tied table stepped, its gradient set to None
+                    else:
+                        self.grads.append(total)
             elif sh.embed_trainable:
                 self.grad(sh.vocab * h * sh.residual)
                 self.f(g)
