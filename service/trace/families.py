@@ -505,6 +505,8 @@ def train_feature_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(full, 1, 2048, **in_bwd)),
         (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **in_bwd)),
         (LLAMA_1B, _spec(full, 1, 1024, **in_bwd)),
+        # a short sequence: the LM head's backward (its weight's gradient) is the peak
+        (LLAMA_1B, _spec(full, 1, 256, **in_bwd)),
         (QWEN_05B, _spec(lora, 2, 1024, ckpt=True, **offload)),
         (QWEN_05B, _spec(full, 1, 2048, ckpt=True, **offload)),
         (LLAMA_1B, _spec(lora, 1, 2048, ckpt=True, **offload)),

@@ -533,6 +533,20 @@ def _step(
                     backward_temporaries=grads_now,
                 )
             )
+    if spec.optimizer_in_backward and traits.head_trains:
+        # The LM head's backward, every activation alive: the logits' gradient in the model's
+        # dtype, the head weight's gradient and the hidden states' (reference traces
+        # *__torchtune__optim-in-bwd, peak of the backward phase at aten.mm); with gradients
+        # freed as they land, no later moment holds more.
+        head_grad = made if tied_head else head_grads
+        candidates.append(
+            _Moment(
+                gradients=0,
+                activations=activations,
+                logits_loss=_blk(tokens * arch.vocab_size * f.residual),
+                backward_temporaries=head_grad + grad_hidden,
+            )
+        )
     if spec.optimizer_in_backward:
         # each gradient is stepped and freed as it lands; a tied head's waits for the embedding
         held_head = head_grads if tied_head else 0
