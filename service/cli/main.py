@@ -54,6 +54,9 @@ def format_estimate(model_id: str, est: Estimate, objective: Objective = Objecti
     lines.append(f"  parameters: {est.params.total:,} total, {est.params.trainable:,} trainable")
     if est.host_bytes:
         lines.append(f"  host memory per GPU for what is offloaded: {est.host_bytes / GIB:.2f} GiB")
+    if est.host_pinned_bytes:
+        pinned = est.host_pinned_bytes / GIB
+        lines.append(f"  pinned host memory per GPU for offloaded activations: {pinned:.2f} GiB")
     for note in est.warnings:
         lines.append(f"  warning: {note}")
     for note in est.assumptions:

@@ -131,6 +131,16 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="torchtune's optimizer_in_bwd: each parameter stepped as its gradient lands",
+    )
+    train.add_argument(
+        "--activation-offloading",
+        action="store_true",
+        help="torchtune's enable_activation_offloading: saved activations to pinned host memory",
+    )
+    train.add_argument(
         "--attn-implementation", choices=_choices(AttnImpl), default=AttnImpl.SDPA.value
     )
     train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
@@ -310,6 +320,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_grad_norm": args.max_grad_norm,
             "gradient_checkpointing": args.gradient_checkpointing,
+            "optimizer_in_backward": args.optimizer_in_backward or None,
+            "activation_offloading": args.activation_offloading or None,
             "attn_implementation": args.attn_implementation,
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,

@@ -295,3 +295,24 @@ def test_a_target_module_bert_lacks_is_422(client: TestClient) -> None:
     )
     assert body["errors"][0]["loc"] == ["body", "lora", "target_modules"]
     assert "query" in body["errors"][0]["detail"]
+
+
+def test_torchtune_options_reach_the_estimate_and_hf_is_422(client: TestClient) -> None:
+    job = {
+        "model": "Qwen/Qwen2.5-0.5B",
+        "method": "lora",
+        "batch_size": 2,
+        "seq_len": 1024,
+        "framework": "torchtune",
+        "gradient_checkpointing": True,
+    }
+    kept = client.post("/v1/estimates", json=job)
+    offloaded = client.post("/v1/estimates", json={**job, "activation_offloading": True})
+    assert kept.status_code == offloaded.status_code == 200, offloaded.text
+    assert kept.json()["host_pinned_bytes"] == 0
+    assert offloaded.json()["host_pinned_bytes"] > 24 * 4 * 2**20  # a 4 MiB block per layer
+    assert offloaded.json()["peak"]["allocated_bytes"] < kept.json()["peak"]["allocated_bytes"]
+    hf = {**job, "framework": "hf", "method": "full", "optimizer_in_backward": True}
+    body = _problem(client.post("/v1/estimates", json=hf), 422)
+    assert body["errors"][0]["loc"] == ["body", "optimizer_in_backward"]
+    assert "HF Trainer has no such option" in body["errors"][0]["detail"]

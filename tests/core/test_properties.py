@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from service.core.spec import (
     LORA_METHODS,
     METHOD_OPTIONS,
     AttnImpl,
+    Framework,
     LoraSpec,
     Method,
     Optim,
@@ -65,8 +67,16 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         Method.OFT: {"oft": OftSpec(target_modules=ALL_LINEAR)},
         Method.BOFT: {"boft": BoftSpec(target_modules=ALL_LINEAR)},
     }.get(method, {})
+    # torchtune's optimizer in backward: full fine-tuning, fused AdamW, no clipping
+    in_backward = method is Method.FULL and draw(st.booleans())
+    tune: dict[str, Any] = (
+        {"framework": Framework.TORCHTUNE, "optimizer_in_backward": True, "max_grad_norm": 0.0}
+        if in_backward
+        else {}
+    )
     spec = TrainingSpec(
         **options,  # type: ignore[arg-type]
+        **tune,
         method=method,
         lora=lora,
         quantization=quant,
@@ -74,7 +84,11 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         seq_len=draw(st.integers(1, 8192)),
         gradient_checkpointing=draw(st.booleans()),
         attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
-        optim=Optim.ADAMW_TORCH if delta else draw(st.sampled_from(list(Optim))),
+        optim=Optim.ADAMW_TORCH
+        if delta
+        else Optim.ADAMW_TORCH_FUSED
+        if in_backward
+        else draw(st.sampled_from(list(Optim))),
         autocast=False if other or delta else draw(st.booleans()),
         prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))
         if method is Method.PROMPT_TUNING
@@ -91,10 +105,11 @@ EXAMPLES = 30
 
 def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, TrainingSpec]:
     """The case as LoRA with its defaults when it is another PEFT method, for a change of
-    method."""
+    method; without torchtune's optimizer in backward, which is full fine-tuning's."""
     model, spec = case
+    spec = replace(spec, optimizer_in_backward=False)
     if spec.method in (Method.FULL, Method.LORA, Method.QLORA):
-        return case
+        return model, spec
     plain = replace(
         spec,
         method=Method.LORA,

@@ -177,6 +177,10 @@ class EstimateOut(Out):
         description="Host (CPU) memory one rank keeps for what it offloads (optimizer state, "
         "and parameters under parameter offload); 0 without offloading."
     )
+    host_pinned_bytes: Bytes = Field(
+        description="Pinned host (CPU) memory one rank holds for offloaded activations "
+        "(activation_offloading); 0 without it."
+    )
     upper_margin: float = Field(
         ge=0.0,
         description="The safe bound's margin over peak.device_bytes: the device factor's when "
@@ -256,6 +260,7 @@ def estimate_values(
         "generation": _generation_values(est),
         "params": {"total": est.params.total, "trainable": est.params.trainable},
         "host_bytes": est.host_bytes,
+        "host_pinned_bytes": est.host_pinned_bytes,
         "upper_margin": upper_margin,
         "calibration": described,
         "gpu": gpu,

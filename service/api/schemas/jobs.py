@@ -660,6 +660,16 @@ class JobSpec(In):
     gradient_checkpointing: Boolean = Field(
         default=False, description="TrainingArguments.gradient_checkpointing."
     )
+    optimizer_in_backward: Boolean = Field(
+        default=False,
+        description="torchtune's optimizer_in_bwd (framework 'torchtune', full fine-tuning, "
+        "one GPU, no accumulation or clipping): each parameter stepped as its gradient lands.",
+    )
+    activation_offloading: Boolean = Field(
+        default=False,
+        description="torchtune's enable_activation_offloading (framework 'torchtune', with "
+        "gradient_checkpointing): saved activations kept in pinned host memory.",
+    )
     attn_implementation: AttnImpl = Field(
         default=AttnImpl.SDPA, description="transformers attn_implementation."
     )
@@ -737,6 +747,8 @@ class JobSpec(In):
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             max_grad_norm=self.max_grad_norm,
             gradient_checkpointing=self._gradient_checkpointing(),
+            optimizer_in_backward=self.optimizer_in_backward,
+            activation_offloading=self.activation_offloading,
             attn_implementation=self.attn_implementation,
             sdpa_kernel=self.sdpa_kernel,
             loss=self.loss,

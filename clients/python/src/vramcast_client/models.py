@@ -269,6 +269,8 @@ class Job(_Request):
     gradient_accumulation_steps: int | None = Field(default=None, ge=1)
     max_grad_norm: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     gradient_checkpointing: bool | None = None
+    optimizer_in_backward: bool | None = None  # torchtune's optimizer_in_bwd
+    activation_offloading: bool | None = None  # torchtune's enable_activation_offloading
     attn_implementation: AttnImplName | None = None
     sdpa_kernel: SdpaKernelName | None = None
     loss: LossName | None = None
@@ -418,6 +420,7 @@ class Estimate(_Result):
     generation: Generation | None = None  # GRPO's generation phase; None for other objectives
     params: Params
     host_bytes: int = 0
+    host_pinned_bytes: int = 0  # pinned host memory of offloaded activations
     upper_margin: float
     calibration: AppliedCalibration
     gpu: GpuFitSummary | None = None
