@@ -62,7 +62,8 @@ def _check_in_backward(spec: TrainingSpec) -> None:
         )
     if spec.optim.value not in IN_BACKWARD_OPTIMS:
         raise InvalidSpecError(
-            field, f"is modelled with optim {', '.join(IN_BACKWARD_OPTIMS)}, not {spec.optim.value!r}"
+            field,
+            f"is modelled with optim {', '.join(IN_BACKWARD_OPTIMS)}, not {spec.optim.value!r}",
         )
     if spec.objective.value != "sft":
         raise InvalidSpecError(field, "is modelled for supervised fine-tuning only")

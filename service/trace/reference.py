@@ -22,9 +22,9 @@ from service.core.result import Component
 from service.core.spec import (
     DELTA_OPTIONS,
     AttnImpl,
+    Framework,
     FsdpBackwardPrefetch,
     FsdpSharding,
-    Framework,
     LossImpl,
     Method,
     Objective,
@@ -39,7 +39,6 @@ from service.core.spec import (
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
-    train_feature_cases,
     ATTENTION_PROJECTIONS,
     BERT_BASE,
     BERT_LARGE,
@@ -69,6 +68,7 @@ from service.trace.families import (
     _spec,
     _t5_cases,
     _tuner_cases,
+    train_feature_cases,
 )
 
 if typing.TYPE_CHECKING:  # the JSON helpers need no torch

@@ -41,7 +41,6 @@ from service.core.spec import (
 )
 from service.core.stack import PINNED_STACK
 from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward
-from service.trace.train_features import Offloader, in_backward_optimizers, offloaded_forward
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -51,6 +50,7 @@ from service.trace.tracker import (
     Snapshot,
     StorageTracker,
 )
+from service.trace.train_features import Offloader, in_backward_optimizers, offloaded_forward
 
 STEPS = 2  # step 1: no optimizer state yet; step 2: the steady state
 # HF's cross-entropy ignores labels equal to this (transformers/loss/loss_utils.py).

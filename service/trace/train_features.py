@@ -107,9 +107,7 @@ class Offloader:
 
 
 @contextmanager
-def offloaded_forward(
-    offloader: Offloader | None, lm_head: torch.nn.Module
-) -> Iterator[None]:
+def offloaded_forward(offloader: Offloader | None, lm_head: torch.nn.Module) -> Iterator[None]:
     """The model's forward under the offloading hooks, its output projection outside them."""
     if offloader is None:
         yield

@@ -72,8 +72,9 @@ def test_optimizer_in_backward_frees_the_gradients_of_a_short_sequence() -> None
     inside = estimate(arch, spec)
     assert inside.allocated_bytes < stepped.allocated_bytes
     assert inside.components[Component.GRADIENTS] < 2**20  # the final norm weight's, held
-    assert inside.components[Component.OPTIMIZER_STATE] == (
-        stepped.components[Component.OPTIMIZER_STATE]
+    assert (
+        inside.components[Component.OPTIMIZER_STATE]
+        == (stepped.components[Component.OPTIMIZER_STATE])
     )
 
 
