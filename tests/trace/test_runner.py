@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ pytest.importorskip("peft")
 
 from service.core.result import Component, Phase
 from service.core.spec import (
+    Framework,
     FsdpSharding,
     LoraSpec,
     LossImpl,
@@ -68,6 +70,43 @@ LORA = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear")
     ids=["lora-ckpt", "qlora", "lora-ckpt-autocast", "qlora-ckpt-autocast"],
 )
 def test_the_fake_trace_equals_a_real_cpu_run(spec: TrainingSpec) -> None:
+    _fake_equals_real(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TrainingSpec(
+            method=Method.FULL,
+            batch_size=2,
+            seq_len=32,
+            framework=Framework.TORCHTUNE,
+            loss=LossImpl.HF,
+            optimizer_in_backward=True,
+            max_grad_norm=0.0,
+        ),
+        TrainingSpec(
+            method=Method.LORA,
+            batch_size=2,
+            seq_len=32,
+            lora=LORA,
+            framework=Framework.TORCHTUNE,
+            loss=LossImpl.HF,
+            gradient_checkpointing=True,
+            activation_offloading=True,
+        ),
+    ],
+    ids=["full-optimizer-in-backward", "lora-ckpt-offloading"],
+)
+def test_torchtune_options_trace_the_same_fake_and_real(spec: TrainingSpec) -> None:
+    """torchtune's hooks (service/trace/train_features.py) count the same on fake tensors as
+    on real ones: the device level and the pinned host copies."""
+    fake, real = _fake_equals_real(spec)
+    assert fake.host_pinned_bytes == real.host_pinned_bytes
+    assert (fake.host_pinned_bytes > 0) is spec.activation_offloading
+
+
+def _fake_equals_real(spec: TrainingSpec) -> tuple[Any, Any]:
     fake = trace(spec, TINY, "tiny", cpu_kernels=True, record_events=True)
     real = trace(spec, TINY, "tiny", real=True, cpu_kernels=True, record_events=True)
     assert fake.peak == real.peak
@@ -77,6 +116,7 @@ def test_the_fake_trace_equals_a_real_cpu_run(spec: TrainingSpec) -> None:
     assert sum(fake.peak.components.values()) == fake.peak.allocated_bytes
     for entry in fake.phases:
         assert sum(entry.snapshot.components.values()) == entry.snapshot.allocated_bytes
+    return fake, real
 
 
 def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
