@@ -9,12 +9,43 @@ storage saved twice on the GPU (trl/models/activation_offloading.py), which is n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from enum import StrEnum
+from typing import Protocol
 
 from service.core.errors import InvalidSpecError
 
-if TYPE_CHECKING:
-    from service.core.spec import TrainingSpec
+
+class _Gpus(Protocol):
+    @property
+    def gpus(self) -> int: ...
+
+
+class TrainingJob(Protocol):
+    """What the checks read of a TrainingSpec (which calls them: no import back)."""
+
+    @property
+    def optimizer_in_backward(self) -> bool: ...
+    @property
+    def activation_offloading(self) -> bool: ...
+    @property
+    def gradient_checkpointing(self) -> bool: ...
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+    @property
+    def max_grad_norm(self) -> float: ...
+    @property
+    def autocast(self) -> bool: ...
+    @property
+    def framework(self) -> StrEnum: ...
+    @property
+    def method(self) -> StrEnum: ...
+    @property
+    def optim(self) -> StrEnum: ...
+    @property
+    def objective(self) -> StrEnum: ...
+    @property
+    def parallel(self) -> _Gpus: ...
+
 
 # The optimizers modelled inside backward: torchtune builds one per parameter
 # (full_finetune_single_device.py _setup_optimizer), so a fused AdamW's step touches one
@@ -22,7 +53,7 @@ if TYPE_CHECKING:
 IN_BACKWARD_OPTIMS = ("adamw_torch_fused",)
 
 
-def check_training_features(spec: TrainingSpec) -> None:
+def check_training_features(spec: TrainingJob) -> None:
     """Refuse what torchtune's recipes refuse with `optimizer_in_bwd` or
     `enable_activation_offloading`, and what the estimate does not model with them."""
     if spec.optimizer_in_backward:
@@ -31,7 +62,7 @@ def check_training_features(spec: TrainingSpec) -> None:
         _check_offloading(spec)
 
 
-def _check_in_backward(spec: TrainingSpec) -> None:
+def _check_in_backward(spec: TrainingJob) -> None:
     field = "optimizer_in_backward"
     if spec.framework.value != "torchtune":
         raise InvalidSpecError(
@@ -69,7 +100,7 @@ def _check_in_backward(spec: TrainingSpec) -> None:
         raise InvalidSpecError(field, "is modelled for supervised fine-tuning only")
 
 
-def _check_offloading(spec: TrainingSpec) -> None:
+def _check_offloading(spec: TrainingJob) -> None:
     field = "activation_offloading"
     if spec.framework.value != "torchtune":
         raise InvalidSpecError(

@@ -12,7 +12,6 @@ import pytest
 from service.catalog.models import default_catalog
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
-from service.core.estimator.train_features import pinned_size
 from service.core.result import Component
 from service.core.spec import Framework, LossImpl, Method, Optim, ParallelSpec, TrainingSpec
 
@@ -87,9 +86,8 @@ def test_offloading_keeps_three_checkpoints_and_reports_the_pinned_host_memory()
     saved = kept.components[Component.ACTIVATIONS] - offloaded.components[Component.ACTIVATIONS]
     assert saved == (arch.num_hidden_layers - 3) * checkpoint
     assert kept.host_pinned_bytes == 0
-    # every layer's input in a power-of-two pinned block, and the final norm's saves
-    assert offloaded.host_pinned_bytes >= arch.num_hidden_layers * pinned_size(checkpoint)
-
-
-def test_pinned_blocks_are_powers_of_two() -> None:
-    assert [pinned_size(n) for n in (0, 1, 1024, 1025, 3670016)] == [0, 1, 1024, 2048, 4194304]
+    # every layer's 3.5 MiB input in a 4 MiB pinned block (the power of two above it), and
+    # the final norm's fp32 input twice and its inverse RMS twice
+    assert checkpoint == 3670016
+    norm = 2 * 8 * 2**20 + 2 * 8192
+    assert offloaded.host_pinned_bytes == arch.num_hidden_layers * 4 * 2**20 + norm
