@@ -141,6 +141,12 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         help="torchtune's enable_activation_offloading: saved activations to pinned host memory",
     )
     train.add_argument(
+        "--packing",
+        action="store_true",
+        help="TRL's padding-free packing: the micro-batch's sequences as one row of "
+        "batch x seq tokens",
+    )
+    train.add_argument(
         "--attn-implementation", choices=_choices(AttnImpl), default=AttnImpl.SDPA.value
     )
     train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
@@ -322,6 +328,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "gradient_checkpointing": args.gradient_checkpointing,
             "optimizer_in_backward": args.optimizer_in_backward or None,
             "activation_offloading": args.activation_offloading or None,
+            "packing": args.packing,
             "attn_implementation": args.attn_implementation,
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,
