@@ -99,7 +99,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
             plain.pop(name, None)
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         plain.pop("objective", None)
-    for name in ("optimizer_in_backward", "activation_offloading"):  # written when on
+    for name in ("optimizer_in_backward", "activation_offloading", "packing"):  # when on
         if not plain.get(name):
             plain.pop(name, None)
     return plain
