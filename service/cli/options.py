@@ -131,6 +131,11 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="TrainingArguments.torch_compile (not traced: the eager step is estimated)",
+    )
+    train.add_argument(
         "--packing",
         action="store_true",
         help="TRL's padding-free packing: the micro-batch's sequences as one row of "
@@ -317,6 +322,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "max_grad_norm": args.max_grad_norm,
             "gradient_checkpointing": args.gradient_checkpointing,
             "packing": args.packing,
+            "torch_compile": args.torch_compile,
             "attn_implementation": args.attn_implementation,
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,

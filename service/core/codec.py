@@ -492,6 +492,7 @@ _TRAINING: dict[str, Check] = {
     "loss": _optional(_choice(LossImpl)),
     "framework": _choice(Framework),
     "packing": _boolean,
+    "torch_compile": _boolean,
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),

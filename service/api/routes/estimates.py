@@ -71,9 +71,9 @@ async def create_estimate(request: Request) -> Response:
 async def create_estimates_batch(request: Request) -> Response:
     # A batch whose jobs are all valid is read once per distinct job (its copies at other
     # shapes share its reading: `batch_body.read_shared`), else in one pass of pydantic-core;
-    # any other is read as FastAPI reads a `BatchIn` body, each job failing on its own. The estimates share the
-    # request's lookups and are encoded in one pass; the work runs in the thread pool, as a
-    # plain route's would, so that the event loop keeps answering meanwhile.
+    # any other is read as FastAPI reads a `BatchIn` body, each job failing on its own. The
+    # estimates share the request's lookups and are encoded in one pass; the work runs in the
+    # thread pool, as a plain route's would, so that the event loop keeps answering meanwhile.
     services = services_of(request)
     body = await request.body()
     content_type = request.headers.get("content-type")
