@@ -99,6 +99,9 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
             plain.pop(name, None)
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         plain.pop("objective", None)
+    for name in ("packing", "torch_compile"):  # written when on
+        if not plain.get(name):
+            plain.pop(name, None)
     return plain
 
 
