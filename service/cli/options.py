@@ -141,6 +141,11 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         help="torchtune's enable_activation_offloading: saved activations to pinned host memory",
     )
     train.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="TrainingArguments.torch_compile (not traced: the eager step is estimated)",
+    )
+    train.add_argument(
         "--packing",
         action="store_true",
         help="TRL's padding-free packing: the micro-batch's sequences as one row of "
@@ -329,6 +334,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "optimizer_in_backward": args.optimizer_in_backward or None,
             "activation_offloading": args.activation_offloading or None,
             "packing": args.packing,
+            "torch_compile": args.torch_compile,
             "attn_implementation": args.attn_implementation,
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,

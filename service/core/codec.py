@@ -99,7 +99,8 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
             plain.pop(name, None)
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         plain.pop("objective", None)
-    for name in ("optimizer_in_backward", "activation_offloading", "packing"):  # when on
+    # written when on
+    for name in ("optimizer_in_backward", "activation_offloading", "packing", "torch_compile"):
         if not plain.get(name):
             plain.pop(name, None)
     return plain
@@ -497,6 +498,7 @@ _TRAINING: dict[str, Check] = {
     "loss": _optional(_choice(LossImpl)),
     "framework": _choice(Framework),
     "packing": _boolean,
+    "torch_compile": _boolean,
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),

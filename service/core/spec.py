@@ -313,6 +313,9 @@ class TrainingSpec:
     # TRL's padding-free packing (spec_packing.py): the micro-batch's sequences in one row of
     # at most batch_size x seq_len tokens, position_ids restarting at each
     packing: bool = False
+    # TrainingArguments.torch_compile: not traced, the eager step is estimated (stated in the
+    # answer: estimator/peak.py COMPILE_NOTE)
+    torch_compile: bool = False
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA

@@ -108,3 +108,16 @@ def test_what_the_estimator_cannot_pack_is_refused(
         estimate(_arch(model), spec)
     assert raised.value.field == field
     assert raised.value.reason
+
+
+def test_a_compiled_step_is_estimated_as_the_eager_one_and_says_so() -> None:
+    arch = _arch()
+    eager = TrainingSpec(batch_size=2, seq_len=512, lora=LoraSpec(r=8))
+    compiled = estimate(arch, replace(eager, torch_compile=True))
+    plain = estimate(arch, eager)
+    assert compiled.allocated_bytes == plain.allocated_bytes
+    assert compiled.device_bytes_upper == plain.device_bytes_upper
+    assert [a for a in compiled.assumptions if a not in plain.assumptions] == [
+        a for a in compiled.assumptions if a.startswith("torch_compile")
+    ]
+    assert any(a.startswith("torch_compile") for a in compiled.assumptions)

@@ -680,6 +680,11 @@ class JobSpec(In):
         default=None, description="Causal-LM loss implementation; null: the framework's."
     )
     framework: Framework = Field(default=Framework.HF, description="Training framework preset.")
+    torch_compile: Boolean = Field(
+        default=False,
+        description="TrainingArguments.torch_compile. Not traced: the eager step is "
+        "estimated, and the answer says so (inductor usually keeps no more).",
+    )
     packing: Boolean = Field(
         default=False,
         description="TRL's padding-free packing (SFTConfig padding_free=True, or packing=True "
@@ -762,6 +767,7 @@ class JobSpec(In):
             loss=self.loss,
             framework=self.framework,
             packing=self.packing,
+            torch_compile=self.torch_compile,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
             num_labels=self.num_labels,

@@ -8,6 +8,7 @@ from typing import Any
 from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.compiled import compile_notes
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.grpo import GrpoStep, grpo_policy_spec, grpo_step
 from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, reference_copy
@@ -277,6 +278,7 @@ def _answer(
             *st.assumptions,
             *after,
             *over.assumptions,
+            *compile_notes(spec),
             stack_note(spec.stack),
         ),
         warnings=tuple(st.warnings),

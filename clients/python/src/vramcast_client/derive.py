@@ -157,6 +157,8 @@ def job_from_hf(
     )
     if _padding_free(args):
         job = job.model_copy(update={"packing": True})
+    if getattr(args, "torch_compile", False) is True:
+        job = job.model_copy(update={"torch_compile": True})
     if reward:
         return job.model_copy(update={"objective": "reward"})
     if kto is not None:
