@@ -60,7 +60,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
 # Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
@@ -304,6 +304,8 @@ def _lt_workspaces(arch: ModelArch, spec: TrainingSpec) -> tuple[int, int]:
     (not bitsandbytes' 4-bit path) on the Python thread, one more when checkpointing reruns
     such a linear on the autograd thread."""
     biased = any(lin.bias for lin in arch.linears if not lin.expert)
+    # prefix tuning's projection MLP: two linears with biases
+    biased = biased or bool(spec.prefix_tuning and spec.prefix_tuning.prefix_projection)
     lt = _blk(CUBLASLT_WORKSPACE) if biased and not spec.kbit_base else 0
     return lt, lt if spec.gradient_checkpointing else 0
 
@@ -502,6 +504,7 @@ class _PlanKey(NamedTuple):
     adalora: AdaLoraSpec | None = None
     oft: OftSpec | None = None
     boft: BoftSpec | None = None
+    prefix_tuning: PrefixTuningSpec | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -531,6 +534,7 @@ class _PlanKey(NamedTuple):
             spec.adalora,
             spec.oft,
             spec.boft,
+            spec.prefix_tuning,
         )
 
     def unit_spec(self) -> TrainingSpec:

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.prefix import prefix_tensors
 from service.core.estimator.weights import adapted_linears
 from service.core.spec import Method, ResolvedSpec, TrainingSpec
 from service.core.spec_prompt import (
@@ -38,7 +39,7 @@ NORM_KEYS = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2", "n
 def check_tuner_model(arch: ModelArch, rs: ResolvedSpec) -> None:
     """Refuse the architectures (IA)^3 and LN tuning are not modelled on."""
     method = rs.spec.method
-    if method not in (Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING):
+    if method not in (Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING, Method.PREFIX_TUNING):
         return
     dense = arch.mlp is MlpKind.GATED and not arch.is_moe and arch.norm is NormKind.RMS
     if arch.model_type not in TUNER_MODEL_TYPES or not dense:
@@ -156,6 +157,7 @@ def tuner_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, in
     if rs.prompt_tuning is not None:
         # PromptEmbedding.embedding: (num_virtual_tokens, token_dim), token_dim = hidden_size
         tensors.append((rs.prompt_tuning.num_virtual_tokens, arch.hidden_size, ad, 1))
+    tensors += prefix_tensors(arch, rs.spec)
     return tuple(tensors)
 
 
