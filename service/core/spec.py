@@ -27,13 +27,7 @@ from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's 
 from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
-from service.core.spec_prompt import (
-    IA3Spec,
-    LnTuningSpec,
-    PrefixTuningSpec,
-    PromptTuningSpec,
-    check_prompt_options,
-)
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -653,7 +647,7 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
         if self.autocast:
             raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
-        check_prompt_options(self.method.value, self, self.gradient_checkpointing)
+        PrefixTuningSpec.check_job(self.method.value, self, self.gradient_checkpointing)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -76,3 +76,31 @@ def test_prompt_tuning_needs_its_options_and_counts_its_embedding(client: TestCl
     job["prompt_tuning"] = {"num_virtual_tokens": 20}
     body = client.post("/v1/estimates", json=job).json()
     assert body["params"]["trainable"] == 20 * 896
+
+
+def test_prefix_tuning_needs_its_options_and_counts_its_encoder(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json={**SMALL_JOB, "method": "prefix-tuning"})
+    assert _errors(response) == [["body", "prefix_tuning"]]
+    job: dict[str, Any] = {
+        **SMALL_JOB,
+        "method": "prefix-tuning",
+        "prefix_tuning": {"num_virtual_tokens": 0},
+    }
+    assert _errors(client.post("/v1/estimates", json=job)) == [
+        ["body", "prefix_tuning", "num_virtual_tokens"]
+    ]
+    job["prefix_tuning"] = {"num_virtual_tokens": 20, "encoder_hidden_size": 64}
+    assert _errors(client.post("/v1/estimates", json=job)) == [
+        ["body", "prefix_tuning", "encoder_hidden_size"]
+    ]
+    job["prefix_tuning"] = {"num_virtual_tokens": 20}
+    assert _errors(client.post("/v1/estimates", json={**job, "gradient_checkpointing": True})) == [
+        ["body", "gradient_checkpointing"]
+    ]
+    # PrefixEncoder's embedding: 20 x (24 layers x 2 x 128, the key/value width)
+    body = client.post("/v1/estimates", json=job).json()
+    assert body["params"]["trainable"] == 20 * 24 * 2 * 128
+    job["prefix_tuning"] = {"num_virtual_tokens": 20, "prefix_projection": True}
+    body = client.post("/v1/estimates", json=job).json()
+    width = 24 * 2 * 128
+    assert body["params"]["trainable"] == 20 * 128 + 128 * 128 + 128 + 128 * width + width

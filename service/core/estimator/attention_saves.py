@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _Kind, _Ledger
 from service.core.spec import AttnImpl, SdpaKernel
 from service.core.units import FP32_BYTES, HALF_BYTES
 
-if TYPE_CHECKING:
-    from service.core.estimator.activations import LayerFlow
+
+class LayerFlow(Protocol):
+    """What the attention's saves read of a layer's flow (`activations.LayerFlow`)."""
+
+    @property
+    def attn(self) -> int: ...  # bytes per element of q, k, v and the output
+    @property
+    def fused_qkv(self) -> bool: ...  # q, k and v are views of one projection's output
+    @property
+    def prefix(self) -> bool: ...  # prefix tuning's virtual tokens lead the keys
 
 
 @dataclass(frozen=True, slots=True)
