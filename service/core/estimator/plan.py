@@ -32,6 +32,7 @@ from service.core.estimator.adapter import (
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
+from service.core.estimator.prefix import prefix_encoder_width, prefix_tokens
 from service.core.estimator.tuners import check_tuner_model, tuner_tensors, virtual_tokens
 from service.core.estimator.weights import (
     _lorafa_state,
@@ -455,6 +456,8 @@ def _reserved_plan(
         # (v2 trains the model's own norms, no copies)
         trained_norms=frozenset() if is_v2(rs) else f.trained_norms,
         virtual_tokens=virtual_tokens(spec),
+        prefix_tokens=prefix_tokens(spec),
+        prefix_encoder=prefix_encoder_width(arch, spec),
         frozen_a=f.frozen_a,
         vera=f.vera,
         loha=f.loha,

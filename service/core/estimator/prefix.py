@@ -15,8 +15,9 @@ SDPA runs the mem-efficient kernel with key and value repeated to the query head
 from __future__ import annotations
 
 from service.core.architecture import ModelArch
+from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
-from service.core.spec import Method, TrainingSpec
+from service.core.spec import AttnImpl, Method, SdpaKernel, TrainingSpec
 from service.core.spec_prompt import PrefixTuningSpec
 from service.core.units import FP32_BYTES
 
@@ -42,6 +43,14 @@ def encoder_width(arch: ModelArch, options: PrefixTuningSpec) -> int:
     """The projection MLP's hidden width: PEFT's default is token_dim (utils/other.py
     _prepare_prompt_learning_config)."""
     return options.encoder_hidden_size or arch.kv_dim
+
+
+def prefix_encoder_width(arch: ModelArch, spec: TrainingSpec) -> int:
+    """The projection MLP's hidden width; 0 without the projection (or prefix tuning)."""
+    options = prefix_options(spec)
+    if options is None or not options.prefix_projection:
+        return 0
+    return encoder_width(arch, options)
 
 
 def prefix_tensors(arch: ModelArch, spec: TrainingSpec) -> tuple[tuple[int, int, int, int], ...]:
@@ -76,3 +85,21 @@ def projection_saved_bytes(arch: ModelArch, spec: TrainingSpec, batch: int) -> i
     return _blk(rows * arch.kv_dim * FP32_BYTES) + _blk(
         rows * encoder_width(arch, options) * FP32_BYTES
     )
+
+
+def check_prefix_attention(spec: TrainingSpec) -> None:
+    """Prefix tuning is modelled on SDPA with the kernel CUDA picks for the explicit mask,
+    mem-efficient: flash takes no mask (service/trace/kernels.py choose_sdpa_kernel), and the
+    eager and math paths' scores over the longer keys are not modelled."""
+    if prefix_options(spec) is None:
+        return
+    if spec.attn_implementation is not AttnImpl.SDPA:
+        raise InvalidSpecError(
+            "attn_implementation",
+            f"prefix tuning is modelled with sdpa, not {spec.attn_implementation.value}",
+        )
+    if spec.sdpa_kernel not in (SdpaKernel.AUTO, SdpaKernel.EFFICIENT):
+        raise InvalidSpecError(
+            "sdpa_kernel",
+            f"prefix tuning's mask runs on the mem-efficient kernel, not {spec.sdpa_kernel.value}",
+        )

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
-from service.core.estimator.prefix import prefix_tensors
+from service.core.estimator.prefix import check_prefix_attention, prefix_tensors
 from service.core.estimator.weights import adapted_linears
 from service.core.spec import Method, ResolvedSpec, TrainingSpec
 from service.core.spec_prompt import (
@@ -48,6 +48,7 @@ def check_tuner_model(arch: ModelArch, rs: ResolvedSpec) -> None:
             f"method {method.value!r} is modelled on {', '.join(sorted(TUNER_MODEL_TYPES))} "
             f"decoders, not {arch.model_type!r}",
         )
+    check_prefix_attention(rs.spec)
 
 
 def _match(arch: ModelArch, field: str, names: tuple[str, ...]) -> tuple[Linear, ...]:
