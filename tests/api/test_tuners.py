@@ -104,3 +104,19 @@ def test_prefix_tuning_needs_its_options_and_counts_its_encoder(client: TestClie
     body = client.post("/v1/estimates", json=job).json()
     width = 24 * 2 * 128
     assert body["params"]["trainable"] == 20 * 128 + 128 * 128 + 128 + 128 * width + width
+
+
+def test_a_prefix_tuning_fit_check_offers_no_checkpointing(client: TestClient) -> None:
+    job = {
+        "model": "meta-llama/Llama-3.2-1B",
+        "batch_size": 8,
+        "seq_len": 2048,
+        "method": "prefix-tuning",
+        "prefix_tuning": {"num_virtual_tokens": 200},
+    }
+    response = client.post("/v1/fit-checks", json={"job": job, "gpus": ["L4"]})
+    assert response.status_code == 200, response.text
+    (result,) = response.json()["results"]
+    assert not result["fits"] and result["suggestions"]
+    changes = {change for s in result["suggestions"] for change in s["changes"]}
+    assert "gradient_checkpointing" not in changes  # PEFT's prefix tuning cannot take it
