@@ -28,7 +28,13 @@ from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's 
 from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import (
+    IA3Spec,
+    LnTuningSpec,
+    PrefixTuningSpec,
+    PromptTuningSpec,
+    check_prompt_job,
+)
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -520,7 +526,7 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
         if self.autocast:
             raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
-        PrefixTuningSpec.check_job(self.method.value, self, self.gradient_checkpointing)
+        check_prompt_job(self.method.value, self, self.gradient_checkpointing)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -156,20 +156,20 @@ class PrefixTuningSpec:
                 "prefix_tuning.encoder_hidden_size", "needs prefix_projection=True"
             )
 
-    @staticmethod
-    def check_job(method: str, spec: object, checkpointing: bool) -> None:
-        """Prompt and prefix tuning need their options (PEFT has no default num_virtual_tokens),
-        and prefix tuning does not run under gradient checkpointing: PEFT refuses it
-        (peft/peft_model.py _setup_prompt_encoder), and with checkpointing enabled after
-        get_peft_model the recomputed layer concatenates its keys to the cache a second time
-        (transformers 5.24 fails on the mismatched mask)."""
-        for name in ("prompt-tuning", "prefix-tuning"):
-            field = name.replace("-", "_")
-            if method == name and getattr(spec, field) is None:
-                raise InvalidSpecError(
-                    field, f"required for method {name!r}: num_virtual_tokens (PEFT has no default)"
-                )
-        if method == "prefix-tuning" and checkpointing:
+
+def check_prompt_job(method: str, spec: object, checkpointing: bool) -> None:
+    """Prompt and prefix tuning need their options (PEFT has no default num_virtual_tokens),
+    and prefix tuning does not run under gradient checkpointing: PEFT refuses it
+    (peft/peft_model.py _setup_prompt_encoder), and with checkpointing enabled after
+    get_peft_model the recomputed layer concatenates its keys to the cache a second time
+    (transformers 5.24 fails on the mismatched mask)."""
+    for name in ("prompt-tuning", "prefix-tuning"):
+        field = name.replace("-", "_")
+        if method == name and getattr(spec, field) is None:
             raise InvalidSpecError(
-                "gradient_checkpointing", "PEFT's prefix tuning does not work with checkpointing"
+                field, f"required for method {name!r}: num_virtual_tokens (PEFT has no default)"
             )
+    if method == "prefix-tuning" and checkpointing:
+        raise InvalidSpecError(
+            "gradient_checkpointing", "PEFT's prefix tuning does not work with checkpointing"
+        )
