@@ -364,7 +364,8 @@ def _dora_cases() -> list[tuple[str, TrainingSpec]]:
 def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
     """PEFT's (IA)^3 and LN tuning with their defaults, with and without checkpointing, on
     Qwen2.5-0.5B and Llama-3.2-1B (whose defaults differ: q_proj or k_proj scaled, one norm
-    or every norm trained), and with targets named; prompt tuning likewise."""
+    or every norm trained), and with targets named; prompt tuning likewise; prefix tuning
+    without checkpointing (PEFT refuses it there), with and without its projection MLP."""
     ia3, ln, prompt = Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING
     virtual_200 = PromptTuningSpec(num_virtual_tokens=200)
     prefix = Method.PREFIX_TUNING

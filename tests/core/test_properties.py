@@ -74,7 +74,10 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         seq_len=draw(st.integers(1, 8192)),
         # (PEFT's prefix tuning does not run under checkpointing)
         gradient_checkpointing=method is not Method.PREFIX_TUNING and draw(st.booleans()),
-        attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
+        # (prefix tuning is modelled on SDPA: its mask runs the mem-efficient kernel)
+        attn_implementation=AttnImpl.SDPA
+        if method is Method.PREFIX_TUNING
+        else draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
         optim=Optim.ADAMW_TORCH if delta else draw(st.sampled_from(list(Optim))),
         autocast=False if other or delta else draw(st.booleans()),
         prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))

@@ -37,7 +37,8 @@ NORM_KEYS = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2", "n
 
 
 def check_tuner_model(arch: ModelArch, rs: ResolvedSpec) -> None:
-    """Refuse the architectures (IA)^3 and LN tuning are not modelled on."""
+    """Refuse the architectures PEFT's prompt-side methods are not modelled on (and prefix
+    tuning's attention other than SDPA's mem-efficient kernel)."""
     method = rs.spec.method
     if method not in (Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING, Method.PREFIX_TUNING):
         return
