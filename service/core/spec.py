@@ -28,6 +28,7 @@ from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's 
 from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
+from service.core.spec_packing import check_packing
 from service.core.spec_prompt import (
     IA3Spec,
     LnTuningSpec,
@@ -315,6 +316,12 @@ class TrainingSpec:
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
     grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
     orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
+    # TRL's padding-free packing (spec_packing.py): the micro-batch's sequences in one row of
+    # at most batch_size x seq_len tokens, position_ids restarting at each
+    packing: bool = False
+    # TrainingArguments.torch_compile: not traced, the eager step is estimated (stated in the
+    # answer: estimator/peak.py COMPILE_NOTE)
+    torch_compile: bool = False
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
@@ -416,6 +423,12 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", "LoRA-FA is modelled on one GPU")
 
     def __post_init__(self) -> None:
+        if self.packing:
+            check_packing(
+                objective=self.objective.value,
+                method=self.method.value,
+                framework=self.framework.value,
+            )
         if self.num_labels is not None and self.num_labels < 1:
             raise InvalidSpecError("num_labels", "must be at least 1")
         if self.target_length is not None and self.target_length < 1:

@@ -89,6 +89,10 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         )
         if method is Method.PREFIX_TUNING
         else None,
+        # (virtual tokens go in front of each row: not packed)
+        packing=False
+        if method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING)
+        else draw(st.booleans()),
     )
     return model, spec
 
