@@ -513,7 +513,6 @@ _TRAINING: dict[str, Check] = {
     "vera": _optional(_object(VeraSpec, _VERA)),
     "loha": _optional(_object(LohaSpec, _LOHA)),
     "lokr": _optional(_object(LokrSpec, _LOKR)),
-    "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
     "kto": _optional(_object(KtoSpec, _KTO)),
     "grpo": _optional(_object(GrpoSpec, _GRPO)),
@@ -521,4 +520,7 @@ _TRAINING: dict[str, Check] = {
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
     "boft": _optional(_object(BoftSpec, _BOFT)),
+    # read after the option objects, as the API names a bad option before the objective (its
+    # objective is a string until to_spec)
+    "objective": _objective,
 }
