@@ -17,7 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from vramcast_client.errors import Problem
 
 MethodName = Literal[
-    "full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr", "adalora", "oft", "boft"
+    "full",
+    "lora",
+    "qlora",
+    "lora-fa",
+    "vera",
+    "loha",
+    "lokr",
+    "adalora",
+    "oft",
+    "boft",
+    "prefix-tuning",
 ]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 OptimName = Literal[
@@ -147,6 +157,15 @@ class Boft(_Request):
     target_modules: Literal["all-linear"] | list[str] | None = None
 
 
+class PrefixTuning(_Request):
+    """PEFT PrefixTuningConfig (method prefix-tuning); num_virtual_tokens is required, as PEFT
+    has no default."""
+
+    num_virtual_tokens: int = Field(ge=1)
+    prefix_projection: bool | None = None
+    encoder_hidden_size: int | None = Field(default=None, ge=1)
+
+
 class Oft(_Request):
     """PEFT OFTConfig (method oft); None: PEFT's default."""
 
@@ -263,6 +282,7 @@ class Job(_Request):
     adalora: AdaLora | None = None
     oft: Oft | None = None
     boft: Boft | None = None
+    prefix_tuning: PrefixTuning | None = None
     dtype: DTypeName | None = None
     autocast: bool | None = None
     optim: OptimName | None = None
