@@ -28,6 +28,7 @@ from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_vision import VisionInputs, check_vision
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -433,6 +434,7 @@ class TrainingSpec:
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
     grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
     orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
+    vision: VisionInputs | None = None  # a vision-language job's images (spec_vision.py)
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
@@ -557,6 +559,7 @@ class TrainingSpec:
             self._check_lora_fa()
         self._check_method_options()
         self._check_objective()
+        check_vision(self)
         if self.method in ADAPTER_METHODS:
             self._check_adapter_method()
         elif self.method is not Method.QLORA and self.quantization is not None:
@@ -608,8 +611,7 @@ class TrainingSpec:
         )
 
     def _check_adapter_method(self) -> None:
-        """What the estimate models of LitGPT's adapters: its own finetune/adapter*.py scripts
-        on one GPU, without autocast, over a bf16/fp16/fp32 or 4-bit (NF4/FP4) base."""
+        """LitGPT's adapters: its finetune/adapter*.py on one GPU, no autocast, any base."""
         method = self.method.value
         if self.framework is not Framework.LITGPT:
             raise InvalidSpecError(
@@ -631,8 +633,7 @@ class TrainingSpec:
             )
 
     def _check_peft_method(self) -> None:
-        """What the estimate models of PEFT's methods besides LoRA: HF Trainer + PEFT on one
-        GPU, an unquantized base, the model's dtype without autocast."""
+        """PEFT's other methods: HF + PEFT on one GPU, unquantized, without autocast."""
         method = self.method.value
         if self.quantization is not None:
             raise InvalidSpecError(
