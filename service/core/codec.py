@@ -26,6 +26,8 @@ from service.core.limits import (
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
+    MAX_IMAGE_SIDE,
+    MAX_IMAGES_PER_SAMPLE,
     MAX_LORA_ALPHA,
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
@@ -67,6 +69,7 @@ from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_vision import VisionInputs
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
@@ -94,6 +97,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         "kto",
         "grpo",
         "orpo",
+        "vision",
     ):
         if plain.get(name) is None:
             plain.pop(name, None)
@@ -470,6 +474,14 @@ _GRPO: dict[str, Check] = {
     "use_vllm": _boolean,
 }
 _ORPO: dict[str, Check] = {"disable_dropout": _boolean}
+_VISION: dict[str, Check] = {
+    "images_per_sample": _integer(ge=1, le=MAX_IMAGES_PER_SAMPLE),
+    "image_height": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE)),
+    "image_width": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE)),
+    "image_tokens": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
+    "min_pixels": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE**2)),
+    "max_pixels": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE**2)),
+}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -507,4 +519,5 @@ _TRAINING: dict[str, Check] = {
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
     "boft": _optional(_object(BoftSpec, _BOFT)),
+    "vision": _optional(_object(VisionInputs, _VISION)),
 }

@@ -22,6 +22,7 @@ from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 
 QWEN_7B = "Qwen/Qwen2.5-7B"
@@ -40,6 +41,7 @@ QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
 T5_SMALL = "google/t5-v1_1-small"
 T0_3B = "bigscience/T0_3B"
 MT0_XXL = "bigscience/mt0-xxl"
+QWEN2_VL_2B = "Qwen/Qwen2-VL-2B-Instruct"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -488,4 +490,27 @@ def _grpo_cases() -> list[tuple[str, TrainingSpec]]:
             QWEN_05B,
             _spec(lora, 1, 512, ckpt=True, gradient_accumulation_steps=16, **grpo(480, 32)),
         ),
+    ]
+
+
+# The language model's linears by name: none of them names a module of Qwen2-VL's vision
+# tower (qkv, proj, fc1, fc2, the merger's mlp.0 and mlp.2), so PEFT adapts the LM alone.
+LANGUAGE_MODEL_LINEARS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
+
+
+def _vision_cases() -> list[tuple[str, TrainingSpec]]:
+    """Qwen2-VL-2B with images (pixel_values and image_grid_thw through the real vision tower,
+    M-RoPE positions, the features scattered into the embeddings): LoRA and QLoRA on the
+    language model's linears, the tower frozen; one or two images per sample at modest
+    resolutions (448 x 448 pixels: 256 tokens; 672 x 672: 576)."""
+    lora, qlora = Method.LORA, Method.QLORA
+    targets = _lora(targets=LANGUAGE_MODEL_LINEARS)
+    one = VisionInputs(images_per_sample=1, image_height=448, image_width=448)
+    two = VisionInputs(images_per_sample=2, image_height=448, image_width=448)
+    large = VisionInputs(images_per_sample=2, image_height=672, image_width=672)
+    return [
+        (QWEN2_VL_2B, _spec(lora, 2, 1024, ckpt=True, lora=targets, vision=one)),
+        (QWEN2_VL_2B, _spec(lora, 2, 1024, lora=targets, vision=one)),
+        (QWEN2_VL_2B, _spec(qlora, 2, 1024, ckpt=True, lora=targets, vision=two)),
+        (QWEN2_VL_2B, _spec(lora, 1, 2048, ckpt=True, lora=targets, vision=large)),
     ]

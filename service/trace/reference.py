@@ -35,6 +35,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
@@ -67,6 +68,7 @@ from service.trace.families import (
     _spec,
     _t5_cases,
     _tuner_cases,
+    _vision_cases,
 )
 
 if typing.TYPE_CHECKING:  # the JSON helpers need no torch
@@ -262,6 +264,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         if not quant.prepare_kbit:
             parts.append("no-kbit-prep")
     parts.append(f"b{spec.batch_size}-s{spec.seq_len}")
+    if spec.vision is not None:
+        parts.append(_vision_name(spec.vision))
     if spec.target_length is not None:
         parts.append(f"t{spec.target_length}")
     if spec.gradient_checkpointing:
@@ -285,6 +289,21 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
     if spec.parallel.gpus != 1:
         parts.append(_parallel_name(spec.parallel))
     return "__".join(parts).replace(".", "_")
+
+
+def _vision_name(vision: VisionInputs) -> str:
+    """Images per sample and their size (pixels, or tokens given directly)."""
+    size = (
+        f"t{vision.image_tokens}"
+        if vision.image_tokens is not None
+        else f"{vision.image_height}x{vision.image_width}"
+    )
+    bounds = "".join(
+        f"-{name}{value}"
+        for name, value in (("min", vision.min_pixels), ("max", vision.max_pixels))
+        if value is not None
+    )
+    return f"img{vision.images_per_sample}-{size}{bounds}"
 
 
 def _parallel_name(parallel: ParallelSpec) -> str:
@@ -583,6 +602,7 @@ def matrix() -> list[Case]:
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
+    cases.extend(_vision_cases())
     cases.extend(peft_delta_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.

@@ -40,7 +40,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK
-from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward
+from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward, vision
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -390,6 +390,8 @@ def trace(
             if not real:
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
+                if vision.is_vision_language(config):
+                    stack.enter_context(vision.constants())
             stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
             if (dpo or kto_step or grpo_step) and not cpu_kernels:
                 stack.enter_context(preference.gpu_fused_head())
@@ -515,6 +517,7 @@ def trace(
                     spec,
                     classes=is_encoder(config),
                     keep_gradients=keep_gradients,
+                    vision_config=config if vision.is_vision_language(config) else None,
                 )
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
@@ -564,6 +567,7 @@ def _run_steps(
     *,
     classes: bool = False,
     keep_gradients: bool = False,
+    vision_config: Mapping[str, Any] | None = None,
 ) -> None:
     """HF Trainer's steps (trainer.py training_step and _inner_training_loop): the forward and
     the loss under autocast when mixed precision is on (accelerate's autocast), backward
@@ -575,13 +579,19 @@ def _run_steps(
     dtype = autocast_dtype(spec)
     scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
     with tracker.labelling(Component.INPUTS):
-        input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
+        images: dict[str, torch.Tensor] = {}
+        if vision_config is not None:  # the processor's image inputs, with their input_ids
+            images = vision.batch(spec, vision_config)
+        input_ids = images.pop("input_ids", None)
+        if input_ids is None:
+            input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
         # a sequence classifier's labels are one class id per sequence
         # (an encoder-decoder's are the target's tokens, which the decoder reads shifted)
         target = spec.target_length or spec.seq_len
         label_shape = (spec.batch_size,) if classes else (spec.batch_size, target)
         labels = torch.zeros(label_shape, dtype=torch.long)
         logged = torch.zeros(())  # Trainer's tr_loss
+
     for step in range(1, STEPS + 1):
         steering.step = step
         # Each optimizer step runs gradient_accumulation_steps micro-batches (the inputs of
@@ -591,7 +601,7 @@ def _run_steps(
             tracker.component = Component.ACTIVATIONS
             tracker.blas_handle = "forward"
             with torch.autocast("cpu", dtype=dtype, enabled=spec.autocast):
-                loss = model(input_ids=input_ids, labels=labels).loss
+                loss = model(input_ids=input_ids, labels=labels, **images).loss
             tracker.mark(step, Phase.FORWARD_END)
 
             tracker.begin_phase(step, Phase.BACKWARD_START)
