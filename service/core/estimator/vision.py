@@ -215,7 +215,10 @@ def vision_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | N
     def with_held(moment: object) -> object:
         return moment._replace(activations=moment.activations + held)  # type: ignore[attr-defined]
 
+    # the answer's parameter count is the plan's: the tower's are frozen ones
+    params = replace(st.plan.params, total_count=st.plan.params.total_count + vision.params)
     return st._replace(
+        plan=replace(st.plan, params=params),
         fixed=fixed,
         forward_end=with_held(st.forward_end),
         backward_start=with_held(st.backward_start),
