@@ -63,14 +63,23 @@ class VisionInputs:
             raise InvalidSpecError("vision.min_pixels", "must not exceed max_pixels")
 
 
+class SequenceTooShortError(InvalidSpecError):
+    """seq_len is shorter than the images' tokens; `minimum` is the shortest that holds them
+    (a fit solver takes a shorter sequence as one that cannot run)."""
+
+    def __init__(self, reason: str, minimum: int) -> None:
+        super().__init__("seq_len", reason)
+        self.minimum = minimum
+
+
 def check_sequence(vision: VisionInputs, tokens_per_image: int, seq_len: int) -> None:
     """Every sample's image tokens must fit in its `seq_len` tokens (seq_len counts them)."""
     needed = vision.images_per_sample * tokens_per_image
     if needed > seq_len:
-        raise InvalidSpecError(
-            "seq_len",
+        raise SequenceTooShortError(
             f"{vision.images_per_sample} image(s) of {tokens_per_image} tokens take {needed} "
             f"tokens, more than seq_len {seq_len} (seq_len counts the image tokens)",
+            needed,
         )
 
 
