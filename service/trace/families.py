@@ -42,6 +42,7 @@ T5_SMALL = "google/t5-v1_1-small"
 T0_3B = "bigscience/T0_3B"
 MT0_XXL = "bigscience/mt0-xxl"
 QWEN2_VL_2B = "Qwen/Qwen2-VL-2B-Instruct"
+QWEN25_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -499,12 +500,13 @@ LANGUAGE_MODEL_LINEARS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_
 
 
 def _vision_cases() -> list[tuple[str, TrainingSpec]]:
-    """Qwen2-VL-2B with images (pixel_values and image_grid_thw through the real vision tower,
+    """Qwen2-VL-2B and Qwen2.5-VL-7B with images (pixel_values and image_grid_thw through the real vision tower,
     M-RoPE positions, the features scattered into the embeddings): LoRA and QLoRA on the
     language model's linears, the tower frozen; one or two images per sample at modest
     resolutions (448 x 448 pixels: 256 tokens; 672 x 672: 576)."""
     lora, qlora = Method.LORA, Method.QLORA
     targets = _lora(targets=LANGUAGE_MODEL_LINEARS)
+    attention = _lora(targets=ATTENTION_PROJECTIONS)
     one = VisionInputs(images_per_sample=1, image_height=448, image_width=448)
     two = VisionInputs(images_per_sample=2, image_height=448, image_width=448)
     large = VisionInputs(images_per_sample=2, image_height=672, image_width=672)
@@ -513,4 +515,8 @@ def _vision_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN2_VL_2B, _spec(lora, 2, 1024, lora=targets, vision=one)),
         (QWEN2_VL_2B, _spec(qlora, 2, 1024, ckpt=True, lora=targets, vision=two)),
         (QWEN2_VL_2B, _spec(lora, 1, 2048, ckpt=True, lora=targets, vision=large)),
+        # Qwen2.5-VL's tower has gate_proj/up_proj/down_proj of its own: attention targets
+        # keep it frozen; windowed attention in all blocks but four
+        (QWEN25_VL_7B, _spec(lora, 1, 2048, ckpt=True, lora=attention, vision=two)),
+        (QWEN25_VL_7B, _spec(lora, 1, 1536, lora=attention, vision=large)),
     ]

@@ -10,7 +10,9 @@ placeholder mask), which a fake tensor cannot answer; so these three are made as
 that the fake mode evaluates for real (the pixels stay fake), with its limit on the size of
 constants raised while the step runs. The M-RoPE index (get_rope_index) builds its positions
 from torch.arange, which no constant comes from: a stand-in returns tensors of its outputs'
-shapes and dtypes.
+shapes and dtypes. Qwen2.5-VL's window index (vision_utils.get_vision_window_index) indexes
+with a boolean mask of an arange: it is computed for real from the grid's constant value,
+outside the fake mode, and its two outputs made constants of the same values.
 """
 
 from __future__ import annotations
@@ -74,23 +76,43 @@ def _rope_index(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -
     return positions, torch.zeros(b, 1, dtype=torch.long, device=input_ids.device)
 
 
+def _real_window_index(original: Any) -> Any:
+    def window_index(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        grid = getattr(grid_thw, "constant", None)
+        if grid is None:
+            raise ValueError("image_grid_thw is not a constant of the fake mode")
+        with _disable_current_modes():
+            index, cu_window_seqlens = original(grid.clone(), *args, **kwargs)
+            values = index.tolist(), index.dtype, cu_window_seqlens.tolist()
+            cu_dtype = cu_window_seqlens.dtype
+        return torch.tensor(values[0], dtype=values[1]), torch.tensor(values[2], dtype=cu_dtype)
+
+    return window_index
+
+
 @contextlib.contextmanager
 def constants() -> Iterator[None]:
     """The fake mode keeps outputs computed from constants as constants up to
     CONSTANT_ELEMENTS elements (torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT, 1 by
     default)."""
     from torch._subclasses import fake_tensor
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
     before = fake_tensor.CONSTANT_NUMEL_LIMIT
     fake_tensor.CONSTANT_NUMEL_LIMIT = CONSTANT_ELEMENTS
     originals = {cls: cls.get_rope_index for cls in (Qwen2VLModel, Qwen2_5_VLModel)}
+    window = modeling_qwen2_5_vl.get_vision_window_index
     try:
         for cls in originals:
             cls.get_rope_index = _rope_index  # type: ignore[method-assign,assignment]
+        modeling_qwen2_5_vl.get_vision_window_index = _real_window_index(window)
         yield
     finally:
         fake_tensor.CONSTANT_NUMEL_LIMIT = before
+        modeling_qwen2_5_vl.get_vision_window_index = window
         for cls, original in originals.items():
             cls.get_rope_index = original  # type: ignore[method-assign]

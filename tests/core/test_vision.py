@@ -167,14 +167,20 @@ def test_the_spec_refuses_images_beyond_sft_on_one_gpu(
     assert info.value.field == field
 
 
-def test_images_need_a_vision_model_and_qwen25_vl_is_refused() -> None:
+def test_images_need_a_vision_model() -> None:
     text = CATALOG.resolve("Qwen/Qwen2.5-7B").arch
     with pytest.raises(InvalidSpecError) as info:
         estimate(text, _spec())
     assert info.value.field == "vision"
+
+
+def test_qwen25_vl_tower_has_the_mlp_names_of_its_own() -> None:
+    attention = LoraSpec(r=16, target_modules=LM_LINEARS[:4])
+    estimate(QWEN25_VL, _spec(lora=attention))
     with pytest.raises(InvalidSpecError) as info:
-        estimate(QWEN25_VL, _spec())
-    assert info.value.field == "vision"
+        estimate(QWEN25_VL, _spec())  # gate_proj, up_proj, down_proj: the tower's MLP too
+    assert info.value.field == "lora.target_modules"
+    assert "gate_proj" in info.value.reason
 
 
 def test_fit_takes_a_sequence_shorter_than_the_images_as_one_that_cannot_run() -> None:

@@ -82,12 +82,6 @@ def check_vision_job(arch: ModelArch, spec: TrainingSpec) -> None:
             f"{arch.model_type!r} is a vision-language model: give its image inputs "
             "(images_per_sample and the images' size or image_tokens)",
         )
-    if vision.model_type != "qwen2_vl":
-        raise InvalidSpecError(
-            "vision",
-            f"{vision.model_type!r}'s vision tower (windowed attention) is parsed but its step "
-            "is not modelled yet; Qwen2-VL's is",
-        )
     if spec.method is Method.FULL:
         raise InvalidSpecError(
             "method",
@@ -97,12 +91,15 @@ def check_vision_job(arch: ModelArch, spec: TrainingSpec) -> None:
     lora = spec.lora
     if lora is not None:
         hits = _targets_in_tower(vision, lora.target_modules)
+        own = "q_proj, k_proj, v_proj, o_proj" + (
+            "" if vision.gated_mlp else ", gate_proj, up_proj, down_proj"
+        )
         if hits:
             raise InvalidSpecError(
                 "lora.target_modules",
                 f"{', '.join(map(repr, hits))} adapt(s) modules of the vision tower, whose "
-                "training is not modelled yet: name the language model's linears (q_proj, "
-                "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+                "training is not modelled yet: name language-model linears the tower does not "
+                f"have ({own})",
             )
         if lora.modules_to_save:
             raise InvalidSpecError(
@@ -161,33 +158,55 @@ def _input_bytes(vision: VisionArch, spec: TrainingSpec, patches: int, images: i
     )
 
 
+def _windows(vision: VisionArch, grid: tuple[int, int, int]) -> int:
+    """Qwen2.5-VL's attention windows over one image: window_size pixels a side, in merged
+    tokens, the last row and column of windows partial."""
+    side = vision.window_size // vision.spatial_merge_size // vision.patch_size
+    t, h, w = grid
+    m = vision.spatial_merge_size
+    return t * -(-(h // m) // side) * -(-(w // m) // side)
+
+
 def _tower_graph_bytes(
     vision: VisionArch,
     arch: ModelArch,
     spec: TrainingSpec,
-    patches: int,
+    grid: tuple[int, int, int],
     images: int,
     residual: int,
 ) -> int:
     """What the tower's graph keeps until backward reaches it, when its patch embedding's
     output requires grad (enable_input_require_grads), with the language model's side of it."""
     hv = vision.hidden_size
+    patches = images * grid[0] * grid[1] * grid[2]
     half = DTYPE_BYTES[spec.dtype]
     if spec.method is Method.QLORA:
         # the k-bit preparation's fp32 patch embedding runs the tower in fp32
         half = FP32_BYTES
     b, s = spec.batch_size, spec.seq_len
     hidden = _blk(patches * hv * half)
-    # each checkpointed block's input and the last block's output (the merger norm's input)
+    tokens = patches // vision.merge_area
+    # each checkpointed block's input and the patch embedding's output (the first block's
+    # input; Qwen2.5-VL's is its window-ordered copy, the output a leaf beside it)
     blocks = (vision.depth + 1) * hidden
-    norm_stats = MERGER_NORM_STATISTICS * _blk(patches * half)
-    gelu_input = _blk(patches // vision.merge_area * vision.merged_width * half)
+    if vision.layer_norm:
+        # the merger's LayerNorm: the last block's output, its mean and rstd
+        norm = MERGER_NORM_STATISTICS * _blk(patches * half)
+    else:
+        # the merger's RMSNorm: its input's fp32 copy and rstd (Qwen2RMSNorm)
+        norm = _blk(patches * hv * FP32_BYTES) + _blk(patches * FP32_BYTES)
+    gelu_input = _blk(tokens * vision.merged_width * half)
     rope = 2 * _blk(patches * vision.head_dim * VISION_ROPE_BYTES)
     cu_seqlens = _blk((images + 1) * CU_SEQLENS_BYTES)
+    if vision.window_size:
+        # the window order and its inverse (argsort), saved by their index ops, and the
+        # windows' cu_seqlens (vision_utils.get_vision_window_index)
+        cu_seqlens += 2 * _blk(tokens * INT64_BYTES)
+        cu_seqlens += _blk((_windows(vision, grid) * images + 1) * CU_SEQLENS_BYTES)
     # (in the residual stream's dtype: fp32 under the k-bit preparation)
     embedding_leaf = _blk(b * s * arch.hidden_size * residual)
     mask = _blk(b * s * BOOL_BYTES)
-    return blocks + norm_stats + gelu_input + rope + cu_seqlens + embedding_leaf + mask
+    return blocks + norm + gelu_input + rope + cu_seqlens + embedding_leaf + mask
 
 
 def vision_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> _Step:
@@ -206,7 +225,7 @@ def vision_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | N
     held = rope + _blk(b * ROPE_DELTA_BYTES)
     # the tracer's and HF Trainer's enable_input_require_grads comes with checkpointing
     if spec.gradient_checkpointing:
-        held += _tower_graph_bytes(vision, arch, spec, patches, images, residual)
+        held += _tower_graph_bytes(vision, arch, spec, (t, h, w), images, residual)
     fixed = st.fixed._replace(
         frozen_weights=st.fixed.frozen_weights + vision_weight_bytes(vision, spec),
         inputs=st.fixed.inputs + _input_bytes(vision, spec, patches, images),
