@@ -500,10 +500,10 @@ LANGUAGE_MODEL_LINEARS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_
 
 
 def _vision_cases() -> list[tuple[str, TrainingSpec]]:
-    """Qwen2-VL-2B and Qwen2.5-VL-7B with images (pixel_values and image_grid_thw through the real vision tower,
-    M-RoPE positions, the features scattered into the embeddings): LoRA and QLoRA on the
-    language model's linears, the tower frozen; one or two images per sample at modest
-    resolutions (448 x 448 pixels: 256 tokens; 672 x 672: 576)."""
+    """Qwen2-VL-2B and Qwen2.5-VL-7B with images (pixel_values and image_grid_thw through
+    the real vision tower, M-RoPE positions, the features scattered into the embeddings):
+    LoRA and QLoRA on the language model's linears, the tower frozen; one or two images per
+    sample at modest resolutions (448 x 448 pixels: 256 tokens; 672 x 672: 576)."""
     lora, qlora = Method.LORA, Method.QLORA
     targets = _lora(targets=LANGUAGE_MODEL_LINEARS)
     attention = _lora(targets=ATTENTION_PROJECTIONS)
