@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
@@ -101,11 +101,13 @@ class Estimation:
     _entries: dict[str, CatalogEntry | UnknownModelError] = field(default_factory=dict)
     _named_gpus: dict[str, Gpu | UnknownGpuError] = field(default_factory=dict)
 
-    def values(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> dict[str, Any]:
+    def values(
+        self, job: JobSpec, loc_prefix: Loc = ("body",), spec: TrainingSpec | None = None
+    ) -> dict[str, Any]:
         """The job's estimate as the plain values of an `EstimateOut` (`estimate_values`),
-        ready to encode."""
+        ready to encode; `spec` is the job's spec when the caller has made it."""
         with _located(loc_prefix):
-            resolved = self._job(job, loc_prefix)
+            resolved = self._job(job, loc_prefix, spec)
             gpu = None if job.gpu is None else self._gpu(job.gpu)
             est = estimate(
                 resolved.arch,
@@ -124,19 +126,28 @@ class Estimation:
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         return EstimateOut.model_validate(self.values(job, loc_prefix))
 
-    def batch(self, jobs: Sequence[JobSpec | RejectedJob]) -> dict[str, Any]:
+    def batch(
+        self, jobs: Sequence[JobSpec | RejectedJob], firsts: Sequence[int] | None = None
+    ) -> dict[str, Any]:
         """A `BatchOut`'s plain values: each job's estimate, or the problem that stopped it.
 
         The batch's jobs share this request's model and GPU lookups, and the core's plans and
-        the calibration's descriptions; the routes encode the whole answer in one pass."""
+        the calibration's descriptions; the routes encode the whole answer in one pass. With
+        `firsts` (`batch_body.SharedJobs`), a job that copies an earlier one at another shape
+        takes that one's spec at its own shape (the spec checks itself again)."""
         results: list[dict[str, Any]] = []
         failed = 0
+        specs: dict[int, TrainingSpec] = {}
         for index, job in enumerate(jobs):
             loc: Loc = ("body", "jobs", index)
             try:
                 if isinstance(job, RejectedJob):
                     raise _rejected(job, loc)
-                values = self.values(job, loc)
+                spec = None
+                if firsts is not None:
+                    with _located(loc):
+                        spec = self._shared_spec(job, firsts[index], index, specs)
+                values = self.values(job, loc, spec)
             except ProblemError as exc:
                 problem = exc.problem
                 failed += 1
@@ -281,8 +292,23 @@ class Estimation:
             evaluations=found.evaluations,
         )
 
-    def _job(self, job: JobSpec, loc_prefix: Loc) -> _Job:
-        spec = job.to_spec()
+    @staticmethod
+    def _shared_spec(
+        job: JobSpec, first: int, index: int, specs: dict[int, TrainingSpec]
+    ) -> TrainingSpec:
+        """The spec of batch job `index`, which copies job `first` at its own shape: the
+        first's spec at this shape when the first had one, else its own."""
+        base = specs.get(first)
+        if base is None:
+            spec = job.to_spec()
+            if first == index:
+                specs[index] = spec
+            return spec
+        return replace(base, batch_size=job.batch_size, seq_len=job.seq_len)
+
+    def _job(self, job: JobSpec, loc_prefix: Loc, spec: TrainingSpec | None = None) -> _Job:
+        if spec is None:
+            spec = job.to_spec()
         model, arch = self._model(job.model, loc_prefix)
         return _Job(spec, model, arch)
 

@@ -154,6 +154,17 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="TrainingArguments.torch_compile (not traced: the eager step is estimated)",
+    )
+    train.add_argument(
+        "--packing",
+        action="store_true",
+        help="TRL's padding-free packing: the micro-batch's sequences as one row of "
+        "batch x seq tokens",
+    )
+    train.add_argument(
         "--attn-implementation", choices=_choices(AttnImpl), default=AttnImpl.SDPA.value
     )
     train.add_argument("--sdpa-kernel", choices=_choices(SdpaKernel), default="auto")
@@ -333,6 +344,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_grad_norm": args.max_grad_norm,
             "gradient_checkpointing": args.gradient_checkpointing,
+            "packing": args.packing,
+            "torch_compile": args.torch_compile,
             "attn_implementation": args.attn_implementation,
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,

@@ -103,6 +103,9 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
             plain.pop(name, None)
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         plain.pop("objective", None)
+    for name in ("packing", "torch_compile"):  # written when on
+        if not plain.get(name):
+            plain.pop(name, None)
     return plain
 
 
@@ -503,6 +506,8 @@ _TRAINING: dict[str, Check] = {
     "sdpa_kernel": _choice(SdpaKernel),
     "loss": _optional(_choice(LossImpl)),
     "framework": _choice(Framework),
+    "packing": _boolean,
+    "torch_compile": _boolean,
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),

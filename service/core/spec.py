@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import service.core.spec_parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.spec_delta import (
@@ -27,10 +28,28 @@ from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's 
 from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
+from service.core.spec_packing import check_packing
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
 from service.core.spec_vision import VisionInputs, check_vision
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
+
+# The parallel settings' types and defaults (spec_parallel.py), importable from here as the
+# rest of the spec.
+DDP_BUCKET_CAP_MB = spec_parallel.DDP_BUCKET_CAP_MB
+DEFAULT_GPUS_PER_NODE = spec_parallel.DEFAULT_GPUS_PER_NODE
+SHARDING_STRATEGIES = spec_parallel.SHARDING_STRATEGIES
+ZERO3_MAX_LIVE_PARAMETERS = spec_parallel.ZERO3_MAX_LIVE_PARAMETERS
+ZERO3_PARAM_PERSISTENCE_THRESHOLD = spec_parallel.ZERO3_PARAM_PERSISTENCE_THRESHOLD
+ZERO3_PREFETCH_BUCKET_SIZE = spec_parallel.ZERO3_PREFETCH_BUCKET_SIZE
+ZERO_ALLGATHER_BUCKET_SIZE = spec_parallel.ZERO_ALLGATHER_BUCKET_SIZE
+ZERO_REDUCE_BUCKET_SIZE = spec_parallel.ZERO_REDUCE_BUCKET_SIZE
+ZERO_STAGES = spec_parallel.ZERO_STAGES
+FsdpBackwardPrefetch = spec_parallel.FsdpBackwardPrefetch
+FsdpSharding = spec_parallel.FsdpSharding
+Offload = spec_parallel.Offload
+ParallelSpec = spec_parallel.ParallelSpec
+Strategy = spec_parallel.Strategy
 
 
 class Method(StrEnum):
@@ -172,62 +191,6 @@ class Framework(StrEnum):
     TORCHTUNE = "torchtune"
 
 
-class Strategy(StrEnum):
-    """How the job spans GPUs: torch DDP, FSDP1 (FullyShardedDataParallel), FSDP2
-    (`fully_shard`), or DeepSpeed ZeRO stage 1, 2 or 3."""
-
-    DDP = "ddp"
-    FSDP = "fsdp"
-    FSDP2 = "fsdp2"
-    ZERO1 = "zero1"
-    ZERO2 = "zero2"
-    ZERO3 = "zero3"
-
-
-SHARDING_STRATEGIES = (Strategy.FSDP, Strategy.FSDP2, Strategy.ZERO3)
-ZERO_STAGES = {Strategy.ZERO1: 1, Strategy.ZERO2: 2, Strategy.ZERO3: 3}
-
-
-class Offload(StrEnum):
-    NONE = "none"
-    OPTIMIZER = "optimizer"
-    OPTIMIZER_AND_PARAMS = "optimizer_and_params"
-
-
-class FsdpSharding(StrEnum):
-    """FSDP1's sharding strategies, by torch.distributed.fsdp.ShardingStrategy's names (as
-    accelerate's `fsdp_sharding_strategy` takes them)."""
-
-    FULL_SHARD = "FULL_SHARD"
-    SHARD_GRAD_OP = "SHARD_GRAD_OP"
-    HYBRID_SHARD = "HYBRID_SHARD"
-    NO_SHARD = "NO_SHARD"
-
-
-class FsdpBackwardPrefetch(StrEnum):
-    """FSDP1's backward prefetch (torch.distributed.fsdp.BackwardPrefetch); NO_PREFETCH is
-    accelerate's name for None."""
-
-    BACKWARD_PRE = "BACKWARD_PRE"
-    BACKWARD_POST = "BACKWARD_POST"
-    NO_PREFETCH = "NO_PREFETCH"
-
-
-# torch/nn/parallel/distributed.py DistributedDataParallel.__init__: bucket_cap_mb=None means
-# 25 MiB (`_DEFAULT_BUCKET_CAP_MB`).
-DDP_BUCKET_CAP_MB = 25
-# GPUs per node when the request does not say: the common 8-GPU server.
-DEFAULT_GPUS_PER_NODE = 8
-# DeepSpeed's defaults (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig): allgather and
-# reduce buckets of 5e8 elements, stage 3's prefetch bucket 5e7 elements, at most 1e9 live
-# gathered parameters, parameters under 1e5 elements kept whole on every rank.
-ZERO_ALLGATHER_BUCKET_SIZE = 500_000_000
-ZERO_REDUCE_BUCKET_SIZE = 500_000_000
-ZERO3_PREFETCH_BUCKET_SIZE = 50_000_000
-ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-ZERO3_PARAM_PERSISTENCE_THRESHOLD = 100_000
-
-
 ALL_LINEAR = "all-linear"
 # What `modules_to_save` can name: the input embedding and the LM head, by their module names in
 # transformers' decoder models (modeling_llama.py LlamaModel.embed_tokens,
@@ -297,95 +260,6 @@ class QuantSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ParallelSpec:
-    """How the job spans GPUs, with each strategy's settings by the names its library uses
-    (torch DDP's and FSDP's arguments, accelerate's FSDP plugin, DeepSpeed's `zero_optimization`
-    keys) and their defaults. Settings of other strategies than `strategy` are ignored."""
-
-    gpus: int = 1
-    strategy: Strategy = Strategy.DDP
-    offload: Offload = Offload.NONE
-    gpus_per_node: int | None = None  # None: min(gpus, DEFAULT_GPUS_PER_NODE)
-    # DDP (torch.nn.parallel.DistributedDataParallel)
-    bucket_cap_mb: int = DDP_BUCKET_CAP_MB
-    gradient_as_bucket_view: bool = False
-    # FSDP1 (torch's FullyShardedDataParallel defaults; HF Trainer passes backward_prefetch
-    # NO_PREFETCH unless its fsdp_config sets one: transformers/training_args.py)
-    sharding_strategy: FsdpSharding = FsdpSharding.FULL_SHARD
-    use_orig_params: bool = True
-    limit_all_gathers: bool = True
-    forward_prefetch: bool = False
-    backward_prefetch: FsdpBackwardPrefetch = FsdpBackwardPrefetch.BACKWARD_PRE
-    # FSDP2 (torch.distributed.fsdp.fully_shard)
-    reshard_after_forward: bool = True
-    # DeepSpeed ZeRO (`zero_optimization`); None: "auto" as HF's DeepSpeed integration fills it
-    # from the model (transformers/integrations/deepspeed.py).
-    reduce_bucket_size: int | None = None
-    allgather_bucket_size: int = ZERO_ALLGATHER_BUCKET_SIZE
-    stage3_prefetch_bucket_size: int | None = None
-    stage3_max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS
-    stage3_param_persistence_threshold: int | None = None
-    contiguous_gradients: bool = True
-    overlap_comm: bool | None = None  # None: DeepSpeed's default for the stage
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise InvalidSpecError("parallel.gpus", "must be at least 1")
-        if self.gpus_per_node is not None and self.gpus_per_node < 1:
-            raise InvalidSpecError("parallel.gpus_per_node", "must be at least 1")
-        if self.bucket_cap_mb < 1:
-            raise InvalidSpecError("parallel.bucket_cap_mb", "must be at least 1")
-        for name in (
-            "reduce_bucket_size",
-            "allgather_bucket_size",
-            "stage3_prefetch_bucket_size",
-            "stage3_max_live_parameters",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidSpecError(f"parallel.{name}", "must be at least 1")
-        threshold = self.stage3_param_persistence_threshold
-        if threshold is not None and threshold < 0:
-            raise InvalidSpecError(
-                "parallel.stage3_param_persistence_threshold", "must be 0 or more"
-            )
-        if self.offload is not Offload.NONE and self.strategy is Strategy.DDP:
-            raise InvalidSpecError(
-                "parallel.offload", "DDP cannot offload; offloading needs ZeRO or FSDP"
-            )
-        if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.strategy not in (
-            SHARDING_STRATEGIES
-        ):
-            raise InvalidSpecError(
-                "parallel.offload", "parameter offload needs ZeRO-3, FSDP or FSDP2"
-            )
-        if self.offload is Offload.OPTIMIZER and self.strategy in (Strategy.FSDP, Strategy.FSDP2):
-            raise InvalidSpecError(
-                "parallel.offload",
-                "FSDP offloads parameters with their gradients and optimizer state "
-                "(CPUOffload / CPUOffloadPolicy): use 'optimizer_and_params'",
-            )
-        if self.sharding_strategy is FsdpSharding.HYBRID_SHARD and self.strategy is Strategy.FSDP:
-            per_node = self.node_size
-            if self.gpus % per_node:
-                raise InvalidSpecError(
-                    "parallel.gpus_per_node",
-                    f"HYBRID_SHARD shards within a node: {self.gpus} GPUs are not whole nodes "
-                    f"of {per_node}",
-                )
-
-    @property
-    def node_size(self) -> int:
-        """GPUs per node the job uses (at most `gpus`)."""
-        per_node = self.gpus_per_node or DEFAULT_GPUS_PER_NODE
-        return min(self.gpus, per_node)
-
-    @property
-    def nodes(self) -> int:
-        return -(-self.gpus // self.node_size)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingSpec:
     """One fine-tuning job on one GPU type. Sizes are per micro-batch, per GPU."""
 
@@ -435,6 +309,12 @@ class TrainingSpec:
     grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
     orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
     vision: VisionInputs | None = None  # a vision-language job's images (spec_vision.py)
+    # TRL's padding-free packing (spec_packing.py): the micro-batch's sequences in one row of
+    # at most batch_size x seq_len tokens, position_ids restarting at each
+    packing: bool = False
+    # TrainingArguments.torch_compile: not traced, the eager step is estimated (stated in the
+    # answer: estimator/peak.py COMPILE_NOTE)
+    torch_compile: bool = False
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
@@ -536,6 +416,12 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", "LoRA-FA is modelled on one GPU")
 
     def __post_init__(self) -> None:
+        if self.packing:
+            check_packing(
+                objective=self.objective.value,
+                method=self.method.value,
+                framework=self.framework.value,
+            )
         if self.num_labels is not None and self.num_labels < 1:
             raise InvalidSpecError("num_labels", "must be at least 1")
         if self.target_length is not None and self.target_length < 1:

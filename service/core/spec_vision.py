@@ -110,6 +110,8 @@ def check_vision(spec: Any) -> None:
         )
     if spec.parallel.gpus != 1:
         raise InvalidSpecError("parallel.gpus", "a vision-language job is modelled on one GPU")
+    if getattr(spec, "packing", False):
+        raise InvalidSpecError("packing", "not modelled for a vision-language job")
     if spec.target_length is not None or spec.num_labels is not None:
         field = "target_length" if spec.target_length is not None else "num_labels"
         raise InvalidSpecError(field, "a vision-language model is a causal LM")

@@ -520,3 +520,20 @@ def _vision_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN25_VL_7B, _spec(lora, 1, 2048, ckpt=True, lora=attention, vision=two)),
         (QWEN25_VL_7B, _spec(lora, 1, 1536, lora=attention, vision=large)),
     ]
+
+
+def _packing_cases() -> list[tuple[str, TrainingSpec]]:
+    """TRL's padding-free packing (one row of batch x seq tokens, position_ids restarting at
+    each sequence): SDPA's block-diagonal mask (its mem-efficient kernel, the key/value heads
+    repeated), flash_attention_2's varlen run, and eager's mask, on two families, full, LoRA and
+    QLoRA, with and without checkpointing."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    flash, eager = AttnImpl.FLASH_ATTENTION_2, AttnImpl.EAGER
+    return [
+        (QWEN_05B, _spec(full, 2, 256, packing=True)),
+        (QWEN_05B, _spec(lora, 4, 512, ckpt=True, packing=True)),
+        (QWEN_05B, _spec(lora, 2, 256, packing=True, attn_implementation=eager)),
+        (LLAMA_1B, _spec(lora, 2, 1024, packing=True, attn_implementation=flash)),
+        (LLAMA_1B, _spec(qlora, 4, 512, ckpt=True, packing=True)),
+        (LLAMA_1B, _spec(lora, 8, 256, packing=True)),
+    ]

@@ -435,6 +435,16 @@ def unpacked_batch(position_ids: torch.Tensor) -> None:
     del position_ids
 
 
+def packed_batch(position_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' packed-sequence detection on a packed row (position_ids restarting at each
+    sequence), answered as a real run answers: each token's sequence index, from the position
+    ids' steps (their difference from the previous one, prepended with the first id less one)
+    that are not 1, counted along the row. The check that finds no restart is left out: a packed
+    row has them."""
+    steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (steps != 1).cumsum(-1)
+
+
 def _relaxed_grouped_mm() -> None:
     """Let fake tensors run `aten._grouped_mm` in any floating dtype, as CUDA does.
 
@@ -475,8 +485,11 @@ def _relaxed_grouped_mm() -> None:
 
 
 @contextmanager
-def gpu_kernels(requested: SdpaKernel, *, cpu_flash: bool = False) -> Iterator[None]:
-    """Route SDPA and dropout through their CUDA choices; see each row as one sequence."""
+def gpu_kernels(
+    requested: SdpaKernel, *, cpu_flash: bool = False, packed: bool = False
+) -> Iterator[None]:
+    """Route SDPA and dropout through their CUDA choices; see each row as one sequence, or with
+    `packed` as the sequences of a padding-free row."""
     from transformers import masking_utils
 
     _relaxed_grouped_mm()
@@ -485,5 +498,6 @@ def gpu_kernels(requested: SdpaKernel, *, cpu_flash: bool = False) -> Iterator[N
             patched(F, "scaled_dot_product_attention", make_sdpa(requested, cpu_flash=cpu_flash))
         )
         stack.enter_context(patched(F, "dropout", make_dropout(F.dropout)))
-        stack.enter_context(patched(masking_utils, "find_packed_sequence_indices", unpacked_batch))
+        detection = packed_batch if packed else unpacked_batch
+        stack.enter_context(patched(masking_utils, "find_packed_sequence_indices", detection))
         yield

@@ -63,6 +63,7 @@ from service.trace.families import (
     _lora,
     _mixed_precision_objective_cases,
     _orpo_cases,
+    _packing_cases,
     _qlora,
     _reward_cases,
     _spec,
@@ -270,6 +271,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(f"t{spec.target_length}")
     if spec.gradient_checkpointing:
         parts.append("ckpt")
+    if spec.packing:
+        parts.append("packed")
     if spec.attn_implementation is not AttnImpl.SDPA:
         parts.append(spec.attn_implementation.value)
     if spec.sdpa_kernel is not SdpaKernel.AUTO:
@@ -603,6 +606,7 @@ def matrix() -> list[Case]:
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
     cases.extend(_vision_cases())
+    cases.extend(_packing_cases())
     cases.extend(peft_delta_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
     # dropout on the hidden states and the attention probabilities, pooler and classifier.

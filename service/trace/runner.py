@@ -390,9 +390,18 @@ def trace(
             if not real:
                 fake_mode = FakeTensorMode()
                 stack.enter_context(fake_mode)
-                if vision.is_vision_language(config):
-                    stack.enter_context(vision.constants())
-            stack.enter_context(kernels.gpu_kernels(spec.sdpa_kernel, cpu_flash=cpu_kernels))
+            stack.enter_context(
+                # (flash_attention_2, traced as SDPA, reads the sequences' boundaries from the
+                # collator's cu_seq_lens: transformers builds it no mask)
+                kernels.gpu_kernels(
+                    spec.sdpa_kernel,
+                    cpu_flash=cpu_kernels,
+                    packed=spec.packing
+                    and spec.attn_implementation is not AttnImpl.FLASH_ATTENTION_2,
+                )
+            )
+            if vision.is_vision_language(config) and not real:
+                stack.enter_context(vision.constants())
             if (dpo or kto_step or grpo_step) and not cpu_kernels:
                 stack.enter_context(preference.gpu_fused_head())
             if orpo_step and not cpu_kernels:
@@ -579,17 +588,10 @@ def _run_steps(
     dtype = autocast_dtype(spec)
     scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
     with tracker.labelling(Component.INPUTS):
-        images: dict[str, torch.Tensor] = {}
-        if vision_config is not None:  # the processor's image inputs, with their input_ids
-            images = vision.batch(spec, vision_config)
-        input_ids = images.pop("input_ids", None)
-        if input_ids is None:
-            input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
-        # a sequence classifier's labels are one class id per sequence
-        # (an encoder-decoder's are the target's tokens, which the decoder reads shifted)
-        target = spec.target_length or spec.seq_len
-        label_shape = (spec.batch_size,) if classes else (spec.batch_size, target)
-        labels = torch.zeros(label_shape, dtype=torch.long)
+        # (`_held`: inputs the batch keeps, alive for the step, that the model is not passed)
+        input_ids, labels, packed, _held = _inputs(
+            spec, classes=classes, vision_config=vision_config
+        )
         logged = torch.zeros(())  # Trainer's tr_loss
 
     for step in range(1, STEPS + 1):
@@ -601,7 +603,7 @@ def _run_steps(
             tracker.component = Component.ACTIVATIONS
             tracker.blas_handle = "forward"
             with torch.autocast("cpu", dtype=dtype, enabled=spec.autocast):
-                loss = model(input_ids=input_ids, labels=labels, **images).loss
+                loss = model(input_ids=input_ids, labels=labels, **packed).loss
             tracker.mark(step, Phase.FORWARD_END)
 
             tracker.begin_phase(step, Phase.BACKWARD_START)
@@ -634,6 +636,38 @@ def _run_steps(
             _allocate_ranks(model, tracker, step)
         optimizer.zero_grad(set_to_none=not keep_gradients)
         tracker.end_phase()
+
+
+def _inputs(
+    spec: TrainingSpec, *, classes: bool, vision_config: Mapping[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """The micro-batch's input_ids and labels, the model's other inputs, and what the batch
+    holds besides. A packed batch is
+    TRL's padding-free collator's (trl/trainer/sft_trainer.py DataCollatorForLanguageModeling):
+    one row of batch_size x seq_len tokens with position_ids restarting at each sequence and
+    no attention mask. SDPA and eager get the position_ids, from which transformers builds the
+    block-diagonal mask; flash_attention_2 (traced as SDPA's flash kernel) reads the collator's
+    cu_seq_lens instead and builds none, so the position_ids are held, as the batch holds them,
+    and not passed."""
+    if spec.packing:
+        row = (1, spec.batch_size * spec.seq_len)
+        input_ids = torch.zeros(row, dtype=torch.long)
+        labels = torch.zeros(row, dtype=torch.long)
+        position_ids = torch.zeros(row, dtype=torch.long)
+        if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
+            return input_ids, labels, {}, (position_ids,)
+        return input_ids, labels, {"position_ids": position_ids}, ()
+    if vision_config is not None:
+        # a vision-language model's: the processor's image inputs, with their input_ids
+        images = vision.batch(spec, vision_config)
+        input_ids = images.pop("input_ids")
+        return input_ids, torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long), images, ()
+    input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
+    # a sequence classifier's labels are one class id per sequence
+    # (an encoder-decoder's are the target's tokens, which the decoder reads shifted)
+    target = spec.target_length or spec.seq_len
+    label_shape = (spec.batch_size,) if classes else (spec.batch_size, target)
+    return input_ids, torch.zeros(label_shape, dtype=torch.long), {}, ()
 
 
 def _allocate_ranks(model: torch.nn.Module, tracker: StorageTracker, step: int) -> None:

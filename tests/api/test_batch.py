@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import pytest
 from fastapi.testclient import TestClient
 
+from service.api.batch_body import read_shared
 from service.api.problems import ProblemType
 from service.api.schemas import MAX_BATCH_JOBS
+from service.core.limits import MAX_BATCH_SIZE
 from tests.api.conftest import FULL_JOB, SMALL_JOB
 
 
@@ -85,3 +91,67 @@ def test_a_body_that_is_not_a_batch_is_answered_as_a_declared_body_would_be(
     )
     assert as_text.status_code == 415
     assert as_text.json()["content_type"] == "text/plain"
+
+
+def _answer(client: TestClient, jobs: list[Any]) -> Any:
+    response = client.post("/v1/estimates:batch", json={"jobs": jobs})
+    assert response.status_code == 200
+    return response.json()
+
+
+def test_a_batch_of_shapes_reads_each_distinct_job_once_and_answers_as_one_by_one(
+    client: TestClient,
+) -> None:
+    """Jobs that differ only in batch and sequence are read once (`batch_body.read_shared`) and
+    answered as the same jobs are one by one; two settings interleaved stay apart."""
+    lora = {**SMALL_JOB, "gradient_checkpointing": True}
+    jobs = [
+        {**(SMALL_JOB if i % 2 else lora), "batch_size": 1 + i % 4, "seq_len": 256 * (1 + i)}
+        for i in range(8)
+    ]
+    shared = read_shared(json.dumps({"jobs": jobs}).encode())
+    assert shared is not None and shared.firsts == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [job.batch_size for job in shared.jobs] == [job["batch_size"] for job in jobs]
+    results = _answer(client, jobs)["results"]
+    for job, result in zip(jobs, results, strict=True):
+        alone = client.post("/v1/estimates", json=job).json()
+        assert result["estimate"] == alone
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"batch_size": True},  # a boolean
+        {"batch_size": "2"},  # text
+        {"batch_size": 2.0},  # a float: the full reading takes it as 2
+        {"seq_len": 0},  # out of bounds in a copy
+        {"batch_size": MAX_BATCH_SIZE + 1},
+    ],
+)
+def test_a_copy_the_shared_reading_cannot_take_is_answered_as_before(
+    client: TestClient, shape: dict[str, Any]
+) -> None:
+    jobs = [SMALL_JOB, {**SMALL_JOB, **shape}, {**SMALL_JOB, "batch_size": 3}]
+    assert read_shared(json.dumps({"jobs": jobs}).encode()) is None
+    results = _answer(client, jobs)["results"]
+    assert results[0]["status"] == 200 and results[2]["status"] == 200
+    if shape == {"batch_size": 2.0}:
+        assert results[1]["status"] == 200
+    else:
+        name = next(iter(shape))
+        assert results[1]["status"] == 422
+        assert results[1]["problem"]["errors"][0]["loc"] == ["body", "jobs", 1, name]
+
+
+def test_copies_of_a_job_the_core_refuses_fail_each_at_their_own_index(
+    client: TestClient,
+) -> None:
+    bad = {**SMALL_JOB, "method": "full", "lora": {"r": 4}}
+    jobs = [bad, {**bad, "batch_size": 2}, SMALL_JOB]
+    assert read_shared(json.dumps({"jobs": jobs}).encode()) is not None
+    results = _answer(client, jobs)["results"]
+    assert [r["status"] for r in results] == [422, 422, 200]
+    assert [r["problem"]["errors"][0]["loc"] for r in results[:2]] == [
+        ["body", "jobs", 0, "lora"],
+        ["body", "jobs", 1, "lora"],
+    ]

@@ -312,3 +312,34 @@ def test_an_orpo_run_counts_pairs_and_its_settings(service: Service) -> None:
             client.estimate(job)
         plain = job.model_copy(update={"autocast": False})
         assert client.estimate(plain).peak.allocated_bytes > 0
+
+
+class SFTConfig(SimpleNamespace):
+    """TRL's SFTConfig as the derivation recognises it: by its class name."""
+
+
+@pytest.mark.parametrize(
+    ("settings", "packed"),
+    [
+        ({"padding_free": True}, True),
+        ({"packing": True}, True),  # TRL's default strategy, "bfd", is padding-free
+        ({"packing": True, "packing_strategy": "bfd_split"}, True),
+        ({"packing": True, "packing_strategy": "wrapped"}, False),  # rows with their own mask
+        ({}, False),
+    ],
+)
+def test_a_padding_free_sft_run_is_packed(
+    service: Service, settings: dict[str, Any], packed: bool
+) -> None:
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused"))
+    args = SFTConfig(**{**values, "packing": False, "padding_free": False, **settings})
+    job = job_from_hf(PeftModel(QWEN_0_5B), args, model_id="Qwen/Qwen2.5-0.5B")
+    assert job.to_json().get("packing", False) is packed
+    if packed:
+        row = job.model_copy(update={"packing": None, "batch_size": 1, "seq_len": 4 * 2048})
+        with VramcastClient(service.url) as client:
+            # flash_attention_2 (the model's) runs the packed row varlen, as one sequence of
+            # 4 x 2048 tokens: the same step, with the row's int64 position_ids held beside
+            # its input_ids and labels
+            grown = client.estimate(job).peak.allocated_bytes
+            assert grown - client.estimate(row).peak.allocated_bytes == 4 * 2048 * 8

@@ -79,6 +79,8 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))
         if method is Method.PROMPT_TUNING
         else None,
+        # (virtual tokens go in front of each row: not packed)
+        packing=False if method is Method.PROMPT_TUNING else draw(st.booleans()),
     )
     return model, spec
 

@@ -235,3 +235,16 @@ def test_an_int8_linear_runs_matmul8bitlt_with_cuda_s_temporaries_and_keeps_its_
             out.sum().backward()
         assert x.grad is not None and x.grad.dtype == torch.bfloat16
         tracker.close()
+
+
+def test_a_packed_row_s_sequences_are_found_as_transformers_finds_them() -> None:
+    """The tracer's stand-in for the packed-sequence detection gives each token the sequence
+    index transformers' own function gives it on real position ids; on fake tensors it is the
+    same computation, without the check that reads their values."""
+    from transformers import masking_utils
+
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 7, 0, 1, 2, 3, 0, 1]])
+    real = masking_utils.find_packed_sequence_indices(position_ids)
+    assert real is not None
+    assert torch.equal(kernels.packed_batch(position_ids), real)
+    assert kernels.packed_batch(position_ids)[0].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]

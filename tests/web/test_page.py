@@ -41,6 +41,7 @@ def test_a_filled_spec_shows_the_apis_numbers(driver: Driver, api: httpx.Client)
     d.page.fill("#gradient_accumulation_steps", "8")
     d.page.select_option("#optim", "paged_adamw_8bit")
     d.page.check("#gradient_checkpointing")
+    d.page.check("#packing")
     d.page.select_option("#attn_implementation", "flash_attention_2")
     d.page.select_option("#loss", "fused")
     d.check_gpus(["T4", "L4", "A100-40GB"])
@@ -61,6 +62,7 @@ def test_a_filled_spec_shows_the_apis_numbers(driver: Driver, api: httpx.Client)
         "loss": "fused",
         "framework": "hf",
         "parallel": {"gpus": 1},
+        "packing": True,
         "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
         "quantization": {
             "type": "nf4",

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.answers import Answer
+from service.api.batch_body import read_shared
 from service.api.body import is_json, request_body, validate_body, validate_body_or
 from service.api.deps import estimation_for, services_of
 from service.api.problems import responses
@@ -68,16 +69,20 @@ async def create_estimate(request: Request) -> Response:
     openapi_extra=request_body(BatchIn),
 )
 async def create_estimates_batch(request: Request) -> Response:
-    # One pass of pydantic-core reads a batch whose jobs are all valid; any other is read as
-    # FastAPI reads a `BatchIn` body, each job failing on its own. The estimates share the
-    # request's lookups and are encoded in one pass; the work runs in the thread pool, as a
-    # plain route's would, so that the event loop keeps answering meanwhile.
+    # A batch whose jobs are all valid is read once per distinct job (its copies at other
+    # shapes share its reading: `batch_body.read_shared`), else in one pass of pydantic-core;
+    # any other is read as FastAPI reads a `BatchIn` body, each job failing on its own. The
+    # estimates share the request's lookups and are encoded in one pass; the work runs in the
+    # thread pool, as a plain route's would, so that the event loop keeps answering meanwhile.
     services = services_of(request)
     body = await request.body()
     content_type = request.headers.get("content-type")
     estimation = estimation_for(services)
 
     def answer() -> bytes:
+        shared = read_shared(body) if is_json(content_type) else None
+        if shared is not None:
+            return to_json(estimation.batch(shared.jobs, shared.firsts))
         jobs = validate_body_or(body, content_type, JobsIn, BatchIn).jobs
         return to_json(estimation.batch(jobs))
 

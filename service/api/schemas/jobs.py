@@ -671,6 +671,19 @@ class JobSpec(In):
         default=None, description="Causal-LM loss implementation; null: the framework's."
     )
     framework: Framework = Field(default=Framework.HF, description="Training framework preset.")
+    torch_compile: Boolean = Field(
+        default=False,
+        description="TrainingArguments.torch_compile. Not traced: the eager step is "
+        "estimated, and the answer says so (inductor usually keeps no more).",
+    )
+    packing: Boolean = Field(
+        default=False,
+        description="TRL's padding-free packing (SFTConfig padding_free=True, or packing=True "
+        "with its default 'bfd' strategy): the micro-batch's batch_size sequences of up to "
+        "seq_len tokens run as one row of batch_size x seq_len tokens, position_ids restarting "
+        "at each. Under SDPA the row gets a block-diagonal mask; flash_attention_2 runs it "
+        "varlen. Objective 'sft', framework 'hf', decoder-only models.",
+    )
     parallel: ParallelIn = Field(
         default_factory=ParallelIn, description="Multi-GPU layout; default one GPU."
     )
@@ -747,6 +760,8 @@ class JobSpec(In):
             sdpa_kernel=self.sdpa_kernel,
             loss=self.loss,
             framework=self.framework,
+            packing=self.packing,
+            torch_compile=self.torch_compile,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
             num_labels=self.num_labels,

@@ -14,6 +14,7 @@ from service.core.allocator import AllocatorConfig, CachingAllocator
 from service.core.architecture import Linear, ModelArch
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
 from service.core.errors import InvalidSpecError
+from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import PHASES
 from service.core.estimator.uncertainty import _uncertainty
@@ -450,7 +451,7 @@ def encoder_estimate(
         phases=phases,
         params=ParamCounts(total=total, trainable=trainable),
         upper_margin=over.upper_margin,
-        assumptions=(*assumptions, *over.assumptions, stack_note(spec.stack)),
+        assumptions=(*assumptions, *over.assumptions, *compile_notes(spec), stack_note(spec.stack)),
         warnings=(),
         estimator_version=version,
     )

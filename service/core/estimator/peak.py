@@ -8,10 +8,12 @@ from typing import Any
 from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.compiled import compile_notes
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.grpo import GrpoStep, grpo_policy_spec, grpo_step
 from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, reference_copy
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
+from service.core.estimator.packing import packed_job
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -59,6 +61,7 @@ def estimate(
         )
     spec = sequence_spec(spec)
     arch, untied = framework_arch(arch, spec)
+    arch, spec, packed = packed_job(arch, spec)
     st = model_step(arch, spec, compute_capability)
     plan = st.plan
     phases = tuple(
@@ -67,7 +70,7 @@ def estimate(
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     over = _above(arch, spec, plan, peak.allocated_bytes, st.paged_state, compute_capability)
-    return _answer(st, phases, peak, over, spec, after=untied)
+    return _answer(st, phases, peak, over, spec, after=(*untied, *packed))
 
 
 def peak_levels(
@@ -95,6 +98,7 @@ def peak_levels(
         return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
     spec = sequence_spec(spec)
     arch, _untied = framework_arch(arch, spec)
+    arch, spec, _packed = packed_job(arch, spec)
     step = model_step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
@@ -275,6 +279,7 @@ def _answer(
             *st.assumptions,
             *after,
             *over.assumptions,
+            *compile_notes(spec),
             stack_note(spec.stack),
         ),
         warnings=tuple(st.warnings),
@@ -287,6 +292,8 @@ def _is_encoder(arch: ModelArch, spec: TrainingSpec) -> bool:
     """Whether `arch` is an encoder (its own step); `num_labels` is refused on a decoder, and
     `target_length` on any model but an encoder-decoder, and PEFT's methods besides LoRA on
     an encoder or an encoder-decoder (`tuners.TUNER_MODEL_TYPES`)."""
+    if (arch.encoder or arch.encoder_decoder) and spec.packing:
+        packed_job(arch, spec)  # refused: packing is modelled on decoder-only LMs
     if (arch.encoder or arch.encoder_decoder) and spec.method in METHOD_OPTIONS:
         raise InvalidConfigError(
             "model_type",

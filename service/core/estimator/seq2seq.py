@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from service.core.architecture import Linear, ModelArch
 from service.core.device import cublas_workspace, device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.seq2seq_zero import seq2seq_stage3
 from service.core.estimator.uncertainty import _uncertainty
@@ -660,7 +661,7 @@ def seq2seq_estimate(
         phases=phases,
         params=ParamCounts(total=arch.total_params - untied, trainable=model.trainable_params),
         upper_margin=over.upper_margin,
-        assumptions=(*assumptions, *over.assumptions),
+        assumptions=(*assumptions, *over.assumptions, *compile_notes(spec)),
         warnings=(),
         estimator_version=version,
         host_bytes=rank.host if rank is not None else 0,

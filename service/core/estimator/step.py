@@ -261,7 +261,9 @@ def _step(
     checkpoint_input = _blk(tokens * h * f.residual)
     # what each checkpointed layer keeps: its input, and what checkpointing cannot drop
     checkpoint = checkpoint_input + _recipe_bytes(plan.kept_past_checkpoints, b, s)
-    inputs = 2 * _blk(b * (s - virtual) * INT64_BYTES)  # input_ids and labels (torch.long)
+    # input_ids and labels (torch.long); a packed row's position_ids beside them (TRL's
+    # padding-free collator, estimator/packing.py)
+    inputs = (3 if spec.packing else 2) * _blk(b * (s - virtual) * INT64_BYTES)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
     if "final" in f.trained_norms:
         # LN tuning's copy of the final norm: its weight's product keeps the normed input

@@ -47,6 +47,7 @@
     loss: "",
     framework: "hf",
     gradient_checkpointing: false,
+    packing: false,
     gpu_count: 1,
     strategy: "ddp",
     offload: "none",
@@ -61,7 +62,8 @@
   // Checkbox groups kept in the state (and the link) as their checked values, comma-separated.
   const LIST_FIELDS = new Set(["strategies"]);
   const BOOLEAN_FIELDS = new Set([
-    "double_quant", "prepare_kbit", "gradient_checkpointing", "precompute_ref_log_probs",
+    "double_quant", "prepare_kbit", "gradient_checkpointing", "packing",
+    "precompute_ref_log_probs",
   ]);
 
   const COMPONENT_STYLE = {
@@ -300,6 +302,7 @@
       parallel: { gpus: s.gpu_count },
     };
     // Sent only when not the default, as the request's own defaults would fill them.
+    if (s.packing) job.packing = true;
     if (s.strategy !== DEFAULTS.strategy) job.parallel.strategy = s.strategy;
     if (s.offload !== DEFAULTS.offload) job.parallel.offload = s.offload;
     if (["lora", "qlora", "lora-fa"].includes(s.method)) {

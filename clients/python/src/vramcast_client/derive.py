@@ -155,6 +155,10 @@ def job_from_hf(
             offload=offload,
         ),
     )
+    if _padding_free(args):
+        job = job.model_copy(update={"packing": True})
+    if getattr(args, "torch_compile", False) is True:
+        job = job.model_copy(update={"torch_compile": True})
     if reward:
         return job.model_copy(update={"objective": "reward"})
     if kto is not None:
@@ -166,6 +170,18 @@ def job_from_hf(
     if dpo is None:
         return job
     return job.model_copy(update={"objective": "dpo", "dpo": dpo})
+
+
+def _padding_free(args: Any) -> bool:
+    """Whether `args`, TRL's SFTConfig (by its class name), runs padding-free: padding_free set,
+    or packing under a best-fit-decreasing strategy (SFTTrainer.__init__ turns padding-free on
+    for "bfd" and "bfd_split"; "wrapped" packs rows of max_length with a mask of their own)."""
+    if type(args).__name__ != "SFTConfig":
+        return False
+    if getattr(args, "padding_free", False) is True:
+        return True
+    strategy = getattr(args, "packing_strategy", "bfd")
+    return getattr(args, "packing", False) is True and strategy in ("bfd", "bfd_split")
 
 
 def _dpo(args: Any) -> Dpo | None:

@@ -285,6 +285,10 @@ class Job(_Request):
     sdpa_kernel: SdpaKernelName | None = None
     loss: LossName | None = None
     framework: FrameworkName | None = None
+    # TRL's padding-free packing: the micro-batch's sequences run as one row.
+    packing: bool | None = None
+    # TrainingArguments.torch_compile: the service estimates the eager step and says so.
+    torch_compile: bool | None = None
     parallel: Parallel | None = None
     # An encoder's (BERT) sequence-classification classes; refused for decoder LMs.
     num_labels: int | None = Field(default=None, ge=1)
