@@ -68,3 +68,63 @@ def test_the_batch_places_each_samples_image_tokens() -> None:
     assert int(batch["mm_token_type_ids"].sum()) == 2 * 2 * 256
     assert batch["image_grid_thw"].tolist() == [[1, 32, 32]] * 4
     assert tuple(batch["pixel_values"].shape) == (4 * 1024, 3 * 2 * 14 * 14)
+
+
+@pytest.mark.parametrize(
+    "catalog_file", ["Qwen--Qwen2-VL-2B-Instruct", "Qwen--Qwen2.5-VL-7B-Instruct"]
+)
+@pytest.mark.parametrize(
+    "targets",
+    [
+        "all-linear",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        ("qkv",),
+        ("q_proj", "proj"),
+    ],
+)
+def test_the_estimate_refuses_exactly_the_targets_peft_finds_in_the_tower(
+    catalog_file: str, targets: str | tuple[str, ...]
+) -> None:
+    """PEFT's own matching on the model built on meta: the estimate refuses a LoRA job whose
+    targets adapt a module of the vision tower, and only such a job."""
+    import json
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from service.core.errors import InvalidSpecError
+    from service.core.estimator import estimate
+    from service.core.hf_config import from_hf_config
+    from service.core.spec import LoraSpec
+
+    values = dict(
+        json.loads(Path(f"service/catalog/models/{catalog_file}.json").read_text())["config"]
+    )
+    values["num_hidden_layers"] = 1
+    values["vision_config"] = {**values["vision_config"], "depth": 1}
+    arch = from_hf_config(values)
+    model_type = values.pop("model_type")
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **values))
+        peft_model = get_peft_model(
+            model,
+            LoraConfig(r=8, target_modules=targets if isinstance(targets, str) else list(targets)),
+        )
+    in_tower = any("lora_A" in n and ".visual." in n for n, _ in peft_model.named_parameters())
+    spec = TrainingSpec(
+        batch_size=1,
+        seq_len=512,
+        lora=LoraSpec(r=8, target_modules=targets),
+        vision=VisionInputs(image_tokens=64),
+    )
+    refused = False
+    try:
+        estimate(arch, spec)
+    except InvalidSpecError as exc:
+        assert exc.field == "lora.target_modules"
+        refused = True
+    assert refused == in_tower
