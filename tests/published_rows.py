@@ -26,7 +26,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
 
@@ -36,6 +36,7 @@ PEFT_METHODS = (
     "ia3",
     "ln-tuning",
     "prompt-tuning",
+    "prefix-tuning",
     "lora-fa",
     "vera",
     "loha",
@@ -229,6 +230,16 @@ def _adalora(row: dict[str, str]) -> AdaLoraSpec:
     )
 
 
+def _prefix_tuning(raw: str) -> PrefixTuningSpec:
+    """The virtual tokens and projection the row's targets column names ("200 virtual tokens,
+    no projection")."""
+    tokens, _, projection = raw.partition(",")
+    return PrefixTuningSpec(
+        num_virtual_tokens=int(tokens.split()[0]),
+        prefix_projection="no projection" not in projection and "projection" in projection,
+    )
+
+
 def _checkpointing(raw: dict[str, str]) -> bool:
     """As published; where not, the framework's default: LLaMA-Factory checkpoints unless
     disable_gradient_checkpointing is set (src/llamafactory/hparams/model_args.py, default
@@ -365,6 +376,9 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     ln_tuning=LnTuningSpec() if method is Method.LN_TUNING else None,
                     prompt_tuning=_prompt_tuning(raw["lora_targets"])
                     if method is Method.PROMPT_TUNING
+                    else None,
+                    prefix_tuning=_prefix_tuning(raw["lora_targets"])
+                    if method is Method.PREFIX_TUNING
                     else None,
                     dtype=dtype,
                     autocast=autocast,

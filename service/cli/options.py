@@ -119,9 +119,23 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         default=None,
         help="rsLoRA scaling (PEFT use_rslora=True; no memory change)",
     )
-    prompt = parser.add_argument_group("prompt tuning (PEFT PromptTuningConfig)")
+    prompt = parser.add_argument_group(
+        "prompt and prefix tuning (PEFT PromptTuningConfig, PrefixTuningConfig)"
+    )
     prompt.add_argument(
-        "--num-virtual-tokens", type=int, help="virtual tokens prepended (prompt-tuning)"
+        "--num-virtual-tokens",
+        type=int,
+        help="virtual tokens prepended (prompt-tuning), or in front of every layer's keys "
+        "and values (prefix-tuning)",
+    )
+    prompt.add_argument(
+        "--prefix-projection",
+        action="store_true",
+        default=None,
+        help="prefix tuning's two-layer MLP (PEFT prefix_projection=True)",
+    )
+    prompt.add_argument(
+        "--encoder-hidden-size", type=int, help="the prefix projection's width (prefix-tuning)"
     )
     images = parser.add_argument_group("images (a vision-language model: Qwen2-VL)")
     images.add_argument("--images-per-sample", type=int, help="images in each sample")
@@ -367,9 +381,21 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         }
     )
     virtual = getattr(args, "num_virtual_tokens", None)
-    if virtual is not None and method is not Method.PROMPT_TUNING:
-        raise CliError("--num-virtual-tokens: needs --method prompt-tuning")
-    if virtual is not None:
+    projection = getattr(args, "prefix_projection", None)
+    width = getattr(args, "encoder_hidden_size", None)
+    if virtual is not None and method not in (Method.PROMPT_TUNING, Method.PREFIX_TUNING):
+        raise CliError("--num-virtual-tokens: needs --method prompt-tuning or prefix-tuning")
+    if (projection is not None or width is not None) and method is not Method.PREFIX_TUNING:
+        raise CliError("--prefix-projection/--encoder-hidden-size: need --method prefix-tuning")
+    if method is Method.PREFIX_TUNING and (virtual, projection, width) != (None, None, None):
+        data["prefix_tuning"] = _given(
+            {
+                "num_virtual_tokens": virtual,
+                "prefix_projection": projection,
+                "encoder_hidden_size": width,
+            }
+        )
+    elif virtual is not None:
         data["prompt_tuning"] = {"num_virtual_tokens": virtual}
     elif peft_method is not None and args.target_modules is not None:
         data[peft_method] = {"target_modules": _names(args.target_modules)}

@@ -23,6 +23,7 @@ from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
     MAX_BUCKET_CAP_MB,
+    MAX_ENCODER_HIDDEN_SIZE,
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
@@ -68,7 +69,7 @@ from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, O
 from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.spec_vision import VisionInputs
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
@@ -315,6 +316,11 @@ _LN_TUNING: dict[str, Check] = {
 _PROMPT_TUNING: dict[str, Check] = {
     "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
 }
+_PREFIX_TUNING: dict[str, Check] = {
+    "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
+    "prefix_projection": _boolean,
+    "encoder_hidden_size": _optional(_integer(ge=1, le=MAX_ENCODER_HIDDEN_SIZE)),
+}
 # VeRA's options (service/core/spec_delta.py VeraSpec); its rank bounded as LoRA's.
 _VERA: dict[str, Check] = {
     "r": _integer(ge=1, le=MAX_LORA_R),
@@ -496,6 +502,9 @@ _TRAINING: dict[str, Check] = {
     "prompt_tuning": _optional(
         _object(PromptTuningSpec, _PROMPT_TUNING, required=("num_virtual_tokens",))
     ),
+    "prefix_tuning": _optional(
+        _object(PrefixTuningSpec, _PREFIX_TUNING, required=("num_virtual_tokens",))
+    ),
     "dtype": _choice(DType),
     "autocast": _boolean,
     "optim": _choice(Optim),
@@ -516,7 +525,6 @@ _TRAINING: dict[str, Check] = {
     "vera": _optional(_object(VeraSpec, _VERA)),
     "loha": _optional(_object(LohaSpec, _LOHA)),
     "lokr": _optional(_object(LokrSpec, _LOKR)),
-    "objective": _objective,
     "dpo": _optional(_object(DpoSpec, _DPO)),
     "kto": _optional(_object(KtoSpec, _KTO)),
     "grpo": _optional(_object(GrpoSpec, _GRPO)),
@@ -525,4 +533,7 @@ _TRAINING: dict[str, Check] = {
     "oft": _optional(_object(OftSpec, _OFT)),
     "boft": _optional(_object(BoftSpec, _BOFT)),
     "vision": _optional(_object(VisionInputs, _VISION)),
+    # read after the option objects, as the API names a bad option before the objective (its
+    # objective is a string until to_spec)
+    "objective": _objective,
 }

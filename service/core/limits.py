@@ -19,8 +19,11 @@ MAX_BUCKET_CAP_MB = 1 << 20  # DDP's bucket cap, in MB: up to 1 TiB
 # DeepSpeed's bucket sizes and live-parameter limits, in elements: up to 1e12 (a 1T model)
 MAX_ZERO_ELEMENTS = 1_000_000_000_000
 MAX_MODULES = 64
-# Prompt tuning's virtual tokens: PEFT's examples use 8 to a few hundred.
+# Prompt and prefix tuning's virtual tokens: PEFT's examples use 8 to a few hundred.
 MAX_VIRTUAL_TOKENS = 65_536
+# Prefix tuning's projection width (PrefixTuningConfig.encoder_hidden_size): PEFT's default
+# is the keys' width per layer, a few thousand.
+MAX_ENCODER_HIDDEN_SIZE = 65_536
 # AdaLoRA's schedule (tinit, tfinal, total_step, deltaT): far above any run's optimizer steps.
 MAX_TRAINING_STEPS = 1_000_000_000
 # A vision-language sample's images and their side in pixels: far above what a processor

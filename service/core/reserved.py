@@ -91,6 +91,9 @@ class ReservedPlan:
     ia3_in: frozenset[str] = frozenset()
     trained_norms: frozenset[str] = frozenset()
     virtual_tokens: int = 0  # prompt tuning's
+    # prefix tuning's virtual tokens, and its projection MLP's width (0: none)
+    prefix_tokens: int = 0
+    prefix_encoder: int = 0
     dora: bool = False  # PEFT's DoRA variant on the adapted linears
     frozen_a: bool = False  # LoRA-FA: lora_A frozen, B trained by PEFT's LoraFAOptimizer
     vera: bool = False  # VeRA's vectors on the adapted linears instead of LoRA's A and B
@@ -158,6 +161,8 @@ def resolve_kernel(plan: ReservedPlan, seq: int) -> tuple[Kernel, bool]:
     # half precision without a mask takes flash; fp32 with grouped key/value heads (passed
     # as enable_gqa when there is no mask) takes math; the rest mem-efficient.
     half = plan.attn != FP32_BYTES
+    if plan.prefix_tokens:  # prefix tuning's explicit mask over the longer keys
+        return Kernel.EFFICIENT, windowed
     if half and not windowed and arch.head_dim <= 256:
         return Kernel.FLASH, False
     gqa = arch.num_key_value_heads < arch.num_attention_heads and not windowed
@@ -301,6 +306,9 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         norm_trainable=plan.method is Method.FULL,
         trained_norms=plan.trained_norms,
         virtual_tokens=plan.virtual_tokens,
+        prefix_tokens=plan.prefix_tokens,
+        prefix_width=arch.num_hidden_layers * 2 * arch.kv_dim,
+        prefix_encoder=plan.prefix_encoder,
         loss_upcast=plan.loss is LossImpl.HF,
         loss_materialised=plan.loss in (LossImpl.HF, LossImpl.PLAIN),
         head_bytes=HALF_BYTES if plan.autocast else plan.head_bytes,
@@ -445,6 +453,12 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     if plan.virtual_tokens:
         # prompt tuning's fp32 PromptEmbedding, registered after the base model
         sizes.append(plan.virtual_tokens * arch.hidden_size * FP32_BYTES)
+    if plan.prefix_tokens:
+        # prefix tuning's fp32 PrefixEncoder, registered after the base model: the embedding,
+        # or with the projection the embedding and the MLP's weights and biases
+        width, kv, e = arch.num_hidden_layers * 2 * arch.kv_dim, arch.kv_dim, plan.prefix_encoder
+        elements = [plan.prefix_tokens * kv, e * kv, e, width * e, width]
+        sizes += [n * FP32_BYTES for n in (elements if e else [plan.prefix_tokens * width])]
     if plan.dpo_reference_copy:
         # DPOTrainer loads the reference model after the policy: the same tensors again
         sizes += sizes

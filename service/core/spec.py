@@ -29,7 +29,13 @@ from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_packing import check_packing
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import (
+    IA3Spec,
+    LnTuningSpec,
+    PrefixTuningSpec,
+    PromptTuningSpec,
+    check_prompt_job,
+)
 from service.core.spec_vision import VisionInputs, check_vision
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
@@ -74,6 +80,7 @@ class Method(StrEnum):
     IA3 = "ia3"
     LN_TUNING = "ln-tuning"
     PROMPT_TUNING = "prompt-tuning"
+    PREFIX_TUNING = "prefix-tuning"
     LLAMA_ADAPTER = "llama-adapter"
     LLAMA_ADAPTER_V2 = "llama-adapter-v2"
 
@@ -84,6 +91,7 @@ METHOD_OPTIONS = {
     Method.IA3: "ia3",
     Method.LN_TUNING: "ln_tuning",
     Method.PROMPT_TUNING: "prompt_tuning",
+    Method.PREFIX_TUNING: "prefix_tuning",
 }
 # LitGPT's LLaMA-Adapter and LLaMA-Adapter v2 (lit_gpt/adapter.py, lit_gpt/adapter_v2.py): no
 # options of their own (LitGPT's defaults, service/core/estimator/adapter.py); the base may
@@ -272,6 +280,7 @@ class TrainingSpec:
     ia3: IA3Spec | None = None
     ln_tuning: LnTuningSpec | None = None
     prompt_tuning: PromptTuningSpec | None = None
+    prefix_tuning: PrefixTuningSpec | None = None
     dtype: DType = DType.BF16  # torch_dtype the base model is loaded in
     autocast: bool = False  # TrainingArguments bf16/fp16 mixed precision (default off)
     optim: Optim = Optim.ADAMW_TORCH_FUSED  # TrainingArguments.optim default
@@ -531,11 +540,7 @@ class TrainingSpec:
             raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
         if self.autocast:
             raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
-        if self.method is Method.PROMPT_TUNING and self.prompt_tuning is None:
-            raise InvalidSpecError(
-                "prompt_tuning",
-                "required for method 'prompt-tuning': num_virtual_tokens (PEFT has no default)",
-            )
+        check_prompt_job(self.method.value, self, self.gradient_checkpointing)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -623,9 +628,9 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
 
     if lora is not None and lora.adapter_dtype is not None:
         adapter_dtype = lora.adapter_dtype
-    elif spec.method is Method.PROMPT_TUNING:
-        # PromptEmbedding's nn.Embedding is built in torch's default dtype, fp32, and
-        # cast_adapter_dtype leaves it (peft/tuners/prompt_tuning/model.py)
+    elif spec.method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING):
+        # PromptEmbedding's and PrefixEncoder's modules are built in torch's default dtype,
+        # fp32, and cast_adapter_dtype leaves them (peft/tuners/prompt_tuning/model.py)
         adapter_dtype = DType.FP32
     elif spec.method is Method.LN_TUNING:
         # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/

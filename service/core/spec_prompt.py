@@ -1,4 +1,4 @@
-"""Options of PEFT's (IA)^3, LayerNorm-tuning and prompt-tuning methods, by PEFT's config
+"""Options of PEFT's (IA)^3, LayerNorm-, prompt- and prefix-tuning methods, by PEFT's config
 field names and with PEFT 0.21's defaults, and the modules each targets by default per
 architecture.
 
@@ -6,7 +6,9 @@ architecture.
 over its output features, or over its input features for a "feedforward" module. LN tuning
 (peft/tuners/ln_tuning/config.py LNTuningConfig) trains a copy of each targeted norm layer.
 Prompt tuning (peft/tuners/prompt_tuning/config.py PromptTuningConfig) prepends trainable
-virtual token embeddings to every sequence.
+virtual token embeddings to every sequence. Prefix tuning
+(peft/tuners/prefix_tuning/config.py PrefixTuningConfig) learns every layer's keys and values
+for the virtual tokens, which each layer's attention sees in front of the sequence's.
 """
 
 from __future__ import annotations
@@ -128,3 +130,46 @@ class PromptTuningSpec:
     def __post_init__(self) -> None:
         if self.num_virtual_tokens < 1:
             raise InvalidSpecError("prompt_tuning.num_virtual_tokens", "must be at least 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixTuningSpec:
+    """PEFT PrefixTuningConfig's memory-relevant fields. num_virtual_tokens has no PEFT
+    default (PromptLearningConfig: None), so it is required. prefix_projection (default False)
+    puts a two-layer MLP of width encoder_hidden_size between the virtual tokens' embedding and
+    the keys and values (peft/tuners/prefix_tuning/model.py PrefixEncoder); None: PEFT's
+    default, the keys' and values' width per layer (utils/other.py
+    _prepare_prompt_learning_config). init_weights changes no tensor's size."""
+
+    num_virtual_tokens: int
+    prefix_projection: bool = False
+    encoder_hidden_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_virtual_tokens < 1:
+            raise InvalidSpecError("prefix_tuning.num_virtual_tokens", "must be at least 1")
+        if self.encoder_hidden_size is not None and self.encoder_hidden_size < 1:
+            raise InvalidSpecError("prefix_tuning.encoder_hidden_size", "must be at least 1")
+        if self.encoder_hidden_size is not None and not self.prefix_projection:
+            # PrefixEncoder builds the MLP, the only user of the width, with the projection only
+            raise InvalidSpecError(
+                "prefix_tuning.encoder_hidden_size", "needs prefix_projection=True"
+            )
+
+
+def check_prompt_job(method: str, spec: object, checkpointing: bool) -> None:
+    """Prompt and prefix tuning need their options (PEFT has no default num_virtual_tokens),
+    and prefix tuning does not run under gradient checkpointing: PEFT refuses it
+    (peft/peft_model.py _setup_prompt_encoder), and with checkpointing enabled after
+    get_peft_model the recomputed layer concatenates its keys to the cache a second time
+    (transformers 5.24 fails on the mismatched mask)."""
+    for name in ("prompt-tuning", "prefix-tuning"):
+        field = name.replace("-", "_")
+        if method == name and getattr(spec, field) is None:
+            raise InvalidSpecError(
+                field, f"required for method {name!r}: num_virtual_tokens (PEFT has no default)"
+            )
+    if method == "prefix-tuning" and checkpointing:
+        raise InvalidSpecError(
+            "gradient_checkpointing", "PEFT's prefix tuning does not work with checkpointing"
+        )

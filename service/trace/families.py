@@ -21,7 +21,7 @@ from service.core.spec import (
 from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 
@@ -367,9 +367,12 @@ def _dora_cases() -> list[tuple[str, TrainingSpec]]:
 def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
     """PEFT's (IA)^3 and LN tuning with their defaults, with and without checkpointing, on
     Qwen2.5-0.5B and Llama-3.2-1B (whose defaults differ: q_proj or k_proj scaled, one norm
-    or every norm trained), and with targets named; prompt tuning likewise."""
+    or every norm trained), and with targets named; prompt tuning likewise; prefix tuning
+    without checkpointing (PEFT refuses it there), with and without its projection MLP."""
     ia3, ln, prompt = Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING
     virtual_200 = PromptTuningSpec(num_virtual_tokens=200)
+    prefix = Method.PREFIX_TUNING
+    projected = PrefixTuningSpec(num_virtual_tokens=30, prefix_projection=True)
     every_norm = LnTuningSpec(
         target_modules=("input_layernorm", "post_attention_layernorm", "norm")
     )
@@ -393,6 +396,12 @@ def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(prompt, 2, 512, ckpt=True, prompt_tuning=virtual_200)),
         (LLAMA_1B, _spec(prompt, 1, 1024, prompt_tuning=virtual_200)),
         (LLAMA_1B, _spec(prompt, 2, 256, ckpt=True, prompt_tuning=virtual_200)),
+        # prefix tuning (PEFT refuses it with checkpointing): 20 and 200 virtual tokens, the
+        # latter PEFT's method comparison's, and the MLP projection
+        (QWEN_05B, _spec(prefix, 2, 512, prefix_tuning=PrefixTuningSpec(num_virtual_tokens=20))),
+        (QWEN_05B, _spec(prefix, 2, 512, prefix_tuning=projected)),
+        (LLAMA_1B, _spec(prefix, 1, 1024, prefix_tuning=PrefixTuningSpec(num_virtual_tokens=200))),
+        (LLAMA_1B, _spec(prefix, 2, 256, prefix_tuning=projected)),
     ]
 
 

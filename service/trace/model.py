@@ -316,7 +316,7 @@ def _task_type(model_type: str, objective: Objective = Objective.SFT) -> str:
 def _peft_method_config(resolved: ResolvedSpec) -> Any:
     """PEFT's config of a method other than LoRA; fields left None take PEFT's defaults for
     the model, as PEFT resolves them in get_peft_model."""
-    from peft import IA3Config, LNTuningConfig, PromptTuningConfig
+    from peft import IA3Config, LNTuningConfig, PrefixTuningConfig, PromptTuningConfig
 
     def names(value: tuple[str, ...] | None) -> list[str] | None:
         return None if value is None else list(value)
@@ -334,6 +334,14 @@ def _peft_method_config(resolved: ResolvedSpec) -> Any:
     if resolved.prompt_tuning is not None:
         return PromptTuningConfig(
             num_virtual_tokens=resolved.prompt_tuning.num_virtual_tokens, task_type="CAUSAL_LM"
+        )
+    prefix = resolved.spec.prefix_tuning
+    if prefix is not None:
+        return PrefixTuningConfig(
+            num_virtual_tokens=prefix.num_virtual_tokens,
+            prefix_projection=prefix.prefix_projection,
+            encoder_hidden_size=prefix.encoder_hidden_size,
+            task_type="CAUSAL_LM",
         )
     raise ValueError(f"method {resolved.spec.method!r} has no PEFT config")
 

@@ -257,6 +257,11 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append("+".join(options.target_modules))
     if spec.prompt_tuning is not None:
         parts.append(f"{spec.prompt_tuning.num_virtual_tokens}-virtual")
+    prefix = spec.prefix_tuning
+    if prefix is not None:
+        parts.append(f"{prefix.num_virtual_tokens}-virtual")
+        if prefix.prefix_projection:
+            parts.append(f"projection{prefix.encoder_hidden_size or ''}")
     if spec.ia3 is not None and spec.ia3.feedforward_modules is not None:
         parts.append("ff-" + "+".join(spec.ia3.feedforward_modules))
     quant = spec.quantization

@@ -29,6 +29,7 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "ia3",
             "ln-tuning",
             "prompt-tuning",
+            "prefix-tuning",
             "lora-fa",
             "vera",
             "loha",
@@ -70,6 +71,15 @@ fields: dict[str, st.SearchStrategy[Any]] = {
     ),
     "prompt_tuning": st.none()
     | st.fixed_dictionaries({}, optional={"num_virtual_tokens": integers}),
+    "prefix_tuning": st.none()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "num_virtual_tokens": integers,
+            "prefix_projection": st.booleans() | st.just("yes"),
+            "encoder_hidden_size": st.none() | integers,
+        },
+    ),
     "ln_tuning": st.none()
     | st.fixed_dictionaries(
         {},

@@ -76,3 +76,47 @@ def test_prompt_tuning_needs_its_options_and_counts_its_embedding(client: TestCl
     job["prompt_tuning"] = {"num_virtual_tokens": 20}
     body = client.post("/v1/estimates", json=job).json()
     assert body["params"]["trainable"] == 20 * 896
+
+
+def test_prefix_tuning_needs_its_options_and_counts_its_encoder(client: TestClient) -> None:
+    response = client.post("/v1/estimates", json={**SMALL_JOB, "method": "prefix-tuning"})
+    assert _errors(response) == [["body", "prefix_tuning"]]
+    job: dict[str, Any] = {
+        **SMALL_JOB,
+        "method": "prefix-tuning",
+        "prefix_tuning": {"num_virtual_tokens": 0},
+    }
+    assert _errors(client.post("/v1/estimates", json=job)) == [
+        ["body", "prefix_tuning", "num_virtual_tokens"]
+    ]
+    job["prefix_tuning"] = {"num_virtual_tokens": 20, "encoder_hidden_size": 64}
+    assert _errors(client.post("/v1/estimates", json=job)) == [
+        ["body", "prefix_tuning", "encoder_hidden_size"]
+    ]
+    job["prefix_tuning"] = {"num_virtual_tokens": 20}
+    assert _errors(client.post("/v1/estimates", json={**job, "gradient_checkpointing": True})) == [
+        ["body", "gradient_checkpointing"]
+    ]
+    # PrefixEncoder's embedding: 20 x (24 layers x 2 x 128, the key/value width)
+    body = client.post("/v1/estimates", json=job).json()
+    assert body["params"]["trainable"] == 20 * 24 * 2 * 128
+    job["prefix_tuning"] = {"num_virtual_tokens": 20, "prefix_projection": True}
+    body = client.post("/v1/estimates", json=job).json()
+    width = 24 * 2 * 128
+    assert body["params"]["trainable"] == 20 * 128 + 128 * 128 + 128 + 128 * width + width
+
+
+def test_a_prefix_tuning_fit_check_offers_no_checkpointing(client: TestClient) -> None:
+    job = {
+        "model": "meta-llama/Llama-3.2-1B",
+        "batch_size": 8,
+        "seq_len": 2048,
+        "method": "prefix-tuning",
+        "prefix_tuning": {"num_virtual_tokens": 200},
+    }
+    response = client.post("/v1/fit-checks", json={"job": job, "gpus": ["L4"]})
+    assert response.status_code == 200, response.text
+    (result,) = response.json()["results"]
+    assert not result["fits"] and result["suggestions"]
+    changes = {change for s in result["suggestions"] for change in s["changes"]}
+    assert "gradient_checkpointing" not in changes  # PEFT's prefix tuning cannot take it

@@ -58,7 +58,7 @@ from service.core.spec import (
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 
@@ -149,6 +149,14 @@ ia3s = st.builds(
 )
 ln_tunings = st.builds(LnTuningSpec, target_modules=st.none() | tuner_module_names.map(tuple))
 prompt_tunings = st.builds(PromptTuningSpec, num_virtual_tokens=st.integers(1, 1000))
+prefix_tunings = st.builds(
+    PrefixTuningSpec, num_virtual_tokens=st.integers(1, 1000), prefix_projection=st.just(False)
+) | st.builds(
+    PrefixTuningSpec,
+    num_virtual_tokens=st.integers(1, 1000),
+    prefix_projection=st.just(True),
+    encoder_hidden_size=st.none() | st.integers(1, 4096),
+)
 veras = st.builds(
     VeraSpec,
     r=st.integers(1, MAX_LORA_R),
@@ -302,12 +310,15 @@ def specs(draw: st.DrawFn) -> TrainingSpec:
         ia3=draw(st.none() | ia3s) if method is Method.IA3 else None,
         ln_tuning=draw(st.none() | ln_tunings) if method is Method.LN_TUNING else None,
         prompt_tuning=draw(prompt_tunings) if method is Method.PROMPT_TUNING else None,
+        prefix_tuning=draw(prefix_tunings) if method is Method.PREFIX_TUNING else None,
         dtype=draw(st.sampled_from(DType)),
         autocast=False if other or adapter else draw(st.booleans()),
         optim=draw(st.sampled_from(Optim)),
         gradient_accumulation_steps=draw(st.integers(1, MAX_GRADIENT_ACCUMULATION)),
         max_grad_norm=draw(st.floats(0.0, MAX_GRAD_NORM)),
-        gradient_checkpointing=False if adapter else draw(st.booleans()),
+        gradient_checkpointing=False
+        if adapter or method is Method.PREFIX_TUNING
+        else draw(st.booleans()),
         attn_implementation=draw(st.sampled_from(AttnImpl)),
         sdpa_kernel=draw(st.sampled_from(SdpaKernel)),
         loss=draw(st.none() | st.sampled_from(LossImpl)),
@@ -423,14 +434,41 @@ BASE: dict[str, Any] = {"batch_size": 2, "seq_len": 512}
             {"method": "nope"},
             "method",
             "Input should be 'full', 'lora', 'qlora', 'lora-fa', 'vera', 'loha', 'lokr', "
-            "'adalora', 'oft', 'boft', 'ia3', 'ln-tuning', 'prompt-tuning', 'llama-adapter' or "
-            "'llama-adapter-v2'",
+            "'adalora', 'oft', 'boft', 'ia3', 'ln-tuning', 'prompt-tuning', 'prefix-tuning', "
+            "'llama-adapter' or 'llama-adapter-v2'",
         ),
         ({"method": "lora", "ia3": {}}, "ia3", "ia3 options need method 'ia3'"),
         (
             {"method": "prompt-tuning", "prompt_tuning": {}},
             "prompt_tuning.num_virtual_tokens",
             "Field required",
+        ),
+        (
+            {"method": "prefix-tuning", "prefix_tuning": {}},
+            "prefix_tuning.num_virtual_tokens",
+            "Field required",
+        ),
+        (
+            {"method": "prefix-tuning", "prefix_tuning": {"num_virtual_tokens": 0}},
+            "prefix_tuning.num_virtual_tokens",
+            "Input should be greater than or equal to 1",
+        ),
+        (
+            {
+                "method": "prefix-tuning",
+                "prefix_tuning": {"num_virtual_tokens": 8},
+                "gradient_checkpointing": True,
+            },
+            "gradient_checkpointing",
+            "PEFT's prefix tuning does not work with checkpointing",
+        ),
+        (
+            {
+                "method": "prefix-tuning",
+                "prefix_tuning": {"num_virtual_tokens": 8, "encoder_hidden_size": 64},
+            },
+            "prefix_tuning.encoder_hidden_size",
+            "needs prefix_projection=True",
         ),
         (
             {"method": "ia3", "ia3": {"target_modules": []}},

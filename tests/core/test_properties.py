@@ -25,7 +25,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import PromptTuningSpec
+from service.core.spec_prompt import PrefixTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
 MODELS = (
@@ -72,15 +72,27 @@ def specs(draw: st.DrawFn) -> tuple[str, TrainingSpec]:
         quantization=quant,
         batch_size=draw(st.integers(1, 16)),
         seq_len=draw(st.integers(1, 8192)),
-        gradient_checkpointing=draw(st.booleans()),
-        attn_implementation=draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
+        # (PEFT's prefix tuning does not run under checkpointing)
+        gradient_checkpointing=method is not Method.PREFIX_TUNING and draw(st.booleans()),
+        # (prefix tuning is modelled on SDPA: its mask runs the mem-efficient kernel)
+        attn_implementation=AttnImpl.SDPA
+        if method is Method.PREFIX_TUNING
+        else draw(st.sampled_from([AttnImpl.SDPA, AttnImpl.EAGER])),
         optim=Optim.ADAMW_TORCH if delta else draw(st.sampled_from(list(Optim))),
         autocast=False if other or delta else draw(st.booleans()),
         prompt_tuning=PromptTuningSpec(num_virtual_tokens=draw(st.sampled_from([8, 200])))
         if method is Method.PROMPT_TUNING
         else None,
+        prefix_tuning=PrefixTuningSpec(
+            num_virtual_tokens=draw(st.sampled_from([8, 200])),
+            prefix_projection=draw(st.booleans()),
+        )
+        if method is Method.PREFIX_TUNING
+        else None,
         # (virtual tokens go in front of each row: not packed)
-        packing=False if method is Method.PROMPT_TUNING else draw(st.booleans()),
+        packing=False
+        if method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING)
+        else draw(st.booleans()),
     )
     return model, spec
 
@@ -103,6 +115,7 @@ def _without_method_options(case: tuple[str, TrainingSpec]) -> tuple[str, Traini
         ia3=None,
         ln_tuning=None,
         prompt_tuning=None,
+        prefix_tuning=None,
         vera=None,
         loha=None,
         lokr=None,
@@ -140,7 +153,7 @@ def test_checkpointing_never_raises_the_peak(case: tuple[str, TrainingSpec]) -> 
     # checkpointing only the activations are. A few KiB at tiny sizes, never a share of a peak.
     # And the recomputation's biased linears run cuBLASLt on the backward thread's handle,
     # which then takes its own Lt workspace.
-    model, spec = case
+    model, spec = _without_method_options(case) if case[1].prefix_tuning else case
     arch = default_catalog().resolve(model).arch
     one_checkpoint = spec.batch_size * spec.seq_len * arch.hidden_size * (4 + 4) + 2 * 512
     one_checkpoint += CUBLASLT_WORKSPACE

@@ -11,7 +11,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.result import Component
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 
 QWEN = "Qwen/Qwen2.5-0.5B"
 LLAMA = "meta-llama/Llama-3.2-1B"
@@ -36,6 +36,31 @@ def _estimate(model: str, **kwargs: object) -> int:
         (
             {"method": Method.LORA, "prompt_tuning": PromptTuningSpec(num_virtual_tokens=8)},
             "prompt_tuning",
+        ),
+        (
+            {
+                "method": Method.PROMPT_TUNING,
+                "prompt_tuning": PromptTuningSpec(num_virtual_tokens=8),
+                "prefix_tuning": PrefixTuningSpec(num_virtual_tokens=8),
+            },
+            "prefix_tuning",
+        ),
+        ({"method": Method.PREFIX_TUNING}, "prefix_tuning"),
+        (
+            {
+                "method": Method.PREFIX_TUNING,
+                "prefix_tuning": PrefixTuningSpec(num_virtual_tokens=8),
+                "gradient_checkpointing": True,
+            },
+            "gradient_checkpointing",
+        ),
+        (
+            {
+                "method": Method.PREFIX_TUNING,
+                "prefix_tuning": PrefixTuningSpec(num_virtual_tokens=8),
+                "autocast": True,
+            },
+            "autocast",
         ),
     ],
 )
@@ -145,3 +170,52 @@ def test_prompt_tuning_runs_the_model_on_the_lengthened_sequence() -> None:
     )
     assert tuned.components[Component.LOGITS_LOSS] == frozen.components[Component.LOGITS_LOSS]
     assert tuned.components[Component.INPUTS] < frozen.components[Component.INPUTS]
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"num_virtual_tokens": 0}, "prefix_tuning.num_virtual_tokens"),
+        ({"num_virtual_tokens": -3}, "prefix_tuning.num_virtual_tokens"),
+        ({"num_virtual_tokens": 8, "encoder_hidden_size": 64}, "prefix_tuning.encoder_hidden_size"),
+        (
+            {"num_virtual_tokens": 8, "prefix_projection": True, "encoder_hidden_size": 0},
+            "prefix_tuning.encoder_hidden_size",
+        ),
+    ],
+)
+def test_prefix_tuning_options_are_checked_by_name(options: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        PrefixTuningSpec(**options)  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+def test_prefix_tuning_trains_every_layers_keys_and_values() -> None:
+    # Llama-3.2-1B: 16 layers, 8 key/value heads of 64 (PEFT sizes the prefix by them)
+    width = 16 * 2 * 512
+    plain = PrefixTuningSpec(num_virtual_tokens=200)
+    assert _estimate(LLAMA, method=Method.PREFIX_TUNING, prefix_tuning=plain) == 200 * width
+    projected = PrefixTuningSpec(num_virtual_tokens=30, prefix_projection=True)
+    mlp = 30 * 512 + 512 * 512 + 512 + 512 * width + width
+    assert _estimate(LLAMA, method=Method.PREFIX_TUNING, prefix_tuning=projected) == mlp
+    wide = PrefixTuningSpec(num_virtual_tokens=30, prefix_projection=True, encoder_hidden_size=64)
+    mlp = 30 * 512 + 64 * 512 + 64 + 64 * width + width
+    assert _estimate(LLAMA, method=Method.PREFIX_TUNING, prefix_tuning=wide) == mlp
+
+
+def test_prefix_tuning_lengthens_the_keys_not_the_queries() -> None:
+    arch = default_catalog().resolve(QWEN).arch
+
+    def job(virtual: int) -> TrainingSpec:
+        return TrainingSpec(
+            batch_size=2,
+            seq_len=512,
+            method=Method.PREFIX_TUNING,
+            prefix_tuning=PrefixTuningSpec(num_virtual_tokens=virtual),
+        )
+
+    short, long = estimate(arch, job(8)), estimate(arch, job(256))
+    # the logits and the loss stay at the sequence's positions, the attention's keys grow
+    assert short.components[Component.LOGITS_LOSS] == long.components[Component.LOGITS_LOSS]
+    assert short.components[Component.INPUTS] == long.components[Component.INPUTS]
+    assert long.components[Component.ACTIVATIONS] > short.components[Component.ACTIVATIONS]

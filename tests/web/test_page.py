@@ -464,6 +464,16 @@ def test_prompt_tuning_sends_its_virtual_tokens_and_ia3_its_targets(
     answer = api.post("/v1/estimates", json=job).json()
     assert_estimate_shown(d.shown(), answer)
 
+    d.page.select_option("#method", "prefix-tuning")
+    assert d.page.is_hidden("#lora_r") and d.page.is_visible("#num_virtual_tokens")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["method"] == "prefix-tuning"
+    assert job["prefix_tuning"] == {"num_virtual_tokens": 200}
+    assert "prompt_tuning" not in job and "lora" not in job
+    answer = api.post("/v1/estimates", json=job).json()
+    assert_estimate_shown(d.shown(), answer)
+
     d.page.select_option("#method", "ia3")
     assert d.page.is_hidden("#lora_r") and d.page.is_visible("#target_modules")
     d.page.fill("#target_modules", "k_proj, v_proj, down_proj")

@@ -31,6 +31,7 @@ from service.api.schemas.peft_methods import (
     LokrIn,
     ModuleList,
     OftIn,
+    PrefixTuningIn,
     PromptTuningIn,
     VeraIn,
 )
@@ -573,7 +574,8 @@ class JobSpec(In):
         default=Method.LORA,
         description=(
             "full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
-            "ia3, ln-tuning, prompt-tuning, vera, loha, lokr, adalora, oft or boft, or LitGPT's "
+            "ia3, ln-tuning, prompt-tuning, prefix-tuning, vera, loha, lokr, adalora, oft or "
+            "boft, or LitGPT's "
             "llama-adapter or llama-adapter-v2 (framework 'litgpt' only)."
         ),
     )
@@ -624,6 +626,9 @@ class JobSpec(In):
     )
     prompt_tuning: PromptTuningIn | None = Field(
         default=None, description="Prompt tuning options (prompt-tuning only, required there)."
+    )
+    prefix_tuning: PrefixTuningIn | None = Field(
+        default=None, description="Prefix tuning options (prefix-tuning only, required there)."
     )
     vera: VeraIn | None = Field(
         default=None, description="VeRA options (vera only); null: PEFT's defaults."
@@ -744,6 +749,7 @@ class JobSpec(In):
             ia3=None if self.ia3 is None else self.ia3.to_spec(),
             ln_tuning=None if self.ln_tuning is None else self.ln_tuning.to_spec(),
             prompt_tuning=None if self.prompt_tuning is None else self.prompt_tuning.to_spec(),
+            prefix_tuning=None if self.prefix_tuning is None else self.prefix_tuning.to_spec(),
             vera=None if self.vera is None else self.vera.to_spec(),
             loha=None if self.loha is None else self.loha.to_spec(),
             lokr=None if self.lokr is None else self.lokr.to_spec(),

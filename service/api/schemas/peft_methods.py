@@ -1,6 +1,7 @@
 """The options of PEFT's methods besides LoRA in a job request, by PEFT's config names and
-defaults: (IA)^3, LN tuning and prompt tuning (service/core/spec_prompt.py), VeRA, LoHa, LoKr,
-AdaLoRA and OFT (service/core/spec_delta.py); and the module names every adapter option takes."""
+defaults: (IA)^3, LN tuning, prompt and prefix tuning (service/core/spec_prompt.py), VeRA,
+LoHa, LoKr, AdaLoRA and OFT (service/core/spec_delta.py); and the module names every adapter
+option takes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pydantic import Field, StringConstraints
 
 from service.api.schemas.base import Boolean, In, Number, integers
 from service.core.limits import (
+    MAX_ENCODER_HIDDEN_SIZE,
     MAX_LORA_ALPHA,
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
@@ -20,7 +22,7 @@ from service.core.limits import (
 )
 from service.core.spec import ALL_LINEAR
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 
 ModuleName = Annotated[
     str,
@@ -80,6 +82,36 @@ class PromptTuningIn(In):
 
     def to_spec(self) -> PromptTuningSpec:
         return PromptTuningSpec(num_virtual_tokens=self.num_virtual_tokens)
+
+
+class PrefixTuningIn(In):
+    """PEFT PrefixTuningConfig; num_virtual_tokens has no PEFT default."""
+
+    integer_fields = integers("num_virtual_tokens", "encoder_hidden_size")
+
+    num_virtual_tokens: int = Field(
+        ge=1,
+        le=MAX_VIRTUAL_TOKENS,
+        description="Virtual tokens whose keys and values every layer's attention sees first.",
+    )
+    prefix_projection: Boolean = Field(
+        default=False,
+        description="A two-layer MLP between the virtual tokens and the keys and values.",
+    )
+    encoder_hidden_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_ENCODER_HIDDEN_SIZE,
+        description="The projection's hidden width (prefix_projection only); null: PEFT's "
+        "default, the keys' width per layer.",
+    )
+
+    def to_spec(self) -> PrefixTuningSpec:
+        return PrefixTuningSpec(
+            num_virtual_tokens=self.num_virtual_tokens,
+            prefix_projection=self.prefix_projection,
+            encoder_hidden_size=self.encoder_hidden_size,
+        )
 
 
 class VeraIn(In):

@@ -21,6 +21,7 @@ from service.core.estimator.adapter import (
     norm_product_bytes,
     v2_linear_saves,
 )
+from service.core.estimator.attention_saves import _AttnChoice, attention_saves
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
 from service.core.estimator.oft import rotation_saves
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
@@ -46,7 +47,6 @@ from service.core.units import (
     BOOL_BYTES,
     DTYPE_BYTES,
     FP32_BYTES,
-    HALF_BYTES,
     INT64_BYTES,
     DType,
 )
@@ -115,6 +115,8 @@ class LayerFlow:
     # (0 below adapter_start_layer); v2: every linear's scale and bias (estimator/adapter.py).
     adapter_prompt: int = 0
     adapter_v2: bool = False
+    # PEFT's prefix tuning: keys and values run behind the virtual tokens (estimator/prefix.py)
+    prefix: bool = False
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -190,6 +192,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         or spec.method in DELTA_OPTIONS
         or spec.method is Method.FULL
         or is_adapter(rs)
+        or spec.method is Method.PREFIX_TUNING
         or attention_trains(arch, rs),
         frozen_a=spec.method is Method.LORA_FA,
         vera=spec.method is Method.VERA,
@@ -200,6 +203,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         boft=rs.boft,
         adapter_prompt=ADAPTER_PROMPT_LENGTH if is_adapter(rs) else 0,
         adapter_v2=v2,
+        prefix=spec.method is Method.PREFIX_TUNING,
     )
 
 
@@ -427,153 +431,6 @@ def _qk_norm_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
             led.add(f"{key}.normed", width * normed)
 
 
-def _attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnChoice) -> None:
-    q_bytes = arch.q_dim * f.attn
-    kv_bytes = arch.kv_dim * f.attn
-    n_h = arch.num_attention_heads
-    impl = spec.attn_implementation
-    kernel = spec.sdpa_kernel
-    if impl is AttnImpl.SDPA and kernel is SdpaKernel.AUTO:
-        # On a GPU, PyTorch picks the flash kernel for fp16/bf16 without an explicit mask (a
-        # sliding window shorter than the sequence makes transformers build one); for fp32,
-        # the math kernel when transformers passes grouped key/value heads (enable_gqa, with
-        # no mask), else the memory-efficient one (torch._fused_sdp_choice on an H200,
-        # tests/data/gpu/h200_environment.json; service/trace/kernels.py).
-        half = f.attn == HALF_BYTES
-        gqa = arch.num_key_value_heads < n_h and not spec.windowed
-        if half and not spec.windowed:
-            kernel = SdpaKernel.FLASH
-        else:
-            kernel = SdpaKernel.MATH if gqa and not half else SdpaKernel.EFFICIENT
-    if arch.alibi:
-        _alibi_attention_saves(led, f, arch)
-        return
-    led.add("q_rope", q_bytes)
-    if impl is AttnImpl.SDPA and arch.kv_broadcast:
-        _broadcast_math_saves(led, arch, spec.single)
-        return
-    if impl is AttnImpl.EAGER and arch.model_type == "falcon":
-        _falcon_eager_saves(led, f, arch, spec.single)
-        return
-    v_key, v_bytes = ("qkv_out", q_bytes + 2 * kv_bytes) if f.fused_qkv else ("v", kv_bytes)
-    if impl is AttnImpl.FLASH_ATTENTION_2 or (impl is AttnImpl.SDPA and kernel is SdpaKernel.FLASH):
-        # flash saves q, k, v (GQA native), output and the fp32 logsumexp (b, n_h, s).
-        led.add("k_rope", kv_bytes)
-        led.add(v_key, v_bytes)
-        led.add("attn_out", q_bytes)
-        led.add("lse", n_h * FP32_BYTES)
-        return
-    if impl is AttnImpl.SDPA and kernel is SdpaKernel.EFFICIENT:
-        # mem-efficient saves k/v expanded to n_h heads (repeat_kv) and an fp32 logsumexp
-        # padded to a multiple of 32 queries (aten/src/ATen/native/transformers/cuda). With
-        # a mask transformers repeats them itself (repeat_kv): from one key/value head that is
-        # an expanded view, and the kernel keeps k and v themselves. So it does without
-        # grouped heads (repeat_kv returns its input): the value is then a view of its
-        # projection's output, of the whole fused one where q, k and v share it (Phi-3's
-        # qkv_proj), as the flash kernel's (traces phi-3*__qlora__*nf4-dq__b1-s1024*).
-        n_kv = arch.num_key_value_heads
-        if n_kv < n_h and not (n_kv == 1 and spec.windowed):
-            led.add("k_rep", q_bytes)
-            led.add("v_rep", q_bytes)
-        else:
-            led.add("k_rope", kv_bytes)
-            led.add(v_key, v_bytes)
-        led.add("attn_out", q_bytes)
-        led.add("lse", n_h * FP32_BYTES, _Kind.TOKENS_PAD32)
-        if spec.windowed:
-            # the boolean window mask, converted to an additive bias in the attention dtype
-            # per call and saved by the kernel (b, 1, s, s)
-            led.add("attn_bias", f.attn, _Kind.SQUARE)
-        return
-    if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH and f.attn == FP32_BYTES:
-        # SDPA's math composite on fp32 q, k, v (aten _scaled_dot_product_attention_math, as
-        # the tracer runs it op by op): value repeated to n_h heads, the scaled key's
-        # contiguous copy (saved by the score matmul), the fp32 probabilities, and the
-        # output's contiguous copy (saved by o_proj's LoRA, which takes fp32 as it is).
-        led.add("v_rep", q_bytes)
-        led.add("k_contiguous", q_bytes)
-        led.add("attn_out", q_bytes)
-        led.add("probs", n_h * FP32_BYTES, _Kind.SQUARE)
-        return
-    if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH:
-        # SDPA's math backend (aten _scaled_dot_product_attention_math) decomposes into
-        # ops that keep, per the reference tracer (tests/data/traces/*sdpa-math*): k and v
-        # repeated to n_h heads, scaled copies of q and k, the output, and two score-sized
-        # tensors in the attention dtype (the softmax output and _safe_softmax's masked copy).
-        led.add("k_rep", q_bytes)
-        led.add("v_rep", q_bytes)
-        led.add("q_scaled", q_bytes)
-        led.add("k_scaled", q_bytes)
-        led.add("attn_out", q_bytes)
-        led.add("probs", n_h * f.attn, _Kind.SQUARE)
-        led.add("probs_safe", n_h * f.attn, _Kind.SQUARE)
-        return
-    # eager: scores and probabilities materialised per head.
-    if arch.attn_logit_softcapping is not None:
-        # Gemma-2's eager attention caps the scores: tanh saves its output.
-        led.add("scores_tanh", n_h * f.attn, _Kind.SQUARE)
-    # repeat_kv copies k and v to the query heads, except from a single key/value head: the
-    # expanded view then reshapes without a copy, and the matmuls keep k and v themselves.
-    rep_bytes = q_bytes if arch.num_key_value_heads > 1 else kv_bytes
-    led.add("k_rep", rep_bytes)
-    if arch.num_key_value_heads == 1 and n_h > 1:
-        led.add("v", kv_bytes)
-    elif f.fused_qkv and arch.num_key_value_heads == n_h and spec.single:
-        # The value, a strided view of the fused projection's output, reshapes for probs @ v
-        # without a copy when there is one sequence: the matmul keeps that whole output.
-        led.add("qkv_out", q_bytes + 2 * kv_bytes)
-    else:
-        led.add("v_rep", q_bytes)
-    led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)  # softmax(dtype=float32) output
-    if f.attn != FP32_BYTES:
-        # .to(query.dtype), saved by probs @ v; a no-op (the same storage) when q is fp32
-        led.add("probs", n_h * f.attn, _Kind.SQUARE)
-    # probs @ v saves its inputs, not its output: the output (transposed into o_proj's input,
-    # "attn_out") is kept only if o_proj saves its input.
-
-
-def _broadcast_math_saves(led: _Ledger, arch: ModelArch, single: bool) -> None:
-    """SDPA's math kernel on one key/value head broadcast over the query heads (Falcon-7B; no
-    other kernel takes unequal head counts without enable_gqa): in fp32 (half inputs upcast,
-    aten _scaled_dot_product_attention_math), the score matmul saves the scaled query and
-    the scaled key, probs @ v the probabilities and the fp32 value. With one sequence the
-    matmuls fold the broadcast head into a stride-0 batch without a copy; with several they
-    copy key and value expanded to every head (reference traces falcon-7b__*)."""
-    led.items.pop("q_rope", None)  # the rotated query is upcast; its scaled copy is saved
-    kd = arch.kv_dim if single else arch.q_dim
-    led.add("q_scaled", arch.q_dim * FP32_BYTES)
-    led.add("k_scaled", kd * FP32_BYTES)
-    led.add("v_fp32", kd * FP32_BYTES)
-    led.add("probs", arch.num_attention_heads * FP32_BYTES, _Kind.SQUARE)
-
-
-def _falcon_eager_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, single: bool) -> None:
-    """FalconAttention's eager branch (transformers 5.24): q @ k^T saves the rotated q and k
-    (the 7B layout's one key head broadcast without a copy for one sequence, copied to every
-    head for several; the new architecture's k has every query head), the scores are scaled
-    in place and the mask added, softmax runs in the model's dtype (no fp32 copy) and its
-    output is saved, and probs @ v saves v (likewise)."""
-    kd = arch.kv_dim if arch.kv_broadcast and single else arch.q_dim
-    led.add("k_rope", kd * f.attn)
-    led.add("v", kd * f.attn)
-    led.add("probs", arch.num_attention_heads * f.attn, _Kind.SQUARE)
-
-
-def _alibi_attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch) -> None:
-    """BLOOM's own attention, whatever the attention implementation (BloomAttention.forward,
-    transformers 5.24): q, k and v, strided views of the fused projection, reshaped into
-    contiguous copies; alibi.baddbmm(q, k) saves q and k; the scores plus the mask, softmax
-    in fp32 (saved) cast back to the attention dtype (saved by the bmm with v, which saves v)."""
-    q_bytes = arch.q_dim * f.attn
-    n_h = arch.num_attention_heads
-    led.add("q_copy", q_bytes)
-    led.add("k_copy", q_bytes)
-    led.add("v_copy", q_bytes)
-    led.add("probs_fp32", n_h * FP32_BYTES, _Kind.SQUARE)
-    if f.attn != FP32_BYTES:
-        led.add("probs", n_h * f.attn, _Kind.SQUARE)
-
-
 def _mlp_saves(
     led: _Ledger,
     f: LayerFlow,
@@ -747,7 +604,7 @@ def _layer_recipe(
             )
     if arch.qk_norm:
         _qk_norm_saves(led, f, arch)
-    _attention_saves(led, f, arch, spec_like)
+    attention_saves(led, f, arch, spec_like)
     if f.adapter_prompt:
         adapter_attention_saves(led, arch, f.attn, main_records=input_needs_grad or f.adapter_v2)
     if until_attention:
@@ -789,11 +646,3 @@ def _layer_recipe(
         _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
     _residual_dropout_saves(led, f, arch)
     return led.recipe()
-
-
-@dataclass(frozen=True, slots=True)
-class _AttnChoice:
-    attn_implementation: AttnImpl
-    sdpa_kernel: SdpaKernel
-    windowed: bool  # a sliding window shorter than the sequence: an explicit mask
-    single: bool = False  # one sequence per micro-batch

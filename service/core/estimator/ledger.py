@@ -23,6 +23,9 @@ class _Kind(StrEnum):
     TOKENS = "b*s"
     TOKENS_PAD32 = "b*ceil32(s)"  # memory-efficient attention pads its logsumexp
     SQUARE = "b*s*s"  # eager attention's scores and probabilities
+    # keys and values behind prefix tuning's virtual tokens, k of them: b*(s+k) and b*s*(s+k)
+    KEYS = "b*(s+k)"
+    KEYS_SQUARE = "b*s*(s+k)"
     CONSTANT = "1"  # a weight-sized tensor: the same for every batch and sequence length
 
 
@@ -49,8 +52,12 @@ class _Ledger:
 
 
 @lru_cache(maxsize=4096)
-def _recipe_bytes(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int) -> int:
+def _recipe_bytes(
+    recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int, prefix: int = 0
+) -> int:
     units = {
+        _Kind.KEYS: b * (s + prefix),
+        _Kind.KEYS_SQUARE: b * s * (s + prefix),
         _Kind.TOKENS: b * s,
         _Kind.TOKENS_PAD32: b * (-(-s // 32) * 32),
         _Kind.SQUARE: b * s * s,

@@ -32,6 +32,7 @@ from service.core.estimator.adapter import (
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
+from service.core.estimator.prefix import prefix_encoder_width, prefix_tokens
 from service.core.estimator.tuners import check_tuner_model, tuner_tensors, virtual_tokens
 from service.core.estimator.weights import (
     _lorafa_state,
@@ -60,7 +61,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PromptTuningSpec
+from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
 # Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
@@ -304,6 +305,8 @@ def _lt_workspaces(arch: ModelArch, spec: TrainingSpec) -> tuple[int, int]:
     (not bitsandbytes' 4-bit path) on the Python thread, one more when checkpointing reruns
     such a linear on the autograd thread."""
     biased = any(lin.bias for lin in arch.linears if not lin.expert)
+    # prefix tuning's projection MLP: two linears with biases
+    biased = biased or bool(spec.prefix_tuning and spec.prefix_tuning.prefix_projection)
     lt = _blk(CUBLASLT_WORKSPACE) if biased and not spec.kbit_base else 0
     return lt, lt if spec.gradient_checkpointing else 0
 
@@ -453,6 +456,8 @@ def _reserved_plan(
         # (v2 trains the model's own norms, no copies)
         trained_norms=frozenset() if is_v2(rs) else f.trained_norms,
         virtual_tokens=virtual_tokens(spec),
+        prefix_tokens=prefix_tokens(spec),
+        prefix_encoder=prefix_encoder_width(arch, spec),
         frozen_a=f.frozen_a,
         vera=f.vera,
         loha=f.loha,
@@ -502,6 +507,7 @@ class _PlanKey(NamedTuple):
     adalora: AdaLoraSpec | None = None
     oft: OftSpec | None = None
     boft: BoftSpec | None = None
+    prefix_tuning: PrefixTuningSpec | None = None
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -531,6 +537,7 @@ class _PlanKey(NamedTuple):
             spec.adalora,
             spec.oft,
             spec.boft,
+            spec.prefix_tuning,
         )
 
     def unit_spec(self) -> TrainingSpec:

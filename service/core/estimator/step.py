@@ -15,6 +15,7 @@ from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
 from service.core.estimator.parallel import rank_layout
 from service.core.estimator.plan import _Plan, _plan, _PlanKey, _workspaces
+from service.core.estimator.prefix import prefix_tokens, projection_saved_bytes
 from service.core.estimator.tuners import virtual_tokens
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
@@ -242,7 +243,8 @@ def _step(
     state_outside = rank.state_outside
     temps = max(rank.optimizer_temporaries, ada.allocator_temporaries)
 
-    per_layer = _recipe_bytes(plan.layer, b, s)
+    prefix = prefix_tokens(spec)  # prefix tuning's, in front of every layer's keys
+    per_layer = _recipe_bytes(plan.layer, b, s, prefix)
     # prompt tuning: `s` counts the virtual tokens (`tuners.sequence_spec`), the inputs do not
     virtual = virtual_tokens(spec)
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
@@ -251,16 +253,16 @@ def _step(
     first_layer = (
         per_layer
         if traits.embed_trains or spec.gradient_checkpointing or virtual
-        else _recipe_bytes(plan.first_layer, b, s)
+        else _recipe_bytes(plan.first_layer, b, s, prefix)
     )
     # Gemma-3's global layers among sliding-window ones, where their saved tensors differ
     globals_ = arch.global_layers if plan.global_layer else 0
-    global_layer = _recipe_bytes(plan.global_layer, b, s) if globals_ else per_layer
+    global_layer = _recipe_bytes(plan.global_layer, b, s, prefix) if globals_ else per_layer
     # the top layer, recomputed first under checkpointing: global when the period divides L
     top_layer = global_layer if globals_ and L % arch.global_layer_period == 0 else per_layer
     checkpoint_input = _blk(tokens * h * f.residual)
     # what each checkpointed layer keeps: its input, and what checkpointing cannot drop
-    checkpoint = checkpoint_input + _recipe_bytes(plan.kept_past_checkpoints, b, s)
+    checkpoint = checkpoint_input + _recipe_bytes(plan.kept_past_checkpoints, b, s, prefix)
     # input_ids and labels (torch.long); a packed row's position_ids beside them (TRL's
     # padding-free collator, estimator/packing.py)
     inputs = (3 if spec.packing else 2) * _blk(b * (s - virtual) * INT64_BYTES)
@@ -311,6 +313,7 @@ def _step(
     if spec.gradient_checkpointing:
         masks += alibi
     final_norm += masks
+    final_norm += projection_saved_bytes(arch, spec, b)
     if virtual and spec.gradient_checkpointing:
         # prompt tuning: enable_input_require_grads makes the embedded input ids a leaf that
         # takes a gradient; the concatenation's AccumulateGrad keeps it until backward ends
@@ -326,7 +329,7 @@ def _step(
         n_low, low_recipe = plan.lower_layers
         activations = (
             (L - 1 - globals_ - n_low) * per_layer
-            + n_low * _recipe_bytes(low_recipe, b, s)
+            + n_low * _recipe_bytes(low_recipe, b, s, prefix)
             + globals_ * global_layer
             + first_layer
             + final_norm
@@ -430,7 +433,7 @@ def _step(
         # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
         # tensors, per the reference traces) and the recomputed layer at its up_proj.
         arriving = _blk(tokens * h * FP32_BYTES) + 2 * _blk(tokens * h * HALF_BYTES)
-        moment = _recipe_bytes(plan.up_proj_moment, b, s)
+        moment = _recipe_bytes(plan.up_proj_moment, b, s, prefix)
         candidates.append(
             _Moment(
                 gradients=ga_grads,
@@ -485,7 +488,7 @@ def _step(
         copies = 2 if spec.attn_implementation is not AttnImpl.SDPA else 3
         grads_now = copies * scores + 2 * _blk(tokens * arch.q_dim * max(f.attn, f.residual))
         if ckpt:
-            attention_part = _recipe_bytes(plan.attention_part, b, s)
+            attention_part = _recipe_bytes(plan.attention_part, b, s, prefix)
             if traits.shares_input:
                 attention_part -= checkpoint_input  # the first norm saved the checkpoint itself
             candidates.append(
@@ -501,7 +504,7 @@ def _step(
             # backward reads: its MLP's saved tensors are consumed (reference traces
             # llama-3_2-1b__qlora__dpo__*__b2-s1024, peak at the scores' backward).
             acts_now = activations - final_norm + rope + masks
-            acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s)
+            acts_now -= per_layer - _recipe_bytes(plan.attention_part, b, s, prefix)
             candidates.append(
                 _Moment(
                     gradients=ga_grads,

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.prefix import check_prefix_attention, prefix_tensors
 from service.core.estimator.weights import adapted_linears
 from service.core.spec import Method, ResolvedSpec, TrainingSpec
 from service.core.spec_prompt import (
@@ -36,9 +37,10 @@ NORM_KEYS = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2", "n
 
 
 def check_tuner_model(arch: ModelArch, rs: ResolvedSpec) -> None:
-    """Refuse the architectures (IA)^3 and LN tuning are not modelled on."""
+    """Refuse the architectures PEFT's prompt-side methods are not modelled on (and prefix
+    tuning's attention other than SDPA's mem-efficient kernel)."""
     method = rs.spec.method
-    if method not in (Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING):
+    if method not in (Method.IA3, Method.LN_TUNING, Method.PROMPT_TUNING, Method.PREFIX_TUNING):
         return
     dense = arch.mlp is MlpKind.GATED and not arch.is_moe and arch.norm is NormKind.RMS
     if arch.model_type not in TUNER_MODEL_TYPES or not dense:
@@ -47,6 +49,7 @@ def check_tuner_model(arch: ModelArch, rs: ResolvedSpec) -> None:
             f"method {method.value!r} is modelled on {', '.join(sorted(TUNER_MODEL_TYPES))} "
             f"decoders, not {arch.model_type!r}",
         )
+    check_prefix_attention(rs.spec)
 
 
 def _match(arch: ModelArch, field: str, names: tuple[str, ...]) -> tuple[Linear, ...]:
@@ -156,6 +159,7 @@ def tuner_tensors(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int, in
     if rs.prompt_tuning is not None:
         # PromptEmbedding.embedding: (num_virtual_tokens, token_dim), token_dim = hidden_size
         tensors.append((rs.prompt_tuning.num_virtual_tokens, arch.hidden_size, ad, 1))
+    tensors += prefix_tensors(arch, rs.spec)
     return tuple(tensors)
 
 

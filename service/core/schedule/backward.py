@@ -392,15 +392,19 @@ class _Backward(_Forward):
             saved.release("v", "q", "k", "lse", "out")
             return dq, dk, dv
         if kernel is Kernel.EFFICIENT:
-            dq, dk, dv = self.a(nbytes * qd), self.a(nbytes * qd), self.a(nbytes * qd)
+            keys = sh.batch * (sh.seq + sh.prefix_tokens)  # prefix tuning's in front
+            dq = self.a(nbytes * qd)
+            dk, dv = self.p.alloc(keys * nbytes * qd), self.p.alloc(keys * nbytes * qd)
             self.f(g)
             saved.release("k", "q", "v", "lse", "out", "bias")
             if gqa:
-                sk = self.a(nbytes * kvd)
+                sk = self.p.alloc(keys * nbytes * kvd)
                 self.f(dv)
-                sv = self.a(nbytes * kvd)
+                sv = self.p.alloc(keys * nbytes * kvd)
                 self.f(dk)
                 dk, dv = sv, sk
+            if sh.prefix_tokens:  # the prefix's views keep them to the layers' end
+                self.prefix_grads += [self.p.hold(dk), self.p.hold(dv)]
             return dq, dk, dv
         if kernel is Kernel.MATH:
             return self._math_backward(g, nbytes, saved)

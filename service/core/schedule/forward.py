@@ -5,12 +5,13 @@ from __future__ import annotations
 from service.core.bnb import uses_dequant_fallback
 from service.core.schedule.ia3 import _IA3
 from service.core.schedule.oft import _Oft
+from service.core.schedule.prefix import _Prefix
 from service.core.schedule.program import _Saved, _Stop
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT8_BYTES, INT32_BYTES, INT64_BYTES
 
 
-class _Forward(_IA3, _Oft):
+class _Forward(_IA3, _Oft, _Prefix):
     """Appends the events of each module's forward."""
 
     # -- forward ----------------------------------------------------------------------------
@@ -314,11 +315,14 @@ class _Forward(_IA3, _Oft):
         if kernel is Kernel.EFFICIENT:
             # with a mask transformers' repeat_kv expands k and v: a view from one head
             copies = gqa and not (sh.kv_heads == 1 and sh.window_mask)
-            k_rep = self.a(nbytes * qd) if copies else self.p.hold(k)
-            v_rep = self.a(nbytes * qd) if copies else self.p.hold(v)
-            # A boolean window mask becomes an additive (b, 1, s, s) bias in the query's dtype
-            # on every call (attention.cpp convert_boolean_attn_mask), which the kernel saves.
-            bias = self.a(nbytes * sh.seq) if sh.window_mask else 0
+            keys = sh.batch * (sh.seq + sh.prefix_tokens)  # prefix tuning's in front
+            k_rep = self.p.alloc(keys * nbytes * qd) if copies else self.p.hold(k)
+            v_rep = self.p.alloc(keys * nbytes * qd) if copies else self.p.hold(v)
+            # A boolean mask (a window's, prefix tuning's) becomes an additive (b, 1, s, keys)
+            # bias in the query's dtype on every call (attention.cpp
+            # convert_boolean_attn_mask), which the kernel saves.
+            masked = sh.window_mask or sh.prefix_tokens
+            bias = self.p.alloc(nbytes * sh.seq * keys) if masked else 0
             out = self.a(nbytes * qd)
             lse = self.a(FP32_BYTES * sh.heads)
             if saved is not None:
@@ -448,7 +452,10 @@ class _Forward(_IA3, _Oft):
             v = self.a(qb * kvd)  # the strided value view made contiguous for the matmul
         else:
             v = self.p.hold(v)  # the fused kernels take the strided view as it is
-        attn = self.attention(q_e, k_e, v, rb, saved, v_bytes=qb)
+        if sh.prefix_tokens:  # prefix tuning: the cache's keys and values, longer
+            attn = self.attention(q_e, *self.prefix_concat(rb), rb, saved, v_bytes=qb)
+        else:
+            attn = self.attention(q_e, k_e, v, rb, saved, v_bytes=qb)
         ab = HALF_BYTES if sh.autocast else qb  # the attention output's dtype
         o = self.linear(attn, ab, sh.out_proj, saved)
         self.f(attn)

@@ -145,6 +145,12 @@ class StepShape:
     trained_norms: frozenset[str] = frozenset()
     # prompt tuning's virtual tokens per sequence (counted in `seq`; 0: none)
     virtual_tokens: int = 0
+    # prefix tuning's virtual tokens in front of every layer's keys and values (not in `seq`;
+    # 0: none), the prefix's width per token (every layer's key and value) and the projection
+    # MLP's hidden width (0: no projection)
+    prefix_tokens: int = 0
+    prefix_width: int = 0
+    prefix_encoder: int = 0
     frozen_a: bool = False  # LoRA-FA: lora_A frozen (peft/optimizers/lorafa.py)
     vera: bool = False  # VeRA on the adapted linears (peft/tuners/vera/layer.py)
     loha: bool = False  # LoHa on the adapted linears (peft/tuners/loha/layer.py)

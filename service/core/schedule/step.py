@@ -117,6 +117,11 @@ class _Step(_Backward):
                 causal = self.p.alloc(sh.seq * sh.seq)
                 masks.append(self.p.alloc(sh.seq * sh.seq))
                 self.f(causal, first)
+        if sh.prefix_tokens:
+            # prefix tuning: the cache, and transformers' causal mask over the longer keys,
+            # (1, 1, s, s + virtual) expanded to the batch as a view
+            self.prefix_forward()
+            masks.append(self.p.alloc(sh.seq * (sh.seq + sh.prefix_tokens)))
         x, layers, checkpoints = self._layers_forward(self.p.hold(embed))
         self._input_grad = True
         final = _Saved(self.p)
@@ -130,6 +135,8 @@ class _Step(_Backward):
         logits, logp = self.loss_forward(fn)
         if sh.virtual_tokens:
             self.f(embed)
+        if sh.prefix_tokens:
+            self.prefix_forward_end()
         self.end_region()  # the forward's autocast region exits
         self.handle = "backward"
         g = self.loss_backward(logits, logp, fn, final)
@@ -147,6 +154,8 @@ class _Step(_Backward):
                 self.f(checkpoint, *self.pins[index])
             else:
                 g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
+        if sh.prefix_tokens:
+            self.prefix_backward_end()
         if g and embedded:  # the embedding LayerNorm's backward
             g_embed = self.a(sh.residual * h)
             self.f(g)

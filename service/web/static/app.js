@@ -243,12 +243,14 @@
     const s = page.state;
     $("catalog-model").hidden = s.source !== "catalog";
     $("config-model").hidden = s.source !== "config";
-    // (IA)³ and LN tuning take target modules but no rank; prompt tuning takes virtual tokens.
-    $("lora-options").hidden = ["full", "prompt-tuning"].includes(s.method);
+    // (IA)³ and LN tuning take target modules but no rank; prompt and prefix tuning take
+    // virtual tokens.
+    const prompted = ["prompt-tuning", "prefix-tuning"].includes(s.method);
+    $("lora-options").hidden = s.method === "full" || prompted;
     const ranked = !["ia3", "ln-tuning"].includes(s.method);
     $("rank-field").hidden = !ranked;
     $("alpha-field").hidden = !ranked;
-    $("prompt-options").hidden = s.method !== "prompt-tuning";
+    $("prompt-options").hidden = !prompted;
     $("dpo-options").hidden = !["dpo", "grpo"].includes(s.objective);
     $("precompute-field").hidden = s.objective !== "dpo";
     $("dpo-hint").hidden = s.objective !== "dpo";
@@ -333,6 +335,8 @@
       job.ln_tuning = { target_modules: modulesFrom(s.target_modules) };
     } else if (s.method === "prompt-tuning") {
       job.prompt_tuning = { num_virtual_tokens: s.num_virtual_tokens };
+    } else if (s.method === "prefix-tuning") {
+      job.prefix_tuning = { num_virtual_tokens: s.num_virtual_tokens };
     }
     if (s.objective !== DEFAULTS.objective) {
       job.objective = s.objective;
@@ -598,6 +602,7 @@
     "/ia3/target_modules": "target_modules",
     "/ln_tuning/target_modules": "target_modules",
     "/prompt_tuning/num_virtual_tokens": "num_virtual_tokens",
+    "/prefix_tuning/num_virtual_tokens": "num_virtual_tokens",
     "/objective": "objective",
     "/dpo/max_completion_length": "max_completion_length",
     "/grpo/max_completion_length": "max_completion_length",

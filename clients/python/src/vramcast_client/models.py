@@ -17,7 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from vramcast_client.errors import Problem
 
 MethodName = Literal[
-    "full", "lora", "qlora", "lora-fa", "vera", "loha", "lokr", "adalora", "oft", "boft"
+    "full",
+    "lora",
+    "qlora",
+    "lora-fa",
+    "vera",
+    "loha",
+    "lokr",
+    "adalora",
+    "oft",
+    "boft",
+    "prefix-tuning",
 ]
 DTypeName = Literal["fp32", "bf16", "fp16"]
 OptimName = Literal[
@@ -145,6 +155,15 @@ class Boft(_Request):
     boft_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
     bias: Literal["none", "all", "boft_only"] | None = None
     target_modules: Literal["all-linear"] | list[str] | None = None
+
+
+class PrefixTuning(_Request):
+    """PEFT PrefixTuningConfig (method prefix-tuning); num_virtual_tokens is required, as PEFT
+    has no default."""
+
+    num_virtual_tokens: int = Field(ge=1)
+    prefix_projection: bool | None = None
+    encoder_hidden_size: int | None = Field(default=None, ge=1)
 
 
 class Oft(_Request):
@@ -275,6 +294,7 @@ class Job(_Request):
     adalora: AdaLora | None = None
     oft: Oft | None = None
     boft: Boft | None = None
+    prefix_tuning: PrefixTuning | None = None
     dtype: DTypeName | None = None
     autocast: bool | None = None
     optim: OptimName | None = None
