@@ -58,7 +58,19 @@ _OPTION_FOR_FIELD = {
     "kto": "--precompute-ref-log-probs/--kto-loss-type",
     **GRPO_OPTIONS,
     "orpo": "--objective orpo/--keep-dropout",
+    "vision": "--images-per-sample/--image-height/--image-width/--image-tokens",
 }
+
+
+# The image options, by their spec field (service/core/spec_vision.py VisionInputs).
+_VISION_OPTIONS = (
+    "images_per_sample",
+    "image_height",
+    "image_width",
+    "image_tokens",
+    "min_pixels",
+    "max_pixels",
+)
 
 
 class CliError(Exception):
@@ -125,6 +137,17 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     prompt.add_argument(
         "--encoder-hidden-size", type=int, help="the prefix projection's width (prefix-tuning)"
     )
+    images = parser.add_argument_group("images (a vision-language model: Qwen2-VL)")
+    images.add_argument("--images-per-sample", type=int, help="images in each sample")
+    images.add_argument("--image-height", type=int, help="the images' height in pixels")
+    images.add_argument("--image-width", type=int, help="the images' width in pixels")
+    images.add_argument(
+        "--image-tokens",
+        type=int,
+        help="instead of the size: tokens per image (seq_len counts them)",
+    )
+    images.add_argument("--min-pixels", type=int, help="the processor's min_pixels")
+    images.add_argument("--max-pixels", type=int, help="the processor's max_pixels")
     quant = parser.add_argument_group("QLoRA (bitsandbytes)")
     quant.add_argument("--quant", choices=_choices(QuantType))
     quant.add_argument("--double-quant", action="store_true")
@@ -458,6 +481,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         data["dpo"] = settings
     if getattr(args, "keep_dropout", None):
         data["orpo"] = {"disable_dropout": False}  # ORPOConfig's, for objective 'orpo'
+    vision = _given({name: getattr(args, name, None) for name in _VISION_OPTIONS})
+    if vision:
+        data["vision"] = vision
     _apply_parallel_configs(args, data)
     try:
         data["allocator"] = alloc_conf_values(getattr(args, "alloc_conf", "") or "")

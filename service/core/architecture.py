@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, field
 from enum import StrEnum
 
+from service.core.architecture_vision import VisionArch
 from service.core.errors import InvalidConfigError
 
 
@@ -139,6 +140,9 @@ class ModelArch:
     # GenericForSequenceClassification, modeling_layers.py): a `score` linear, hidden -> 1
     # without bias, replaces the LM head, and nothing is tied to the embedding.
     score_head: bool = False
+    # A vision-language model's vision tower and patch merger (Qwen2-VL, Qwen2.5-VL); the
+    # fields above describe its language model.
+    vision: VisionArch | None = None
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -274,6 +278,7 @@ class ModelArch:
             + self.layers_params
             + self.norm_params * (2 if self.embedding_norm or self.encoder_decoder else 1)
             + self.lm_head_params
+            + (self.vision.params if self.vision is not None else 0)
         )
 
     @property

@@ -27,6 +27,8 @@ from service.core.limits import (
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
+    MAX_IMAGE_SIDE,
+    MAX_IMAGES_PER_SAMPLE,
     MAX_LORA_ALPHA,
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
@@ -68,6 +70,7 @@ from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec_vision import VisionInputs
 from service.core.stack import VERSION_PATTERN, Stack, preset
 from service.core.units import DType
 
@@ -95,6 +98,7 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         "kto",
         "grpo",
         "orpo",
+        "vision",
     ):
         if plain.get(name) is None:
             plain.pop(name, None)
@@ -480,6 +484,14 @@ _GRPO: dict[str, Check] = {
     "use_vllm": _boolean,
 }
 _ORPO: dict[str, Check] = {"disable_dropout": _boolean}
+_VISION: dict[str, Check] = {
+    "images_per_sample": _integer(ge=1, le=MAX_IMAGES_PER_SAMPLE),
+    "image_height": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE)),
+    "image_width": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE)),
+    "image_tokens": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
+    "min_pixels": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE**2)),
+    "max_pixels": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE**2)),
+}
 _TRAINING: dict[str, Check] = {
     "method": _choice(Method),
     "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
@@ -523,6 +535,7 @@ _TRAINING: dict[str, Check] = {
     "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
     "oft": _optional(_object(OftSpec, _OFT)),
     "boft": _optional(_object(BoftSpec, _BOFT)),
+    "vision": _optional(_object(VisionInputs, _VISION)),
     # read after the option objects, as the API names a bad option before the objective (its
     # objective is a string until to_spec)
     "objective": _objective,

@@ -36,6 +36,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_grpo import curve_point, fewer_generations, shorter_completions
+from service.core.spec_vision import SequenceTooShortError
 from service.core.units import MIB
 
 # CUDA hands out less than nvidia-smi's total: on the H200 of tests/data/gpu/ torch reported
@@ -274,11 +275,20 @@ class _Curve:
         elif self.dimension == "batch_size":
             spec = replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
         else:
-            spec = replace(self._spec, seq_len=x)
-        value = self.requirements(spec).device_bytes_upper
+            spec = None
+        value = self._seq_point(x) if spec is None else self.requirements(spec).device_bytes_upper
         self.xs.insert(i, x)
         self.values.insert(i, value)
         return value
+
+    def _seq_point(self, x: int) -> int:
+        """The bound at seq_len x; shorter than the images' tokens, a sequence that cannot run
+        takes the bound of the shortest that can, so it is never the longest that fits."""
+        try:
+            return self.requirements(replace(self._spec, seq_len=x)).device_bytes_upper
+        except SequenceTooShortError as short:
+            shortest = replace(self._spec, seq_len=short.minimum)
+            return self.requirements(shortest).device_bytes_upper
 
     def largest_fitting(self, capacity: _Capacity) -> int:
         """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does); the

@@ -5,6 +5,7 @@ holds what they build)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from service.core.architecture import (
@@ -14,6 +15,7 @@ from service.core.architecture import (
     ModelArch,
     NormKind,
 )
+from service.core.architecture_vision import VISION_MODEL_TYPES, vision_from_config
 from service.core.errors import InvalidConfigError
 from service.core.hf_t5 import T5_TIE_WORD_EMBEDDINGS, _t5
 from service.core.hf_values import _Config, _dropout, _linear
@@ -60,6 +62,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
     | {"phi3", "glm", "chatglm", "qwen", "gpt_neox", "phi", "stablelm", "falcon", "bloom"}
     | ENCODER_MODEL_TYPES
     | ENCODER_DECODER_MODEL_TYPES
+    | VISION_MODEL_TYPES
 )
 
 
@@ -67,6 +70,8 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
     """Build a ModelArch from a config.json mapping as published on the Hugging Face Hub."""
     if not isinstance(raw, Mapping):
         raise InvalidConfigError("(root)", "must be a JSON object")
+    if raw.get("model_type") in VISION_MODEL_TYPES:
+        return _vision_language(raw)
     if "text_config" in raw and isinstance(raw["text_config"], Mapping):
         raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "model_type"}}
         if raw.get("model_type") in ("gemma3",):
@@ -97,6 +102,17 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
         "mt5": _t5,
     }
     return builders[model_type](c, model_type)
+
+
+def _vision_language(raw: Mapping[str, Any]) -> ModelArch:
+    """Qwen2-VL / Qwen2.5-VL: a Qwen2 language model (its keys at the top level, or under
+    text_config) and a vision tower (architecture_vision.py)."""
+    model_type = str(raw["model_type"])
+    text = raw.get("text_config")
+    values = {**raw, **text} if isinstance(text, Mapping) else dict(raw)
+    lm = _llama_like(_Config({**values, "model_type": "qwen2"}), "qwen2")
+    vision = vision_from_config(model_type, raw, lm.hidden_size)
+    return replace(lm, model_type=model_type, vision=vision)
 
 
 def _common(c: _Config, model_type: str) -> dict[str, Any]:

@@ -26,6 +26,10 @@ MAX_VIRTUAL_TOKENS = 65_536
 MAX_ENCODER_HIDDEN_SIZE = 65_536
 # AdaLoRA's schedule (tinit, tfinal, total_step, deltaT): far above any run's optimizer steps.
 MAX_TRAINING_STEPS = 1_000_000_000
+# A vision-language sample's images and their side in pixels: far above what a processor
+# takes (Qwen2-VL's default max_pixels is 28 * 28 * 1280, about 1000 x 1000).
+MAX_IMAGES_PER_SAMPLE = 4096
+MAX_IMAGE_SIDE = 65_536
 
 # A module name as transformers names it ("q_proj", "model.layers.0.mlp").
 MAX_MODULE_NAME_CHARS = 128

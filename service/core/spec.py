@@ -37,6 +37,7 @@ from service.core.spec_prompt import (
     check_prompt_job,
 )
 from service.core.spec_train import check_training_features
+from service.core.spec_vision import VisionInputs, check_vision
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
@@ -319,6 +320,7 @@ class TrainingSpec:
     kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
     grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
     orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
+    vision: VisionInputs | None = None  # a vision-language job's images (spec_vision.py)
     # TRL's padding-free packing (spec_packing.py): the micro-batch's sequences in one row of
     # at most batch_size x seq_len tokens, position_ids restarting at each
     packing: bool = False
@@ -456,6 +458,7 @@ class TrainingSpec:
         self._check_method_options()
         self._check_objective()
         check_training_features(self)
+        check_vision(self)
         if self.method in ADAPTER_METHODS:
             self._check_adapter_method()
         elif self.method is not Method.QLORA and self.quantization is not None:
@@ -507,8 +510,7 @@ class TrainingSpec:
         )
 
     def _check_adapter_method(self) -> None:
-        """What the estimate models of LitGPT's adapters: its own finetune/adapter*.py scripts
-        on one GPU, without autocast, over a bf16/fp16/fp32 or 4-bit (NF4/FP4) base."""
+        """LitGPT's adapters: its finetune/adapter*.py on one GPU, no autocast, any base."""
         method = self.method.value
         if self.framework is not Framework.LITGPT:
             raise InvalidSpecError(
@@ -530,8 +532,7 @@ class TrainingSpec:
             )
 
     def _check_peft_method(self) -> None:
-        """What the estimate models of PEFT's methods besides LoRA: HF Trainer + PEFT on one
-        GPU, an unquantized base, the model's dtype without autocast."""
+        """PEFT's other methods: HF + PEFT on one GPU, unquantized, without autocast."""
         method = self.method.value
         if self.quantization is not None:
             raise InvalidSpecError(

@@ -24,6 +24,7 @@ from service.core.spec_grpo import GrpoSpec
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 
 QWEN_7B = "Qwen/Qwen2.5-7B"
@@ -42,6 +43,8 @@ QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
 T5_SMALL = "google/t5-v1_1-small"
 T0_3B = "bigscience/T0_3B"
 MT0_XXL = "bigscience/mt0-xxl"
+QWEN2_VL_2B = "Qwen/Qwen2-VL-2B-Instruct"
+QWEN25_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -520,6 +523,34 @@ def train_feature_cases() -> list[tuple[str, TrainingSpec]]:
         (QWEN_05B, _spec(full, 1, 2048, ckpt=True, **offload)),
         (LLAMA_1B, _spec(lora, 1, 2048, ckpt=True, **offload)),
         (LLAMA_1B, _spec(full, 1, 1024, ckpt=True, **{**offload, **in_bwd})),
+    ]
+
+
+# The language model's linears by name: none of them names a module of Qwen2-VL's vision
+# tower (qkv, proj, fc1, fc2, the merger's mlp.0 and mlp.2), so PEFT adapts the LM alone.
+LANGUAGE_MODEL_LINEARS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
+
+
+def _vision_cases() -> list[tuple[str, TrainingSpec]]:
+    """Qwen2-VL-2B and Qwen2.5-VL-7B with images (pixel_values and image_grid_thw through
+    the real vision tower, M-RoPE positions, the features scattered into the embeddings):
+    LoRA and QLoRA on the language model's linears, the tower frozen; one or two images per
+    sample at modest resolutions (448 x 448 pixels: 256 tokens; 672 x 672: 576)."""
+    lora, qlora = Method.LORA, Method.QLORA
+    targets = _lora(targets=LANGUAGE_MODEL_LINEARS)
+    attention = _lora(targets=ATTENTION_PROJECTIONS)
+    one = VisionInputs(images_per_sample=1, image_height=448, image_width=448)
+    two = VisionInputs(images_per_sample=2, image_height=448, image_width=448)
+    large = VisionInputs(images_per_sample=2, image_height=672, image_width=672)
+    return [
+        (QWEN2_VL_2B, _spec(lora, 2, 1024, ckpt=True, lora=targets, vision=one)),
+        (QWEN2_VL_2B, _spec(lora, 2, 1024, lora=targets, vision=one)),
+        (QWEN2_VL_2B, _spec(qlora, 2, 1024, ckpt=True, lora=targets, vision=two)),
+        (QWEN2_VL_2B, _spec(lora, 1, 2048, ckpt=True, lora=targets, vision=large)),
+        # Qwen2.5-VL's tower has gate_proj/up_proj/down_proj of its own: attention targets
+        # keep it frozen; windowed attention in all blocks but four
+        (QWEN25_VL_7B, _spec(lora, 1, 2048, ckpt=True, lora=attention, vision=two)),
+        (QWEN25_VL_7B, _spec(lora, 1, 1536, lora=attention, vision=large)),
     ]
 
 

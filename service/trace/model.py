@@ -19,6 +19,7 @@ from typing import Any
 import bitsandbytes as bnb
 import torch
 
+from service.core.architecture_vision import VISION_MODEL_TYPES
 from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 from service.core.result import Component
 from service.core.spec import (
@@ -83,6 +84,7 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
+        AutoModelForImageTextToText,
         AutoModelForSeq2SeqLM,
         AutoModelForSequenceClassification,
     )
@@ -114,6 +116,8 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
         auto = AutoModelForSequenceClassification
     elif model_type in ENCODER_DECODER_MODEL_TYPES:
         auto = AutoModelForSeq2SeqLM
+    elif model_type in VISION_MODEL_TYPES:
+        auto = AutoModelForImageTextToText
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = auto.from_config(hf_config, dtype=dtype)

@@ -36,6 +36,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
+from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
@@ -69,6 +70,7 @@ from service.trace.families import (
     _spec,
     _t5_cases,
     _tuner_cases,
+    _vision_cases,
     train_feature_cases,
 )
 
@@ -272,6 +274,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         if not quant.prepare_kbit:
             parts.append("no-kbit-prep")
     parts.append(f"b{spec.batch_size}-s{spec.seq_len}")
+    if spec.vision is not None:
+        parts.append(_vision_name(spec.vision))
     if spec.target_length is not None:
         parts.append(f"t{spec.target_length}")
     if spec.gradient_checkpointing:
@@ -303,6 +307,21 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
     if spec.parallel.gpus != 1:
         parts.append(_parallel_name(spec.parallel))
     return "__".join(parts).replace(".", "_")
+
+
+def _vision_name(vision: VisionInputs) -> str:
+    """Images per sample and their size (pixels, or tokens given directly)."""
+    size = (
+        f"t{vision.image_tokens}"
+        if vision.image_tokens is not None
+        else f"{vision.image_height}x{vision.image_width}"
+    )
+    bounds = "".join(
+        f"-{name}{value}"
+        for name, value in (("min", vision.min_pixels), ("max", vision.max_pixels))
+        if value is not None
+    )
+    return f"img{vision.images_per_sample}-{size}{bounds}"
 
 
 def _parallel_name(parallel: ParallelSpec) -> str:
@@ -601,6 +620,7 @@ def matrix() -> list[Case]:
     cases.extend(_t5_cases())
     cases.extend(_tuner_cases())
     cases.extend(_int8_cases())
+    cases.extend(_vision_cases())
     cases.extend(_packing_cases())
     cases.extend(peft_delta_cases())
     cases.extend(train_feature_cases())

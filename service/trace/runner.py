@@ -40,7 +40,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK
-from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward
+from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward, vision
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -411,6 +411,8 @@ def trace(
                     and spec.attn_implementation is not AttnImpl.FLASH_ATTENTION_2,
                 )
             )
+            if vision.is_vision_language(config) and not real:
+                stack.enter_context(vision.constants())
             if (dpo or kto_step or grpo_step) and not cpu_kernels:
                 stack.enter_context(preference.gpu_fused_head())
             if orpo_step and not cpu_kernels:
@@ -539,6 +541,7 @@ def trace(
                     classes=is_encoder(config),
                     keep_gradients=keep_gradients,
                     offloader=offloader,
+                    vision_config=config if vision.is_vision_language(config) else None,
                 )
             tracker.check_consistent()
             step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
@@ -631,6 +634,7 @@ def _run_steps(
     classes: bool = False,
     keep_gradients: bool = False,
     offloader: Offloader | None = None,
+    vision_config: Mapping[str, Any] | None = None,
 ) -> None:
     """HF Trainer's steps (trainer.py training_step and _inner_training_loop): the forward and
     the loss under autocast when mixed precision is on (accelerate's autocast), backward
@@ -643,8 +647,11 @@ def _run_steps(
     scaler = torch.amp.GradScaler("cpu") if spec.autocast and dtype == torch.float16 else None
     with tracker.labelling(Component.INPUTS):
         # (`_held`: inputs the batch keeps, alive for the step, that the model is not passed)
-        input_ids, labels, packed, _held = _inputs(spec, classes=classes)
+        input_ids, labels, packed, _held = _inputs(
+            spec, classes=classes, vision_config=vision_config
+        )
         logged = torch.zeros(())  # Trainer's tr_loss
+
     for step in range(1, STEPS + 1):
         steering.step = step
         # Each optimizer step runs gradient_accumulation_steps micro-batches (the inputs of
@@ -698,7 +705,7 @@ def _run_steps(
 
 
 def _inputs(
-    spec: TrainingSpec, *, classes: bool
+    spec: TrainingSpec, *, classes: bool, vision_config: Mapping[str, Any] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
     """The micro-batch's input_ids and labels, the model's other inputs, and what the batch
     holds besides. A packed batch is
@@ -716,6 +723,11 @@ def _inputs(
         if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
             return input_ids, labels, {}, (position_ids,)
         return input_ids, labels, {"position_ids": position_ids}, ()
+    if vision_config is not None:
+        # a vision-language model's: the processor's image inputs, with their input_ids
+        images = vision.batch(spec, vision_config)
+        input_ids = images.pop("input_ids")
+        return input_ids, torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long), images, ()
     input_ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long)
     # a sequence classifier's labels are one class id per sequence
     # (an encoder-decoder's are the target's tokens, which the decoder reads shifted)

@@ -316,3 +316,45 @@ def test_torchtune_options_reach_the_estimate_and_hf_is_422(client: TestClient) 
     body = _problem(client.post("/v1/estimates", json=hf), 422)
     assert body["errors"][0]["loc"] == ["body", "optimizer_in_backward"]
     assert "HF Trainer has no such option" in body["errors"][0]["detail"]
+
+
+VISION_JOB = {
+    "model": "Qwen/Qwen2-VL-2B-Instruct",
+    "batch_size": 2,
+    "seq_len": 1024,
+    "gradient_checkpointing": True,
+    "lora": {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "vision": {"images_per_sample": 1, "image_height": 448, "image_width": 448},
+}
+
+
+def test_a_vision_language_job_with_its_images(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=VISION_JOB).json()
+    spec = JobSpec.model_validate(VISION_JOB).to_spec()
+    arch = default_catalog().resolve("Qwen/Qwen2-VL-2B-Instruct").arch
+    expected = estimate(arch, spec)
+    assert body["peak"]["device_bytes_upper"] == expected.device_bytes_upper
+    assert body["params"]["total"] == arch.total_params
+    by_tokens = {**VISION_JOB, "vision": {"images_per_sample": 1, "image_tokens": 256}}
+    assert client.post("/v1/estimates", json=by_tokens).json()["peak"] == body["peak"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"vision": None}, "vision"),
+        ({"seq_len": 200}, "seq_len"),
+        ({"vision": {"image_height": 448}}, "vision.image_width"),
+        (
+            {"vision": {"image_tokens": 64, "image_height": 28, "image_width": 28}},
+            "vision.image_tokens",
+        ),
+        ({"lora": {"target_modules": "all-linear"}}, "lora.target_modules"),
+        ({"method": "full", "lora": None}, "method"),
+    ],
+)
+def test_a_vision_language_job_that_is_not_modelled_is_a_422(
+    client: TestClient, change: dict[str, Any], field: str
+) -> None:
+    body = _problem(client.post("/v1/estimates", json={**VISION_JOB, **change}), 422)
+    assert field in str(body)

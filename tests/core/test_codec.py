@@ -59,6 +59,7 @@ from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, O
 from service.core.spec_kto import KtoLossType, KtoSpec
 from service.core.spec_orpo import OrpoSpec
 from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec_vision import VisionInputs
 from service.core.units import DType
 
 module_names = st.from_regex(r"[A-Za-z0-9_.]{1,20}", fullmatch=True)
@@ -363,6 +364,7 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
         "kto",
         "orpo",
         "grpo",
+        "vision",
     ):  # when set
         if getattr(spec, name) is None:
             names.remove(name)
@@ -374,6 +376,15 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
             names.remove(name)
     assert list(data) == names
     assert list(data["allocator"]) == [f.name for f in dataclasses.fields(AllocatorConfig)]
+
+
+def test_vision_inputs_are_written_when_set_and_read_back() -> None:
+    vision = VisionInputs(images_per_sample=2, image_height=448, image_width=672)
+    spec = TrainingSpec(batch_size=2, seq_len=1024, vision=vision)
+    data = spec_to_dict(spec)
+    assert data["vision"]["image_width"] == 672
+    assert spec_from_dict(data) == spec
+    assert "vision" not in spec_to_dict(TrainingSpec(batch_size=2, seq_len=16))
 
 
 def test_num_labels_is_written_when_set_and_read_back() -> None:

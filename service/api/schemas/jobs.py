@@ -35,6 +35,7 @@ from service.api.schemas.peft_methods import (
     PromptTuningIn,
     VeraIn,
 )
+from service.api.schemas.vision import VisionIn
 from service.core.allocator import AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.limits import (
@@ -720,6 +721,11 @@ class JobSpec(In):
         "labels); seq_len is then the encoder's (the source's). null: as long as seq_len. "
         "Encoder-decoder models only.",
     )
+    vision: VisionIn | None = Field(
+        default=None,
+        description="A vision-language model's image inputs (Qwen2-VL): images per sample and "
+        "their size or tokens, which seq_len counts. Required for such a model; null otherwise.",
+    )
     gpu: GpuField | None = Field(
         default=None,
         description="The GPU it runs on (optional): adds a fit summary, scopes calibration.",
@@ -784,4 +790,5 @@ class JobSpec(In):
             kto=None if self.kto is None else self.kto.to_spec(),
             grpo=None if self.grpo is None else self.grpo.to_spec(),
             orpo=None if self.orpo is None else self.orpo.to_spec(),
+            vision=None if self.vision is None else self.vision.to_spec(),
         )

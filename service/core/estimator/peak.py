@@ -21,6 +21,7 @@ from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _Step, _step
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
+from service.core.estimator.vision import model_step
 from service.core.overhead import AboveAllocated, levels
 from service.core.reserved import reserved_gap, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
@@ -61,7 +62,7 @@ def estimate(
     spec = sequence_spec(spec)
     arch, untied = framework_arch(arch, spec)
     arch, spec, packed = packed_job(arch, spec)
-    st = _step(arch, spec, compute_capability)
+    st = model_step(arch, spec, compute_capability)
     plan = st.plan
     phases = tuple(
         PhasePeak(step, phase, sum(parts), parts)
@@ -98,7 +99,7 @@ def peak_levels(
     spec = sequence_spec(spec)
     arch, _untied = framework_arch(arch, spec)
     arch, spec, _packed = packed_job(arch, spec)
-    step = _step(arch, spec, compute_capability)
+    step = model_step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
     return PeakLevels(allocated, over.reserved, over.device, over.device_upper)

@@ -249,6 +249,18 @@ class Orpo(_Request):
     disable_dropout: bool | None = None
 
 
+class Vision(_Request):
+    """A vision-language job's images (Qwen2-VL): per sample, all of one size; seq_len counts
+    their tokens. Give image_height and image_width, or image_tokens."""
+
+    images_per_sample: int | None = Field(default=None, ge=1)
+    image_height: int | None = Field(default=None, ge=1)
+    image_width: int | None = Field(default=None, ge=1)
+    image_tokens: int | None = Field(default=None, ge=1)
+    min_pixels: int | None = Field(default=None, ge=1)
+    max_pixels: int | None = Field(default=None, ge=1)
+
+
 class Stack(_Request):
     """The library versions a job runs on; None: the service's traced stack's."""
 
@@ -304,6 +316,8 @@ class Job(_Request):
     num_labels: int | None = Field(default=None, ge=1)
     # An encoder-decoder's (T5) decoder tokens; seq_len is then the source's.
     target_length: int | None = Field(default=None, ge=1)
+    # A vision-language model's image inputs; required for one, refused for others.
+    vision: Vision | None = None
     gpu: str | GpuRef | None = None
     # A preset ('hf-5.24', 'hf-4.48', 'hf-4.16') or the versions.
     stack: str | Stack | None = None

@@ -1,0 +1,130 @@
+"""The vision-language tracer's inputs and the image geometry against transformers' own
+image processor code."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from service.core.architecture_vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, smart_resize
+from service.core.spec import TrainingSpec
+from service.core.spec_vision import VisionInputs
+from service.trace import vision
+
+PROCESSOR = (
+    Path(transformers.__file__).parent / "models" / "qwen2_vl" / "image_processing_qwen2_vl.py"
+)
+
+
+def _transformers_smart_resize() -> Any:
+    """transformers' smart_resize, taken from its source: the module itself imports
+    torchvision, which the tracer's environment does not install."""
+    tree = ast.parse(PROCESSOR.read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize"]
+    namespace: dict[str, Any] = {"math": math}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(PROCESSOR), "exec"), namespace)
+    return namespace["smart_resize"]
+
+
+@pytest.mark.parametrize(
+    ("height", "width"),
+    [(448, 448), (672, 672), (500, 300), (20, 20), (4000, 3000), (1080, 1920), (33, 6000)],
+)
+def test_smart_resize_is_the_processors(height: int, width: int) -> None:
+    theirs = _transformers_smart_resize()
+    for bounds in ((DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS), (256 * 28 * 28, 512 * 28 * 28)):
+        expected = theirs(height, width, factor=28, min_pixels=bounds[0], max_pixels=bounds[1])
+        assert smart_resize(
+            height, width, factor=28, min_pixels=bounds[0], max_pixels=bounds[1]
+        ) == tuple(expected)
+
+
+def test_processor_defaults_are_the_image_processors() -> None:
+    source = PROCESSOR.read_text()
+    assert 'size = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}' in source
+    assert DEFAULT_MIN_PIXELS == 56 * 56
+    assert DEFAULT_MAX_PIXELS == 28 * 28 * 1280
+
+
+def test_the_batch_places_each_samples_image_tokens() -> None:
+    import json
+
+    config = json.loads(Path("service/catalog/models/Qwen--Qwen2-VL-2B-Instruct.json").read_text())[
+        "config"
+    ]
+    spec = TrainingSpec(
+        batch_size=2,
+        seq_len=600,
+        vision=VisionInputs(images_per_sample=2, image_height=448, image_width=448),
+    )
+    batch = vision.batch(spec, config)
+    assert tuple(batch["input_ids"].shape) == (2, 600)
+    assert int((batch["input_ids"] == config["image_token_id"]).sum()) == 2 * 2 * 256
+    assert int(batch["mm_token_type_ids"].sum()) == 2 * 2 * 256
+    assert batch["image_grid_thw"].tolist() == [[1, 32, 32]] * 4
+    assert tuple(batch["pixel_values"].shape) == (4 * 1024, 3 * 2 * 14 * 14)
+
+
+@pytest.mark.parametrize(
+    "catalog_file", ["Qwen--Qwen2-VL-2B-Instruct", "Qwen--Qwen2.5-VL-7B-Instruct"]
+)
+@pytest.mark.parametrize(
+    "targets",
+    [
+        "all-linear",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        ("qkv",),
+        ("q_proj", "proj"),
+    ],
+)
+def test_the_estimate_refuses_exactly_the_targets_peft_finds_in_the_tower(
+    catalog_file: str, targets: str | tuple[str, ...]
+) -> None:
+    """PEFT's own matching on the model built on meta: the estimate refuses a LoRA job whose
+    targets adapt a module of the vision tower, and only such a job."""
+    import json
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from service.core.errors import InvalidSpecError
+    from service.core.estimator import estimate
+    from service.core.hf_config import from_hf_config
+    from service.core.spec import LoraSpec
+
+    values = dict(
+        json.loads(Path(f"service/catalog/models/{catalog_file}.json").read_text())["config"]
+    )
+    values["num_hidden_layers"] = 1
+    values["vision_config"] = {**values["vision_config"], "depth": 1}
+    arch = from_hf_config(values)
+    model_type = values.pop("model_type")
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **values))
+        peft_model = get_peft_model(
+            model,
+            LoraConfig(r=8, target_modules=targets if isinstance(targets, str) else list(targets)),
+        )
+    in_tower = any("lora_A" in n and ".visual." in n for n, _ in peft_model.named_parameters())
+    spec = TrainingSpec(
+        batch_size=1,
+        seq_len=512,
+        lora=LoraSpec(r=8, target_modules=targets),
+        vision=VisionInputs(image_tokens=64),
+    )
+    refused = False
+    try:
+        estimate(arch, spec)
+    except InvalidSpecError as exc:
+        assert exc.field == "lora.target_modules"
+        refused = True
+    assert refused == in_tower
