@@ -70,7 +70,8 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
     """Build a ModelArch from a config.json mapping as published on the Hugging Face Hub."""
     if not isinstance(raw, Mapping):
         raise InvalidConfigError("(root)", "must be a JSON object")
-    if raw.get("model_type") in VISION_MODEL_TYPES:
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in VISION_MODEL_TYPES:
         return _vision_language(raw)
     if "text_config" in raw and isinstance(raw["text_config"], Mapping):
         raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "model_type"}}

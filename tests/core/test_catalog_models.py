@@ -12,6 +12,7 @@ from service.catalog.models import CatalogEntry, default_catalog
 from service.core.errors import InvalidConfigError
 from service.core.estimator import estimate
 from service.core.spec import AttnImpl, LoraSpec, Method, QuantSpec, TrainingSpec
+from service.core.spec_vision import VisionInputs
 
 ENTRIES = default_catalog().entries()
 
@@ -34,6 +35,15 @@ def test_every_catalog_model_estimates(entry: CatalogEntry) -> None:
             spec = replace(spec, gradient_checkpointing=False, attn_implementation=AttnImpl.EAGER)
             if method is Method.QLORA:
                 continue
+        if entry.arch.vision is not None:
+            # the language model's linears (all-linear would adapt the frozen vision tower,
+            # which is refused) and one image of 64 tokens in the 256
+            targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+            spec = replace(
+                spec,
+                lora=replace(lora, target_modules=targets),
+                vision=VisionInputs(images_per_sample=1, image_tokens=64),
+            )
         if entry.arch.is_mla:  # parsed, not yet modelled (tests/core/test_references.py)
             with pytest.raises(InvalidConfigError, match="not modelled yet"):
                 estimate(entry.arch, spec)
