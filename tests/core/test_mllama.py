@@ -146,3 +146,13 @@ def test_what_is_not_modelled_is_refused_naming_its_field(
     with pytest.raises(InvalidSpecError) as caught:
         estimate(ARCH, _spec(**changes))
     assert caught.value.field == field
+
+
+def test_a_first_cross_attention_layer_is_refused() -> None:
+    """The first layer's input takes no gradient (LoRA): a cross-attention layer there keeps
+    none of what the estimate counts for one."""
+    config = dict(ENTRY.config)
+    config["text_config"] = {**config["text_config"], "cross_attention_layers": [0, 8]}
+    with pytest.raises(InvalidConfigError) as caught:
+        estimate(from_hf_config(config), _spec())
+    assert caught.value.field == "text_config.cross_attention_layers"

@@ -41,7 +41,7 @@ from service.core.architecture_mllama import (
     tile_grid,
 )
 from service.core.device import CUBLASLT_WORKSPACE
-from service.core.errors import InvalidSpecError
+from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, SdpaKernel, TrainingSpec
@@ -89,6 +89,11 @@ def check_mllama_job(arch: ModelArch, spec: TrainingSpec) -> MllamaVision:
     tower = arch.mllama
     if tower is None:
         raise InvalidSpecError("vision", f"{arch.model_type!r} has no mllama vision tower")
+    if 0 in tower.cross_attention_layers:
+        # the first layer's input takes no gradient: its graph is not the one modelled here
+        raise InvalidConfigError(
+            "text_config.cross_attention_layers", "a cross-attention first layer is not modelled"
+        )
     inputs = spec.vision
     if inputs is None:
         raise InvalidSpecError(
@@ -221,7 +226,7 @@ def _cross_layer_delta(arch: ModelArch, spec: TrainingSpec, keys: int, dtype: in
         + GATES_PER_LAYER * _blk(dtype)
     )
     # a self-attention layer's flash SDPA: query, key, value (grouped), output, log-sum-exp
-    # (the philox seed and offset both keep)
+    # (the philox seed and offset, which both kernels keep, cancel out)
     own = (
         2 * _blk(b * s * h * dtype) + 2 * _blk(b * s * kv * dtype) + _blk(b * heads * s * LSE_BYTES)
     )
