@@ -3,6 +3,7 @@ BLOOM, LLM.int8 bases), with the model ids and spec helpers `reference.matrix()`
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from service.core.spec import (
@@ -578,6 +579,10 @@ def _mllama_cases() -> list[tuple[str, TrainingSpec]]:
         (LLAMA_32_VISION, _spec(lora, 2, 512, ckpt=True, lora=mlp, vision=small)),
         # two images a sample (1 x 2 tiles each): twice the keys of every cross-attention layer
         (LLAMA_32_VISION, _spec(lora, 1, 2048, lora=mlp, vision=wide)),
+        (
+            LLAMA_32_VISION,
+            _spec(lora, 2, 512, lora=mlp, vision=replace(small, images_per_sample=2)),
+        ),
     ]
 
 
