@@ -117,7 +117,8 @@ def check_mllama_job(arch: ModelArch, spec: TrainingSpec) -> MllamaVision:
         raise InvalidSpecError(
             "method",
             "Llama-3.2-Vision is modelled with LoRA on the language model (full fine-tuning "
-            "trains the tower; QLoRA's 4-bit tower is not traced yet)",
+            "trains the tower; QLoRA, whose k-bit preparation runs the tower and the residual "
+            "stream in fp32, is not modelled yet)",
         )
     lora = spec.lora
     if lora is not None:
