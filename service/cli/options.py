@@ -137,17 +137,19 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     prompt.add_argument(
         "--encoder-hidden-size", type=int, help="the prefix projection's width (prefix-tuning)"
     )
-    images = parser.add_argument_group("images (a vision-language model: Qwen2-VL)")
+    images = parser.add_argument_group(
+        "images (a vision-language model: Qwen2-VL, Qwen2.5-VL, Llama-3.2-Vision)"
+    )
     images.add_argument("--images-per-sample", type=int, help="images in each sample")
     images.add_argument("--image-height", type=int, help="the images' height in pixels")
     images.add_argument("--image-width", type=int, help="the images' width in pixels")
     images.add_argument(
         "--image-tokens",
         type=int,
-        help="instead of the size: tokens per image (seq_len counts them)",
+        help="instead of the size: tokens per image (seq_len counts them; not Llama-3.2-Vision)",
     )
-    images.add_argument("--min-pixels", type=int, help="the processor's min_pixels")
-    images.add_argument("--max-pixels", type=int, help="the processor's max_pixels")
+    images.add_argument("--min-pixels", type=int, help="Qwen2-VL's processor min_pixels")
+    images.add_argument("--max-pixels", type=int, help="Qwen2-VL's processor max_pixels")
     quant = parser.add_argument_group("QLoRA (bitsandbytes)")
     quant.add_argument("--quant", choices=_choices(QuantType))
     quant.add_argument("--double-quant", action="store_true")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, field
 from enum import StrEnum
 
+from service.core.architecture_mllama import EXTRA_EMBEDDING_ROWS, MllamaVision
 from service.core.architecture_vision import VisionArch
 from service.core.errors import InvalidConfigError
 
@@ -143,6 +144,9 @@ class ModelArch:
     # A vision-language model's vision tower and patch merger (Qwen2-VL, Qwen2.5-VL); the
     # fields above describe its language model.
     vision: VisionArch | None = None
+    # Llama-3.2-Vision's tower, projector and cross-attention layers (mllama); the fields
+    # above describe its language model as a Llama of all its layers.
+    mllama: MllamaVision | None = None
     # An architecture keys the estimator's caches on every call: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -279,6 +283,11 @@ class ModelArch:
             + self.norm_params * (2 if self.embedding_norm or self.encoder_decoder else 1)
             + self.lm_head_params
             + (self.vision.params if self.vision is not None else 0)
+            + (
+                self.mllama.params(self.head_dim, EXTRA_EMBEDDING_ROWS * self.hidden_size)
+                if self.mllama is not None
+                else 0
+            )
         )
 
     @property

@@ -15,6 +15,7 @@ from service.core.architecture import (
     ModelArch,
     NormKind,
 )
+from service.core.architecture_mllama import MLLAMA_MODEL_TYPE, mllama_from_config
 from service.core.architecture_vision import VISION_MODEL_TYPES, vision_from_config
 from service.core.errors import InvalidConfigError
 from service.core.hf_t5 import T5_TIE_WORD_EMBEDDINGS, _t5
@@ -63,6 +64,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
     | ENCODER_MODEL_TYPES
     | ENCODER_DECODER_MODEL_TYPES
     | VISION_MODEL_TYPES
+    | {MLLAMA_MODEL_TYPE}
 )
 
 
@@ -73,6 +75,8 @@ def from_hf_config(raw: Mapping[str, Any]) -> ModelArch:
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type in VISION_MODEL_TYPES:
         return _vision_language(raw)
+    if model_type == MLLAMA_MODEL_TYPE:
+        return _mllama(raw)
     if "text_config" in raw and isinstance(raw["text_config"], Mapping):
         raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "model_type"}}
         if raw.get("model_type") in ("gemma3",):
@@ -114,6 +118,17 @@ def _vision_language(raw: Mapping[str, Any]) -> ModelArch:
     lm = _llama_like(_Config({**values, "model_type": "qwen2"}), "qwen2")
     vision = vision_from_config(model_type, raw, lm.hidden_size)
     return replace(lm, model_type=model_type, vision=vision)
+
+
+def _mllama(raw: Mapping[str, Any]) -> ModelArch:
+    """Llama-3.2-Vision: a Llama language model under text_config (its cross-attention
+    layers counted among num_hidden_layers) and a vision tower (architecture_mllama.py)."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise InvalidConfigError("text_config", "an mllama config needs its text_config object")
+    lm = _llama_like(_Config({**text, "model_type": "llama"}), "llama")
+    vision = mllama_from_config(raw, text, lm.hidden_size)
+    return replace(lm, model_type=MLLAMA_MODEL_TYPE, mllama=vision)
 
 
 def _common(c: _Config, model_type: str) -> dict[str, Any]:

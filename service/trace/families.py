@@ -3,6 +3,7 @@ BLOOM, LLM.int8 bases), with the model ids and spec helpers `reference.matrix()`
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from service.core.spec import (
@@ -45,6 +46,7 @@ T0_3B = "bigscience/T0_3B"
 MT0_XXL = "bigscience/mt0-xxl"
 QWEN2_VL_2B = "Qwen/Qwen2-VL-2B-Instruct"
 QWEN25_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
+LLAMA_32_VISION = "meta-llama/Llama-3.2-11B-Vision"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -551,6 +553,36 @@ def _vision_cases() -> list[tuple[str, TrainingSpec]]:
         # keep it frozen; windowed attention in all blocks but four
         (QWEN25_VL_7B, _spec(lora, 1, 2048, ckpt=True, lora=attention, vision=two)),
         (QWEN25_VL_7B, _spec(lora, 1, 1536, lora=attention, vision=large)),
+        *_mllama_cases(),
+    ]
+
+
+# Llama-3.2-Vision's tower has q/k/v/o_proj of its own (and fc1/fc2): only the language
+# model's MLP linears are its alone.
+MLLAMA_LANGUAGE_MODEL_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mllama_cases() -> list[tuple[str, TrainingSpec]]:
+    """Llama-3.2-11B-Vision: pixel_values through the real tiled tower (every image padded to
+    four tiles), the projected features as the keys and values of the eight cross-attention
+    layers; LoRA on the language model's MLP linears, with and without checkpointing; an
+    image of 1120 x 1120 pixels (2 x 2 tiles), one of 448 x 448 (one tile), two of 560 x 1120
+    (1 x 2 tiles)."""
+    lora = Method.LORA
+    mlp = _lora(targets=MLLAMA_LANGUAGE_MODEL_LINEARS)
+    large = VisionInputs(images_per_sample=1, image_height=1120, image_width=1120)
+    small = VisionInputs(images_per_sample=1, image_height=448, image_width=448)
+    wide = VisionInputs(images_per_sample=2, image_height=560, image_width=1120)
+    return [
+        (LLAMA_32_VISION, _spec(lora, 1, 1024, ckpt=True, lora=mlp, vision=large)),
+        (LLAMA_32_VISION, _spec(lora, 1, 1024, lora=mlp, vision=large)),
+        (LLAMA_32_VISION, _spec(lora, 2, 512, ckpt=True, lora=mlp, vision=small)),
+        # two images a sample (1 x 2 tiles each): twice the keys of every cross-attention layer
+        (LLAMA_32_VISION, _spec(lora, 1, 2048, lora=mlp, vision=wide)),
+        (
+            LLAMA_32_VISION,
+            _spec(lora, 2, 512, lora=mlp, vision=replace(small, images_per_sample=2)),
+        ),
     ]
 
 

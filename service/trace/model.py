@@ -19,6 +19,7 @@ from typing import Any
 import bitsandbytes as bnb
 import torch
 
+from service.core.architecture_mllama import MLLAMA_MODEL_TYPE
 from service.core.architecture_vision import VISION_MODEL_TYPES
 from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 from service.core.result import Component
@@ -116,7 +117,7 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
         auto = AutoModelForSequenceClassification
     elif model_type in ENCODER_DECODER_MODEL_TYPES:
         auto = AutoModelForSeq2SeqLM
-    elif model_type in VISION_MODEL_TYPES:
+    elif model_type in VISION_MODEL_TYPES or model_type == MLLAMA_MODEL_TYPE:
         auto = AutoModelForImageTextToText
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")

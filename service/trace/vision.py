@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from service.core.architecture_mllama import MLLAMA_MODEL_TYPE, aspect_ratios, tile_grid
 from service.core.architecture_vision import VISION_MODEL_TYPES, image_grid
 from service.core.hf_config import from_hf_config
 from service.core.spec import TrainingSpec
@@ -39,8 +40,13 @@ TEXT_TOKEN_ID = 0
 CONSTANT_ELEMENTS = 1 << 22
 
 
+# transformers MllamaConfig image_token_index default (the <|image|> token).
+MLLAMA_IMAGE_TOKEN_ID = 128256
+
+
 def is_vision_language(config: Mapping[str, Any]) -> bool:
-    return config.get("model_type") in VISION_MODEL_TYPES
+    model_type = config.get("model_type")
+    return model_type in VISION_MODEL_TYPES or model_type == MLLAMA_MODEL_TYPE
 
 
 def batch(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -49,6 +55,8 @@ def batch(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, torch.Tens
     vision = spec.vision
     if vision is None:
         raise ValueError("a vision-language trace needs the spec's vision inputs")
+    if config.get("model_type") == MLLAMA_MODEL_TYPE:
+        return _mllama_batch(spec, config)
     tower = from_hf_config(config).vision
     if tower is None:
         raise ValueError("the config has no vision tower")
@@ -65,6 +73,39 @@ def batch(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, torch.Tens
         "mm_token_type_ids": torch.tensor([types] * spec.batch_size, dtype=torch.long),
         "image_grid_thw": torch.tensor([[t, h, w]] * images, dtype=torch.long),
         "pixel_values": torch.zeros(images * t * h * w, tower.patch_features),
+    }
+
+
+def _mllama_batch(spec: TrainingSpec, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Llama-3.2-Vision's processor outputs (processing_mllama.py, image_processing_mllama.py):
+    pixel_values (batch, images, max_num_tiles, channels, tile, tile) in fp32, every image
+    padded to max_num_tiles tiles (pad_batches_and_tiles); aspect_ratio_ids (batch, images),
+    the tile arrangement's index + 1; aspect_ratio_mask (batch, images, max_num_tiles), 1 at
+    the image's tiles; cross_attention_mask (batch, seq, images, max_num_tiles), 1 where a
+    token attends to a tile: every token from the image's <|image|> token on
+    (convert_sparse_cross_attention_mask_to_dense). input_ids hold one <|image|> token per
+    image, then text."""
+    vision = spec.vision
+    tower = from_hf_config(config).mllama
+    if vision is None or tower is None or vision.image_height is None or vision.image_width is None:
+        raise ValueError("an mllama trace needs the model's tower and the images' size")
+    rows, cols = tile_grid(vision.image_height, vision.image_width, tower)
+    # the arrangement's index in the processor's list, + 1 (convert_aspect_ratios_to_ids)
+    ratio_id = aspect_ratios(tower.max_num_tiles).index((rows, cols)) + 1
+    tiles, n = rows * cols, vision.images_per_sample
+    b, s, t = spec.batch_size, spec.seq_len, tower.max_num_tiles
+    image_id = int(config.get("image_token_index", MLLAMA_IMAGE_TOKEN_ID))
+    row = [image_id] * n + [TEXT_TOKEN_ID] * (s - n)
+    tile_mask = [1] * tiles + [0] * (t - tiles)
+    # token i attends to image j's tiles from the image's token on
+    cross = [[tile_mask if i >= j else [0] * t for j in range(n)] for i in range(s)]
+    side = tower.image_size
+    return {
+        "input_ids": torch.tensor([row] * b, dtype=torch.long),
+        "pixel_values": torch.zeros(b, n, t, tower.num_channels, side, side),
+        "aspect_ratio_ids": torch.tensor([[ratio_id] * n] * b, dtype=torch.long),
+        "aspect_ratio_mask": torch.tensor([[tile_mask] * n] * b, dtype=torch.long),
+        "cross_attention_mask": torch.tensor([cross] * b, dtype=torch.long),
     }
 
 

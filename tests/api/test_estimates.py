@@ -358,3 +358,40 @@ def test_a_vision_language_job_that_is_not_modelled_is_a_422(
 ) -> None:
     body = _problem(client.post("/v1/estimates", json={**VISION_JOB, **change}), 422)
     assert field in str(body)
+
+
+MLLAMA_JOB = {
+    "model": "meta-llama/Llama-3.2-11B-Vision-Instruct",
+    "batch_size": 1,
+    "seq_len": 1024,
+    "gradient_checkpointing": True,
+    "lora": {"r": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "vision": {"images_per_sample": 1, "image_height": 1120, "image_width": 1120},
+}
+
+
+def test_a_llama_vision_job_with_its_images(client: TestClient) -> None:
+    body = client.post("/v1/estimates", json=MLLAMA_JOB).json()
+    spec = JobSpec.model_validate(MLLAMA_JOB).to_spec()
+    arch = default_catalog().resolve("meta-llama/Llama-3.2-11B-Vision").arch
+    assert body["peak"]["device_bytes_upper"] == estimate(arch, spec).device_bytes_upper
+    assert body["params"]["total"] == arch.total_params == 10_670_220_835
+    assert any("2 x 2 tiles" in note for note in body["assumptions"])
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"vision": None}, "vision"),
+        ({"vision": {"image_tokens": 64}}, "vision.image_tokens"),
+        ({"vision": {"image_height": 560, "image_width": 560, "min_pixels": 3136}}, "min_pixels"),
+        ({"lora": {"target_modules": ["q_proj", "v_proj"]}}, "lora.target_modules"),
+        ({"method": "qlora"}, "method"),
+        ({"attn_implementation": "flash_attention_2"}, "attn_implementation"),
+    ],
+)
+def test_a_llama_vision_job_that_is_not_modelled_is_a_422(
+    client: TestClient, change: dict[str, Any], field: str
+) -> None:
+    body = _problem(client.post("/v1/estimates", json={**MLLAMA_JOB, **change}), 422)
+    assert field in str(body)

@@ -303,3 +303,19 @@ def test_an_encoder_job_fits_on_one_gpu(client: TestClient) -> None:
     assert response.status_code == 200, response.text
     [result] = response.json()["results"]
     assert result["fits"]
+
+
+def test_a_llama_vision_job_fits_with_its_images(client: TestClient) -> None:
+    """Llama-3.2-Vision: the solver's limits and suggestions go through the mllama step
+    (images per sample fixed, seq_len counting text only)."""
+    job = {
+        "model": "meta-llama/Llama-3.2-11B-Vision-Instruct",
+        "batch_size": 1,
+        "seq_len": 1024,
+        "gradient_checkpointing": True,
+        "lora": {"r": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+        "vision": {"images_per_sample": 1, "image_height": 1120, "image_width": 1120},
+    }
+    body = _check(client, job, ["A100-80GB", "L4"])
+    fits = {row["gpu"]["name"]: row["fits"] for row in body["results"]}
+    assert fits == {"A100-80GB": True, "L4": False}

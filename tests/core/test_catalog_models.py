@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from service.catalog.models import CatalogEntry, default_catalog
-from service.core.errors import InvalidConfigError
+from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.spec import AttnImpl, LoraSpec, Method, QuantSpec, TrainingSpec
 from service.core.spec_vision import VisionInputs
@@ -44,6 +44,19 @@ def test_every_catalog_model_estimates(entry: CatalogEntry) -> None:
                 lora=replace(lora, target_modules=targets),
                 vision=VisionInputs(images_per_sample=1, image_tokens=64),
             )
+        if entry.arch.mllama is not None:
+            # Llama-3.2-Vision: LoRA on the language model's MLP (its tower has q/k/v/o_proj
+            # of its own), one image of 560 x 560 pixels; QLoRA is refused
+            spec = replace(
+                spec,
+                lora=replace(lora, target_modules=("gate_proj", "up_proj", "down_proj")),
+                vision=VisionInputs(images_per_sample=1, image_height=560, image_width=560),
+            )
+            if method is Method.QLORA:
+                with pytest.raises(InvalidSpecError) as refused:
+                    estimate(entry.arch, spec)
+                assert refused.value.field == "method"
+                continue
         if entry.arch.is_mla:  # parsed, not yet modelled (tests/core/test_references.py)
             with pytest.raises(InvalidConfigError, match="not modelled yet"):
                 estimate(entry.arch, spec)

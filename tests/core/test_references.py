@@ -100,6 +100,18 @@ RESERVED_KNOWN_GAPS: dict[str, tuple[float, str]] = {
         0.03,
         "activation offloading: the replay keeps the offloaded checkpoints (over)",
     ),
+    # Llama-3.2-Vision: the allocator replay runs the language model's step alone; the
+    # tower's graph (checkpointing), the cross-attention layers' image keys and values and the
+    # processor's inputs are added to the allocated level but not replayed, so their segments'
+    # rounding is missing (under: 1.4-2.0 % on the other three references).
+    **{
+        f"llama-3_2-11b-vision__lora__r16-gate_proj+up_proj+down_proj__{shape}": (
+            0.025,
+            "Llama-3.2-Vision: the tower's and cross-attention layers' tensors are not "
+            "replayed (under)",
+        )
+        for shape in ("b1-s2048__img2-560x1120", "b2-s512__img2-448x448")
+    },
     # Encoder-decoders (T5): the step is estimated phase by phase, not replayed op by op, so
     # their reserved level is reported at the allocated one (an under-estimate).
     **{

@@ -723,8 +723,10 @@ class JobSpec(In):
     )
     vision: VisionIn | None = Field(
         default=None,
-        description="A vision-language model's image inputs (Qwen2-VL): images per sample and "
-        "their size or tokens, which seq_len counts. Required for such a model; null otherwise.",
+        description="A vision-language model's image inputs (Qwen2-VL, Qwen2.5-VL: images per "
+        "sample and their size or tokens, which seq_len counts; Llama-3.2-Vision: images per "
+        "sample and their size, tiled, seq_len counting text only). Required for such a model; "
+        "null otherwise.",
     )
     gpu: GpuField | None = Field(
         default=None,

@@ -11,9 +11,12 @@ from service.core.spec_vision import VisionInputs
 
 class VisionIn(In):
     """Each sample's images, all of one size: give image_height and image_width (pixels, as
-    the images are before the processor resizes them) or image_tokens. seq_len counts the
-    image tokens (the processor puts one placeholder per image token into input_ids), so
-    images_per_sample x the tokens per image must fit in it."""
+    the images are before the processor resizes them) or image_tokens. Qwen2-VL / Qwen2.5-VL:
+    seq_len counts the image tokens (the processor puts one placeholder per image token into
+    input_ids), so images_per_sample x the tokens per image must fit in it. Llama-3.2-Vision:
+    the size picks the processor's tiles (at most four of 560 x 560, every image padded to
+    four), which enter through cross-attention: seq_len counts text tokens only (one
+    <|image|> token per image); image_tokens, min_pixels and max_pixels do not apply."""
 
     integer_fields = integers(
         "images_per_sample",
@@ -32,7 +35,8 @@ class VisionIn(In):
         ge=1,
         le=MAX_IMAGE_SIDE,
         description="The images' height in pixels; with image_width, the processor's resize "
-        "(Qwen2-VL: smart_resize to multiples of 28 within min/max_pixels) gives the tokens.",
+        "(Qwen2-VL: smart_resize to multiples of 28 within min/max_pixels) gives the tokens, "
+        "or (Llama-3.2-Vision) get_optimal_tiled_canvas the tiles.",
     )
     image_width: int | None = Field(
         default=None, ge=1, le=MAX_IMAGE_SIDE, description="The images' width in pixels."
@@ -42,7 +46,8 @@ class VisionIn(In):
         ge=1,
         le=MAX_SEQ_LEN,
         description="Instead of the size: the tokens one image takes in the language model's "
-        "sequence (Qwen2-VL: its merged patches, a quarter of its 14 x 14 patches).",
+        "sequence (Qwen2-VL: its merged patches, a quarter of its 14 x 14 patches). Not for "
+        "Llama-3.2-Vision, whose images are no tokens of the sequence.",
     )
     min_pixels: int | None = Field(
         default=None,

@@ -29,6 +29,7 @@ from service.core.architecture import ModelArch
 from service.core.architecture_vision import VisionArch, image_grid
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
+from service.core.estimator.mllama import mllama_step
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.estimator.weights import _quantized_matrix_bytes
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, TrainingSpec
@@ -252,6 +253,8 @@ def vision_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | N
 
 def model_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None) -> _Step:
     """The SFT step of a decoder, or of a vision-language model with its images."""
+    if arch.mllama is not None:
+        return mllama_step(arch, spec, compute_capability)
     if arch.vision is None and spec.vision is None:
         return _step(arch, spec, compute_capability)
     return vision_step(arch, spec, compute_capability)

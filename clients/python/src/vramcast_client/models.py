@@ -250,8 +250,10 @@ class Orpo(_Request):
 
 
 class Vision(_Request):
-    """A vision-language job's images (Qwen2-VL): per sample, all of one size; seq_len counts
-    their tokens. Give image_height and image_width, or image_tokens."""
+    """A vision-language job's images: per sample, all of one size. Qwen2-VL / Qwen2.5-VL:
+    seq_len counts their tokens; give image_height and image_width, or image_tokens.
+    Llama-3.2-Vision: give image_height and image_width (the processor's tiles); seq_len
+    counts text tokens only."""
 
     images_per_sample: int | None = Field(default=None, ge=1)
     image_height: int | None = Field(default=None, ge=1)
