@@ -121,7 +121,7 @@ KNOWN_GAPS: dict[str, tuple[float, str]] = {}
 # service/core/estimator/step.py _check_modelled). Their references are checked for that
 # refusal instead; once one is modelled, its refusal test fails and it joins the comparison.
 REFUSED_MODEL_TYPES = {
-    "deepseek_v2": "multi-head latent attention, dense first layers, PEFT's expert adapters",
+    "deepseek_v3": "DeepSeek-V3's sigmoid router and interleaved rotary embedding",
 }
 
 
