@@ -483,7 +483,13 @@ def matrix() -> list[Case]:
     )
     # DeepSeek-V3 (671B on fake tensors): q through its latent, a sigmoid router with group-limited
     # top-k, 256 routed experts (top-8) and one shared expert, three dense first layers.
-    add(DEEPSEEK_V3, _spec(lora, 1, 1024, ckpt=True))
+    add(
+        DEEPSEEK_V3,
+        _spec(lora, 1, 1024, ckpt=True),
+        _spec(lora, 1, 512),
+        _spec(qlora, 1, 1024, ckpt=True),
+        _spec(full, 1, 512, ckpt=True),
+    )
     # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
     add(
         QWEN_05B,

@@ -217,10 +217,10 @@ def test_settings_no_trace_checked_are_refused(changes: dict[str, Any], field: s
     assert "DeepSeek" in str(caught.value)
 
 
-def test_v3_step_is_refused_naming_model_type() -> None:
-    with pytest.raises(InvalidConfigError, match="not modelled yet") as caught:
-        estimate(V3.arch, _v2_job())
-    assert caught.value.field == "model_type"
+def test_v3_refuses_what_v2_refuses() -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        estimate(V3.arch, _v2_job(autocast=True))
+    assert caught.value.field == "autocast"
 
 
 def test_v2_step_scales_with_the_tokens() -> None:

@@ -1,8 +1,9 @@
-"""DeepSeek-V2 as transformers 5.24 and PEFT 0.21 run it: which tensors train, the bytes of
-frozen and trainable ones, and what multi-head latent attention and DeepSeekMoE save for
-backward (`mla_attention_saves`, `deepseek_moe_saves`, called by estimator/activations.py).
-The traced references tests/data/traces/deepseek-v2-lite__* check them. DeepSeek-V3's weights
-are modelled here too; its step is refused (`check_deepseek_spec`).
+"""DeepSeek-V2/V3 as transformers 5.24 and PEFT 0.21 run them: which tensors train, the bytes
+of frozen and trainable ones, and what multi-head latent attention and DeepSeekMoE save for
+backward (`mla_attention_saves`, `deepseek_moe_saves`, called by estimator/activations.py;
+the expert adapters' backward moment is in estimator/step.py). The reference traces
+tests/data/traces/deepseek-* check them; settings no trace checked are refused
+(`check_deepseek_spec`).
 """
 
 from __future__ import annotations
@@ -262,8 +263,13 @@ def _deepseek_params(
 COMPLEX64_BYTES = 8
 
 
-def deepseek_rope_bytes(arch: ModelArch, s: int) -> int:
-    """The rotary table one forward makes and every layer keeps (`COMPLEX64_BYTES`)."""
+def deepseek_rope_bytes(arch: ModelArch, s: int, residual: int) -> int:
+    """The rotary tables one forward makes and every layer keeps: V2's complex one
+    (`COMPLEX64_BYTES`); V3's cos and sin, (1, s, qk_rope_head_dim) in the residual dtype,
+    whose first halves apply_rotary_pos_emb_interleave multiplies (views: the products keep
+    the whole tables)."""
+    if arch.model_type == "deepseek_v3":
+        return 2 * _blk(s * arch.qk_rope_head_dim * residual)
     return _blk(s * (arch.qk_rope_head_dim // 2) * COMPLEX64_BYTES)
 
 
@@ -403,8 +409,15 @@ def deepseek_moe_saves(
         led.add(x_key if out == FP32_BYTES else "router.fp32_in", h * FP32_BYTES)
     if "router" in parts:
         led.add("moe.router_merged", e * h * ROUTER_BYTES, _Kind.CONSTANT)
-    led.add("moe.router_probs", e * FP32_BYTES)
-    led.add("moe.topk_indices", k * INT64_BYTES)
+    led.add("moe.router_probs", e * FP32_BYTES)  # V2's softmax, V3's sigmoid: the output
+    led.add("moe.topk_indices", k * INT64_BYTES)  # V2's topk; V3's scores.gather index
+    if arch.model_type == "deepseek_v3":
+        # DeepseekV3TopkRouter normalises the gathered weights in place (norm_topk_prob:
+        # true in DeepSeek-V3's config and transformers' default; a config without it keeps
+        # these 4 * (k + 1) bytes less): the division keeps its fp32 divisor and the weights.
+        # Its group-limited choice runs on tensors no output depends on, freed at once.
+        led.add("router.norm_divisor", FP32_BYTES)
+        led.add("router.normed_weights", k * FP32_BYTES)
     for key in ("moe.gather_index", "moe.weight_index", "moe.inv_perm"):
         led.add(key, k * INT64_BYTES)
     if f.full or "gate_up" in parts:

@@ -6,13 +6,12 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
-from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.errors import InvalidSpecError
 from service.core.estimator.adalora import adalora_parts
 from service.core.estimator.adapter import norm_product_bytes
 from service.core.estimator.deepseek import (
     check_deepseek_spec,
     deepseek_layer_trainable,
-    deepseek_model_states,
     deepseek_rope_bytes,
 )
 from service.core.estimator.ledger import _blk, _recipe_bytes
@@ -58,9 +57,10 @@ def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
     quant = plan.rs.quantization
     if spec.method is Method.QLORA and arch.is_moe and quant is not None:
         experts = sum(lin.weight_elements for lin in arch.linears if lin.expert)
+        moe_layers = arch.num_hidden_layers - arch.dense_layers  # DeepSeek's are dense first
         dtype = "fp32 (kbit preparation casts them)" if quant.prepare_kbit else str(spec.dtype)
         warnings.append(
-            f"the routed experts ({experts * arch.num_hidden_layers / 1e9:.2f}B parameters) "
+            f"the routed experts ({experts * moe_layers / 1e9:.2f}B parameters) "
             f"stay unquantized in {dtype}: transformers 5 keeps them as 3-D parameters, which "
             "bitsandbytes does not replace"
         )
@@ -178,28 +178,10 @@ def _unquantized(arch: ModelArch, spec: TrainingSpec) -> TrainingSpec | None:
 
 
 def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
-    """Refuse what the step's schedule does not model for multi-head latent attention models:
-    DeepSeek-V3's step, and the settings of a DeepSeek-V2 job no reference trace has checked
-    (`check_deepseek_spec`)."""
-    if not (arch.is_mla or arch.dense_layers):
-        return
-    if arch.model_type != "deepseek_v2":
-        states = deepseek_model_states(arch, spec)
-        held = states.frozen + states.trainable + states.optimizer_state
-        floor = (
-            f"; on one GPU its weights and optimizer state alone hold {held / GIB:.2f} GiB "
-            "(a lower bound of the peak: gradients and activations come on top)"
-            if spec.parallel.gpus == 1
-            else ""
-        )
-        raise InvalidConfigError(
-            "model_type",
-            f"{arch.model_type!r} is parsed but its training step is not modelled yet: its "
-            "router (sigmoid scores with a correction bias, group-limited top-k, normalised "
-            "weights) and its interleaved rotary embedding save other tensors than "
-            f"DeepSeek-V2's, which is modelled{floor}",
-        )
-    check_deepseek_spec(spec)
+    """Refuse the settings of a DeepSeek (multi-head latent attention) job that no reference
+    trace has checked (`check_deepseek_spec`)."""
+    if arch.is_mla or arch.dense_layers:
+        check_deepseek_spec(spec)
 
 
 def _step(
@@ -314,7 +296,7 @@ def _step(
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
     if arch.is_mla:
-        rope = deepseek_rope_bytes(arch, s)  # one complex table, not cos and sin
+        rope = deepseek_rope_bytes(arch, s, f.residual)
     alibi = 0
     if arch.alibi:
         # BLOOM has no rotary tables; its ALiBi bias, (b * heads, 1, s) in the residual dtype
@@ -478,14 +460,28 @@ def _step(
         slots = _blk(tokens * k * h * f.norm_out) + _blk(tokens * k * ie * f.norm_out)
         moe_grads, dense_grads = deepseek_layer_trainable(arch, rs)
         below = (n_dense + 1) * checkpoint if ckpt else first_layer + (n_dense - 1) * dense_layer
+        in_flight_experts = 2 * grad_hidden + merged_grad + slots
         candidates.append(
             _Moment(
                 gradients=ga_grads or bottom_grads - moe_grads - n_dense * dense_grads,
                 activations=below + rope + (0 if ckpt else per_layer - slots),
                 recompute=recompute - slots if ckpt else 0,
-                backward_temporaries=2 * grad_hidden + merged_grad + slots,
+                backward_temporaries=in_flight_experts,
             )
         )
+        if not ckpt:
+            # Without checkpointing the top layer's is the larger: every layer's saved tensors
+            # but the final norm's fp32 input (consumed) and the slots, only the head's
+            # gradients (reference traces deepseek-*__lora__*-s*, no ckpt: the backward
+            # phase's peak at aten._grouped_mm in the top layer).
+            norm_input = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+            candidates.append(
+                _Moment(
+                    gradients=ga_grads or head_grads,
+                    activations=activations - norm_input - slots,
+                    backward_temporaries=in_flight_experts,
+                )
+            )
     if ckpt and plan.up_proj_moment:
         # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
         # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
