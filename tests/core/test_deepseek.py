@@ -12,6 +12,7 @@ from service.catalog.models import default_catalog
 from service.core.architecture import LinearKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import deepseek_lora_targets, deepseek_model_states, estimate
+from service.core.estimator.deepseek import deepseek_layer_trainable, deepseek_weights
 from service.core.hf_config import from_hf_config
 from service.core.result import Component
 from service.core.spec import (
@@ -23,6 +24,7 @@ from service.core.spec import (
     QuantSpec,
     SdpaKernel,
     TrainingSpec,
+    resolve,
 )
 from service.core.spec_parallel import ParallelSpec
 from service.core.units import DType
@@ -230,3 +232,18 @@ def test_v2_step_scales_with_the_tokens() -> None:
     acts_one = one.components[Component.ACTIVATIONS]
     acts_two = two.components[Component.ACTIVATIONS]
     assert acts_one < acts_two < 2 * acts_one
+
+
+@pytest.mark.parametrize("method", [Method.LORA, Method.FULL])
+def test_layer_trainable_bytes_add_up_to_the_model(method: Method) -> None:
+    """One MoE layer's and one dense layer's trainable bytes (the gradients a layer's backward
+    has made) times their counts, with the embedding, final norm and head, are the model's."""
+    arch = V2_LITE.arch
+    spec = _v2_job(method=method, lora=_lora("all-linear") if method is Method.LORA else None)
+    rs = resolve(spec)
+    moe, dense = deepseek_layer_trainable(arch, rs)
+    params = deepseek_weights(arch, spec.method, spec.dtype, rs.lora, None, rs.adapter_dtype)
+    layers = (arch.num_hidden_layers - arch.dense_layers) * moe + arch.dense_layers * dense
+    outside = params.embed_trainable + params.head_trainable
+    assert layers + outside == params.trainable
+    assert moe > dense > 0
