@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from service.core.architecture import Linear, LinearKind, ModelArch
 from service.core.errors import InvalidSpecError
@@ -39,6 +39,9 @@ from service.core.spec import (
     resolve,
 )
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES, DType
+
+if TYPE_CHECKING:  # activations.py imports this module
+    from service.core.estimator.activations import LayerFlow
 
 # transformers 5.24 conversion_mapping.py maps deepseek_v2/v3 to the qwen2_moe conversion
 # pattern, so PEFT 0.21 (utils/transformers_weight_conversion.py _convert_peft_config_moe)
@@ -303,7 +306,7 @@ LinearSaves = Callable[..., None]
 
 
 def _latent_norm_saves(
-    led: _Ledger, f: Any, key: str, source: str, width: int, source_width: int, grad: bool
+    led: _Ledger, f: LayerFlow, key: str, source: str, width: int, source_width: int, grad: bool
 ) -> None:
     """DeepseekV2RMSNorm on a latent (q_a_layernorm, kv_a_layernorm): `x.to(float32)`, then
     pow and the product with rsqrt keep that fp32 copy and the rsqrt per token; the weight's
@@ -322,7 +325,7 @@ def _latent_norm_saves(
 
 
 def mla_attention_saves(
-    led: _Ledger, f: Any, arch: ModelArch, linear_saves: LinearSaves, input_grad: bool
+    led: _Ledger, f: LayerFlow, arch: ModelArch, linear_saves: LinearSaves, input_grad: bool
 ) -> None:
     """Multi-head latent attention (transformers 5.24 DeepseekV2Attention.forward) under SDPA's
     mem-efficient kernel (service/trace/kernels.py choose_sdpa_kernel: flash needs the value's
@@ -380,7 +383,7 @@ def mla_attention_saves(
 
 
 def deepseek_moe_saves(
-    led: _Ledger, f: Any, arch: ModelArch, x_key: str, linear_saves: LinearSaves
+    led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str, linear_saves: LinearSaves
 ) -> None:
     """DeepSeekMoE (transformers 5.24 DeepseekV2Moe.forward) beyond its shared experts' input
     projections, per token:

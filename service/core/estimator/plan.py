@@ -189,7 +189,6 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             f"{unit.method.value} is modelled from LitGPT's lit_gpt/adapter*.py (prompt length "
             f"10 from layer {ADAPTER_START_LAYER}, bf16-true parameters), not traced",
         )
-    first = f
     first_arch = arch
     dense_layer: tuple[tuple[int, _Kind, int], ...] = ()
     if arch.dense_layers:
@@ -206,7 +205,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
         first_layer=_layer_recipe(
             first_arch,
-            lower if is_v2(rs) else first,
+            lower if is_v2(rs) else f,
             attn,
             kernel,
             False,
