@@ -38,6 +38,7 @@ QWEN_MOE = "Qwen/Qwen1.5-MoE-A2.7B"
 BERT_BASE = "google-bert/bert-base-uncased"
 BERT_LARGE = "google-bert/bert-large-uncased"
 DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
+DEEPSEEK_V3 = "deepseek-ai/DeepSeek-V3"
 PHI_2 = "microsoft/phi-2"
 GEMMA_3 = "google/gemma-3-1b-pt"
 QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
@@ -49,6 +50,8 @@ QWEN25_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 LLAMA_32_VISION = "meta-llama/Llama-3.2-11B-Vision"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# DeepSeek-V2-Lite's attention linears (multi-head latent attention, q_lora_rank unset)
+MLA_PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def _lora(

@@ -44,11 +44,13 @@ from service.trace.families import (
     BERT_BASE,
     BERT_LARGE,
     DEEPSEEK_V2_LITE,
+    DEEPSEEK_V3,
     GEMMA_2B,
     GEMMA_3,
     LLAMA_1B,
     LLAMA_8B,
     MISTRAL_7B,
+    MLA_PROJECTIONS,
     PHI_2,
     PHI_3,
     QWEN3_MOE,
@@ -474,6 +476,19 @@ def matrix() -> list[Case]:
         _spec(lora, 1, 1024),
         _spec(qlora, 1, 1024, ckpt=True),
         _spec(full, 1, 1024, ckpt=True),
+        # without checkpointing: QLoRA (fp32 experts after kbit preparation) and full
+        _spec(qlora, 1, 1024),
+        # LoRA on the attention's projections alone: no adapter on the experts or the router
+        _spec(lora, 2, 1024, ckpt=True, lora=_lora(targets=MLA_PROJECTIONS)),
+    )
+    # DeepSeek-V3 (671B on fake tensors): q through its latent, a sigmoid router with group-limited
+    # top-k, 256 routed experts (top-8) and one shared expert, three dense first layers.
+    add(
+        DEEPSEEK_V3,
+        _spec(lora, 1, 1024, ckpt=True),
+        _spec(lora, 1, 512),
+        _spec(qlora, 1, 1024, ckpt=True),
+        _spec(full, 1, 512, ckpt=True),
     )
     # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
     add(

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from service.catalog.models import CatalogEntry, default_catalog
-from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
 from service.core.spec import AttnImpl, LoraSpec, Method, QuantSpec, TrainingSpec
 from service.core.spec_vision import VisionInputs
@@ -57,10 +57,6 @@ def test_every_catalog_model_estimates(entry: CatalogEntry) -> None:
                     estimate(entry.arch, spec)
                 assert refused.value.field == "method"
                 continue
-        if entry.arch.is_mla:  # parsed, not yet modelled (tests/core/test_references.py)
-            with pytest.raises(InvalidConfigError, match="not modelled yet"):
-                estimate(entry.arch, spec)
-            continue
         est = estimate(entry.arch, spec)
         assert 0 < est.allocated_bytes <= est.reserved_bytes <= est.device_bytes
         assert est.device_bytes < est.device_bytes_upper

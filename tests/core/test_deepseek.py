@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,9 +11,23 @@ import pytest
 from service.catalog.models import default_catalog
 from service.core.architecture import LinearKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
-from service.core.estimator import deepseek_lora_targets, deepseek_model_states
+from service.core.estimator import deepseek_lora_targets, deepseek_model_states, estimate
+from service.core.estimator.deepseek import deepseek_layer_trainable, deepseek_weights
 from service.core.hf_config import from_hf_config
-from service.core.spec import LoraSpec
+from service.core.result import Component
+from service.core.spec import (
+    AttnImpl,
+    LoraSpec,
+    LossImpl,
+    Method,
+    Optim,
+    QuantSpec,
+    SdpaKernel,
+    TrainingSpec,
+    resolve,
+)
+from service.core.spec_parallel import ParallelSpec
+from service.core.units import DType
 from service.trace.reference import spec_from_json
 from tests.core.test_references import TRACES
 
@@ -157,3 +172,78 @@ def test_targets_peft_refuses_are_refused(targets: Any) -> None:
     with pytest.raises(InvalidSpecError) as caught:
         deepseek_lora_targets(V2_LITE.arch, _lora(targets))
     assert caught.value.field == "lora.target_modules"
+
+
+def _v2_job(**changes: Any) -> TrainingSpec:
+    spec = TrainingSpec(
+        method=Method.LORA,
+        batch_size=1,
+        seq_len=1024,
+        lora=_lora("all-linear"),
+        gradient_checkpointing=True,
+    )
+    return replace(spec, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"autocast": True}, "autocast"),
+        ({"dtype": DType.FP32}, "dtype"),
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
+        ({"attn_implementation": AttnImpl.EAGER}, "attn_implementation"),
+        ({"sdpa_kernel": SdpaKernel.FLASH}, "sdpa_kernel"),
+        ({"sdpa_kernel": SdpaKernel.MATH}, "sdpa_kernel"),
+        ({"loss": LossImpl.FUSED}, "loss"),
+        ({"optim": Optim.ADAMW_BNB_8BIT}, "optim"),
+        (
+            {"lora": LoraSpec(r=16, target_modules="all-linear", lora_dropout=0.05)},
+            "lora.lora_dropout",
+        ),
+        ({"lora": LoraSpec(r=16, target_modules="all-linear", use_dora=True)}, "lora.use_dora"),
+        (
+            {"lora": LoraSpec(r=16, target_modules="all-linear", adapter_dtype=DType.BF16)},
+            "lora.adapter_dtype",
+        ),
+        (
+            {"method": Method.QLORA, "quantization": QuantSpec(prepare_kbit=False)},
+            "quantization.prepare_kbit",
+        ),
+        ({"parallel": ParallelSpec(gpus=2)}, "parallel.gpus"),
+    ],
+)
+def test_settings_no_trace_checked_are_refused(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        estimate(V2_LITE.arch, _v2_job(**changes))
+    assert caught.value.field == field
+    assert "DeepSeek" in str(caught.value)
+
+
+def test_v3_refuses_what_v2_refuses() -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        estimate(V3.arch, _v2_job(autocast=True))
+    assert caught.value.field == "autocast"
+
+
+def test_v2_step_scales_with_the_tokens() -> None:
+    """The saved tensors grow with the tokens, the expert stacks' merged copies do not."""
+    one = estimate(V2_LITE.arch, _v2_job(gradient_checkpointing=False))
+    two = estimate(V2_LITE.arch, _v2_job(gradient_checkpointing=False, batch_size=2))
+    acts_one = one.components[Component.ACTIVATIONS]
+    acts_two = two.components[Component.ACTIVATIONS]
+    assert acts_one < acts_two < 2 * acts_one
+
+
+@pytest.mark.parametrize("method", [Method.LORA, Method.FULL])
+def test_layer_trainable_bytes_add_up_to_the_model(method: Method) -> None:
+    """One MoE layer's and one dense layer's trainable bytes (the gradients a layer's backward
+    has made) times their counts, with the embedding, final norm and head, are the model's."""
+    arch = V2_LITE.arch
+    spec = _v2_job(method=method, lora=_lora("all-linear") if method is Method.LORA else None)
+    rs = resolve(spec)
+    moe, dense = deepseek_layer_trainable(arch, rs)
+    params = deepseek_weights(arch, spec.method, spec.dtype, rs.lora, None, rs.adapter_dtype)
+    layers = (arch.num_hidden_layers - arch.dense_layers) * moe + arch.dense_layers * dense
+    outside = params.embed_trainable + params.head_trainable
+    assert layers + outside == params.trainable
+    assert moe > dense > 0

@@ -13,7 +13,6 @@ import pytest
 
 from service.catalog.models import default_catalog
 from service.core.device import REFERENCE_COMPUTE_CAPABILITY
-from service.core.errors import InvalidConfigError
 from service.core.estimator import estimate
 from service.core.result import Component, Estimate
 from service.core.units import MIB
@@ -129,36 +128,8 @@ COMPONENT_SLACK_BYTES = 16 * MIB
 KNOWN_GAPS: dict[str, tuple[float, str]] = {}
 
 
-# Model types traced but not yet modelled: the estimate refuses them (a 422 naming the reason,
-# service/core/estimator/step.py _check_modelled). Their references are checked for that
-# refusal instead; once one is modelled, its refusal test fails and it joins the comparison.
-REFUSED_MODEL_TYPES = {
-    "deepseek_v2": "multi-head latent attention, dense first layers, PEFT's expert adapters",
-}
-
-
-def _refused(ref: dict[str, Any]) -> bool:
-    return default_catalog().resolve(ref["model_id"]).arch.model_type in REFUSED_MODEL_TYPES
-
-
 def _references(directory: Path) -> list[dict[str, Any]]:
-    refs = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
-    return [ref for ref in refs if not _refused(ref)]
-
-
-def test_references_of_unmodelled_architectures_are_refused() -> None:
-    refused = [
-        ref
-        for ref in (json.loads(p.read_text()) for p in sorted(TRACES.glob("*.json")))
-        if _refused(ref)
-    ]
-    assert {default_catalog().resolve(r["model_id"]).arch.model_type for r in refused} == set(
-        REFUSED_MODEL_TYPES
-    )
-    for ref in refused:
-        with pytest.raises(InvalidConfigError, match="not modelled yet") as caught:
-            _estimate(ref)
-        assert caught.value.field == "model_type"
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
 
 
 def _estimate(ref: dict[str, Any]) -> Estimate:

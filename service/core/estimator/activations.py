@@ -22,6 +22,11 @@ from service.core.estimator.adapter import (
     v2_linear_saves,
 )
 from service.core.estimator.attention_saves import _AttnChoice, attention_saves
+from service.core.estimator.deepseek import (
+    deepseek_expert_parts,
+    deepseek_moe_saves,
+    mla_attention_saves,
+)
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
 from service.core.estimator.oft import rotation_saves
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
@@ -117,6 +122,9 @@ class LayerFlow:
     adapter_v2: bool = False
     # PEFT's prefix tuning: keys and values run behind the virtual tokens (estimator/prefix.py)
     prefix: bool = False
+    # DeepSeek: which of the MoE block's parameters PEFT adapts ("router", "gate_up", "down";
+    # `deepseek.deepseek_lora_targets`), each its own ParamWrapper
+    expert_parts: frozenset[str] = frozenset()
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -204,6 +212,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         adapter_prompt=ADAPTER_PROMPT_LENGTH if is_adapter(rs) else 0,
         adapter_v2=v2,
         prefix=spec.method is Method.PREFIX_TUNING,
+        expert_parts=deepseek_expert_parts(arch, lora) if arch.is_mla else frozenset(),
     )
 
 
@@ -449,6 +458,9 @@ def _mlp_saves(
     down = by_kind.get(LinearKind.MLP_OUT)
     for lin in mlp_in:
         _linear_saves(led, f, lin, x_key, out, input_grad=input_grad)
+    if arch.is_moe and arch.is_mla:
+        deepseek_moe_saves(led, f, arch, x_key, _linear_saves)
+        return
     if arch.is_moe:
         _moe_saves(led, f, arch, x_key)
         return
@@ -597,14 +609,22 @@ def _layer_recipe(
             led.add("norm2.normed", h * f.residual)
         _mlp_saves(led, f, arch, "norm2.out", at_up_proj=at_up_proj)
         return led.recipe()
-    for lin in arch.linears:
-        if lin.kind is LinearKind.ATTN_QKV:
-            _linear_saves(
-                led, f, lin, "norm1.out", f.norm_out, input_grad=input_needs_grad or norm1_trains
-            )
-    if arch.qk_norm:
-        _qk_norm_saves(led, f, arch)
-    attention_saves(led, f, arch, spec_like)
+    if arch.is_mla:
+        mla_attention_saves(led, f, arch, _linear_saves, input_needs_grad or norm1_trains)
+    else:
+        for lin in arch.linears:
+            if lin.kind is LinearKind.ATTN_QKV:
+                _linear_saves(
+                    led,
+                    f,
+                    lin,
+                    "norm1.out",
+                    f.norm_out,
+                    input_grad=input_needs_grad or norm1_trains,
+                )
+        if arch.qk_norm:
+            _qk_norm_saves(led, f, arch)
+        attention_saves(led, f, arch, spec_like)
     if f.adapter_prompt:
         adapter_attention_saves(led, arch, f.attn, main_records=input_needs_grad or f.adapter_v2)
     if until_attention:

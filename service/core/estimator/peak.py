@@ -18,7 +18,7 @@ from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
-from service.core.estimator.step import PHASES, _Step, _step
+from service.core.estimator.step import PHASES, _check_modelled, _Step, _step
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.vision import model_step
@@ -47,6 +47,7 @@ def estimate(
 ) -> Estimate:
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
+    _check_modelled(arch, spec)  # before the objectives' own steps, which run SFT policies
     if spec.objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.GRPO):
         return _dpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.REWARD:
@@ -81,6 +82,7 @@ def peak_levels(
 ) -> PeakLevels:
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
+    _check_modelled(arch, spec)
     if spec.objective in (
         Objective.DPO,
         Objective.KTO,

@@ -29,6 +29,7 @@ from service.core.estimator.adapter import (
     is_adapter,
     is_v2,
 )
+from service.core.estimator.deepseek import deepseek_weights, dense_arch
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes
@@ -99,6 +100,9 @@ class _Plan:
     assumptions: tuple[str, ...]  # the resolved spec's, and the plan's own
     traits: _StepTraits  # the step's shape-independent choices (`_step_traits`)
     whole: RankLayout  # the states of a job on one GPU (`layout.whole_layout`)
+    # DeepSeek's first `dense_layers` layers (a dense MLP), when the model has MoE layers too:
+    # `first_layer` is then the first of them
+    dense_layer: tuple[tuple[int, _Kind, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,25 +133,29 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     check_adapter_model(arch, rs)
     adapted = adapted_linears(arch, rs)
     f = layer_flow(arch, rs, adapted)
-    p = _params(
-        arch,
-        unit.method,
-        unit.dtype,
-        rs.lora,
-        rs.quantization,
-        rs.adapter_dtype,
-        adapted,
-        f.head_quantized,
-        expert_adapters(arch, rs),
-        tuner_tensors(arch, rs) + adapter_tensors(arch, rs),
-        rs.lokr,
-        is_v2(rs),
-        rs.oft,
-        rs.boft,
+    p = (
+        deepseek_weights(arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype)
+        if arch.is_mla
+        else _params(
+            arch,
+            unit.method,
+            unit.dtype,
+            rs.lora,
+            rs.quantization,
+            rs.adapter_dtype,
+            adapted,
+            f.head_quantized,
+            expert_adapters(arch, rs),
+            tuner_tensors(arch, rs) + adapter_tensors(arch, rs),
+            rs.lokr,
+            is_v2(rs),
+            rs.oft,
+            rs.boft,
+        )
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
-        (lin for lin in arch.linears if not lin.expert),
+        (lin for lin in (*arch.linears, *arch.dense_linears) if not lin.expert),
         key=lambda lin: lin.in_features * lin.out_features,
     )
     if not unit.kbit_base:
@@ -181,16 +189,22 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             f"{unit.method.value} is modelled from LitGPT's lit_gpt/adapter*.py (prompt length "
             f"10 from layer {ADAPTER_START_LAYER}, bf16-true parameters), not traced",
         )
+    first_arch = arch
+    dense_layer: tuple[tuple[int, _Kind, int], ...] = ()
+    if arch.dense_layers:
+        first_arch = dense_arch(arch)
+        dense_layer = _layer_recipe(first_arch, f, attn, kernel, True, single=single)
     return _Plan(
         rs=rs,
         adapted=adapted,
+        dense_layer=dense_layer,
         flow=f,
         params=p,
         optimizer=optimizer,
         whole=whole_layout(p, optimizer),
         layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
         first_layer=_layer_recipe(
-            arch,
+            first_arch,
             lower if is_v2(rs) else f,
             attn,
             kernel,

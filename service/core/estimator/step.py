@@ -6,10 +6,14 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
-from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.errors import InvalidSpecError
 from service.core.estimator.adalora import adalora_parts
 from service.core.estimator.adapter import norm_product_bytes
-from service.core.estimator.deepseek import deepseek_model_states
+from service.core.estimator.deepseek import (
+    check_deepseek_spec,
+    deepseek_layer_trainable,
+    deepseek_rope_bytes,
+)
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
@@ -53,9 +57,10 @@ def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
     quant = plan.rs.quantization
     if spec.method is Method.QLORA and arch.is_moe and quant is not None:
         experts = sum(lin.weight_elements for lin in arch.linears if lin.expert)
+        moe_layers = arch.num_hidden_layers - arch.dense_layers  # DeepSeek's are dense first
         dtype = "fp32 (kbit preparation casts them)" if quant.prepare_kbit else str(spec.dtype)
         warnings.append(
-            f"the routed experts ({experts * arch.num_hidden_layers / 1e9:.2f}B parameters) "
+            f"the routed experts ({experts * moe_layers / 1e9:.2f}B parameters) "
             f"stay unquantized in {dtype}: transformers 5 keeps them as 3-D parameters, which "
             "bitsandbytes does not replace"
         )
@@ -173,27 +178,10 @@ def _unquantized(arch: ModelArch, spec: TrainingSpec) -> TrainingSpec | None:
 
 
 def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
-    """Refuse the architectures the step's schedule does not model yet (after the spec's own
-    errors for them: PEFT's LoRA targets), naming what their model states alone hold."""
-    if not (arch.is_mla or arch.dense_layers):
-        return
-    states = deepseek_model_states(arch, spec)
-    held = states.frozen + states.trainable + states.optimizer_state
-    floor = (
-        f"; on one GPU its weights and optimizer state alone hold {held / GIB:.2f} GiB "
-        "(a lower bound of the peak: gradients and activations come on top)"
-        if spec.parallel.gpus == 1
-        else ""
-    )
-    raise InvalidConfigError(
-        "model_type",
-        f"{arch.model_type!r} is parsed but its training step is not modelled yet: "
-        "multi-head latent attention (q/k and v of different head dims, hence SDPA's "
-        "mem-efficient kernel), dense first layers beside MoE ones, and the adapters PEFT 0.21 "
-        "puts on the routed experts' 3-D parameters and the router for gate_proj/up_proj/"
-        f"down_proj/gate targets, which materialise a weight-sized copy of each expert stack"
-        f"{floor}",
-    )
+    """Refuse the settings of a DeepSeek (multi-head latent attention) job that no reference
+    trace has checked (`check_deepseek_spec`)."""
+    if arch.is_mla or arch.dense_layers:
+        check_deepseek_spec(spec)
 
 
 def _step(
@@ -257,8 +245,11 @@ def _step(
     # HF Trainer calls enable_input_require_grads() for PEFT models with checkpointing; without
     # it (and with a frozen embedding) the first layer's input takes no gradient, unless
     # trainable virtual tokens are part of it.
+    # DeepSeek's first layers run a dense MLP: the first layer is one of them
+    dense_layer = _recipe_bytes(plan.dense_layer, b, s) if plan.dense_layer else per_layer
+    n_dense = arch.dense_layers
     first_layer = (
-        per_layer
+        dense_layer
         if traits.embed_trains or spec.gradient_checkpointing or virtual
         else _recipe_bytes(plan.first_layer, b, s, prefix)
     )
@@ -304,6 +295,8 @@ def _step(
     # RoPE's cos and sin, (1, s, head_dim) in the residual dtype, computed once per forward
     # and saved by every layer's rotation (transformers LlamaRotaryEmbedding).
     rope = 2 * _blk(s * arch.head_dim * f.residual)
+    if arch.is_mla:
+        rope = deepseek_rope_bytes(arch, s, f.residual)
     alibi = 0
     if arch.alibi:
         # BLOOM has no rotary tables; its ALiBi bias, (b * heads, 1, s) in the residual dtype
@@ -360,6 +353,8 @@ def _step(
             + first_layer
             + final_norm
         )
+        if n_dense:
+            activations += (n_dense - 1) * (dense_layer - per_layer)
         recompute = 0
     if spec.attn_implementation is AttnImpl.EAGER:
         extra = (FP32_BYTES + HALF_BYTES) * b * arch.num_attention_heads * s * s
@@ -454,6 +449,39 @@ def _step(
                 backward_temporaries=2 * grad_hidden + merged_grad + slots,
             )
         )
+    if "down" in f.expert_parts:
+        # DeepSeek: the lowest MoE layer's experts in backward, as for Qwen3-MoE above: the down
+        # GEMM's merged weight gradient beside the gradients of its output and input per routed
+        # slot; that layer's and the dense layers' adapters have no gradient yet, the dense
+        # layers' checkpoints (or activations) are still held, with the rotary table
+        # (reference traces deepseek-v2-lite__*lora__*ckpt, peak at aten._grouped_mm).
+        e, ie, k = arch.num_experts, arch.expert_intermediate_size, arch.num_experts_per_tok
+        merged_grad = _blk(e * h * ie * f.norm_out)
+        slots = _blk(tokens * k * h * f.norm_out) + _blk(tokens * k * ie * f.norm_out)
+        moe_grads, dense_grads = deepseek_layer_trainable(arch, rs)
+        below = (n_dense + 1) * checkpoint if ckpt else first_layer + (n_dense - 1) * dense_layer
+        in_flight_experts = 2 * grad_hidden + merged_grad + slots
+        candidates.append(
+            _Moment(
+                gradients=ga_grads or bottom_grads - moe_grads - n_dense * dense_grads,
+                activations=below + rope + (0 if ckpt else per_layer - slots),
+                recompute=recompute - slots if ckpt else 0,
+                backward_temporaries=in_flight_experts,
+            )
+        )
+        if not ckpt:
+            # Without checkpointing the top layer's is the larger: every layer's saved tensors
+            # but the final norm's fp32 input (consumed) and the slots, only the head's
+            # gradients (reference traces deepseek-*__lora__*-s*, no ckpt: the backward
+            # phase's peak at aten._grouped_mm in the top layer).
+            norm_input = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+            candidates.append(
+                _Moment(
+                    gradients=ga_grads or head_grads,
+                    activations=activations - norm_input - slots,
+                    backward_temporaries=in_flight_experts,
+                )
+            )
     if ckpt and plan.up_proj_moment:
         # Recomputing the top layer: every checkpoint (the final norm's saved tensors are
         # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized

@@ -6,7 +6,7 @@ import math
 from enum import Enum
 from functools import lru_cache
 
-from service.core.architecture import ModelArch
+from service.core.architecture import Linear, ModelArch
 from service.core.overhead import Uncertainty
 from service.core.spec import ZERO_STAGES, Framework, Method, Strategy, TrainingSpec
 from service.core.units import DTYPE_BYTES, DType
@@ -90,12 +90,16 @@ def _uncertainty_of(
         reserved = RESERVED_SIGMA_APPROXIMATE
     loading = 0
     if method is Method.QLORA:
-        quantized = sum(
-            lin.in_features * lin.out_features for lin in arch.linears if not lin.expert
+
+        def quantized(linears: tuple[Linear, ...]) -> int:
+            return sum(lin.in_features * lin.out_features for lin in linears if not lin.expert)
+
+        # (DeepSeek's first layers hold a dense MLP in place of the MoE block's linears)
+        layers = arch.num_hidden_layers - arch.dense_layers
+        elements = layers * quantized(arch.linears) + arch.dense_layers * quantized(
+            arch.dense_linears
         )
-        loading = math.ceil(
-            QUANTIZED_LOAD_SIGMA * quantized * arch.num_hidden_layers * DTYPE_BYTES[DType.BF16]
-        )
+        loading = math.ceil(QUANTIZED_LOAD_SIGMA * elements * DTYPE_BYTES[DType.BF16])
         notes.append(
             "a quantized base leaves cached blocks where its bf16 weights were quantized, laid out "
             "by the loader: reserved is uncertain by that"

@@ -129,6 +129,13 @@ def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
         return ()
     targets = rs.lora.target_modules
     candidates = [lin for lin in arch.linears if not lin.expert]
+    if arch.is_mla:
+        # DeepSeek: PEFT sends the MLP names to the experts' parameters, so no nn.Linear of
+        # those names takes an adapter (estimator/deepseek.py, which imports this module)
+        from service.core.estimator.deepseek import deepseek_lora_targets
+
+        modules = deepseek_lora_targets(arch, rs.lora).modules
+        return tuple(lin for lin in candidates if lin.name in modules)
     if targets == ALL_LINEAR:
         return tuple(candidates)
     field = rs.options_field
