@@ -37,6 +37,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_vision import VisionInputs
+from service.core.stack import PINNED_STACK
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
@@ -94,7 +95,8 @@ def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
     but the stack (the tracer runs only the installed one, which a reference records apart,
     `libraries`) and LoRA's DoRA and rsLoRA switches while they are off."""
     data = spec_to_dict(spec)
-    del data["stack"]
+    if spec.stack == PINNED_STACK:
+        del data["stack"]  # (written only when another stack is emulated)
     lora = data.get("lora")
     for option in ("use_dora", "use_rslora"):  # written when on, as references before them
         if lora is not None and not lora.get(option):
@@ -306,6 +308,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append("offload-acts")
     if spec.parallel.gpus != 1:
         parts.append(_parallel_name(spec.parallel))
+    if spec.stack != PINNED_STACK:
+        parts.append(f"transformers{spec.stack.transformers}")
     return "__".join(parts).replace(".", "_")
 
 
@@ -587,7 +591,7 @@ def matrix() -> list[Case]:
     covered = {
         (m, s.gradient_checkpointing, s.attn_implementation, s.autocast)
         for m, s in cases
-        if s.method is lora
+        if s.method is lora and s.stack == PINNED_STACK
     }
     families = (QWEN_7B, LLAMA_8B, MISTRAL_7B, GEMMA_2B, PHI_3, QWEN_MOE, QWEN_05B)
     for model_id in (*families, PHI_2, GEMMA_3, QWEN3_MOE):

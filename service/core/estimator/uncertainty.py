@@ -90,9 +90,7 @@ def _uncertainty_of(
         reserved = RESERVED_SIGMA_APPROXIMATE
     loading = 0
     if method is Method.QLORA:
-        quantized = sum(
-            lin.in_features * lin.out_features for lin in arch.linears if not lin.expert
-        )
+        quantized = sum(lin.weight_elements for lin in arch.linears if lin.nn_linear)
         loading = math.ceil(
             QUANTIZED_LOAD_SIGMA * quantized * arch.num_hidden_layers * DTYPE_BYTES[DType.BF16]
         )
