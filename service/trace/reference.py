@@ -37,7 +37,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_vision import VisionInputs
-from service.core.stack import PINNED_STACK
+from service.core.stack import PINNED_STACK, preset
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
@@ -50,6 +50,7 @@ from service.trace.families import (
     LLAMA_1B,
     LLAMA_8B,
     MISTRAL_7B,
+    MIXTRAL,
     PHI_2,
     PHI_3,
     QWEN3_MOE,
@@ -584,6 +585,21 @@ def matrix() -> list[Case]:
         _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
         _spec(qlora, 1, 1024, ckpt=True),
         _spec(full, 1, 512, ckpt=True),
+    )
+    # transformers 4's MoE layout (stack 'hf-4.48'): the router and every expert's linears
+    # nn.Linear modules run expert by expert (service/trace/linear_experts.py), which
+    # bitsandbytes quantizes and "all-linear" adapts one by one.
+    v4 = preset("hf-4.48")
+    add(
+        QWEN_MOE,
+        _spec(lora, 1, 512, ckpt=True, stack=v4),
+        _spec(qlora, 1, 512, ckpt=True, stack=v4),
+        _spec(lora, 1, 512, stack=v4),
+    )
+    add(
+        MIXTRAL,
+        _spec(qlora, 1, 1024, ckpt=True, stack=v4),
+        _spec(lora, 1, 1024, ckpt=True, stack=v4),
     )
     # Every family's LoRA step with checkpointing on and off, SDPA (the kernel PyTorch picks)
     # and eager attention, mixed precision on and off: the combinations the cases above do
