@@ -7,7 +7,7 @@ counts, LoRA targets, quantized weights and saved activations are all derived fr
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from enum import StrEnum
 
 from service.core.architecture_mllama import EXTRA_EMBEDDING_ROWS, MllamaVision
@@ -37,6 +37,16 @@ class Linear:
     # Not an nn.Linear in transformers 5 (MoE experts and routers are bare Parameters):
     # never a LoRA "all-linear" target, never quantized.
     expert: bool = False
+    # transformers 4's MoE layout (`service.core.estimator.looped_experts`): a MoE block's
+    # router, or its experts' linears, as `count` nn.Linear modules (one per expert) run in a
+    # Python loop over the experts; bitsandbytes quantizes each and PEFT adapts each.
+    looped: bool = False
+
+    @property
+    def nn_linear(self) -> bool:
+        """Whether it is an nn.Linear module (each of `count`), which bitsandbytes quantizes
+        and PEFT's "all-linear" matches."""
+        return not self.expert or self.looped
 
     @property
     def weight_elements(self) -> int:
@@ -301,3 +311,32 @@ class ModelArch:
             if lin.expert and lin.count > 1
         )
         return self.total_params - (self.num_hidden_layers - self.dense_layers) * inactive
+
+
+# The module path PEFT matches each looped expert's linears under (...mlp.experts.<i>.<name>).
+EXPERTS_PREFIX = "experts."
+
+# The order an expert's __init__ registers its linears (MixtralBlockSparseTop2MLP: w1, w2, w3;
+# Qwen2MoeMLP: gate_proj, up_proj, down_proj), the order a load makes their tensors and
+# model.parameters() lists their adapters.
+REGISTRATION_ORDER = ("w1", "w2", "w3", "gate_proj", "up_proj", "down_proj")
+
+
+def module_order(arch: ModelArch) -> tuple[Linear, ...]:
+    """A layer's linears in module order, one entry per module: the looped experts expanded
+    expert by expert (each expert's linears in registration order, `count` 1), in place of
+    their stacked entries; `arch.linears` itself when nothing is looped."""
+    experts = [lin for lin in arch.linears if lin.looped and lin.kind is not LinearKind.ROUTER]
+    if not experts:
+        return arch.linears
+    one = sorted(
+        (replace(lin, count=1) for lin in experts),
+        key=lambda lin: REGISTRATION_ORDER.index(lin.name.removeprefix(EXPERTS_PREFIX)),
+    )
+    out: list[Linear] = []
+    for lin in arch.linears:
+        if lin is experts[0]:
+            out += one * arch.num_experts
+        elif lin not in experts:
+            out.append(lin)
+    return tuple(out)

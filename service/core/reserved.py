@@ -27,6 +27,7 @@ from service.core.architecture import (
     MlpKind,
     ModelArch,
     NormKind,
+    module_order,
 )
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.schedule import (
@@ -400,11 +401,11 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     other = plan.residual if kbit else md
     sizes: list[int] = [arch.vocab_size * arch.hidden_size * other]
     layer: list[int] = []
-    for lin in arch.linears:
-        if kbit and not lin.expert and plan.quant_type is QuantType.INT8:
+    for lin in module_order(arch):  # (transformers 4's looped experts one by one)
+        if kbit and lin.nn_linear and plan.quant_type is QuantType.INT8:
             # Int8Params: the int8 weight (CB) and one fp32 scale per output row (SCB)
             layer += [lin.in_features * lin.out_features, lin.out_features * FP32_BYTES]
-        elif kbit and not lin.expert:
+        elif kbit and lin.nn_linear:
             layer += _quantized(lin.in_features * lin.out_features, plan)
         else:
             layer.append(lin.weight_elements * md)

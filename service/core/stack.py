@@ -10,8 +10,10 @@ What differs between the stacks the presets name (each from the library's source
 - MoE experts: transformers 5 keeps a block's experts as 3-D parameters (MixtralExperts,
   Qwen2MoeExperts) run by grouped GEMMs, which bitsandbytes does not quantize and PEFT's
   "all-linear" does not adapt; transformers 4 builds one nn.Linear per expert
-  (MixtralBlockSparseTop2MLP, Qwen2MoeMLP), looped over in Python, which bitsandbytes quantizes
-  and "all-linear" adapts. Only the first layout is modelled.
+  (MixtralBlockSparseTop2MLP, Qwen2MoeMLP) and the router as an nn.Linear, looped over in
+  Python, which bitsandbytes quantizes and "all-linear" adapts. Both are modelled, the second
+  for LoRA and QLoRA on one GPU (`service.core.estimator.looped_experts`); a model type that
+  the stack's transformers does not implement yet is refused.
 
 What differs with torch's version, modelled (each from torch's source):
 - torch before 2.0: `zero_grad()` defaults to set_to_none=False (torch/optim/optimizer.py
@@ -64,9 +66,14 @@ class Stack:
 
     @property
     def transformers_major(self) -> int:
+        return self.transformers_release[0]
+
+    @property
+    def transformers_release(self) -> tuple[int, int]:
+        """transformers' (major, minor)."""
         match = VERSION_PATTERN.match(self.transformers)
         assert match is not None  # checked on construction
-        return int(match.group(1))
+        return int(match.group(1)), int(match.group(2) or 0)
 
     @property
     def torch_release(self) -> tuple[int, int]:
@@ -109,6 +116,13 @@ class Stack:
 
 # transformers 5.0 moved MoE experts to 3-D parameters (models/mixtral/modeling_mixtral.py).
 FIRST_FUSED_EXPERTS_MAJOR = 5
+# The first transformers release of each MoE model type the transformers 4 layout is modelled
+# for (the release notes: v4.36.0 added Mixtral, v4.40.0 Qwen2-MoE, v4.51.0 Qwen3-MoE).
+FIRST_TRANSFORMERS_RELEASE: dict[str, tuple[int, int]] = {
+    "mixtral": (4, 36),
+    "qwen2_moe": (4, 40),
+    "qwen3_moe": (4, 51),
+}
 # torch 2.0 made set_to_none=True zero_grad's default (torch/optim/optimizer.py).
 FIRST_SET_TO_NONE_TORCH = (2, 0)
 # torch 2.0 added torch.nn.functional.scaled_dot_product_attention (its release notes).
@@ -171,12 +185,12 @@ def stack_note(stack: Stack) -> str:
     return (
         f"stack: {stack.describe()} requested, modelled as the traced stack "
         f"({PINNED_STACK.describe()}) runs the job{modelled}; the differences known to change "
-        "memory and not modelled (MoE experts on transformers 4, a decoder's step on torch "
-        "before 2.0) are refused, others are not modelled"
+        "memory and not modelled (a decoder's step on torch before 2.0) are refused, others "
+        "are not modelled"
     )
 
 
-def check_stack(stack: Stack, is_moe: bool, *, encoder: bool = False) -> None:
+def check_stack(stack: Stack, is_moe: bool, *, encoder: bool = False, model_type: str = "") -> None:
     """Refuse a job whose memory on `stack` differs from the modelled stack's, naming why."""
     if stack.zero_grad_keeps_gradients and not encoder:
         raise InvalidSpecError(
@@ -187,11 +201,18 @@ def check_stack(stack: Stack, is_moe: bool, *, encoder: bool = False) -> None:
             "stack with torch 2.0 or later, e.g. 'hf-4.48'",
         )
     if is_moe and stack.experts_are_linears:
-        raise InvalidSpecError(
-            "stack",
-            f"transformers {stack.transformers} builds a MoE's experts as one nn.Linear each, "
-            "looped over per expert, which bitsandbytes quantizes and LoRA's all-linear "
-            "adapts; that layout is not modelled (transformers 5 keeps them as 3-D "
-            "parameters run by grouped GEMMs): use a stack with transformers 5, e.g. "
-            "'hf-5.24'",
-        )
+        first = FIRST_TRANSFORMERS_RELEASE.get(model_type)
+        if first is None:
+            raise InvalidSpecError(
+                "stack",
+                f"transformers {stack.transformers}'s per-expert layout of {model_type!r} (one "
+                "nn.Linear per expert) is not modelled (only Mixtral, Qwen2-MoE and "
+                "Qwen3-MoE's): use a stack with transformers 5, e.g. 'hf-5.24'",
+            )
+        if stack.transformers_release < first:
+            raise InvalidSpecError(
+                "stack",
+                f"transformers {stack.transformers} cannot run {model_type!r}: it was added in "
+                f"{first[0]}.{first[1]}.0; use a stack with transformers {first[0]}.{first[1]} "
+                "or later",
+            )

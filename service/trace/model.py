@@ -33,6 +33,7 @@ from service.core.spec import (
 )
 from service.core.units import DType
 from service.trace.delta import DELTA_METHODS, apply_delta
+from service.trace.linear_experts import install, is_moe_block
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.FP32: torch.float32,
@@ -124,6 +125,9 @@ def build_meta_model(resolved: ResolvedSpec, config: Mapping[str, Any]) -> Built
         model = auto.from_config(hf_config, dtype=dtype)
     model.config.use_cache = False
     model.train()
+    if spec.stack.experts_are_linears and any(is_moe_block(m) for m in model.modules()):
+        # transformers 4's layout: one nn.Linear per expert, looped over (linear_experts.py)
+        install(model, dtype)
 
     if spec.method is Method.QLORA:
         _quantize(model, resolved)
@@ -283,7 +287,11 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
     if spec.method in (Method.LORA, Method.LORA_FA) and spec.gradient_checkpointing:
         _enable_checkpointing(model)
     adapters_fp32 = resolved.adapter_dtype is DType.FP32
-    with warnings.catch_warnings(), _dora_reads_4bit_layers_in_place(lora.use_dora):
+    with (
+        warnings.catch_warnings(),
+        _dora_reads_4bit_layers_in_place(lora.use_dora),
+        _v4_targets(spec.stack.experts_are_linears),
+    ):
         warnings.simplefilter("ignore")
         peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=adapters_fp32)
     if not adapters_fp32:
@@ -301,6 +309,28 @@ def _apply_lora(model: Any, resolved: ResolvedSpec) -> Any:
         # HF Trainer does this for PEFT models so checkpointed layers get an input needing grad.
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+@contextlib.contextmanager
+def _v4_targets(on: bool) -> Iterator[None]:
+    """PEFT's targets as on transformers 4, where `on`: PEFT 0.21 on transformers 5 rewrites
+    a MoE model's expert and router targets (w1/w2/w3, gate_proj/up_proj/down_proj, gate; and
+    "all-linear", which it resolves to them) into `target_parameters` of the fused 3-D experts
+    (peft/tuners/tuners_utils.py inject_adapter, behind `is_transformers_ge_v5`;
+    peft/utils/transformers_weight_conversion.py _convert_peft_config_moe). On transformers 4
+    nothing is rewritten (PEFT 0.14 has no such conversion): the names match the per-expert
+    nn.Linear modules that `linear_experts.install` builds, as PEFT 0.14 matches them."""
+    if not on:
+        yield
+        return
+    from peft.tuners import tuners_utils
+
+    before = tuners_utils.is_transformers_ge_v5
+    tuners_utils.is_transformers_ge_v5 = False
+    try:
+        yield
+    finally:
+        tuners_utils.is_transformers_ge_v5 = before
 
 
 def _task_type(model_type: str, objective: Objective = Objective.SFT) -> str:

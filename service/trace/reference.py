@@ -37,6 +37,7 @@ from service.core.spec import (
     TrainingSpec,
 )
 from service.core.spec_vision import VisionInputs
+from service.core.stack import PINNED_STACK, preset
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
@@ -50,6 +51,7 @@ from service.trace.families import (
     LLAMA_1B,
     LLAMA_8B,
     MISTRAL_7B,
+    MIXTRAL,
     MLA_PROJECTIONS,
     PHI_2,
     PHI_3,
@@ -96,7 +98,8 @@ def spec_to_json(spec: TrainingSpec) -> dict[str, Any]:
     but the stack (the tracer runs only the installed one, which a reference records apart,
     `libraries`) and LoRA's DoRA and rsLoRA switches while they are off."""
     data = spec_to_dict(spec)
-    del data["stack"]
+    if spec.stack == PINNED_STACK:
+        del data["stack"]  # (written only when another stack is emulated)
     lora = data.get("lora")
     for option in ("use_dora", "use_rslora"):  # written when on, as references before them
         if lora is not None and not lora.get(option):
@@ -308,6 +311,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append("offload-acts")
     if spec.parallel.gpus != 1:
         parts.append(_parallel_name(spec.parallel))
+    if spec.stack != PINNED_STACK:
+        parts.append(f"transformers{spec.stack.transformers}")
     return "__".join(parts).replace(".", "_")
 
 
@@ -596,13 +601,28 @@ def matrix() -> list[Case]:
         _spec(qlora, 1, 1024, ckpt=True),
         _spec(full, 1, 512, ckpt=True),
     )
+    # transformers 4's MoE layout (stack 'hf-4.48'): the router and every expert's linears
+    # nn.Linear modules run expert by expert (service/trace/linear_experts.py), which
+    # bitsandbytes quantizes and "all-linear" adapts one by one.
+    v4 = preset("hf-4.48")
+    add(
+        QWEN_MOE,
+        _spec(lora, 1, 512, ckpt=True, stack=v4),
+        _spec(qlora, 1, 512, ckpt=True, stack=v4),
+        _spec(lora, 1, 512, stack=v4),
+    )
+    add(
+        MIXTRAL,
+        _spec(qlora, 1, 1024, ckpt=True, stack=v4),
+        _spec(lora, 1, 1024, ckpt=True, stack=v4),
+    )
     # Every family's LoRA step with checkpointing on and off, SDPA (the kernel PyTorch picks)
     # and eager attention, mixed precision on and off: the combinations the cases above do
     # not already cover, at one sequence of 1024 tokens.
     covered = {
         (m, s.gradient_checkpointing, s.attn_implementation, s.autocast)
         for m, s in cases
-        if s.method is lora
+        if s.method is lora and s.stack == PINNED_STACK
     }
     families = (QWEN_7B, LLAMA_8B, MISTRAL_7B, GEMMA_2B, PHI_3, QWEN_MOE, QWEN_05B)
     for model_id in (*families, PHI_2, GEMMA_3, QWEN3_MOE):

@@ -39,7 +39,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.stack import PINNED_STACK
+from service.core.stack import PINNED_STACK, stack_behaviours
 from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward, vision
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
@@ -95,9 +95,16 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
             raise NotTraceableError(reason)
         notes.extend(parallel.notes(spec))
     if spec.stack != PINNED_STACK:
-        raise NotTraceableError(
-            f"the tracer runs the installed stack ({PINNED_STACK.describe()}), not "
-            f"{spec.stack.describe()}"
+        if stack_behaviours(spec.stack) or not spec.stack.experts_are_linears:
+            raise NotTraceableError(
+                f"the tracer runs the installed stack ({PINNED_STACK.describe()}), not "
+                f"{spec.stack.describe()}"
+            )
+        # The one difference of such a stack the estimate models, emulated.
+        notes.append(
+            f"stack {spec.stack.describe()}: transformers 4's MoE layout (one nn.Linear per "
+            "expert, looped over) emulated on the installed libraries "
+            "(service/trace/linear_experts.py), PEFT's targets matched as on transformers 4"
         )
     torchtune_step = spec.optimizer_in_backward or spec.activation_offloading
     if spec.framework is not Framework.HF and not (

@@ -14,6 +14,7 @@ from service.api.schemas.jobs import StackPreset
 from service.catalog.models import default_catalog
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
+from service.core.result import Component
 from service.core.spec import ALL_LINEAR, LoraSpec, Method, TrainingSpec
 from service.core.stack import PINNED_STACK, STACK_PRESETS, Stack, preset
 from tests.api.conftest import SMALL_JOB
@@ -79,20 +80,50 @@ def test_a_stack_that_is_not_one_is_422_naming_the_field(
         )
 
 
-def test_a_moe_on_transformers_4_is_refused_with_the_reason(client: TestClient) -> None:
-    job = {**SMALL_JOB, "model": MOE, "stack": "hf-4.48"}
+def test_a_moe_on_transformers_4_quantizes_and_adapts_every_expert(client: TestClient) -> None:
+    """transformers 4 builds each expert's linears as nn.Linear: QLoRA quantizes them (the 3-D
+    experts of transformers 5 stay in fp32), and all-linear puts a LoRA on each."""
+    arch = default_catalog().resolve(MOE).arch
+    lora = LoraSpec(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
+    spec = TrainingSpec(method=Method.QLORA, batch_size=1, seq_len=512, lora=lora)
+    v5 = estimate(arch, spec)
+    v4 = estimate(arch, replace(spec, stack=preset("hf-4.48")))
+    assert any("stay unquantized in fp32" in w for w in v5.warnings)
+    assert not any("unquantized" in w for w in v4.warnings)
+    assert v4.components[Component.FROZEN_WEIGHTS] < v5.components[Component.FROZEN_WEIGHTS] / 2
+    # one adapter per expert's linear (60 experts x 3) and the router, over 24 layers
+    r, h, ie, e = 16, arch.hidden_size, arch.expert_intermediate_size, arch.num_experts
+    experts = e * r * (3 * h + 3 * ie) + r * (h + e)
+    assert v4.params.trainable - v5.params.trainable >= 24 * experts
+    assert any("expert by expert" in a for a in v4.assumptions)
+    lora_job = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    job = {**SMALL_JOB, "model": MOE, "stack": "hf-4.48", "method": "qlora", "lora": lora_job}
+    body = client.post("/v1/estimates", json=job).json()
+    assert _note(body).startswith("stack: transformers 4.48.0, PEFT 0.14.0")
+    assert any("nn.Linear modules" in a for a in body["assumptions"])
+
+
+def test_a_moe_newer_than_the_stacks_transformers_is_422_naming_the_stack(
+    client: TestClient,
+) -> None:
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    job = {**SMALL_JOB, "model": "Qwen/Qwen3-30B-A3B", "method": "lora", "lora": lora}
+    job["stack"] = "hf-4.48"
     body = _problem(client.post("/v1/estimates", json=job))
     assert body["errors"][0]["loc"] == ["body", "stack"]
-    assert "one nn.Linear each" in body["errors"][0]["detail"]
+    assert "cannot run 'qwen3_moe': it was added in 4.51.0" in body["errors"][0]["detail"]
+    # transformers 4.51 has it: modelled
+    newer = {**job, "stack": {"transformers": "4.51.3", "torch": "2.6.0"}}
+    assert client.post("/v1/estimates", json=newer).status_code == 200
+
+
+def test_what_the_looped_layout_is_not_modelled_for_is_refused() -> None:
     arch = default_catalog().resolve(MOE).arch
-    lora = LoraSpec(target_modules=ALL_LINEAR)
-    spec = TrainingSpec(method=Method.QLORA, batch_size=1, seq_len=512, lora=lora)
-    with pytest.raises(InvalidSpecError) as caught:
-        estimate(arch, replace(spec, stack=preset("hf-4.48")))
+    v4 = preset("hf-4.48")
+    full = TrainingSpec(method=Method.FULL, batch_size=1, seq_len=512, stack=v4)
+    with pytest.raises(InvalidSpecError, match="LoRA and QLoRA") as caught:
+        estimate(arch, full)
     assert caught.value.field == "stack"
-    # the traced stack runs it: its 3-D experts stay unquantized, and the answer says so
-    est = estimate(arch, spec)
-    assert any("stay unquantized in fp32" in w for w in est.warnings)
 
 
 def test_the_core_checks_versions_itself() -> None:

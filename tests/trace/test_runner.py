@@ -27,6 +27,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
+from service.core.stack import preset
 from service.trace.runner import NotTraceableError, check_traceable, trace
 from service.trace.validate import TINY_CONFIGS
 
@@ -159,6 +160,9 @@ def test_a_trace_labels_every_role_and_sees_both_steps() -> None:
         ),
         ({"loss": LossImpl.FUSED}, "loss"),
         ({"optim": Optim.PAGED_ADAMW_8BIT}, "managed memory"),
+        # (a transformers 4 stack with a newer torch is traced, its MoE through the stand-in
+        # block of service/trace/linear_experts.py; torch 1.x behaviours are not emulated)
+        ({"stack": preset("hf-4.16")}, "runs the installed stack"),
     ],
 )
 def test_options_the_tracer_cannot_reproduce_are_refused(

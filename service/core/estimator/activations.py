@@ -28,6 +28,7 @@ from service.core.estimator.deepseek import (
     mla_attention_saves,
 )
 from service.core.estimator.ledger import _Kind, _Ledger, _recipe_bytes
+from service.core.estimator.looped_experts import ALWAYS_RENORMALISED, is_looped, looped_linears
 from service.core.estimator.oft import rotation_saves
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
@@ -221,7 +222,7 @@ def _linear_saves(
 ) -> None:
     """What one linear keeps for backward, given its input tensor `x_key` (`input_grad`: whether
     that input needs a gradient; bitsandbytes 0.41.1 keeps it only then)."""
-    if f.full or (f.quant_saves_input and input_grad and not lin.expert):
+    if f.full or (f.quant_saves_input and input_grad and lin.nn_linear):
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
     _ia3_saves(led, f, lin, x_key, x_bytes, input_grad)
     if f.adapter_v2:
@@ -252,7 +253,7 @@ def _linear_saves(
         # its bitsandbytes layers do not under autocast (peft/tuners/lora/bnb.py
         # requires_conversion). The layer's own input is saved when nothing casts it.
         in_bytes = AUTOCAST_BYTES
-        peft_dtype = x_bytes if f.quantized and not lin.expert else f.adapter
+        peft_dtype = x_bytes if f.quantized and lin.nn_linear else f.adapter
         shared = x_bytes == peft_dtype == AUTOCAST_BYTES
     cast_key = x_key if shared else f"{x_key}>{lin_key}"
     if f.dropout:
@@ -281,7 +282,7 @@ def _linear_saves(
     if lin.kind is LinearKind.ATTN_QKV and f.zero_pad_width:
         led.add("qkv.zero_pad_source", f.zero_pad_width * in_bytes)
     if f.dora:
-        peft_dtype = x_bytes if f.autocast and f.quantized and not lin.expert else f.adapter
+        peft_dtype = x_bytes if f.autocast and f.quantized and lin.nn_linear else f.adapter
         _dora_saves(led, f, lin, x_bytes, in_bytes, peft_dtype)
 
 
@@ -519,6 +520,10 @@ def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
     i_size = arch.expert_intermediate_size
     out = f.norm_out
     led.add("moe.router_probs", e * FP32_BYTES)  # softmax(router_logits, dtype=float)
+    if is_looped(arch):
+        _looped_expert_saves(led, f, arch, x_key)
+        _shared_expert_saves(led, f, arch, x_key)
+        return
     if f.expert_lora:
         # PEFT's ParamWrapper runs each adapted module on its weight plus the adapters' delta
         # (torch.nn.utils.parametrize, cached for the call): the matmuls keep those merged
@@ -541,6 +546,53 @@ def _moe_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
     led.add("moe.gate_up", k * 2 * i_size * out)
     led.add("moe.act", k * i_size * out)
     led.add("moe.down_out", k * arch.hidden_size * out)
+    _shared_expert_saves(led, f, arch, x_key)
+
+
+def _looped_expert_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
+    """transformers 4's routed experts (estimator/looped_experts.py), per token: the router's
+    nn.Linear (its LoRA's saves), top-k's indices (its backward scatters by them) and, for
+    Mixtral, the renormalising in-place division's saves; then for each of the token's k
+    routed rows what its expert keeps: its three linears' saves (PEFT's casts of the gathered
+    row and of the product, lora_A's outputs), the activation's input, output and the up
+    projection's output, the expert's output and its routing weight (their product's
+    operands), the row's two int64 indices (one (rows, 2) tensor from CUDA's nonzero, kept by
+    the gather, the weight's index and index_add_), and index_add_'s source (its backward
+    expands the gradient's rows to the source: derivatives.yaml index_add, `expand_as(source)`)."""
+    k, h = arch.num_experts_per_tok, arch.hidden_size
+    out = f.norm_out
+    linears = looped_linears(arch)
+    (router,) = linears[LinearKind.ROUTER]
+    _linear_saves(led, f, router, x_key, out)
+    led.add("moe.topk_indices", k * INT64_BYTES)
+    if arch.model_type in ALWAYS_RENORMALISED:
+        # `weights /= weights.sum(-1, keepdim=True)`: the in-place division keeps a copy of its
+        # dividend and the divisor (autograd's original self of an in-place op), fp32
+        led.add("moe.topk_dividend", k * FP32_BYTES)
+        led.add("moe.topk_divisor", FP32_BYTES)
+    row = _Ledger()
+    gate, up = linears[LinearKind.MLP_IN]
+    (down,) = linears[LinearKind.MLP_OUT]
+    _linear_saves(row, f, gate, "expert.gathered", out)
+    _linear_saves(row, f, up, "expert.gathered", out)
+    i_size = gate.out_features
+    row.add("expert.gate_out", i_size * out)  # the activation's input
+    row.add("expert.act_out", i_size * out)
+    row.add("expert.up_out", i_size * out)
+    _linear_saves(row, f, down, "expert.product", out)
+    row.add("expert.out", h * out)
+    row.add("expert.weight", out)
+    row.add("expert.rows", 2 * INT64_BYTES)
+    row.add("expert.weighted", h * out)
+    for key, (per_row, kind) in row.items.items():
+        # a weight-sized save is one per expert, a row's one per routed row
+        scale = arch.num_experts if kind is _Kind.CONSTANT else k
+        led.add(f"moe.{key}", per_row * scale, kind)
+
+
+def _shared_expert_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, x_key: str) -> None:
+    """Qwen2-MoE's shared expert, a dense MLP whose output the sigmoid of its gate scales."""
+    out = f.norm_out
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
         led.add("shared.gate_out", si * out)

@@ -12,6 +12,7 @@ from service.core.estimator.compiled import compile_notes
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.grpo import GrpoStep, grpo_policy_spec, grpo_step
 from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, reference_copy
+from service.core.estimator.looped_experts import looped_arch
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.packing import packed_job
 from service.core.estimator.plan import _Plan
@@ -62,6 +63,7 @@ def estimate(
         )
     spec = sequence_spec(spec)
     arch, untied = framework_arch(arch, spec)
+    arch = looped_arch(arch, spec)
     arch, spec, packed = packed_job(arch, spec)
     st = model_step(arch, spec, compute_capability)
     plan = st.plan
@@ -100,6 +102,7 @@ def peak_levels(
         return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
     spec = sequence_spec(spec)
     arch, _untied = framework_arch(arch, spec)
+    arch = looped_arch(arch, spec)
     arch, spec, _packed = packed_job(arch, spec)
     step = model_step(arch, spec, compute_capability)
     allocated = max(map(sum, step.parts()))

@@ -14,6 +14,7 @@ from service.core.architecture import (
     MlpKind,
     ModelArch,
     NormKind,
+    module_order,
 )
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.estimator.activations import (
@@ -155,7 +156,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     )
     attn, kernel = unit.attn_implementation, unit.sdpa_kernel
     largest = max(
-        (lin for lin in (*arch.linears, *arch.dense_linears) if not lin.expert),
+        (lin for lin in (*arch.linears, *arch.dense_linears) if lin.nn_linear),
         key=lambda lin: lin.in_features * lin.out_features,
     )
     if not unit.kbit_base:
@@ -355,7 +356,10 @@ def _model_order(
     if full or "embed_tokens" in saved:
         out.append(tensor(v * h, other))
     layer: list[tuple[int, int]] = []
-    for lin in arch.linears:
+    # (transformers 4's looped experts one by one; `adapted` holds them stacked, by name)
+    names = {lin.name for lin in adapted}
+    adapted = tuple(lin for lin in module_order(arch) if lin.name in names)
+    for lin in module_order(arch):
         if full:
             layer.append(tensor(lin.weight_elements, md))
             if lin.bias:

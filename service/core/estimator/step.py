@@ -15,6 +15,7 @@ from service.core.estimator.deepseek import (
     deepseek_rope_bytes,
 )
 from service.core.estimator.ledger import _blk, _recipe_bytes
+from service.core.estimator.looped_experts import is_looped, looped_arch, looped_note
 from service.core.estimator.loss import _loss_bytes
 from service.core.estimator.model_attention import holds_scores_between_layers, softmax_moment
 from service.core.estimator.parallel import rank_layout
@@ -55,7 +56,7 @@ def _warnings(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> list[str]:
             f"({arch.max_position_embeddings}); quality may suffer without RoPE scaling"
         )
     quant = plan.rs.quantization
-    if spec.method is Method.QLORA and arch.is_moe and quant is not None:
+    if spec.method is Method.QLORA and arch.is_moe and quant is not None and not is_looped(arch):
         experts = sum(lin.weight_elements for lin in arch.linears if lin.expert)
         moe_layers = arch.num_hidden_layers - arch.dense_layers  # DeepSeek's are dense first
         dtype = "fp32 (kbit preparation casts them)" if quant.prepare_kbit else str(spec.dtype)
@@ -191,7 +192,8 @@ def _step(
 ) -> _Step:
     """The step's allocated bytes phase by phase."""
     _check_modelled(arch, spec)
-    check_stack(spec.stack, arch.is_moe)
+    arch = looped_arch(arch, spec)
+    check_stack(spec.stack, arch.is_moe, model_type=arch.model_type)
     unquantized = _unquantized(arch, spec)
     if unquantized is not None:
         spec = unquantized
@@ -217,6 +219,8 @@ def _step(
     assumptions = list(plan.assumptions)
     if own_attention:
         assumptions.append("BLOOM runs its own attention (eager): transformers has no SDPA path")
+    if is_looped(arch):
+        assumptions.append(looped_note(arch, spec))
     if unquantized is not None:
         warnings.append(
             f"{arch.model_type}: transformers' 4-bit loading quantizes no layer (its linears "
@@ -407,6 +411,12 @@ def _step(
     )
     bottom_acts = checkpoint if ckpt else first_layer
     bottom_grads = ga_grads if ga_grads else grads - embed_grads
+    if is_looped(arch) and not ga_grads:
+        # transformers 4's looped experts: the bottom layer's backward peaks as its MoE
+        # block's begins, the layer recomputed whole and none of its adapters' gradients made
+        # yet; each expert's backward then frees more saved rows than its adapters' gradients
+        # take (reference traces *transformers4_48_0*ckpt, peak at the first mul's backward)
+        bottom_grads -= (grads - head_grads - embed_grads) // L
     bottom = _Moment(
         gradients=bottom_grads,
         activations=bottom_acts,

@@ -92,7 +92,7 @@ def _uncertainty_of(
     if method is Method.QLORA:
 
         def quantized(linears: tuple[Linear, ...]) -> int:
-            return sum(lin.in_features * lin.out_features for lin in linears if not lin.expert)
+            return sum(lin.weight_elements for lin in linears if lin.nn_linear)
 
         # (DeepSeek's first layers hold a dense MLP in place of the MoE block's linears)
         layers = arch.num_hidden_layers - arch.dense_layers

@@ -96,6 +96,8 @@ def expert_adapters(arch: ModelArch, rs: ResolvedSpec) -> tuple[tuple[int, int],
         or lora.target_modules != ALL_LINEAR
         or not arch.is_moe
         or arch.model_type not in EXPERT_LORA_MODEL_TYPES
+        # transformers 4's experts are nn.Linear modules, adapted one by one (adapted_linears)
+        or any(lin.looped for lin in arch.linears)
     ):
         return ()
     if rs.spec.method not in (Method.LORA, Method.QLORA):
@@ -128,7 +130,7 @@ def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
     if rs.lora is None:
         return ()
     targets = rs.lora.target_modules
-    candidates = [lin for lin in arch.linears if not lin.expert]
+    candidates = [lin for lin in arch.linears if lin.nn_linear]
     if arch.is_mla:
         # DeepSeek: PEFT sends the MLP names to the experts' parameters, so no nn.Linear of
         # those names takes an adapter (estimator/deepseek.py, which imports this module)
@@ -264,7 +266,13 @@ def _params(
             frozen += tensor.nbytes
 
     for lin in arch.linears:
-        if kbit and not lin.expert:
+        if lin.looped:
+            # transformers 4's experts: one nn.Linear per expert (each quantized on its own)
+            if kbit:
+                frozen += L * lin.count * _quantized_weight_bytes(lin, quant)
+            else:
+                put(lin.out_features, lin.in_features, md, L * lin.count, full)
+        elif kbit and not lin.expert:
             frozen += L * _quantized_weight_bytes(lin, quant)
         else:
             # transformers 5 keeps a stack of experts (and a router) as a bare 3-D (2-D)
@@ -350,15 +358,17 @@ def _params(
         ad = DTYPE_BYTES[adapter_dtype]
         r = lora.r
         for lin in adapted:
-            lora_a = _Tensor(r, lin.in_features, ad, L)
+            # one adapter per layer, or per expert for transformers 4's looped experts
+            n = L * lin.count if lin.looped else L
+            lora_a = _Tensor(r, lin.in_features, ad, n)
             if method is Method.LORA_FA:
                 # create_lorafa_optimizer freezes every lora_A (peft/optimizers/lorafa.py)
                 frozen += lora_a.nbytes
             else:
                 trainable.append(lora_a)
-            trainable.append(_Tensor(lin.out_features, r, ad, L))  # lora_B
-            layers_bytes += _Tensor(r, lin.in_features, ad, L).nbytes
-            layers_bytes += _Tensor(lin.out_features, r, ad, L).nbytes
+            trainable.append(_Tensor(lin.out_features, r, ad, n))  # lora_B
+            layers_bytes += _Tensor(r, lin.in_features, ad, n).nbytes
+            layers_bytes += _Tensor(lin.out_features, r, ad, n).nbytes
             if method is Method.ADALORA:
                 # lora_E (r, 1), registered after lora_A and lora_B, then ranknum, one fp32
                 # element (peft/tuners/adalora/layer.py AdaLoraLayer.update_layer): created
