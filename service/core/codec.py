@@ -401,6 +401,11 @@ _QUANTIZATION: dict[str, Check] = {
     "double_quant": _boolean,
     "compute_dtype": _optional(_choice(DType)),
     "prepare_kbit": _boolean,
+    # GPTQ/AWQ bits, HQQ nbits; GPTQ/AWQ/HQQ group_size (-1: GPTQ/AWQ one group per row);
+    # quant_formats.check_quant_options names the values each format takes
+    "bits": _optional(_integer(ge=1, le=8)),
+    "group_size": _optional(_integer(ge=-1, le=1 << 20)),
+    "desc_act": _boolean,
 }
 _PARALLEL: dict[str, Check] = {
     "gpus": _integer(ge=1, le=MAX_GPUS),
