@@ -90,7 +90,9 @@ def check_quant_options(
     if qtype == TORCHAO_INT4:
         raise InvalidSpecError(
             "quantization.type",
-            "torchao int4 weight-only bases cannot be trained with LoRA: PEFT 0.21's "
+            "torchao int4 weight-only bases cannot be trained with LoRA: transformers 5.24's "
+            "TorchAoHfQuantizer.is_trainable holds only for 8-bit configs (the Trainer refuses "
+            "the rest, trainer_utils.py validate_quantization_for_training), and PEFT 0.21's "
             "TorchaoLoraLinear refuses Int4Tensor weights ('only supports int8 weights for now', "
             "peft/tuners/lora/torchao.py _check_dtype_supported); modelled: torchao-float8",
         )

@@ -582,6 +582,12 @@ class TrainingSpec:
             raise InvalidSpecError("packing", f"a {kind} base is modelled without packing")
         if self.vision is not None:
             raise InvalidSpecError("vision", f"a {kind} base is modelled for text models")
+        if self.torch_compile:
+            # transformers 5.24 trainer_utils.py validate_quantization_for_training: "You cannot
+            # fine-tune quantized model with `torch.compile()`"
+            raise InvalidSpecError(
+                "torch_compile", "the Trainer refuses torch.compile on a quantized model"
+            )
         if kind in ("gptq", "awq") and self.dtype is not DType.FP16:
             why = (
                 "transformers' AWQ quantizer loads the model in float16 on CUDA "

@@ -27,6 +27,13 @@ from service.core.limits import (
     MAX_SEQ_LEN,
     MAX_ZERO_ELEMENTS,
 )
+from service.core.quant_formats import (
+    AWQ_BITS,
+    AWQ_GROUP_SIZES,
+    GPTQ_BITS,
+    GPTQ_GROUP_SIZES,
+    HQQ_BITS,
+)
 from service.core.spec import (
     ADAPTER_METHODS,
     ALL_LINEAR,
@@ -54,13 +61,6 @@ from service.core.spec import (
     SdpaKernel,
     Strategy,
     TrainingSpec,
-)
-from service.core.quant_formats import (
-    AWQ_BITS,
-    AWQ_GROUP_SIZES,
-    GPTQ_BITS,
-    GPTQ_GROUP_SIZES,
-    HQQ_BITS,
 )
 from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 from service.core.spec_kto import KtoLossType, KtoSpec

@@ -247,6 +247,10 @@ def test_the_answer_states_the_format_it_modelled() -> None:
         ),
         (lambda: _spec(QuantSpec(type=QuantType.HQQ), True, autocast=True), "autocast"),
         (
+            lambda: _spec(QuantSpec(type=QuantType.HQQ), True, torch_compile=True),
+            "torch_compile",
+        ),
+        (
             lambda: TrainingSpec(
                 method=Method.FULL,
                 batch_size=1,
