@@ -16,8 +16,7 @@ import pytest
 from service.catalog.models import default_catalog
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
-from service.core.estimator.weights import _quantized_matrix_bytes
-from service.core.quant_formats import dequant_transient
+from service.core.quant_formats import dequant_transient, packed_bytes
 from service.core.spec import (
     ALL_LINEAR,
     LoraSpec,
@@ -99,8 +98,43 @@ def test_stored_bytes_follow_each_formats_packing(
     quant: QuantSpec, shape: tuple[int, int], tensors: tuple[int, ...]
 ) -> None:
     in_features, out_features = shape
-    expected = sum(_block(n) for n in tensors)
-    assert _quantized_matrix_bytes(in_features, out_features, quant, 2) == expected
+    bits, group = quant.resolved_bits, quant.resolved_group_size
+    assert packed_bytes(quant.type.value, bits, group, in_features, out_features, 2) == tensors
+
+
+def _by_hand(quant: QuantSpec, k: int, n: int) -> int:
+    """One linear's stored bytes from the layouts in the module docstring, each tensor
+    rounded to the allocator's block."""
+    if quant.type is QuantType.GPTQ:  # 4-bit, group 128
+        parts = [k // 8 * n * 4, k // 128 * (n // 8) * 4, k // 128 * n * 2, k * 4]
+    elif quant.type is QuantType.AWQ:  # 4-bit, group 128
+        parts = [k * (n // 8) * 4, k // 128 * (n // 8) * 4, k // 128 * n * 2]
+    elif quant.type is QuantType.HQQ:  # 4-bit, group 64, fp16 scale and zero
+        parts = [k * n // 2, k * n // 64 * 2, k * n // 64 * 2]
+    else:  # torchao float8
+        parts = [k * n, n * 4]
+    return sum(_block(p) for p in parts)
+
+
+def test_the_frozen_weights_differ_by_each_formats_stored_tensors() -> None:
+    """Whole Llama-3.2-1B in fp16 without k-bit preparation: what is not a quantized linear
+    (embedding, norms) is alike, so two formats differ by their linears' stored tensors."""
+    formats = [
+        QuantSpec(type=QuantType.GPTQ),
+        QuantSpec(type=QuantType.AWQ, prepare_kbit=False),
+        QuantSpec(type=QuantType.HQQ),
+        QuantSpec(type=QuantType.TORCHAO_FLOAT8),
+    ]
+    float8 = formats[-1]
+    reference = _component(float8, True, "frozen_weights")
+    for quant in formats[:-1]:
+        per_layer = sum(
+            _by_hand(quant, lin.in_features, lin.out_features * lin.count)
+            - _by_hand(float8, lin.in_features, lin.out_features * lin.count)
+            for lin in LLAMA_1B.linears
+        )
+        frozen = _component(quant, True, "frozen_weights")
+        assert frozen - reference == LLAMA_1B.num_hidden_layers * per_layer
 
 
 def _spec(quant: QuantSpec | None, ckpt: bool, **kwargs: Any) -> TrainingSpec:
