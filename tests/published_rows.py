@@ -22,6 +22,7 @@ from service.core.spec import (
     Optim,
     ParallelSpec,
     QuantSpec,
+    QuantType,
     Strategy,
     TrainingSpec,
 )
@@ -351,13 +352,20 @@ def load() -> tuple[list[Row], list[Skipped]]:
                     use_dora=dora,
                 )
             quant = None
-            if method is Method.QLORA or kbit_adapter:
+            gptq = "gptq" in raw["base_dtype"].lower()
+            if gptq:
+                # a GPTQ checkpoint ("int4 GPTQ ..., compute fp16"): 4 bits, GPTQConfig's
+                # default group of 128, computed in fp16
+                quant = QuantSpec(type=QuantType.GPTQ, bits=4)
+            elif method is Method.QLORA or kbit_adapter:
                 quant = QuantSpec(
                     double_quant="double" in raw["base_dtype"],
                     prepare_kbit=framework is Framework.HF,
                 )
             attn = raw["attn_impl"].lower()
             dtype, autocast = _dtype(raw["base_dtype"])
+            if gptq:
+                dtype = DType.FP16
             try:
                 spec = TrainingSpec(
                     method=method,

@@ -150,10 +150,19 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     )
     images.add_argument("--min-pixels", type=int, help="Qwen2-VL's processor min_pixels")
     images.add_argument("--max-pixels", type=int, help="Qwen2-VL's processor max_pixels")
-    quant = parser.add_argument_group("QLoRA (bitsandbytes)")
+    quant = parser.add_argument_group("QLoRA (bitsandbytes, GPTQ, AWQ, HQQ, torchao)")
     quant.add_argument("--quant", choices=_choices(QuantType))
     quant.add_argument("--double-quant", action="store_true")
     quant.add_argument("--compute-dtype", choices=_choices(DType))
+    quant.add_argument(
+        "--bits", type=int, help="GPTQ/AWQ bits, HQQ nbits (default 4; gptq, awq, hqq only)"
+    )
+    quant.add_argument(
+        "--group-size",
+        type=int,
+        help="GPTQ/AWQ/HQQ group size (default 128, HQQ 64; -1: one group per row)",
+    )
+    quant.add_argument("--desc-act", action="store_true", help="GPTQ act-order (desc_act)")
     quant.add_argument(
         "--no-prepare-kbit", action="store_true", help="skip prepare_model_for_kbit_training"
     )
@@ -354,7 +363,14 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         ) or bool(args.modules_to_save)
     if method not in LORA_METHODS and lora_given:
         raise CliError("--r/--target-modules: LoRA options need --method lora or qlora")
-    quant_given = bool(args.quant or args.double_quant or args.compute_dtype)
+    quant_given = bool(
+        args.quant
+        or args.double_quant
+        or args.compute_dtype
+        or args.bits is not None
+        or args.group_size is not None
+        or args.desc_act
+    )
     if method is not Method.QLORA and method not in ADAPTER_METHODS and quant_given:
         raise CliError(
             "--quant: quantization options need --method qlora, llama-adapter or llama-adapter-v2"
@@ -457,6 +473,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
                 "compute_dtype": args.compute_dtype,
                 # PEFT's kbit preparation is QLoRA's; LitGPT's adapters never run it
                 "prepare_kbit": not args.no_prepare_kbit and method is Method.QLORA,
+                "bits": args.bits,
+                "group_size": args.group_size,
+                "desc_act": args.desc_act,
             }
         )
     objective = getattr(args, "objective", None)

@@ -85,8 +85,9 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     """The spec as plain JSON values, every field included, in the spec's field order; the
-    encoder-only `num_labels`, the encoder-decoder `target_length` and the options of PEFT's
-    methods besides LoRA only when set."""
+    encoder-only `num_labels`, the encoder-decoder `target_length`, the options of PEFT's
+    methods besides LoRA and the quantization's `bits`, `group_size` and `desc_act` only when
+    set."""
     plain = _plain(spec)
     assert isinstance(plain, dict)
     for name in (
@@ -104,6 +105,13 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
             plain.pop(name, None)
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         plain.pop("objective", None)
+    quant = plain.get("quantization")
+    if isinstance(quant, dict):  # GPTQ/AWQ/HQQ options written when set
+        for name in ("bits", "group_size"):
+            if quant.get(name) is None:
+                quant.pop(name, None)
+        if not quant.get("desc_act"):
+            quant.pop("desc_act", None)
     # written when on
     for name in ("optimizer_in_backward", "activation_offloading", "packing", "torch_compile"):
         if not plain.get(name):
@@ -401,6 +409,11 @@ _QUANTIZATION: dict[str, Check] = {
     "double_quant": _boolean,
     "compute_dtype": _optional(_choice(DType)),
     "prepare_kbit": _boolean,
+    # GPTQ/AWQ bits, HQQ nbits; GPTQ/AWQ/HQQ group_size (-1: GPTQ/AWQ one group per row);
+    # quant_formats.check_quant_options names the values each format takes
+    "bits": _optional(_integer(ge=1, le=8)),
+    "group_size": _optional(_integer(ge=-1, le=1 << 20)),
+    "desc_act": _boolean,
 }
 _PARALLEL: dict[str, Check] = {
     "gpus": _integer(ge=1, le=MAX_GPUS),

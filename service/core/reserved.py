@@ -188,8 +188,11 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
         adapted=lin.name in plan.adapted,
         trainable=plan.method is Method.FULL,
         weight_bytes=lin.in_features * lin.out_features * lin.count * plan.dtype_bytes,
+        # (a GPTQ, AWQ, HQQ or torchao linear runs as a frozen plain linear in this schedule:
+        # its dequantization is not scheduled, estimator/step.py adds it to the allocated peak)
         quantized=plan.quant_type is not None
         and plan.quant_type is not QuantType.INT8
+        and not plan.quant_type.packed
         and not lin.expert,
         int8=plan.quant_type is QuantType.INT8 and not lin.expert,
         bias=lin.bias,

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import service.core.quant_formats as quant_formats
 import service.core.spec_parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
@@ -145,9 +146,22 @@ def objective_from(name: str) -> Objective:
 
 
 class QuantType(StrEnum):
+    """The frozen base's weight format: bitsandbytes' (nf4, fp4, int8) or another library's
+    (service/core/quant_formats.py): GPTQ and AWQ through gptqmodel, HQQ, torchao."""
+
     NF4 = "nf4"
     FP4 = "fp4"
     INT8 = "int8"
+    GPTQ = quant_formats.GPTQ
+    AWQ = quant_formats.AWQ
+    HQQ = quant_formats.HQQ
+    TORCHAO_INT4 = quant_formats.TORCHAO_INT4
+    TORCHAO_FLOAT8 = quant_formats.TORCHAO_FLOAT8
+
+    @property
+    def packed(self) -> bool:
+        """A format beside bitsandbytes' (GPTQ, AWQ, HQQ, torchao)."""
+        return self.value in quant_formats.PACKED_TYPES
 
 
 class Optim(StrEnum):
@@ -259,13 +273,42 @@ class LoraSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QuantSpec:
-    """bitsandbytes quantization of the frozen base (BitsAndBytesConfig)."""
+    """The frozen base's quantization: bitsandbytes' (BitsAndBytesConfig), or GPTQ, AWQ, HQQ
+    or torchao (GPTQConfig, AwqConfig, HqqConfig, TorchAoConfig; quant_formats.py)."""
 
     type: QuantType = QuantType.NF4
     double_quant: bool = False  # bnb_4bit_use_double_quant, BitsAndBytesConfig default False
     # None: the model's dtype (the QLoRA recipe); BitsAndBytesConfig's own default is fp32.
     compute_dtype: DType | None = None
     prepare_kbit: bool = True  # peft.prepare_model_for_kbit_training applied
+    # GPTQ/AWQ `bits`, HQQ `nbits`; None: the format's default (quant_formats.DEFAULT_BITS)
+    bits: int | None = None
+    # GPTQ/AWQ/HQQ `group_size` (-1: one group per input row for GPTQ/AWQ); None: the default
+    group_size: int | None = None
+    # GPTQConfig.desc_act (act-order: g_idx permutes the groups; the stored tensors are alike)
+    desc_act: bool = False
+
+    def __post_init__(self) -> None:
+        quant_formats.check_quant_options(
+            self.type.value, self.bits, self.group_size, self.desc_act
+        )
+        if self.type.packed and self.double_quant:
+            raise InvalidSpecError("quantization.double_quant", "only for bitsandbytes' nf4/fp4")
+        if self.type.packed and self.compute_dtype is not None:
+            raise InvalidSpecError(
+                "quantization.compute_dtype",
+                f"only for bitsandbytes; {self.type.value} computes in the model's dtype",
+            )
+
+    @property
+    def resolved_bits(self) -> int:
+        """The width of a GPTQ, AWQ or HQQ weight (the format's default when not given)."""
+        return self.bits or quant_formats.DEFAULT_BITS.get(self.type.value, 0)
+
+    @property
+    def resolved_group_size(self) -> int:
+        """The group size of a GPTQ, AWQ or HQQ weight (the format's default when not given)."""
+        return self.group_size or quant_formats.DEFAULT_GROUP_SIZE.get(self.type.value, 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -463,6 +506,8 @@ class TrainingSpec:
             self._check_adapter_method()
         elif self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
+        if self.quantization is not None and self.quantization.type.packed:
+            self._check_packed_base(self.quantization)
         if self.lora is not None and self.lora.use_dora and self.framework is not Framework.HF:
             raise InvalidSpecError(
                 "lora.use_dora", f"DoRA is modelled as PEFT's, not {self.framework}'s"
@@ -508,6 +553,50 @@ class TrainingSpec:
         return self.method is Method.QLORA or (
             self.method in ADAPTER_METHODS and self.quantization is not None
         )
+
+    def _check_packed_base(self, quant: QuantSpec) -> None:
+        """GPTQ, AWQ, HQQ and torchao bases (quant_formats.py): PEFT's LoRA through HF on one
+        GPU, SFT, without autocast; what PEFT itself refuses is refused with its reason."""
+        kind = quant.type.value
+        if self.method is not Method.QLORA:
+            raise InvalidSpecError(
+                "method", f"a {kind} base is modelled for PEFT's LoRA (method 'qlora') only"
+            )
+        if self.framework is not Framework.HF:
+            raise InvalidSpecError("framework", f"a {kind} base is modelled as HF + PEFT's")
+        if self.lora is not None and self.lora.use_dora:
+            why = {
+                "gptq": "PEFT refuses it (peft/tuners/lora/gptq.py GPTQLoraLinear: 'does not "
+                "support DoRA yet')",
+                "awq": "PEFT refuses it (peft/tuners/lora/awq.py AwqLoraLinear: 'does not "
+                "support DoRA yet')",
+            }.get(kind, "not modelled")
+            raise InvalidSpecError("lora.use_dora", f"DoRA on a {kind} base: {why}")
+        if self.parallel.gpus != 1:
+            raise InvalidSpecError("parallel.gpus", f"a {kind} base is modelled on one GPU")
+        if self.autocast:
+            raise InvalidSpecError("autocast", f"a {kind} base is modelled without autocast")
+        if self.objective is not Objective.SFT:
+            raise InvalidSpecError("objective", f"a {kind} base is modelled with objective 'sft'")
+        if self.packing:
+            raise InvalidSpecError("packing", f"a {kind} base is modelled without packing")
+        if self.vision is not None:
+            raise InvalidSpecError("vision", f"a {kind} base is modelled for text models")
+        if self.torch_compile:
+            # transformers 5.24 trainer_utils.py validate_quantization_for_training: "You cannot
+            # fine-tune quantized model with `torch.compile()`"
+            raise InvalidSpecError(
+                "torch_compile", "the Trainer refuses torch.compile on a quantized model"
+            )
+        if kind in ("gptq", "awq") and self.dtype is not DType.FP16:
+            why = (
+                "transformers' AWQ quantizer loads the model in float16 on CUDA "
+                "(quantizers/quantizer_awq.py update_dtype)"
+                if kind == "awq"
+                else "gptqmodel keeps its scales in float16 (PackableQuantLinear buffers), and a "
+                "cast of the dequantized weight to another dtype is not modelled"
+            )
+            raise InvalidSpecError("dtype", f"a {kind} base is modelled in fp16: {why}")
 
     def _check_adapter_method(self) -> None:
         """LitGPT's adapters: its finetune/adapter*.py on one GPU, no autocast, any base."""
@@ -619,6 +708,22 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         notes.append(
             f"{spec.framework} does not run PEFT's kbit preparation: norms and embeddings keep "
             "the model dtype"
+        )
+
+    if quant is not None and quant.type.packed:
+        if quant.prepare_kbit and quant.type is not QuantType.AWQ:
+            # prepare_model_for_kbit_training casts nothing to fp32 on a GPTQ, HQQ or torchao
+            # model (peft/utils/other.py: is_gptq_quantized / is_hqq_quantized /
+            # is_torchao_quantized skip the cast); an AWQ model ("awq") is not excluded.
+            quant = dataclasses.replace(quant, prepare_kbit=False)
+            notes.append(
+                f"PEFT's kbit preparation leaves a {quant.type} model's norms and embeddings "
+                "in the model dtype"
+            )
+        notes.append(
+            quant_formats.format_note(
+                quant.type.value, quant.resolved_bits, quant.resolved_group_size
+            )
         )
 
     ia3 = spec.ia3

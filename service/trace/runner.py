@@ -117,6 +117,13 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
             "with its optimizer in backward or activation offloading (service/trace/"
             "train_features.py)"
         )
+    quant = resolved.quantization
+    if quant is not None and quant.type.packed:
+        # modelled from their libraries' sources (service/core/quant_formats.py): their kernels
+        # need CUDA and their libraries are not in the traced stack
+        raise NotTraceableError(
+            f"{quant.type.value} bases are not traced (bitsandbytes' nf4, fp4 and int8 are)"
+        )
     if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):
         raise NotTraceableError(f"loss {resolved.loss!r} is not traced (hf and plain are)")
     if spec.autocast:

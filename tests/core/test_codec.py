@@ -27,6 +27,13 @@ from service.core.limits import (
     MAX_SEQ_LEN,
     MAX_ZERO_ELEMENTS,
 )
+from service.core.quant_formats import (
+    AWQ_BITS,
+    AWQ_GROUP_SIZES,
+    GPTQ_BITS,
+    GPTQ_GROUP_SIZES,
+    HQQ_BITS,
+)
 from service.core.spec import (
     ADAPTER_METHODS,
     ALL_LINEAR,
@@ -74,9 +81,10 @@ loras = st.builds(
     modules_to_save=st.lists(st.sampled_from(SAVABLE_MODULES), max_size=2).map(tuple),
     adapter_dtype=st.none() | st.sampled_from(DType),
 )
+# bitsandbytes' formats (the others: `packed_quantizations`, each with its own options)
 quantizations = st.builds(
     QuantSpec,
-    type=st.sampled_from(QuantType),
+    type=st.sampled_from([QuantType.NF4, QuantType.FP4, QuantType.INT8]),
     double_quant=st.booleans(),
     compute_dtype=st.none() | st.sampled_from(DType),
     prepare_kbit=st.booleans(),
@@ -87,6 +95,30 @@ kbit_quantizations = st.builds(
     double_quant=st.booleans(),
     compute_dtype=st.none() | st.sampled_from(DType),
     prepare_kbit=st.booleans(),
+)
+packed_quantizations = st.one_of(
+    st.builds(
+        QuantSpec,
+        type=st.just(QuantType.GPTQ),
+        bits=st.none() | st.sampled_from(GPTQ_BITS),
+        group_size=st.none() | st.sampled_from(GPTQ_GROUP_SIZES),
+        desc_act=st.booleans(),
+        prepare_kbit=st.booleans(),
+    ),
+    st.builds(
+        QuantSpec,
+        type=st.just(QuantType.AWQ),
+        bits=st.none() | st.sampled_from(AWQ_BITS),
+        group_size=st.none() | st.sampled_from(AWQ_GROUP_SIZES),
+        prepare_kbit=st.booleans(),
+    ),
+    st.builds(
+        QuantSpec,
+        type=st.just(QuantType.HQQ),
+        bits=st.none() | st.sampled_from(HQQ_BITS),
+        group_size=st.none() | st.integers(1, 4096),
+    ),
+    st.builds(QuantSpec, type=st.just(QuantType.TORCHAO_FLOAT8), prepare_kbit=st.booleans()),
 )
 zero_elements = st.integers(1, MAX_ZERO_ELEMENTS)
 
@@ -345,6 +377,29 @@ def specs(draw: st.DrawFn) -> TrainingSpec:
 def test_every_spec_round_trips_through_json(spec: TrainingSpec) -> None:
     data = spec_to_dict(spec)
     assert spec_from_dict(data) == spec
+    assert spec_from_dict(json.loads(json.dumps(data))) == spec
+
+
+@given(
+    packed_quantizations,
+    loras,
+    st.integers(1, MAX_BATCH_SIZE),
+    st.integers(1, MAX_SEQ_LEN),
+    st.booleans(),
+)
+def test_gptq_awq_hqq_and_torchao_bases_round_trip_through_json(
+    quant: QuantSpec, lora: LoraSpec, batch: int, seq: int, ckpt: bool
+) -> None:
+    spec = TrainingSpec(
+        method=Method.QLORA,
+        batch_size=batch,
+        seq_len=seq,
+        dtype=DType.FP16,
+        lora=dataclasses.replace(lora, use_dora=False),
+        quantization=quant,
+        gradient_checkpointing=ckpt,
+    )
+    data = spec_to_dict(spec)
     assert spec_from_dict(json.loads(json.dumps(data))) == spec
 
 

@@ -530,3 +530,23 @@ def test_a_pairs_objective_job_sends_its_objective(
     assert (logits > 0) if objective == "orpo" else not logits
     assert "reference_model" not in answer["components"]
     assert_estimate_shown(d.shown(), answer)
+
+
+def test_a_gptq_base_sends_its_bits_and_group_size(driver: Driver, api: httpx.Client) -> None:
+    d = driver
+    d.open("?model=Qwen%2FQwen2.5-0.5B&batch_size=2&seq_len=512&gpu=H100-SXM&dtype=fp16")
+    d.page.select_option("#method", "qlora")
+    d.page.select_option("#quant_type", "gptq")
+    d.page.fill("#quant_bits", "3")
+    d.page.fill("#group_size", "64")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["quantization"] == {
+        "type": "gptq",
+        "prepare_kbit": True,
+        "bits": 3,
+        "group_size": 64,
+    }
+    answer = api.post("/v1/estimates", json=job).json()
+    assert any("GPTQ base (3-bit, group 64)" in a for a in answer["assumptions"])
+    assert_estimate_shown(d.shown(), answer)

@@ -67,9 +67,9 @@ from service.api.schemas.jobs import (
     ModelId,
     ModelRef,
     ParallelIn,
-    QuantizationIn,
 )
 from service.api.schemas.peft_methods import ModuleList, ModuleName
+from service.api.schemas.quantization import QuantizationIn
 
 __all__ = [
     "MAX_BATCH_JOBS",

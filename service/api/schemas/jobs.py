@@ -35,6 +35,7 @@ from service.api.schemas.peft_methods import (
     PromptTuningIn,
     VeraIn,
 )
+from service.api.schemas.quantization import QuantizationIn
 from service.api.schemas.vision import VisionIn
 from service.core.allocator import AllocatorConfig
 from service.core.errors import InvalidSpecError
@@ -72,8 +73,6 @@ from service.core.spec import (
     Offload,
     Optim,
     ParallelSpec,
-    QuantSpec,
-    QuantType,
     SdpaKernel,
     Strategy,
     TrainingSpec,
@@ -162,29 +161,6 @@ class LoraIn(In):
             adapter_dtype=self.adapter_dtype,
             use_dora=self.use_dora,
             use_rslora=self.use_rslora,
-        )
-
-
-class QuantizationIn(In):
-    """bitsandbytes quantization of the frozen base (BitsAndBytesConfig); QLoRA only."""
-
-    type: QuantType = Field(default=QuantType.NF4, description="Quantized weight format.")
-    double_quant: Boolean = Field(
-        default=False, description="bnb_4bit_use_double_quant (quantized absmax)."
-    )
-    compute_dtype: DType | None = Field(
-        default=None, description="bnb_4bit_compute_dtype; null: the model's dtype."
-    )
-    prepare_kbit: Boolean = Field(
-        default=True, description="peft.prepare_model_for_kbit_training is applied."
-    )
-
-    def to_spec(self) -> QuantSpec:
-        return QuantSpec(
-            type=self.type,
-            double_quant=self.double_quant,
-            compute_dtype=self.compute_dtype,
-            prepare_kbit=self.prepare_kbit,
         )
 
 

@@ -37,6 +37,7 @@ from service.core.estimator.weights import (
     expert_adapters,
     lokr_shape,
 )
+from service.core.quant_formats import AWQ, saves_dequantized_weight, saves_input
 from service.core.spec import (
     DELTA_OPTIONS,
     LORA_METHODS,
@@ -53,6 +54,7 @@ from service.core.units import (
     BOOL_BYTES,
     DTYPE_BYTES,
     FP32_BYTES,
+    HALF_BYTES,
     INT64_BYTES,
     DType,
 )
@@ -78,6 +80,10 @@ class LayerFlow:
     # linear's input for backward; LitGPT's published QLoRA tables were measured with 0.41.1.
     # LLM.int8's MatMul8bitLt keeps it in every release (ctx.tensors = (CAt, subA, A)).
     quant_saves_input: bool
+    # A GPTQ, AWQ, HQQ or torchao base (quant_formats.py): its type ('' for none), and the
+    # bytes per element of the dequantized weight its matmul saves (GPTQ, torchao float8).
+    packed: str = ""
+    dequant_saved: int = 0
     # LitGPT's LoRAQKVLinear.zero_pad (lit_gpt/lora.py) index_copies the adapters' q/k/v output,
     # `zero_pad_width` features per token, into the fused qkv width when q, k and v are not all
     # adapted; index_copy's backward keeps that source (autograd's index_copy formula,
@@ -148,6 +154,12 @@ def _int8(rs: ResolvedSpec) -> bool:
     return rs.quantization is not None and rs.quantization.type is QuantType.INT8
 
 
+def _packed(rs: ResolvedSpec) -> str:
+    """The base's GPTQ, AWQ, HQQ or torchao type ('' for none or bitsandbytes')."""
+    quant = rs.quantization
+    return quant.type.value if quant is not None and quant.type.packed else ""
+
+
 def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> LayerFlow:
     spec = rs.spec
     md = DTYPE_BYTES[spec.dtype]
@@ -182,7 +194,10 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         fused_qkv=spec.framework is Framework.LITGPT
         or sum(1 for lin in arch.linears if lin.kind is LinearKind.ATTN_QKV) == 1,
         quantized=kbit,
-        quant_saves_input=kbit and (spec.framework is Framework.LITGPT or _int8(rs)),
+        quant_saves_input=kbit
+        and (spec.framework is Framework.LITGPT or _int8(rs) or saves_input(_packed(rs))),
+        packed=_packed(rs),
+        dequant_saved=md if saves_dequantized_weight(_packed(rs)) else 0,
         autocast=spec.autocast,
         zero_pad_width=litgpt_zero_pad_width(arch, adapted) if litgpt and lora else 0,
         proj_input_copy=litgpt,
@@ -222,8 +237,17 @@ def _linear_saves(
 ) -> None:
     """What one linear keeps for backward, given its input tensor `x_key` (`input_grad`: whether
     that input needs a gradient; bitsandbytes 0.41.1 keeps it only then)."""
-    if f.full or (f.quant_saves_input and input_grad and lin.nn_linear):
+    if f.packed == AWQ and input_grad and x_bytes != HALF_BYTES:
+        # AwqGEMMLinear.forward casts a wider input to fp16 (`x.to(compute_dtype)`), one copy
+        # per linear, which AwqGemmFn saves
+        led.add(f"{x_key}>awq>{lin.name}", lin.in_features * HALF_BYTES)
+    elif f.full or (f.quant_saves_input and input_grad and lin.nn_linear):
         led.add(x_key, lin.in_features * x_bytes)  # weight grad needs the input
+    if f.dequant_saved and input_grad and not lin.expert:
+        # the matmul on the dequantized weight keeps it for the input's gradient
+        # (derivatives.yaml mm: mat1's gradient reads mat2); see quant_formats.py
+        weight = lin.in_features * lin.out_features * lin.count * f.dequant_saved
+        led.add(f"{lin.name}.dequantized", weight, _Kind.CONSTANT)
     _ia3_saves(led, f, lin, x_key, x_bytes, input_grad)
     if f.adapter_v2:
         v2_linear_saves(led, lin.name, lin.out_features * lin.count, f.norm_out)
@@ -311,7 +335,7 @@ def kept_past_checkpoints(arch: ModelArch, f: LayerFlow) -> tuple[tuple[int, _Ki
     attribute that checkpointing's saved-tensor hooks never see), freed only when backward
     reaches the node (reference traces *__int8__*ckpt). Empty for every other base."""
     led = _Ledger()
-    if not (f.quantized and f.quant_saves_input and f.hf_modules):
+    if not (f.quantized and f.quant_saves_input and f.hf_modules) or f.packed:
         return led.recipe()
     mlp_key = "norm1.out" if arch.parallel_residual and arch.norms_per_layer == 1 else "norm2.out"
     inputs = {

@@ -49,6 +49,7 @@ def estimate(
     """The peak memory of one GPU running `spec` on `arch`; `compute_capability` ("9.0") picks
     the device level's row when the GPU is known."""
     _check_modelled(arch, spec)  # before the objectives' own steps, which run SFT policies
+    check_packed_model(arch, spec)
     if spec.objective in (Objective.DPO, Objective.KTO, Objective.ORPO, Objective.GRPO):
         return _dpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.REWARD:
@@ -85,6 +86,7 @@ def peak_levels(
     """The peak's four levels alone, as `estimate` computes them, without the breakdown: what a
     fit-check evaluates dozens of times per request."""
     _check_modelled(arch, spec)
+    check_packed_model(arch, spec)
     if spec.objective in (
         Objective.DPO,
         Objective.KTO,
@@ -108,6 +110,31 @@ def peak_levels(
     allocated = max(map(sum, step.parts()))
     over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
     return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
+
+
+def check_packed_model(arch: ModelArch, spec: TrainingSpec) -> None:
+    """A GPTQ, AWQ, HQQ or torchao base (quant_formats.py) is modelled on dense decoder-only
+    text models: refuse the others, naming the field."""
+    quant = spec.quantization
+    if quant is None or not quant.type.packed:
+        return
+    kind = quant.type.value
+    if arch.encoder or arch.encoder_decoder:
+        raise InvalidSpecError(
+            "quantization.type", f"a {kind} base is modelled on decoder-only models"
+        )
+    if arch.is_moe or arch.is_mla:
+        raise InvalidSpecError(
+            "quantization.type", f"a {kind} base of a mixture-of-experts model is not modelled"
+        )
+    if arch.vision is not None or arch.mllama is not None:
+        raise InvalidSpecError(
+            "quantization.type", f"a {kind} base of a vision-language model is not modelled"
+        )
+    if arch.model_type == "falcon":
+        raise InvalidSpecError(
+            "quantization.type", f"a {kind} base of Falcon (FalconLinear layers) is not modelled"
+        )
 
 
 def framework_arch(arch: ModelArch, spec: TrainingSpec) -> tuple[ModelArch, tuple[str, ...]]:

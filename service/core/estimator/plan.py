@@ -159,7 +159,8 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         (lin for lin in (*arch.linears, *arch.dense_linears) if lin.nn_linear),
         key=lambda lin: lin.in_features * lin.out_features,
     )
-    if not unit.kbit_base:
+    if not unit.kbit_base or (rs.quantization is not None and rs.quantization.type.packed):
+        # (a GPTQ, AWQ, HQQ or torchao base's transient depends on the batch: estimator/step.py)
         dequant = 0
     elif unit.framework is Framework.LITGPT:
         dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
@@ -169,6 +170,12 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
     else:
         dequant = _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
     assumptions = rs.assumptions
+    if rs.quantization is not None and rs.quantization.type.packed:
+        assumptions += (
+            f"reserved level: the allocation schedule runs the {rs.quantization.type} linears "
+            "as plain frozen linears (their dequantization temporaries are in the allocated "
+            "peak, not in the allocator's replay)",
+        )
     if rs.quantization is not None and rs.quantization.type is QuantType.INT8:
         assumptions += (
             "LLM.int8 base: no input column above bitsandbytes' outlier threshold (6.0); each "
@@ -220,7 +227,7 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
         up_proj_moment=_layer_recipe(
             arch, f, attn, kernel, True, True, windowed=key.windowed, single=single
         )
-        if unit.method in (Method.LORA, Method.LORA_FA)
+        if (unit.method in (Method.LORA, Method.LORA_FA) or f.packed)
         and arch.mlp is MlpKind.GATED
         and not arch.is_moe
         else (),

@@ -28,11 +28,13 @@ from service.core.estimator.train_features import (
     resident_layer_inputs,
 )
 from service.core.estimator.tuners import virtual_tokens
+from service.core.quant_formats import dequant_transient
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
     Framework,
     Method,
+    ResolvedSpec,
     SdpaKernel,
     TrainingSpec,
 )
@@ -40,6 +42,7 @@ from service.core.stack import check_stack
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,
+    DTYPE_BYTES,
     FP32_BYTES,
     GIB,
     HALF_BYTES,
@@ -176,6 +179,27 @@ def _unquantized(arch: ModelArch, spec: TrainingSpec) -> TrainingSpec | None:
         quantization=None,
         dtype=DType.FP32 if prepared else spec.dtype,
     )
+
+
+def _packed_dequant(arch: ModelArch, rs: ResolvedSpec, batch: int, tokens: int) -> int:
+    """A GPTQ, AWQ, HQQ or torchao base: the largest transient one quantized linear's matmul
+    allocates (quant_formats.dequant_transient), for the largest quantized weight."""
+    quant = rs.quantization
+    if quant is None or not quant.type.packed:
+        return 0
+    largest = max(
+        (lin for lin in arch.linears if not lin.expert),
+        key=lambda lin: lin.in_features * lin.out_features * lin.count,
+    )
+    nbytes = dequant_transient(
+        quant.type.value,
+        largest.in_features,
+        largest.out_features * largest.count,
+        DTYPE_BYTES[rs.spec.dtype],
+        batch,
+        tokens,
+    )
+    return _blk(nbytes)
 
 
 def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
@@ -380,7 +404,7 @@ def _step(
     # bitsandbytes' 4-bit matmul dequantizes one weight to the compute dtype for each forward
     # and backward matmul (bitsandbytes/autograd/_functions.py MatMul4Bit): a transient copy
     # of the largest quantized weight.
-    dequant = plan.dequant
+    dequant = plan.dequant or _packed_dequant(arch, rs, b, tokens)
     fixed = _FixedParts(frozen, trainable, inputs)
     # Inside the layers' backward: at the top layer every activation is still alive (plus
     # one recomputed layer when checkpointing) and only the head's gradients exist; at the
@@ -503,7 +527,9 @@ def _step(
                 gradients=ga_grads,
                 activations=stored_checkpoints + rope + masks,
                 recompute=moment,
-                backward_temporaries=arriving,
+                # a GPTQ/AWQ/HQQ/torchao base: up_proj's dequantization in flight (the
+                # larger of its forward and backward transient, `_packed_dequant`)
+                backward_temporaries=arriving + (dequant if f.packed else 0),
             )
         )
     if traits.qlora_gated_down:

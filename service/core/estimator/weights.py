@@ -8,6 +8,7 @@ from functools import lru_cache
 from service.core.architecture import SCORE_OUTPUTS, Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
+from service.core.quant_formats import check_shape, packed_bytes
 from service.core.spec import (
     ADAPTER_METHODS,
     ALL_LINEAR,
@@ -192,13 +193,26 @@ class _Params:
     outside_layers: int = 0
 
 
-def _quantized_weight_bytes(lin: Linear, quant: QuantSpec | None) -> int:
-    return _quantized_matrix_bytes(lin.in_features, lin.out_features, quant)
+def _quantized_weight_bytes(lin: Linear, quant: QuantSpec | None, dtype_bytes: int = 2) -> int:
+    return _quantized_matrix_bytes(lin.in_features, lin.out_features, quant, dtype_bytes)
 
 
-def _quantized_matrix_bytes(in_features: int, out_features: int, quant: QuantSpec | None) -> int:
+def _quantized_matrix_bytes(
+    in_features: int, out_features: int, quant: QuantSpec | None, dtype_bytes: int = 2
+) -> int:
+    """One quantized weight's stored tensors; `dtype_bytes`: the model's dtype (HQQ keeps its
+    scales and zeros in it)."""
     if quant is None:
         raise InvalidSpecError("quantization", "required for method 'qlora'")
+    if quant.type.packed:
+        bits, group = quant.resolved_bits, quant.resolved_group_size
+        why = check_shape(quant.type.value, bits, group, in_features, out_features)
+        if why:
+            raise InvalidSpecError(
+                "quantization.group_size", f"{why} ({in_features} -> {out_features} linear)"
+            )
+        sizes = packed_bytes(quant.type.value, bits, group, in_features, out_features, dtype_bytes)
+        return sum(_blk(nbytes) for nbytes in sizes)
     n = in_features * out_features
     if quant.type is QuantType.INT8:
         return _blk(n * INT8_BYTES) + _blk(out_features * FP32_BYTES)
@@ -269,18 +283,21 @@ def _params(
         if lin.looped:
             # transformers 4's experts: one nn.Linear per expert (each quantized on its own)
             if kbit:
-                frozen += L * lin.count * _quantized_weight_bytes(lin, quant)
+                frozen += L * lin.count * _quantized_weight_bytes(lin, quant, md)
             else:
                 put(lin.out_features, lin.in_features, md, L * lin.count, full)
         elif kbit and not lin.expert:
-            frozen += L * _quantized_weight_bytes(lin, quant)
+            frozen += L * _quantized_weight_bytes(lin, quant, md)
         else:
             # transformers 5 keeps a stack of experts (and a router) as a bare 3-D (2-D)
             # parameter that bitsandbytes leaves in half precision: kbit preparation casts it
             # to fp32 like any other unquantized parameter.
             put(lin.out_features * lin.count, lin.in_features, other if kbit else md, L, full)
         if lin.bias:
-            put(lin.out_features * lin.count, 0, other if kbit else md, L, full)
+            # gptqmodel's and torchao's quantized linears keep the bias as a buffer in the
+            # model's dtype (gptqmodel registers it fp16), which kbit preparation never casts
+            packed = quant is not None and quant.type.packed and not lin.expert
+            put(lin.out_features * lin.count, 0, md if packed or not kbit else other, L, full)
     norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
     put(arch.hidden_size, 0, other, L * norm_tensors, full or norms_train)
     if arch.qk_norm:

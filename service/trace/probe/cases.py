@@ -48,6 +48,11 @@ def check_probeable(spec: TrainingSpec, runner: Runner) -> None:
     resolved = resolve(spec)
     if resolved.quantization is not None and resolved.quantization.type is QuantType.INT8:
         raise NotProbeableError("int8 (LLM.int8) bases are not probed; use nf4 or fp4")
+    if resolved.quantization is not None and resolved.quantization.type.packed:
+        raise NotProbeableError(
+            f"{resolved.quantization.type.value} bases are not probed (the probe quantizes with "
+            "bitsandbytes); use nf4 or fp4"
+        )
     loss = resolved.loss
     if loss not in (LossImpl.HF, LossImpl.PLAIN):
         raise NotProbeableError(f"loss {loss.value} is not probed (hf and plain are)")

@@ -35,6 +35,8 @@
     max_completion_length: "",
     precompute_ref_log_probs: false,
     quant_type: "nf4",
+    quant_bits: "",
+    group_size: "",
     double_quant: false,
     compute_dtype: "",
     prepare_kbit: true,
@@ -57,7 +59,8 @@
   };
   const INTEGER_FIELDS = new Set([
     "lora_r", "lora_alpha", "batch_size", "seq_len", "gradient_accumulation_steps", "gpu_count",
-    "max_gpus", "gpus_per_node", "num_virtual_tokens", "max_completion_length",
+    "max_gpus", "gpus_per_node", "num_virtual_tokens", "max_completion_length", "quant_bits",
+    "group_size",
   ]);
   // Checkbox groups kept in the state (and the link) as their checked values, comma-separated.
   const LIST_FIELDS = new Set(["strategies"]);
@@ -357,12 +360,20 @@
       }
     }
     if (s.method === "qlora") {
-      job.quantization = {
-        type: s.quant_type,
-        double_quant: s.double_quant,
-        compute_dtype: s.compute_dtype || null,
-        prepare_kbit: s.prepare_kbit,
-      };
+      const bnb = ["nf4", "fp4", "int8"].includes(s.quant_type);
+      job.quantization = bnb
+        ? {
+          type: s.quant_type,
+          double_quant: s.double_quant,
+          compute_dtype: s.compute_dtype || null,
+          prepare_kbit: s.prepare_kbit,
+        }
+        : {
+          type: s.quant_type,
+          prepare_kbit: s.prepare_kbit,
+          bits: s.quant_bits === "" ? null : s.quant_bits,
+          group_size: s.group_size === "" ? null : s.group_size,
+        };
     }
     return job;
   }
@@ -400,6 +411,8 @@
         if ("double_quant" in value) s.double_quant = Boolean(value.double_quant);
         if ("compute_dtype" in value) s.compute_dtype = value.compute_dtype || "";
         if ("prepare_kbit" in value) s.prepare_kbit = Boolean(value.prepare_kbit);
+        if ("bits" in value) s.quant_bits = value.bits === null ? "" : value.bits;
+        if ("group_size" in value) s.group_size = value.group_size === null ? "" : value.group_size;
       } else if (key === "parallel" && value && typeof value === "object") {
         if ("gpus" in value) s.gpu_count = value.gpus;
         if ("strategy" in value) s.strategy = value.strategy;
@@ -607,6 +620,8 @@
     "/dpo/max_completion_length": "max_completion_length",
     "/grpo/max_completion_length": "max_completion_length",
     "/quantization": "quant_type",
+    "/quantization/bits": "quant_bits",
+    "/quantization/group_size": "group_size",
     "/parallel/gpus": "gpu_count",
     "/job/parallel/gpus": "gpu_count",
     "/parallel/strategy": "strategy",

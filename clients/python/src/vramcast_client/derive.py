@@ -393,13 +393,23 @@ def _quantization(config: Any) -> Quantization | None:
     if raw is None:
         return None
     values: Mapping[str, Any] = raw.to_dict() if hasattr(raw, "to_dict") else raw
+    method = values.get("quant_method")
+    if method in ("gptq", "awq"):
+        # transformers' GPTQConfig / AwqConfig: bits, group_size (and GPTQ's desc_act)
+        return Quantization(
+            type=method,
+            bits=values.get("bits"),
+            group_size=values.get("group_size"),
+            desc_act=bool(values.get("desc_act", False)) if method == "gptq" else None,
+        )
     if values.get("load_in_8bit"):
         kind: QuantTypeName = "int8"
     elif values.get("load_in_4bit"):
         kind = "fp4" if values.get("bnb_4bit_quant_type") == "fp4" else "nf4"
     else:
         raise UndescribableJobError(
-            f"quantization {values.get('quant_method', '?')} is not bitsandbytes 4- or 8-bit"
+            f"quantization {values.get('quant_method', '?')} is not bitsandbytes 4- or 8-bit, "
+            "GPTQ or AWQ"
         )
     return Quantization(
         type=kind,

@@ -47,7 +47,9 @@ StrategyName = Literal["ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3"]
 FsdpShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 FsdpBackwardPrefetchName = Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
 OffloadName = Literal["none", "optimizer", "optimizer_and_params"]
-QuantTypeName = Literal["nf4", "fp4", "int8"]
+QuantTypeName = Literal[
+    "nf4", "fp4", "int8", "gptq", "awq", "hqq", "torchao-int4", "torchao-float8"
+]
 OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
 ObjectiveName = Literal["sft", "dpo", "reward", "kto", "orpo", "grpo"]
@@ -181,12 +183,15 @@ class Oft(_Request):
 
 
 class Quantization(_Request):
-    """bitsandbytes quantization of the frozen base (QLoRA)."""
+    """The frozen base's quantization (QLoRA): bitsandbytes', GPTQ, AWQ, HQQ or torchao."""
 
     type: QuantTypeName | None = None
     double_quant: bool | None = None
     compute_dtype: DTypeName | None = None
     prepare_kbit: bool | None = None
+    bits: int | None = Field(default=None, ge=1, le=8)  # GPTQ/AWQ bits, HQQ nbits
+    group_size: int | None = Field(default=None, ge=-1)  # GPTQ/AWQ/HQQ
+    desc_act: bool | None = None  # GPTQ act-order
 
 
 class Parallel(_Request):
