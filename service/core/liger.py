@@ -13,6 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LIGER_VERSION = "0.8.2"
+# Streaming multiprocessors of the reference GPU (H200 and H100 SXM: 132, NVIDIA's H100/H200
+# datasheets). LigerRMSNormFunction's backward gives each SM a row of fp32 partial weight
+# gradients (liger_kernel/ops/rms_norm.py rms_norm_backward: `_dW` of (sm_count, n_cols)).
+REFERENCE_SM_COUNT = 132
+
+
+def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Rows of the logits chunk Liger's fused linear cross-entropy forms at a time
+    (liger_kernel/ops/fused_linear_cross_entropy.py fused_linear_cross_entropy_forward:
+    next_power_of_2(cdiv(BT, cdiv(V, H))), so a chunk's logits hold about BT x H elements),
+    at most the tokens there are."""
+    inc_factor = -(-vocab // hidden)
+    rows = -(-tokens // inc_factor)
+    return min(1 << (rows - 1).bit_length(), tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.core.liger import LIGER_VERSION, LigerPatches, liger_patches
+from service.core.liger import (
+    LIGER_VERSION,
+    REFERENCE_SM_COUNT,
+    LigerPatches,
+    liger_chunk_rows,
+    liger_patches,
+)
 
-# Streaming multiprocessors of the reference GPU (an H200, like the H100 SXM: 132 SMs, NVIDIA
-# H100/H200 datasheets). LigerRMSNormFunction's backward gives each SM a row of fp32 partial
-# weight gradients (liger_kernel/ops/rms_norm.py rms_norm_backward: `_dW` of (sm_count, n_cols)).
-REFERENCE_SM_COUNT = 132
 # transformers' causal-LM labels ignore this index (liger_kernel/transformers/model/
 # loss_utils.py LigerForCausalLMLoss: ignore_index=-100).
 IGNORE_INDEX = -100
@@ -278,10 +280,7 @@ def _ce_chunk(
     non-ignored count, and the logits' gradient (softmax - one-hot, through the softcap) over
     that count, in the logits' dtype."""
     x = logits.float()
-    if softcap is not None:
-        capped = softcap * torch.tanh(x / softcap)
-    else:
-        capped = x
+    capped = softcap * torch.tanh(x / softcap) if softcap is not None else x
     valid = target != IGNORE_INDEX
     safe = torch.where(valid, target, torch.zeros_like(target))
     logp = torch.log_softmax(capped, -1)
@@ -309,9 +308,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         tokens, width = hidden.shape
         vocab = weight.shape[0]
-        # fused_linear_cross_entropy_forward: chunks sized to keep chunk x V near BT x H
-        inc_factor = -(-vocab // width)
-        chunk = 1 << max(0, math.ceil(math.log2(-(-tokens // inc_factor))))
+        chunk = liger_chunk_rows(tokens, vocab, width)
         grad_input = torch.zeros_like(hidden)
         grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
         loss_1d = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
@@ -396,6 +393,12 @@ def lce_forward(
 # -- applying the patches -------------------------------------------------------------------
 
 
+def backbone(model: Any) -> Any:
+    """The decoder stack whose output the fused loss takes (the causal LM's `model`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
 def _bind(module: Any, name: str, function: Callable[..., Any]) -> None:
     module.__dict__[name] = MethodType(function, module)
 
@@ -417,8 +420,7 @@ def applied(model: Any) -> Iterator[LigerPatches]:
     patches = liger_patches(base.config.model_type)
     if patches is None:
         raise ValueError(
-            f"liger-kernel {LIGER_VERSION} has no patches modelled for "
-            f"{base.config.model_type!r}"
+            f"liger-kernel {LIGER_VERSION} has no patches modelled for {base.config.model_type!r}"
         )
     modeling = importlib.import_module(
         f"transformers.models.{patches.module}.modeling_{patches.module}"

@@ -686,6 +686,13 @@ class JobSpec(In):
         default=None, description="Causal-LM loss implementation; null: the framework's."
     )
     framework: Framework = Field(default=Framework.HF, description="Training framework preset.")
+    liger_kernel: Boolean = Field(
+        default=False,
+        description="TrainingArguments.use_liger_kernel: Liger Kernel's patches for the model "
+        "type (liger-kernel 0.8.2 monkey_patch.py defaults: RoPE, RMSNorm, SwiGLU MLP and "
+        "the fused linear cross-entropy, so loss is 'fused'). Modelled for llama, mistral and "
+        "qwen2 models; other model types are refused naming this field.",
+    )
     torch_compile: Boolean = Field(
         default=False,
         description="TrainingArguments.torch_compile. Not traced: the eager step is "
@@ -780,6 +787,7 @@ class JobSpec(In):
             framework=self.framework,
             packing=self.packing,
             torch_compile=self.torch_compile,
+            liger_kernel=self.liger_kernel,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
             num_labels=self.num_labels,
