@@ -39,6 +39,10 @@ from service.core.liger import (
 # transformers' causal-LM labels ignore this index (liger_kernel/transformers/model/
 # loss_utils.py LigerForCausalLMLoss: ignore_index=-100).
 IGNORE_INDEX = -100
+TRACE_NOTE = (
+    f"liger-kernel {LIGER_VERSION}'s patches as HF Trainer applies them, its Triton kernels run "
+    "as stand-ins that allocate and save what they do (service/trace/liger.py)"
+)
 # The tanh approximation of GELU (liger_kernel/ops/geglu.py _geglu_tanh_forward_kernel).
 GELU_TANH_COEFF = 0.044715
 

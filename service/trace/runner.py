@@ -26,7 +26,6 @@ from service.core.device import (
     REFERENCE_COMPUTE_CAPABILITY,
     cublas_workspace,
 )
-from service.core.liger import LIGER_VERSION
 from service.core.result import Component, Phase
 from service.core.spec import (
     AttnImpl,
@@ -116,11 +115,7 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
             f"loss {resolved.loss!r} is not traced (hf and plain are; fused with liger_kernel)"
         )
     if spec.liger_kernel:
-        notes.append(
-            f"liger-kernel {LIGER_VERSION}'s patches as HF Trainer applies them, its Triton "
-            "kernels run as stand-ins that allocate and save what they do (service/trace/"
-            "liger.py)"
-        )
+        notes.append(liger.TRACE_NOTE)
     if spec.autocast:
         notes.append(
             "autocast traced with CUDA's policy on the CPU (service/trace/autocast.py): "
@@ -302,8 +297,7 @@ class _Steering:
             output.register_hook(self._logits_grad)
 
     def _backbone_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """The fused loss's tensors are the loss's; the layers' backward opens when the
-        gradient reaches the hidden states the loss took."""
+        """The fused loss's tensors are the loss's; the gradient reaching them opens backward."""
         if self.in_backward:
             return
         self.tracker.component = Component.LOGITS_LOSS

@@ -688,10 +688,8 @@ class JobSpec(In):
     framework: Framework = Field(default=Framework.HF, description="Training framework preset.")
     liger_kernel: Boolean = Field(
         default=False,
-        description="TrainingArguments.use_liger_kernel: Liger Kernel's patches for the model "
-        "type (liger-kernel 0.8.2 monkey_patch.py defaults: RoPE, RMSNorm, SwiGLU MLP and "
-        "the fused linear cross-entropy, so loss is 'fused'). Modelled for llama, mistral and "
-        "qwen2 models; other model types are refused naming this field.",
+        description="TrainingArguments.use_liger_kernel: liger-kernel 0.8.2's RoPE, RMSNorm, "
+        "SwiGLU and fused linear cross-entropy (loss 'fused') for llama, mistral and qwen2.",
     )
     torch_compile: Boolean = Field(
         default=False,
