@@ -185,8 +185,8 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
     train.add_argument(
         "--liger-kernel",
         action="store_true",
-        help="TrainingArguments.use_liger_kernel: Liger's RoPE, RMSNorm, SwiGLU and fused "
-        "linear cross-entropy (llama, mistral, qwen2)",
+        help="TrainingArguments.use_liger_kernel: Liger's RoPE, RMSNorm, SwiGLU/GEGLU and fused "
+        "linear cross-entropy (llama, mistral, qwen2, gemma2)",
     )
     train.add_argument(
         "--packing",

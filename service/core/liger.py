@@ -47,11 +47,26 @@ class LigerPatches:
 # The model types whose patches the estimator models (dense Llama-family decoders: RMSNorm,
 # gated MLP, RoPE). monkey_patch.py: apply_liger_kernel_to_llama, _mistral and _qwen2 patch
 # the norms with _patch_rms_norm_module's defaults (offset 0, casting 'llama', in_place True)
-# and each MLP with LigerSwiGLUMLP.
+# and each MLP with LigerSwiGLUMLP; apply_liger_kernel_to_gemma2 patches Gemma-2's four norms
+# per layer with offset 1.0, casting 'gemma' and in_place False (its residual needs dY), and
+# each MLP with LigerGEGLUMLP.
 MODELLED_PATCHES: dict[str, LigerPatches] = {
     "llama": LigerPatches(module="llama"),
     "mistral": LigerPatches(module="mistral"),
     "qwen2": LigerPatches(module="qwen2"),
+    "gemma2": LigerPatches(
+        module="gemma2",
+        layer_norms=(
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ),
+        rms_offset=1.0,
+        rms_casting="gemma",
+        rms_in_place=False,
+        mlp="geglu",
+    ),
 }
 
 # Model types liger-kernel 0.8.2 patches (MODEL_TYPE_TO_APPLY_LIGER_FN) whose patches are not
@@ -62,7 +77,6 @@ PATCHED_NOT_MODELLED = frozenset(
         "exaone4",
         "falcon_h1",
         "gemma",
-        "gemma2",
         "gemma3",
         "gemma3_text",
         "gemma4",

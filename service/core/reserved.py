@@ -325,6 +325,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
         autocast=plan.autocast,
         liger=plan.liger,
+        liger_norm_in_place=not (plan.liger and arch.model_type == "gemma2"),
         head_weight_copy=arch.vocab_size * arch.hidden_size * HALF_BYTES
         if plan.autocast
         and plan.head_bytes != HALF_BYTES

@@ -70,7 +70,7 @@ def test_what_liger_is_not_modelled_with_is_refused_by_name(
 @pytest.mark.parametrize(
     ("model_id", "patched"),
     [
-        ("google/gemma-2-2b", True),
+        ("google/gemma-3-1b-pt", True),
         ("microsoft/Phi-3-mini-4k-instruct", True),
         ("tiiuae/falcon-7b", False),
     ],
@@ -87,12 +87,17 @@ def test_model_types_whose_patches_are_not_modelled_are_refused(
     assert liger_patches(arch.model_type) is None
 
 
-def test_the_modelled_families_take_llamas_patches() -> None:
+def test_the_modelled_families_take_their_apply_functions_defaults() -> None:
     for model_type in ("llama", "mistral", "qwen2"):
         patches = liger_patches(model_type)
         assert patches is not None and liger_refusal(model_type) is None
         assert (patches.rms_casting, patches.rms_offset, patches.rms_in_place) == ("llama", 0, True)
         assert patches.mlp == "swiglu" and patches.rope and patches.fused_linear_cross_entropy
+    gemma2 = liger_patches("gemma2")
+    assert gemma2 is not None and liger_refusal("gemma2") is None
+    # apply_liger_kernel_to_gemma2: (1 + weight) in fp32, dY kept (its residual needs it)
+    assert (gemma2.rms_casting, gemma2.rms_offset, gemma2.rms_in_place) == ("gemma", 1.0, False)
+    assert gemma2.mlp == "geglu" and len(gemma2.layer_norms) == 4
 
 
 def test_each_layer_saves_its_norm_inputs_and_no_activation() -> None:

@@ -44,8 +44,11 @@ def _step(model: Any, ids: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_patched_model_matches_unpatched_loss_and_gradients(model_type: str) -> None:
+@pytest.mark.parametrize(
+    ("model_type", "mlp"),
+    [("llama", "swiglu"), ("qwen2", "swiglu"), ("mistral", "swiglu"), ("gemma2", "geglu")],
+)
+def test_patched_model_matches_unpatched_loss_and_gradients(model_type: str, mlp: str) -> None:
     model = _tiny(model_type)
     patched = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, 12))
@@ -53,7 +56,7 @@ def test_patched_model_matches_unpatched_loss_and_gradients(model_type: str) -> 
     labels[0, :3] = liger.IGNORE_INDEX
     want_loss, want_grads = _step(model, ids, labels)
     with liger.applied(patched) as patches:
-        assert patches.mlp == "swiglu"
+        assert patches.mlp == mlp
         got_loss, got_grads = _step(patched, ids, labels)
     assert torch.allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     assert want_grads.keys() == got_grads.keys()

@@ -689,7 +689,7 @@ class JobSpec(In):
     liger_kernel: Boolean = Field(
         default=False,
         description="TrainingArguments.use_liger_kernel: liger-kernel 0.8.2's RoPE, RMSNorm, "
-        "SwiGLU and fused linear cross-entropy (loss 'fused') for llama, mistral and qwen2.",
+        "SwiGLU/GEGLU, fused linear cross-entropy (loss 'fused'): llama, mistral, qwen2, gemma2.",
     )
     torch_compile: Boolean = Field(
         default=False,

@@ -300,14 +300,17 @@ class _Backward(_Forward):
         h = width or sh.hidden
         r = nbytes or sh.residual
         if sh.liger:
-            # LigerRMSNormFunction.backward (in_place): dX is written into dY's storage; the
-            # weight's gradient is reduced from an fp32 (sm_count, hidden) buffer of partials
-            # (liger_kernel/ops/rms_norm.py rms_norm_backward)
+            # LigerRMSNormFunction.backward: dX is written into dY's storage (in_place) or into
+            # a zeros_like of it; the weight's gradient is reduced from an fp32 (sm_count,
+            # hidden) buffer of partials (liger_kernel/ops/rms_norm.py rms_norm_backward)
+            dx = g if sh.liger_norm_in_place else self.a(r * h)
             self.f(self.p.alloc(REFERENCE_SM_COUNT * h * FP32_BYTES))
             if self.norm_trains(name):
                 self.grad((weight or h) * r)
             saved.release(f"{name}.x")
-            return g
+            if dx != g:
+                self.f(g)
+            return dx
         g1 = self.a((FP32_BYTES if sh.gemma_norm else r) * h)  # grad * weight (or its cast)
         if self.norm_trains(name):
             self.f(self.a(r * h))  # grad * normed, summed into the weight's gradient
