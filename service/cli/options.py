@@ -194,6 +194,12 @@ def add_spec_options(parser: argparse.ArgumentParser, *, require_job: bool = Tru
         help="TrainingArguments.torch_compile (not traced: the eager step is estimated)",
     )
     train.add_argument(
+        "--liger-kernel",
+        action="store_true",
+        help="TrainingArguments.use_liger_kernel: Liger's RoPE, RMSNorm, SwiGLU/GEGLU and fused "
+        "linear cross-entropy (llama, mistral, qwen2, gemma2)",
+    )
+    train.add_argument(
         "--packing",
         action="store_true",
         help="TRL's padding-free packing: the micro-batch's sequences as one row of "
@@ -390,6 +396,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             "activation_offloading": args.activation_offloading or None,
             "packing": args.packing,
             "torch_compile": args.torch_compile,
+            "liger_kernel": args.liger_kernel,
             "attn_implementation": args.attn_implementation,
             "sdpa_kernel": args.sdpa_kernel,
             "loss": args.loss,

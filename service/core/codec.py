@@ -113,7 +113,13 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         if not quant.get("desc_act"):
             quant.pop("desc_act", None)
     # written when on
-    for name in ("optimizer_in_backward", "activation_offloading", "packing", "torch_compile"):
+    for name in (
+        "optimizer_in_backward",
+        "activation_offloading",
+        "packing",
+        "torch_compile",
+        "liger_kernel",
+    ):
         if not plain.get(name):
             plain.pop(name, None)
     return plain
@@ -533,6 +539,7 @@ _TRAINING: dict[str, Check] = {
     "framework": _choice(Framework),
     "packing": _boolean,
     "torch_compile": _boolean,
+    "liger_kernel": _boolean,
     "parallel": _object(ParallelSpec, _PARALLEL),
     "allocator": _object(AllocatorConfig, _ALLOCATOR),
     "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),

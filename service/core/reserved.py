@@ -124,6 +124,7 @@ class ReservedPlan:
     oft: tuple[tuple[str, tuple[int, int]], ...] = ()
     # BOFT's on the adapted linears: by linear name, (factors, block count, block size)
     boft: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    liger: bool = False  # HF Trainer's use_liger_kernel (service/core/liger.py)
     # A plan keys the replay caches on every estimate: its hash is computed once.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -335,6 +336,8 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         workspace=cublas_workspace(plan.compute_capability),
         lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
         autocast=plan.autocast,
+        liger=plan.liger,
+        liger_norm_in_place=not (plan.liger and arch.model_type == "gemma2"),
         head_weight_copy=arch.vocab_size * arch.hidden_size * HALF_BYTES
         if plan.autocast
         and plan.head_bytes != HALF_BYTES

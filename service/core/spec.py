@@ -370,6 +370,48 @@ class TrainingSpec:
     # TrainingArguments.torch_compile: not traced, the eager step is estimated (stated in the
     # answer: estimator/peak.py COMPILE_NOTE)
     torch_compile: bool = False
+    # TrainingArguments.use_liger_kernel: Liger Kernel's patches for the model type
+    # (service/core/liger.py), its fused linear cross-entropy among them
+    liger_kernel: bool = False
+
+    def _check_liger(self) -> None:
+        """Liger's patches are modelled as HF Trainer applies them (its SFT step, one GPU,
+        LoRA, QLoRA or full fine-tuning, no autocast), with their fused linear cross-entropy."""
+        if not self.liger_kernel:
+            return
+        if self.loss is not None and self.loss is not LossImpl.FUSED:
+            raise InvalidSpecError(
+                "loss",
+                "liger_kernel replaces the loss with Liger's fused linear cross-entropy: "
+                "leave loss unset or 'fused'",
+            )
+        refusals = (
+            ("framework", self.framework is not Framework.HF, "as HF Trainer applies it"),
+            ("objective", self.objective is not Objective.SFT, "with objective 'sft'"),
+            (
+                "method",
+                self.method not in (Method.LORA, Method.QLORA, Method.FULL),
+                "with methods 'lora', 'qlora' and 'full'",
+            ),
+            ("autocast", self.autocast, "without autocast"),
+            (
+                "quantization.type",
+                self.quantization is not None
+                and self.quantization.type not in (QuantType.NF4, QuantType.FP4),
+                "on bitsandbytes' 4-bit bases (nf4, fp4)",
+            ),
+            (
+                "lora.modules_to_save",
+                self.lora is not None and bool(self.lora.modules_to_save),
+                "without modules_to_save",
+            ),
+            ("parallel.gpus", self.parallel.gpus != 1, "on one GPU"),
+            ("packing", self.packing, "without packing"),
+            ("torch_compile", self.torch_compile, "without torch_compile"),
+        )
+        for name, refused, how in refusals:
+            if refused:
+                raise InvalidSpecError(name, f"liger_kernel is modelled {how}")
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
@@ -500,6 +542,7 @@ class TrainingSpec:
             self._check_lora_fa()
         self._check_method_options()
         self._check_objective()
+        self._check_liger()
         check_training_features(self)
         check_vision(self)
         if self.method in ADAPTER_METHODS:
@@ -769,7 +812,11 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     else:
         compute_dtype = spec.dtype
 
-    if spec.loss is not None:
+    if spec.liger_kernel:
+        loss = LossImpl.FUSED
+        if spec.loss is None:
+            notes.append("use_liger_kernel: Liger's fused linear cross-entropy, no logits")
+    elif spec.loss is not None:
         loss = spec.loss
     elif spec.framework is Framework.HF:
         loss = LossImpl.HF

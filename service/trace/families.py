@@ -605,3 +605,24 @@ def _packing_cases() -> list[tuple[str, TrainingSpec]]:
         (LLAMA_1B, _spec(qlora, 4, 512, ckpt=True, packing=True)),
         (LLAMA_1B, _spec(lora, 8, 256, packing=True)),
     ]
+
+
+def _liger_cases() -> list[tuple[str, TrainingSpec]]:
+    """HF Trainer's use_liger_kernel (liger-kernel 0.8.2's patches: RoPE, RMSNorm, SwiGLU for
+    llama and qwen2, Gemma-2's RMSNorm mode and GEGLU, fused linear cross-entropy): LoRA, QLoRA
+    and full fine-tuning, with and without checkpointing."""
+    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
+    return [
+        (LLAMA_1B, _spec(lora, 2, 1024, liger_kernel=True)),
+        (LLAMA_1B, _spec(lora, 4, 1024, ckpt=True, liger_kernel=True)),
+        (LLAMA_1B, _spec(full, 1, 1024, liger_kernel=True)),
+        (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, liger_kernel=True)),
+        (QWEN_05B, _spec(lora, 2, 1024, liger_kernel=True)),
+        (QWEN_05B, _spec(full, 2, 512, ckpt=True, liger_kernel=True)),
+        (QWEN_05B, _spec(full, 1, 1024, liger_kernel=True)),
+        (GEMMA_2B, _spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER, liger_kernel=True)),
+        (
+            GEMMA_2B,
+            _spec(lora, 2, 512, ckpt=True, attn_implementation=AttnImpl.EAGER, liger_kernel=True),
+        ),
+    ]

@@ -65,6 +65,7 @@ from service.trace.families import (
     _grpo_cases,
     _int8_cases,
     _kto_cases,
+    _liger_cases,
     _lora,
     _mixed_precision_objective_cases,
     _orpo_cases,
@@ -293,6 +294,8 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(f"sdpa-{spec.sdpa_kernel.value}")
     if spec.optim is not Optim.ADAMW_TORCH_FUSED:
         parts.append(spec.optim.value)
+    if spec.liger_kernel:
+        parts.append("liger")
     if spec.loss is not None:
         parts.append(f"loss-{spec.loss.value}")
     if spec.dtype is not DType.BF16:
@@ -657,6 +660,7 @@ def matrix() -> list[Case]:
     cases.extend(_int8_cases())
     cases.extend(_vision_cases())
     cases.extend(_packing_cases())
+    cases.extend(_liger_cases())
     cases.extend(peft_delta_cases())
     cases.extend(train_feature_cases())
     # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,

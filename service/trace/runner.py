@@ -40,7 +40,7 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import PINNED_STACK, stack_behaviours
-from service.trace import grpo, kernels, kto, orpo, parallel, preference, reward, vision
+from service.trace import grpo, kernels, kto, liger, orpo, parallel, preference, reward, vision
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
 from service.trace.tracker import (
@@ -124,8 +124,12 @@ def check_traceable(resolved: ResolvedSpec) -> list[str]:
         raise NotTraceableError(
             f"{quant.type.value} bases are not traced (bitsandbytes' nf4, fp4 and int8 are)"
         )
-    if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN):
-        raise NotTraceableError(f"loss {resolved.loss!r} is not traced (hf and plain are)")
+    if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN) and not spec.liger_kernel:
+        raise NotTraceableError(
+            f"loss {resolved.loss!r} is not traced (hf and plain are; fused with liger_kernel)"
+        )
+    if spec.liger_kernel:
+        notes.append(liger.TRACE_NOTE)
     if spec.autocast:
         notes.append(
             "autocast traced with CUDA's policy on the CPU (service/trace/autocast.py): "
@@ -229,9 +233,16 @@ class _LabellingDict(dict):  # type: ignore[type-arg]
 class _Steering:
     """Module and tensor hooks that set the tracker's labels and phases as the step runs."""
 
-    def __init__(self, tracker: StorageTracker, lm_head: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        tracker: StorageTracker,
+        lm_head: torch.nn.Module,
+        backbone: torch.nn.Module | None = None,
+    ) -> None:
         self.tracker = tracker
         self.lm_head = lm_head
+        # Liger's fused loss calls no lm_head: the backbone's output opens the loss's part
+        self.backbone = backbone
         self.step = 0
         self.in_backward = False
         self._handles: list[Any] = []
@@ -242,6 +253,8 @@ class _Steering:
             self.lm_head.register_forward_pre_hook(self._lm_head_pre),
             self.lm_head.register_forward_hook(self._lm_head_post),
         ]
+        if self.backbone is not None:
+            self._handles.append(self.backbone.register_forward_hook(self._backbone_post))
         for param in params:
             self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
         wrapped = []
@@ -296,6 +309,15 @@ class _Steering:
     def _lm_head_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.in_backward and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._logits_grad)
+
+    def _backbone_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The fused loss's tensors are the loss's; the gradient reaching them opens backward."""
+        if self.in_backward:
+            return
+        self.tracker.component = Component.LOGITS_LOSS
+        hidden = getattr(output, "last_hidden_state", None)
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._logits_grad)
 
     def _logits_grad(self, grad: torch.Tensor) -> None:
         # The loss's gradient has reached the logits: the rest of backward is the layers'.
@@ -439,6 +461,9 @@ def trace(
                 stack.enter_context(kernels.quiet_logger("bitsandbytes.autograd._functions"))
             if spec.autocast:
                 stack.enter_context(cuda_autocast_policy())
+            if spec.liger_kernel:
+                stack.enter_context(liger.applied(model))
+                stack.enter_context(liger.registers(tracker.off_device))
             if real:
                 torch.manual_seed(0)
             params_total = sum(_numel(p) for p in model.parameters())
@@ -479,7 +504,9 @@ def trace(
             optimizer.state = _LabelledState(tracker)
             for qmap in getattr(optimizer, "name2qmap", {}).values():
                 tracker.label(qmap, Component.OPTIMIZER_STATE)
-            steering = _Steering(tracker, built.lm_head)
+            steering = _Steering(
+                tracker, built.lm_head, liger.backbone(model) if spec.liger_kernel else None
+            )
             stack.enter_context(steering.installed(model, params))
             if spec.optimizer_in_backward:  # after the steering's hooks, which label .grad
                 optimizer = _in_backward(params, spec, tracker, stack, fake=not real)

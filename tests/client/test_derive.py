@@ -343,3 +343,16 @@ def test_a_padding_free_sft_run_is_packed(
             # its input_ids and labels
             grown = client.estimate(job).peak.allocated_bytes
             assert grown - client.estimate(row).peak.allocated_bytes == 4 * 2048 * 8
+
+
+def test_use_liger_kernel_is_read_and_estimated(service: Service) -> None:
+    """TrainingArguments.use_liger_kernel becomes the job's liger_kernel; the service answers
+    it below the same job's HF loss (QLoRA, no mixed precision, one GPU)."""
+    values = vars(arguments(world_size=1, deepspeed=None, optim="adamw_torch_fused", bf16=False))
+    liger = job_from_hf(PeftModel(QWEN_0_5B), SimpleNamespace(**values, use_liger_kernel=True))
+    plain = job_from_hf(PeftModel(QWEN_0_5B), SimpleNamespace(**values, use_liger_kernel=False))
+    assert liger.to_json()["liger_kernel"] is True
+    assert "liger_kernel" not in plain.to_json()
+    with VramcastClient(service.url) as client:
+        fused = client.estimate(liger).peak.allocated_bytes
+        assert fused < client.estimate(plain).peak.allocated_bytes

@@ -426,7 +426,13 @@ def test_the_dict_names_every_field_in_order(spec: TrainingSpec) -> None:
     if spec.objective is Objective.SFT:  # written when another objective is asked for
         names.remove("objective")
     # written when on
-    for name in ("optimizer_in_backward", "activation_offloading", "packing", "torch_compile"):
+    for name in (
+        "optimizer_in_backward",
+        "activation_offloading",
+        "packing",
+        "torch_compile",
+        "liger_kernel",
+    ):
         if not getattr(spec, name):
             names.remove(name)
     assert list(data) == names

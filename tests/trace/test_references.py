@@ -40,6 +40,7 @@ RETRACED = (
     "qwen2_5-0_5b__lora__orpo__r16-all-linear__b2-s512",
     "qwen2_5-0_5b__adalora__r12-default__target8-tinit2__b1-s512__ckpt",
     "llama-3_2-1b__full__b1-s256__loss-hf__clip0__torchtune__optim-in-bwd",
+    "qwen2_5-0_5b__full__b2-s512__ckpt__liger",
 )
 
 # The tensors' peaks (GiB, two decimals) the tracer's first version recorded for these

@@ -550,3 +550,25 @@ def test_a_gptq_base_sends_its_bits_and_group_size(driver: Driver, api: httpx.Cl
     answer = api.post("/v1/estimates", json=job).json()
     assert any("GPTQ base (3-bit, group 64)" in a for a in answer["assumptions"])
     assert_estimate_shown(d.shown(), answer)
+
+
+def test_a_liger_job_sends_the_option_and_its_fused_loss(driver: Driver, api: httpx.Client) -> None:
+    """The Liger Kernel box sends liger_kernel (and no loss of its own: Liger brings its
+    fused one), and the page shows the API's smaller answer."""
+    d = driver
+    d.open("?model=Qwen%2FQwen2.5-0.5B&method=lora&batch_size=2&seq_len=512&gpu=H100-SXM")
+    d.wait_ready()
+    plain = d.last_post("/v1/estimates")
+    assert "liger_kernel" not in plain
+    d.page.select_option("#loss", "hf")
+    d.page.check("#liger_kernel")
+    d.wait_ready()
+    job = d.last_post("/v1/estimates")
+    assert job["liger_kernel"] is True and job["loss"] is None
+    answer = api.post("/v1/estimates", json=job).json()
+    assert (
+        "logits_loss" not in answer["components"]
+        or answer["components"]["logits_loss"]
+        < (api.post("/v1/estimates", json=plain).json()["components"]["logits_loss"])
+    )
+    assert_estimate_shown(d.shown(), answer)

@@ -662,6 +662,11 @@ class JobSpec(In):
         default=None, description="Causal-LM loss implementation; null: the framework's."
     )
     framework: Framework = Field(default=Framework.HF, description="Training framework preset.")
+    liger_kernel: Boolean = Field(
+        default=False,
+        description="TrainingArguments.use_liger_kernel: liger-kernel 0.8.2's RoPE, RMSNorm, "
+        "SwiGLU/GEGLU, fused linear cross-entropy (loss 'fused'): llama, mistral, qwen2, gemma2.",
+    )
     torch_compile: Boolean = Field(
         default=False,
         description="TrainingArguments.torch_compile. Not traced: the eager step is "
@@ -758,6 +763,7 @@ class JobSpec(In):
             framework=self.framework,
             packing=self.packing,
             torch_compile=self.torch_compile,
+            liger_kernel=self.liger_kernel,
             parallel=self.parallel.to_spec(),
             allocator=self.allocator.to_spec(),
             num_labels=self.num_labels,

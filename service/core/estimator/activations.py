@@ -132,6 +132,10 @@ class LayerFlow:
     # DeepSeek: which of the MoE block's parameters PEFT adapts ("router", "gate_up", "down";
     # `deepseek.deepseek_lora_targets`), each its own ParamWrapper
     expert_parts: frozenset[str] = frozenset()
+    # HF Trainer's use_liger_kernel: Liger's RMSNorm and SwiGLU Functions (`_norm_saves`,
+    # `_mlp_saves`); its RoPE rotates q and k in their projection's storage, which SDPA then
+    # saves: the same bytes as transformers' rotated copies.
+    liger: bool = False
 
 
 def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
@@ -229,6 +233,7 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         adapter_v2=v2,
         prefix=spec.method is Method.PREFIX_TUNING,
         expert_parts=deepseek_expert_parts(arch, lora) if arch.is_mla else frozenset(),
+        liger=spec.liger_kernel,
     )
 
 
@@ -423,7 +428,13 @@ def _dora_saves(
 
 def _norm_saves(led: _Ledger, f: LayerFlow, key: str, x_key: str, h: int, arch: ModelArch) -> None:
     """RMSNorm (LlamaRMSNorm): saves an fp32 copy of its input and the rsqrt per token."""
-    if arch.norm is NormKind.RMS:
+    if arch.norm is NormKind.RMS and f.liger:
+        # LigerRMSNormFunction.forward (liger_kernel/ops/rms_norm.py, 0.8.2):
+        # save_for_backward(X, W, RSTD), X the input itself and RSTD one fp32 per row; the
+        # weight's gradient is reduced from X in the backward kernel, so nothing else is kept.
+        led.add(x_key, h * f.residual)
+        led.add(f"{key}.rstd", FP32_BYTES)
+    elif arch.norm is NormKind.RMS:
         fp32_key = x_key if f.residual == FP32_BYTES else f"{key}.fp32"
         led.add(fp32_key, h * FP32_BYTES)
         led.add(f"{key}.rstd", FP32_BYTES)
@@ -491,7 +502,12 @@ def _mlp_saves(
         return
     if arch.mlp is MlpKind.GATED:
         fused = len(mlp_in) == 1  # one gate_up projection (Phi-3): its act comes after it
-        if not fused or not at_up_proj:
+        if f.liger:
+            # LigerSiLUMulFunction (liger_kernel/ops/swiglu.py, 0.8.2) runs after both
+            # projections and saves their outputs (a, b) alone: the activation is recomputed
+            # in backward and never kept.
+            led.add("mlp.gate_out", i_size * out)
+        elif not fused or not at_up_proj:
             # act(gate) saves gate; act(gate) * up saves both operands.
             led.add("mlp.gate_out", i_size * out)
             led.add("mlp.act_out", i_size * out)

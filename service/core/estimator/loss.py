@@ -7,8 +7,16 @@ from typing import NamedTuple
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.weights import NF4_BLOCK
+from service.core.liger import liger_chunk_rows
 from service.core.spec import Framework, LossImpl, Method, ResolvedSpec
-from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, FP32_BYTES, DType
+from service.core.units import (
+    AUTOCAST_BYTES,
+    BOOL_BYTES,
+    DTYPE_BYTES,
+    FP32_BYTES,
+    INT64_BYTES,
+    DType,
+)
 
 # torchtune CEWithChunkedOutputLoss splits the sequence in 8 chunks
 # (torchtune/modules/loss/ce_chunked_output_loss.py num_output_chunks=8).
@@ -48,6 +56,8 @@ def _loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int) -> _LossBytes
     )
     tokens = b * s
     softcap = arch.final_logit_softcapping is not None
+    if rs.spec.liger_kernel:
+        return _liger_loss_bytes(arch, rs, b, s, head)
     if rs.loss is LossImpl.FUSED:
         # Fused linear cross-entropy never materialises b*s*V (Liger, Cut Cross-Entropy).
         return _LossBytes(forward_peak=0, saved=0, backward_peak=0)
@@ -101,6 +111,36 @@ def _loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int) -> _LossBytes
         forward_peak=weight_copy + logits + cap + upcast + logp,
         saved=weight_copy + logp + cap,
         backward_peak=weight_copy + logp + cap + 2 * logp,
+    )
+
+
+def _liger_loss_bytes(arch: ModelArch, rs: ResolvedSpec, b: int, s: int, head: int) -> _LossBytes:
+    """LigerForCausalLMLoss and LigerFusedLinearCrossEntropyFunction (liger-kernel 0.8.2,
+    transformers/model/loss_utils.py, ops/fused_linear_cross_entropy.py): the labels padded by
+    one position and their shifted contiguous copy (int64); the forward computes the gradients
+    chunk by chunk and saves them for backward: the input's (zeros_like of the hidden states)
+    and, when the LM head trains, the weight's (zeros_like of the weight, accum_dtype None);
+    beside them an fp32 loss per token and the label mask. Each chunk's logits (chunk rows x V,
+    the hidden states' dtype) are overwritten with their gradient in place; the input's slice
+    of gradient is a GEMM's output copied in; the weight's is `grad_weight += mm(...).float()`
+    (the fp32-out addmm path needs an fp32 accumulator): the product in the weight's dtype and
+    its fp32 copy exist together. Backward scales the saved gradients in place."""
+    v, h = arch.vocab_size, arch.hidden_size
+    tokens = b * s
+    head_trains = rs.spec.method is Method.FULL
+    grad_input = _blk(tokens * h * head)
+    grad_weight = _blk(v * h * head) if head_trains else 0
+    saved = grad_input + grad_weight
+    labels = _blk(b * (s + 1) * INT64_BYTES) + _blk(tokens * INT64_BYTES)
+    per_token = _blk(tokens * FP32_BYTES) + _blk(tokens * BOOL_BYTES)
+    rows = liger_chunk_rows(tokens, v, h)
+    chunk = _blk(rows * v * head)
+    slice_grad = _blk(rows * h * head)
+    weight_grad_step = _blk(v * h * head) + _blk(v * h * FP32_BYTES) if head_trains else 0
+    return _LossBytes(
+        forward_peak=saved + labels + per_token + chunk + max(slice_grad, weight_grad_step),
+        saved=saved,
+        backward_peak=saved,
     )
 
 

@@ -19,7 +19,7 @@ from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
-from service.core.estimator.step import PHASES, _check_modelled, _Step, _step
+from service.core.estimator.step import PHASES, _check_modelled, _Step, _step, check_liger
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.vision import model_step
@@ -54,6 +54,7 @@ def estimate(
         return _dpo_estimate(arch, spec, compute_capability)
     if spec.objective is Objective.REWARD:
         return _reward_estimate(arch, spec, compute_capability)
+    check_liger(arch, spec)
     if _is_encoder(arch, spec):
         if arch.encoder_decoder:
             return seq2seq_estimate(
@@ -98,6 +99,7 @@ def peak_levels(
         return PeakLevels(
             est.allocated_bytes, est.reserved_bytes, est.device_bytes, est.device_bytes_upper
         )
+    check_liger(arch, spec)
     if _is_encoder(arch, spec):
         if arch.encoder_decoder:
             return seq2seq_peak_levels(arch, spec, compute_capability=compute_capability)

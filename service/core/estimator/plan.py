@@ -124,6 +124,9 @@ class _StepTraits:
     eager_mask_kinds: int  # eager attention's explicit masks: one per kind of layer
     windowed: bool  # the sequence reaches the sliding window (`_PlanKey.windowed`)
     warnings: tuple[str, ...]  # warnings that hold for every batch and sequence length
+    # Liger with PEFT's fp32 LoRA on a dense gated MLP's down_proj (no dropout): the top
+    # layer's down_proj is a moment of the step (`step._step`)
+    liger_down: bool = False
 
 
 @lru_cache(maxsize=4096)
@@ -305,6 +308,14 @@ def _step_traits(arch: ModelArch, key: _PlanKey, rs: ResolvedSpec, f: LayerFlow)
         eager_mask_kinds=2 if arch.model_type in ("gemma2", "gemma3_text") else 1,
         windowed=key.windowed,
         warnings=tuple(warnings),
+        liger_down=f.liger
+        and key.method is Method.LORA
+        and arch.mlp is MlpKind.GATED
+        and not arch.is_moe
+        and not f.dropout
+        and f.adapter != f.norm_out
+        and down is not None
+        and down.name in f.lora_targets,
     )
 
 
@@ -484,6 +495,7 @@ def _reserved_plan(
         virtual_tokens=virtual_tokens(spec),
         prefix_tokens=prefix_tokens(spec),
         prefix_encoder=prefix_encoder_width(arch, spec),
+        liger=f.liger,
         frozen_a=f.frozen_a,
         vera=f.vera,
         loha=f.loha,
@@ -536,6 +548,7 @@ class _PlanKey(NamedTuple):
     prefix_tuning: PrefixTuningSpec | None = None
     optimizer_in_backward: bool = False  # torchtune's options (spec_train.py)
     activation_offloading: bool = False
+    liger_kernel: bool = False  # HF Trainer's use_liger_kernel (service/core/liger.py)
 
     @classmethod
     def of(cls, spec: TrainingSpec, arch: ModelArch) -> _PlanKey:
@@ -568,6 +581,7 @@ class _PlanKey(NamedTuple):
             spec.prefix_tuning,
             optimizer_in_backward=spec.optimizer_in_backward,
             activation_offloading=spec.activation_offloading,
+            liger_kernel=spec.liger_kernel,
         )
 
     def unit_spec(self) -> TrainingSpec:

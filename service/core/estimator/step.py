@@ -28,6 +28,7 @@ from service.core.estimator.train_features import (
     resident_layer_inputs,
 )
 from service.core.estimator.tuners import virtual_tokens
+from service.core.liger import liger_refusal
 from service.core.quant_formats import dequant_transient
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
@@ -202,6 +203,12 @@ def _packed_dequant(arch: ModelArch, rs: ResolvedSpec, batch: int, tokens: int) 
     return _blk(nbytes)
 
 
+def check_liger(arch: ModelArch, spec: TrainingSpec) -> None:
+    """Refuse use_liger_kernel where its patches are not modelled for the model type."""
+    if spec.liger_kernel and (refusal := liger_refusal(arch.model_type)):
+        raise InvalidSpecError("liger_kernel", refusal)
+
+
 def _check_modelled(arch: ModelArch, spec: TrainingSpec) -> None:
     """Refuse the settings of a DeepSeek (multi-head latent attention) job that no reference
     trace has checked (`check_deepseek_spec`)."""
@@ -216,6 +223,7 @@ def _step(
 ) -> _Step:
     """The step's allocated bytes phase by phase."""
     _check_modelled(arch, spec)
+    check_liger(arch, spec)
     arch = looped_arch(arch, spec)
     check_stack(spec.stack, arch.is_moe, model_type=arch.model_type)
     unquantized = _unquantized(arch, spec)
@@ -312,6 +320,10 @@ def _step(
     # padding-free collator, estimator/packing.py)
     inputs = (3 if spec.packing else 2) * _blk(b * (s - virtual) * INT64_BYTES)
     final_norm = _blk(tokens * h * FP32_BYTES) + _blk(tokens * FP32_BYTES)
+    if f.liger:
+        # LigerRMSNorm saves the last layer's output itself and an fp32 rstd per token
+        # (`activations._norm_saves`)
+        final_norm = _blk(tokens * h * f.residual) + _blk(tokens * FP32_BYTES)
     if "final" in f.trained_norms:
         # LN tuning's copy of the final norm: its weight's product keeps the normed input
         final_norm += _blk(tokens * h * norm_product_bytes(arch, f.adapter_v2, f.residual))
@@ -338,7 +350,7 @@ def _step(
         # gradient), with its mean and rstd.
         embed_norm = _blk(tokens * h * f.residual) + 2 * _blk(tokens * FP32_BYTES)
         final_norm += embed_norm
-    if traits.head_trains or f.head_quantized:
+    if (traits.head_trains and not f.liger) or f.head_quantized:
         # lm_head's input: for its weight grad, or kept by a 4-bit head (bitsandbytes 0.41.1
         # MatMul4Bit's ctx.tensors)
         final_norm += _blk(tokens * h * f.residual)
@@ -453,7 +465,16 @@ def _step(
     # their sum coexist (reference traces of Qwen2.5-0.5B and Gemma-2 full fine-tuning).
     # Sharding strategies make it whole and shard it after.
     made = embed_grads if rank.embed_gradient_made is None else rank.embed_gradient_made
-    if embed_grads and tied_head:
+    if embed_grads and tied_head and f.liger:
+        # Liger's fused loss made the head's gradient in the forward: it waits in the tied
+        # weight's input buffer as the loss's tensor, beside the embedding's and their sum
+        end = _Moment(
+            gradients=grads - embed_grads,
+            activations=0,
+            logits_loss=made,
+            backward_temporaries=2 * made,
+        )
+    elif embed_grads and tied_head:
         end = _Moment(gradients=grads - embed_grads, activations=0, backward_temporaries=3 * made)
     elif embed_grads:
         end = _Moment(
@@ -521,15 +542,19 @@ def _step(
         # gone), the gradient arriving from the head (an fp32 and two bf16 hidden-sized
         # tensors, per the reference traces) and the recomputed layer at its up_proj.
         arriving = _blk(tokens * h * FP32_BYTES) + 2 * _blk(tokens * h * HALF_BYTES)
+        # (under Liger the gradient arriving from the final norm is the fused loss's saved
+        # input gradient, its storage handed on in place: the loss's tensor)
+        from_loss = _blk(tokens * h * HALF_BYTES) if f.liger else 0
         moment = _recipe_bytes(plan.up_proj_moment, b, s, prefix)
         candidates.append(
             _Moment(
                 gradients=ga_grads,
                 activations=stored_checkpoints + rope + masks,
                 recompute=moment,
+                logits_loss=from_loss,
                 # a GPTQ/AWQ/HQQ/torchao base: up_proj's dequantization in flight (the
                 # larger of its forward and backward transient, `_packed_dequant`)
-                backward_temporaries=arriving + (dequant if f.packed else 0),
+                backward_temporaries=arriving - from_loss + (dequant if f.packed else 0),
             )
         )
     if traits.qlora_gated_down:
@@ -661,6 +686,40 @@ def _step(
         logits_loss=loss.forward_peak,
         communication=rank.comm_forward,
     )
+    if traits.liger_down and not ckpt:
+        # Without logits the top layer's down_proj can hold the step's peak (reference traces
+        # *__liger, LoRA with fp32 adapters, no checkpointing). Its forward, at lora_B's
+        # scaled output: every layer's saved tensors but the final norm's, the embedding's
+        # output (the model's forward holds it; the first layer saved nothing of it), the
+        # MLP's input and LigerSiLUMulFunction's product (only their fp32 casts are saved),
+        # the base output, lora_B's output and its scaled copy.
+        i_size = arch.intermediate_size
+        out, ad = f.norm_out, f.adapter
+        liger_final = _blk(tokens * h * f.residual) + _blk(tokens * FP32_BYTES)
+        embed_out = 0 if traits.embed_trains or virtual else _blk(tokens * h * f.residual)
+        in_forward = (
+            embed_out
+            + _blk(tokens * h * out)
+            + _blk(tokens * i_size * out)
+            + _blk(tokens * h * out)
+            + 2 * _blk(tokens * h * ad)
+        )
+        at_down = _Moment(gradients=ga_grads, activations=activations - liger_final + in_forward)
+        forward_end = max(forward_end, at_down, key=sum)
+        # Its backward, at lora_A's input gradient (fp32, intermediate-wide): the final norm's
+        # saved input is gone; the gradient arriving is the fused loss's input gradient
+        # (handed on in place), beside the base branch's gradient cast back to the MLP's
+        # dtype and lora_A's weight gradient.
+        candidates.append(
+            _Moment(
+                gradients=ga_grads,
+                activations=activations - liger_final,
+                logits_loss=_blk(tokens * h * f.residual),
+                backward_temporaries=_blk(tokens * h * out)
+                + _blk(tokens * i_size * ad)
+                + _blk(rs_r * i_size * ad),
+            )
+        )
     if spec.gradient_checkpointing and holds_scores_between_layers(arch, spec):
         # The last layer's forward at its softmax, every checkpoint kept (reference trace
         # falcon-7b__lora__r16-all-linear__b1-s2048__ckpt__eager).

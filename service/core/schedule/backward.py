@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from service.core.liger import REFERENCE_SM_COUNT
 from service.core.schedule.forward import _Forward
 from service.core.schedule.program import _Saved
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
@@ -298,6 +299,18 @@ class _Backward(_Forward):
         sh = self.sh
         h = width or sh.hidden
         r = nbytes or sh.residual
+        if sh.liger:
+            # LigerRMSNormFunction.backward: dX is written into dY's storage (in_place) or into
+            # a zeros_like of it; the weight's gradient is reduced from an fp32 (sm_count,
+            # hidden) buffer of partials (liger_kernel/ops/rms_norm.py rms_norm_backward)
+            dx = g if sh.liger_norm_in_place else self.a(r * h)
+            self.f(self.p.alloc(REFERENCE_SM_COUNT * h * FP32_BYTES))
+            if self.norm_trains(name):
+                self.grad((weight or h) * r)
+            saved.release(f"{name}.x")
+            if dx != g:
+                self.f(g)
+            return dx
         g1 = self.a((FP32_BYTES if sh.gemma_norm else r) * h)  # grad * weight (or its cast)
         if self.norm_trains(name):
             self.f(self.a(r * h))  # grad * normed, summed into the weight's gradient
@@ -498,6 +511,17 @@ class _Backward(_Forward):
         g_prod = self.linear_backward(
             g_d, db, sh.mlp_out, saved, x_grad=True, before_saved=recompute, in_bytes=mb
         )
+        if sh.gated and sh.liger:
+            # LigerSiLUMulFunction.backward writes the gate's and up's gradients into their
+            # saved outputs and returns those storages (liger_kernel/ops/swiglu.py)
+            g_up = self.p.hold(saved.slots[f"{prefix}up"])
+            g_gate = self.p.hold(saved.slots[f"{prefix}gate"])
+            saved.release(f"{prefix}up", f"{prefix}gate")
+            self.f(g_prod)
+            acc = self.linear_backward(g_up, mb, sh.mlp_in[1], saved, x_grad=True, in_bytes=nb)
+            return self.linear_backward(
+                g_gate, mb, sh.mlp_in[0], saved, x_grad=True, acc=acc, in_bytes=nb
+            )
         if sh.gated:
             g_first = self.a(mb * sh.intermediate)  # grad of up = g * act
             g_second = self.a(mb * sh.intermediate)  # grad of act = g * up
@@ -609,7 +633,8 @@ class _Backward(_Forward):
             gx = self.moe_backward(g_d, saved)
         else:
             gx = self.mlp_backward(g_d, saved, recompute)
-        if nb == FP32_BYTES:  # the residual's gradient is added inside the norm's backward
+        if nb == FP32_BYTES and not sh.liger:
+            # the residual's gradient is added inside the norm's backward
             g_r1 = self.norm_backward(gx, saved, "norm2", residual=g_out)
         else:
             g_n2 = self.norm_backward(gx, saved, "norm2")
@@ -630,8 +655,11 @@ class _Backward(_Forward):
         dq, dk, dv = self.attention_backward(g_attn, rb, saved, v_bytes=qb)
         qd = sh.heads * sh.head_dim
         kvd = sh.kv_heads * sh.head_dim
-        gk = self.rope_backward(dk, kvd, qb, rb)
-        gq = self.rope_backward(dq, qd, qb, rb)
+        if sh.liger:  # LigerRopeFunction.backward rotates dq and dk in place
+            gk, gq = dk, dq
+        else:
+            gk = self.rope_backward(dk, kvd, qb, rb)
+            gq = self.rope_backward(dq, qd, qb, rb)
         if sh.qk_norm and len(sh.qkv) > 1:
             d = sh.head_dim
             gk = self.norm_backward(gk, saved, "k_norm", width=kvd, nbytes=qb, weight=d)
@@ -649,7 +677,9 @@ class _Backward(_Forward):
                 dv = contiguous
             gx = self.linear_backward(dv, qb, sh.qkv[2], saved, x_grad=x_grad, in_bytes=nb)
             for g, lin in ((gk, sh.qkv[1]), (gq, sh.qkv[0])):
-                contiguous = self.a(qb * lin.d_out)
+                # the rotated gradient back to the projection's layout: a copy, except from
+                # Liger's RoPE, which leaves it in that layout
+                contiguous = self.p.hold(g) if sh.liger else self.a(qb * lin.d_out)
                 self.f(g)
                 gx = self.linear_backward(
                     contiguous, qb, lin, saved, x_grad=x_grad, acc=gx, in_bytes=nb
@@ -707,7 +737,7 @@ class _Backward(_Forward):
             self.f(g_r1)
             saved.release_all()
             return 0
-        if nb == FP32_BYTES:
+        if nb == FP32_BYTES and not sh.liger:
             g_in = self.norm_backward(gx, saved, "norm1", residual=g_r1)
         else:
             g_n1 = self.norm_backward(gx, saved, "norm1")

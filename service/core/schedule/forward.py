@@ -22,6 +22,13 @@ class _Forward(_IA3, _Oft, _Prefix):
         sh = self.sh
         h = width or sh.hidden
         nb = nbytes or sh.residual
+        if sh.liger:
+            # LigerRMSNormFunction: Y = empty_like(X), one fp32 rstd per row (a per-token
+            # scalar, left out); X itself is saved (liger_kernel/ops/rms_norm.py)
+            out = self.a(nb * h)
+            if saved is not None:
+                saved.save(f"{name}.x", x)
+            return out
         fp32 = nb == FP32_BYTES
         x32 = x if fp32 else self.a(FP32_BYTES * h)
         self.f(self.a(FP32_BYTES * h))  # pow
@@ -443,8 +450,12 @@ class _Forward(_IA3, _Oft, _Prefix):
             q = self._rebind(q, self.norm(q, saved, "q_norm", qd, qb))
             k = self._rebind(k, self.norm(k, saved, "k_norm", kvd, qb))
         rb = max(qb, nb)  # RoPE's products' dtype: q's promoted with the embeddings'
-        q_e = self.rope(q, qd, qb, rb)
-        k_e = self.rope(k, kvd, qb, rb)
+        if sh.liger:
+            # LigerRopeFunction rotates q and k in their projections' storage
+            q_e, k_e = self.p.hold(q), self.p.hold(k)
+        else:
+            q_e = self.rope(q, qd, qb, rb)
+            k_e = self.rope(k, kvd, qb, rb)
         fused = len(outs) == 1
         if not fused:
             self.f(q, k)  # the projections' outputs, rebound to the rotated ones
@@ -612,6 +623,8 @@ class _Forward(_IA3, _Oft, _Prefix):
         # autograd saving them, gate(x) dies once act returns and act and up once multiplied.
         # A fused gate_up (Phi-3) is chunked into views that keep it alive until the return.
         gate = self.linear(n2, nb, sh.mlp_in[0], saved)
+        if sh.liger:
+            return self._liger_mlp(n2, gate, saved, prefix)
         act = self.a(mb * sh.intermediate)  # act(gate): SiLU / GELU keeps its input
         fused = len(sh.mlp_in) == 1
         if saved is not None:
@@ -643,6 +656,23 @@ class _Forward(_IA3, _Oft, _Prefix):
         self.f(product)
         if fused:
             self.f(gate)
+        return d
+
+    def _liger_mlp(self, n2: int, gate: int, saved: _Saved | None, prefix: str) -> int:
+        """LigerSwiGLUMLP.forward: down(LigerSiLUMulFunction(gate(x), up(x))); the Function
+        saves both projections' outputs and writes its product into an empty_like of the
+        gate's (liger_kernel/ops/swiglu.py swiglu_forward)."""
+        sh = self.sh
+        nb = sh.residual
+        mb = self.out_bytes(sh.mlp_in[0], nb)
+        up = self.linear(n2, nb, sh.mlp_in[1], saved)
+        if saved is not None:
+            saved.save(f"{prefix}gate", gate)
+            saved.save(f"{prefix}up", up)
+        product = self.a(mb * sh.intermediate)
+        self.f(gate, up)
+        d = self.linear(product, mb, sh.mlp_out, saved)
+        self.f(product)
         return d
 
     def moe(self, n2: int, saved: _Saved | None) -> int:

@@ -75,6 +75,7 @@ class _StepBase:
         self.t = shape.tokens
         self.grads: list[int] = []
         self.handles: set[str] = set()
+        self.workspaces: set[int] = set()  # the handles' workspaces, held to the end
         self.handle = "forward"
         self.states: list[int] = []
         self.stop_at: str | None = None  # the linear where a recomputation stops
@@ -90,6 +91,8 @@ class _StepBase:
         # (BLOOM's attention probabilities, in the model loop's `outputs`)
         self.held = 0
         self.dpo_saved: list[int] = []  # DPO: what the policy's fused head keeps
+        # Liger's fused loss: the input's and the weight's gradients it keeps for backward
+        self.liger_grads: tuple[int, int] = (0, 0)
         self.buffered: list[int] = []  # GRPO: the generation's batch, kept for the step
         self.pending = 0  # what the current layer will return besides its output
         self._input_grad = True
@@ -128,10 +131,10 @@ class _StepBase:
         handle = self.handle
         if handle not in self.handles:
             self.handles.add(handle)
-            self.p.alloc(self.sh.workspace)
+            self.workspaces.add(self.p.alloc(self.sh.workspace))
         if bias and self.sh.lt_workspace and f"{handle}.lt" not in self.handles:
             self.handles.add(f"{handle}.lt")
-            self.p.alloc(self.sh.lt_workspace)
+            self.workspaces.add(self.p.alloc(self.sh.lt_workspace))
 
     def grad(self, nbytes: int) -> None:
         """A trainable tensor's gradient, held until `zero_grad`; a later micro-batch's is

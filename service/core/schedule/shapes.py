@@ -137,6 +137,10 @@ class StepShape:
     # Falcon's eager attention: softmax in the model's dtype, the probabilities returned
     half_softmax: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma-3)
+    # HF Trainer's use_liger_kernel: Liger's RMSNorm, RoPE, SwiGLU and fused linear
+    # cross-entropy Functions (service/core/liger.py)
+    liger: bool = False
+    liger_norm_in_place: bool = True  # LigerRMSNorm's in_place (False for Gemma-2)
     composite_gelu: bool = False  # transformers' NewGELUActivation, op by op (Phi)
     dora: bool = False  # PEFT's DoRA variant on the adapted linears (peft/tuners/lora/dora.py)
     # zero_grad(set_to_none=False), torch's default before 2.0: the gradients stay allocated

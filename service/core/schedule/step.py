@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from service.core.architecture import SCORE_OUTPUTS
+from service.core.liger import liger_chunk_rows
 from service.core.schedule.backward import _Backward
 from service.core.schedule.generation import generation_events
 from service.core.schedule.program import _Program, _Saved, _Stop
@@ -243,7 +244,9 @@ class _Step(_Backward):
             for key in saved.slots.values():
                 held[key] = held.get(key, 0) + 1
             refs = self.p.refs
-            for key in [k for k in refs if k not in live_before]:
+            # (a workspace the recomputation's first GEMM took stays: the handle keeps it)
+            made = [k for k in refs if k not in live_before and k not in self.workspaces]
+            for key in made:
                 while refs.get(key, 0) > held.get(key, 0):
                     self.p.free(key)
             self.region.clear()
@@ -258,6 +261,9 @@ class _Step(_Backward):
             return self._dpo_forward(fn), 0
         if sh.score_head:
             self._score_forward()
+            return 0, 0
+        if sh.liger:
+            self._liger_loss_forward(fn)
             return 0, 0
         if not sh.loss_materialised:
             self.f(fn) if not sh.head_trainable else None
@@ -299,6 +305,17 @@ class _Step(_Backward):
             return self.norm_backward(self._dpo_head_backward(), final, "final")
         if sh.score_head:
             return self.norm_backward(self._score_backward(fn), final, "final")
+        if sh.liger:
+            grad_input, grad_weight = self.liger_grads
+            self.liger_grads = (0, 0)
+            if grad_weight:  # AccumulateGrad takes the saved weight gradient as it is
+                if self.accumulated and sh.tied and sh.embed_trainable:
+                    self.head_grad = grad_weight
+                elif self.accumulated:
+                    self.f(grad_weight)
+                else:
+                    self.grads.append(grad_weight)
+            return self.norm_backward(grad_input, final, "final")
         g = 0
         if sh.adalora:
             self.penalty_backward()
@@ -342,6 +359,36 @@ class _Step(_Backward):
                 self.f(gh)
                 gh = wide
         return self.norm_backward(gh, final, "final")
+
+    def _liger_loss_forward(self, fn: int) -> None:
+        """LigerForCausalLMLoss on the final hidden states `fn` (released): the labels padded
+        and shifted (int64), then LigerFusedLinearCrossEntropyFunction.forward: the input's
+        gradient (and, when the head trains, the weight's) zeroed and kept for backward, an
+        fp32 loss per token and the label mask, then chunk by chunk the logits (overwritten
+        with their gradient in place), the input gradient's slice (a GEMM output copied in)
+        and the weight's `mm(...).float()` added in (liger_kernel/ops/
+        fused_linear_cross_entropy.py fused_linear_cross_entropy_forward)."""
+        sh = self.sh
+        v, h, hb = sh.vocab, sh.hidden, sh.head_bytes
+        padded = self.p.alloc(sh.batch * (sh.seq + 1) * INT64_BYTES)
+        shifted = self.a(INT64_BYTES)
+        grad_input = self.a(hb * h)
+        grad_weight = self.p.alloc(v * h * hb) if sh.head_trainable else 0
+        losses = self.a(FP32_BYTES)
+        mask = self.a(BOOL_BYTES)
+        rows = liger_chunk_rows(sh.tokens, v, h)
+        for start in range(0, sh.tokens, rows):
+            n = min(rows, sh.tokens - start)
+            logits = self.p.alloc(n * v * hb)
+            self.gemm()
+            self.f(self.p.alloc(n * h * hb))
+            if grad_weight:
+                product = self.p.alloc(v * h * hb)
+                self.gemm()
+                self.f(product, self.p.alloc(v * h * FP32_BYTES))
+            self.f(logits)
+        self.f(losses, mask, padded, shifted, fn)
+        self.liger_grads = (grad_input, grad_weight)
 
     # -- ORPO (TRL 1.16.0 ORPOTrainer, trl/experimental/orpo/orpo_trainer.py) ---------------
 

@@ -50,6 +50,7 @@
     framework: "hf",
     gradient_checkpointing: false,
     packing: false,
+    liger_kernel: false,
     gpu_count: 1,
     strategy: "ddp",
     offload: "none",
@@ -65,7 +66,7 @@
   // Checkbox groups kept in the state (and the link) as their checked values, comma-separated.
   const LIST_FIELDS = new Set(["strategies"]);
   const BOOLEAN_FIELDS = new Set([
-    "double_quant", "prepare_kbit", "gradient_checkpointing", "packing",
+    "double_quant", "prepare_kbit", "gradient_checkpointing", "packing", "liger_kernel",
     "precompute_ref_log_probs",
   ]);
 
@@ -308,6 +309,10 @@
     };
     // Sent only when not the default, as the request's own defaults would fill them.
     if (s.packing) job.packing = true;
+    if (s.liger_kernel) {
+      job.liger_kernel = true;
+      job.loss = null; // Liger's fused linear cross-entropy comes with it
+    }
     if (s.strategy !== DEFAULTS.strategy) job.parallel.strategy = s.strategy;
     if (s.offload !== DEFAULTS.offload) job.parallel.offload = s.offload;
     if (["lora", "qlora", "lora-fa"].includes(s.method)) {

@@ -159,6 +159,8 @@ def job_from_hf(
         job = job.model_copy(update={"packing": True})
     if getattr(args, "torch_compile", False) is True:
         job = job.model_copy(update={"torch_compile": True})
+    if getattr(args, "use_liger_kernel", False) is True:
+        job = job.model_copy(update={"liger_kernel": True})
     if reward:
         return job.model_copy(update={"objective": "reward"})
     if kto is not None:

@@ -318,6 +318,8 @@ class Job(_Request):
     packing: bool | None = None
     # TrainingArguments.torch_compile: the service estimates the eager step and says so.
     torch_compile: bool | None = None
+    # TrainingArguments.use_liger_kernel: Liger's patches, its fused loss among them.
+    liger_kernel: bool | None = None
     parallel: Parallel | None = None
     # An encoder's (BERT) sequence-classification classes; refused for decoder LMs.
     num_labels: int | None = Field(default=None, ge=1)
