@@ -51,6 +51,7 @@ _OPTION_FOR_FIELD = {
     "lora.lora_dropout": "--lora-dropout",
     "lora.target_modules": "--target-modules",
     "quantization": "--quant",
+    "quantization.type": "--quant",
     "parallel.gpus": "--gpus",
     "parallel.offload": "--offload",
     "dpo": "--precompute-ref-log-probs/--max-completion-length",
