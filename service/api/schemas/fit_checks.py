@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, Literal
 
 from pydantic import Field, JsonValue, field_validator
 
@@ -250,7 +252,7 @@ class FitCheckOut(Out):
 
 def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
     """The job fields that differ, named and valued as in the request body."""
-    before, after = spec_to_dict(old), spec_to_dict(new)
+    before, after = _job_fields(old), spec_to_dict(new)
     changed: dict[str, JsonValue] = {}
     for name, value in after.items():
         was = before.get(name)  # options written only when set (dpo) may be new
@@ -261,3 +263,10 @@ def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
         else:
             changed[name] = value
     return changed
+
+
+@lru_cache(maxsize=256)
+def _job_fields(spec: TrainingSpec) -> Mapping[str, Any]:
+    """`spec_to_dict` of a fit-check's job, read only: it is compared with every suggestion
+    the check makes."""
+    return MappingProxyType(spec_to_dict(spec))
