@@ -81,7 +81,8 @@ def run_trace_command(
         print("vramcast trace: error: a job spec and a model are required", file=sys.stderr)
         return EXIT_USAGE
     from service.trace.reference import reference_name, result_to_json, write_reference
-    from service.trace.runner import NotTraceableError, trace
+    from service.trace.runner import trace
+    from service.trace.traceable import NotTraceableError
 
     try:
         result = trace(spec, config, model_id)

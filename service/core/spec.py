@@ -15,6 +15,7 @@ import service.core.quant_formats as quant_formats
 import service.core.spec_parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
+from service.core.spec_checks import check_liger_job, check_packed_base
 from service.core.spec_delta import (
     DELTA_DEFAULTS,
     AdaLoraSpec,
@@ -374,45 +375,6 @@ class TrainingSpec:
     # (service/core/liger.py), its fused linear cross-entropy among them
     liger_kernel: bool = False
 
-    def _check_liger(self) -> None:
-        """Liger's patches are modelled as HF Trainer applies them (its SFT step, one GPU,
-        LoRA, QLoRA or full fine-tuning, no autocast), with their fused linear cross-entropy."""
-        if not self.liger_kernel:
-            return
-        if self.loss is not None and self.loss is not LossImpl.FUSED:
-            raise InvalidSpecError(
-                "loss",
-                "liger_kernel replaces the loss with Liger's fused linear cross-entropy: "
-                "leave loss unset or 'fused'",
-            )
-        refusals = (
-            ("framework", self.framework is not Framework.HF, "as HF Trainer applies it"),
-            ("objective", self.objective is not Objective.SFT, "with objective 'sft'"),
-            (
-                "method",
-                self.method not in (Method.LORA, Method.QLORA, Method.FULL),
-                "with methods 'lora', 'qlora' and 'full'",
-            ),
-            ("autocast", self.autocast, "without autocast"),
-            (
-                "quantization.type",
-                self.quantization is not None
-                and self.quantization.type not in (QuantType.NF4, QuantType.FP4),
-                "on bitsandbytes' 4-bit bases (nf4, fp4)",
-            ),
-            (
-                "lora.modules_to_save",
-                self.lora is not None and bool(self.lora.modules_to_save),
-                "without modules_to_save",
-            ),
-            ("parallel.gpus", self.parallel.gpus != 1, "on one GPU"),
-            ("packing", self.packing, "without packing"),
-            ("torch_compile", self.torch_compile, "without torch_compile"),
-        )
-        for name, refused, how in refusals:
-            if refused:
-                raise InvalidSpecError(name, f"liger_kernel is modelled {how}")
-
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
         or QLoRA; the padded batch is `batch_size` pairs (KTO: examples) of `seq_len` tokens."""
@@ -542,7 +504,7 @@ class TrainingSpec:
             self._check_lora_fa()
         self._check_method_options()
         self._check_objective()
-        self._check_liger()
+        check_liger_job(self)
         check_training_features(self)
         check_vision(self)
         if self.method in ADAPTER_METHODS:
@@ -550,7 +512,7 @@ class TrainingSpec:
         elif self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
         if self.quantization is not None and self.quantization.type.packed:
-            self._check_packed_base(self.quantization)
+            check_packed_base(self, self.quantization.type.value)
         if self.lora is not None and self.lora.use_dora and self.framework is not Framework.HF:
             raise InvalidSpecError(
                 "lora.use_dora", f"DoRA is modelled as PEFT's, not {self.framework}'s"
@@ -596,50 +558,6 @@ class TrainingSpec:
         return self.method is Method.QLORA or (
             self.method in ADAPTER_METHODS and self.quantization is not None
         )
-
-    def _check_packed_base(self, quant: QuantSpec) -> None:
-        """GPTQ, AWQ, HQQ and torchao bases (quant_formats.py): PEFT's LoRA through HF on one
-        GPU, SFT, without autocast; what PEFT itself refuses is refused with its reason."""
-        kind = quant.type.value
-        if self.method is not Method.QLORA:
-            raise InvalidSpecError(
-                "method", f"a {kind} base is modelled for PEFT's LoRA (method 'qlora') only"
-            )
-        if self.framework is not Framework.HF:
-            raise InvalidSpecError("framework", f"a {kind} base is modelled as HF + PEFT's")
-        if self.lora is not None and self.lora.use_dora:
-            why = {
-                "gptq": "PEFT refuses it (peft/tuners/lora/gptq.py GPTQLoraLinear: 'does not "
-                "support DoRA yet')",
-                "awq": "PEFT refuses it (peft/tuners/lora/awq.py AwqLoraLinear: 'does not "
-                "support DoRA yet')",
-            }.get(kind, "not modelled")
-            raise InvalidSpecError("lora.use_dora", f"DoRA on a {kind} base: {why}")
-        if self.parallel.gpus != 1:
-            raise InvalidSpecError("parallel.gpus", f"a {kind} base is modelled on one GPU")
-        if self.autocast:
-            raise InvalidSpecError("autocast", f"a {kind} base is modelled without autocast")
-        if self.objective is not Objective.SFT:
-            raise InvalidSpecError("objective", f"a {kind} base is modelled with objective 'sft'")
-        if self.packing:
-            raise InvalidSpecError("packing", f"a {kind} base is modelled without packing")
-        if self.vision is not None:
-            raise InvalidSpecError("vision", f"a {kind} base is modelled for text models")
-        if self.torch_compile:
-            # transformers 5.24 trainer_utils.py validate_quantization_for_training: "You cannot
-            # fine-tune quantized model with `torch.compile()`"
-            raise InvalidSpecError(
-                "torch_compile", "the Trainer refuses torch.compile on a quantized model"
-            )
-        if kind in ("gptq", "awq") and self.dtype is not DType.FP16:
-            why = (
-                "transformers' AWQ quantizer loads the model in float16 on CUDA "
-                "(quantizers/quantizer_awq.py update_dtype)"
-                if kind == "awq"
-                else "gptqmodel keeps its scales in float16 (PackableQuantLinear buffers), and a "
-                "cast of the dequantized weight to another dtype is not modelled"
-            )
-            raise InvalidSpecError("dtype", f"a {kind} base is modelled in fp16: {why}")
 
     def _check_adapter_method(self) -> None:
         """LitGPT's adapters: its finetune/adapter*.py on one GPU, no autocast, any base."""

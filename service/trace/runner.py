@@ -29,7 +29,6 @@ from service.core.device import (
 from service.core.result import Component, Phase
 from service.core.spec import (
     AttnImpl,
-    Framework,
     LossImpl,
     Method,
     Objective,
@@ -39,10 +38,10 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.stack import PINNED_STACK, stack_behaviours
 from service.trace import grpo, kernels, kto, liger, orpo, parallel, preference, reward, vision
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
 from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
+from service.trace.traceable import STEPS, NotTraceableError, check_traceable
 from service.trace.tracker import (
     CUDA_MIN_BLOCK_BYTES,
     MemoryEvent,
@@ -52,13 +51,8 @@ from service.trace.tracker import (
 )
 from service.trace.train_features import Offloader, in_backward_optimizers, offloaded_forward
 
-STEPS = 2  # step 1: no optimizer state yet; step 2: the steady state
 # HF's cross-entropy ignores labels equal to this (transformers/loss/loss_utils.py).
 IGNORE_INDEX = -100
-
-
-class NotTraceableError(ValueError):
-    """The spec asks for something the tracer cannot reproduce faithfully."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,75 +77,6 @@ class TraceResult:
     phase_reserved: Mapping[tuple[int, Phase], int] = field(default_factory=dict)
     allocator_allocated_bytes: int = 0
     host_pinned_bytes: int = 0  # pinned host memory at its peak (activation offloading)
-
-
-def check_traceable(resolved: ResolvedSpec) -> list[str]:
-    """Raise `NotTraceableError` for options the tracer cannot run; return notes on the rest."""
-    spec = resolved.spec
-    notes: list[str] = []
-    if spec.parallel.gpus != 1:
-        reason = parallel.refusal(spec)
-        if reason is not None:
-            raise NotTraceableError(reason)
-        notes.extend(parallel.notes(spec))
-    if spec.stack != PINNED_STACK:
-        if stack_behaviours(spec.stack) or not spec.stack.experts_are_linears:
-            raise NotTraceableError(
-                f"the tracer runs the installed stack ({PINNED_STACK.describe()}), not "
-                f"{spec.stack.describe()}"
-            )
-        # The one difference of such a stack the estimate models, emulated.
-        notes.append(
-            f"stack {spec.stack.describe()}: transformers 4's MoE layout (one nn.Linear per "
-            "expert, looped over) emulated on the installed libraries "
-            "(service/trace/linear_experts.py), PEFT's targets matched as on transformers 4"
-        )
-    torchtune_step = spec.optimizer_in_backward or spec.activation_offloading
-    if spec.framework is not Framework.HF and not (
-        spec.framework is Framework.TORCHTUNE and torchtune_step
-    ):
-        raise NotTraceableError(f"framework {spec.framework!r} is not traced, only HF + PEFT")
-    if spec.framework is Framework.TORCHTUNE:
-        notes.append(
-            "torchtune's step traced on transformers' layers (PEFT's LoRA in the model dtype), "
-            "with its optimizer in backward or activation offloading (service/trace/"
-            "train_features.py)"
-        )
-    quant = resolved.quantization
-    if quant is not None and quant.type.packed:
-        # modelled from their libraries' sources (service/core/quant_formats.py): their kernels
-        # need CUDA and their libraries are not in the traced stack
-        raise NotTraceableError(
-            f"{quant.type.value} bases are not traced (bitsandbytes' nf4, fp4 and int8 are)"
-        )
-    if resolved.loss not in (LossImpl.HF, LossImpl.PLAIN) and not spec.liger_kernel:
-        raise NotTraceableError(
-            f"loss {resolved.loss!r} is not traced (hf and plain are; fused with liger_kernel)"
-        )
-    if spec.liger_kernel:
-        notes.append(liger.TRACE_NOTE)
-    if spec.autocast:
-        notes.append(
-            "autocast traced with CUDA's policy on the CPU (service/trace/autocast.py): "
-            f"{autocast_dtype(spec)} for the forward and the loss, as HF Trainer runs them"
-        )
-    if spec.optim in (Optim.PAGED_ADAMW_8BIT, Optim.PAGED_ADAMW_32BIT):
-        raise NotTraceableError(
-            "paged optimizers keep their state in CUDA managed memory, outside the allocated level"
-        )
-    if spec.optim is Optim.ADAFACTOR:
-        raise NotTraceableError("adafactor is not traced")
-    adalora = resolved.adalora
-    if adalora is not None and adalora.tinit < STEPS:
-        # RankAllocator.mask_to_budget reads its threshold with .item(), which fake tensors
-        # cannot answer: the traced steps must fall in the warm-up
-        raise NotTraceableError(f"AdaLoRA is traced with tinit >= {STEPS} (no masking step)")
-    if spec.attn_implementation is AttnImpl.FLASH_ATTENTION_2:
-        notes.append(
-            "flash_attention_2 traced as SDPA's flash kernel (the same saved tensors: q, k, v, "
-            "output, fp32 log-sum-exp)"
-        )
-    return notes
 
 
 def make_optimizer(

@@ -11,8 +11,13 @@ import pytest
 from service.catalog.models import default_catalog
 from service.core.architecture import LinearKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
-from service.core.estimator import deepseek_lora_targets, deepseek_model_states, estimate
-from service.core.estimator.deepseek import deepseek_layer_trainable, deepseek_weights
+from service.core.estimator import (
+    deepseek_layer_trainable,
+    deepseek_lora_targets,
+    deepseek_model_states,
+    deepseek_weights,
+    estimate,
+)
 from service.core.hf_config import from_hf_config
 from service.core.result import Component
 from service.core.spec import (

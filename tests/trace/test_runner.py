@@ -28,7 +28,8 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import preset
-from service.trace.runner import NotTraceableError, check_traceable, trace
+from service.trace.runner import trace
+from service.trace.traceable import NotTraceableError, check_traceable
 from service.trace.validate import TINY_CONFIGS
 
 pytestmark = pytest.mark.trace

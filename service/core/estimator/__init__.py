@@ -13,9 +13,9 @@ by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `
 estimate and its levels), `preference` (DPO's step on top of the SFT one), `grpo` (GRPO's:
 the generation, then DPO's fused head on the completions), `kto` (KTO's: DPO's fused-head
 step on unpaired rows), `orpo` (ORPO's: the SFT step with the whole logits),
-`reward` (a reward model's step: the SFT one with a score head); `deepseek` (the model states
-of DeepSeek-V2/V3, whose step is not modelled yet). Other code imports the names
-below from this package, not from its modules.
+`reward` (a reward model's step: the SFT one with a score head); `deepseek` (DeepSeek-V2/V3's
+latent attention, MoE layers and model states); `lora_targets` (which modules PEFT adapts).
+Other code imports the names below from this package, not from its modules.
 """
 
 from service.core.estimator.activations import (
@@ -26,23 +26,24 @@ from service.core.estimator.activations import (
 )
 from service.core.estimator.adalora import ALLOCATOR_BUFFERS, AdaLoraParts, adalora_parts
 from service.core.estimator.deepseek import (
-    LoraTargets,
     ModelStates,
-    deepseek_lora_targets,
+    deepseek_layer_trainable,
     deepseek_model_states,
+    deepseek_weights,
 )
 from service.core.estimator.grpo import buffered_inputs, kv_cache_bytes
 from service.core.estimator.kto import KL_BATCH_TENSORS, kto_policy_spec, kto_shape
+from service.core.estimator.lora_targets import (
+    LoraTargets,
+    deepseek_lora_targets,
+    default_target_modules,
+)
 from service.core.estimator.oft import OFT_SERIES_SAVED
 from service.core.estimator.orpo import ADDED_GRADIENTS, orpo_policy_spec, orpo_shape
 from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec
-from service.core.estimator.weights import (
-    adapted_linears,
-    default_target_modules,
-    kronecker_factors,
-)
+from service.core.estimator.weights import adapted_linears, kronecker_factors
 from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
 
 __all__ = [
@@ -61,8 +62,10 @@ __all__ = [
     "adalora_parts",
     "adapted_linears",
     "buffered_inputs",
+    "deepseek_layer_trainable",
     "deepseek_lora_targets",
     "deepseek_model_states",
+    "deepseek_weights",
     "default_target_modules",
     "dpo_shape",
     "estimate",

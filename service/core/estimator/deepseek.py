@@ -10,20 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from service.core.architecture import Linear, LinearKind, ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _Kind, _Ledger
+from service.core.estimator.lora_targets import FUSED_TARGETS, deepseek_lora_targets
 from service.core.estimator.weights import (
     _optimizer_state,
     _Params,
     _quantized_weight_bytes,
     _Tensor,
-    default_target_modules,
 )
 from service.core.spec import (
-    ALL_LINEAR,
     AttnImpl,
     Framework,
     LoraSpec,
@@ -40,38 +39,32 @@ from service.core.spec import (
 )
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES, DType
 
-if TYPE_CHECKING:  # activations.py imports this module
-    from service.core.estimator.activations import LayerFlow
 
-# transformers 5.24 conversion_mapping.py maps deepseek_v2/v3 to the qwen2_moe conversion
-# pattern, so PEFT 0.21 (utils/transformers_weight_conversion.py _convert_peft_config_moe)
-# turns these LoRA module targets into `target_parameters` of the MoE block: the router's
-# weight and the routed experts' 3-D parameters, in every MoE layer. The dense MLP and the
-# shared experts, nn.Linear modules of the same names, then get no adapter.
-EXPERT_TARGETS = {
-    "gate": "gate.weight",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-    "down_proj": "down_proj",
-}
-# Fused into gate_up_proj: PEFT needs both and doubles their rank and alpha (rank_pattern).
-FUSED_TARGETS = ("gate_proj", "up_proj")
+class LayerFlow(Protocol):
+    """What the layer's saves read of `activations.LayerFlow` (which imports this module)."""
+
+    @property
+    def norm_out(self) -> int: ...
+    @property
+    def attn(self) -> int: ...
+    @property
+    def adapter(self) -> int: ...
+    @property
+    def lora_targets(self) -> frozenset[str]: ...
+    @property
+    def full(self) -> bool: ...
+    @property
+    def r(self) -> int: ...
+    @property
+    def expert_parts(self) -> frozenset[str]: ...
+
+
 # _keep_in_fp32_modules_strict of DeepseekV2/V3PreTrainedModel: the router's weight (and V3's
 # e_score_correction_bias buffer) stay fp32 whatever the model's dtype.
 ROUTER_BYTES = FP32_BYTES
 # The model's rotary embedding keeps inv_freq and original_inv_freq, fp32, qk_rope_head_dim / 2
 # each (DeepseekV2RotaryEmbedding: its dim is config.head_dim = qk_rope_head_dim).
 ROTARY_BUFFERS = 2
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoraTargets:
-    """Where PEFT puts adapters on a DeepSeek model."""
-
-    modules: frozenset[str]  # nn.Linear names wrapped by lora.Linear, in every layer
-    router: bool  # the MoE router's weight (a ParamWrapper, rank r)
-    gate_up: bool  # the experts' gate_up_proj (rank 2r, one adapter per expert)
-    down: bool  # the experts' down_proj (rank r, one adapter per expert)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,41 +88,6 @@ def deepseek_model_states(arch: ModelArch, spec: TrainingSpec) -> ModelStates:
         optimizer_state=_optimizer_state(p, spec.optim)[0],
         total_count=p.total_count,
         trainable_count=p.trainable_count,
-    )
-
-
-def deepseek_lora_targets(arch: ModelArch, lora: LoraSpec) -> LoraTargets:
-    """PEFT 0.21's targets for `lora.target_modules` on `arch` (deepseek_v2 / deepseek_v3)."""
-    linears = {lin.name for lin in (*arch.linears, *arch.dense_linears) if not lin.expert}
-    if lora.target_modules == ALL_LINEAR:
-        # "all-linear" resolves to every nn.Linear's name plus the v4 names of the experts and
-        # the router (_resolve_string_target_modules).
-        names = linears | set(EXPERT_TARGETS)
-    elif lora.target_modules is None:
-        names = set(default_target_modules(arch))
-    else:
-        names = set(lora.target_modules)
-    fused = names & set(FUSED_TARGETS)
-    if len(fused) == 1:
-        raise InvalidSpecError(
-            "lora.target_modules",
-            f"PEFT fuses {' and '.join(FUSED_TARGETS)} into the experts' gate_up_proj on "
-            f"{arch.model_type}: name both or neither",
-        )
-    modules = names - set(EXPERT_TARGETS)
-    unknown = sorted(modules - linears)
-    if unknown:
-        raise InvalidSpecError(
-            "lora.target_modules",
-            f"{', '.join(unknown)} not in this model (its linear layers: "
-            f"{', '.join(sorted(linears | set(EXPERT_TARGETS)))})",
-        )
-    moe = arch.is_moe
-    return LoraTargets(
-        modules=frozenset(modules),
-        router=moe and "gate" in names,
-        gate_up=moe and bool(fused),
-        down=moe and "down_proj" in names,
     )
 
 

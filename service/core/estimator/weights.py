@@ -8,6 +8,7 @@ from functools import lru_cache
 from service.core.architecture import SCORE_OUTPUTS, Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
+from service.core.estimator.lora_targets import deepseek_lora_targets, default_target_modules
 from service.core.quant_formats import check_shape, packed_bytes
 from service.core.spec import (
     ADAPTER_METHODS,
@@ -44,38 +45,6 @@ BNB_8BIT_BLOCK = 256
 # traces *__oft__*: 1024 bytes of frozen weights over the modules' own tensors).
 OFT_MODEL_CONSTANTS = 2 * 512
 BNB_MIN_8BIT_SIZE = 4096
-
-
-def default_target_modules(arch: ModelArch, field: str = "lora") -> tuple[str, ...]:
-    """PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py);
-    VeRA's, LoHa's and LoKr's are copies of it (VeRA's with phi's q_proj and v_proj alone)."""
-    defaults = {
-        "llama": ("q_proj", "v_proj"),
-        "mistral": ("q_proj", "v_proj"),
-        "mixtral": ("q_proj", "v_proj"),
-        "qwen2": ("q_proj", "v_proj"),
-        "qwen3": ("q_proj", "v_proj"),
-        "gemma": ("q_proj", "v_proj"),
-        "gemma2": ("q_proj", "v_proj"),
-        "gemma3_text": ("q_proj", "v_proj"),
-        "stablelm": ("q_proj", "v_proj"),
-        "phi": ("q_proj", "v_proj", "fc1", "fc2"),
-        "gpt_neox": ("query_key_value",),
-        "chatglm": ("query_key_value",),
-        "falcon": ("query_key_value",),
-        "bloom": ("query_key_value",),
-        "bert": ("query", "value"),
-        "t5": ("q", "v"),
-        "mt5": ("q", "v"),
-    }
-    if field == "vera":
-        defaults["phi"] = ("q_proj", "v_proj")
-    if arch.model_type not in defaults:
-        raise InvalidSpecError(
-            f"{field}.target_modules",
-            f"PEFT has no default target modules for model_type {arch.model_type!r}; name them",
-        )
-    return defaults[arch.model_type]
 
 
 # Model types whose "all-linear" PEFT 0.21 also points at the MoE experts' 3-D parameters and
@@ -134,9 +103,7 @@ def adapted_linears(arch: ModelArch, rs: ResolvedSpec) -> tuple[Linear, ...]:
     candidates = [lin for lin in arch.linears if lin.nn_linear]
     if arch.is_mla:
         # DeepSeek: PEFT sends the MLP names to the experts' parameters, so no nn.Linear of
-        # those names takes an adapter (estimator/deepseek.py, which imports this module)
-        from service.core.estimator.deepseek import deepseek_lora_targets
-
+        # those names takes an adapter (`lora_targets.deepseek_lora_targets`)
         modules = deepseek_lora_targets(arch, rs.lora).modules
         return tuple(lin for lin in candidates if lin.name in modules)
     if targets == ALL_LINEAR:
