@@ -647,6 +647,26 @@ def matrix() -> list[Case]:
                             autocast=mixed_precision,
                         ),
                     )
+    # LoRA on the MLP's linears alone: the first layer's norm, attention and output projection
+    # (frozen, on the frozen embedding's output) record nothing, and a frozen 4-bit o_proj
+    # keeps no input (SDPA's math kernel on fp32 after kbit preparation); Gemma-2's
+    # post-feedforward norm and Phi-2's residual dropout on the MLP's output still record.
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    add(
+        LLAMA_8B,
+        _spec(qlora, 1, 1024, lora=_lora(targets=mlp)),
+        _spec(qlora, 1, 1024, ckpt=True, lora=_lora(targets=mlp)),
+        _spec(lora, 1, 1024, lora=_lora(targets=mlp)),
+    )
+    add(
+        QWEN_05B,
+        _spec(qlora, 2, 512, lora=_lora(targets=mlp)),
+        # PEFT's default q and v: the frozen 4-bit o_proj keeps no input either
+        _spec(qlora, 2, 512, lora=_lora(r=8, targets=None)),
+    )
+    add(PHI_3, _spec(qlora, 1, 1024, lora=_lora(targets=("gate_up_proj", "down_proj"))))
+    add(GEMMA_2B, _spec(lora, 1, 512, attn_implementation=eager, lora=_lora(targets=mlp)))
+    add(PHI_2, _spec(lora, 1, 512, lora=_lora(targets=("fc1", "fc2"))))
     cases.extend(_falcon_bloom_cases())
     cases.extend(_dora_cases())
     cases.extend(_dpo_cases())

@@ -153,6 +153,14 @@ def litgpt_zero_pad_width(arch: ModelArch, adapted: tuple[Linear, ...]) -> int:
     return sum(lin.out_features for lin in chosen)
 
 
+def _adapts_attention(adapted: tuple[Linear, ...]) -> bool:
+    """Whether an adapter sits in the attention block. With the adapters on the MLP's linears
+    alone (target_modules gate_proj, up_proj, down_proj), a first layer whose input takes no
+    gradient runs its norm, attention and output projection on tensors that need none, so
+    autograd records nothing there (reference traces *__r16-gate_proj+up_proj+down_proj__*)."""
+    return any(lin.kind in (LinearKind.ATTN_QKV, LinearKind.ATTN_OUT) for lin in adapted)
+
+
 def _int8(rs: ResolvedSpec) -> bool:
     """Whether the base is LLM.int8 (bitsandbytes' Linear8bitLt)."""
     return rs.quantization is not None and rs.quantization.type is QuantType.INT8
@@ -216,12 +224,14 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         ia3_out=ia3_out,
         ia3_in=ia3_in,
         trained_norms=frozenset({"norm1", "norm2", "final"}) if v2 else ln_tuning_targets(arch, rs),
-        attention_trains=spec.method in LORA_METHODS
-        or spec.method in DELTA_OPTIONS
-        or spec.method is Method.FULL
+        attention_trains=spec.method is Method.FULL
         or is_adapter(rs)
         or spec.method is Method.PREFIX_TUNING
-        or attention_trains(arch, rs),
+        or attention_trains(arch, rs)
+        or (
+            (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS)
+            and _adapts_attention(adapted)
+        ),
         frozen_a=spec.method is Method.LORA_FA,
         vera=spec.method is Method.VERA,
         loha=spec.method is Method.LOHA,
@@ -697,9 +707,19 @@ def _layer_recipe(
     if not (input_needs_grad or f.attention_trains):
         # nothing before the MLP's norm takes a gradient in this layer (LN tuning of
         # post_attention_layernorm alone)
-        if "norm2" in f.trained_norms:
+        norm2_trains = "norm2" in f.trained_norms
+        if norm2_trains:
             led.add("norm2.normed", h * f.residual)
-        _mlp_saves(led, f, arch, "norm2.out", at_up_proj=at_up_proj)
+        # the MLP's input takes a gradient only through a trained norm before it
+        _mlp_saves(led, f, arch, "norm2.out", at_up_proj=at_up_proj, input_grad=norm2_trains)
+        # The MLP's output takes a gradient: Gemma-2's post-feedforward norm on it records,
+        # and Phi's residual dropout keeps its mask; the attention's counterparts record
+        # nothing (reference traces gemma-2-2b__lora__r16-gate_proj+up_proj+down_proj__*,
+        # phi-2__lora__r16-fc1+fc2__*).
+        if arch.norms_per_layer == 4:
+            _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
+        if arch.residual_dropout > 0 and f.hf_modules:
+            led.add("mlp.dropout_mask", h * BOOL_BYTES)
         return led.recipe()
     if arch.is_mla:
         mla_attention_saves(led, f, arch, _linear_saves, input_needs_grad or norm1_trains)

@@ -103,11 +103,12 @@ def attention_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, spec: _AttnChoi
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH and f.attn == FP32_BYTES:
         # SDPA's math composite on fp32 q, k, v (aten _scaled_dot_product_attention_math, as
         # the tracer runs it op by op): value repeated to n_h heads, the scaled key's
-        # contiguous copy (saved by the score matmul), the fp32 probabilities, and the
-        # output's contiguous copy (saved by o_proj's LoRA, which takes fp32 as it is).
+        # contiguous copy (saved by the score matmul), the fp32 probabilities. probs @ v keeps
+        # its inputs, not its output: the output's contiguous copy ("attn_out") is kept only
+        # by an o_proj that saves its input (its LoRA takes fp32 as it is), not by a frozen
+        # 4-bit one (reference traces *__qlora__r16-gate_proj+up_proj+down_proj__*).
         led.add("v_rep", q_bytes)
         led.add("k_contiguous", q_bytes)
-        led.add("attn_out", q_bytes)
         led.add("probs", n_h * FP32_BYTES, _Kind.SQUARE)
         return
     if impl is AttnImpl.SDPA and kernel is SdpaKernel.MATH:
