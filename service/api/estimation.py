@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
@@ -304,7 +304,7 @@ class Estimation:
             if first == index:
                 specs[index] = spec
             return spec
-        return replace(base, batch_size=job.batch_size, seq_len=job.seq_len)
+        return base.with_shape(job.batch_size, job.seq_len)
 
     def _job(self, job: JobSpec, loc_prefix: Loc, spec: TrainingSpec | None = None) -> _Job:
         if spec is None:

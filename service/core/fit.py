@@ -273,7 +273,7 @@ class _Curve:
         if self._spec.objective is Objective.GRPO:  # the generation batch divisible
             spec = curve_point(self._spec, self.dimension, x)
         elif self.dimension == "batch_size":
-            spec = replace(self._spec, batch_size=max(x, self._spec.min_batch_size))
+            spec = self._spec.with_shape(max(x, self._spec.min_batch_size), self._spec.seq_len)
         else:
             spec = None
         value = self._seq_point(x) if spec is None else self.requirements(spec).device_bytes_upper
@@ -285,9 +285,11 @@ class _Curve:
         """The bound at seq_len x; shorter than the images' tokens, a sequence that cannot run
         takes the bound of the shortest that can, so it is never the longest that fits."""
         try:
-            return self.requirements(replace(self._spec, seq_len=x)).device_bytes_upper
+            return self.requirements(
+                self._spec.with_shape(self._spec.batch_size, x)
+            ).device_bytes_upper
         except SequenceTooShortError as short:
-            shortest = replace(self._spec, seq_len=short.minimum)
+            shortest = self._spec.with_shape(self._spec.batch_size, short.minimum)
             return self.requirements(shortest).device_bytes_upper
 
     def largest_fitting(self, capacity: _Capacity) -> int:

@@ -8,6 +8,7 @@ Fields left as `None` take the framework preset's default, resolved by `resolve(
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -526,6 +527,26 @@ class TrainingSpec:
                 "use ddp, zero1 or zero2",
             )
 
+    def with_shape(self, batch_size: int, seq_len: int) -> TrainingSpec:
+        """This job at another micro-batch size and sequence length: what
+        `dataclasses.replace(self, batch_size=..., seq_len=...)` gives, made without checking
+        again what does not depend on the shape. An SFT job's checks read the shape only in
+        its two bounds; the other objectives' (KTO's smallest batch, GRPO's generation batch
+        and prompt length) are run again whole. The fit-check and the batch route make dozens
+        of shapes of one job per request."""
+        if self.objective is not Objective.SFT:
+            return dataclasses.replace(self, batch_size=batch_size, seq_len=seq_len)
+        if batch_size < 1:
+            raise InvalidSpecError("batch_size", "must be at least 1")
+        if seq_len < 1:
+            raise InvalidSpecError("seq_len", "must be at least 1")
+        shaped = object.__new__(TrainingSpec)
+        for put, value in zip(_SPEC_SETTERS, _spec_values(self), strict=True):
+            put(shaped, value)
+        _SPEC_SETTERS[_BATCH_SIZE](shaped, batch_size)
+        _SPEC_SETTERS[_SEQ_LEN](shaped, seq_len)
+        return shaped
+
     @property
     def min_batch_size(self) -> int:
         """The smallest micro-batch the objective's trainer runs (KTO's KL batch needs two)."""
@@ -595,6 +616,15 @@ class TrainingSpec:
         if self.autocast:
             raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
         check_prompt_job(self.method.value, self, self.gradient_checkpointing)
+
+
+# TrainingSpec's fields in order, a getter of their values and their slots' setters (which a
+# frozen dataclass's own __init__ reaches through object.__setattr__): `TrainingSpec.with_shape`.
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSpec))
+_spec_values = operator.attrgetter(*_SPEC_FIELDS)
+_SPEC_SETTERS = tuple(TrainingSpec.__dict__[name].__set__ for name in _SPEC_FIELDS)
+_BATCH_SIZE = _SPEC_FIELDS.index("batch_size")
+_SEQ_LEN = _SPEC_FIELDS.index("seq_len")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

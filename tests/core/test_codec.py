@@ -380,6 +380,36 @@ def test_every_spec_round_trips_through_json(spec: TrainingSpec) -> None:
     assert spec_from_dict(json.loads(json.dumps(data))) == spec
 
 
+def _made(make: Any) -> tuple[str, Any]:
+    """What `make()` returns, or the field and reason of the InvalidSpecError it raises."""
+    try:
+        return ("spec", make())
+    except InvalidSpecError as exc:
+        return ("refused", (exc.field, str(exc)))
+
+
+@settings(max_examples=120)
+@given(specs(), st.integers(-2, MAX_BATCH_SIZE), st.integers(-2, MAX_SEQ_LEN))
+def test_a_spec_at_another_shape_is_the_replaced_one(
+    spec: TrainingSpec, batch: int, seq: int
+) -> None:
+    # with_shape skips the checks that do not read the shape: it must give what replace()
+    # gives, the same spec or the same refusal, field for field
+    fast = _made(lambda: spec.with_shape(batch, seq))
+    slow = _made(lambda: dataclasses.replace(spec, batch_size=batch, seq_len=seq))
+    assert fast == slow
+    if fast[0] == "spec":
+        assert hash(fast[1]) == hash(slow[1])
+        assert spec_to_dict(fast[1]) == spec_to_dict(slow[1])
+
+
+def test_a_kto_spec_at_another_shape_checks_its_smallest_batch() -> None:
+    spec = TrainingSpec(batch_size=2, seq_len=512, objective=Objective.KTO)
+    assert spec.with_shape(3, 256) == dataclasses.replace(spec, batch_size=3, seq_len=256)
+    with pytest.raises(InvalidSpecError, match="batch_size"):
+        spec.with_shape(1, 256)
+
+
 @given(
     packed_quantizations,
     loras,
