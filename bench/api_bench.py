@@ -423,11 +423,13 @@ def in_process(database_url: str) -> dict[str, float]:
     def api_check() -> object:
         return estimation_for(services).fit_check(body)
 
+    from service.core.estimator import forget_compiled_steps
     from service.core.reserved import clear_replay_caches
 
     def cold(fn: Callable[[], object]) -> Callable[[], object]:
         def first_call() -> object:
             clear_replay_caches()
+            forget_compiled_steps()
             return fn()
 
         return first_call

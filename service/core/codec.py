@@ -127,7 +127,8 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        # (fields made on construction, such as a cached hash, are not the spec's values)
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple | list):

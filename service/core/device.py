@@ -91,6 +91,7 @@ class DeviceRow:
 
 
 @lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def device_row(
     compute_capability: str | None, *, fused_attention: bool, eager_loading: bool = False
 ) -> DeviceRow:

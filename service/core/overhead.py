@@ -55,8 +55,10 @@ def levels(
     gpus: int,
     row: DeviceRow,
     uncertainty: Uncertainty,
+    reserved_note: str = "",
 ) -> AboveAllocated:
-    """Device level and safe bound over an allocated peak and its reserved level."""
+    """Device level and safe bound over an allocated peak and its reserved level; the
+    `reserved_note` says how the reserved level was found, where it needs saying."""
     reserved = max(reserved, allocated)
     paged = row.paged_bytes(paged_state)
     outside = row.outside_bytes + paged + (row.nccl_bytes if gpus > 1 else 0)
@@ -80,7 +82,9 @@ def levels(
             Overhead.CUDA_CONTEXT: row.context_bytes,
             Overhead.OUTSIDE_ALLOCATOR: outside - row.context_bytes,
         },
-        assumptions=_notes(row, uncertainty),
+        assumptions=(reserved_note, *_notes(row, uncertainty))
+        if reserved_note
+        else _notes(row, uncertainty),
     )
 
 

@@ -375,6 +375,21 @@ class TrainingSpec:
     # TrainingArguments.use_liger_kernel: Liger Kernel's patches for the model type
     # (service/core/liger.py), its fused linear cross-entropy among them
     liger_kernel: bool = False
+    # The spec's hash, and that of its fields but the shape, made when first asked: a
+    # fit-check looks a job up at dozens of shapes (`with_shape` keeps the second).
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    _shape_free_hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        if not self._hash:
+            object.__setattr__(self, "_hash", hash(_spec_values(self)) or 1)
+        return self._hash
+
+    def shape_free_hash(self) -> int:
+        """The hash of every field but batch_size and seq_len (`shape_free_fields`)."""
+        if not self._shape_free_hash:
+            object.__setattr__(self, "_shape_free_hash", hash(shape_free_fields(self)) or 1)
+        return self._shape_free_hash
 
     def _check_objective(self) -> None:
         """TRL's DPO, KTO, ORPO or reward trainer on one GPU (DDP for some), HF + PEFT full, LoRA
@@ -545,6 +560,8 @@ class TrainingSpec:
             put(shaped, value)
         _SPEC_SETTERS[_BATCH_SIZE](shaped, batch_size)
         _SPEC_SETTERS[_SEQ_LEN](shaped, seq_len)
+        object.__setattr__(shaped, "_hash", 0)
+        object.__setattr__(shaped, "_shape_free_hash", self._shape_free_hash)
         return shaped
 
     @property
@@ -620,8 +637,12 @@ class TrainingSpec:
 
 # TrainingSpec's fields in order, a getter of their values and their slots' setters (which a
 # frozen dataclass's own __init__ reaches through object.__setattr__): `TrainingSpec.with_shape`.
-_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSpec))
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSpec) if f.init)
 _spec_values = operator.attrgetter(*_SPEC_FIELDS)
+# A job's fields but its shape, in order: equal for two shapes of one job.
+shape_free_fields = operator.attrgetter(
+    *(name for name in _SPEC_FIELDS if name not in ("batch_size", "seq_len"))
+)
 _SPEC_SETTERS = tuple(TrainingSpec.__dict__[name].__set__ for name in _SPEC_FIELDS)
 _BATCH_SIZE = _SPEC_FIELDS.index("batch_size")
 _SEQ_LEN = _SPEC_FIELDS.index("seq_len")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from service.core.errors import InvalidSpecError
 
@@ -71,16 +72,12 @@ class Stack:
     @property
     def transformers_release(self) -> tuple[int, int]:
         """transformers' (major, minor)."""
-        match = VERSION_PATTERN.match(self.transformers)
-        assert match is not None  # checked on construction
-        return int(match.group(1)), int(match.group(2) or 0)
+        return _release(self.transformers)
 
     @property
     def torch_release(self) -> tuple[int, int]:
         """torch's (major, minor)."""
-        match = VERSION_PATTERN.match(self.torch)
-        assert match is not None  # checked on construction
-        return int(match.group(1)), int(match.group(2) or 0)
+        return _release(self.torch)
 
     @property
     def zero_grad_keeps_gradients(self) -> bool:
@@ -216,3 +213,11 @@ def check_stack(stack: Stack, is_moe: bool, *, encoder: bool = False, model_type
                 f"{first[0]}.{first[1]}.0; use a stack with transformers {first[0]}.{first[1]} "
                 "or later",
             )
+
+
+@lru_cache(maxsize=256)
+def _release(version: str) -> tuple[int, int]:
+    """A version's (major, minor); every estimate reads the stack's."""
+    match = VERSION_PATTERN.match(version)
+    assert match is not None  # checked on construction
+    return int(match.group(1)), int(match.group(2) or 0)

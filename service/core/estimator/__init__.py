@@ -9,7 +9,8 @@ calibration refines (`service.core.overhead`).
 By concern: `weights` (which modules train; parameters, gradients, optimizer state),
 `activations` (what a decoder layer saves for backward), `loss` (logits and loss), `plan`
 (what does not depend on batch or sequence length, cached), `step` (the allocated bytes phase
-by phase), `adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
+by phase), `symbolic` and `pieces` (the step recorded on symbolic shapes, compiled per job),
+`adalora` (AdaLoRA's penalty and rank allocator), `uncertainty` and `peak` (the
 estimate and its levels), `preference` (DPO's step on top of the SFT one), `grpo` (GRPO's:
 the generation, then DPO's fused head on the completions), `kto` (KTO's: DPO's fused-head
 step on unpaired rows), `orpo` (ORPO's: the SFT step with the whole logits),
@@ -40,9 +41,17 @@ from service.core.estimator.lora_targets import (
 )
 from service.core.estimator.oft import OFT_SERIES_SAVED
 from service.core.estimator.orpo import ADDED_GRADIENTS, orpo_policy_spec, orpo_shape
-from service.core.estimator.peak import ESTIMATOR_VERSION, estimate, peak_levels
+from service.core.estimator.peak import (
+    ESTIMATOR_VERSION,
+    decoder_step,
+    estimate,
+    forget_compiled_steps,
+    peak_levels,
+)
+from service.core.estimator.pieces import MAX_PIECES, DecoderStep, Pieces
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec
+from service.core.estimator.symbolic import Trace, compile_record
 from service.core.estimator.weights import adapted_linears, kronecker_factors
 from service.core.estimator.zero import ZeroSettings, gathered_elements, zero_settings
 
@@ -51,17 +60,23 @@ __all__ = [
     "ALLOCATOR_BUFFERS",
     "ESTIMATOR_VERSION",
     "KL_BATCH_TENSORS",
+    "MAX_PIECES",
     "OFT_SERIES_SAVED",
     "TILE_TOKENS",
     "TILE_VOCAB",
     "AdaLoraParts",
+    "DecoderStep",
     "LayerFlow",
     "LoraTargets",
     "ModelStates",
+    "Pieces",
+    "Trace",
     "ZeroSettings",
     "adalora_parts",
     "adapted_linears",
     "buffered_inputs",
+    "compile_record",
+    "decoder_step",
     "deepseek_layer_trainable",
     "deepseek_lora_targets",
     "deepseek_model_states",
@@ -69,6 +84,7 @@ __all__ = [
     "default_target_modules",
     "dpo_shape",
     "estimate",
+    "forget_compiled_steps",
     "gathered_elements",
     "kronecker_factors",
     "kto_policy_spec",

@@ -51,10 +51,24 @@ class _Ledger:
         return tuple((coef, kind, n) for (coef, kind), n in counts.items())
 
 
-@lru_cache(maxsize=4096)
 def _recipe_bytes(
     recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int, prefix: int = 0
 ) -> int:
+    """The bytes of a layer's saved tensors (`_Ledger.recipe`) at b x s, remembered for plain
+    sizes; shapes being recorded (`symbolic.Shape`) are summed each time."""
+    if type(b) is int and type(s) is int:
+        return _remembered_recipe_bytes(recipe, b, s, prefix)
+    return _sum_recipe(recipe, b, s, prefix)
+
+
+@lru_cache(maxsize=4096)
+def _remembered_recipe_bytes(
+    recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int, prefix: int
+) -> int:
+    return _sum_recipe(recipe, b, s, prefix)
+
+
+def _sum_recipe(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int, prefix: int) -> int:
     units = {
         _Kind.KEYS: b * (s + prefix),
         _Kind.KEYS_SQUARE: b * s * (s + prefix),

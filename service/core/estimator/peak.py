@@ -15,6 +15,7 @@ from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, refer
 from service.core.estimator.looped_experts import looped_arch
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.packing import packed_job
+from service.core.estimator.pieces import DecoderStep, Pieces
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -63,19 +64,26 @@ def estimate(
         return encoder_estimate(
             arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
         )
-    spec = sequence_spec(spec)
-    arch, untied = framework_arch(arch, spec)
-    arch = looped_arch(arch, spec)
-    arch, spec, packed = packed_job(arch, spec)
-    st = model_step(arch, spec, compute_capability)
-    plan = st.plan
+    st = _PIECES.step(arch, spec, compute_capability)
     phases = tuple(
         PhasePeak(step, phase, sum(parts), parts)
-        for (step, phase), parts in zip(PHASES, st.parts(), strict=True)
+        for (step, phase), parts in zip(PHASES, st.parts, strict=True)
     )
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
-    over = _above(arch, spec, plan, peak.allocated_bytes, st.paged_state, compute_capability)
-    return _answer(st, phases, peak, over, spec, after=(*untied, *packed))
+    over = _above(
+        st.arch, st.spec, st.plan, peak.allocated_bytes, st.paged_state, compute_capability
+    )
+    p = st.plan.params
+    return _estimate(
+        phases,
+        peak,
+        over,
+        st.spec,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        assumptions=st.assumptions,
+        warnings=st.warnings,
+        host=(st.host, st.host_pinned),
+    )
 
 
 def peak_levels(
@@ -104,14 +112,42 @@ def peak_levels(
         if arch.encoder_decoder:
             return seq2seq_peak_levels(arch, spec, compute_capability=compute_capability)
         return encoder_peak_levels(arch, spec, compute_capability=compute_capability)
+    st = _PIECES.step(arch, spec, compute_capability, notes=False)
+    over = _above(st.arch, st.spec, st.plan, st.allocated, st.paged_state, compute_capability)
+    return PeakLevels(st.allocated, over.reserved, over.device, over.device_upper)
+
+
+def decoder_step(
+    arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
+) -> DecoderStep:
+    """A decoder's SFT step at `spec`, the framework's notes after the step's."""
     spec = sequence_spec(spec)
-    arch, _untied = framework_arch(arch, spec)
+    arch, untied = framework_arch(arch, spec)
     arch = looped_arch(arch, spec)
-    arch, spec, _packed = packed_job(arch, spec)
-    step = model_step(arch, spec, compute_capability)
-    allocated = max(map(sum, step.parts()))
-    over = _above(arch, spec, step.plan, allocated, step.paged_state, compute_capability)
-    return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
+    arch, spec, packed = packed_job(arch, spec)
+    st = model_step(arch, spec, compute_capability)
+    parts = tuple(st.parts())
+    return DecoderStep(
+        arch=arch,
+        spec=spec,
+        plan=st.plan,
+        paged_state=st.paged_state,
+        allocated=max(map(sum, parts)),
+        parts=parts,
+        host=st.host,
+        host_pinned=st.host_pinned,
+        assumptions=(*st.assumptions, *untied, *packed),
+        warnings=tuple(st.warnings),
+    )
+
+
+# The decoder's step compiled per job: what a fit-check's dozens of shapes of a job evaluate.
+_PIECES = Pieces(decoder_step)
+
+
+def forget_compiled_steps() -> None:
+    """Forget every job's compiled step (benchmarks time a job's first estimate with it)."""
+    _PIECES.clear()
 
 
 def check_packed_model(arch: ModelArch, spec: TrainingSpec) -> None:
@@ -296,6 +332,32 @@ def _answer(
     """The estimate of a decoder's step `st` peaking at `peak`, with the levels `over` it; the
     objective's notes come `before` the step's, the framework's `after` them."""
     p = st.plan.params
+    return _estimate(
+        phases,
+        peak,
+        over,
+        spec,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        assumptions=(*before, *st.assumptions, *after),
+        warnings=tuple(st.warnings),
+        host=(st.host, st.host_pinned),
+    )
+
+
+def _estimate(
+    phases: tuple[PhasePeak, ...],
+    peak: PhasePeak,
+    over: AboveAllocated,
+    spec: TrainingSpec,
+    *,
+    params: ParamCounts,
+    assumptions: tuple[str, ...],
+    warnings: tuple[str, ...],
+    host: tuple[int, int],
+) -> Estimate:
+    """The estimate peaking at `peak`, the step's `assumptions` before those of the levels
+    above, of torch.compile and of the stack; `host` is the host memory per rank and its
+    pinned part."""
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -306,20 +368,18 @@ def _answer(
         peak_step=peak.step,
         peak_phase=peak.phase,
         phases=phases,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        params=params,
         upper_margin=over.upper_margin,
         assumptions=(
-            *before,
-            *st.assumptions,
-            *after,
+            *assumptions,
             *over.assumptions,
             *compile_notes(spec),
             stack_note(spec.stack),
         ),
-        warnings=tuple(st.warnings),
+        warnings=warnings,
         estimator_version=ESTIMATOR_VERSION,
-        host_bytes=st.host,
-        host_pinned_bytes=st.host_pinned,
+        host_bytes=host[0],
+        host_pinned_bytes=host[1],
     )
 
 
@@ -377,7 +437,7 @@ def _above(
     gap, gap_note = reserved_gap(rplan, spec.batch_size, spec.seq_len)
     kernel, _windowed = resolve_kernel(rplan, spec.seq_len)
     fused = kernel is Kernel.FLASH and plan.flow.attn != FP32_BYTES
-    over = levels(
+    return levels(
         allocated=allocated,
         reserved=allocated + gap,
         paged_state=paged_state,
@@ -388,7 +448,5 @@ def _above(
             eager_loading=spec.stack.eager_module_loading,
         ),
         uncertainty=_uncertainty(arch, spec),
+        reserved_note=gap_note,
     )
-    if gap_note:
-        return replace(over, assumptions=(gap_note, *over.assumptions))
-    return over

@@ -1,0 +1,110 @@
+"""The step recorded on symbolic shapes (estimator/symbolic.py) and compiled per job
+(estimator/pieces.py) gives the step's own numbers at every shape."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.catalog.models import default_catalog
+from service.core.estimator import MAX_PIECES, Pieces, Trace, compile_record, decoder_step
+from service.core.spec import ALL_LINEAR, Framework, LoraSpec, Method, QuantSpec, TrainingSpec
+from tests.core.test_properties import specs
+
+SHAPES = st.lists(st.tuples(st.integers(1, 64), st.integers(1, 16384)), min_size=2, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), SHAPES, st.sampled_from([None, "8.0", "9.0"]))
+def test_pieces_give_the_steps_own_peak_at_every_shape(
+    case: tuple[str, TrainingSpec], shapes: list[tuple[int, int]], capability: str | None
+) -> None:
+    model, spec = case
+    arch = default_catalog().resolve(model).arch
+    pieces = Pieces(decoder_step)
+    for b, s in shapes:
+        shaped = spec.with_shape(b, s)
+        own = decoder_step(arch, shaped, capability)
+        numbers = pieces.step(arch, shaped, capability, notes=False)
+        assert (numbers.arch, numbers.spec, numbers.plan) == (own.arch, own.spec, own.plan)
+        assert (numbers.paged_state, numbers.allocated) == (own.paged_state, own.allocated)
+        assert pieces.step(arch, shaped, capability) == own
+
+
+def _qlora(b: int, s: int, **changes: object) -> TrainingSpec:
+    return TrainingSpec(
+        method=Method.QLORA,
+        batch_size=b,
+        seq_len=s,
+        lora=LoraSpec(r=16, target_modules=ALL_LINEAR),
+        quantization=QuantSpec(double_quant=True),
+        autocast=True,
+        gradient_checkpointing=True,
+        **changes,  # type: ignore[arg-type]
+    )
+
+
+def test_a_jobs_shapes_share_its_pieces() -> None:
+    arch = default_catalog().resolve("Qwen/Qwen2.5-7B").arch
+    pieces = Pieces(decoder_step)
+    shapes = [(b, s) for b in (2, 3, 5, 8, 13) for s in (700, 1024, 3000, 4095)]
+    for b, s in shapes:
+        spec = _qlora(b, s)
+        assert pieces.step(arch, spec, None) == decoder_step(arch, spec, None)
+    # the step ran for the first shape and for each branch met after it, not for every shape
+    assert pieces.runs <= MAX_PIECES
+    assert pieces.runs < len(shapes) // 2
+
+
+def test_a_step_that_leaves_the_integers_runs_itself() -> None:
+    # torchtune's activation offloading rounds the pinned buffers to powers of two (a bit
+    # length): not recordable, so every shape runs the step, and the answers stay the step's
+    arch = default_catalog().resolve("Qwen/Qwen2.5-0.5B").arch
+    pieces = Pieces(decoder_step)
+    for s in (256, 300, 512):
+        spec = TrainingSpec(
+            method=Method.FULL,
+            batch_size=2,
+            seq_len=s,
+            framework=Framework.TORCHTUNE,
+            gradient_checkpointing=True,
+            activation_offloading=True,
+        )
+        assert pieces.step(arch, spec, None) == decoder_step(arch, spec, None)
+    assert pieces.runs == 3
+
+
+def test_a_record_holds_only_where_its_guards_do() -> None:
+    trace = Trace(3, 100)
+    b, s = trace.shape()
+    tokens = b * s
+    blocks = -(-(tokens * 8) // 512) * 512  # the allocator's block rounding
+    chosen = max(tokens * 10, blocks + 4096)  # a comparison: the larger one at b=3, s=100
+    shaped = compile_record(trace, [chosen, blocks])
+    assert shaped(3, 100) == (6656, 2560)
+    assert shaped(3, 101) == (6656, 2560)  # the same branch: blocks + 4096 is larger
+    assert shaped(64, 64) is None  # there tokens * 10 is the larger: another branch
+    assert shaped(1, 1) == (4608, 512)
+
+
+def test_a_shape_cannot_become_a_plain_number() -> None:
+    trace = Trace(2, 8)
+    b, s = trace.shape()
+    for convert in (
+        hash,
+        int,
+        float,
+        round,
+        lambda x: x / 2 + 1,
+        lambda x: x.bit_length(),
+        lambda x: {x},
+        lambda x: x // b,
+    ):
+        with pytest.raises((TypeError, AttributeError)):
+            convert(b * s)
+    with pytest.raises(TypeError):
+        _ = s < 2.5  # compared with a float: not recorded
+    assert not trace.formatted
+    assert f"{b * s / 4:.1f} GiB" == "4.0 GiB"  # text alone: formatted, it marks the record
+    assert trace.formatted
