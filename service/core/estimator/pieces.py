@@ -3,7 +3,8 @@
 A fit-check asks for the same job's peak at dozens of batch sizes and sequence lengths, and a
 scheduler's jobs differ mostly in their shape. The step's allocated peak is worked out once
 per job and branch as a function of (b, s): a shape where no piece's guards hold runs the step
-itself, and that run, made again on symbolic b and s, adds the piece for its branch. A job
+itself, and that run, made again on symbolic b and s, adds the piece for its branch (from the
+job's second such shape on: `RECORD_AFTER_RUNS`). A job
 whose step cannot be recorded (its arithmetic leaves the integers: a power-of-two rounding,
 a true division) keeps running the step itself; so does a job past `MAX_PIECES` branches.
 Each piece is checked against the run that made it before it is kept.
@@ -27,6 +28,9 @@ from service.core.spec import TrainingSpec, shape_free_fields
 MAX_PIECES = 8
 # Jobs whose pieces are kept, least recently used leaving first.
 MAX_JOBS = 2048
+# A job's step is recorded at its second shape that no piece holds: recording costs a few
+# milliseconds, about twenty runs of the step, which a job asked about once never repays.
+RECORD_AFTER_RUNS = 2
 
 
 class DecoderStep(NamedTuple):
@@ -88,6 +92,7 @@ class _Key:
 class _Job:
     pieces: list[_Piece] = field(default_factory=list)
     closed: bool = False  # no more pieces: not recordable, or MAX_PIECES reached
+    runs: int = 0  # shapes no piece held
 
 
 class Pieces:
@@ -121,7 +126,6 @@ class Pieces:
             else:
                 self._jobs.move_to_end(key)
             pieces = tuple(job.pieces)
-            closed = job.closed
         b, s = spec.batch_size, spec.seq_len
         for piece in pieces:
             found = (piece.step if notes else piece.peak)(b, s)
@@ -133,7 +137,10 @@ class Pieces:
             return _from_piece(piece, spec, found, notes)
         self.runs += 1
         made = self._run(arch, spec, compute_capability)
-        if not closed:
+        with self._lock:
+            job.runs += 1
+            record = job.runs >= RECORD_AFTER_RUNS and not job.closed
+        if record:
             recorded = self._record(arch, spec, compute_capability, made)
             with self._lock:
                 if recorded is None or len(job.pieces) >= MAX_PIECES:
