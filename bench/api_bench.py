@@ -73,6 +73,11 @@ NEW_JOB_RATIO_TARGET = 0.75  # new bodies: at least this share of GET /livez's r
 BATCH_TARGET_PER_S = 20_000  # estimates a second through the batch route
 CORE_ESTIMATE_TARGET_S = 50e-6
 FIT_CHECK_TARGET_S = 1e-3  # the 37-GPU catalog, solved in process
+FIT_CHECK_HTTP_TARGET_S = 2e-3  # the same over HTTP, request to answer
+# Fit-checks over HTTP: one after another on one connection, the job at a new batch size and
+# sequence length each time (its curves and suggestions worked out anew), after a warm-up.
+FIT_CHECK_WARMUP = 5
+FIT_CHECK_REQUESTS = 100
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -590,6 +595,33 @@ def _batch_load(port: int, pid: int) -> BatchLoad:
     return BatchLoad(BATCH_REQUESTS * BATCH_JOBS, seconds, cpu, errors)
 
 
+def _fit_check_request(index: int) -> bytes:
+    """A fit-check of the example job over every catalog GPU, at the index-th shape."""
+    from service.catalog.gpus import default_gpu_catalog
+
+    b, s = 1 + index % 8, 1024 + index
+    body = {
+        "job": {**ESTIMATE_JOB, "batch_size": b, "seq_len": s},
+        "gpus": [gpu.name for gpu in default_gpu_catalog().gpus()],
+    }
+    return _http_request("POST", "/v1/fit-checks", json.dumps(body).encode())
+
+
+def _fit_check_load(port: int) -> list[float]:
+    """Seconds from sending each measured fit-check to the end of its answer."""
+    seconds: list[float] = []
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        for index in range(FIT_CHECK_WARMUP + FIT_CHECK_REQUESTS):
+            request = _fit_check_request(index)
+            started = time.perf_counter()
+            status, _ = _post_and_read(connection, request)
+            if status != 200:
+                raise RuntimeError(f"a fit-check answered {status}")
+            if index >= FIT_CHECK_WARMUP:
+                seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 # The shapes whose allocator replays every load's shapes interpolate between (the powers of
 # two around them): replayed before the loads, as a replica that has run a while has them.
 REPLAYED_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -618,6 +650,7 @@ class OverHttp:
     repeated: Load
     new: Load
     batch: BatchLoad
+    fit_checks: list[float]
     startup_s: float
     rss_started_bytes: int | None
     rss_loaded_bytes: int | None
@@ -633,9 +666,18 @@ def over_http(database_url: str) -> OverHttp:
         repeated = _load("estimates, repeated", port, pid, ESTIMATE_REQUESTS)
         new = _load("estimates, new jobs", port, pid, NEW_JOB_REQUESTS)
         batch = _batch_load(port, pid)
+        fit_checks = _fit_check_load(port)
         loaded, peak = _rss_bytes(pid), _rss_bytes(pid, "VmHWM")
     return OverHttp(
-        trivial, repeated, new, batch, replica.startup_s, replica.rss_started_bytes, loaded, peak
+        trivial,
+        repeated,
+        new,
+        batch,
+        fit_checks,
+        replica.startup_s,
+        replica.rss_started_bytes,
+        loaded,
+        peak,
     )
 
 
@@ -708,6 +750,15 @@ def run() -> list[str]:
         f"  request median {statistics.median(batch.seconds) * 1e3:.0f} ms, server CPU "
         f"{'n/a' if cpu_each is None else f'{cpu_each * 1e6:.0f} µs'} per estimate, "
         f"{batch.errors} failed jobs",
+        "",
+        f"Fit-checks over HTTP, same server: {FIT_CHECK_REQUESTS} of the job over the "
+        f"{core['gpus']:.0f} catalog GPUs, one after another, each at a new batch size and "
+        "sequence length",
+        f"  median {statistics.median(http.fit_checks) * 1e3:.2f} ms, p99 "
+        f"{sorted(http.fit_checks)[int(0.99 * (len(http.fit_checks) - 1))] * 1e3:.2f} ms  "
+        f"(target ≤ {FIT_CHECK_HTTP_TARGET_S * 1e3:.0f} ms: "
+        f"{'met' if statistics.median(http.fit_checks) <= FIT_CHECK_HTTP_TARGET_S else 'NOT met'}"
+        ")",
         "",
         "One replica (the same server)",
         f"  start-up, process start to the first 200 from /readyz  {http.startup_s:.2f} s",

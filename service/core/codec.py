@@ -15,6 +15,7 @@ import enum
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from service.core.allocator import MIN_SPLIT_SETTING_MB, AllocatorConfig
@@ -126,9 +127,9 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # (fields made on construction, such as a cached hash, are not the spec's values)
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    names = _field_names(value.__class__)
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple | list):
@@ -561,3 +562,12 @@ _TRAINING: dict[str, Check] = {
     # objective is a string until to_spec)
     "objective": _objective,
 }
+
+
+@lru_cache(maxsize=256)
+def _field_names(kind: Any) -> tuple[str, ...] | None:
+    """The fields a dataclass is made with, in order (those made on construction, such as a
+    cached hash, are not its values); None for any other type."""
+    if not dataclasses.is_dataclass(kind):
+        return None
+    return tuple(f.name for f in dataclasses.fields(kind) if f.init)

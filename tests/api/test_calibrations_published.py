@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from service.api.schemas import JobSpec
 from service.core.calibration import MIN_MODELS, MIN_NODES
+from service.core.codec import spec_to_dict
 from service.store.keys import KeyScope
 from tests.api.conftest import issue_key
 from tests.api.test_calibrations import bearer, reloaded_factors
@@ -29,7 +29,7 @@ from tests.store.test_published_calibration import FOLDS, as_upload, published, 
 
 def job_body(row: Row) -> dict[str, Any]:
     """The row's spec as the JSON of an estimate request."""
-    job: dict[str, Any] = {"model": row.model, **json.loads(json.dumps(asdict(row.spec)))}
+    job: dict[str, Any] = {"model": row.model, **json.loads(json.dumps(spec_to_dict(row.spec)))}
     assert JobSpec.model_validate(job).to_spec() == row.spec
     return job
 

@@ -13,7 +13,6 @@ Each piece is checked against the run that made it before it is kept.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -26,7 +25,7 @@ from service.core.spec import TrainingSpec, shape_free_fields
 # Branches kept per job: a fit-check's curves cross a handful (the phase that peaks, the
 # attention kernel, a batch of one); past this many the job's step simply runs each time.
 MAX_PIECES = 8
-# Jobs whose pieces are kept, least recently used leaving first.
+# Jobs whose pieces are kept, the oldest leaving first.
 MAX_JOBS = 2048
 # A job's step is recorded at its second shape that no piece holds: recording costs a few
 # milliseconds, about twenty runs of the step, which a job asked about once never repays.
@@ -84,7 +83,10 @@ class _Key:
             and self._hash == other._hash
             and self.arch == other.arch
             and self.compute_capability == other.compute_capability
-            and shape_free_fields(self.spec) == shape_free_fields(other.spec)
+            and (
+                self.spec is other.spec
+                or shape_free_fields(self.spec) == shape_free_fields(other.spec)
+            )
         )
 
 
@@ -101,7 +103,7 @@ class Pieces:
     def __init__(self, run: DecoderRun, jobs: int = MAX_JOBS) -> None:
         self._run = run
         self._limit = jobs
-        self._jobs: OrderedDict[_Key, _Job] = OrderedDict()
+        self._jobs: dict[_Key, _Job] = {}
         self._lock = threading.Lock()
         self.runs = 0  # the step run itself (no piece held)
 
@@ -122,9 +124,7 @@ class Pieces:
             if job is None:
                 job = self._jobs[key] = _Job()
                 if len(self._jobs) > self._limit:
-                    self._jobs.popitem(last=False)
-            else:
-                self._jobs.move_to_end(key)
+                    del self._jobs[next(iter(self._jobs))]  # the oldest job
             pieces = tuple(job.pieces)
         b, s = spec.batch_size, spec.seq_len
         for piece in pieces:
