@@ -667,18 +667,8 @@ def over_http(database_url: str) -> OverHttp:
         new = _load("estimates, new jobs", port, pid, NEW_JOB_REQUESTS)
         batch = _batch_load(port, pid)
         fit_checks = _fit_check_load(port)
-        loaded, peak = _rss_bytes(pid), _rss_bytes(pid, "VmHWM")
-    return OverHttp(
-        trivial,
-        repeated,
-        new,
-        batch,
-        fit_checks,
-        replica.startup_s,
-        replica.rss_started_bytes,
-        loaded,
-        peak,
-    )
+        rss = (replica.rss_started_bytes, _rss_bytes(pid), _rss_bytes(pid, "VmHWM"))
+    return OverHttp(trivial, repeated, new, batch, fit_checks, replica.startup_s, *rss)
 
 
 def _verdict(overhead: float) -> str:

@@ -16,7 +16,7 @@ import service.core.quant_formats as quant_formats
 import service.core.spec_parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.spec_checks import check_liger_job, check_packed_base
+from service.core.spec_checks import check_liger_job, check_lora_fa, check_packed_base
 from service.core.spec_delta import (
     DELTA_DEFAULTS,
     AdaLoraSpec,
@@ -468,28 +468,6 @@ class TrainingSpec:
         if self.parallel.gpus != 1:
             raise InvalidSpecError("parallel.gpus", f"{label} is modelled on one GPU")
 
-    def _check_lora_fa(self) -> None:
-        """LoRA-FA trains with PEFT's LoraFAOptimizer, an AdamW on each lora_B whose gradient
-        is projected through (A A^T)^-1 (peft/optimizers/lorafa.py create_lorafa_optimizer)."""
-        if self.optim not in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
-            raise InvalidSpecError(
-                "optim", "LoRA-FA trains with PEFT's LoraFAOptimizer (AdamW on B): use adamw_torch"
-            )
-        if self.lora is not None and self.lora.use_dora:
-            raise InvalidSpecError(
-                "lora.use_dora",
-                "LoRA-FA's optimizer pairs each lora_A with its lora_B; DoRA's magnitude breaks "
-                "the pairing (peft/optimizers/lorafa.py LoraFAOptimizer.step)",
-            )
-        if self.lora is not None and self.lora.modules_to_save:
-            raise InvalidSpecError("lora.modules_to_save", "not modelled with LoRA-FA's optimizer")
-        if self.framework is not Framework.HF:
-            raise InvalidSpecError("framework", "LoRA-FA is modelled as PEFT's (framework 'hf')")
-        if self.autocast:
-            raise InvalidSpecError("autocast", "LoRA-FA under mixed precision is not modelled")
-        if self.parallel.gpus != 1:
-            raise InvalidSpecError("parallel.gpus", "LoRA-FA is modelled on one GPU")
-
     def __post_init__(self) -> None:
         if self.packing:
             check_packing(
@@ -517,7 +495,7 @@ class TrainingSpec:
         if self.method in METHOD_OPTIONS:
             self._check_peft_method()
         if self.method is Method.LORA_FA:
-            self._check_lora_fa()
+            check_lora_fa(self)
         self._check_method_options()
         self._check_objective()
         check_liger_job(self)

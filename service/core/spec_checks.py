@@ -1,5 +1,5 @@
-"""What a GPTQ, AWQ, HQQ or torchao base and Liger Kernel's patches are modelled with: the
-combinations the estimate refuses, each naming the field and why.
+"""What a GPTQ, AWQ, HQQ or torchao base, Liger Kernel's patches and LoRA-FA are modelled with:
+the combinations the estimate refuses, each naming the field and why.
 
 TrainingSpec's own check calls these (`spec.py`); they read the spec through `Job`, so this
 module does not import it back.
@@ -57,6 +57,8 @@ class Job(Protocol):
     def torch_compile(self) -> bool: ...
     @property
     def liger_kernel(self) -> bool: ...
+    @property
+    def optim(self) -> StrEnum: ...
     @property
     def vision(self) -> Any: ...
 
@@ -149,3 +151,30 @@ def check_liger_job(job: Job) -> None:
     for name, refused, how in refusals:
         if refused:
             raise InvalidSpecError(name, f"liger_kernel is modelled {how}")
+
+
+# The optimizers LoRA-FA's own (an AdamW on each lora_B) stands for.
+_LORA_FA_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+
+def check_lora_fa(job: Job) -> None:
+    """LoRA-FA trains with PEFT's LoraFAOptimizer, an AdamW on each lora_B whose gradient
+    is projected through (A A^T)^-1 (peft/optimizers/lorafa.py create_lorafa_optimizer)."""
+    if job.optim.value not in _LORA_FA_OPTIMIZERS:
+        raise InvalidSpecError(
+            "optim", "LoRA-FA trains with PEFT's LoraFAOptimizer (AdamW on B): use adamw_torch"
+        )
+    if job.lora is not None and job.lora.use_dora:
+        raise InvalidSpecError(
+            "lora.use_dora",
+            "LoRA-FA's optimizer pairs each lora_A with its lora_B; DoRA's magnitude breaks "
+            "the pairing (peft/optimizers/lorafa.py LoraFAOptimizer.step)",
+        )
+    if job.lora is not None and job.lora.modules_to_save:
+        raise InvalidSpecError("lora.modules_to_save", "not modelled with LoRA-FA's optimizer")
+    if job.framework.value != "hf":
+        raise InvalidSpecError("framework", "LoRA-FA is modelled as PEFT's (framework 'hf')")
+    if job.autocast:
+        raise InvalidSpecError("autocast", "LoRA-FA under mixed precision is not modelled")
+    if job.parallel.gpus != 1:
+        raise InvalidSpecError("parallel.gpus", "LoRA-FA is modelled on one GPU")
