@@ -108,3 +108,17 @@ def test_a_shape_cannot_become_a_plain_number() -> None:
     assert not trace.formatted
     assert f"{b * s / 4:.1f} GiB" == "4.0 GiB"  # text alone: formatted, it marks the record
     assert trace.formatted
+
+
+def test_the_oldest_jobs_leave_past_the_pieces_kept() -> None:
+    arch = default_catalog().resolve("Qwen/Qwen2.5-0.5B").arch
+    pieces = Pieces(decoder_step, kept=3)
+    for steps in (1, 2, 3, 4, 5):  # five jobs
+        for s in (512, 600):  # each recorded at its second shape
+            pieces.step(arch, _qlora(2, s, gradient_accumulation_steps=steps), None)
+    assert pieces.kept == 3
+    runs = pieces.runs
+    pieces.step(arch, _qlora(2, 700, gradient_accumulation_steps=5), None)
+    assert pieces.runs == runs  # the newest job's piece is kept
+    pieces.step(arch, _qlora(2, 700, gradient_accumulation_steps=1), None)
+    assert pieces.runs == runs + 1  # the oldest's is gone

@@ -25,8 +25,10 @@ from service.core.spec import TrainingSpec, shape_free_fields
 # Branches kept per job: a fit-check's curves cross a handful (the phase that peaks, the
 # attention kernel, a batch of one); past this many the job's step simply runs each time.
 MAX_PIECES = 8
-# Jobs whose pieces are kept, the oldest leaving first.
-MAX_JOBS = 2048
+# Jobs kept, and pieces kept over all jobs (about 11 KiB each, two compiled functions: 2048
+# of them hold about 22 MiB); the oldest jobs leave first.
+MAX_JOBS = 4096
+MAX_PIECES_KEPT = 2048
 # A job's step is recorded at its second shape that no piece holds: recording costs a few
 # milliseconds, about twenty runs of the step, which a job asked about once never repays.
 RECORD_AFTER_RUNS = 2
@@ -100,10 +102,12 @@ class _Job:
 class Pieces:
     """Compiled pieces of the decoder's step, by job (model, GPU row and spec less its shape)."""
 
-    def __init__(self, run: DecoderRun, jobs: int = MAX_JOBS) -> None:
+    def __init__(self, run: DecoderRun, jobs: int = MAX_JOBS, kept: int = MAX_PIECES_KEPT) -> None:
         self._run = run
         self._limit = jobs
+        self._kept_limit = kept
         self._jobs: dict[_Key, _Job] = {}
+        self._kept = 0  # pieces over all jobs
         self._lock = threading.Lock()
         self.runs = 0  # the step run itself (no piece held)
 
@@ -124,7 +128,7 @@ class Pieces:
             if job is None:
                 job = self._jobs[key] = _Job()
                 if len(self._jobs) > self._limit:
-                    del self._jobs[next(iter(self._jobs))]  # the oldest job
+                    self._forget_oldest()
             pieces = tuple(job.pieces)
         b, s = spec.batch_size, spec.seq_len
         for piece in pieces:
@@ -147,7 +151,15 @@ class Pieces:
                     job.closed = True
                 else:
                     job.pieces.append(recorded)
+                    self._kept += 1
+                    while self._kept > self._kept_limit and len(self._jobs) > 1:
+                        self._forget_oldest()
         return made
+
+    def _forget_oldest(self) -> None:
+        """Drop the oldest job and its pieces (the lock held)."""
+        oldest = next(iter(self._jobs))
+        self._kept -= len(self._jobs.pop(oldest).pieces)
 
     def _record(
         self, arch: ModelArch, spec: TrainingSpec, compute_capability: str | None, made: DecoderStep
@@ -178,6 +190,12 @@ class Pieces:
     def clear(self) -> None:
         with self._lock:
             self._jobs.clear()
+            self._kept = 0
+
+    @property
+    def kept(self) -> int:
+        """Pieces kept over all jobs."""
+        return self._kept
 
 
 def _from_piece(
