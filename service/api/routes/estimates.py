@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.answers import Answer
-from service.api.batch_body import read_shared
+from service.api.batch_body import SharedSpec, known_key, read_known, read_shared, remember
 from service.api.body import is_json, request_body, validate_body, validate_body_or
 from service.api.deps import estimation_for, services_of
 from service.api.problems import responses
@@ -50,9 +50,18 @@ async def create_estimate(request: Request) -> Response:
         if kept is not None:
             services.metrics.count_estimate(kept.model)
             return Response(kept.content, media_type=JSON_MEDIA_TYPE)
-    job = validate_body(body, content_type, JobSpec)
+    # A body that copies one read before at another shape shares its reading and its spec
+    # (`batch_body.read_known`); any other is read in full, and remembered when valid.
+    key = known_key(body) if cacheable else None
+    known = None if key is None else read_known(key)
+    spec: SharedSpec | None
+    if known is not None:
+        job, spec = known
+    else:
+        job = validate_body(body, content_type, JobSpec)
+        spec = None if key is None else remember(key, job)
     # The answer's values are encoded in one pass, as the response model would write them.
-    values = estimation_for(services).values(job)
+    values = estimation_for(services).values(job, shared=spec)
     content = to_json(values)
     if cacheable:
         services.answers.put(body, Answer(content, values["model"], generation))
