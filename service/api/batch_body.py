@@ -19,6 +19,7 @@ from typing import Annotated, Any, NamedTuple
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import from_json, to_json
 
+from service.api.answers import MAX_KEPT_BODY_BYTES
 from service.api.schemas import MAX_BATCH_JOBS, JobSpec
 from service.core.spec import TrainingSpec
 
@@ -27,16 +28,15 @@ SHAPE_FIELDS = ("batch_size", "seq_len")
 _BATCH_SIZE = TypeAdapter(Annotated[int, JobSpec.model_fields["batch_size"]])
 _SEQ_LEN = TypeAdapter(Annotated[int, JobSpec.model_fields["seq_len"]])
 # Single bodies' jobs remembered across requests, by their JSON less the shape: forgotten
-# whole when full. A body longer than the answer cache keeps (`answers.MAX_KEPT_BODY_BYTES`)
-# is not remembered, so the memo holds at most this many x (8 KiB + a job and its spec).
+# whole when full. A body longer than the answer cache keeps is not remembered either, so the
+# memo holds at most this many x (MAX_KEPT_BODY_BYTES + a job and its spec).
 MAX_KNOWN_JOBS = 1024
-MAX_KNOWN_BODY_BYTES = 8 * 1024
 
 
 class SharedSpec:
     """The core spec of a job and its copies at other shapes: the first spec made of any of
-    them, at each one's own shape. Frozen specs, so shared between threads: any of them is
-    the same base."""
+    them, taken to each one's own shape. Whichever job makes it first, the base is the same
+    job's frozen spec, so threads may share it."""
 
     __slots__ = ("_base",)
 
@@ -115,7 +115,7 @@ class KnownKey(NamedTuple):
 def known_key(body: bytes) -> KnownKey | None:
     """The key a single body's job is remembered by; None for one that is not remembered (not
     a JSON object with plain integers for its shape, or too long)."""
-    if len(body) > MAX_KNOWN_BODY_BYTES:
+    if len(body) > MAX_KEPT_BODY_BYTES:
         return None
     try:
         data: Any = from_json(body)
@@ -158,7 +158,7 @@ def _split(entry: Any) -> tuple[dict[str, Any], int, int] | None:
     seq_len = entry.get("seq_len")
     if type(batch_size) is not int or type(seq_len) is not int:
         return None
-    rest = {k: v for k, v in entry.items() if k != "batch_size" and k != "seq_len"}
+    rest = {k: v for k, v in entry.items() if k not in SHAPE_FIELDS}
     return rest, batch_size, seq_len
 
 
