@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
+from service.api.batch_body import SharedSpec
 from service.api.metrics import CUSTOM_MODEL, Metrics
 from service.api.problems import (
     Loc,
@@ -102,26 +103,32 @@ class Estimation:
     _named_gpus: dict[str, Gpu | UnknownGpuError] = field(default_factory=dict)
 
     def values(
-        self, job: JobSpec, loc_prefix: Loc = ("body",), spec: TrainingSpec | None = None
+        self, job: JobSpec, loc_prefix: Loc = ("body",), shared: SharedSpec | None = None
     ) -> dict[str, Any]:
         """The job's estimate as the plain values of an `EstimateOut` (`estimate_values`),
-        ready to encode; `spec` is the job's spec when the caller has made it."""
-        with _located(loc_prefix):
-            resolved = self._job(job, loc_prefix, spec)
+        ready to encode; `shared` makes the job's spec when it copies another job at its own
+        shape (`batch_body.SharedSpec`)."""
+        # The core and catalog errors are caught here rather than by `_located`: a batch
+        # asks once per job.
+        try:
+            spec = job.to_spec() if shared is None else shared.of(job)
+            model, arch = self._model(job.model, loc_prefix)
             gpu = None if job.gpu is None else self._gpu(job.gpu)
             est = estimate(
-                resolved.arch,
-                resolved.spec,
-                compute_capability=None if gpu is None else gpu.compute_capability,
+                arch, spec, compute_capability=None if gpu is None else gpu.compute_capability
             )
-        peaks = self._peaks(est, resolved, gpu.name if gpu else None)
+        except (EstimatorError, UnknownGpuError) as exc:
+            raise ProblemError(from_exception(exc, loc_prefix)) from exc
+        peaks = self.factors.peaks(
+            est, model=model, method=spec.method.value, gpu=None if gpu is None else gpu.name
+        )
         summary: dict[str, Any] | None = None
         warnings: tuple[str, ...] = ()
         if gpu is not None:
             summary = _fit_summary(gpu, peaks)
-            warnings = _gpu_warnings(gpu, resolved.spec)
-        self.metrics.count_estimate(resolved.model)
-        return estimate_values(resolved.model, est, peaks, summary, warnings)
+            warnings = _gpu_warnings(gpu, spec)
+        self.metrics.count_estimate(model)
+        return estimate_values(model, est, peaks, summary, warnings)
 
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         return EstimateOut.model_validate(self.values(job, loc_prefix))
@@ -134,10 +141,10 @@ class Estimation:
         The batch's jobs share this request's model and GPU lookups, and the core's plans and
         the calibration's descriptions; the routes encode the whole answer in one pass. With
         `firsts` (`batch_body.SharedJobs`), a job that copies an earlier one at another shape
-        takes that one's spec at its own shape (the spec checks itself again)."""
+        shares that one's spec, at its own shape (`batch_body.SharedSpec`)."""
         results: list[dict[str, Any]] = []
         failed = 0
-        specs: dict[int, TrainingSpec] = {}
+        shared: dict[int, SharedSpec] = {}
         for index, job in enumerate(jobs):
             loc: Loc = ("body", "jobs", index)
             try:
@@ -145,8 +152,10 @@ class Estimation:
                     raise _rejected(job, loc)
                 spec = None
                 if firsts is not None:
-                    with _located(loc):
-                        spec = self._shared_spec(job, firsts[index], index, specs)
+                    first = firsts[index]
+                    spec = shared.get(first)
+                    if spec is None:
+                        spec = shared[first] = SharedSpec()
                 values = self.values(job, loc, spec)
             except ProblemError as exc:
                 problem = exc.problem
@@ -292,23 +301,8 @@ class Estimation:
             evaluations=found.evaluations,
         )
 
-    @staticmethod
-    def _shared_spec(
-        job: JobSpec, first: int, index: int, specs: dict[int, TrainingSpec]
-    ) -> TrainingSpec:
-        """The spec of batch job `index`, which copies job `first` at its own shape: the
-        first's spec at this shape when the first had one, else its own."""
-        base = specs.get(first)
-        if base is None:
-            spec = job.to_spec()
-            if first == index:
-                specs[index] = spec
-            return spec
-        return base.with_shape(job.batch_size, job.seq_len)
-
-    def _job(self, job: JobSpec, loc_prefix: Loc, spec: TrainingSpec | None = None) -> _Job:
-        if spec is None:
-            spec = job.to_spec()
+    def _job(self, job: JobSpec, loc_prefix: Loc) -> _Job:
+        spec = job.to_spec()
         model, arch = self._model(job.model, loc_prefix)
         return _Job(spec, model, arch)
 

@@ -11,12 +11,13 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic_core import to_json
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.answers import Answer
-from service.api.batch_body import read_shared
+from service.api.batch_body import SharedSpec, known_key, read_known, read_shared, remember
 from service.api.body import is_json, request_body, validate_body, validate_body_or
-from service.api.deps import estimation_for, services_of
+from service.api.deps import Services, estimation_for, services_of
 from service.api.problems import responses
 from service.api.responses import JSON_MEDIA_TYPE
 from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobsIn, JobSpec
@@ -36,13 +37,18 @@ ESTIMATE_PATH = f"{PREFIX}/estimates"
     openapi_extra=request_body(JobSpec),
 )
 async def create_estimate(request: Request) -> Response:
-    # Schedulers call this before every placement: the body is parsed by pydantic-core in one
-    # pass, the services are read directly (FastAPI's body and dependency resolution would cost
-    # more than the estimate), and a body asked before under the same calibration factors gets
-    # its kept answer.
-    services = services_of(request)
-    body = await request.body()
-    content_type = request.headers.get("content-type")
+    return estimate_response(
+        services_of(request), await request.body(), request.headers.get("content-type")
+    )
+
+
+def estimate_response(services: Services, body: bytes, content_type: str | None) -> Response:
+    """POST /v1/estimates' answer to `body`, sent as `content_type`.
+
+    Schedulers call this before every placement: the body is parsed by pydantic-core in one
+    pass, the services are read directly (FastAPI's body and dependency resolution would cost
+    more than the estimate), and a body asked before under the same calibration factors gets
+    its kept answer."""
     cacheable = is_json(content_type)
     generation = services.factors.generation()
     if cacheable:
@@ -50,9 +56,18 @@ async def create_estimate(request: Request) -> Response:
         if kept is not None:
             services.metrics.count_estimate(kept.model)
             return Response(kept.content, media_type=JSON_MEDIA_TYPE)
-    job = validate_body(body, content_type, JobSpec)
+    # A body that copies one read before at another shape shares its reading and its spec
+    # (`batch_body.read_known`); any other is read in full, and remembered when valid.
+    key = known_key(body) if cacheable else None
+    known = None if key is None else read_known(key)
+    spec: SharedSpec | None
+    if known is not None:
+        job, spec = known
+    else:
+        job = validate_body(body, content_type, JobSpec)
+        spec = None if key is None else remember(key, job)
     # The answer's values are encoded in one pass, as the response model would write them.
-    values = estimation_for(services).values(job)
+    values = estimation_for(services).values(job, shared=spec)
     content = to_json(values)
     if cacheable:
         services.answers.put(body, Answer(content, values["model"], generation))
@@ -90,7 +105,8 @@ async def create_estimates_batch(request: Request) -> Response:
 
 
 class EstimateShortcut:
-    """POST /v1/estimates handed to its endpoint straight from the middleware (pure ASGI).
+    """POST /v1/estimates answered straight from the middleware (pure ASGI), as its endpoint
+    answers it (`estimate_response`).
 
     Schedulers send this request before every placement, and the router's matching, request
     wrapping and dependency solving would cost a good part of what the estimate itself does.
@@ -113,13 +129,17 @@ class EstimateShortcut:
         scope["route"] = self.route
         scope["endpoint"] = self.route.endpoint
         scope["path_params"] = {}
-        request = Request(scope, receive)
         try:
-            response = await create_estimate(request)
+            # What the endpoint reads of its `Request`, read straight from the scope and the
+            # messages: the request is made only for an error's handler.
+            services: Services = scope["app"].state.services
+            body = await _body(receive)
+            response = estimate_response(services, body, _content_type(scope))
         except Exception as exc:
             handler = self._handler(exc)
             if handler is None:
                 raise
+            request = Request(scope, receive)
             if inspect.iscoroutinefunction(handler):
                 response = await handler(request, exc)
             else:
@@ -135,6 +155,31 @@ class EstimateShortcut:
             if kind in self.handlers:
                 return self.handlers[kind]
         return None
+
+
+async def _body(receive: Receive) -> bytes:
+    """The request's body, as `Request.body` reads it: ClientDisconnect if the client goes
+    away first."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk: bytes = message.get("body", b"")
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+
+
+def _content_type(scope: Scope) -> str | None:
+    """The request's first Content-Type, as `request.headers.get("content-type")` reads it."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            found: str = value.decode("latin-1")
+            return found
+    return None
 
 
 def _route_path(scope: Scope) -> str:
