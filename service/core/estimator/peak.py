@@ -73,13 +73,12 @@ def estimate(
     over = _above(
         st.arch, st.spec, st.plan, peak.allocated_bytes, st.paged_state, compute_capability
     )
-    p = st.plan.params
     return _estimate(
         phases,
         peak,
         over,
         st.spec,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        plan=st.plan,
         assumptions=st.assumptions,
         warnings=st.warnings,
         host=(st.host, st.host_pinned),
@@ -331,13 +330,12 @@ def _answer(
 ) -> Estimate:
     """The estimate of a decoder's step `st` peaking at `peak`, with the levels `over` it; the
     objective's notes come `before` the step's, the framework's `after` them."""
-    p = st.plan.params
     return _estimate(
         phases,
         peak,
         over,
         spec,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        plan=st.plan,
         assumptions=(*before, *st.assumptions, *after),
         warnings=tuple(st.warnings),
         host=(st.host, st.host_pinned),
@@ -350,7 +348,7 @@ def _estimate(
     over: AboveAllocated,
     spec: TrainingSpec,
     *,
-    params: ParamCounts,
+    plan: _Plan,
     assumptions: tuple[str, ...],
     warnings: tuple[str, ...],
     host: tuple[int, int],
@@ -358,6 +356,7 @@ def _estimate(
     """The estimate peaking at `peak`, the step's `assumptions` before those of the levels
     above, of torch.compile and of the stack; `host` is the host memory per rank and its
     pinned part."""
+    p = plan.params
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -368,7 +367,7 @@ def _estimate(
         peak_step=peak.step,
         peak_phase=peak.phase,
         phases=phases,
-        params=params,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
         upper_margin=over.upper_margin,
         assumptions=(
             *assumptions,

@@ -101,11 +101,30 @@ def _plus(a: Terms, b: Terms, sign: int = 1) -> Terms:
     return out
 
 
-class Shape:
+class _Recorded:
+    """A value of the traced run that text may be made from: formatting it marks the record,
+    whose notes then hold at that shape only. Not hashable: a cache keyed by it would hide the
+    shape."""
+
+    __slots__ = ("trace", "value")
+    __hash__ = None  # type: ignore[assignment]
+    trace: Trace
+    value: int | float
+
+    def __format__(self, spec: str) -> str:
+        self.trace.formatted = True
+        return format(self.value, spec)
+
+    def __str__(self) -> str:
+        self.trace.formatted = True
+        return str(self.value)
+
+
+class Shape(_Recorded):
     """An integer that depends on the job's shape, with its value in the traced run."""
 
-    __slots__ = ("terms", "trace", "value")
-    __hash__ = None  # type: ignore[assignment]  # a cache keyed by it would hide the shape
+    __slots__ = ("terms",)
+    value: int
 
     def __init__(self, trace: Trace, terms: Terms, value: int) -> None:
         self.trace = trace
@@ -212,25 +231,16 @@ class Shape:
             return NotImplemented
         return Measure(self.trace, self.value / other)
 
-    def __format__(self, spec: str) -> str:
-        self.trace.formatted = True
-        return format(self.value, spec)
-
-    def __str__(self) -> str:
-        self.trace.formatted = True
-        return str(self.value)
-
     def __repr__(self) -> str:
         return f"Shape({self.value})"
 
 
-class Measure:
+class Measure(_Recorded):
     """A shape's bytes in other units (a GiB figure in a warning): text only. It formats as its
     value in the traced run and marks the record; any arithmetic on it raises TypeError, so it
     never reaches a byte count."""
 
-    __slots__ = ("trace", "value")
-    __hash__ = None  # type: ignore[assignment]
+    __slots__ = ()
 
     def __init__(self, trace: Trace, value: float) -> None:
         self.trace = trace
@@ -240,14 +250,6 @@ class Measure:
         if not isinstance(other, int | float) or isinstance(other, bool):
             return NotImplemented
         return Measure(self.trace, self.value / other)
-
-    def __format__(self, spec: str) -> str:
-        self.trace.formatted = True
-        return format(self.value, spec)
-
-    def __str__(self) -> str:
-        self.trace.formatted = True
-        return str(self.value)
 
 
 def _var(index: int) -> str:
