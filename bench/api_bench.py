@@ -376,7 +376,12 @@ def in_process(database_url: str) -> dict[str, float]:
     from service.api.settings import Settings
     from service.catalog.gpus import default_gpu_catalog
     from service.catalog.models import default_catalog
-    from service.core.estimator import default_target_modules, estimate, peak_levels
+    from service.core.estimator import (
+        default_target_modules,
+        estimate,
+        peak_levels,
+        shape_levels,
+    )
     from service.core.fit import GpuOffer, Requirement, check_fit
     from service.core.spec import LoraSpec, Method, Optim, QuantSpec, TrainingSpec
 
@@ -406,6 +411,17 @@ def in_process(database_url: str) -> dict[str, float]:
             device_bytes=levels.device_bytes, device_bytes_upper=levels.device_bytes_upper
         )
 
+    def shaped(s: TrainingSpec) -> Callable[[int, int], Requirement]:
+        levels_at = shape_levels(arch, s)
+
+        def at(batch_size: int, seq_len: int) -> Requirement:
+            levels = levels_at(batch_size, seq_len)
+            return Requirement(
+                device_bytes=levels.device_bytes, device_bytes_upper=levels.device_bytes_upper
+            )
+
+        return at
+
     def core_check(job: TrainingSpec) -> Callable[[], object]:
         return lambda: check_fit(
             job,
@@ -414,6 +430,7 @@ def in_process(database_url: str) -> dict[str, float]:
             max_batch_size=4096,
             max_seq_len=arch.max_position_embeddings,
             narrower_target_modules=default_target_modules(arch),
+            shaped=shaped,
         )
 
     lora = TrainingSpec(

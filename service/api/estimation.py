@@ -50,6 +50,7 @@ from service.core.estimator import (
     default_target_modules,
     estimate,
     peak_levels,
+    shape_levels,
 )
 from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
 from service.core.hf_config import from_hf_config
@@ -191,6 +192,18 @@ class Estimation:
                 self.factors.peaks(levels, model=resolved.model, method=spec.method.value, gpu=None)
             )
 
+        def shaped(spec: TrainingSpec) -> Callable[[int, int], Requirement]:
+            levels_at = shape_levels(resolved.arch, spec)
+            method = spec.method.value
+
+            def at(batch_size: int, seq_len: int) -> Requirement:
+                levels = levels_at(batch_size, seq_len)
+                return _requirement(
+                    self.factors.peaks(levels, model=resolved.model, method=method, gpu=None)
+                )
+
+            return at
+
         with _located(job_loc):
             report = check_fit(
                 resolved.spec,
@@ -199,6 +212,7 @@ class Estimation:
                 max_batch_size=MAX_BATCH_SIZE,
                 max_seq_len=_seq_limit(resolved),
                 narrower_target_modules=_narrower_targets(resolved.arch),
+                shaped=shaped,
             )
         self.metrics.count_estimate(resolved.model)
         cheapest = None

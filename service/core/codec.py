@@ -89,9 +89,26 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
     encoder-only `num_labels`, the encoder-decoder `target_length`, the options of PEFT's
     methods besides LoRA and the quantization's `bits`, `group_size` and `desc_act` only when
     set."""
-    plain = _plain(spec)
-    assert isinstance(plain, dict)
-    for name in (
+    plain: dict[str, Any] = {}
+    for name in SPEC_FIELDS:
+        value = spec_field(spec, name)
+        if value is not OMITTED:
+            plain[name] = value
+    return plain
+
+
+class _Omitted(enum.Enum):
+    OMITTED = "omitted"
+
+
+# What `spec_field` gives for a field `spec_to_dict` leaves out.
+OMITTED = _Omitted.OMITTED
+
+# The spec's fields, in order.
+SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainingSpec) if f.init)
+# Written only when set: the options of one model kind, method or objective.
+_WHEN_SET = frozenset(
+    {
         "num_labels",
         "target_length",
         *METHOD_OPTIONS.values(),
@@ -101,29 +118,28 @@ def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
         "grpo",
         "orpo",
         "vision",
-    ):
-        if plain.get(name) is None:
-            plain.pop(name, None)
-    if spec.objective is Objective.SFT:  # written when another objective is asked for
-        plain.pop("objective", None)
-    quant = plain.get("quantization")
-    if isinstance(quant, dict):  # GPTQ/AWQ/HQQ options written when set
-        for name in ("bits", "group_size"):
-            if quant.get(name) is None:
-                quant.pop(name, None)
-        if not quant.get("desc_act"):
-            quant.pop("desc_act", None)
-    # written when on
-    for name in (
-        "optimizer_in_backward",
-        "activation_offloading",
-        "packing",
-        "torch_compile",
-        "liger_kernel",
-    ):
-        if not plain.get(name):
-            plain.pop(name, None)
-    return plain
+    }
+)
+# Written only when on.
+_WHEN_ON = frozenset(
+    {"optimizer_in_backward", "activation_offloading", "packing", "torch_compile", "liger_kernel"}
+)
+
+
+def spec_field(spec: TrainingSpec, name: str) -> Any:
+    """One field of `spec_to_dict(spec)`, or OMITTED where it leaves the field out."""
+    value = _plain(getattr(spec, name))
+    if (name in _WHEN_SET and value is None) or (name in _WHEN_ON and not value):
+        return OMITTED
+    if name == "objective" and spec.objective is Objective.SFT:
+        return OMITTED  # written when another objective is asked for
+    if name == "quantization" and isinstance(value, dict):  # GPTQ/AWQ/HQQ options when set
+        for option in ("bits", "group_size"):
+            if value.get(option) is None:
+                value.pop(option, None)
+        if not value.get("desc_act"):
+            value.pop("desc_act", None)
+    return value
 
 
 def _plain(value: Any) -> Any:

@@ -75,6 +75,9 @@ class Requirement:
 
 
 RequirementFn = Callable[[TrainingSpec], Requirement]
+# The requirement of a spec's job at any (batch_size, seq_len): for each spec, a function f
+# with f(b, s) == requirement(spec.with_shape(b, s)), made once per spec.
+ShapedRequirementFn = Callable[[TrainingSpec], Callable[[int, int], Requirement]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,16 +196,35 @@ Dimension = Literal["batch_size", "seq_len"]
 class _Requirements:
     """The requirement function, memoised for one check: GPUs share every evaluation."""
 
-    __slots__ = ("_cache", "_fn")
+    __slots__ = ("_cache", "_fn", "_points", "_shaped", "_shapes")
 
-    def __init__(self, fn: RequirementFn) -> None:
+    def __init__(self, fn: RequirementFn, shaped: ShapedRequirementFn | None = None) -> None:
         self._fn = fn
+        self._shaped = shaped
         self._cache: dict[TrainingSpec, Requirement] = {}
+        self._shapes: dict[TrainingSpec, Callable[[int, int], Requirement]] = {}
+        self._points: dict[tuple[TrainingSpec, int, int], Requirement] = {}
 
     def __call__(self, spec: TrainingSpec) -> Requirement:
-        found = self._cache.get(spec)
+        return self.at(spec, spec.batch_size, spec.seq_len)
+
+    def at(self, spec: TrainingSpec, batch_size: int, seq_len: int) -> Requirement:
+        """The requirement of `spec` at a shape, its own or another, without making a spec
+        for it where the caller gave a shaped requirement."""
+        if self._shaped is None:
+            if batch_size != spec.batch_size or seq_len != spec.seq_len:
+                spec = spec.with_shape(batch_size, seq_len)
+            found = self._cache.get(spec)
+            if found is None:
+                found = self._cache[spec] = self._fn(spec)
+            return found
+        key = (spec, batch_size, seq_len)
+        found = self._points.get(key)
         if found is None:
-            found = self._cache[spec] = self._fn(spec)
+            shaped = self._shapes.get(spec)
+            if shaped is None:
+                shaped = self._shapes[spec] = self._shaped(spec)
+            found = self._points[key] = shaped(batch_size, seq_len)
         return found
 
     def valid(self, spec: TrainingSpec) -> Requirement | None:
@@ -215,7 +237,7 @@ class _Requirements:
 
     @property
     def evaluations(self) -> int:
-        return len(self._cache)
+        return len(self._cache) + len(self._points)
 
 
 class _Capacity:
@@ -270,13 +292,14 @@ class _Curve:
             return self.values[i]
         # below the objective's smallest micro-batch (KTO's KL batch: 2) the bound is the
         # smallest's, so a batch that cannot run is never the largest that fits
-        if self._spec.objective is Objective.GRPO:  # the generation batch divisible
-            spec = curve_point(self._spec, self.dimension, x)
+        job = self._spec
+        if job.objective is Objective.GRPO:  # the generation batch divisible
+            value = self.requirements(curve_point(job, self.dimension, x)).device_bytes_upper
         elif self.dimension == "batch_size":
-            spec = self._spec.with_shape(max(x, self._spec.min_batch_size), self._spec.seq_len)
+            batch = max(x, job.min_batch_size)
+            value = self.requirements.at(job, batch, job.seq_len).device_bytes_upper
         else:
-            spec = None
-        value = self._seq_point(x) if spec is None else self.requirements(spec).device_bytes_upper
+            value = self._seq_point(x)
         self.xs.insert(i, x)
         self.values.insert(i, value)
         return value
@@ -284,13 +307,11 @@ class _Curve:
     def _seq_point(self, x: int) -> int:
         """The bound at seq_len x; shorter than the images' tokens, a sequence that cannot run
         takes the bound of the shortest that can, so it is never the longest that fits."""
+        job = self._spec
         try:
-            return self.requirements(
-                self._spec.with_shape(self._spec.batch_size, x)
-            ).device_bytes_upper
+            return self.requirements.at(job, job.batch_size, x).device_bytes_upper
         except SequenceTooShortError as short:
-            shortest = self._spec.with_shape(self._spec.batch_size, short.minimum)
-            return self.requirements(shortest).device_bytes_upper
+            return self.requirements.at(job, job.batch_size, short.minimum).device_bytes_upper
 
     def largest_fitting(self, capacity: _Capacity) -> int:
         """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does); the
@@ -410,6 +431,9 @@ class _Solver:
         # Spec changes do not depend on the GPU: made once per check, not once per GPU.
         self._changed: dict[tuple[Change, TrainingSpec], TrainingSpec | None] = {}
         self._lowering_memo: dict[TrainingSpec, list[tuple[Change, TrainingSpec, Requirement]]] = {}
+        self._shares: dict[TrainingSpec, float] = {}
+        self._micro: dict[tuple[TrainingSpec, int], TrainingSpec] = {}
+        self._taken_back: dict[tuple[Change, TrainingSpec, TrainingSpec], TrainingSpec | None] = {}
 
     def curve(self, spec: TrainingSpec, dimension: Dimension) -> _Curve:
         key = (spec, dimension)
@@ -457,9 +481,11 @@ class _Solver:
         divisors = divisors[:MICRO_BATCH_TRIES]
         candidate: TrainingSpec | None = None
         for micro in divisors:
-            candidate = replace(
-                spec, batch_size=micro, gradient_accumulation_steps=effective // micro
-            )
+            candidate = self._micro.get((spec, micro))
+            if candidate is None:
+                candidate = self._micro[spec, micro] = replace(
+                    spec, batch_size=micro, gradient_accumulation_steps=effective // micro
+                )
             need = self.requirements.valid(candidate)
             if need is not None and capacity.holds(need.device_bytes_upper):
                 break
@@ -515,9 +541,12 @@ class _Solver:
     def _worth_trying(self, change: Change, spec: TrainingSpec) -> bool:
         """False for an optimizer change when the optimizer's share of `spec`'s safe bound is
         under MIN_OPTIMIZER_SHARE."""
-        return change not in _OPTIMIZER_CHANGES or self._optimizer_share(spec) >= (
-            MIN_OPTIMIZER_SHARE
-        )
+        if change not in _OPTIMIZER_CHANGES:
+            return True
+        share = self._shares.get(spec)
+        if share is None:
+            share = self._shares[spec] = self._optimizer_share(spec)
+        return share >= MIN_OPTIMIZER_SHARE
 
     def _optimizer_share(self, spec: TrainingSpec) -> float:
         """The share of `spec`'s safe bound that its optimizer accounts for: what the bound
@@ -568,7 +597,10 @@ class _Solver:
         while dropped and len(current.changes) > 1:
             dropped = False
             for change in sorted(current.changes, key=_RANK.__getitem__, reverse=True):
-                spec = _without(change, current.spec, job)
+                key = (change, current.spec, job)
+                if key not in self._taken_back:
+                    self._taken_back[key] = _without(change, current.spec, job)
+                spec = self._taken_back[key]
                 need = None if spec is None else self.requirements.valid(spec)
                 if spec is None or need is None:
                     continue
@@ -706,14 +738,17 @@ def check_fit(
     max_batch_size: int,
     max_seq_len: int,
     narrower_target_modules: tuple[str, ...] | None = None,
+    shaped: ShapedRequirementFn | None = None,
 ) -> FitCheck:
     """Decide, per GPU type, whether `spec` fits, how far it can grow and what makes it fit.
 
     `max_batch_size` and `max_seq_len` bound the solved answers (an answer equal to the bound
     means "at least"); `narrower_target_modules` is what "fewer target modules" changes to
-    (PEFT's default for the model), None to not suggest it.
+    (PEFT's default for the model), None to not suggest it. `shaped`, when given, is the same
+    requirement as `requirement`, read along the max-batch and max-seq curves without a spec
+    per point.
     """
-    requirements = _Requirements(requirement)
+    requirements = _Requirements(requirement, shaped)
     solver = _Solver(
         requirements,
         max_batch_size=max_batch_size,

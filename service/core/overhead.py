@@ -59,19 +59,15 @@ def levels(
 ) -> AboveAllocated:
     """Device level and safe bound over an allocated peak and its reserved level; the
     `reserved_note` says how the reserved level was found, where it needs saying."""
-    reserved = max(reserved, allocated)
-    paged = row.paged_bytes(paged_state)
-    outside = row.outside_bytes + paged + (row.nccl_bytes if gpus > 1 else 0)
-    device = reserved + outside
-    sigma = math.sqrt(
-        (uncertainty.allocated * allocated) ** 2
-        + (uncertainty.reserved * (reserved - allocated)) ** 2
-        + uncertainty.loading_bytes**2
-        + (uncertainty.reserved_unmodelled * allocated) ** 2
-        + row.uncertainty_bytes**2
-        + (row.paged_uncertainty * paged) ** 2
+    reserved, device, upper = level_numbers(
+        allocated=allocated,
+        reserved=reserved,
+        paged_state=paged_state,
+        gpus=gpus,
+        row=row,
+        uncertainty=uncertainty,
     )
-    upper = device + math.ceil(SAFE_Z * sigma)
+    outside = device - reserved
     return AboveAllocated(
         reserved=reserved,
         device=device,
@@ -86,6 +82,31 @@ def levels(
         if reserved_note
         else _notes(row, uncertainty),
     )
+
+
+def level_numbers(
+    *,
+    allocated: int,
+    reserved: int,
+    paged_state: int,
+    gpus: int,
+    row: DeviceRow,
+    uncertainty: Uncertainty,
+) -> tuple[int, int, int]:
+    """The reserved level, the device level and the safe bound of `levels`, alone (what a
+    fit-check's curves evaluate)."""
+    reserved = max(reserved, allocated)
+    paged = row.paged_bytes(paged_state)
+    device = reserved + row.outside_bytes + paged + (row.nccl_bytes if gpus > 1 else 0)
+    sigma = math.sqrt(
+        (uncertainty.allocated * allocated) ** 2
+        + (uncertainty.reserved * (reserved - allocated)) ** 2
+        + uncertainty.loading_bytes**2
+        + (uncertainty.reserved_unmodelled * allocated) ** 2
+        + row.uncertainty_bytes**2
+        + (row.paged_uncertainty * paged) ** 2
+    )
+    return reserved, device, device + math.ceil(SAFE_Z * sigma)
 
 
 @lru_cache(maxsize=256)

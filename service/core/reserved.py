@@ -591,6 +591,15 @@ def reserved_gap(plan: ReservedPlan, batch: int, seq: int) -> tuple[int, str]:
     s0, s1 = _bracket(seq)
     if b0 == b1 and s0 == s1:
         return _replayed_gap(plan, batch, seq), ""
+    return reserved_gap_bytes(plan, batch, seq), _interpolated_note(b0, b1, s0, s1)
+
+
+def reserved_gap_bytes(plan: ReservedPlan, batch: int, seq: int) -> int:
+    """`reserved_gap`'s bytes alone."""
+    b0, b1 = _bracket(batch)
+    s0, s1 = _bracket(seq)
+    if b0 == b1 and s0 == s1:
+        return _replayed_gap(plan, batch, seq)
     wb = 0.0 if b0 == b1 else (batch - b0) / (b1 - b0)
     ws = 0.0 if s0 == s1 else (seq - s0) / (s1 - s0)
     gap = 0.0
@@ -599,7 +608,7 @@ def reserved_gap(plan: ReservedPlan, batch: int, seq: int) -> tuple[int, str]:
             weight = weight_b * weight_s
             if weight:
                 gap += weight * _replayed_gap(plan, b, s)
-    return round(gap), _interpolated_note(b0, b1, s0, s1)
+    return round(gap)
 
 
 @lru_cache(maxsize=256)

@@ -13,7 +13,7 @@ from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
 from service.core.architecture import ModelArch
 from service.core.errors import InvalidSpecError
-from service.core.estimator import default_target_modules, estimate
+from service.core.estimator import default_target_modules, estimate, peak_levels, shape_levels
 from service.core.fit import (
     DRIVER_RESERVED_BYTES,
     MIN_OPTIMIZER_SHARE,
@@ -30,6 +30,7 @@ from service.core.spec import (
     Framework,
     LoraSpec,
     Method,
+    Objective,
     Optim,
     ParallelSpec,
     Strategy,
@@ -535,3 +536,59 @@ def test_litgpt_adapters_get_no_checkpointing_or_qlora_suggestion() -> None:
     offered = {change for s in fit.suggestions for change in s.changes}
     assert not offered & {Change.GRADIENT_CHECKPOINTING, Change.QLORA}
     assert all(s.spec.method is Method.LLAMA_ADAPTER_V2 for s in fit.suggestions)
+
+
+def _levels_requirement(arch: ModelArch) -> Callable[[TrainingSpec], Requirement]:
+    def requirement(spec: TrainingSpec) -> Requirement:
+        levels = peak_levels(arch, spec)
+        return Requirement(
+            device_bytes=levels.device_bytes, device_bytes_upper=levels.device_bytes_upper
+        )
+
+    return requirement
+
+
+def _shaped(arch: ModelArch) -> Callable[[TrainingSpec], Callable[[int, int], Requirement]]:
+    def shaped(spec: TrainingSpec) -> Callable[[int, int], Requirement]:
+        levels_at = shape_levels(arch, spec)
+
+        def at(batch_size: int, seq_len: int) -> Requirement:
+            levels = levels_at(batch_size, seq_len)
+            return Requirement(
+                device_bytes=levels.device_bytes, device_bytes_upper=levels.device_bytes_upper
+            )
+
+        return at
+
+    return shaped
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TrainingSpec(batch_size=4, seq_len=2048, lora=LoraSpec(r=16, target_modules="all-linear")),
+        TrainingSpec(method=Method.QLORA, batch_size=2, seq_len=4096, gradient_checkpointing=True),
+        TrainingSpec(method=Method.FULL, batch_size=1, seq_len=1024),
+        TrainingSpec(batch_size=2, seq_len=1024, objective=Objective.DPO),
+    ],
+    ids=["lora", "qlora", "full", "dpo"],
+)
+def test_a_shaped_requirement_gives_the_same_check(spec: TrainingSpec) -> None:
+    # The curves read the job's compiled step from (b, s) instead of a spec per point: every
+    # answer, suggestion and count of evaluations is the same as with a spec per point.
+    kwargs = {
+        "max_batch_size": 4096,
+        "max_seq_len": QWEN_7B.max_position_embeddings,
+        "narrower_target_modules": default_target_modules(QWEN_7B),
+    }
+    requirement = _levels_requirement(QWEN_7B)
+    by_spec = check_fit(spec, OFFERS, requirement, **kwargs)  # type: ignore[arg-type]
+    for _ in range(2):  # the second check reads the pieces the first one's shapes recorded
+        by_shape = check_fit(
+            spec,
+            OFFERS,
+            requirement,
+            shaped=_shaped(QWEN_7B),
+            **kwargs,  # type: ignore[arg-type]
+        )
+        assert by_shape == by_spec

@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.catalog.models import default_catalog
-from service.core.estimator import MAX_PIECES, Pieces, Trace, compile_record, decoder_step
+from service.core.errors import EstimatorError
+from service.core.estimator import (
+    MAX_PIECES,
+    Pieces,
+    Trace,
+    compile_record,
+    decoder_step,
+    peak_levels,
+    shape_levels,
+)
 from service.core.spec import ALL_LINEAR, Framework, LoraSpec, Method, QuantSpec, TrainingSpec
 from tests.core.test_properties import specs
 
@@ -122,3 +131,34 @@ def test_the_oldest_jobs_leave_past_the_pieces_kept() -> None:
     assert pieces.runs == runs  # the newest job's piece is kept
     pieces.step(arch, _qlora(2, 700, gradient_accumulation_steps=1), None)
     assert pieces.runs == runs + 1  # the oldest's is gone
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs(), SHAPES, st.sampled_from([None, "9.0"]))
+def test_shape_levels_are_the_levels_at_every_shape(
+    case: tuple[str, TrainingSpec], shapes: list[tuple[int, int]], capability: str | None
+) -> None:
+    model, spec = case
+    arch = default_catalog().resolve(model).arch
+    at = shape_levels(arch, spec, compute_capability=capability)
+    for b, s in [*shapes, *shapes]:  # the second time round, from the pieces recorded
+        try:
+            want = peak_levels(arch, spec.with_shape(b, s), compute_capability=capability)
+        except EstimatorError as refused:
+            with pytest.raises(type(refused)) as raised:
+                at(b, s)
+            assert str(raised.value) == str(refused)
+            continue
+        assert at(b, s) == want
+
+
+def test_shape_levels_refuse_what_peak_levels_refuse() -> None:
+    arch = default_catalog().resolve("Qwen/Qwen2.5-7B").arch
+    at = shape_levels(arch, _qlora(2, 1024))
+    for s in (1000, 1100, 1200):
+        at(2, s)  # the job's pieces recorded
+    for b, s in ((0, 1024), (2, 0), (-3, 5)):
+        with pytest.raises(EstimatorError) as raised:
+            peak_levels(arch, _qlora(2, 1024).with_shape(b, s))
+        with pytest.raises(type(raised.value), match=str(raised.value)):
+            at(b, s)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from functools import lru_cache
-from types import MappingProxyType
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from pydantic import Field, JsonValue, field_validator
 
@@ -16,7 +14,7 @@ from service.api.schemas.jobs import (
     GpuOfferField,
     JobSpec,
 )
-from service.core.codec import spec_to_dict
+from service.core.codec import OMITTED, SPEC_FIELDS, spec_field
 from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion
 from service.core.limits import MAX_BATCH_SIZE, MAX_GPUS, MAX_SEQ_LEN
 from service.core.placement import DEFAULT_MAX_GPUS, MAX_PLACEMENT_GPUS, Outcome
@@ -251,11 +249,19 @@ class FitCheckOut(Out):
 
 
 def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
-    """The job fields that differ, named and valued as in the request body."""
-    before, after = _job_fields(old), spec_to_dict(new)
+    """The job fields that differ, named and valued as in the request body (as
+    `spec_to_dict` writes them), in the spec's field order; only the differing fields are
+    written."""
     changed: dict[str, JsonValue] = {}
-    for name, value in after.items():
-        was = before.get(name)  # options written only when set (dpo) may be new
+    for name in SPEC_FIELDS:
+        if getattr(old, name) == getattr(new, name):
+            continue
+        value = spec_field(new, name)
+        if value is OMITTED:
+            continue
+        was = spec_field(old, name)  # options written only when set (dpo) may be new
+        if was is OMITTED:
+            was = None
         if value == was:
             continue
         if isinstance(value, dict) and isinstance(was, dict):
@@ -263,10 +269,3 @@ def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
         else:
             changed[name] = value
     return changed
-
-
-@lru_cache(maxsize=256)
-def _job_fields(spec: TrainingSpec) -> Mapping[str, Any]:
-    """`spec_to_dict` of a fit-check's job, read only: it is compared with every suggestion
-    the check makes."""
-    return MappingProxyType(spec_to_dict(spec))

@@ -47,6 +47,7 @@ from service.core.estimator.peak import (
     estimate,
     forget_compiled_steps,
     peak_levels,
+    shape_levels,
 )
 from service.core.estimator.pieces import MAX_PIECES, DecoderStep, Pieces
 from service.core.estimator.preference import TILE_TOKENS, TILE_VOCAB, dpo_shape, policy_spec
@@ -99,5 +100,6 @@ __all__ = [
     "policy_spec",
     "reward_arch",
     "reward_spec",
+    "shape_levels",
     "zero_settings",
 ]

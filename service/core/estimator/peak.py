@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -24,8 +25,8 @@ from service.core.estimator.step import PHASES, _check_modelled, _Step, _step, c
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.vision import model_step
-from service.core.overhead import AboveAllocated, levels
-from service.core.reserved import reserved_gap, resolve_kernel
+from service.core.overhead import AboveAllocated, level_numbers, levels
+from service.core.reserved import reserved_gap, reserved_gap_bytes, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
 from service.core.spec import (
@@ -114,6 +115,82 @@ def peak_levels(
     st = _PIECES.step(arch, spec, compute_capability, notes=False)
     over = _above(st.arch, st.spec, st.plan, st.allocated, st.paged_state, compute_capability)
     return PeakLevels(st.allocated, over.reserved, over.device, over.device_upper)
+
+
+def shape_levels(
+    arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None = None
+) -> Callable[[int, int], PeakLevels]:
+    """`peak_levels` of `spec`'s job at any micro-batch and sequence length:
+    `shape_levels(arch, spec)(b, s) == peak_levels(arch, spec.with_shape(b, s))`, refusals
+    included. A decoder's SFT job reads its compiled pieces straight from (b, s), with what the
+    levels above allocated take from the job worked out once per piece; any other shape, job or
+    objective runs `peak_levels` itself. What a fit-check's curves evaluate."""
+
+    def ran(b: int, s: int) -> PeakLevels:
+        shaped = spec if b == spec.batch_size and s == spec.seq_len else spec.with_shape(b, s)
+        return peak_levels(arch, shaped, compute_capability=compute_capability)
+
+    if spec.objective is not Objective.SFT or arch.encoder or arch.encoder_decoder:
+        return ran
+    job = _PIECES.job(arch, spec, compute_capability)
+    above: dict[int, _PieceAbove] = {}  # by id(piece): the job holds its pieces for good
+
+    def at(b: int, s: int) -> PeakLevels:
+        # A job holds pieces only once its step ran, after the checks `peak_levels` makes
+        # first, none of which reads the shape.
+        if b >= 1 and s >= 1:
+            for piece in tuple(job.pieces):
+                found = piece.peak(b, s)
+                if found is not None:
+                    levels_of = above.get(id(piece))
+                    if levels_of is None:
+                        levels_of = above[id(piece)] = _PieceAbove(
+                            piece.arch, spec, piece.plan, piece.paged_state, compute_capability
+                        )
+                    allocated, run_b, run_s = found[:3]
+                    return levels_of.levels(allocated, run_b, run_s)
+        return ran(b, s)
+
+    return at
+
+
+class _PieceAbove:
+    """What `_above` reads of a piece's job besides the shape, worked out once: its levels at
+    any shape the piece holds."""
+
+    __slots__ = ("attn_fp32", "gpus", "paged_state", "plan", "rows", "uncertainty")
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        spec: TrainingSpec,
+        plan: _Plan,
+        paged_state: int,
+        compute_capability: str | None,
+    ) -> None:
+        self.plan = plan.reserved
+        self.attn_fp32 = plan.flow.attn == FP32_BYTES
+        eager = spec.stack.eager_module_loading
+        self.rows = tuple(
+            device_row(compute_capability, fused_attention=fused, eager_loading=eager)
+            for fused in (False, True)
+        )
+        self.paged_state = paged_state
+        self.gpus = spec.parallel.gpus
+        self.uncertainty = _uncertainty(arch, spec)
+
+    def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
+        """`_above`'s levels over `allocated` at batch `b`, sequence `s` as the model ran."""
+        kernel, _windowed = resolve_kernel(self.plan, s)
+        reserved, device, upper = level_numbers(
+            allocated=allocated,
+            reserved=allocated + reserved_gap_bytes(self.plan, b, s),
+            paged_state=self.paged_state,
+            gpus=self.gpus,
+            row=self.rows[kernel is Kernel.FLASH and not self.attn_fp32],
+            uncertainty=self.uncertainty,
+        )
+        return PeakLevels(allocated, reserved, device, upper)
 
 
 def decoder_step(

@@ -53,7 +53,7 @@ class DecoderStep(NamedTuple):
 DecoderRun = Callable[[ModelArch, TrainingSpec, str | None], DecoderStep]
 
 
-class _Piece(NamedTuple):
+class Piece(NamedTuple):
     peak: Compiled  # (b, s) -> allocated, the model's b and s
     step: Compiled  # (b, s) -> those, host, host_pinned, every phase's parts in a row
     phases: int
@@ -93,8 +93,8 @@ class _Key:
 
 
 @dataclass(slots=True)
-class _Job:
-    pieces: list[_Piece] = field(default_factory=list)
+class CompiledJob:
+    pieces: list[Piece] = field(default_factory=list)
     closed: bool = False  # no more pieces: not recordable, or MAX_PIECES reached
     runs: int = 0  # shapes no piece held
 
@@ -106,7 +106,7 @@ class Pieces:
         self._run = run
         self._limit = jobs
         self._kept_limit = kept
-        self._jobs: dict[_Key, _Job] = {}
+        self._jobs: dict[_Key, CompiledJob] = {}
         self._kept = 0  # pieces over all jobs
         self._lock = threading.Lock()
         self.runs = 0  # the step run itself (no piece held)
@@ -122,13 +122,8 @@ class Pieces:
         """The step at `spec` from a piece of the job where one holds, else from the step
         itself (adding its piece); without `notes`, for its numbers alone (its assumptions
         and warnings empty)."""
-        key = _Key(arch, compute_capability, spec)
+        job = self.job(arch, spec, compute_capability)
         with self._lock:
-            job = self._jobs.get(key)
-            if job is None:
-                job = self._jobs[key] = _Job()
-                if len(self._jobs) > self._limit:
-                    self._forget_oldest()
             pieces = tuple(job.pieces)
         b, s = spec.batch_size, spec.seq_len
         for piece in pieces:
@@ -156,6 +151,19 @@ class Pieces:
                         self._forget_oldest()
         return made
 
+    def job(
+        self, arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
+    ) -> CompiledJob:
+        """`spec`'s job (its pieces so far, a list that grows as shapes are recorded)."""
+        key = _Key(arch, compute_capability, spec)
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is None:
+                job = self._jobs[key] = CompiledJob()
+                if len(self._jobs) > self._limit:
+                    self._forget_oldest()
+        return job
+
     def _forget_oldest(self) -> None:
         """Drop the oldest job and its pieces (the lock held)."""
         oldest = next(iter(self._jobs))
@@ -163,7 +171,7 @@ class Pieces:
 
     def _record(
         self, arch: ModelArch, spec: TrainingSpec, compute_capability: str | None, made: DecoderStep
-    ) -> _Piece | None:
+    ) -> Piece | None:
         """The piece of `spec`'s branch, or None where the step cannot be recorded."""
         trace = Trace(spec.batch_size, spec.seq_len)
         b, s = trace.shape()
@@ -180,7 +188,7 @@ class Pieces:
         peak = compile_record(trace, head)
         whole = compile_record(trace, [*head, step.host, step.host_pinned, *rows])
         notes = None if trace.formatted else (step.assumptions, step.warnings)
-        piece = _Piece(peak, whole, len(step.parts), step.arch, step.plan, step.paged_state, notes)
+        piece = Piece(peak, whole, len(step.parts), step.arch, step.plan, step.paged_state, notes)
         if _from_piece(piece, spec, whole(spec.batch_size, spec.seq_len), True) != (
             made if notes is not None else made._replace(assumptions=(), warnings=())
         ):
@@ -199,7 +207,7 @@ class Pieces:
 
 
 def _from_piece(
-    piece: _Piece, spec: TrainingSpec, found: tuple[int, ...] | None, notes: bool
+    piece: Piece, spec: TrainingSpec, found: tuple[int, ...] | None, notes: bool
 ) -> DecoderStep:
     """The step a piece's compiled function found at `spec`'s shape."""
     assert found is not None  # (the caller checked the piece's guards held)
