@@ -90,7 +90,6 @@ class DeviceRow:
         return math.ceil(paged_state * self.paged_factor)
 
 
-@lru_cache(maxsize=64)
 @lru_cache(maxsize=256)
 def device_row(
     compute_capability: str | None, *, fused_attention: bool, eager_loading: bool = False

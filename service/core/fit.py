@@ -196,35 +196,37 @@ Dimension = Literal["batch_size", "seq_len"]
 class _Requirements:
     """The requirement function, memoised for one check: GPUs share every evaluation."""
 
-    __slots__ = ("_cache", "_fn", "_points", "_shaped", "_shapes")
+    __slots__ = ("_alongs", "_cache", "_fn", "_shaped", "_shapes")
 
     def __init__(self, fn: RequirementFn, shaped: ShapedRequirementFn | None = None) -> None:
         self._fn = fn
         self._shaped = shaped
         self._cache: dict[TrainingSpec, Requirement] = {}
+        self._alongs: dict[TrainingSpec, _Along] = {}
         self._shapes: dict[TrainingSpec, Callable[[int, int], Requirement]] = {}
-        self._points: dict[tuple[TrainingSpec, int, int], Requirement] = {}
 
     def __call__(self, spec: TrainingSpec) -> Requirement:
-        return self.at(spec, spec.batch_size, spec.seq_len)
-
-    def at(self, spec: TrainingSpec, batch_size: int, seq_len: int) -> Requirement:
-        """The requirement of `spec` at a shape, its own or another, without making a spec
-        for it where the caller gave a shaped requirement."""
-        if self._shaped is None:
-            if batch_size != spec.batch_size or seq_len != spec.seq_len:
-                spec = spec.with_shape(batch_size, seq_len)
-            found = self._cache.get(spec)
-            if found is None:
-                found = self._cache[spec] = self._fn(spec)
-            return found
-        key = (spec, batch_size, seq_len)
-        found = self._points.get(key)
+        found = self._cache.get(spec)
         if found is None:
-            shaped = self._shapes.get(spec)
-            if shaped is None:
-                shaped = self._shapes[spec] = self._shaped(spec)
-            found = self._points[key] = shaped(batch_size, seq_len)
+            # the same requirement, read from the shaped one where there is one (cheaper)
+            shaped = self._shape(spec)
+            found = self._fn(spec) if shaped is None else shaped(spec.batch_size, spec.seq_len)
+            self._cache[spec] = found
+        return found
+
+    def along(self, spec: TrainingSpec) -> _Along:
+        """`spec`'s requirement at any shape."""
+        found = self._alongs.get(spec)
+        if found is None:
+            found = self._alongs[spec] = _Along(spec, self, self._shape(spec))
+        return found
+
+    def _shape(self, spec: TrainingSpec) -> Callable[[int, int], Requirement] | None:
+        if self._shaped is None:
+            return None
+        found = self._shapes.get(spec)
+        if found is None:
+            found = self._shapes[spec] = self._shaped(spec)
         return found
 
     def valid(self, spec: TrainingSpec) -> Requirement | None:
@@ -237,7 +239,42 @@ class _Requirements:
 
     @property
     def evaluations(self) -> int:
-        return len(self._cache) + len(self._points)
+        return len(self._cache) + sum(along.made for along in self._alongs.values())
+
+
+class _Along:
+    """One spec's requirement at any (batch_size, seq_len), memoised by the two: read from
+    the caller's shaped requirement where it gave one, without a spec per point; the spec's
+    own shape is the memoised requirement's."""
+
+    __slots__ = ("_requirements", "_shaped", "_spec", "made", "points")
+
+    def __init__(
+        self,
+        spec: TrainingSpec,
+        requirements: _Requirements,
+        shaped: Callable[[int, int], Requirement] | None,
+    ) -> None:
+        self._spec = spec
+        self._requirements = requirements
+        self._shaped = shaped
+        self.points: dict[tuple[int, int], Requirement] = {}
+        self.made = 0  # evaluations of `shaped`
+
+    def __call__(self, batch_size: int, seq_len: int) -> Requirement:
+        point = (batch_size, seq_len)
+        found = self.points.get(point)
+        if found is None:
+            spec = self._spec
+            if batch_size == spec.batch_size and seq_len == spec.seq_len:
+                found = self._requirements(spec)
+            elif self._shaped is None:
+                found = self._requirements(spec.with_shape(batch_size, seq_len))
+            else:
+                found = self._shaped(batch_size, seq_len)
+                self.made += 1
+            self.points[point] = found
+        return found
 
 
 class _Capacity:
@@ -269,12 +306,13 @@ class _Curve:
     """The safe bound along one dimension of a spec, evaluated lazily, points kept in order of
     x (and so of their values: the bound is nondecreasing in x)."""
 
-    __slots__ = ("_spec", "dimension", "limit", "requirements", "values", "xs")
+    __slots__ = ("_along", "_spec", "dimension", "limit", "requirements", "values", "xs")
 
     def __init__(
         self, spec: TrainingSpec, dimension: Dimension, limit: int, requirements: _Requirements
     ) -> None:
         self._spec = spec
+        self._along = requirements.along(spec)
         self.dimension = dimension
         self.limit = limit
         self.requirements = requirements
@@ -297,7 +335,7 @@ class _Curve:
             value = self.requirements(curve_point(job, self.dimension, x)).device_bytes_upper
         elif self.dimension == "batch_size":
             batch = max(x, job.min_batch_size)
-            value = self.requirements.at(job, batch, job.seq_len).device_bytes_upper
+            value = self._along(batch, job.seq_len).device_bytes_upper
         else:
             value = self._seq_point(x)
         self.xs.insert(i, x)
@@ -309,9 +347,9 @@ class _Curve:
         takes the bound of the shortest that can, so it is never the longest that fits."""
         job = self._spec
         try:
-            return self.requirements.at(job, job.batch_size, x).device_bytes_upper
+            return self._along(job.batch_size, x).device_bytes_upper
         except SequenceTooShortError as short:
-            return self.requirements.at(job, job.batch_size, short.minimum).device_bytes_upper
+            return self._along(job.batch_size, short.minimum).device_bytes_upper
 
     def largest_fitting(self, capacity: _Capacity) -> int:
         """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does); the
@@ -483,8 +521,8 @@ class _Solver:
         for micro in divisors:
             candidate = self._micro.get((spec, micro))
             if candidate is None:
-                candidate = self._micro[spec, micro] = replace(
-                    spec, batch_size=micro, gradient_accumulation_steps=effective // micro
+                candidate = self._micro[spec, micro] = spec.changed(
+                    batch_size=micro, gradient_accumulation_steps=effective // micro
                 )
             need = self.requirements.valid(candidate)
             if need is not None and capacity.holds(need.device_bytes_upper):
@@ -554,7 +592,7 @@ class _Solver:
         estimated, so optimizer changes stay on offer."""
         current = self.requirements(spec).device_bytes_upper
         try:
-            probe = replace(spec, optim=Optim.SGD)
+            probe = spec.changed(optim=Optim.SGD)
         except InvalidSpecError:
             return 0.0  # the method trains with its own optimizer (LoRA-FA): none to change
         stateless = self.requirements.valid(probe)
@@ -634,17 +672,17 @@ def _apply(
             # TRL's DPO head materialises no logits already; a reward model has none
             if spec.objective is not Objective.SFT:
                 return None
-            return None if spec.loss is LossImpl.FUSED else replace(spec, loss=LossImpl.FUSED)
+            return None if spec.loss is LossImpl.FUSED else spec.changed(loss=LossImpl.FUSED)
         case Change.PRECOMPUTE_REF_LOG_PROBS:
             if spec.objective is Objective.KTO:
                 kto = spec.kto_settings
                 if kto.precompute_ref_log_probs:
                     return None
-                return replace(spec, kto=replace(kto, precompute_ref_log_probs=True))
+                return spec.changed(kto=replace(kto, precompute_ref_log_probs=True))
             settings = spec.dpo_settings
             if spec.objective is not Objective.DPO or settings.precompute_ref_log_probs:
                 return None
-            return replace(spec, dpo=replace(settings, precompute_ref_log_probs=True))
+            return spec.changed(dpo=replace(settings, precompute_ref_log_probs=True))
         case Change.FEWER_GENERATIONS | Change.SHORTER_COMPLETIONS:
             if spec.objective is not Objective.GRPO:
                 return None
@@ -657,19 +695,19 @@ def _apply(
                 Optim.ADAMW_TORCH_FUSED: Optim.ADAMW_BNB_8BIT,
                 Optim.PAGED_ADAMW_32BIT: Optim.PAGED_ADAMW_8BIT,
             }.get(spec.optim)
-            return None if eight_bit is None else replace(spec, optim=eight_bit)
+            return None if eight_bit is None else spec.changed(optim=eight_bit)
         case Change.PAGED_OPTIMIZER:
             if spec.optim not in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED, Optim.ADAMW_BNB_8BIT):
                 return None
-            return replace(spec, optim=Optim.PAGED_ADAMW_8BIT)
+            return spec.changed(optim=Optim.PAGED_ADAMW_8BIT)
         case Change.GRADIENT_CHECKPOINTING:
             return (
-                None if spec.gradient_checkpointing else replace(spec, gradient_checkpointing=True)
+                None if spec.gradient_checkpointing else spec.changed(gradient_checkpointing=True)
             )
         case Change.FEWER_TARGET_MODULES:
             return _fewer_targets(spec, narrower)
         case Change.LORA:
-            return replace(spec, method=Method.LORA) if spec.method is Method.FULL else None
+            return spec.changed(method=Method.LORA) if spec.method is Method.FULL else None
         case Change.QLORA:
             # A sharded 4-bit base is refused (TrainingSpec): not offered under FSDP or ZeRO-3;
             # nor to PEFT's methods besides LoRA or LitGPT's adapters, which would change method
@@ -680,7 +718,7 @@ def _apply(
             ):
                 return None
             quant = QuantSpec(type=QuantType.NF4, double_quant=True)
-            return replace(spec, method=Method.QLORA, quantization=quant)
+            return spec.changed(method=Method.QLORA, quantization=quant)
         case Change.SMALLER_MICRO_BATCH:
             return None
 
@@ -691,30 +729,27 @@ def _without(change: Change, spec: TrainingSpec, job: TrainingSpec) -> TrainingS
     try:
         match change:
             case Change.FUSED_LOSS:
-                return replace(spec, loss=job.loss)
+                return spec.changed(loss=job.loss)
             case Change.FEWER_GENERATIONS | Change.SHORTER_COMPLETIONS:
-                return replace(spec, batch_size=job.batch_size, seq_len=job.seq_len, grpo=job.grpo)
+                return spec.changed(batch_size=job.batch_size, seq_len=job.seq_len, grpo=job.grpo)
             case Change.PRECOMPUTE_REF_LOG_PROBS:
-                return replace(spec, dpo=job.dpo, kto=job.kto)
+                return spec.changed(dpo=job.dpo, kto=job.kto)
             case Change.OPTIMIZER_8BIT | Change.PAGED_OPTIMIZER:
-                return replace(spec, optim=job.optim)
+                return spec.changed(optim=job.optim)
             case Change.GRADIENT_CHECKPOINTING:
-                return replace(spec, gradient_checkpointing=job.gradient_checkpointing)
+                return spec.changed(gradient_checkpointing=job.gradient_checkpointing)
             case Change.SMALLER_MICRO_BATCH:
-                return replace(
-                    spec,
+                return spec.changed(
                     batch_size=job.batch_size,
                     gradient_accumulation_steps=job.gradient_accumulation_steps,
                 )
             case Change.FEWER_TARGET_MODULES:
                 if spec.lora is None or job.lora is None:
                     return None
-                return replace(
-                    spec, lora=replace(spec.lora, target_modules=job.lora.target_modules)
-                )
+                return spec.changed(lora=replace(spec.lora, target_modules=job.lora.target_modules))
             case Change.LORA | Change.QLORA:
                 lora = None if job.method is Method.FULL else spec.lora
-                return replace(spec, method=job.method, quantization=job.quantization, lora=lora)
+                return spec.changed(method=job.method, quantization=job.quantization, lora=lora)
     except InvalidSpecError:
         return None
 
@@ -727,7 +762,7 @@ def _fewer_targets(spec: TrainingSpec, narrower: tuple[str, ...] | None) -> Trai
         return None  # already PEFT's default
     if current != ALL_LINEAR and len(current) <= len(narrower):
         return None
-    return replace(spec, lora=replace(spec.lora, target_modules=narrower))
+    return spec.changed(lora=replace(spec.lora, target_modules=narrower))
 
 
 def check_fit(
@@ -787,7 +822,7 @@ class _Job:
         self.spec = (
             spec
             if count == spec.parallel.gpus
-            else replace(spec, parallel=replace(spec.parallel, gpus=count))
+            else spec.changed(parallel=replace(spec.parallel, gpus=count))
         )
         self.solver = solver
         self.need = solver.requirements(self.spec)

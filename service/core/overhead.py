@@ -59,14 +59,8 @@ def levels(
 ) -> AboveAllocated:
     """Device level and safe bound over an allocated peak and its reserved level; the
     `reserved_note` says how the reserved level was found, where it needs saying."""
-    reserved, device, upper = level_numbers(
-        allocated=allocated,
-        reserved=reserved,
-        paged_state=paged_state,
-        gpus=gpus,
-        row=row,
-        uncertainty=uncertainty,
-    )
+    math_ = LevelMath(paged_state=paged_state, gpus=gpus, row=row, uncertainty=uncertainty)
+    reserved, device, upper = math_.numbers(allocated, reserved)
     outside = device - reserved
     return AboveAllocated(
         reserved=reserved,
@@ -84,29 +78,39 @@ def levels(
     )
 
 
-def level_numbers(
-    *,
-    allocated: int,
-    reserved: int,
-    paged_state: int,
-    gpus: int,
-    row: DeviceRow,
-    uncertainty: Uncertainty,
-) -> tuple[int, int, int]:
-    """The reserved level, the device level and the safe bound of `levels`, alone (what a
-    fit-check's curves evaluate)."""
-    reserved = max(reserved, allocated)
-    paged = row.paged_bytes(paged_state)
-    device = reserved + row.outside_bytes + paged + (row.nccl_bytes if gpus > 1 else 0)
-    sigma = math.sqrt(
-        (uncertainty.allocated * allocated) ** 2
-        + (uncertainty.reserved * (reserved - allocated)) ** 2
-        + uncertainty.loading_bytes**2
-        + (uncertainty.reserved_unmodelled * allocated) ** 2
-        + row.uncertainty_bytes**2
-        + (row.paged_uncertainty * paged) ** 2
-    )
-    return reserved, device, device + math.ceil(SAFE_Z * sigma)
+class LevelMath:
+    """`levels`' arithmetic for one device row, uncertainty, paged optimizer state and GPU
+    count, worked out once: the reserved level, device level and safe bound over any allocated
+    peak and reserved level (what a fit-check's curves evaluate dozens of times)."""
+
+    __slots__ = ("_allocated", "_loading", "_outside", "_paged", "_reserved", "_row", "_unmodelled")
+
+    def __init__(
+        self, *, paged_state: int, gpus: int, row: DeviceRow, uncertainty: Uncertainty
+    ) -> None:
+        paged = row.paged_bytes(paged_state)
+        self._outside = row.outside_bytes + paged + (row.nccl_bytes if gpus > 1 else 0)
+        self._allocated = uncertainty.allocated
+        self._reserved = uncertainty.reserved
+        self._unmodelled = uncertainty.reserved_unmodelled
+        # the sum's terms that do not depend on the levels, kept in its order
+        self._loading = uncertainty.loading_bytes**2
+        self._row = row.uncertainty_bytes**2
+        self._paged = (row.paged_uncertainty * paged) ** 2
+
+    def numbers(self, allocated: int, reserved: int) -> tuple[int, int, int]:
+        """The reserved level, the device level and the safe bound."""
+        reserved = max(reserved, allocated)
+        device = reserved + self._outside
+        sigma = math.sqrt(
+            (self._allocated * allocated) ** 2
+            + (self._reserved * (reserved - allocated)) ** 2
+            + self._loading
+            + (self._unmodelled * allocated) ** 2
+            + self._row
+            + self._paged
+        )
+        return reserved, device, device + math.ceil(SAFE_Z * sigma)
 
 
 @lru_cache(maxsize=256)

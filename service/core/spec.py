@@ -11,12 +11,18 @@ import dataclasses
 import operator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import service.core.quant_formats as quant_formats
 import service.core.spec_parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.spec_checks import check_liger_job, check_lora_fa, check_packed_base
+from service.core.spec_checks import (
+    check_adapter_method,
+    check_liger_job,
+    check_lora_fa,
+    check_packed_base,
+)
 from service.core.spec_delta import (
     DELTA_DEFAULTS,
     AdaLoraSpec,
@@ -502,7 +508,7 @@ class TrainingSpec:
         check_training_features(self)
         check_vision(self)
         if self.method in ADAPTER_METHODS:
-            self._check_adapter_method()
+            check_adapter_method(self)
         elif self.method is not Method.QLORA and self.quantization is not None:
             raise InvalidSpecError("quantization", "quantization needs method 'qlora'")
         if self.quantization is not None and self.quantization.type.packed:
@@ -542,6 +548,20 @@ class TrainingSpec:
         object.__setattr__(shaped, "_shape_free_hash", self._shape_free_hash)
         return shaped
 
+    def changed(self, **changes: Any) -> TrainingSpec:
+        """`dataclasses.replace(self, **changes)` without the dataclass's `__init__`, checked
+        the same way (a fit-check changes its job a dozen times a request)."""
+        values = list(_spec_values(self))
+        for name, value in changes.items():
+            values[_SPEC_INDEX[name]] = value  # KeyError: no such field
+        made = object.__new__(TrainingSpec)
+        for put, value in zip(_SPEC_SETTERS, values, strict=True):
+            put(made, value)
+        object.__setattr__(made, "_hash", 0)
+        object.__setattr__(made, "_shape_free_hash", 0)
+        made.__post_init__()
+        return made
+
     @property
     def min_batch_size(self) -> int:
         """The smallest micro-batch the objective's trainer runs (KTO's KL batch needs two)."""
@@ -575,28 +595,6 @@ class TrainingSpec:
             self.method in ADAPTER_METHODS and self.quantization is not None
         )
 
-    def _check_adapter_method(self) -> None:
-        """LitGPT's adapters: its finetune/adapter*.py on one GPU, no autocast, any base."""
-        method = self.method.value
-        if self.framework is not Framework.LITGPT:
-            raise InvalidSpecError(
-                "method", f"method {method!r} is modelled as LitGPT's (framework 'litgpt')"
-            )
-        if self.parallel.gpus != 1:
-            raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
-        if self.autocast:
-            raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
-        if self.gradient_checkpointing:
-            # finetune/adapter.py and adapter_v2.py at the resource tables' commit do not
-            # checkpoint
-            raise InvalidSpecError(
-                "gradient_checkpointing", f"method {method!r} is modelled without checkpointing"
-            )
-        if self.quantization is not None and self.quantization.type is QuantType.INT8:
-            raise InvalidSpecError(
-                "quantization.type", f"an LLM.int8 base is not modelled for method {method!r}"
-            )
-
     def _check_peft_method(self) -> None:
         """PEFT's other methods: HF + PEFT on one GPU, unquantized, without autocast."""
         method = self.method.value
@@ -622,6 +620,7 @@ shape_free_fields = operator.attrgetter(
     *(name for name in _SPEC_FIELDS if name not in ("batch_size", "seq_len"))
 )
 _SPEC_SETTERS = tuple(TrainingSpec.__dict__[name].__set__ for name in _SPEC_FIELDS)
+_SPEC_INDEX = {name: index for index, name in enumerate(_SPEC_FIELDS)}
 _BATCH_SIZE = _SPEC_FIELDS.index("batch_size")
 _SEQ_LEN = _SPEC_FIELDS.index("seq_len")
 

@@ -52,6 +52,8 @@ class Job(Protocol):
     @property
     def autocast(self) -> bool: ...
     @property
+    def gradient_checkpointing(self) -> bool: ...
+    @property
     def packing(self) -> bool: ...
     @property
     def torch_compile(self) -> bool: ...
@@ -178,3 +180,26 @@ def check_lora_fa(job: Job) -> None:
         raise InvalidSpecError("autocast", "LoRA-FA under mixed precision is not modelled")
     if job.parallel.gpus != 1:
         raise InvalidSpecError("parallel.gpus", "LoRA-FA is modelled on one GPU")
+
+
+def check_adapter_method(job: Job) -> None:
+    """LitGPT's adapters: its finetune/adapter*.py on one GPU, no autocast, any base."""
+    method = job.method.value
+    if job.framework.value != "litgpt":
+        raise InvalidSpecError(
+            "method", f"method {method!r} is modelled as LitGPT's (framework 'litgpt')"
+        )
+    if job.parallel.gpus != 1:
+        raise InvalidSpecError("parallel.gpus", f"method {method!r} is modelled on one GPU")
+    if job.autocast:
+        raise InvalidSpecError("autocast", f"method {method!r} is modelled without autocast")
+    if job.gradient_checkpointing:
+        # finetune/adapter.py and adapter_v2.py at the resource tables' commit do not
+        # checkpoint
+        raise InvalidSpecError(
+            "gradient_checkpointing", f"method {method!r} is modelled without checkpointing"
+        )
+    if job.quantization is not None and job.quantization.type.value == "int8":
+        raise InvalidSpecError(
+            "quantization.type", f"an LLM.int8 base is not modelled for method {method!r}"
+        )

@@ -403,6 +403,31 @@ def test_a_spec_at_another_shape_is_the_replaced_one(
         assert spec_to_dict(fast[1]) == spec_to_dict(slow[1])
 
 
+# What the fit-check changes in a job (fit.py's suggestions), each drawn at random.
+_CHANGES = st.one_of(
+    st.builds(lambda optim: {"optim": optim}, st.sampled_from(Optim)),
+    st.builds(lambda on: {"gradient_checkpointing": on}, st.booleans()),
+    st.builds(lambda m: {"method": m, "quantization": None, "lora": None}, st.sampled_from(Method)),
+    st.builds(
+        lambda b, g: {"batch_size": b, "gradient_accumulation_steps": g},
+        st.integers(-1, 64),
+        st.integers(-1, 64),
+    ),
+    st.builds(lambda gpus: {"parallel": ParallelSpec(gpus=gpus)}, st.integers(1, 8)),
+)
+
+
+@settings(max_examples=120)
+@given(specs(), _CHANGES)
+def test_a_changed_spec_is_the_replaced_one(spec: TrainingSpec, changes: dict[str, Any]) -> None:
+    fast = _made(lambda: spec.changed(**changes))
+    slow = _made(lambda: dataclasses.replace(spec, **changes))
+    assert fast == slow
+    if fast[0] == "spec":
+        assert hash(fast[1]) == hash(slow[1])
+        assert fast[1].shape_free_hash() == slow[1].shape_free_hash()
+
+
 def test_a_kto_spec_at_another_shape_checks_its_smallest_batch() -> None:
     spec = TrainingSpec(batch_size=2, seq_len=512, objective=Objective.KTO)
     assert spec.with_shape(3, 256) == dataclasses.replace(spec, batch_size=3, seq_len=256)

@@ -25,7 +25,7 @@ from service.core.estimator.step import PHASES, _check_modelled, _Step, _step, c
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.vision import model_step
-from service.core.overhead import AboveAllocated, level_numbers, levels
+from service.core.overhead import AboveAllocated, LevelMath, levels
 from service.core.reserved import reserved_gap, reserved_gap_bytes, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
@@ -133,13 +133,13 @@ def shape_levels(
     if spec.objective is not Objective.SFT or arch.encoder or arch.encoder_decoder:
         return ran
     job = _PIECES.job(arch, spec, compute_capability)
-    above: dict[int, _PieceAbove] = {}  # by id(piece): the job holds its pieces for good
+    above: dict[int, _PieceAbove] = job.derived  # the same for every spec of the job
 
     def at(b: int, s: int) -> PeakLevels:
         # A job holds pieces only once its step ran, after the checks `peak_levels` makes
         # first, none of which reads the shape.
         if b >= 1 and s >= 1:
-            for piece in tuple(job.pieces):
+            for piece in job.pieces:  # (appended to, never changed)
                 found = piece.peak(b, s)
                 if found is not None:
                     levels_of = above.get(id(piece))
@@ -158,7 +158,7 @@ class _PieceAbove:
     """What `_above` reads of a piece's job besides the shape, worked out once: its levels at
     any shape the piece holds."""
 
-    __slots__ = ("attn_fp32", "gpus", "paged_state", "plan", "rows", "uncertainty")
+    __slots__ = ("attn_fp32", "math", "plan")
 
     def __init__(
         self,
@@ -171,24 +171,23 @@ class _PieceAbove:
         self.plan = plan.reserved
         self.attn_fp32 = plan.flow.attn == FP32_BYTES
         eager = spec.stack.eager_module_loading
-        self.rows = tuple(
-            device_row(compute_capability, fused_attention=fused, eager_loading=eager)
+        uncertainty = _uncertainty(arch, spec)
+        self.math = tuple(
+            LevelMath(
+                paged_state=paged_state,
+                gpus=spec.parallel.gpus,
+                row=device_row(compute_capability, fused_attention=fused, eager_loading=eager),
+                uncertainty=uncertainty,
+            )
             for fused in (False, True)
         )
-        self.paged_state = paged_state
-        self.gpus = spec.parallel.gpus
-        self.uncertainty = _uncertainty(arch, spec)
 
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
         """`_above`'s levels over `allocated` at batch `b`, sequence `s` as the model ran."""
         kernel, _windowed = resolve_kernel(self.plan, s)
-        reserved, device, upper = level_numbers(
-            allocated=allocated,
-            reserved=allocated + reserved_gap_bytes(self.plan, b, s),
-            paged_state=self.paged_state,
-            gpus=self.gpus,
-            row=self.rows[kernel is Kernel.FLASH and not self.attn_fp32],
-            uncertainty=self.uncertainty,
+        fused = kernel is Kernel.FLASH and not self.attn_fp32
+        reserved, device, upper = self.math[fused].numbers(
+            allocated, allocated + reserved_gap_bytes(self.plan, b, s)
         )
         return PeakLevels(allocated, reserved, device, upper)
 

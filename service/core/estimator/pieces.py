@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from service.core.architecture import ModelArch
 from service.core.estimator.plan import _Plan
@@ -97,6 +97,8 @@ class CompiledJob:
     pieces: list[Piece] = field(default_factory=list)
     closed: bool = False  # no more pieces: not recordable, or MAX_PIECES reached
     runs: int = 0  # shapes no piece held
+    # what a reader works out once per piece (by id: the job holds its pieces for good)
+    derived: dict[int, Any] = field(default_factory=dict)
 
 
 class Pieces:
