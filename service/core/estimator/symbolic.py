@@ -43,11 +43,13 @@ _NEGATED = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
 class Trace:
     """The record of one run at a concrete shape: the floor divisions made and the guards."""
 
-    __slots__ = ("atoms", "formatted", "guards", "values")
+    __slots__ = ("_atom_of", "atoms", "formatted", "guards", "values")
 
     def __init__(self, batch: int, seq: int) -> None:
         self.values: list[int] = [batch, seq]  # each variable's value in this run
         self.atoms: list[tuple[Terms, int]] = []  # variable 2 + i: atoms[i][0] // atoms[i][1]
+        # each division's variable, by its terms and divisor: one variable per division made
+        self._atom_of: dict[tuple[tuple[tuple[Monomial, int], ...], int], int] = {}
         self.guards: dict[tuple[tuple[tuple[Monomial, int], ...], str], None] = {}
         self.formatted = False  # whether text was made from a shape
 
@@ -63,9 +65,12 @@ class Trace:
             self.guards[(tuple(sorted(terms.items())), op)] = None
 
     def atom(self, terms: Terms, divisor: int, value: int) -> Shape:
-        self.atoms.append((terms, divisor))
-        index = len(self.values)
-        self.values.append(value)
+        key = (tuple(sorted(terms.items())), divisor)
+        index = self._atom_of.get(key)
+        if index is None:
+            self.atoms.append((terms, divisor))
+            index = self._atom_of[key] = len(self.values)
+            self.values.append(value)
         return Shape(self, {((index, 1),): 1}, value)
 
 
@@ -256,14 +261,31 @@ def _var(index: int) -> str:
     return "b" if index == BATCH else "s" if index == SEQ else f"a{index}"
 
 
-def _source(terms: Terms) -> str:
-    if not terms:
-        return "0"
-    parts = []
-    for mono, c in sorted(terms.items()):
-        factors = [str(c)] + [_var(var) for var, power in mono for _ in range(power)]
-        parts.append("*".join(factors))
-    return " + ".join(parts)
+class _Source:
+    """The generated function's lines; each product of variables is computed once, on the
+    line before its first use (its factors are b, s and the divisions made before it)."""
+
+    def __init__(self) -> None:
+        self.lines = ["def shaped(b, s):"]
+        self._products: dict[Monomial, str] = {}
+
+    def line(self, text: str) -> None:
+        self.lines.append(f"    {text}")
+
+    def of(self, terms: Terms) -> str:
+        if not terms:
+            return "0"
+        parts = []
+        for mono, c in sorted(terms.items()):
+            factors = [_var(var) for var, power in mono for _ in range(power)]
+            if len(factors) > 1:
+                name = self._products.get(mono)
+                if name is None:
+                    name = self._products[mono] = f"p{len(self._products)}"
+                    self.line(f"{name} = {'*'.join(factors)}")
+                factors = [name]
+            parts.append("*".join([str(c), *factors]) if c != 1 or not factors else factors[0])
+        return " + ".join(parts)
 
 
 Compiled = Callable[[int, int], tuple[int, ...] | None]
@@ -272,15 +294,15 @@ Compiled = Callable[[int, int], tuple[int, ...] | None]
 def compile_record(trace: Trace, outputs: Sequence[Shape | int]) -> Compiled:
     """One function of (b, s): the `outputs` at that shape, or None where a guard of `trace`
     does not hold (the run took another branch there)."""
-    lines = ["def shaped(b, s):"]
+    source = _Source()
     for index, (terms, divisor) in enumerate(trace.atoms, start=SEQ + 1):
-        lines.append(f"    a{index} = ({_source(terms)}) // {divisor}")
+        source.line(f"a{index} = ({source.of(terms)}) // {divisor}")
     for key, op in trace.guards:
-        lines.append(f"    if not ({_source(dict(key))} {op} 0): return None")
-    values = [_source(o.terms) if isinstance(o, Shape) else str(int(o)) for o in outputs]
-    lines.append(f"    return ({', '.join(values)},)")
+        source.line(f"if not ({source.of(dict(key))} {op} 0): return None")
+    values = [source.of(o.terms) if isinstance(o, Shape) else str(int(o)) for o in outputs]
+    source.line(f"return ({', '.join(values)},)")
     scope: dict[str, Any] = {}
-    exec(compile("\n".join(lines), "<shaped step>", "exec"), scope)
+    exec(compile("\n".join(source.lines), "<shaped step>", "exec"), scope)
     shaped: Compiled = scope["shaped"]
     return shaped
 
