@@ -158,7 +158,7 @@ class _PieceAbove:
     """What `_above` reads of a piece's job besides the shape, worked out once: its levels at
     any shape the piece holds."""
 
-    __slots__ = ("attn_fp32", "math", "plan")
+    __slots__ = ("fused", "math", "plan", "window")
 
     def __init__(
         self,
@@ -169,7 +169,14 @@ class _PieceAbove:
         compute_capability: str | None,
     ) -> None:
         self.plan = plan.reserved
-        self.attn_fp32 = plan.flow.attn == FP32_BYTES
+        # The kernel reads the sequence only through whether the model's window masks it
+        # (`ModelArch.windowed`): resolved once on each side of the window.
+        model = self.plan.arch
+        self.window = None if model.explicit_mask else model.sliding_window
+        self.fused = tuple(
+            resolve_kernel(self.plan, s)[0] is Kernel.FLASH and plan.flow.attn != FP32_BYTES
+            for s in (1, self.window or 1)
+        )
         eager = spec.stack.eager_module_loading
         uncertainty = _uncertainty(arch, spec)
         self.math = tuple(
@@ -184,8 +191,7 @@ class _PieceAbove:
 
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
         """`_above`'s levels over `allocated` at batch `b`, sequence `s` as the model ran."""
-        kernel, _windowed = resolve_kernel(self.plan, s)
-        fused = kernel is Kernel.FLASH and not self.attn_fp32
+        fused = self.fused[self.window is not None and s >= self.window]
         reserved, device, upper = self.math[fused].numbers(
             allocated, allocated + reserved_gap_bytes(self.plan, b, s)
         )
