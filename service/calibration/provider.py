@@ -150,13 +150,13 @@ class CachedFactors:
     ) -> CalibratedPeaks:
         snapshot = self.cache.peek()
         calibrator = snapshot.table.calibrator(model=model, method=method, gpu=gpu)
-        calibrated = calibrator.apply(estimate)
+        allocated, reserved, device, upper = calibrator.levels(estimate)
         return CalibratedPeaks(
-            allocated_bytes=calibrated.allocated_bytes,
-            reserved_bytes=calibrated.reserved_bytes,
-            device_bytes=calibrated.device_bytes,
-            device_bytes_upper=calibrated.device_bytes_upper,
-            calibration=applied_calibration(calibrated.applied, snapshot.state),
+            allocated_bytes=allocated,
+            reserved_bytes=reserved,
+            device_bytes=device,
+            device_bytes_upper=upper,
+            calibration=applied_calibration(calibrator.applied, snapshot.state),
         )
 
 

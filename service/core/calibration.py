@@ -721,11 +721,30 @@ class Calibrator:
 
     def apply(self, estimate: Levels) -> CalibratedLevels:
         """Each level's factor applied, keeping allocated <= reserved <= device."""
+        allocated, reserved, device, upper = self.levels(estimate)
+        return CalibratedLevels(
+            allocated_bytes=allocated,
+            reserved_bytes=reserved,
+            device_bytes=device,
+            device_bytes_upper=upper,
+            applied=self.applied,
+        )
+
+    def levels(self, estimate: Levels) -> tuple[int, int, int, int]:
+        """`apply`'s allocated, reserved and device levels and safe bound, alone."""
         applied = self.applied
-        device_factor = applied.get(Level.DEVICE)
-        allocated = _scaled(estimate.allocated_bytes, applied.get(Level.ALLOCATED))
-        reserved = max(_scaled(estimate.reserved_bytes, applied.get(Level.RESERVED)), allocated)
-        device = max(_scaled(estimate.device_bytes, device_factor), reserved)
+        if applied:
+            device_factor = applied.get(Level.DEVICE)
+            allocated = _scaled(estimate.allocated_bytes, applied.get(Level.ALLOCATED))
+            reserved = _scaled(estimate.reserved_bytes, applied.get(Level.RESERVED))
+            device = _scaled(estimate.device_bytes, device_factor)
+        else:  # (the same, without a factor to look up)
+            device_factor = None
+            allocated = estimate.allocated_bytes
+            reserved = estimate.reserved_bytes
+            device = estimate.device_bytes
+        reserved = max(reserved, allocated)
+        device = max(device, reserved)
         if device_factor is not None:
             upper = math.ceil(device * device_factor.factor.upper_multiplier)
         elif estimate.device_bytes > 0:
@@ -733,13 +752,7 @@ class Calibrator:
             upper = -(-estimate.device_bytes_upper * device // estimate.device_bytes)
         else:
             upper = estimate.device_bytes_upper
-        return CalibratedLevels(
-            allocated_bytes=allocated,
-            reserved_bytes=reserved,
-            device_bytes=device,
-            device_bytes_upper=max(upper, device),
-            applied=applied,
-        )
+        return allocated, reserved, device, max(upper, device)
 
 
 def _scaled(value: int, found: AppliedFactor | None) -> int:
