@@ -437,16 +437,16 @@ class _Curve:
         """Where the bound reaches `capacity` by inverse quadratic interpolation (Lagrange's
         form of x as a function of the bound) through three evaluated points; `fallback`
         when two of them share a value."""
-        points = [(self.values[j], self.xs[j]) for j in indices]
-        if len({g for g, _ in points}) < 3:
+        i, j, k = indices
+        g_i, g_j, g_k = self.values[i], self.values[j], self.values[k]
+        if g_i in (g_j, g_k) or g_j == g_k:
             return fallback
-        x = 0.0
-        for j, (g_j, x_j) in enumerate(points):
-            term = float(x_j)
-            for k, (g_k, _) in enumerate(points):
-                if k != j:
-                    term *= (capacity - g_k) / (g_j - g_k)
-            x += term
+        c = capacity
+        x = (
+            float(self.xs[i]) * ((c - g_j) / (g_i - g_j)) * ((c - g_k) / (g_i - g_k))
+            + float(self.xs[j]) * ((c - g_i) / (g_j - g_i)) * ((c - g_k) / (g_j - g_k))
+            + float(self.xs[k]) * ((c - g_i) / (g_k - g_i)) * ((c - g_j) / (g_k - g_j))
+        )
         return math.floor(x) if math.isfinite(x) else fallback
 
 
