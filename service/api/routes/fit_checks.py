@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
-from service.api.body import require_json
-from service.api.deps import EstimationDep
+from service.api.body import request_body, validate_body_or
+from service.api.deps import estimation_for, services_of
 from service.api.problems import responses
-from service.api.responses import json_response
+from service.api.responses import JSON_MEDIA_TYPE
 from service.api.schemas import FitCheckIn, FitCheckOut
 
 router = APIRouter(prefix="/v1", tags=["fit-checks"])
@@ -22,7 +23,19 @@ router = APIRouter(prefix="/v1", tags=["fit-checks"])
     "micro-batch and sequence that fit (solved), ranked changes that make the job fit, and "
     "with prices the cheapest GPU that fits.",
     responses=responses(404, 413, 415, 422),
-    dependencies=[Depends(require_json)],
+    openapi_extra=request_body(FitCheckIn),
 )
-def create_fit_check(body: FitCheckIn, estimation: EstimationDep) -> Response:
-    return json_response(estimation.fit_check(body))
+async def create_fit_check(request: Request) -> Response:
+    # The body is read by pydantic-core in one pass from its bytes (a body it refuses is read
+    # again as FastAPI reads a declared body, for FastAPI's errors), and the check runs in the
+    # thread pool, as a plain route's would: a check whose shapes are new to the allocator
+    # replays takes seconds, and the event loop keeps answering meanwhile.
+    estimation = estimation_for(services_of(request))
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+
+    def answer() -> bytes:
+        checked = estimation.fit_check(validate_body_or(body, content_type, FitCheckIn, FitCheckIn))
+        return checked.__pydantic_serializer__.to_json(checked)
+
+    return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
