@@ -812,10 +812,10 @@ def check_fit(
 
 
 class _Job:
-    """The job on one GPU count: its requirement, and the suggestions already worked out, each
-    with the range of capacities it holds for."""
+    """The job on one GPU count: its requirement, and the answers and suggestions already
+    worked out, each with the range of capacities it holds for."""
 
-    __slots__ = ("count", "need", "solver", "spec", "suggested")
+    __slots__ = ("answered", "count", "need", "solver", "spec", "suggested")
 
     def __init__(self, spec: TrainingSpec, count: int, solver: _Solver) -> None:
         self.count = count
@@ -826,13 +826,13 @@ class _Job:
         )
         self.solver = solver
         self.need = solver.requirements(self.spec)
+        self.answered: list[tuple[_Capacity, tuple[bool, int, int]]] = []
         self.suggested: list[tuple[_Capacity, tuple[Suggestion, ...]]] = []
 
     def fit(self, offer: GpuOffer) -> GpuFit:
         usable = usable_bytes(offer.memory_bytes)
-        capacity = _Capacity(usable)
         upper = self.need.device_bytes_upper
-        fits = upper <= usable
+        fits, max_batch, max_seq = self._answer(usable)
         return GpuFit(
             offer=offer,
             count=self.count,
@@ -841,13 +841,29 @@ class _Job:
             fits=fits,
             headroom_bytes=usable - upper,
             utilisation=upper / usable,
-            max_batch_size=self.solver.max_batch(self.spec, capacity),
-            max_seq_len=self.solver.max_seq(self.spec, capacity),
+            max_batch_size=max_batch,
+            max_seq_len=max_seq,
             suggestions=() if fits else self._suggestions(usable),
             cost_per_hour=(
                 None if offer.price_per_hour is None else offer.price_per_hour * self.count
             ),
         )
+
+    def _answer(self, usable: int) -> tuple[bool, int, int]:
+        """Whether the job fits `usable` bytes, and its largest batch and sequence there:
+        worked out once per range of capacities that answers every comparison they make
+        alike."""
+        for window, found in self.answered:
+            if window.covers(usable):
+                return found
+        capacity = _Capacity(usable)
+        found = (
+            capacity.holds(self.need.device_bytes_upper),
+            self.solver.max_batch(self.spec, capacity),
+            self.solver.max_seq(self.spec, capacity),
+        )
+        self.answered.append((capacity, found))
+        return found
 
     def _suggestions(self, usable: int) -> tuple[Suggestion, ...]:
         for window, found in self.suggested:
