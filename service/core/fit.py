@@ -852,8 +852,8 @@ class _Job:
     def _answer(self, usable: int) -> tuple[bool, int, int]:
         """Whether the job fits `usable` bytes, and its largest batch and sequence there:
         worked out once per range of capacities that answers every comparison they make
-        alike."""
-        for window, found in self.answered:
+        alike (GPUs come smallest first: the latest range is the likeliest)."""
+        for window, found in reversed(self.answered):
             if window.covers(usable):
                 return found
         capacity = _Capacity(usable)
@@ -866,7 +866,7 @@ class _Job:
         return found
 
     def _suggestions(self, usable: int) -> tuple[Suggestion, ...]:
-        for window, found in self.suggested:
+        for window, found in reversed(self.suggested):
             if window.covers(usable):
                 return found
         capacity = _Capacity(usable)
