@@ -31,7 +31,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.core.spec import TrainingSpec
 
 CONCURRENCY = 32  # clients with a request in flight at any time
 # Processes the clients run in: all CPUs but the server's, at most 8.
@@ -466,9 +469,24 @@ def in_process(database_url: str) -> dict[str, float]:
         "fit_check_core_lora_cold_s": _median_time(cold(core_check(lora)), 3),
         "fit_check_core_qlora_s": _median_time(core_check(spec), 30),
         "fit_check_core_lora_s": _median_time(core_check(lora), 30),
+        # the same job at a new shape each check (replays of the shapes' brackets made first)
+        "fit_check_core_qlora_new_shape_s": _new_shape_checks(core_check, spec),
         "fit_check_api_qlora_s": _median_time(api_check, 30),
         "gpus": float(len(gpus)),
     }
+
+
+def _new_shape_checks(
+    check: Callable[[TrainingSpec], Callable[[], object]], job: TrainingSpec
+) -> float:
+    """The median of 30 checks of `job`, each at a batch size and sequence length not
+    checked before (each first checked once, untimed, at a neighbouring shape in the same
+    brackets: the replays a replica that has run a while holds)."""
+    shapes = [(1 + i % 8, 1100 + 2 * i) for i in range(30)]
+    for b, s in shapes:
+        check(job.with_shape(b, s + 1))()
+    checks = iter([check(job.with_shape(b, s)) for b, s in shapes])
+    return _median_time(lambda: next(checks)(), len(shapes))
 
 
 def _asgi_scope(method: str, path: str, body: bytes) -> dict[str, Any]:
@@ -790,6 +808,8 @@ def run() -> list[str]:
         f"  (target ≤ {FIT_CHECK_TARGET_S * 1e3:.0f} ms)",
         f"  fit-check, {core['gpus']:.0f} GPUs, core, LoRA job   "
         f"{core['fit_check_core_lora_s'] * 1e3:8.2f} ms",
+        f"  fit-check, {core['gpus']:.0f} GPUs, core, QLoRA job at a new shape each check "
+        f"{core['fit_check_core_qlora_new_shape_s'] * 1e3:.2f} ms",
         f"  fit-check, {core['gpus']:.0f} GPUs, API handler      "
         f"{core['fit_check_api_qlora_s'] * 1e3:8.2f} ms",
         "",
