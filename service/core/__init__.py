@@ -29,7 +29,6 @@ from service.core.estimator import (
     peak_levels,
 )
 from service.core.fit import (
-    Change,
     FitCheck,
     GpuFit,
     GpuOffer,
@@ -38,6 +37,7 @@ from service.core.fit import (
     check_fit,
     usable_bytes,
 )
+from service.core.fit_changes import Change
 from service.core.hf_config import from_hf_config
 from service.core.result import (
     COMPONENT_ORDER,

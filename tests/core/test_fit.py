@@ -18,13 +18,13 @@ from service.core.fit import (
     DRIVER_RESERVED_BYTES,
     MIN_OPTIMIZER_SHARE,
     MIN_PART_BYTES,
-    Change,
     GpuOffer,
     Requirement,
     check_fit,
     part_threshold,
     usable_bytes,
 )
+from service.core.fit_changes import Change
 from service.core.spec import (
     LORA_METHODS,
     Framework,

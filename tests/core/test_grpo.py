@@ -9,7 +9,8 @@ from service.catalog.models import default_catalog
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import InvalidSpecError
 from service.core.estimator import buffered_inputs, estimate, kv_cache_bytes
-from service.core.fit import Change, GpuOffer, Requirement, check_fit
+from service.core.fit import GpuOffer, Requirement, check_fit
+from service.core.fit_changes import Change
 from service.core.result import Component, Phase
 from service.core.spec import Framework, LoraSpec, Method, Objective, TrainingSpec
 from service.core.spec_grpo import GrpoSpec, fewer_generations, shorter_completions

@@ -15,7 +15,8 @@ from service.api.schemas.jobs import (
     JobSpec,
 )
 from service.core.codec import OMITTED, SPEC_FIELDS, spec_field
-from service.core.fit import CHANGE_WORDS, Change, GpuFit, Suggestion
+from service.core.fit import GpuFit, Suggestion
+from service.core.fit_changes import CHANGE_WORDS, Change
 from service.core.limits import MAX_BATCH_SIZE, MAX_GPUS, MAX_SEQ_LEN
 from service.core.placement import DEFAULT_MAX_GPUS, MAX_PLACEMENT_GPUS, Outcome
 from service.core.spec import DEFAULT_GPUS_PER_NODE, Strategy, TrainingSpec
