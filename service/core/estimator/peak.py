@@ -16,7 +16,7 @@ from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, refer
 from service.core.estimator.looped_experts import looped_arch
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.packing import packed_job
-from service.core.estimator.pieces import DecoderStep, Pieces
+from service.core.estimator.pieces import DecoderStep, Piece, Pieces
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -158,7 +158,16 @@ class _PieceAbove:
     """What `_above` reads of a piece's job besides the shape, worked out once: its levels at
     any shape the piece holds."""
 
-    __slots__ = ("attn_fp32", "gpus", "paged_state", "plan", "rows", "uncertainty")
+    __slots__ = (
+        "attn_fp32",
+        "gpus",
+        "notes",
+        "paged_state",
+        "params",
+        "plan",
+        "rows",
+        "uncertainty",
+    )
 
     def __init__(
         self,
@@ -178,6 +187,10 @@ class _PieceAbove:
         self.paged_state = paged_state
         self.gpus = spec.parallel.gpus
         self.uncertainty = _uncertainty(arch, spec)
+        # What `_estimate` adds of the job's own (none of it reads the shape).
+        p = plan.params
+        self.params = ParamCounts(total=p.total_count, trainable=p.trainable_count)
+        self.notes = (*compile_notes(spec), stack_note(spec.stack))
 
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
         """`_above`'s levels over `allocated` at batch `b`, sequence `s` as the model ran."""
@@ -191,6 +204,97 @@ class _PieceAbove:
             uncertainty=self.uncertainty,
         )
         return PeakLevels(allocated, reserved, device, upper)
+
+    def estimate(self, piece: Piece, found: tuple[int, ...]) -> Estimate:
+        """`estimate`'s answer from what `piece`'s step found at a shape (its notes kept):
+        `_from_piece`, the phases' peak, `_above` and `_estimate`, the job's parts made once."""
+        allocated, b, s = found[:3]
+        width = (len(found) - 5) // piece.phases
+        phases = tuple(
+            PhasePeak(step, phase, sum(parts), parts)
+            for (step, phase), parts in zip(
+                PHASES,
+                (found[5 + i * width : 5 + (i + 1) * width] for i in range(piece.phases)),
+                strict=True,
+            )
+        )
+        peak = max(phases, key=_peak_order)
+        allocated = peak.allocated_bytes
+        gap, gap_note = reserved_gap(self.plan, b, s)
+        kernel, _windowed = resolve_kernel(self.plan, s)
+        over = levels(
+            allocated=allocated,
+            reserved=allocated + gap,
+            paged_state=self.paged_state,
+            gpus=self.gpus,
+            row=self.rows[kernel is Kernel.FLASH and not self.attn_fp32],
+            uncertainty=self.uncertainty,
+            reserved_note=gap_note,
+        )
+        assumptions, warnings = piece.notes or ((), ())
+        return Estimate(
+            allocated_bytes=allocated,
+            reserved_bytes=over.reserved,
+            device_bytes=over.device,
+            device_bytes_upper=over.device_upper,
+            components=peak.components,
+            overheads=over.overheads,
+            peak_step=peak.step,
+            peak_phase=peak.phase,
+            phases=phases,
+            params=self.params,
+            upper_margin=over.upper_margin,
+            assumptions=(*assumptions, *over.assumptions, *self.notes),
+            warnings=warnings,
+            estimator_version=ESTIMATOR_VERSION,
+            host_bytes=found[3],
+            host_pinned_bytes=found[4],
+        )
+
+
+def _peak_order(phase: PhasePeak) -> tuple[int, int]:
+    """The phases' order for the peak: the most allocated, the earlier step first."""
+    return (phase.allocated_bytes, -phase.step)
+
+
+def shape_estimates(
+    arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None = None
+) -> Callable[[int, int], Estimate]:
+    """`estimate` of `spec`'s job at any micro-batch and sequence length:
+    `shape_estimates(arch, spec)(b, s) == estimate(arch, spec.with_shape(b, s))`, refusals
+    included. A decoder's SFT job reads its step from the compiled piece that holds (b, s),
+    with what the levels above allocated and the notes take from the job worked out once per
+    piece; any other shape, job or objective runs `estimate` itself. What a batch of one job at
+    many shapes evaluates."""
+
+    def ran(b: int, s: int) -> Estimate:
+        shaped = spec if b == spec.batch_size and s == spec.seq_len else spec.with_shape(b, s)
+        return estimate(arch, shaped, compute_capability=compute_capability)
+
+    if spec.objective is not Objective.SFT or arch.encoder or arch.encoder_decoder:
+        return ran
+    job = _PIECES.job(arch, spec, compute_capability)
+    above: dict[int, _PieceAbove] = {}  # by id(piece): the job holds its pieces for good
+
+    def at(b: int, s: int) -> Estimate:
+        # A job holds pieces only once its step ran, after the checks `estimate` makes first,
+        # none of which reads the shape; a piece whose notes name the shape runs the step.
+        if b >= 1 and s >= 1:
+            for piece in tuple(job.pieces):
+                found = piece.step(b, s)
+                if found is None:
+                    continue
+                if piece.notes is None:
+                    break
+                levels_of = above.get(id(piece))
+                if levels_of is None:
+                    levels_of = above[id(piece)] = _PieceAbove(
+                        piece.arch, spec, piece.plan, piece.paged_state, compute_capability
+                    )
+                return levels_of.estimate(piece, found)
+        return ran(b, s)
+
+    return at
 
 
 def decoder_step(
