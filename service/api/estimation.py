@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
-from service.api.batch_body import SharedSpec
+from service.api.batch_body import SharedJobs, SharedSpec
 from service.api.metrics import CUSTOM_MODEL, Metrics
 from service.api.problems import (
     Loc,
@@ -178,6 +178,40 @@ class Estimation:
         self.metrics.count_estimate(shapes.model)
         return estimate_values(shapes.model, est, peaks, summary, shapes.warnings)
 
+    def shared_batch(self, jobs: SharedJobs) -> dict[str, Any]:
+        """`batch` of jobs read once per distinct job (`batch_body.SharedJobs`): a job's
+        copies at other shapes share what it resolves (`_Shapes`), each estimated at its own
+        shape; where the job's spec, model or GPU fails, each copy is answered on its own, as
+        `batch` answers it."""
+        results: list[dict[str, Any]] = []
+        failed = 0
+        shaped: dict[int, _Shapes | None] = {}
+        specs: dict[int, SharedSpec] = {}
+        for index, (first, (batch_size, seq_len)) in enumerate(
+            zip(jobs.firsts, jobs.shapes, strict=True)
+        ):
+            loc: Loc = ("body", "jobs", index)
+            if first not in shaped:
+                shaped[first] = self._shapes(jobs.job(first), loc)
+            shapes = shaped[first]
+            try:
+                if shapes is not None:
+                    values = self._values_at(shapes, batch_size, seq_len, loc)
+                else:
+                    spec = specs.get(first)
+                    if spec is None:
+                        spec = specs[first] = SharedSpec()
+                    values = self.values(jobs.job(index), loc, spec)
+            except ProblemError as exc:
+                problem = exc.problem
+                failed += 1
+                results.append(
+                    {"index": index, "status": problem.status, "estimate": None, "problem": problem}
+                )
+            else:
+                results.append({"index": index, "status": 200, "estimate": values, "problem": None})
+        return {"results": results, "succeeded": len(results) - failed, "failed": failed}
+
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         return EstimateOut.model_validate(self.values(job, loc_prefix))
 
@@ -193,7 +227,6 @@ class Estimation:
         results: list[dict[str, Any]] = []
         failed = 0
         shared: dict[int, SharedSpec] = {}
-        shaped: dict[int, _Shapes | None] = {}
         for index, job in enumerate(jobs):
             loc: Loc = ("body", "jobs", index)
             try:
@@ -202,15 +235,6 @@ class Estimation:
                 spec = None
                 if firsts is not None:
                     first = firsts[index]
-                    if first not in shaped:
-                        shaped[first] = self._shapes(job, loc)
-                    shapes = shaped[first]
-                    if shapes is not None:
-                        values = self._values_at(shapes, job.batch_size, job.seq_len, loc)
-                        results.append(
-                            {"index": index, "status": 200, "estimate": values, "problem": None}
-                        )
-                        continue
                     spec = shared.get(first)
                     if spec is None:
                         spec = shared[first] = SharedSpec()

@@ -190,7 +190,7 @@ def test_shared_jobs_answer_the_bytes_of_the_jobs_read_one_by_one(client: TestCl
     assert answer["failed"] > 0 and answer["succeeded"] > 0
     statuses = {r["status"] for r in answer["results"]}
     assert statuses == {200, 404, 422}
-    assert to_json(estimation_for(services).batch(shared.jobs, shared.firsts)) == one_by_one
+    assert to_json(estimation_for(services).shared_batch(shared)) == one_by_one
     response = client.post(
         "/v1/estimates:batch", content=body, headers={"content-type": "application/json"}
     )

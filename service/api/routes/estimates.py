@@ -97,7 +97,7 @@ async def create_estimates_batch(request: Request) -> Response:
     def answer() -> bytes:
         shared = read_shared(body) if is_json(content_type) else None
         if shared is not None:
-            return to_json(estimation.batch(shared.jobs, shared.firsts))
+            return to_json(estimation.shared_batch(shared))
         jobs = validate_body_or(body, content_type, JobsIn, BatchIn).jobs
         return to_json(estimation.batch(jobs))
 

@@ -210,14 +210,15 @@ class _PieceAbove:
         `_from_piece`, the phases' peak, `_above` and `_estimate`, the job's parts made once."""
         allocated, b, s = found[:3]
         width = (len(found) - 5) // piece.phases
-        phases = tuple(
-            PhasePeak(step, phase, sum(parts), parts)
-            for (step, phase), parts in zip(
-                PHASES,
-                (found[5 + i * width : 5 + (i + 1) * width] for i in range(piece.phases)),
-                strict=True,
-            )
-        )
+        made: list[PhasePeak] = []
+        start = 5
+        for step, phase in PHASES:  # the piece's phases, `_from_piece`'s parts in a row
+            parts = found[start : start + width]
+            start += width
+            made.append(_tuple_new(PhasePeak, (step, phase, sum(parts), parts)))
+        if start != len(found):
+            raise ValueError(f"a piece of {piece.phases} phases, not {len(PHASES)}")
+        phases = tuple(made)
         peak = max(phases, key=_peak_order)
         allocated = peak.allocated_bytes
         gap, gap_note = reserved_gap(self.plan, b, s)
@@ -250,6 +251,11 @@ class _PieceAbove:
             host_bytes=found[3],
             host_pinned_bytes=found[4],
         )
+
+
+# A named tuple made straight from its values: its own `__new__` is Python code that makes
+# the same tuple, and a batch's estimate makes seven per job.
+_tuple_new = tuple.__new__
 
 
 def _peak_order(phase: PhasePeak) -> tuple[int, int]:
