@@ -178,13 +178,12 @@ class Estimation:
         self.metrics.count_estimate(shapes.model)
         return estimate_values(shapes.model, est, peaks, summary, shapes.warnings)
 
-    def shared_batch(self, jobs: SharedJobs) -> dict[str, Any]:
-        """`batch` of jobs read once per distinct job (`batch_body.SharedJobs`): a job's
-        copies at other shapes share what it resolves (`_Shapes`), each estimated at its own
-        shape; where the job's spec, model or GPU fails, each copy is answered on its own, as
-        `batch` answers it."""
-        results: list[dict[str, Any]] = []
-        failed = 0
+    def shared_results(self, jobs: SharedJobs) -> Iterator[dict[str, Any]]:
+        """`batch`'s results, one at a time, of jobs read once per distinct job
+        (`batch_body.SharedJobs`): a job's copies at other shapes share what it resolves
+        (`_Shapes`), each estimated at its own shape; where the job's spec, model or GPU fails,
+        each copy is answered on its own, as `batch` answers it. The route encodes each result
+        as it comes (`routes.estimates.encode_batch`)."""
         shaped: dict[int, _Shapes | None] = {}
         specs: dict[int, SharedSpec] = {}
         for index, (first, (batch_size, seq_len)) in enumerate(
@@ -204,13 +203,10 @@ class Estimation:
                     values = self.values(jobs.job(index), loc, spec)
             except ProblemError as exc:
                 problem = exc.problem
-                failed += 1
-                results.append(
-                    {"index": index, "status": problem.status, "estimate": None, "problem": problem}
-                )
+                status = problem.status
+                yield {"index": index, "status": status, "estimate": None, "problem": problem}
             else:
-                results.append({"index": index, "status": 200, "estimate": values, "problem": None})
-        return {"results": results, "succeeded": len(results) - failed, "failed": failed}
+                yield {"index": index, "status": 200, "estimate": values, "problem": None}
 
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         return EstimateOut.model_validate(self.values(job, loc_prefix))

@@ -12,6 +12,7 @@ from pydantic_core import to_json
 from service.api.batch_body import read_shared
 from service.api.deps import estimation_for
 from service.api.problems import ProblemType
+from service.api.routes.estimates import encode_batch
 from service.api.schemas import MAX_BATCH_JOBS, BatchIn
 from service.core.limits import MAX_BATCH_SIZE
 from tests.api.conftest import FULL_JOB, SMALL_JOB
@@ -190,7 +191,7 @@ def test_shared_jobs_answer_the_bytes_of_the_jobs_read_one_by_one(client: TestCl
     assert answer["failed"] > 0 and answer["succeeded"] > 0
     statuses = {r["status"] for r in answer["results"]}
     assert statuses == {200, 404, 422}
-    assert to_json(estimation_for(services).shared_batch(shared)) == one_by_one
+    assert encode_batch(estimation_for(services).shared_results(shared)) == one_by_one
     response = client.post(
         "/v1/estimates:batch", content=body, headers={"content-type": "application/json"}
     )
