@@ -116,7 +116,12 @@ def encode_batch(results: Iterable[dict[str, Any]]) -> bytes:
             failed += 1
     counts = to_json({"results": [], "succeeded": len(parts) - failed, "failed": failed})
     head, tail = counts.split(b"[]", 1)
-    return b"".join((head, b"[", b",".join(parts), b"]", tail))
+    if not parts:
+        return counts
+    # The results' list written around them, so that the answer is joined in one copy.
+    parts[0] = b"".join((head, b"[", parts[0]))
+    parts[-1] = b"".join((parts[-1], b"]", tail))
+    return b",".join(parts)
 
 
 class EstimateShortcut:
