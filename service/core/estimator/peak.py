@@ -212,14 +212,18 @@ class _PieceAbove:
         width = (len(found) - 5) // piece.phases
         made: list[PhasePeak] = []
         start = 5
+        # The peak as `estimate` finds it: the most allocated, the earlier step of equals
+        # first, the first phase of equals (`max` keeps the first of equal keys).
+        peak: PhasePeak | None = None
         for step, phase in PHASES:  # the piece's phases, `_from_piece`'s parts in a row
             parts = found[start : start + width]
             start += width
-            made.append(_tuple_new(PhasePeak, (step, phase, sum(parts), parts)))
-        if start != len(found):
+            made.append(ph := _tuple_new(PhasePeak, (step, phase, sum(parts), parts)))
+            if peak is None or (ph[2], -step) > (peak[2], -peak[0]):
+                peak = ph
+        if peak is None or start != len(found):
             raise ValueError(f"a piece of {piece.phases} phases, not {len(PHASES)}")
         phases = tuple(made)
-        peak = max(phases, key=_peak_order)
         allocated = peak.allocated_bytes
         gap, gap_note = reserved_gap(self.plan, b, s)
         kernel, _windowed = resolve_kernel(self.plan, s)
@@ -256,11 +260,6 @@ class _PieceAbove:
 # A named tuple made straight from its values: its own `__new__` is Python code that makes
 # the same tuple, and a batch's estimate makes seven per job.
 _tuple_new = tuple.__new__
-
-
-def _peak_order(phase: PhasePeak) -> tuple[int, int]:
-    """The phases' order for the peak: the most allocated, the earlier step first."""
-    return (phase.allocated_bytes, -phase.step)
 
 
 def shape_estimates(
