@@ -196,3 +196,9 @@ def test_shared_jobs_answer_the_bytes_of_the_jobs_read_one_by_one(client: TestCl
         "/v1/estimates:batch", content=body, headers={"content-type": "application/json"}
     )
     assert response.content == one_by_one
+    # Each answered job's estimate is, byte for byte, POST /v1/estimates' answer to it.
+    for index, result in enumerate(answer["results"][: 3 * len(groups)]):
+        if result["status"] == 200:
+            alone = client.post("/v1/estimates", json=jobs[index]).content
+            expected = b'{"index":%d,"status":200,"estimate":%s,"problem":null}' % (index, alone)
+            assert expected in response.content
