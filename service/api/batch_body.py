@@ -55,11 +55,27 @@ class SharedSpec:
 
 @dataclass(frozen=True, slots=True)
 class SharedJobs:
-    """A batch's valid jobs, and for each the index of the first job it copies (itself for a
-    first): jobs with the same first differ only in their shape."""
+    """A batch's valid jobs: for each the index of the first job it copies (itself for a
+    first) and its shape. Jobs with the same first differ only in their shape: a copy is made
+    as a `JobSpec` only where it is asked for (`job`)."""
 
-    jobs: list[JobSpec]
     firsts: list[int]
+    shapes: list[tuple[int, int]]  # each job's batch_size and seq_len
+    read: dict[int, JobSpec]  # each first's job, as read
+
+    def job(self, index: int) -> JobSpec:
+        """The job at `index`: a first as read, a copy as its first at its own shape."""
+        first = self.firsts[index]
+        job = self.read[first]
+        if first == index:
+            return job
+        batch_size, seq_len = self.shapes[index]
+        return job.model_copy(update={"batch_size": batch_size, "seq_len": seq_len})
+
+    @property
+    def jobs(self) -> list[JobSpec]:
+        """Every job, in the batch's order."""
+        return [self.job(index) for index in range(len(self.firsts))]
 
 
 def read_shared(body: bytes) -> SharedJobs | None:
@@ -74,8 +90,9 @@ def read_shared(body: bytes) -> SharedJobs | None:
     if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_BATCH_JOBS:
         return None
     seen: dict[bytes, int] = {}
-    jobs: list[JobSpec] = []
+    read: dict[int, JobSpec] = {}
     firsts: list[int] = []
+    shapes: list[tuple[int, int]] = []
     try:
         for index, entry in enumerate(entries):
             split = _split(entry)
@@ -84,13 +101,14 @@ def read_shared(body: bytes) -> SharedJobs | None:
             rest, batch_size, seq_len = split
             first = seen.setdefault(to_json(rest), index)
             if first == index:
-                jobs.append(JobSpec.model_validate_json(to_json(entry)))
+                read[index] = JobSpec.model_validate_json(to_json(entry))
             else:
-                jobs.append(_copy(jobs[first], batch_size, seq_len))
+                _check_shape(batch_size, seq_len)
             firsts.append(first)
+            shapes.append((batch_size, seq_len))
     except ValidationError:
         return None
-    return SharedJobs(jobs, firsts)
+    return SharedJobs(firsts, shapes, read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +182,11 @@ def _split(entry: Any) -> tuple[dict[str, Any], int, int] | None:
 
 def _copy(job: JobSpec, batch_size: int, seq_len: int) -> JobSpec:
     """`job` at this shape, the shape checked as JobSpec checks it (a ValidationError)."""
+    _check_shape(batch_size, seq_len)
+    return job.model_copy(update={"batch_size": batch_size, "seq_len": seq_len})
+
+
+def _check_shape(batch_size: int, seq_len: int) -> None:
+    """A ValidationError unless JobSpec takes this shape."""
     _BATCH_SIZE.validate_python(batch_size)
     _SEQ_LEN.validate_python(seq_len)
-    return job.model_copy(update={"batch_size": batch_size, "seq_len": seq_len})

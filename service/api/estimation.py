@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
-from service.api.batch_body import SharedSpec
+from service.api.batch_body import SharedJobs, SharedSpec
 from service.api.metrics import CUSTOM_MODEL, Metrics
 from service.api.problems import (
     Loc,
@@ -50,13 +50,14 @@ from service.core.estimator import (
     default_target_modules,
     estimate,
     peak_levels,
+    shape_estimates,
     shape_levels,
 )
 from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
 from service.core.hf_config import from_hf_config
 from service.core.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from service.core.placement import Placement, place
-from service.core.result import Levels
+from service.core.result import Estimate, Levels
 from service.core.spec import TrainingSpec
 from service.core.units import MIB, DType
 
@@ -79,6 +80,18 @@ class _Job:
     spec: TrainingSpec
     model: str  # the catalog id, or CUSTOM_MODEL
     arch: ModelArch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Shapes:
+    """A batch's job as its copies at other shapes share it: resolved once, its spec's
+    estimate at any shape (`shape_estimates`), and what its GPU says of its spec."""
+
+    model: str  # the catalog id, or CUSTOM_MODEL
+    method: str
+    gpu: GpuOut | None
+    warnings: tuple[str, ...]  # the GPU's (`_gpu_warnings`), which read no shape
+    at: Callable[[int, int], Estimate]
 
 
 @contextmanager
@@ -130,6 +143,70 @@ class Estimation:
             warnings = _gpu_warnings(gpu, spec)
         self.metrics.count_estimate(model)
         return estimate_values(model, est, peaks, summary, warnings)
+
+    def _shapes(self, job: JobSpec, loc_prefix: Loc) -> _Shapes | None:
+        """What a batch's job and its copies at other shapes share (`_Shapes`); None where
+        the job's spec, model or GPU fails, each copy then answered on its own (`values`)."""
+        try:
+            spec = job.to_spec()
+            model, arch = self._model(job.model, loc_prefix)
+            gpu = None if job.gpu is None else self._gpu(job.gpu)
+        except (EstimatorError, UnknownGpuError, ProblemError):
+            return None
+        capability = None if gpu is None else gpu.compute_capability
+        return _Shapes(
+            model=model,
+            method=spec.method.value,
+            gpu=gpu,
+            warnings=() if gpu is None else _gpu_warnings(gpu, spec),
+            at=shape_estimates(arch, spec, compute_capability=capability),
+        )
+
+    def _values_at(
+        self, shapes: _Shapes, batch_size: int, seq_len: int, loc_prefix: Loc
+    ) -> dict[str, Any]:
+        """`values` of a copy of `shapes`' job at this shape."""
+        try:
+            est = shapes.at(batch_size, seq_len)
+        except EstimatorError as exc:
+            raise ProblemError(from_exception(exc, loc_prefix)) from exc
+        gpu = shapes.gpu
+        peaks = self.factors.peaks(
+            est, model=shapes.model, method=shapes.method, gpu=None if gpu is None else gpu.name
+        )
+        summary = None if gpu is None else _fit_summary(gpu, peaks)
+        self.metrics.count_estimate(shapes.model)
+        return estimate_values(shapes.model, est, peaks, summary, shapes.warnings)
+
+    def shared_results(self, jobs: SharedJobs) -> Iterator[dict[str, Any]]:
+        """`batch`'s results, one at a time, of jobs read once per distinct job
+        (`batch_body.SharedJobs`): a job's copies at other shapes share what it resolves
+        (`_Shapes`), each estimated at its own shape; where the job's spec, model or GPU fails,
+        each copy is answered on its own, as `batch` answers it. The route encodes each result
+        as it comes (`routes.estimates.encode_batch`)."""
+        shaped: dict[int, _Shapes | None] = {}
+        specs: dict[int, SharedSpec] = {}
+        for index, (first, (batch_size, seq_len)) in enumerate(
+            zip(jobs.firsts, jobs.shapes, strict=True)
+        ):
+            loc: Loc = ("body", "jobs", index)
+            if first not in shaped:
+                shaped[first] = self._shapes(jobs.job(first), loc)
+            shapes = shaped[first]
+            try:
+                if shapes is not None:
+                    values = self._values_at(shapes, batch_size, seq_len, loc)
+                else:
+                    spec = specs.get(first)
+                    if spec is None:
+                        spec = specs[first] = SharedSpec()
+                    values = self.values(jobs.job(index), loc, spec)
+            except ProblemError as exc:
+                problem = exc.problem
+                status = problem.status
+                yield {"index": index, "status": status, "estimate": None, "problem": problem}
+            else:
+                yield {"index": index, "status": 200, "estimate": values, "problem": None}
 
     def estimate(self, job: JobSpec, loc_prefix: Loc = ("body",)) -> EstimateOut:
         return EstimateOut.model_validate(self.values(job, loc_prefix))

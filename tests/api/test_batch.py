@@ -7,10 +7,13 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic_core import to_json
 
 from service.api.batch_body import read_shared
+from service.api.deps import estimation_for
 from service.api.problems import ProblemType
-from service.api.schemas import MAX_BATCH_JOBS
+from service.api.routes.estimates import encode_batch
+from service.api.schemas import MAX_BATCH_JOBS, BatchIn
 from service.core.limits import MAX_BATCH_SIZE
 from tests.api.conftest import FULL_JOB, SMALL_JOB
 
@@ -155,3 +158,47 @@ def test_copies_of_a_job_the_core_refuses_fail_each_at_their_own_index(
         ["body", "jobs", 0, "lora"],
         ["body", "jobs", 1, "lora"],
     ]
+
+
+def test_shared_jobs_answer_the_bytes_of_the_jobs_read_one_by_one(client: TestClient) -> None:
+    """A batch's copies of a job, estimated at their own shapes from what the job resolves
+    once (its model, GPU and compiled step), answer byte for byte what the same jobs read in
+    full one by one answer: failures of the job, of its model, of its GPU and of a shape
+    alone included."""
+    gpu_job = {**FULL_JOB, "gpu": "A100-80GB"}
+    kto = {**SMALL_JOB, "objective": "kto", "method": "lora"}
+    groups: list[dict[str, Any]] = [
+        gpu_job,  # many shapes: its step compiled, then read from its pieces
+        {**SMALL_JOB, "gpu": "T4"},
+        kto,  # a copy at batch size 1 is refused, the others answered
+        {**kto, "gpu": "A100-80GB", "batch_size": 1},  # the job refused, copies answered
+        {**SMALL_JOB, "model": "Qwen/Qwen2.5-7B-Instrct"},  # unknown model
+        {**SMALL_JOB, "method": "full", "lora": {"r": 4}},  # refused by the core
+        {**SMALL_JOB, "gpu": "A100-81GB"},  # unknown GPU
+    ]
+    jobs = [
+        {**group, "batch_size": 1 + (i * 7) % 5, "seq_len": 200 + 37 * i}
+        for i in range(24)
+        for group in groups
+    ]
+    jobs = [*groups, *jobs]
+    body = json.dumps({"jobs": jobs}).encode()
+    shared = read_shared(body)
+    assert shared is not None and len(set(shared.firsts)) == len(groups)
+    services = client.app.state.services  # type: ignore[attr-defined]
+    one_by_one = to_json(estimation_for(services).batch(BatchIn.model_validate_json(body).jobs))
+    answer = json.loads(one_by_one)
+    assert answer["failed"] > 0 and answer["succeeded"] > 0
+    statuses = {r["status"] for r in answer["results"]}
+    assert statuses == {200, 404, 422}
+    assert encode_batch(estimation_for(services).shared_results(shared)) == one_by_one
+    response = client.post(
+        "/v1/estimates:batch", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.content == one_by_one
+    # Each answered job's estimate is, byte for byte, POST /v1/estimates' answer to it.
+    for index, result in enumerate(answer["results"][: 3 * len(groups)]):
+        if result["status"] == 200:
+            alone = client.post("/v1/estimates", json=jobs[index]).content
+            expected = b'{"index":%d,"status":200,"estimate":%s,"problem":null}' % (index, alone)
+            assert expected in response.content

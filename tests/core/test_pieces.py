@@ -15,7 +15,9 @@ from service.core.estimator import (
     Trace,
     compile_record,
     decoder_step,
+    estimate,
     peak_levels,
+    shape_estimates,
     shape_levels,
 )
 from service.core.spec import ALL_LINEAR, Framework, LoraSpec, Method, QuantSpec, TrainingSpec
@@ -160,5 +162,37 @@ def test_shape_levels_refuse_what_peak_levels_refuse() -> None:
     for b, s in ((0, 1024), (2, 0), (-3, 5)):
         with pytest.raises(EstimatorError) as raised:
             peak_levels(arch, _qlora(2, 1024).with_shape(b, s))
+        with pytest.raises(type(raised.value), match=str(raised.value)):
+            at(b, s)
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs(), SHAPES, st.sampled_from([None, "9.0"]))
+def test_shape_estimates_are_the_estimates_at_every_shape(
+    case: tuple[str, TrainingSpec], shapes: list[tuple[int, int]], capability: str | None
+) -> None:
+    model, spec = case
+    arch = default_catalog().resolve(model).arch
+    at = shape_estimates(arch, spec, compute_capability=capability)
+    for b, s in [*shapes, *shapes]:  # the second time round, from the pieces recorded
+        try:
+            want = estimate(arch, spec.with_shape(b, s), compute_capability=capability)
+        except EstimatorError as refused:
+            with pytest.raises(type(refused)) as raised:
+                at(b, s)
+            assert str(raised.value) == str(refused)
+            continue
+        assert at(b, s) == want
+
+
+def test_shape_estimates_refuse_what_estimate_refuses() -> None:
+    arch = default_catalog().resolve("Qwen/Qwen2.5-7B").arch
+    spec = _qlora(2, 1024)
+    at = shape_estimates(arch, spec, compute_capability="8.0")
+    for s in (1000, 1100, 1200, 1300):  # the job's pieces recorded, then read
+        assert at(3, s) == estimate(arch, spec.with_shape(3, s), compute_capability="8.0")
+    for b, s in ((0, 1024), (2, 0), (-3, 5)):
+        with pytest.raises(EstimatorError) as raised:
+            estimate(arch, spec.with_shape(b, s))
         with pytest.raises(type(raised.value), match=str(raised.value)):
             at(b, s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -97,11 +97,31 @@ async def create_estimates_batch(request: Request) -> Response:
     def answer() -> bytes:
         shared = read_shared(body) if is_json(content_type) else None
         if shared is not None:
-            return to_json(estimation.batch(shared.jobs, shared.firsts))
+            return encode_batch(estimation.shared_results(shared))
         jobs = validate_body_or(body, content_type, JobsIn, BatchIn).jobs
         return to_json(estimation.batch(jobs))
 
     return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
+
+
+def encode_batch(results: Iterable[dict[str, Any]]) -> bytes:
+    """The JSON of a `BatchOut` of `results`: what `to_json` writes of its values, each result
+    encoded as it comes, so that a batch's answers are freed as they are encoded rather than
+    all held (and walked by the garbage collector) until the end."""
+    parts: list[bytes] = []
+    failed = 0
+    for result in results:
+        parts.append(to_json(result))
+        if result["problem"] is not None:
+            failed += 1
+    counts = to_json({"results": [], "succeeded": len(parts) - failed, "failed": failed})
+    head, tail = counts.split(b"[]", 1)
+    if not parts:
+        return counts
+    # The results' list written around them, so that the answer is joined in one copy.
+    parts[0] = b"".join((head, b"[", parts[0]))
+    parts[-1] = b"".join((parts[-1], b"]", tail))
+    return b",".join(parts)
 
 
 class EstimateShortcut:

@@ -47,6 +47,7 @@ from service.core.estimator.peak import (
     estimate,
     forget_compiled_steps,
     peak_levels,
+    shape_estimates,
     shape_levels,
 )
 from service.core.estimator.pieces import MAX_PIECES, DecoderStep, Pieces
@@ -100,6 +101,7 @@ __all__ = [
     "policy_spec",
     "reward_arch",
     "reward_spec",
+    "shape_estimates",
     "shape_levels",
     "zero_settings",
 ]

@@ -16,7 +16,7 @@ from service.core.estimator.kto import KtoStep, kto_policy_spec, kto_step, refer
 from service.core.estimator.looped_experts import looped_arch
 from service.core.estimator.orpo import logits_bytes, orpo_policy_spec, orpo_step
 from service.core.estimator.packing import packed_job
-from service.core.estimator.pieces import DecoderStep, Pieces
+from service.core.estimator.pieces import CompiledJob, DecoderStep, Piece, Pieces
 from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
@@ -65,6 +65,10 @@ def estimate(
         return encoder_estimate(
             arch, spec, compute_capability=compute_capability, version=ESTIMATOR_VERSION
         )
+    job = _PIECES.job(arch, spec, compute_capability)
+    found = _piece_estimate(job, spec, spec.batch_size, spec.seq_len, compute_capability)
+    if found is not None:
+        return found
     st = _PIECES.step(arch, spec, compute_capability)
     phases = tuple(
         PhasePeak(step, phase, sum(parts), parts)
@@ -133,7 +137,6 @@ def shape_levels(
     if spec.objective is not Objective.SFT or arch.encoder or arch.encoder_decoder:
         return ran
     job = _PIECES.job(arch, spec, compute_capability)
-    above: dict[int, _PieceAbove] = job.derived  # the same for every spec of the job
 
     def at(b: int, s: int) -> PeakLevels:
         # A job holds pieces only once its step ran, after the checks `peak_levels` makes
@@ -142,23 +145,57 @@ def shape_levels(
             for piece in job.pieces:  # (appended to, never changed)
                 found = piece.peak(b, s)
                 if found is not None:
-                    levels_of = above.get(id(piece))
-                    if levels_of is None:
-                        levels_of = above[id(piece)] = _PieceAbove(
-                            piece.arch, spec, piece.plan, piece.paged_state, compute_capability
-                        )
                     allocated, run_b, run_s = found[:3]
-                    return levels_of.levels(allocated, run_b, run_s)
+                    above = _above_of(job, piece, spec, compute_capability)
+                    return above.levels(allocated, run_b, run_s)
         return ran(b, s)
 
     return at
+
+
+def _piece_estimate(
+    job: CompiledJob, spec: TrainingSpec, b: int, s: int, compute_capability: str | None
+) -> Estimate | None:
+    """`estimate` of `job` at (b, s) from the piece that holds there, or None where none does
+    or its notes name the shape (the step then runs itself)."""
+    for piece in job.pieces:  # (appended to, never changed)
+        found = piece.step(b, s)
+        if found is not None:
+            if piece.notes is None:
+                return None
+            return _above_of(job, piece, spec, compute_capability).estimate(piece, found)
+    return None
+
+
+def _above_of(
+    job: CompiledJob, piece: Piece, spec: TrainingSpec, compute_capability: str | None
+) -> _PieceAbove:
+    """What the levels above allocated read of `piece` besides the shape: worked out once per
+    piece and kept with the job (the same for every spec of the job)."""
+    above: _PieceAbove | None = job.derived.get(id(piece))  # the job holds its pieces for good
+    if above is None:
+        above = job.derived[id(piece)] = _PieceAbove(
+            piece.arch, spec, piece.plan, piece.paged_state, compute_capability
+        )
+    return above
 
 
 class _PieceAbove:
     """What `_above` reads of a piece's job besides the shape, worked out once: its levels at
     any shape the piece holds."""
 
-    __slots__ = ("fused", "math", "plan", "window")
+    __slots__ = (
+        "fused",
+        "gpus",
+        "math",
+        "notes",
+        "paged_state",
+        "params",
+        "plan",
+        "rows",
+        "uncertainty",
+        "window",
+    )
 
     def __init__(
         self,
@@ -179,14 +216,20 @@ class _PieceAbove:
         )
         eager = spec.stack.eager_module_loading
         uncertainty = _uncertainty(arch, spec)
-        self.math = tuple(
-            LevelMath(
-                paged_state=paged_state,
-                gpus=spec.parallel.gpus,
-                row=device_row(compute_capability, fused_attention=fused, eager_loading=eager),
-                uncertainty=uncertainty,
-            )
+        self.paged_state = paged_state
+        self.gpus = spec.parallel.gpus
+        self.uncertainty = uncertainty
+        self.rows = tuple(
+            device_row(compute_capability, fused_attention=fused, eager_loading=eager)
             for fused in (False, True)
+        )
+        # What `_estimate` adds of the job's own (none of it reads the shape).
+        p = plan.params
+        self.params = ParamCounts(total=p.total_count, trainable=p.trainable_count)
+        self.notes = (*compile_notes(spec), stack_note(spec.stack))
+        self.math = tuple(
+            LevelMath(paged_state=paged_state, gpus=self.gpus, row=row, uncertainty=uncertainty)
+            for row in self.rows
         )
 
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
@@ -196,6 +239,88 @@ class _PieceAbove:
             allocated, allocated + reserved_gap_bytes(self.plan, b, s)
         )
         return PeakLevels(allocated, reserved, device, upper)
+
+    def estimate(self, piece: Piece, found: tuple[int, ...]) -> Estimate:
+        """`estimate`'s answer from what `piece`'s step found at a shape (its notes kept):
+        `_from_piece`, the phases' peak, `_above` and `_estimate`, the job's parts made once."""
+        allocated, b, s = found[:3]
+        width = (len(found) - 5) // piece.phases
+        made: list[PhasePeak] = []
+        start = 5
+        # The peak as `estimate` finds it: the most allocated, the earlier step of equals
+        # first, the first phase of equals (`max` keeps the first of equal keys).
+        peak: PhasePeak | None = None
+        for step, phase in PHASES:  # the piece's phases, `_from_piece`'s parts in a row
+            parts = found[start : start + width]
+            start += width
+            made.append(ph := _tuple_new(PhasePeak, (step, phase, sum(parts), parts)))
+            if peak is None or (ph[2], -step) > (peak[2], -peak[0]):
+                peak = ph
+        if peak is None or start != len(found):
+            raise ValueError(f"a piece of {piece.phases} phases, not {len(PHASES)}")
+        phases = tuple(made)
+        allocated = peak.allocated_bytes
+        gap, gap_note = reserved_gap(self.plan, b, s)
+        over = levels(
+            allocated=allocated,
+            reserved=allocated + gap,
+            paged_state=self.paged_state,
+            gpus=self.gpus,
+            row=self.rows[self.fused[self.window is not None and s >= self.window]],
+            uncertainty=self.uncertainty,
+            reserved_note=gap_note,
+        )
+        assumptions, warnings = piece.notes or ((), ())
+        return Estimate(
+            allocated_bytes=allocated,
+            reserved_bytes=over.reserved,
+            device_bytes=over.device,
+            device_bytes_upper=over.device_upper,
+            components=peak.components,
+            overheads=over.overheads,
+            peak_step=peak.step,
+            peak_phase=peak.phase,
+            phases=phases,
+            params=self.params,
+            upper_margin=over.upper_margin,
+            assumptions=(*assumptions, *over.assumptions, *self.notes),
+            warnings=warnings,
+            estimator_version=ESTIMATOR_VERSION,
+            host_bytes=found[3],
+            host_pinned_bytes=found[4],
+        )
+
+
+# A named tuple made straight from its values: its own `__new__` is Python code that makes
+# the same tuple, and a batch's estimate makes seven per job.
+_tuple_new = tuple.__new__
+
+
+def shape_estimates(
+    arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None = None
+) -> Callable[[int, int], Estimate]:
+    """`estimate` of `spec`'s job at any micro-batch and sequence length:
+    `shape_estimates(arch, spec)(b, s) == estimate(arch, spec.with_shape(b, s))`, refusals
+    included. A decoder's SFT job reads its step from the compiled piece that holds (b, s),
+    with what the levels above allocated and the notes take from the job worked out once per
+    piece; any other shape, job or objective runs `estimate` itself. What a batch of one job at
+    many shapes evaluates."""
+
+    def ran(b: int, s: int) -> Estimate:
+        shaped = spec if b == spec.batch_size and s == spec.seq_len else spec.with_shape(b, s)
+        return estimate(arch, shaped, compute_capability=compute_capability)
+
+    if spec.objective is not Objective.SFT or arch.encoder or arch.encoder_decoder:
+        return ran
+    job = _PIECES.job(arch, spec, compute_capability)
+
+    def at(b: int, s: int) -> Estimate:
+        # A job holds pieces only once its step ran, after the checks `estimate` makes first,
+        # none of which reads the shape.
+        found = _piece_estimate(job, spec, b, s, compute_capability) if b >= 1 and s >= 1 else None
+        return ran(b, s) if found is None else found
+
+    return at
 
 
 def decoder_step(
