@@ -38,10 +38,13 @@ class SharedSpec:
     them, taken to each one's own shape. Whichever job makes it first, the base is the same
     job's frozen spec, so threads may share it."""
 
-    __slots__ = ("_base",)
+    __slots__ = ("_base", "resolved")
 
     def __init__(self) -> None:
         self._base: TrainingSpec | None = None
+        # What the estimation resolves of the job once for all its copies (its model, GPU and
+        # estimate at any shape: `Estimation.values`); None until then, or where it fails.
+        self.resolved: Any = None
 
     def of(self, job: JobSpec) -> TrainingSpec:
         """`job.to_spec()` for `job`, one of the jobs this spec is shared by; raises its

@@ -122,6 +122,15 @@ class Estimation:
         """The job's estimate as the plain values of an `EstimateOut` (`estimate_values`),
         ready to encode; `shared` makes the job's spec when it copies another job at its own
         shape (`batch_body.SharedSpec`)."""
+        if shared is not None:
+            # A copy of a job read before: what the job resolves, resolved once for all of
+            # them, then its estimate at the copy's shape; where resolving fails, each copy is
+            # answered in full below.
+            shapes = shared.resolved
+            if shapes is None:
+                shapes = shared.resolved = self._shapes(job, loc_prefix)
+            if isinstance(shapes, _Shapes):
+                return self._values_at(shapes, job.batch_size, job.seq_len, loc_prefix)
         # The core and catalog errors are caught here rather than by `_located`: a batch
         # asks once per job.
         try:

@@ -60,22 +60,7 @@ def levels(
     """Device level and safe bound over an allocated peak and its reserved level; the
     `reserved_note` says how the reserved level was found, where it needs saying."""
     math_ = LevelMath(paged_state=paged_state, gpus=gpus, row=row, uncertainty=uncertainty)
-    reserved, device, upper = math_.numbers(allocated, reserved)
-    outside = device - reserved
-    return AboveAllocated(
-        reserved=reserved,
-        device=device,
-        device_upper=upper,
-        upper_margin=upper / device - 1 if device else 0.0,
-        overheads={
-            Overhead.ALLOCATOR: reserved - allocated,
-            Overhead.CUDA_CONTEXT: row.context_bytes,
-            Overhead.OUTSIDE_ALLOCATOR: outside - row.context_bytes,
-        },
-        assumptions=(reserved_note, *_notes(row, uncertainty))
-        if reserved_note
-        else _notes(row, uncertainty),
-    )
+    return math_.above(allocated, reserved, reserved_note)
 
 
 class LevelMath:
@@ -83,11 +68,23 @@ class LevelMath:
     count, worked out once: the reserved level, device level and safe bound over any allocated
     peak and reserved level (what a fit-check's curves evaluate dozens of times)."""
 
-    __slots__ = ("_allocated", "_loading", "_outside", "_paged", "_reserved", "_row", "_unmodelled")
+    __slots__ = (
+        "_allocated",
+        "_loading",
+        "_outside",
+        "_paged",
+        "_reserved",
+        "_row",
+        "_unmodelled",
+        "row",
+        "uncertainty",
+    )
 
     def __init__(
         self, *, paged_state: int, gpus: int, row: DeviceRow, uncertainty: Uncertainty
     ) -> None:
+        self.row = row
+        self.uncertainty = uncertainty
         paged = row.paged_bytes(paged_state)
         self._outside = row.outside_bytes + paged + (row.nccl_bytes if gpus > 1 else 0)
         self._allocated = uncertainty.allocated
@@ -111,6 +108,24 @@ class LevelMath:
             + self._paged
         )
         return reserved, device, device + math.ceil(SAFE_Z * sigma)
+
+    def above(self, allocated: int, reserved: int, reserved_note: str = "") -> AboveAllocated:
+        """`levels`' answer: the levels, the overheads and the notes."""
+        reserved, device, upper = self.numbers(allocated, reserved)
+        row = self.row
+        notes = _notes(row, self.uncertainty)
+        return AboveAllocated(
+            reserved=reserved,
+            device=device,
+            device_upper=upper,
+            upper_margin=upper / device - 1 if device else 0.0,
+            overheads={
+                Overhead.ALLOCATOR: reserved - allocated,
+                Overhead.CUDA_CONTEXT: row.context_bytes,
+                Overhead.OUTSIDE_ALLOCATOR: device - reserved - row.context_bytes,
+            },
+            assumptions=(reserved_note, *notes) if reserved_note else notes,
+        )
 
 
 @lru_cache(maxsize=256)

@@ -184,18 +184,7 @@ class _PieceAbove:
     """What `_above` reads of a piece's job besides the shape, worked out once: its levels at
     any shape the piece holds."""
 
-    __slots__ = (
-        "fused",
-        "gpus",
-        "math",
-        "notes",
-        "paged_state",
-        "params",
-        "plan",
-        "rows",
-        "uncertainty",
-        "window",
-    )
+    __slots__ = ("fused", "math", "notes", "params", "plan", "window")
 
     def __init__(
         self,
@@ -216,10 +205,7 @@ class _PieceAbove:
         )
         eager = spec.stack.eager_module_loading
         uncertainty = _uncertainty(arch, spec)
-        self.paged_state = paged_state
-        self.gpus = spec.parallel.gpus
-        self.uncertainty = uncertainty
-        self.rows = tuple(
+        rows = tuple(
             device_row(compute_capability, fused_attention=fused, eager_loading=eager)
             for fused in (False, True)
         )
@@ -228,8 +214,10 @@ class _PieceAbove:
         self.params = ParamCounts(total=p.total_count, trainable=p.trainable_count)
         self.notes = (*compile_notes(spec), stack_note(spec.stack))
         self.math = tuple(
-            LevelMath(paged_state=paged_state, gpus=self.gpus, row=row, uncertainty=uncertainty)
-            for row in self.rows
+            LevelMath(
+                paged_state=paged_state, gpus=spec.parallel.gpus, row=row, uncertainty=uncertainty
+            )
+            for row in rows
         )
 
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
@@ -261,15 +249,8 @@ class _PieceAbove:
         phases = tuple(made)
         allocated = peak.allocated_bytes
         gap, gap_note = reserved_gap(self.plan, b, s)
-        over = levels(
-            allocated=allocated,
-            reserved=allocated + gap,
-            paged_state=self.paged_state,
-            gpus=self.gpus,
-            row=self.rows[self.fused[self.window is not None and s >= self.window]],
-            uncertainty=self.uncertainty,
-            reserved_note=gap_note,
-        )
+        fused = self.fused[self.window is not None and s >= self.window]
+        over = self.math[fused].above(allocated, allocated + gap, gap_note)
         assumptions, warnings = piece.notes or ((), ())
         return Estimate(
             allocated_bytes=allocated,
