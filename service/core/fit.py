@@ -18,7 +18,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from service.core.errors import InvalidSpecError
 from service.core.fit_changes import Change, apply_change, take_back
@@ -54,9 +54,9 @@ MIN_PART_SHARE = 0.01  # of the job's safe bound
 MIN_OPTIMIZER_SHARE = 0.05
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Requirement:
-    """What one GPU of a job needs at the device level, bytes."""
+class Requirement(NamedTuple):
+    """What one GPU of a job needs at the device level, bytes. A named tuple: a fit-check
+    makes one per point of its curves, dozens per request."""
 
     device_bytes: int  # the median estimate
     device_bytes_upper: int  # the safe bound, compared with a GPU's usable memory
@@ -108,9 +108,9 @@ def part_threshold(required_bytes: int) -> int:
     return max(MIN_PART_BYTES, math.ceil(required_bytes * MIN_PART_SHARE))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Suggestion:
-    """Changes to the job, the spec they give and that spec's requirement."""
+class Suggestion(NamedTuple):
+    """Changes to the job, the spec they give and that spec's requirement (a named tuple: a
+    check makes a few per GPU that does not fit)."""
 
     changes: tuple[Change, ...]
     spec: TrainingSpec
