@@ -195,11 +195,11 @@ class _Requirements:
 
 
 class _Along:
-    """One spec's requirement at any (batch_size, seq_len), memoised by the two: read from
-    the caller's shaped requirement where it gave one, without a spec per point; the spec's
-    own shape is the memoised requirement's."""
+    """One spec's requirement at any (batch_size, seq_len): read from the caller's shaped
+    requirement where it gave one, without a spec per point; the spec's own shape is the
+    memoised requirement's. Each curve keeps its points: one evaluation per point."""
 
-    __slots__ = ("_requirements", "_shaped", "_spec", "made", "points")
+    __slots__ = ("_requirements", "_shaped", "_spec", "made")
 
     def __init__(
         self,
@@ -210,23 +210,16 @@ class _Along:
         self._spec = spec
         self._requirements = requirements
         self._shaped = shaped
-        self.points: dict[tuple[int, int], Requirement] = {}
         self.made = 0  # evaluations of `shaped`
 
     def __call__(self, batch_size: int, seq_len: int) -> Requirement:
-        point = (batch_size, seq_len)
-        found = self.points.get(point)
-        if found is None:
-            spec = self._spec
-            if batch_size == spec.batch_size and seq_len == spec.seq_len:
-                found = self._requirements(spec)
-            elif self._shaped is None:
-                found = self._requirements(spec.with_shape(batch_size, seq_len))
-            else:
-                found = self._shaped(batch_size, seq_len)
-                self.made += 1
-            self.points[point] = found
-        return found
+        spec = self._spec
+        if batch_size == spec.batch_size and seq_len == spec.seq_len:
+            return self._requirements(spec)
+        if self._shaped is None:
+            return self._requirements(spec.with_shape(batch_size, seq_len))
+        self.made += 1
+        return self._shaped(batch_size, seq_len)
 
 
 class _Capacity:
@@ -285,11 +278,13 @@ class _Curve:
         job = self._spec
         if job.objective is Objective.GRPO:  # the generation batch divisible
             value = self.requirements(curve_point(job, self.dimension, x)).device_bytes_upper
-        elif self.dimension == "batch_size":
-            batch = max(x, job.min_batch_size)
-            value = self._along(batch, job.seq_len).device_bytes_upper
-        else:
+        elif self.dimension != "batch_size":
             value = self._seq_point(x)
+        elif x < job.min_batch_size:  # (memoised by its spec: every such x shares it)
+            smallest = job.with_shape(job.min_batch_size, job.seq_len)
+            value = self.requirements(smallest).device_bytes_upper
+        else:
+            value = self._along(x, job.seq_len).device_bytes_upper
         self.xs.insert(i, x)
         self.values.insert(i, value)
         return value
@@ -300,8 +295,9 @@ class _Curve:
         job = self._spec
         try:
             return self._along(job.batch_size, x).device_bytes_upper
-        except SequenceTooShortError as short:
-            return self._along(job.batch_size, short.minimum).device_bytes_upper
+        except SequenceTooShortError as short:  # (memoised by its spec)
+            shortest = job.with_shape(job.batch_size, short.minimum)
+            return self.requirements(shortest).device_bytes_upper
 
     def largest_fitting(self, capacity: _Capacity) -> int:
         """The largest x in [0, limit] whose safe bound fits `capacity` (0: none does); the
@@ -423,6 +419,7 @@ class _Solver:
         self._lowering_memo: dict[TrainingSpec, list[tuple[Change, TrainingSpec, Requirement]]] = {}
         self._shares: dict[TrainingSpec, float] = {}
         self._micro: dict[tuple[TrainingSpec, int], TrainingSpec] = {}
+        self._smaller: dict[tuple[TrainingSpec, _Capacity], TrainingSpec | None] = {}
         self._taken_back: dict[tuple[Change, TrainingSpec, TrainingSpec], TrainingSpec | None] = {}
 
     def curve(self, spec: TrainingSpec, dimension: Dimension) -> _Curve:
@@ -461,7 +458,16 @@ class _Solver:
 
     def _smaller_micro_batch(self, spec: TrainingSpec, capacity: _Capacity) -> TrainingSpec | None:
         """The largest micro-batch that divides the effective batch and fits, accumulating
-        the rest; without one that fits, the last one tried."""
+        the rest; without one that fits, the last one tried (once per spec and capacity: the
+        suggestions and the stacked change both ask)."""
+        key = (spec, capacity)
+        if key not in self._smaller:
+            self._smaller[key] = self._find_smaller_micro_batch(spec, capacity)
+        return self._smaller[key]
+
+    def _find_smaller_micro_batch(
+        self, spec: TrainingSpec, capacity: _Capacity
+    ) -> TrainingSpec | None:
         largest = min(self.max_batch(spec, capacity), spec.batch_size - 1)
         smallest = spec.min_batch_size
         if largest < smallest:
