@@ -525,11 +525,14 @@ class _Solver:
             current = self.requirements(spec).device_bytes_upper
             found = []
             for change in Change:
-                if change is Change.SMALLER_MICRO_BATCH or not self._worth_trying(change, spec):
+                if change is Change.SMALLER_MICRO_BATCH:
                     continue
+                # (the change first: the optimizer's share is asked of one that applies)
                 changed = self._spec_change(change, spec)
-                need = None if changed is None else self.requirements.valid(changed)
-                if changed is not None and need is not None and need.device_bytes_upper < current:
+                if changed is None or not self._worth_trying(change, spec):
+                    continue
+                need = self.requirements.valid(changed)
+                if need is not None and need.device_bytes_upper < current:
                     found.append((change, changed, need))
             self._lowering_memo[spec] = found
         return found
@@ -566,11 +569,11 @@ class _Solver:
         current = self.requirements(spec).device_bytes_upper
         job = spec  # the optimizer's share is the job's, not that of the changes stacked so far
         for change in Change:
-            if not self._worth_trying(change, job):
-                continue
             changed = self.apply(change, spec, capacity)
-            need = None if changed is None else self.requirements.valid(changed)
-            if changed is None or need is None or need.device_bytes_upper >= current:
+            if changed is None or not self._worth_trying(change, job):
+                continue
+            need = self.requirements.valid(changed)
+            if need is None or need.device_bytes_upper >= current:
                 continue
             spec, current = changed, need.device_bytes_upper
             superseded = _SUPERSEDES.get(change)
