@@ -29,7 +29,9 @@ _BATCH_SIZE = TypeAdapter(Annotated[int, JobSpec.model_fields["batch_size"]])
 _SEQ_LEN = TypeAdapter(Annotated[int, JobSpec.model_fields["seq_len"]])
 # Single bodies' jobs remembered across requests, by their JSON less the shape: forgotten
 # whole when full. A body longer than the answer cache keeps is not remembered either, so the
-# memo holds at most this many x (MAX_KEPT_BODY_BYTES + a job and its spec).
+# memo holds at most this many x (MAX_KEPT_BODY_BYTES + a job and its spec), plus what each
+# job resolved (`SharedSpec.resolved`), whose estimate at any shape keeps the job's compiled
+# pieces alive even once the estimator has let them go: at most MAX_PIECES (8) a job.
 MAX_KNOWN_JOBS = 1024
 
 
