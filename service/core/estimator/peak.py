@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -22,6 +23,7 @@ from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
 from service.core.estimator.step import PHASES, _check_modelled, _Step, _step, check_liger
+from service.core.estimator.symbolic import Compiled
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.vision import model_step
@@ -137,17 +139,23 @@ def shape_levels(
     if spec.objective is not Objective.SFT or arch.encoder or arch.encoder_decoder:
         return ran
     job = _PIECES.job(arch, spec, compute_capability)
+    # each piece's compiled peak and its levels above, in the job's order (its pieces are
+    # appended to, never changed): taken up as the job records them
+    read: list[tuple[Compiled, _PieceAbove]] = []
 
     def at(b: int, s: int) -> PeakLevels:
         # A job holds pieces only once its step ran, after the checks `peak_levels` makes
         # first, none of which reads the shape.
         if b >= 1 and s >= 1:
-            for piece in job.pieces:  # (appended to, never changed)
-                found = piece.peak(b, s)
+            if len(read) < len(job.pieces):
+                read.extend(
+                    (piece.peak, _above_of(job, piece, spec, compute_capability))
+                    for piece in job.pieces[len(read) :]
+                )
+            for peak, above in read:
+                found = peak(b, s)
                 if found is not None:
-                    allocated, run_b, run_s = found[:3]
-                    above = _above_of(job, piece, spec, compute_capability)
-                    return above.levels(allocated, run_b, run_s)
+                    return above.levels(found[0], found[1], found[2])
         return ran(b, s)
 
     return at
@@ -198,11 +206,13 @@ class _PieceAbove:
         # The kernel reads the sequence only through whether the model's window masks it
         # (`ModelArch.windowed`): resolved once on each side of the window.
         model = self.plan.arch
-        self.window = None if model.explicit_mask else model.sliding_window
+        window = None if model.explicit_mask else model.sliding_window
         self.fused = tuple(
             resolve_kernel(self.plan, s)[0] is Kernel.FLASH and plan.flow.attn != FP32_BYTES
-            for s in (1, self.window or 1)
+            for s in (1, window or 1)
         )
+        # the sequence from which the kernel is the window's (none: never)
+        self.window = math.inf if window is None else window
         eager = spec.stack.eager_module_loading
         uncertainty = _uncertainty(arch, spec)
         rows = tuple(
@@ -222,8 +232,7 @@ class _PieceAbove:
 
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
         """`_above`'s levels over `allocated` at batch `b`, sequence `s` as the model ran."""
-        fused = self.fused[self.window is not None and s >= self.window]
-        reserved, device, upper = self.math[fused].numbers(
+        reserved, device, upper = self.math[self.fused[s >= self.window]].numbers(
             allocated, allocated + reserved_gap_bytes(self.plan, b, s)
         )
         return PeakLevels(allocated, reserved, device, upper)
@@ -249,7 +258,7 @@ class _PieceAbove:
         phases = tuple(made)
         allocated = peak.allocated_bytes
         gap, gap_note = reserved_gap(self.plan, b, s)
-        fused = self.fused[self.window is not None and s >= self.window]
+        fused = self.fused[s >= self.window]
         over = self.math[fused].above(allocated, allocated + gap, gap_note)
         assumptions, warnings = piece.notes or ((), ())
         return Estimate(
