@@ -23,11 +23,9 @@ from service.api.problems import (
     invalid_request,
 )
 from service.api.schemas import (
-    CheapestOut,
     EstimateOut,
     FitCheckIn,
     FitCheckOut,
-    GpuFitOut,
     GpuOfferIn,
     GpuOut,
     GpuRef,
@@ -38,8 +36,9 @@ from service.api.schemas import (
     PlacementRefOut,
     PlacementsOut,
     RejectedJob,
-    SuggestionOut,
     estimate_values,
+    gpu_fit_values,
+    suggestion_values,
 )
 from service.calibration.provider import CalibratedPeaks, FactorProvider
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
@@ -255,6 +254,11 @@ class Estimation:
         return {"results": results, "succeeded": len(results) - failed, "failed": failed}
 
     def fit_check(self, body: FitCheckIn) -> FitCheckOut:
+        return FitCheckOut.model_validate(self.fit_check_values(body))
+
+    def fit_check_values(self, body: FitCheckIn) -> dict[str, Any]:
+        """The fit-check's answer as the plain values of a `FitCheckOut`, in its fields'
+        order, ready to encode (as `values` is an estimate's)."""
         job_loc: Loc = ("body", "job")
         with _located(job_loc):
             resolved = self._job(body.job, job_loc)
@@ -304,31 +308,32 @@ class Estimation:
         cheapest = None
         if report.cheapest is not None:
             best = report.gpus[report.cheapest]
-            cheapest = CheapestOut(
-                index=report.cheapest,
-                name=gpus[report.cheapest].requested,
-                cost_per_hour=best.cost_per_hour or 0.0,
-            )
-        described: dict[Suggestion, SuggestionOut] = {}
+            cheapest = {
+                "index": report.cheapest,
+                "name": gpus[report.cheapest].requested,
+                "cost_per_hour": best.cost_per_hour or 0.0,
+            }
+        described: dict[Suggestion, dict[str, Any]] = {}
 
-        def describe(suggestion: Suggestion) -> SuggestionOut:
+        def describe(suggestion: Suggestion) -> dict[str, Any]:
             found = described.get(suggestion)
             if found is None:
-                found = described[suggestion] = SuggestionOut.from_core(resolved.spec, suggestion)
+                found = described[suggestion] = suggestion_values(resolved.spec, suggestion)
             return found
 
         placement = None
         if body.placement is not None:
             placement = self._placements(body.placement, resolved, gpus, offers, requirement)
-        return FitCheckOut(
-            job=EstimateOut.from_core(resolved.model, job_estimate, peaks),
-            results=[
-                GpuFitOut.from_core(gpu, fit, describe)
+        return {
+            "job": estimate_values(resolved.model, job_estimate, peaks),
+            "results": [
+                gpu_fit_values(_gpu_values(gpu), fit, describe)
                 for gpu, fit in zip(gpus, report.gpus, strict=True)
             ],
-            cheapest=cheapest,
-            placement=placement,
-        )
+            "cheapest": cheapest,
+            # (a model among the values: its serialiser writes it, and validation takes it)
+            "placement": placement,
+        }
 
     def _placements(
         self,
@@ -479,6 +484,12 @@ def _gpu_out(requested: str, gpu: Gpu, matched_by: str) -> GpuOut:
         fp8=gpu.fp8,
         compute_capability=gpu.compute_capability,
     )
+
+
+@lru_cache(maxsize=1024)
+def _gpu_values(gpu: GpuOut) -> dict[str, Any]:
+    """A `GpuOut`'s values, remembered with it (answers only encode them)."""
+    return gpu.model_dump(mode="json")
 
 
 def _requirement(peaks: CalibratedPeaks) -> Requirement:

@@ -1,8 +1,9 @@
-"""The estimate routes encode plain values in one pass: the bytes the response models write.
+"""The estimate and fit-check routes encode plain values in one pass: the bytes the response
+models write.
 
-`estimate_values` and `Estimation.batch` stand in for building `EstimateOut` and `BatchOut`
-per answer; these tests hold their encoding to the models' own serialisers, byte for byte,
-and the routes' answers to the models' schema.
+`estimate_values`, `Estimation.batch` and `Estimation.fit_check_values` stand in for building
+`EstimateOut`, `BatchOut` and `FitCheckOut` per answer; these tests hold their encoding to the
+models' own serialisers, byte for byte, and the routes' answers to the models' schema.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pydantic_core import to_json
 
 from service.api.app import create_app
 from service.api.deps import estimation_for
-from service.api.schemas import BatchOut, EstimateOut, JobSpec
+from service.api.schemas import BatchOut, EstimateOut, FitCheckIn, FitCheckOut, JobSpec
 from service.api.settings import Settings
 from service.calibration.factors import FactorState
 from service.calibration.provider import CachedFactors, CalibratedPeaks, applied_calibration
@@ -85,7 +86,40 @@ class Calibrated:
         )
 
 
-def _model_bytes(values: dict[str, Any], model: type[EstimateOut] | type[BatchOut]) -> bytes:
+# Fit-checks whose answers hold every part: GPUs that fit and GPUs that do not (suggestions,
+# single and stacked), prices (the cheapest), counts, GPUs by memory (in the catalog and not),
+# and a placement.
+FIT_CHECKS: list[dict[str, Any]] = [
+    {"job": SMALL_JOB, "gpus": ["L4", "H100-SXM", "A100-80GB"]},
+    {
+        "job": FULL_JOB,
+        "gpus": [
+            "T4",
+            {"name": "L4", "price_per_hour": 0.8},
+            {"name": "A100-80GB", "count": 2, "price_per_hour": 1.9},
+            {"memory_mib": 81920},
+            {"memory_mib": 50000},
+        ],
+    },
+    {
+        "job": {
+            **{k: v for k, v in FULL_JOB.items() if k not in ("lora", "quantization")},
+            "method": "full",
+            "optim": "adamw_torch",
+        },
+        "gpus": ["L4", "H200"],
+    },
+    {
+        "job": {**SMALL_JOB, "batch_size": 8, "seq_len": 4096},
+        "gpus": ["T4", {"name": "L4", "price_per_hour": 0.8}],
+        "placement": {"strategies": ["ddp", "zero3"], "max_gpus": 8},
+    },
+]
+
+
+def _model_bytes(
+    values: dict[str, Any], model: type[EstimateOut] | type[BatchOut] | type[FitCheckOut]
+) -> bytes:
     validated = model.model_validate(values)
     return validated.__pydantic_serializer__.to_json(validated)
 
@@ -119,10 +153,34 @@ def test_batch_values_encode_as_the_model_does() -> None:
     assert to_json(values) == _model_bytes(values, BatchOut)
 
 
+@pytest.mark.parametrize("calibrated", [False, True], ids=["uncalibrated", "calibrated"])
+def test_fit_check_values_encode_as_the_model_does(calibrated: bool) -> None:
+    app = create_app(Settings(database_url="sqlite://"))
+    if calibrated:
+        plain = app.state.services.factors
+        app = create_app(Settings(database_url="sqlite://"), factor_provider=Calibrated(plain))
+    estimation = estimation_for(app.state.services)
+    seen = set()
+    for body in FIT_CHECKS:
+        values = estimation.fit_check_values(FitCheckIn.model_validate(body))
+        assert to_json(values) == _model_bytes(values, FitCheckOut), body
+        for result in values["results"]:
+            seen.add("fits" if result["fits"] else "does not fit")
+            seen.update(f"{len(s['changes'])} changes" for s in result["suggestions"])
+        seen.update(part for part in ("cheapest", "placement") if values[part] is not None)
+    # (the checks hold each part of an answer)
+    assert {"fits", "does not fit", "1 changes", "2 changes", "cheapest", "placement"} <= seen
+
+
 def test_the_routes_answer_what_the_models_write() -> None:
     with TestClient(create_app(Settings(database_url="sqlite://"))) as client:
         singles = [client.post("/v1/estimates", json=job) for job in JOBS]
         batch = client.post("/v1/estimates:batch", json={"jobs": JOBS})
+        checks = [client.post("/v1/fit-checks", json=body) for body in FIT_CHECKS]
+    for response in checks:
+        assert response.status_code == 200, response.text
+        checked = FitCheckOut.model_validate_json(response.content)
+        assert response.content == checked.__pydantic_serializer__.to_json(checked)
     for response in singles:
         assert response.status_code == 200
         out = EstimateOut.model_validate_json(response.content)

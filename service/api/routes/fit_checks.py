@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic_core import to_json
 from starlette.concurrency import run_in_threadpool
 
 from service.api.body import request_body, validate_body_or
@@ -35,7 +36,7 @@ async def create_fit_check(request: Request) -> Response:
     content_type = request.headers.get("content-type")
 
     def answer() -> bytes:
-        checked = estimation.fit_check(validate_body_or(body, content_type, FitCheckIn, FitCheckIn))
-        return checked.__pydantic_serializer__.to_json(checked)
+        asked = validate_body_or(body, content_type, FitCheckIn, FitCheckIn)
+        return to_json(estimation.fit_check_values(asked))
 
     return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)

@@ -43,7 +43,9 @@ from service.api.schemas.fit_checks import (
     PlacementRefOut,
     PlacementsOut,
     SuggestionOut,
+    gpu_fit_values,
     spec_changes,
+    suggestion_values,
 )
 from service.api.schemas.jobs import (
     MAX_BATCH_JOBS,
@@ -130,5 +132,7 @@ __all__ = [
     "RejectedJob",
     "SuggestionOut",
     "estimate_values",
+    "gpu_fit_values",
     "spec_changes",
+    "suggestion_values",
 ]

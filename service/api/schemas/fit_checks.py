@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, JsonValue, field_validator
 
@@ -100,16 +100,6 @@ class SuggestionOut(Out):
     required_bytes: Bytes = Field(description="The safe bound after the change.")
     fits: bool = Field(description="Whether the changed job fits this GPU.")
 
-    @classmethod
-    def from_core(cls, job: TrainingSpec, suggestion: Suggestion) -> SuggestionOut:
-        return cls(
-            changes=list(suggestion.changes),
-            description="; ".join(CHANGE_WORDS[c] for c in suggestion.changes),
-            set=spec_changes(job, suggestion.spec),
-            required_bytes=suggestion.requirement.device_bytes_upper,
-            fits=suggestion.fits,
-        )
-
 
 class GpuFitOut(Out):
     """The job on one GPU type."""
@@ -136,26 +126,6 @@ class GpuFitOut(Out):
     cost_per_hour: float | None = Field(
         default=None, ge=0.0, description="price_per_hour * count, when a price was given."
     )
-
-    @classmethod
-    def from_core(
-        cls, gpu: GpuOut, fit: GpuFit, describe: Callable[[Suggestion], SuggestionOut]
-    ) -> GpuFitOut:
-        """`describe` turns a suggestion into its answer (GPUs of one check share most)."""
-        return cls(
-            gpu=gpu,
-            count=fit.count,
-            fits=fit.fits,
-            usable_bytes=fit.usable_bytes,
-            required_bytes=fit.requirement.device_bytes_upper,
-            required_bytes_median=fit.requirement.device_bytes,
-            headroom_bytes=fit.headroom_bytes,
-            utilisation=fit.utilisation,
-            max_batch_size=fit.max_batch_size,
-            max_seq_len=fit.max_seq_len,
-            suggestions=[describe(s) for s in fit.suggestions],
-            cost_per_hour=fit.cost_per_hour,
-        )
 
 
 class CheapestOut(Out):
@@ -247,6 +217,41 @@ class FitCheckOut(Out):
     placement: PlacementsOut | None = Field(
         default=None, description="With `placement` in the request: where the job fits."
     )
+
+
+def suggestion_values(job: TrainingSpec, suggestion: Suggestion) -> dict[str, Any]:
+    """A `SuggestionOut` as the plain values it serialises to, in its fields' order."""
+    changes = suggestion.changes
+    return {
+        "changes": [c.value for c in changes],
+        "description": "; ".join(CHANGE_WORDS[c] for c in changes),
+        "set": spec_changes(job, suggestion.spec),
+        "required_bytes": suggestion.requirement.device_bytes_upper,
+        "fits": suggestion.fits,
+    }
+
+
+def gpu_fit_values(
+    gpu: dict[str, Any], fit: GpuFit, describe: Callable[[Suggestion], dict[str, Any]]
+) -> dict[str, Any]:
+    """A `GpuFitOut` as the plain values it serialises to, in its fields' order: `gpu` is a
+    `GpuOut`'s values, `describe` turns a suggestion into its values (`suggestion_values`;
+    GPUs of one check share most suggestions)."""
+    need = fit.requirement
+    return {
+        "gpu": gpu,
+        "count": fit.count,
+        "fits": fit.fits,
+        "usable_bytes": fit.usable_bytes,
+        "required_bytes": need.device_bytes_upper,
+        "required_bytes_median": need.device_bytes,
+        "headroom_bytes": fit.headroom_bytes,
+        "utilisation": fit.utilisation,
+        "max_batch_size": fit.max_batch_size,
+        "max_seq_len": fit.max_seq_len,
+        "suggestions": [describe(s) for s in fit.suggestions],
+        "cost_per_hour": fit.cost_per_hour,
+    }
 
 
 def spec_changes(old: TrainingSpec, new: TrainingSpec) -> dict[str, JsonValue]:
