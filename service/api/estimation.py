@@ -284,13 +284,13 @@ class Estimation:
 
         def shaped(spec: TrainingSpec) -> Callable[[int, int], Requirement]:
             levels_at = shape_levels(resolved.arch, spec)
-            method = spec.method.value
+            calibrated = self.factors.calibrated(
+                model=resolved.model, method=spec.method.value, gpu=None
+            )
 
             def at(batch_size: int, seq_len: int) -> Requirement:
-                levels = levels_at(batch_size, seq_len)
-                return _requirement(
-                    self.factors.peaks(levels, model=resolved.model, method=method, gpu=None)
-                )
+                _, _, device, upper = calibrated(levels_at(batch_size, seq_len))
+                return Requirement(device, upper)
 
             return at
 

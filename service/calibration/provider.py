@@ -7,7 +7,7 @@ load; the estimate says which factors applied and whether they are fresh, stale 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -15,6 +15,8 @@ from service.calibration.factors import FactorCache, FactorState
 from service.core.calibration import AppliedFactor, Level, Scope
 from service.core.result import Levels
 
+# A job's calibrated levels: allocated, reserved, device and the safe bound, bytes.
+LevelsFn = Callable[[Levels], tuple[int, int, int, int]]
 SCOPE_NONE = "none"
 # How the calibration notes name a factor's scope.
 SCOPE_WORDS = {
@@ -134,12 +136,28 @@ class FactorProvider(Protocol):
         now: answers computed under another generation are stale."""
         ...
 
+    def calibrated(self, *, model: str, method: str, gpu: str | None) -> LevelsFn:
+        """`peaks`' four numbers (allocated, reserved, device, safe bound) for any estimate of
+        this model, method and GPU, without their description: what a fit-check reads at
+        dozens of shapes. A provider that subclasses this protocol may keep this reading of
+        its `peaks`."""
+
+        def levels(estimate: Levels) -> tuple[int, int, int, int]:
+            p = self.peaks(estimate, model=model, method=method, gpu=gpu)
+            return p.allocated_bytes, p.reserved_bytes, p.device_bytes, p.device_bytes_upper
+
+        return levels
+
 
 class CachedFactors:
     """The store's factors, as this replica's cache holds them (never waiting on a load)."""
 
     def __init__(self, cache: FactorCache) -> None:
         self.cache = cache
+
+    def calibrated(self, *, model: str, method: str, gpu: str | None) -> LevelsFn:
+        # the factors in force now, looked up once
+        return self.cache.peek().table.calibrator(model=model, method=method, gpu=gpu).levels
 
     def generation(self) -> object:
         # A snapshot is replaced, never changed, when the factors or their state change.

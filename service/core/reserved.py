@@ -29,6 +29,7 @@ from service.core.architecture import (
     NormKind,
     module_order,
 )
+from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.schedule import (
     HALF_BYTES,
@@ -497,6 +498,7 @@ def _quantized(elements: int, plan: ReservedPlan) -> list[int]:
 @lru_cache(maxsize=256)
 def _after_weights(plan: ReservedPlan) -> FrozenState:
     """The allocator once the model is loaded (its blocks are held for good)."""
+    starting_cold_work("the allocator's replay of the weights")
     allocator = CachingAllocator(plan.allocator)
     for nbytes in weight_sizes(plan):
         if nbytes > 0:
@@ -566,6 +568,7 @@ def _replay(
 def _replayed_gap(plan: ReservedPlan, batch: int, seq: int) -> int:
     """The replay's reserved peak less its tensors' peak: what the allocator holds beyond
     the tensors, added to the allocated estimate."""
+    starting_cold_work("the allocator's replay of a step")
     peaks = reserved_levels(plan, batch, seq)
     return max(0, peaks.peak - peaks.allocated_peak)
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from service.api.answers import MAX_KEPT_BODY_BYTES, Answer, AnswerCache
 from service.api.app import create_app
 from service.api.settings import Settings
-from service.calibration.provider import CachedFactors, CalibratedPeaks
+from service.calibration.provider import CachedFactors, CalibratedPeaks, FactorProvider
 from service.core.result import Levels
 from tests.api.conftest import SMALL_JOB, make_app
 from tests.api.test_operations import _sample
@@ -82,7 +82,7 @@ def test_errors_are_not_kept() -> None:
 
 
 def test_new_factors_make_kept_answers_stale() -> None:
-    class Switchable:
+    class Switchable(FactorProvider):
         """Doubles the device level once switched; each switch is a new generation."""
 
         def __init__(self, factors: CachedFactors) -> None:

@@ -356,7 +356,19 @@ class TestFactors:
         assert fit["job"]["calibration"] == calibration
         # a fit-check weighs every GPU by the unnamed-GPU row, as an estimate without `gpu`
         plain = store_client.post("/v1/estimates", json=SMALL_JOB).json()
-        assert fit["results"][0]["required_bytes"] == plain["peak"]["device_bytes_upper"]
+        [result] = fit["results"]
+        assert result["required_bytes"] == plain["peak"]["device_bytes_upper"]
+
+        # and so do its curves: the largest sequence fits, one token more does not
+        def bound(seq_len: int) -> int:
+            job = {**SMALL_JOB, "seq_len": seq_len}
+            answer = store_client.post("/v1/estimates", json=job).json()
+            assert answer["calibration"] == calibration
+            upper: int = answer["peak"]["device_bytes_upper"]
+            return upper
+
+        longest = result["max_seq_len"]
+        assert bound(longest) <= result["usable_bytes"] < bound(longest + 1)
 
     def test_a_node_uploading_a_thousand_absurd_values_moves_no_factor_beyond_its_clamp(
         self, store_app: FastAPI, store_client: TestClient

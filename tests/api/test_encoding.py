@@ -19,7 +19,12 @@ from service.api.deps import estimation_for
 from service.api.schemas import BatchOut, EstimateOut, FitCheckIn, FitCheckOut, JobSpec
 from service.api.settings import Settings
 from service.calibration.factors import FactorState
-from service.calibration.provider import CachedFactors, CalibratedPeaks, applied_calibration
+from service.calibration.provider import (
+    CachedFactors,
+    CalibratedPeaks,
+    FactorProvider,
+    applied_calibration,
+)
 from service.core.calibration import AppliedFactor, Factor, GroupKey, Level, Scope
 from service.core.result import Levels
 from tests.api.conftest import FULL_JOB, SMALL_JOB
@@ -46,7 +51,7 @@ JOBS: list[dict[str, Any]] = [
 ]
 
 
-class Calibrated:
+class Calibrated(FactorProvider):
     """The store's factors, with a device-level and an allocated-level factor applied to
     every job (as a replica whose store holds measurements of the model would)."""
 

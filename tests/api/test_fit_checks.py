@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from service.api.problems import ProblemType
+from service.api.routes import fit_checks
 from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
-from service.core.estimator import estimate
+from service.core.estimator import estimate, forget_compiled_steps
 from service.core.fit import usable_bytes
+from service.core.reserved import clear_replay_caches
 from service.core.spec import LoraSpec, TrainingSpec
 from tests.api.conftest import SMALL_JOB
 
@@ -319,3 +323,32 @@ def test_a_llama_vision_job_fits_with_its_images(client: TestClient) -> None:
     body = _check(client, job, ["A100-80GB", "L4"])
     fits = {row["gpu"]["name"]: row["fits"] for row in body["results"]}
     assert fits == {"A100-80GB": True, "L4": False}
+
+
+def test_a_cold_check_runs_in_the_thread_pool_a_warm_one_on_the_event_loop(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check that would run a step or replay the allocator is asked again in the thread
+    pool (the event loop free meanwhile); once its jobs are compiled and their shapes
+    replayed, it is answered on the event loop, alike."""
+    clear_replay_caches()
+    forget_compiled_steps()
+    pooled: list[object] = []
+    pool = fit_checks.run_in_threadpool
+
+    async def counted(fn: Callable[[], bytes]) -> bytes:
+        pooled.append(fn)
+        return await pool(fn)
+
+    monkeypatch.setattr(fit_checks, "run_in_threadpool", counted)
+    body = {"job": {**BIG_JOB, "method": "qlora"}, "gpus": ["T4", "L4", "A100-80GB"]}
+    answers = []
+    for _ in range(4):
+        response = client.post("/v1/fit-checks", json=body)
+        assert response.status_code == 200, response.text
+        answers.append((response.content, len(pooled)))
+    # the first in the pool; a job's suggestions' changes are compiled at their second shape
+    # (RECORD_AFTER_RUNS), so the second may be too; the last two on the event loop
+    assert answers[0][1] == 1
+    assert answers[-1][1] == answers[-2][1] == answers[-3][1]
+    assert len({content for content, _ in answers}) == 1

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from service.api.app import create_app
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
 from service.api.settings import Settings
-from service.calibration.provider import AppliedCalibration, CalibratedPeaks
+from service.calibration.provider import AppliedCalibration, CalibratedPeaks, FactorProvider
 from service.core.result import Estimate
 from tests.api.conftest import SMALL_JOB, make_app
 
@@ -88,7 +88,7 @@ def test_wrong_method_is_a_405_problem_with_allow(client: TestClient) -> None:
     assert response.headers["allow"] == "POST"
 
 
-class _Broken:
+class _Broken(FactorProvider):
     def peaks(
         self, estimate: Estimate, *, model: str, method: str, gpu: str | None
     ) -> CalibratedPeaks:
@@ -114,7 +114,7 @@ def test_a_bug_is_a_500_problem_without_a_traceback(caplog: pytest.LogCaptureFix
 
 
 def test_the_factor_provider_is_the_calibration_seam() -> None:
-    class Doubled:
+    class Doubled(FactorProvider):
         def peaks(
             self, estimate: Estimate, *, model: str, method: str, gpu: str | None
         ) -> CalibratedPeaks:

@@ -12,6 +12,7 @@ from service.api.deps import estimation_for, services_of
 from service.api.problems import responses
 from service.api.responses import JSON_MEDIA_TYPE
 from service.api.schemas import FitCheckIn, FitCheckOut
+from service.core.cold import ColdWorkRefused, refusing_cold_work
 
 router = APIRouter(prefix="/v1", tags=["fit-checks"])
 
@@ -28,9 +29,10 @@ router = APIRouter(prefix="/v1", tags=["fit-checks"])
 )
 async def create_fit_check(request: Request) -> Response:
     # The body is read by pydantic-core in one pass from its bytes (a body it refuses is read
-    # again as FastAPI reads a declared body, for FastAPI's errors), and the check runs in the
-    # thread pool, as a plain route's would: a check whose shapes are new to the allocator
-    # replays takes seconds, and the event loop keeps answering meanwhile.
+    # again as FastAPI reads a declared body, for FastAPI's errors). A warm check (its jobs'
+    # steps compiled, their replays remembered) is answered on the event loop, as an estimate
+    # is; one that would run a step or replay the allocator (seconds, for a new job) runs in
+    # the thread pool, as a plain route's would, the event loop answering meanwhile.
     estimation = estimation_for(services_of(request))
     body = await request.body()
     content_type = request.headers.get("content-type")
@@ -39,4 +41,9 @@ async def create_fit_check(request: Request) -> Response:
         asked = validate_body_or(body, content_type, FitCheckIn, FitCheckIn)
         return to_json(estimation.fit_check_values(asked))
 
-    return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
+    try:
+        with refusing_cold_work():
+            content = answer()
+    except ColdWorkRefused:
+        content = await run_in_threadpool(answer)
+    return Response(content, media_type=JSON_MEDIA_TYPE)

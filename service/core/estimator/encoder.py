@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from service.core.allocator import AllocatorConfig, CachingAllocator
 from service.core.architecture import Linear, ModelArch
+from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
 from service.core.errors import InvalidSpecError
 from service.core.estimator.compiled import compile_notes
@@ -413,6 +414,7 @@ def encoder_estimate(
 ) -> Estimate:
     """The estimate of an encoder's step: the phase windows' allocated peaks and breakdowns
     from the replay, the reserved peak from the allocator model, the device level above."""
+    starting_cold_work("the allocator's replay of an encoder step")
     shape, replayed, phases = _phases(arch, spec, compute_capability)
     peak = max(phases, key=lambda ph: (ph.allocated_bytes, -ph.step))
     rs = resolve(spec)

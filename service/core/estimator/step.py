@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from service.core.architecture import ModelArch, NormKind
+from service.core.cold import starting_cold_work
 from service.core.errors import InvalidSpecError
 from service.core.estimator.adalora import adalora_parts
 from service.core.estimator.adapter import norm_product_bytes
@@ -222,6 +223,7 @@ def _step(
     compute_capability: str | None = None,
 ) -> _Step:
     """The step's allocated bytes phase by phase."""
+    starting_cold_work("the step's run")
     _check_modelled(arch, spec)
     check_liger(arch, spec)
     arch = looped_arch(arch, spec)
