@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from service.api import batch_body
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
+from service.api.routes import estimates
 from service.api.schemas import JobSpec
 from service.catalog.models import default_catalog
 from service.core.errors import InvalidSpecError
-from service.core.estimator import estimate
+from service.core.estimator import estimate, forget_compiled_steps
+from service.core.reserved import clear_replay_caches
 from service.core.result import Component
 from service.core.spec import LoraSpec, TrainingSpec
-from tests.api.conftest import FULL_JOB, SMALL_JOB
+from tests.api.conftest import FULL_JOB, SMALL_JOB, answered_as_the_core
 
 
 def _problem(response: Any, status: int) -> dict[str, Any]:
@@ -395,3 +399,35 @@ def test_a_llama_vision_job_that_is_not_modelled_is_a_422(
 ) -> None:
     body = _problem(client.post("/v1/estimates", json={**MLLAMA_JOB, **change}), 422)
     assert field in str(body)
+
+
+def test_a_cold_estimate_is_made_in_the_thread_pool_a_warm_one_on_the_event_loop(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An estimate that would run the step or replay the allocator is made in the thread
+    pool, the event loop free meanwhile; a warm one (the job compiled, its shape's replays
+    remembered) on the event loop. The answers are the core's either way."""
+    clear_replay_caches()
+    forget_compiled_steps()
+    monkeypatch.setattr(batch_body, "_known", {})  # (jobs read before keep their pieces)
+    pooled: list[object] = []
+    pool = estimates.run_in_threadpool
+
+    async def counted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        pooled.append(fn)
+        return await pool(fn, *args, **kwargs)
+
+    monkeypatch.setattr(estimates, "run_in_threadpool", counted)
+    made = []
+    answers = []
+    # the first shape runs the step and replays; the second runs it again (and so records
+    # the job's piece); the third lies between the shapes the first replayed
+    jobs = [{**SMALL_JOB, "batch_size": 2, "seq_len": seq_len} for seq_len in (600, 700, 800)]
+    for job in jobs:
+        response = client.post("/v1/estimates", json=job)
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+        made.append(len(pooled))
+    assert made == [1, 2, 2]
+    for job, answer in zip(jobs, answers, strict=True):
+        assert answer == answered_as_the_core(client, job)

@@ -21,6 +21,7 @@ from service.api.deps import Services, estimation_for, services_of
 from service.api.problems import responses
 from service.api.responses import JSON_MEDIA_TYPE
 from service.api.schemas import BatchIn, BatchOut, EstimateOut, JobsIn, JobSpec
+from service.core.cold import ColdWorkRefused, refusing_cold_work
 
 PREFIX = "/v1"
 router = APIRouter(prefix=PREFIX, tags=["estimates"])
@@ -37,18 +38,20 @@ ESTIMATE_PATH = f"{PREFIX}/estimates"
     openapi_extra=request_body(JobSpec),
 )
 async def create_estimate(request: Request) -> Response:
-    return estimate_response(
+    return await estimate_response(
         services_of(request), await request.body(), request.headers.get("content-type")
     )
 
 
-def estimate_response(services: Services, body: bytes, content_type: str | None) -> Response:
+async def estimate_response(services: Services, body: bytes, content_type: str | None) -> Response:
     """POST /v1/estimates' answer to `body`, sent as `content_type`.
 
     Schedulers call this before every placement: the body is parsed by pydantic-core in one
     pass, the services are read directly (FastAPI's body and dependency resolution would cost
     more than the estimate), and a body asked before under the same calibration factors gets
-    its kept answer."""
+    its kept answer. A warm estimate is made on the event loop; one that would run the step or
+    replay the allocator (`core.cold`) is made in the thread pool, the event loop answering
+    meanwhile (the kept answers are the event loop's alone)."""
     cacheable = is_json(content_type)
     generation = services.factors.generation()
     if cacheable:
@@ -67,7 +70,12 @@ def estimate_response(services: Services, body: bytes, content_type: str | None)
         job = validate_body(body, content_type, JobSpec)
         spec = None if key is None else remember(key, job)
     # The answer's values are encoded in one pass, as the response model would write them.
-    values = estimation_for(services).values(job, shared=spec)
+    estimation = estimation_for(services)
+    try:
+        with refusing_cold_work():
+            values = estimation.values(job, shared=spec)
+    except ColdWorkRefused:
+        values = await run_in_threadpool(estimation.values, job, shared=spec)
     content = to_json(values)
     if cacheable:
         services.answers.put(body, Answer(content, values["model"], generation))
@@ -154,7 +162,7 @@ class EstimateShortcut:
             # messages: the request is made only for an error's handler.
             services: Services = scope["app"].state.services
             body = await _body(receive)
-            response = estimate_response(services, body, _content_type(scope))
+            response = await estimate_response(services, body, _content_type(scope))
         except Exception as exc:
             handler = self._handler(exc)
             if handler is None:
