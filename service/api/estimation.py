@@ -26,7 +26,6 @@ from service.api.schemas import (
     EstimateOut,
     FitCheckIn,
     FitCheckOut,
-    GpuOfferIn,
     GpuOut,
     GpuRef,
     JobSpec,
@@ -265,11 +264,13 @@ class Estimation:
             job_estimate = estimate(resolved.arch, resolved.spec)
         gpus: list[GpuOut] = []
         offers: list[GpuOffer] = []
-        for index, entry in enumerate(body.gpus):
-            with _located(("body", "gpus", index)):
+        try:
+            for entry in body.gpus:
                 gpu = self._gpu(entry)
                 gpus.append(gpu)
-                offers.append(_offer(gpu, entry))
+                offers.append(_offer(gpu.memory_bytes, entry.count, entry.price_per_hour))
+        except (EstimatorError, UnknownGpuError) as exc:  # located at the GPU it stopped at
+            raise ProblemError(from_exception(exc, ("body", "gpus", len(offers)))) from exc
 
         peaks = self._peaks(job_estimate, resolved, None)
         job_requirement = _requirement(peaks)
@@ -496,10 +497,10 @@ def _requirement(peaks: CalibratedPeaks) -> Requirement:
     return Requirement(device_bytes=peaks.device_bytes, device_bytes_upper=peaks.device_bytes_upper)
 
 
-def _offer(gpu: GpuOut, entry: GpuOfferIn) -> GpuOffer:
-    return GpuOffer(
-        memory_bytes=gpu.memory_bytes, count=entry.count, price_per_hour=entry.price_per_hour
-    )
+@lru_cache(maxsize=1024)
+def _offer(memory_bytes: int, count: int | None, price_per_hour: float | None) -> GpuOffer:
+    """A GPU as the core takes it; remembered (frozen), as most requests offer a few GPUs."""
+    return GpuOffer(memory_bytes=memory_bytes, count=count, price_per_hour=price_per_hour)
 
 
 def _fit_summary(gpu: GpuOut, peaks: CalibratedPeaks) -> dict[str, Any]:
