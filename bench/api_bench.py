@@ -373,6 +373,8 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
 def in_process(database_url: str) -> dict[str, float]:
     """Seconds: one estimate() (same spec, and a new batch/seq each call), the 37-GPU
     fit-check in the core and through the API's handler."""
+    from pydantic_core import to_json
+
     from service.api.app import create_app
     from service.api.deps import estimation_for
     from service.api.schemas import FitCheckIn
@@ -446,7 +448,8 @@ def in_process(database_url: str) -> dict[str, float]:
     )
 
     def api_check() -> object:
-        return estimation_for(services).fit_check(body)
+        # what the route does with a read body: the answer's values, encoded
+        return to_json(estimation_for(services).fit_check_values(body))
 
     from service.core.estimator import forget_compiled_steps
     from service.core.reserved import clear_replay_caches
