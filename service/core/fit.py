@@ -18,7 +18,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 from service.core.errors import InvalidSpecError
 from service.core.fit_changes import Change, apply_change, take_back
@@ -62,6 +62,7 @@ class Requirement(NamedTuple):
     device_bytes_upper: int  # the safe bound, compared with a GPU's usable memory
 
 
+T = TypeVar("T")
 RequirementFn = Callable[[TrainingSpec], Requirement]
 # The requirement of a spec's job at any (batch_size, seq_len): for each spec, a function f
 # with f(b, s) == requirement(spec.with_shape(b, s)), made once per spec.
@@ -711,10 +712,10 @@ class _Job:
     def _answer(self, usable: int) -> tuple[bool, int, int]:
         """Whether the job fits `usable` bytes, and its largest batch and sequence there:
         worked out once per range of capacities that answers every comparison they make
-        alike (GPUs come smallest first: the latest range is the likeliest)."""
-        for window, found in reversed(self.answered):
-            if window.covers(usable):
-                return found
+        alike."""
+        found_before = _covering(self.answered, usable)
+        if found_before is not None:
+            return found_before
         capacity = _Capacity(usable)
         found = (
             capacity.holds(self.need.device_bytes_upper),
@@ -725,10 +726,23 @@ class _Job:
         return found
 
     def _suggestions(self, usable: int) -> tuple[Suggestion, ...]:
-        for window, found in reversed(self.suggested):
-            if window.covers(usable):
-                return found
+        found_before = _covering(self.suggested, usable)
+        if found_before is not None:
+            return found_before
         capacity = _Capacity(usable)
         found = self.solver.suggestions(self.spec, capacity)
         self.suggested.append((capacity, found))
         return found
+
+
+def _covering(windows: Sequence[tuple[_Capacity, T]], usable: int) -> T | None:
+    """What the range that holds `usable` found, or None (it is then worked out anew). GPUs
+    come smallest first, so the latest range is the only one that can hold a capacity as
+    large as its own: the ranges are disjoint intervals, each holding the capacity it was
+    made for (an earlier one that held a larger capacity would hold the latest's too, which
+    then would not have been made)."""
+    if windows:
+        window, found = windows[-1]
+        if window.covers(usable):
+            return found
+    return None
