@@ -576,6 +576,7 @@ def _replayed_gap(plan: ReservedPlan, batch: int, seq: int) -> int:
 def clear_replay_caches() -> None:
     """Forget every replay (benchmarks time the first estimate of a job shape with it)."""
     _replayed_gap.cache_clear()
+    _corner_gaps.cache_clear()
     _after_weights.cache_clear()
 
 
@@ -606,20 +607,36 @@ def reserved_gap_bytes(plan: ReservedPlan, batch: int, seq: int) -> int:
     b1, wb = (b0, 0.0) if b0 == batch else (2 * b0, (batch - b0) / b0)
     s1, ws = (s0, 0.0) if s0 == seq else (2 * s0, (seq - s0) / s0)
     # the four corners' replays, weighted bilinearly (a corner of weight 0 is not replayed)
+    g00, g01, g10, g11 = _corner_gaps(plan, b0, b1, s0, s1)
     gap = 0.0
     weight = (1 - wb) * (1 - ws)
     if weight:
-        gap += weight * _replayed_gap(plan, b0, s0)
+        gap += weight * g00
     weight = (1 - wb) * ws
     if weight:
-        gap += weight * _replayed_gap(plan, b0, s1)
+        gap += weight * g01
     weight = wb * (1 - ws)
     if weight:
-        gap += weight * _replayed_gap(plan, b1, s0)
+        gap += weight * g10
     weight = wb * ws
     if weight:
-        gap += weight * _replayed_gap(plan, b1, s1)
+        gap += weight * g11
     return round(gap)
+
+
+@lru_cache(maxsize=4096)
+def _corner_gaps(
+    plan: ReservedPlan, b0: int, b1: int, s0: int, s1: int
+) -> tuple[int, int, int, int]:
+    """The replays' gaps at the corners (b0, s0), (b0, s1), (b1, s0) and (b1, s1) of a
+    bracket, looked up once for every shape inside it; 0 at a corner an exact batch
+    (b1 == b0) or sequence (s1 == s0) gives no weight, which is not replayed."""
+    return (
+        _replayed_gap(plan, b0, s0),
+        _replayed_gap(plan, b0, s1) if s1 != s0 else 0,
+        _replayed_gap(plan, b1, s0) if b1 != b0 else 0,
+        _replayed_gap(plan, b1, s1) if b1 != b0 and s1 != s0 else 0,
+    )
 
 
 @lru_cache(maxsize=256)
