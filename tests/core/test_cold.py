@@ -73,19 +73,36 @@ def test_a_compiled_job_is_warm_at_shapes_its_replays_bracket() -> None:
         assert levels == peak_levels(ARCH, _qlora(b, s))
 
 
-def test_a_step_that_runs_for_every_estimate_is_always_refused() -> None:
-    """A preference job runs its step for each estimate: never on the refusing side."""
-    spec = TrainingSpec(
-        method=Method.LORA,
-        objective=Objective.DPO,
-        batch_size=2,
-        seq_len=512,
-        lora=LoraSpec(r=16, target_modules=ALL_LINEAR),
-    )
-    answered = estimate(ARCH, spec)
-    with pytest.raises(ColdWorkRefused), refusing_cold_work():
-        estimate(ARCH, spec)
-    assert estimate(ARCH, spec) == answered
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [
+        (
+            "Qwen/Qwen2.5-7B",
+            TrainingSpec(
+                method=Method.LORA,
+                objective=Objective.DPO,
+                batch_size=2,
+                seq_len=512,
+                lora=LoraSpec(r=16, target_modules=ALL_LINEAR),
+            ),
+        ),
+        ("bert-large-uncased", TrainingSpec(method=Method.FULL, batch_size=4, seq_len=512)),
+        ("google/t5-v1_1-small", TrainingSpec(method=Method.FULL, batch_size=4, seq_len=512)),
+    ],
+    ids=["dpo", "encoder", "encoder-decoder"],
+)
+def test_a_step_that_runs_for_every_estimate_is_always_refused(
+    model: str, spec: TrainingSpec
+) -> None:
+    """A preference job, an encoder's and an encoder-decoder's run their steps for each
+    estimate (none is compiled): never on the refusing side, even once their replays are
+    kept."""
+    arch = default_catalog().resolve(model).arch
+    answered = estimate(arch, spec)
+    for estimated in (estimate, peak_levels):
+        with pytest.raises(ColdWorkRefused), refusing_cold_work():
+            estimated(arch, spec)
+    assert estimate(arch, spec) == answered
 
 
 def test_refusing_ends_with_its_block() -> None:

@@ -400,6 +400,7 @@ def _replay(shape: EncoderShape, allocator_config: AllocatorConfig) -> _Replayed
 def _phases(
     arch: ModelArch, spec: TrainingSpec, cc: str | None
 ) -> tuple[EncoderShape, _Replayed, tuple[PhasePeak, ...]]:
+    starting_cold_work("an encoder's step")  # (not compiled: each estimate runs it)
     shape = encoder_shape(arch, spec, cc)
     replayed = _replay(shape, spec.allocator)
     phases = []

@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from service.core.architecture import Linear, ModelArch
+from service.core.cold import starting_cold_work
 from service.core.device import cublas_workspace, device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.compiled import compile_notes
@@ -450,6 +451,7 @@ def _shape(arch: ModelArch, rs: ResolvedSpec) -> _Shape:
 
 def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhasePeak, ...]:
     """Each step's four phase peaks with their components."""
+    starting_cold_work("an encoder-decoder's step")  # (not compiled: each estimate runs it)
     rs = check_seq2seq_spec(arch, spec)
     sh = _shape(arch, rs)
     zero = spec.parallel.strategy is Strategy.ZERO3
