@@ -4,10 +4,10 @@ A warm estimate reads its job's compiled pieces and remembered allocator replays
 microseconds; a cold one runs the step itself (milliseconds: a new job, or a shape no piece
 holds yet; every estimate of an encoder or encoder-decoder, whose steps are not compiled, and
 of a preference objective) or replays the allocator (tens to hundreds of milliseconds per
-shape), and a fit-check may do either dozens of times. The API answers on its event loop what is warm and
-moves the rest to a worker thread: it asks under `refusing_cold_work()`, and where such work
-would start (`starting_cold_work`), `ColdWorkRefused` is raised before anything is computed
-or remembered; the caller then asks again where waiting is fine.
+shape), and a fit-check may do either dozens of times. The API answers on its event loop what
+is warm and moves the rest to a worker thread: it asks under `refusing_cold_work()`, and where
+such work would start (`starting_cold_work`), `ColdWorkRefused` is raised before anything is
+computed or remembered; the caller then asks again where waiting is fine.
 """
 
 from __future__ import annotations
