@@ -16,6 +16,7 @@ from pydantic_core import to_json
 
 from service.api.app import create_app
 from service.api.deps import estimation_for
+from service.api.estimation import Estimation
 from service.api.schemas import BatchOut, EstimateOut, FitCheckIn, FitCheckOut, JobSpec
 from service.api.settings import Settings
 from service.calibration.factors import FactorState
@@ -129,13 +130,18 @@ def _model_bytes(
     return validated.__pydantic_serializer__.to_json(validated)
 
 
-@pytest.mark.parametrize("calibrated", [False, True], ids=["uncalibrated", "calibrated"])
-def test_estimate_values_encode_as_the_model_does(calibrated: bool) -> None:
+def _estimation(calibrated: bool) -> Estimation:
+    """An app's estimation, with the store's factors or with `Calibrated`'s."""
     app = create_app(Settings(database_url="sqlite://"))
     if calibrated:
         plain = app.state.services.factors
         app = create_app(Settings(database_url="sqlite://"), factor_provider=Calibrated(plain))
-    estimation = estimation_for(app.state.services)
+    return estimation_for(app.state.services)
+
+
+@pytest.mark.parametrize("calibrated", [False, True], ids=["uncalibrated", "calibrated"])
+def test_estimate_values_encode_as_the_model_does(calibrated: bool) -> None:
+    estimation = _estimation(calibrated)
     for job in JOBS:
         values = estimation.values(JobSpec.model_validate(job))
         assert to_json(values) == _model_bytes(values, EstimateOut), job
@@ -160,11 +166,7 @@ def test_batch_values_encode_as_the_model_does() -> None:
 
 @pytest.mark.parametrize("calibrated", [False, True], ids=["uncalibrated", "calibrated"])
 def test_fit_check_values_encode_as_the_model_does(calibrated: bool) -> None:
-    app = create_app(Settings(database_url="sqlite://"))
-    if calibrated:
-        plain = app.state.services.factors
-        app = create_app(Settings(database_url="sqlite://"), factor_provider=Calibrated(plain))
-    estimation = estimation_for(app.state.services)
+    estimation = _estimation(calibrated)
     seen = set()
     for body in FIT_CHECKS:
         values = estimation.fit_check_values(FitCheckIn.model_validate(body))

@@ -10,28 +10,10 @@ from service.catalog.models import default_catalog
 from service.core.cold import ColdWorkRefused, refusing_cold_work
 from service.core.estimator import estimate, forget_compiled_steps, peak_levels, shape_levels
 from service.core.reserved import clear_replay_caches
-from service.core.spec import (
-    ALL_LINEAR,
-    LoraSpec,
-    Method,
-    Objective,
-    QuantSpec,
-    TrainingSpec,
-)
+from service.core.spec import ALL_LINEAR, LoraSpec, Method, Objective, TrainingSpec
+from tests.core.test_pieces import _qlora
 
 ARCH = default_catalog().resolve("Qwen/Qwen2.5-7B").arch
-
-
-def _qlora(b: int, s: int) -> TrainingSpec:
-    return TrainingSpec(
-        method=Method.QLORA,
-        batch_size=b,
-        seq_len=s,
-        lora=LoraSpec(r=16, target_modules=ALL_LINEAR),
-        quantization=QuantSpec(double_quant=True),
-        autocast=True,
-        gradient_checkpointing=True,
-    )
 
 
 @pytest.fixture(autouse=True)

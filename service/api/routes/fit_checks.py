@@ -35,10 +35,9 @@ async def create_fit_check(request: Request) -> Response:
     # the thread pool, as a plain route's would, the event loop answering meanwhile.
     estimation = estimation_for(services_of(request))
     body = await request.body()
-    content_type = request.headers.get("content-type")
+    asked = validate_body_or(body, request.headers.get("content-type"), FitCheckIn, FitCheckIn)
 
     def answer() -> bytes:
-        asked = validate_body_or(body, content_type, FitCheckIn, FitCheckIn)
         return to_json(estimation.fit_check_values(asked))
 
     try:

@@ -261,23 +261,14 @@ class _PieceAbove:
         fused = self.fused[s >= self.window]
         over = self.math[fused].above(allocated, allocated + gap, gap_note)
         assumptions, warnings = piece.notes or ((), ())
-        return Estimate(
-            allocated_bytes=allocated,
-            reserved_bytes=over.reserved,
-            device_bytes=over.device,
-            device_bytes_upper=over.device_upper,
-            components=peak.components,
-            overheads=over.overheads,
-            peak_step=peak.step,
-            peak_phase=peak.phase,
-            phases=phases,
+        return _made(
+            phases,
+            peak,
+            over,
             params=self.params,
-            upper_margin=over.upper_margin,
             assumptions=(*assumptions, *over.assumptions, *self.notes),
             warnings=warnings,
-            estimator_version=ESTIMATOR_VERSION,
-            host_bytes=found[3],
-            host_pinned_bytes=found[4],
+            host=(found[3], found[4]),
         )
 
 
@@ -554,6 +545,34 @@ def _estimate(
     above, of torch.compile and of the stack; `host` is the host memory per rank and its
     pinned part."""
     p = plan.params
+    return _made(
+        phases,
+        peak,
+        over,
+        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        assumptions=(
+            *assumptions,
+            *over.assumptions,
+            *compile_notes(spec),
+            stack_note(spec.stack),
+        ),
+        warnings=warnings,
+        host=host,
+    )
+
+
+def _made(
+    phases: tuple[PhasePeak, ...],
+    peak: PhasePeak,
+    over: AboveAllocated,
+    *,
+    params: ParamCounts,
+    assumptions: tuple[str, ...],
+    warnings: tuple[str, ...],
+    host: tuple[int, int],
+) -> Estimate:
+    """The estimate peaking at `peak` with the levels `over` it, its notes in order (what
+    `_estimate` and a piece's `_PieceAbove.estimate` give alike)."""
     return Estimate(
         allocated_bytes=peak.allocated_bytes,
         reserved_bytes=over.reserved,
@@ -564,14 +583,9 @@ def _estimate(
         peak_step=peak.step,
         peak_phase=peak.phase,
         phases=phases,
-        params=ParamCounts(total=p.total_count, trainable=p.trainable_count),
+        params=params,
         upper_margin=over.upper_margin,
-        assumptions=(
-            *assumptions,
-            *over.assumptions,
-            *compile_notes(spec),
-            stack_note(spec.stack),
-        ),
+        assumptions=assumptions,
         warnings=warnings,
         estimator_version=ESTIMATOR_VERSION,
         host_bytes=host[0],
