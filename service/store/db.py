@@ -32,11 +32,10 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Engine, create_engine, event, text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import Pool
 
 DATABASE_URL_ENV = "VRAMCAST_DATABASE_URL"
 DEFAULT_DATABASE_URL = "sqlite:///./var/vramcast.db"
@@ -170,15 +169,16 @@ class StoreGuard:
         return refused[0]
 
 
-# Each engine's guard, by its pool (an engine's `execution_options` copies share the pool).
-_guards: weakref.WeakKeyDictionary[Pool, StoreGuard] = weakref.WeakKeyDictionary()
+# Each engine's guard, by its dialect: an engine's `execution_options` copies share it, and it
+# outlives `dispose` (which replaces the pool).
+_guards: weakref.WeakKeyDictionary[Dialect, StoreGuard] = weakref.WeakKeyDictionary()
 
 
 def store_guard(engine: Engine) -> StoreGuard:
     """The guard of `engine` (a new one for an engine this module did not make)."""
-    guard = _guards.get(engine.pool)
+    guard = _guards.get(engine.dialect)
     if guard is None:
-        guard = _guards[engine.pool] = StoreGuard()
+        guard = _guards[engine.dialect] = StoreGuard()
     return guard
 
 
@@ -435,7 +435,7 @@ def create_engine_from_url(
 
 
 def _watch(engine: Engine, guard: StoreGuard) -> None:
-    _guards[engine.pool] = guard
+    _guards[engine.dialect] = guard
     event.listen(engine, "handle_error", _note_refusals(guard))
     event.listen(engine, "commit", _note_writes(guard))
 
