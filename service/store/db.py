@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -133,7 +133,7 @@ class StoreGuard:
         *,
         answer_s: float = STORE_ANSWER_S,
         hold_s: float = UNREACHABLE_HOLD_S,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.answer_s = answer_s
         self.hold_s = hold_s
