@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from service.api import problems
 from service.api.access import AccessMiddleware, configure_access_log
 from service.api.answers import AnswerCache
+from service.api.auth import KeyCache
 from service.api.body import DOCUMENTED_BODIES
 from service.api.deps import Services, require_read_key
 from service.api.docs import mount_docs
@@ -31,7 +32,7 @@ from service.calibration.provider import CachedFactors, FactorProvider
 from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
 from service.core.estimator import ESTIMATOR_VERSION
-from service.store.db import create_engine_from_url, create_session_factory
+from service.store.db import StoreTimeouts, create_engine_from_url, create_session_factory
 from service.web import mount_web
 
 TITLE = "vramcast"
@@ -54,7 +55,9 @@ def create_app(
     """A new app; `factor_provider` replaces the store's factors (a seam for tests)."""
     settings = settings or Settings()
     metrics = Metrics()
-    engine = create_engine_from_url(settings.database_url)
+    engine = create_engine_from_url(
+        settings.database_url, timeouts=StoreTimeouts(answer_s=settings.store_timeout_s)
+    )
     sessions = create_session_factory(engine)
     cache = FactorCache(factor_loader(sessions, ESTIMATOR_VERSION))
     services = Services(
@@ -67,6 +70,7 @@ def create_app(
         sessions=sessions,
         factor_cache=cache,
         answers=AnswerCache(settings.estimate_cache_entries),
+        keys=KeyCache(),
     )
 
     @asynccontextmanager

@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.answers import AnswerCache
-from service.api.auth import api_key, require_key
+from service.api.auth import KeyCache, api_key, require_cached_key, require_key
 from service.api.estimation import Estimation
 from service.api.metrics import Metrics
 from service.api.settings import Settings
@@ -38,6 +38,7 @@ class Services:
     sessions: sessionmaker[Session]
     factor_cache: FactorCache
     answers: AnswerCache
+    keys: KeyCache  # read keys the store verified lately (`auth.KeyCache`)
 
 
 def services_of(request: Request) -> Services:
@@ -100,9 +101,10 @@ def get_upload_key(session: SessionDep, credentials: CredentialsDep) -> ApiKey:
     return require_key(session, credentials, KeyScope.UPLOAD)
 
 
-def require_read_key(session: SessionDep, credentials: CredentialsDep) -> None:
-    """On the read routes when the service requires a read key (`require_read_key`)."""
-    require_key(session, credentials, KeyScope.READ)
+def require_read_key(request: Request, session: SessionDep, credentials: CredentialsDep) -> None:
+    """On the read routes when the service requires a read key (`require_read_key`): through
+    the app's key cache, so that GET /v1/factors answers while the store is down."""
+    require_cached_key(services_of(request).keys, session, credentials, KeyScope.READ)
 
 
 UploadKeyDep = Annotated[ApiKey, Depends(get_upload_key)]

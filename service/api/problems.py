@@ -12,8 +12,11 @@ Problem types (the `type` member; tag URIs, RFC 4151, identify them without a we
 | unsupported-media-type| 415    | a body that is not JSON; `content_type` names what was sent |
 | unauthorized          | 401    | no API key, or an unknown or revoked one (WWW-Authenticate) |
 | forbidden             | 403    | the key lacks the scope the route needs; `scope` names it   |
-| store-unavailable     | 503    | the calibration store cannot be reached; retry after the    |
-|                       |        | `Retry-After` header's seconds (also `retry_after_s`)       |
+| store-unavailable     | 503    | the calibration store cannot be reached or did not answer   |
+|                       |        | in time; retry after the `Retry-After` header's seconds     |
+|                       |        | (also `retry_after_s`)                                      |
+| store-read-only       | 503    | the store answers but refuses writes (read-only, disk       |
+|                       |        | full); the detail names why; retry after `Retry-After`      |
 | about:blank           | any    | plain HTTP errors (unknown path, method not allowed)        |
 | internal-error        | 500    | a bug; the detail never carries a traceback                 |
 """
@@ -40,7 +43,7 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
@@ -55,6 +58,7 @@ from service.core.errors import (
     InvalidSpecError,
     UnknownModelError,
 )
+from service.store.db import store_unreachable, write_refusal
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 _TYPE_PREFIX = "tag:vramcast.dev,2025:problem:"
@@ -86,6 +90,7 @@ class ProblemType(StrEnum):
     UNAUTHORIZED = _TYPE_PREFIX + "unauthorized"
     FORBIDDEN = _TYPE_PREFIX + "forbidden"
     STORE_UNAVAILABLE = _TYPE_PREFIX + "store-unavailable"
+    STORE_READ_ONLY = _TYPE_PREFIX + "store-read-only"
     INTERNAL_ERROR = _TYPE_PREFIX + "internal-error"
     BLANK = "about:blank"
 
@@ -152,7 +157,9 @@ class Problem(BaseModel):
         default=None, description="forbidden: the scope the key lacks.", max_length=32
     )
     retry_after_s: int | None = Field(
-        default=None, description="store-unavailable: seconds to wait (as Retry-After).", ge=0
+        default=None,
+        description="store-unavailable, store-read-only: seconds to wait (as Retry-After).",
+        ge=0,
     )
 
     @model_serializer(mode="wrap")
@@ -262,15 +269,21 @@ def store_unavailable() -> Problem:
         type=ProblemType.STORE_UNAVAILABLE,
         title="The calibration store is unavailable",
         status=HTTPStatus.SERVICE_UNAVAILABLE,
-        detail="the database cannot be reached; estimates still answer, uploads must be retried",
+        detail="the database cannot be reached or did not answer in time; estimates still "
+        "answer, uploads must be retried",
         retry_after_s=RETRY_AFTER_S,
     )
 
 
-def _unreachable(exc: DBAPIError | PoolTimeoutError) -> bool:
-    """Whether a database error says the database cannot be reached (not a bug of ours)."""
-    return not isinstance(exc, DBAPIError) or (
-        isinstance(exc, OperationalError) or exc.connection_invalidated
+def store_read_only(reason: str) -> Problem:
+    return Problem(
+        type=ProblemType.STORE_READ_ONLY,
+        title="The calibration store refuses writes",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        detail=_clip(
+            f"{reason}; estimates and reads still answer, uploads must be retried", MAX_DETAIL
+        ),
+        retry_after_s=RETRY_AFTER_S,
     )
 
 
@@ -317,7 +330,9 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
             return invalid_field(loc, _clip(str(exc), MAX_FIELD_DETAIL), "idempotency_key_reused")
         case InvalidCursorError():
             return invalid_field(("query", "cursor"), "not a cursor this service issued", "cursor")
-        case DBAPIError() | PoolTimeoutError() if _unreachable(exc):
+        case DBAPIError() if (refusal := write_refusal(exc)) is not None:
+            return store_read_only(refusal)
+        case DBAPIError() | PoolTimeoutError() if store_unreachable(exc):
             return store_unavailable()
         case InvalidConfigError():
             loc = (*loc_prefix, "model", "hf_config", *exc.field.split("."))
@@ -384,9 +399,9 @@ async def _on_error(request: Request, exc: Exception) -> Response:
             request_id,
             exc_info=exc,
         )
-    elif problem.type == ProblemType.STORE_UNAVAILABLE:
+    elif problem.type in (ProblemType.STORE_UNAVAILABLE, ProblemType.STORE_READ_ONLY):
         logger.warning(
-            "store unreachable on %s %s (request %s): %s",
+            "store unavailable on %s %s (request %s): %s",
             request.method,
             request.url.path,
             request_id,
@@ -442,7 +457,8 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         413: "The body is over the configured limit.",
         415: "The body is not sent as JSON (`Content-Type: application/json`).",
         422: "Invalid input; `errors` locates each invalid field.",
-        503: "The calibration store is unreachable; retry after `Retry-After` seconds.",
+        503: "The calibration store is unreachable or refuses writes; retry after "
+        "`Retry-After` seconds.",
     }
     headers = {
         401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},

@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.units import MIB
-from service.store.db import DEFAULT_DATABASE_URL
+from service.store.db import DEFAULT_DATABASE_URL, STORE_ANSWER_S
 
 
 class Settings(BaseSettings):
@@ -41,11 +41,22 @@ class Settings(BaseSettings):
         description="Answers to repeated POST /v1/estimates bodies kept (least recently used "
         "leave first; new calibration factors make them stale); 0 keeps none.",
     )
+    store_timeout_s: float = Field(
+        default=STORE_ANSWER_S,
+        ge=0.5,
+        le=60.0,
+        description="Seconds the service waits for one answer of PostgreSQL (a statement, a "
+        "commit, a ping) before giving up on it: with the default, a request that needs the "
+        "store answers within 5 s (503 with Retry-After) even when the database hangs. The "
+        "server cancels a statement at 3/4 of it (`statement_timeout`).",
+    )
     require_read_key: bool = Field(
         default=True,
         description="GET /v1/calibrations and /v1/factors need a key with the read scope "
         "(they list node and run ids); false opens them. Estimates, fit-checks and the "
-        "catalogs stay open: they must answer while the store is down.",
+        "catalogs stay open: they must answer while the store is down. A read key the store "
+        "verified is taken for 30 s without asking it again, and for 15 min while it cannot "
+        "be reached, so GET /v1/factors answers during an outage (an unknown key: 503).",
     )
 
 

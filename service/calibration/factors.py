@@ -20,18 +20,19 @@ When the store is down, the cache keeps the last factors loaded (`stale`) or non
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.core.calibration import (
@@ -51,7 +52,7 @@ from service.core.calibration import (
     fit_model_factors,
     fit_table,
 )
-from service.store.db import read_only_sessions
+from service.store.db import read_only_sessions, write_refusal
 from service.store.models import CalibrationFactor, CalibrationVote
 from service.store.repositories import CalibrationRepository, RatioGroup
 
@@ -389,6 +390,24 @@ class FactorSnapshot:
     state: FactorState
     loaded_at: float | None  # clock reading of the last successful load
     error: str | None  # why the last load failed, while not fresh
+    table_id: str | None = None  # `table_identity(table)`; None: nothing loaded yet
+
+
+# Hex digits of a factor table's identity (64 bits): distinct for the tables a deployment loads.
+TABLE_ID_HEX_DIGITS = 16
+
+
+def table_identity(table: FactorTable) -> str:
+    """A digest of every factor of `table` (its group and all its values): the same on every
+    replica that loaded the same factors, whenever it loaded them."""
+    digest = hashlib.sha256()
+    for key, factor in sorted(table.factors.items(), key=lambda item: _group_order(item[0])):
+        digest.update(repr((astuple(key), astuple(factor))).encode())
+    return digest.hexdigest()[:TABLE_ID_HEX_DIGITS]
+
+
+def _group_order(key: GroupKey) -> tuple[str, str, str, str, str]:
+    return (key.scope.value, key.method, key.level.value, key.model or "", key.variant or "")
 
 
 class FactorCache:
@@ -457,11 +476,16 @@ class FactorCache:
                 state=FactorState.NONE if previous.loaded_at is None else FactorState.STALE,
                 loaded_at=previous.loaded_at,
                 error=f"calibration store unavailable: {type(error).__name__}",
+                table_id=previous.table_id,
             )
             self._next_load = now + self._retry_s
             return
         self._snapshot = FactorSnapshot(
-            table=table, state=FactorState.FRESH, loaded_at=now, error=None
+            table=table,
+            state=FactorState.FRESH,
+            loaded_at=now,
+            error=None,
+            table_id=table_identity(table),
         )
         invalidated = self._invalidations != invalidations
         self._next_load = float("-inf") if invalidated else now + self._ttl_s
@@ -481,12 +505,29 @@ def factor_loader(
         with readers() as session:
             refits = _fit_changed(session, estimator_version)
         if refits:
-            with sessions.begin() as session:
-                _store_refit(session, estimator_version, refits, _utc_now())
+            try:
+                with sessions.begin() as session:
+                    _store_refit(session, estimator_version, refits, _utc_now())
+            except DBAPIError as error:
+                # A store that refuses writes (read-only, full) or a refit lock another
+                # replica holds: the stored factors still serve; the changes wait for a
+                # later load.
+                if not _store_declined(error):
+                    raise
+                logger.warning("the refitted factors were not stored: %s", error.orig)
         with readers() as session:
             return stored_factor_table(session, estimator_version)
 
     return load
+
+
+def _store_declined(error: DBAPIError) -> bool:
+    sqlstate = getattr(error.orig, "sqlstate", None)
+    return write_refusal(error) is not None or sqlstate == LOCK_NOT_AVAILABLE
+
+
+# PostgreSQL's SQLSTATE of a lock not granted within `lock_timeout`.
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 # How often a replica checks whether its factors are due for a reload (their TTL passed, or

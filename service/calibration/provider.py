@@ -52,6 +52,9 @@ class AppliedCalibration:
     # The factor table used: fresh, stale (the store is unreachable: the last one loaded) or
     # none (nothing could be loaded).
     state: FactorState = FactorState.NONE
+    # The identity of the factor table used (`factors.table_identity`): equal on replicas that
+    # applied the same table; None: none was ever loaded.
+    table_id: str | None = None
 
     def upper_margin(self, estimated: float) -> float:
         """The safe bound's margin over the device level: the device factor's, when one
@@ -174,19 +177,35 @@ class CachedFactors:
             reserved_bytes=reserved,
             device_bytes=device,
             device_bytes_upper=upper,
-            calibration=applied_calibration(calibrator.applied, snapshot.state),
+            calibration=applied_calibration(
+                calibrator.applied, snapshot.state, table_id=snapshot.table_id
+            ),
         )
 
 
-# What an uncalibrated estimate says of itself, per state of the factor table.
-_UNCALIBRATED = {state: replace(NOT_APPLIED, state=state) for state in FactorState}
+# What an uncalibrated estimate says of itself, per state and identity of the factor table:
+# one object per table, so that answers share it (a replica loads a few tables a minute at
+# most; forgotten whole when full).
+_MAX_UNCALIBRATED = 64
+_uncalibrated: dict[tuple[FactorState, str | None], AppliedCalibration] = {}
+
+
+def _uncalibrated_in(state: FactorState, table_id: str | None) -> AppliedCalibration:
+    found = _uncalibrated.get((state, table_id))
+    if found is None:
+        if len(_uncalibrated) >= _MAX_UNCALIBRATED:
+            _uncalibrated.clear()
+        found = _uncalibrated[(state, table_id)] = replace(
+            NOT_APPLIED, state=state, table_id=table_id
+        )
+    return found
 
 
 def applied_calibration(
-    applied: Mapping[Level, AppliedFactor], state: FactorState
+    applied: Mapping[Level, AppliedFactor], state: FactorState, *, table_id: str | None = None
 ) -> AppliedCalibration:
     if not applied:
-        return _UNCALIBRATED[state]
+        return _uncalibrated_in(state, table_id)
     levels = tuple(applied.values())
     device = applied.get(Level.DEVICE)
     if device is None:
@@ -199,6 +218,7 @@ def applied_calibration(
             samples=0,
             levels=levels,
             state=state,
+            table_id=table_id,
         )
     return AppliedCalibration(
         applied=True,
@@ -209,4 +229,5 @@ def applied_calibration(
         samples=device.factor.runs,
         levels=levels,
         state=state,
+        table_id=table_id,
     )

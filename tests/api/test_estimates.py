@@ -12,7 +12,9 @@ from service.api import batch_body
 from service.api.problems import PROBLEM_MEDIA_TYPE, ProblemType
 from service.api.routes import estimates
 from service.api.schemas import JobSpec
+from service.calibration.factors import table_identity
 from service.catalog.models import default_catalog
+from service.core.calibration import EMPTY_TABLE
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate, forget_compiled_steps
 from service.core.reserved import clear_replay_caches
@@ -58,6 +60,7 @@ def test_minimal_job_gets_the_full_breakdown(client: TestClient) -> None:
         "samples": 0,
         "levels": [],
         "state": "fresh",
+        "table_id": table_identity(EMPTY_TABLE),  # the store has no factors
     }
     assert body["assumptions"] and body["estimator_version"]
     assert body["gpu"] is None

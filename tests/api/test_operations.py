@@ -22,7 +22,8 @@ def test_readyz_checks_catalogs_and_database(client: TestClient) -> None:
     assert response.status_code == 200
     assert response.json() == {
         "status": "ok",
-        "checks": {"models": True, "gpus": True, "database": True},
+        "checks": {"models": True, "gpus": True, "database": True, "writes": True, "factors": True},
+        "reasons": {},
     }
 
 
@@ -35,6 +36,7 @@ def test_readyz_is_503_when_the_database_is_down() -> None:
     assert response.status_code == 503
     assert response.json()["status"] == "unavailable"
     assert response.json()["checks"]["database"] is False
+    assert response.json()["reasons"]["database"].startswith("the database cannot be reached")
 
 
 def _sample(text: str, name: str, **labels: str) -> float:

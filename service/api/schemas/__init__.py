@@ -13,6 +13,7 @@ from service.api.schemas.catalog import (
     ModelOut,
     ModelSummaryOut,
     ParamCountsOut,
+    ReadinessOut,
 )
 from service.api.schemas.estimates import (
     BatchIn,
@@ -129,6 +130,7 @@ __all__ = [
     "PlacementRefOut",
     "PlacementsOut",
     "QuantizationIn",
+    "ReadinessOut",
     "RejectedJob",
     "SuggestionOut",
     "estimate_values",

@@ -419,6 +419,11 @@ class FactorTableOut(Out):
     estimator_version: str = Field(
         max_length=MAX_VERSION, description="The estimator version whose ratios they fit."
     )
+    table_id: str | None = Field(
+        max_length=64,
+        description="The identity of this factor table (a digest of its factors), as "
+        "estimates name the table they applied; null: never loaded.",
+    )
     factors: list[FactorOut] = Field(max_length=MAX_FACTORS, description="Every group's factor.")
 
     @classmethod
@@ -430,6 +435,7 @@ class FactorTableOut(Out):
             age_s=age_s,
             error=snapshot.error,
             estimator_version=estimator_version,
+            table_id=snapshot.table_id,
             factors=[
                 FactorOut.from_core(key, factor)
                 for key, factor in sorted(

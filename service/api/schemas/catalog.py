@@ -144,3 +144,9 @@ class GpuListOut(Out):
 class HealthOut(Out):
     status: Literal["ok", "unavailable"] = Field(description="ok, or why not ready.")
     checks: dict[str, bool] = Field(max_length=16, description="Each readiness check's result.")
+
+
+class ReadinessOut(HealthOut):
+    reasons: dict[str, str] = Field(
+        max_length=16, description="Why each failing check failed, in words (none when ready)."
+    )

@@ -115,6 +115,13 @@ class CalibrationOut(Out):
         description="The factors used: fresh (loaded from the store within seconds), stale (the "
         "store is unreachable: the last ones loaded) or none (none could be loaded)."
     )
+    table_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The identity of the factor table used (a digest of its factors): the "
+        "same on every replica that applied the same table; null: this replica never loaded "
+        "one (as GET /v1/factors `table_id`).",
+    )
 
     @classmethod
     def from_core(cls, applied: AppliedCalibration) -> CalibrationOut:
@@ -127,6 +134,7 @@ class CalibrationOut(Out):
             samples=applied.samples,
             levels=[LevelCalibrationOut.from_core(level) for level in applied.levels],
             state=applied.state,
+            table_id=applied.table_id,
         )
 
 

@@ -417,7 +417,8 @@ class LevelCalibration(_Result):
 
 class AppliedCalibration(_Result):
     """Whether measured peaks corrected the estimate; `state`: the factors were fresh,
-    stale (the service's store is down) or none."""
+    stale (the service's store is down) or none; `table_id`: which factor table the replica
+    applied (replicas that loaded the same table name it alike)."""
 
     applied: bool
     scope: str
@@ -427,6 +428,7 @@ class AppliedCalibration(_Result):
     samples: int
     levels: list[LevelCalibration] = []
     state: str = "none"
+    table_id: str | None = None
 
 
 class GpuFitSummary(_Result):
