@@ -105,7 +105,12 @@ def require_read_key(session: SessionDep, credentials: CredentialsDep) -> None:
     require_key(session, credentials, KeyScope.READ)
 
 
+def get_admin_key(session: SessionDep, credentials: CredentialsDep) -> ApiKey:
+    return require_key(session, credentials, KeyScope.ADMIN)
+
+
 UploadKeyDep = Annotated[ApiKey, Depends(get_upload_key)]
+AdminKeyDep = Annotated[ApiKey, Depends(get_admin_key)]
 
 
 async def get_calibrations(request: Request) -> Calibrations:
