@@ -15,7 +15,6 @@ caller gives it, so a retry that writes out a default the first left out is the 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import json
 from collections import defaultdict
@@ -538,7 +537,7 @@ def decode_cursor(cursor: str) -> int:
     text, and for an id beyond what the id column holds (a signed 64-bit integer)."""
     try:
         text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError) as error:
+    except ValueError as error:  # not base64 (binascii.Error), not ASCII, not UTF-8
         raise InvalidCursorError(f"invalid cursor {cursor!r}") from error
     tag, _, number = text.partition(":")
     # Only the digits `encode_cursor` writes: int() would also read signs, spaces,

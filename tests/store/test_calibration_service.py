@@ -332,7 +332,7 @@ class TestListCalibrations:
         page = list_calibrations(session, limit=2, cursor=cursor)
         assert [u.id for u in page.uploads] == [uploaded]
 
-    @pytest.mark.parametrize("cursor", ["", "xyz", "YWZ0ZXI6Mw", "!!"])
+    @pytest.mark.parametrize("cursor", ["", "xyz", "YWZ0ZXI6Mw", "!!", "\u00e9", "_w"])
     def test_refuses_a_foreign_cursor(self, session: Session, cursor: str) -> None:
         with pytest.raises(InvalidCursorError):
             list_calibrations(session, limit=2, cursor=cursor)
