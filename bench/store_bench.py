@@ -162,8 +162,13 @@ def _upload_key(database_url: str) -> str:
     engine = create_engine_from_url(database_url)
     try:
         with create_session_factory(engine).begin() as session:
+            # One key for the whole fleet: these benches count uploads, not votes.
             issued = create_key(
-                session, scopes=[KeyScope.UPLOAD], name="bench fleet", now=datetime.now(UTC)
+                session,
+                scopes=[KeyScope.UPLOAD],
+                name="bench fleet",
+                now=datetime.now(UTC),
+                nodes=["*"],
             )
             return issued.token
     finally:
@@ -503,8 +508,13 @@ def _stand_in_estimate(job: Any) -> Any:
     )
 
 
-def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
-    """`count` synthetic uploads with three ratios each, by COPY (psycopg's), then vacuumed."""
+# A node's key: its id and its prefix (the voter of its ratios).
+NodeKey = tuple[int, str]
+
+
+def _bulk_insert(database_url: str, keys: list[NodeKey], count: int) -> None:
+    """`count` synthetic uploads with three ratios each, by COPY (psycopg's), then vacuumed;
+    node i's uploads with `keys[i]`."""
     import json
 
     from service.calibration.factors import environment_key
@@ -527,7 +537,7 @@ def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
                 uploads = [
                     (
                         f"bench/model-{rng.randrange(SCALE_MODELS)}",
-                        f"scale-node-{rng.randrange(SCALE_NODES)}",
+                        rng.randrange(SCALE_NODES),
                         "oom" if rng.random() < 0.05 else "completed",
                     )
                     for _ in range(count)
@@ -544,7 +554,7 @@ def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
                             (
                                 upload_id,
                                 now,
-                                api_key_id,
+                                keys[node][0],
                                 "0" * 64,
                                 model,
                                 "lora",
@@ -556,13 +566,13 @@ def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
                                 base * 12 // 10,
                                 outcome,
                                 environment,
-                                node,
+                                f"scale-node-{node}",
                                 f"scale-run-{upload_id}",
                             )
                         )
                 with cursor.copy(
                     "COPY calibration_ratio (id, upload_id, estimator_version, level,"
-                    " estimated_bytes, ratio, method, model, node_id, gpu_name, environment_key,"
+                    " estimated_bytes, ratio, method, model, voter, gpu_name, environment_key,"
                     " outcome, computed_at) FROM STDIN"
                 ) as copy:
                     for offset, (model, node, outcome) in enumerate(uploads):
@@ -577,7 +587,7 @@ def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
                                     rng.lognormvariate(0.1, 0.05),
                                     "lora",
                                     model,
-                                    node,
+                                    keys[node][1],
                                     GPU["name"],
                                     key,
                                     outcome,
@@ -612,7 +622,7 @@ def _bulk_insert(database_url: str, api_key_id: int, count: int) -> None:
 
 
 def _time_uploads(
-    sessions: Any, api_key_id: int, tag: str, uploads: int = SCALE_UPLOADS
+    sessions: Any, keys: list[NodeKey], tag: str, uploads: int = SCALE_UPLOADS
 ) -> list[float]:
     """`uploads` uploads through the store, SCALE_THREADS at a time (upload i of model
     i mod SCALE_MODELS); each one's seconds."""
@@ -639,7 +649,7 @@ def _time_uploads(
             submit_upload(
                 session,
                 upload,
-                api_key_id=api_key_id,
+                api_key_id=keys[index % SCALE_NODES][0],
                 idempotency_key=f"timed-{tag}-{index}",
                 estimate=_stand_in_estimate,
                 factors=EMPTY_TABLE,
@@ -672,14 +682,22 @@ def run_scale(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> list[dic
         load = factor_loader(sessions, SCALE_VERSION)
         try:
             with sessions.begin() as session:
-                api_key_id = create_key(
-                    session, scopes=[KeyScope.UPLOAD], name="scale", now=datetime.now(UTC)
-                ).key.id
+                made = [
+                    create_key(
+                        session,
+                        scopes=[KeyScope.UPLOAD],
+                        name=f"scale {node}",
+                        now=datetime.now(UTC),
+                        nodes=[f"scale-node-{node}"],
+                    ).key
+                    for node in range(SCALE_NODES)
+                ]
+                keys = [(key.id, key.prefix) for key in made]
             stored_uploads = 0
             for size in sizes:
                 count = size // len(_LEVELS) - stored_uploads
                 started = time.perf_counter()
-                _bulk_insert(database_url, api_key_id, count)
+                _bulk_insert(database_url, keys, count)
                 insert_s = time.perf_counter() - started
                 stored_uploads += count
                 with sessions.begin() as session:  # the bulk rows' factors, before timing
@@ -687,7 +705,7 @@ def run_scale(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> list[dic
                     refresh_factors(session, SCALE_VERSION)
                     refit_all_s = time.perf_counter() - started
                 wall = time.perf_counter()
-                latencies = _time_uploads(sessions, api_key_id, str(size))
+                latencies = _time_uploads(sessions, keys, str(size))
                 wall = time.perf_counter() - wall
                 with sessions.begin() as session:
                     started = time.perf_counter()
@@ -696,7 +714,7 @@ def run_scale(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> list[dic
                 before = load()
                 # One upload (of model 0), then a replica's load: the refit of what it
                 # changed, and the read of the stored factors.
-                upload_s = _time_uploads(sessions, api_key_id, f"{size}-one", uploads=1)[0]
+                upload_s = _time_uploads(sessions, keys, f"{size}-one", uploads=1)[0]
                 started = time.perf_counter()
                 served = load()
                 pickup_s = time.perf_counter() - started
@@ -751,8 +769,8 @@ def scale_figures(server_url: str, sizes: tuple[int, ...] = SCALE_SIZES) -> dict
         return {"scale: skipped": f"PostgreSQL unreachable at {server_url}: {error.orig}"}
     figures: dict[str, Any] = {
         "scale: setup": f"PostgreSQL, synthetic ratios ({SCALE_MODELS} models, {SCALE_NODES} "
-        f"nodes, 3 levels) by COPY; {SCALE_UPLOADS} uploads timed, {SCALE_THREADS} at a time, "
-        "in process (stand-in estimator)",
+        f"nodes with a key each, 3 levels) by COPY; {SCALE_UPLOADS} uploads timed, "
+        f"{SCALE_THREADS} at a time, in process (stand-in estimator)",
     }
     for row in rows:
         size = row.pop("ratios")

@@ -25,7 +25,7 @@ from service.api.deps import Services, require_read_key
 from service.api.docs import mount_docs
 from service.api.limits import BodyLimitMiddleware
 from service.api.metrics import Metrics, MetricsMiddleware
-from service.api.routes import calibrations, catalog, estimates, factors, fit_checks, health
+from service.api.routes import calibrations, catalog, estimates, factors, fit_checks, health, keys
 from service.api.settings import Settings
 from service.calibration.factors import FactorCache, factor_loader, keep_fresh
 from service.calibration.provider import CachedFactors, FactorProvider
@@ -107,6 +107,7 @@ def create_app(
     app.include_router(estimates.router)
     app.include_router(fit_checks.router)
     app.include_router(calibrations.router)
+    app.include_router(keys.router)
     app.include_router(calibrations.reads, dependencies=reads)
     app.include_router(factors.router, dependencies=reads)
     app.include_router(catalog.router)

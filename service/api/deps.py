@@ -107,7 +107,12 @@ def require_read_key(request: Request, session: SessionDep, credentials: Credent
     require_cached_key(services_of(request).keys, session, credentials, KeyScope.READ)
 
 
+def get_admin_key(session: SessionDep, credentials: CredentialsDep) -> ApiKey:
+    return require_key(session, credentials, KeyScope.ADMIN)
+
+
 UploadKeyDep = Annotated[ApiKey, Depends(get_upload_key)]
+AdminKeyDep = Annotated[ApiKey, Depends(get_admin_key)]
 
 
 async def get_calibrations(request: Request) -> Calibrations:

@@ -12,6 +12,8 @@ Problem types (the `type` member; tag URIs, RFC 4151, identify them without a we
 | unsupported-media-type| 415    | a body that is not JSON; `content_type` names what was sent |
 | unauthorized          | 401    | no API key, or an unknown or revoked one (WWW-Authenticate) |
 | forbidden             | 403    | the key lacks the scope the route needs; `scope` names it   |
+| node-not-allowed      | 403    | an upload names a node id its key was not made for;         |
+|                       |        | `node_id` names it                                          |
 | store-unavailable     | 503    | the calibration store cannot be reached or did not answer   |
 |                       |        | in time; retry after the `Retry-After` header's seconds     |
 |                       |        | (also `retry_after_s`)                                      |
@@ -59,6 +61,7 @@ from service.core.errors import (
     UnknownModelError,
 )
 from service.store.db import store_unreachable, write_refusal
+from service.store.keys import NodeNotAllowedError
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 _TYPE_PREFIX = "tag:vramcast.dev,2025:problem:"
@@ -89,6 +92,7 @@ class ProblemType(StrEnum):
     UNSUPPORTED_MEDIA_TYPE = _TYPE_PREFIX + "unsupported-media-type"
     UNAUTHORIZED = _TYPE_PREFIX + "unauthorized"
     FORBIDDEN = _TYPE_PREFIX + "forbidden"
+    NODE_NOT_ALLOWED = _TYPE_PREFIX + "node-not-allowed"
     STORE_UNAVAILABLE = _TYPE_PREFIX + "store-unavailable"
     STORE_READ_ONLY = _TYPE_PREFIX + "store-read-only"
     INTERNAL_ERROR = _TYPE_PREFIX + "internal-error"
@@ -155,6 +159,11 @@ class Problem(BaseModel):
     )
     scope: str | None = Field(
         default=None, description="forbidden: the scope the key lacks.", max_length=32
+    )
+    node_id: str | None = Field(
+        default=None,
+        description="node-not-allowed: the node id the key may not upload for.",
+        max_length=MAX_NAME,
     )
     retry_after_s: int | None = Field(
         default=None,
@@ -264,6 +273,21 @@ def forbidden(scope: str) -> Problem:
     )
 
 
+def node_not_allowed(node_id: str) -> Problem:
+    named = _clip(node_id, MAX_NAME)
+    return Problem(
+        type=ProblemType.NODE_NOT_ALLOWED,
+        title="The API key may not upload for this node",
+        status=HTTPStatus.FORBIDDEN,
+        detail=_clip(
+            f"this key was made for other node ids than node_id {named!r}; upload with the "
+            "node's own key",
+            MAX_DETAIL,
+        ),
+        node_id=named,
+    )
+
+
 def store_unavailable() -> Problem:
     return Problem(
         type=ProblemType.STORE_UNAVAILABLE,
@@ -325,6 +349,8 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
         case ImplausibleMeasurementError():
             loc = (*loc_prefix, *exc.field.split("."))
             return invalid_field(loc, exc.reason, "implausible_measurement")
+        case NodeNotAllowedError():
+            return node_not_allowed(exc.node_id)
         case IdempotencyKeyReusedError():
             loc = ("header", "Idempotency-Key")
             return invalid_field(loc, _clip(str(exc), MAX_FIELD_DETAIL), "idempotency_key_reused")
@@ -441,6 +467,7 @@ def install(app: FastAPI) -> None:
         UnknownGpuError,
         IdempotencyKeyReusedError,
         InvalidCursorError,
+        NodeNotAllowedError,
         DBAPIError,
         PoolTimeoutError,
         Exception,
@@ -452,7 +479,8 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses=` entries for the problem statuses a route can answer."""
     words = {
         401: "No API key, or an unknown or revoked one.",
-        403: "The API key lacks the scope this route needs.",
+        403: "The API key lacks the scope this route needs (or, for an upload, may not upload "
+        "for its node_id).",
         404: "Unknown model or GPU; `suggestions` lists the closest catalog entries.",
         413: "The body is over the configured limit.",
         415: "The body is not sent as JSON (`Content-Type: application/json`).",

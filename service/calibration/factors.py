@@ -6,11 +6,12 @@ the ratios stored. A load (`load_factor_table`) first refits what changed since 
 refit (`refresh_factors`) and stores those factors; then it reads the stored factors, whose
 number does not grow with the ratios. A refit fits each changed model's factors and its
 partition's global one with the core's rules (`fit_model_factors`, `fit_global_runs`) over
-runs that the database summarises (`StoredRuns`): each node's median per model and the few
+runs that the database summarises (`StoredRuns`): each voter's median per model and the few
 order statistics of the safe bound, by queries, so no run is read into Python; the global
-factor reads the votes kept per (model, node) (`PartitionRuns`) and a top-k query. Every group
-lies within one method and level, and a model's groups within the model, so the factors equal
-those of `fit_table` on every ratio (`fit_factor_table`, the definition).
+factor reads the votes kept per (model, voter) (`PartitionRuns`) and a top-k query. A voter
+is the key an upload came with (each ratio carries its prefix), never the node id it names.
+Every group lies within one method and level, and a model's groups within the model, so the
+factors equal those of `fit_table` on every ratio (`fit_factor_table`, the definition).
 Replicas store refits one at a time (an advisory lock on PostgreSQL); the others read.
 
 Requests only read the cache (`FactorCache.peek`); `keep_fresh` reloads it in a worker thread.
@@ -83,7 +84,7 @@ def _observation(row: Any) -> Observation:
         level=row.level,
         gpu=row.gpu_name,
         environment=environment_key(row.environment),
-        sample=Sample(node_id=row.node_id, ratio=row.ratio, outcome=row.outcome),
+        sample=Sample(voter=row.voter, ratio=row.ratio, outcome=row.outcome),
     )
 
 
@@ -152,7 +153,7 @@ def _stored(row: CalibrationFactor) -> tuple[GroupKey, Factor]:
 
 class StoredRuns:
     """A group's runs as the store's queries answer them (`Runs`): the votes from each
-    (model, node)'s middle runs, counts and ranked ratios from top-k queries."""
+    (model, voter)'s middle runs, counts and ranked ratios from top-k queries."""
 
     def __init__(self, repository: CalibrationRepository, group: RatioGroup) -> None:
         self._repository = repository
@@ -163,10 +164,10 @@ class StoredRuns:
     def votes(self) -> Mapping[Pair, float]:
         if self._votes is None:
             middles: dict[Pair, list[float]] = defaultdict(list)
-            for model, node, ratio, runs in self._repository.middle_runs(self._group):
-                middles[(model, node)].append(math.log(ratio))
-                self._completed_runs[(model, node)] = runs
-            # The median of the logs, as `node_votes` takes it: the middle one, or the mean
+            for model, voter, ratio, runs in self._repository.middle_runs(self._group):
+                middles[(model, voter)].append(math.log(ratio))
+                self._completed_runs[(model, voter)] = runs
+            # The median of the logs, as `voter_votes` takes it: the middle one, or the mean
             # of the middle two.
             self._votes = {
                 pair: logs[0] if len(logs) == 1 else (logs[0] + logs[1]) / 2
@@ -175,7 +176,7 @@ class StoredRuns:
         return self._votes
 
     def completed_runs(self) -> Mapping[Pair, int]:
-        """Each (model, node)'s number of completed runs."""
+        """Each (model, voter)'s number of completed runs."""
         self.votes()
         return self._completed_runs
 
@@ -185,12 +186,21 @@ class StoredRuns:
     def oom_above(self, selection: Selection, bound: float) -> int:
         return self._repository.count_runs(self._group, selection, Outcome.OOM, above=bound)
 
-    def largest(self, selection: Selection, rank: int, *, oom_above: float | None = None) -> float:
-        return self._repository.ranked_ratio(self._group, selection, rank, oom_above=oom_above)
+    def largest(
+        self,
+        selection: Selection,
+        rank: int,
+        *,
+        oom_above: float | None = None,
+        at_most: float | None = None,
+    ) -> float:
+        return self._repository.ranked_ratio(
+            self._group, selection, rank, oom_above=oom_above, at_most=at_most
+        )
 
 
 class PartitionRuns(StoredRuns):
-    """A partition's runs, for its global factor: the votes the store keeps per (model, node)
+    """A partition's runs, for its global factor: the votes the store keeps per (model, voter)
     (`calibration_vote`), those of the models refitted now taken from their fresh runs, and
     run counts summed from them, so no query reads every run for them; the ranked ratios of
     the safe bound are still queried over the partition's runs."""
@@ -205,8 +215,8 @@ class PartitionRuns(StoredRuns):
         votes: dict[Pair, float] = {}
         for row in repository.votes(group.estimator_version, group.method, group.level):
             if row.model not in fresh:
-                votes[(row.model, row.node_id)] = row.log_vote
-                self._completed_runs[(row.model, row.node_id)] = row.completed_runs
+                votes[(row.model, row.voter)] = row.log_vote
+                self._completed_runs[(row.model, row.voter)] = row.completed_runs
         for runs in fresh.values():
             votes.update(runs.votes())
             self._completed_runs.update(runs.completed_runs())
@@ -215,19 +225,19 @@ class PartitionRuns(StoredRuns):
     def completed(self, selection: Selection) -> int:
         return sum(
             runs
-            for (model, node), runs in self._completed_runs.items()
-            if model in selection.models and (model, node) not in selection.dropped
+            for (model, voter), runs in self._completed_runs.items()
+            if selection.supports(model, voter)
         )
 
 
-# A node's vote on a model: (model, node, log vote, completed runs).
+# A voter's vote on a model: (model, voter, log vote, completed runs).
 VoteRow = tuple[str, str, float, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PartitionFit:
     factors: dict[GroupKey, Factor]  # the refitted models', and the partition's global one
-    votes: list[VoteRow]  # the refitted models' nodes' votes
+    votes: list[VoteRow]  # the refitted models' voters' votes
 
 
 def fit_partition(
@@ -267,9 +277,9 @@ def fit_partition(
     if found is not None:
         factors[GroupKey(scope=Scope.GLOBAL, method=method, level=Level(level))] = found
     votes = [
-        (model, node, vote, runs.completed_runs()[(model, node)])
+        (model, voter, vote, runs.completed_runs()[(model, voter)])
         for runs in fresh.values()
-        for (model, node), vote in runs.votes().items()
+        for (model, voter), vote in runs.votes().items()
     ]
     return PartitionFit(factors=factors, votes=votes)
 
@@ -336,11 +346,11 @@ def _store_refit(
                 method=method,
                 level=level,
                 model=model,
-                node_id=node,
+                voter=voter,
                 log_vote=vote,
                 completed_runs=runs,
             )
-            for model, node, vote, runs in refit.fit.votes
+            for model, voter, vote, runs in refit.fit.votes
         ]
         repository.replace_votes(estimator_version, method, level, refit.models, votes)
         repository.forget_changes(refit.change_ids)

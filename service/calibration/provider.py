@@ -46,7 +46,7 @@ class AppliedCalibration:
     scope: str  # "none", or the calibration scope the device factor came from
     factor: float | None  # measured / estimated, multiplied into the estimate
     upper_multiplier: float | None  # the calibrated spread above the factor
-    nodes: int  # training nodes whose measurements voted
+    nodes: int  # voters (upload keys: one per training node) whose measurements voted
     samples: int  # measured runs behind the factor
     levels: tuple[AppliedFactor, ...] = ()  # every level's factor, in Level order
     # The factor table used: fresh, stale (the store is unreachable: the last one loaded) or

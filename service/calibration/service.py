@@ -18,14 +18,19 @@ from service.calibration.uploads import (
     CalibrationPage,
     EstimateFn,
     NewUpload,
+    Revocation,
     Submission,
     UploadReceipt,
     list_calibrations,
+    revoke,
     submit_upload,
 )
 from service.catalog.gpus import GpuCatalog, UnknownGpuError
 from service.catalog.models import ModelCatalog
 from service.core.errors import UnknownModelError
+from service.core.estimator import ESTIMATOR_VERSION
+from service.store.keys import key_usage
+from service.store.repositories import KeyUsage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,3 +99,21 @@ class Calibrations:
             since=since,
             cursor=cursor,
         )
+
+    def keys(self, session: Session, *, include_revoked: bool) -> list[KeyUsage]:
+        """Every live key (and the revoked ones, if asked) with its uploads."""
+        return key_usage(session, include_revoked=include_revoked)
+
+    def revoke(
+        self, session: Session, prefix: str, *, purge: bool, now: datetime
+    ) -> Revocation | None:
+        """Revoke a key and, with `purge`, delete its uploads and refit this estimator's
+        factors without them; commit, and reload this replica's factors (the others within
+        their TTL). None when no key has the prefix."""
+        revocation = revoke(
+            session, prefix, purge=purge, estimator_version=ESTIMATOR_VERSION, now=now
+        )
+        session.commit()
+        if revocation is not None and revocation.purge is not None:
+            self.cache.invalidate()
+        return revocation

@@ -1,16 +1,23 @@
-"""Calibration uploads end to end: store the raw upload, derive its ratios, list uploads.
+"""Calibration uploads end to end: store the raw upload, derive its ratios, list uploads,
+and purge a key's.
 
 The estimator comes in as a callable (job spec JSON -> Estimate), so this module needs
 neither the catalog nor the API. Callers own the transaction: these functions flush, the
 request boundary commits once, before the 201.
+
+An upload is stored only when its key may speak for the node id it names
+(`service.store.keys.speaks_for`), and its ratios vote as the key (its prefix), whatever
+node id they name. A retry with the same Idempotency-Key is compared on what the upload
+means, not on its bytes: the job in its canonical form (every default written out), as the
+caller gives it, so a retry that writes out a default the first left out is the same upload.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import json
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,13 +40,26 @@ from service.core.calibration import (
 )
 from service.core.errors import EstimatorError
 from service.core.result import Estimate
-from service.store.models import CalibrationRatio, CalibrationRederivation, CalibrationUpload
-from service.store.repositories import CalibrationRepository, DuplicateIdempotencyKeyError
+from service.store.keys import NodeNotAllowedError, revoke_key, speaks_for
+from service.store.models import (
+    MAX_ROW_ID,
+    ApiKey,
+    CalibrationRatio,
+    CalibrationRederivation,
+    CalibrationUpload,
+)
+from service.store.repositories import (
+    ApiKeyRepository,
+    CalibrationRepository,
+    DuplicateIdempotencyKeyError,
+)
 
 EstimateFn = Callable[[Mapping[str, Any]], Estimate]
 Clock = Callable[[], datetime]
 
 MAX_PAGE = 500
+# Digits of the largest upload id: a cursor's number is read only up to this length.
+_ID_DIGITS = len(str(MAX_ROW_ID))
 
 
 def utc_now() -> datetime:
@@ -74,17 +94,32 @@ class NewUpload:
     environment: Mapping[str, Any]
     node_id: str
     run_id: str
+    # The job as the estimator reads it, every default written out (the API's: its core spec
+    # through the codec), which replays are compared on; None: the job as sent.
+    canonical_job: Mapping[str, Any] | None = None
 
     def fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of everything sent: equal bodies, equal prints."""
+        """SHA-256 of the canonical JSON of what the upload means: the canonical job, and the
+        environment without the values it leaves unknown (null). Bodies that differ only in
+        the defaults they write out, or in key order and spacing, print alike."""
+        job = self.job if self.canonical_job is None else self.canonical_job
+        known = {name: value for name, value in self.environment.items() if value is not None}
+        return self._print(job, known)
+
+    def fingerprint_as_sent(self) -> str:
+        """SHA-256 of the canonical JSON of the upload as sent: the print uploads stored
+        before prints were taken on meaning carry."""
+        return self._print(self.job, self.environment)
+
+    def _print(self, job: Mapping[str, Any], environment: Mapping[str, Any]) -> str:
         canonical = {
-            "job": self.job,
+            "job": job,
             "model": self.model,
             "method": self.method,
             "gpu": {"name": self.gpu_name, "memory_total_bytes": self.gpu_memory_total_bytes},
             "measured": {level.value: value for level, value in self.measured.levels().items()},
             "outcome": self.outcome.value,
-            "environment": self.environment,
+            "environment": environment,
             "node_id": self.node_id,
             "run_id": self.run_id,
         }
@@ -162,9 +197,14 @@ def derive_ratios(
 
 
 def _ratio_rows(
-    upload: CalibrationUpload, version: str, results: Sequence[RatioResult], now: datetime
+    upload: CalibrationUpload,
+    voter: str,
+    version: str,
+    results: Sequence[RatioResult],
+    now: datetime,
 ) -> list[CalibrationRatio]:
-    """The rows of an upload's ratios, each with the upload's groups."""
+    """The rows of an upload's ratios, each with the upload's groups and its voter (the
+    prefix of its key)."""
     key = environment_key(upload.environment)
     return [
         CalibrationRatio(
@@ -175,7 +215,7 @@ def _ratio_rows(
             ratio=result.ratio,
             method=upload.method,
             model=upload.model,
-            node_id=upload.node_id,
+            voter=voter,
             gpu_name=upload.gpu_name,
             environment_key=key,
             outcome=upload.outcome,
@@ -186,10 +226,24 @@ def _ratio_rows(
     ]
 
 
-def _replay(existing: CalibrationUpload, fingerprint: str) -> Submission:
-    if existing.request_hash != fingerprint or existing.response is None:
+def _replay(existing: CalibrationUpload, upload: NewUpload) -> Submission:
+    """The first answer to an upload with the same Idempotency-Key, if it meant the same (an
+    upload stored before prints were taken on meaning: if it was sent alike)."""
+    same = existing.request_hash in (upload.fingerprint(), upload.fingerprint_as_sent())
+    if not same or existing.response is None:
         raise IdempotencyKeyReusedError(existing.idempotency_key or "")
     return Submission(upload_id=existing.id, body=existing.response, replayed=True)
+
+
+def _uploader(session: Session, api_key_id: int, node_id: str) -> ApiKey:
+    """The key an upload comes with; NodeNotAllowedError when it may not speak for the node
+    id the upload names."""
+    key = session.get(ApiKey, api_key_id)
+    if key is None:
+        raise ValueError(f"no API key with id {api_key_id}")
+    if not speaks_for(key, node_id):
+        raise NodeNotAllowedError(node_id, key.prefix)
+    return key
 
 
 def submit_upload(
@@ -205,22 +259,23 @@ def submit_upload(
 ) -> Submission:
     """Store an upload and its ratios, or replay the first response for a repeated key.
 
-    Raises ImplausibleMeasurementError (nothing stored) for peaks that cannot be true and
-    IdempotencyKeyReusedError for a known key with another body. The caller commits.
+    Raises NodeNotAllowedError for a node id the key may not speak for and
+    ImplausibleMeasurementError for peaks that cannot be true (nothing stored), and
+    IdempotencyKeyReusedError for a known key with another meaning. The caller commits.
     """
+    voter = _uploader(session, api_key_id, upload.node_id).prefix
     check_measured(upload.measured, gpu_memory_total_bytes=upload.gpu_memory_total_bytes)
     repository = CalibrationRepository(session)
-    fingerprint = upload.fingerprint()
     if idempotency_key is not None:
         existing = repository.find_by_idempotency_key(api_key_id, idempotency_key)
         if existing is not None:
-            return _replay(existing, fingerprint)
+            return _replay(existing, upload)
     received_at = now()
     row = CalibrationUpload(
         received_at=received_at,
         api_key_id=api_key_id,
         idempotency_key=idempotency_key,
-        request_hash=fingerprint,
+        request_hash=upload.fingerprint(),
         model=upload.model,
         method=upload.method,
         job=dict(upload.job),
@@ -238,7 +293,7 @@ def submit_upload(
         repository.add_upload(row)
     except DuplicateIdempotencyKeyError as duplicate:
         # A concurrent request with the same key won the insert; answer as its replay.
-        return _replay(duplicate.existing, fingerprint)
+        return _replay(duplicate.existing, upload)
 
     # The raw upload is stored; an estimator that cannot handle its spec (a model not in
     # the catalog yet) leaves it without ratios until a later version re-derives them.
@@ -252,7 +307,7 @@ def submit_upload(
     else:
         version = estimated.estimator_version
         results = derive_ratios(upload, estimated, factors)
-        repository.add_ratios(_ratio_rows(row, version, results, received_at))
+        repository.add_ratios(_ratio_rows(row, voter, version, results, received_at))
         if results:
             repository.mark_changed(
                 version, {(upload.method, r.level.value, upload.model) for r in results}
@@ -372,6 +427,7 @@ def rederive_ratios(
             refresh_factors(session, estimator_version)
             step()
             break
+        voters = ApiKeyRepository(session).prefixes(upload.api_key_id for upload in batch)
         for upload in batch:
             try:
                 estimated = estimate(upload.job)
@@ -382,7 +438,8 @@ def rederive_ratios(
                     f"the estimator is {estimated.estimator_version!r}, not {estimator_version!r}"
                 )
             results = derive_ratios(upload, estimated, EMPTY_TABLE)
-            repository.add_ratios(_ratio_rows(upload, estimator_version, results, now()))
+            rows = _ratio_rows(upload, voters[upload.api_key_id], estimator_version, results, now())
+            repository.add_ratios(rows)
             if results:
                 job.derived += 1
                 repository.mark_changed(
@@ -420,6 +477,52 @@ def rederive_ratios(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Purge:
+    """What purging a key's uploads removed and refitted."""
+
+    uploads: int
+    ratios: int
+    refitted: int  # partitions of the estimator version refitted at once
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Revocation:
+    key: ApiKey
+    revoked_at: datetime  # when the key was first revoked
+    purge: Purge | None  # None: the key's uploads were kept
+
+
+def purge_key_uploads(session: Session, api_key_id: int, *, estimator_version: str) -> Purge:
+    """Delete every upload of one key and its ratios, and refit the factors they fed: those of
+    `estimator_version` at once, so the stored factors are `fit_factor_table`'s over what
+    remains; other versions' at their next load. The caller commits."""
+    repository = CalibrationRepository(session)
+    purged = repository.delete_uploads_of_key(api_key_id)
+    by_version: dict[str, set[tuple[str, str, str]]] = defaultdict(set)
+    for version, method, level, model in purged.touched:
+        by_version[version].add((method, level, model))
+    for version, changes in sorted(by_version.items()):
+        repository.mark_changed(version, changes)
+    refitted = refresh_factors(session, estimator_version)
+    return Purge(uploads=purged.uploads, ratios=purged.ratios, refitted=refitted)
+
+
+def revoke(
+    session: Session, prefix: str, *, purge: bool, estimator_version: str, now: datetime
+) -> Revocation | None:
+    """Revoke the key with this prefix (again: a no-op) and, with `purge`, delete its uploads
+    and refit what they fed (`purge_key_uploads`); None when no key has the prefix. The
+    caller commits."""
+    key = revoke_key(session, prefix, now=now)
+    if key is None:
+        return None
+    purged = (
+        purge_key_uploads(session, key.id, estimator_version=estimator_version) if purge else None
+    )
+    return Revocation(key=key, revoked_at=key.revoked_at or now, purge=purged)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CalibrationPage:
     uploads: Sequence[CalibrationUpload]
     next_cursor: str | None  # pass back as `cursor` for the next (older) page
@@ -430,13 +533,19 @@ def encode_cursor(upload_id: int) -> str:
 
 
 def decode_cursor(cursor: str) -> int:
+    """The upload id a cursor from `encode_cursor` holds; InvalidCursorError for any other
+    text, and for an id beyond what the id column holds (a signed 64-bit integer)."""
     try:
         text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        tag, _, number = text.partition(":")
-        upload_id = int(number)
-    except (binascii.Error, UnicodeDecodeError, ValueError) as error:
+    except ValueError as error:  # not base64 (binascii.Error), not ASCII, not UTF-8
         raise InvalidCursorError(f"invalid cursor {cursor!r}") from error
-    if tag != "before" or upload_id < 1:
+    tag, _, number = text.partition(":")
+    # Only the digits `encode_cursor` writes: int() would also read signs, spaces,
+    # underscores and other scripts' digits.
+    if tag != "before" or not (number.isascii() and number.isdigit()) or len(number) > _ID_DIGITS:
+        raise InvalidCursorError(f"invalid cursor {cursor!r}")
+    upload_id = int(number)
+    if not 1 <= upload_id <= MAX_ROW_ID:
         raise InvalidCursorError(f"invalid cursor {cursor!r}")
     return upload_id
 

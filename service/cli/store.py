@@ -1,5 +1,6 @@
-"""`vramcast keys` (create, list, revoke API keys) and `vramcast db` (run the migrations,
-re-derive calibration ratios for this estimator version).
+"""`vramcast keys` (create API keys, list them with their uploads, revoke them and purge their
+uploads) and `vramcast db` (run the migrations, re-derive calibration ratios for this
+estimator version).
 
 Both take `--database-url`, by default VRAMCAST_DATABASE_URL or the embedded SQLite file.
 """
@@ -18,10 +19,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.calibration import EstimateFn, rederive_ratios
-from service.calibration.uploads import RederiveProgress, rederivation_status
+from service.calibration.uploads import RederiveProgress, rederivation_status, revoke
 from service.core.estimator import ESTIMATOR_VERSION
 from service.store.db import create_engine_from_url, create_session_factory, database_url_from_env
-from service.store.keys import KeyScope, create_key, list_keys, revoke_key
+from service.store.keys import KeyScope, create_key, key_usage
 from service.store.migrate import alembic_config
 
 EXIT_OK = 0
@@ -80,10 +81,17 @@ def _sessions(args: argparse.Namespace) -> Iterator[sessionmaker[Session]]:
 
 @_with_store
 def _keys_create(args: argparse.Namespace) -> int:
-    with _sessions(args) as sessions, sessions.begin() as session:
-        issued = create_key(session, scopes=args.scopes, name=args.name, now=datetime.now(UTC))
-        prefix, scopes = issued.key.prefix, ",".join(issued.key.scopes)
-    print(f"created key {prefix} ({scopes}) named {args.name!r}; it is shown only once:")
+    nodes = args.nodes or []
+    try:
+        with _sessions(args) as sessions, sessions.begin() as session:
+            issued = create_key(
+                session, scopes=args.scopes, name=args.name, now=datetime.now(UTC), nodes=nodes
+            )
+            prefix, scopes = issued.key.prefix, ",".join(issued.key.scopes)
+    except ValueError as error:
+        return _fail(args, f"{error} (--node)", EXIT_USAGE)
+    bound = f" for nodes {', '.join(nodes)}" if nodes else ""
+    print(f"created key {prefix} ({scopes}){bound} named {args.name!r}; it is shown only once:")
     print(issued.token)
     return EXIT_OK
 
@@ -91,21 +99,41 @@ def _keys_create(args: argparse.Namespace) -> int:
 @_with_store
 def _keys_list(args: argparse.Namespace) -> int:
     with _sessions(args) as sessions, sessions() as session:
-        keys = list_keys(session, include_revoked=args.all)
-    for key in keys:
-        revoked = f"  revoked {key.revoked_at.isoformat()}" if key.revoked_at else ""
-        created = key.created_at.isoformat()
-        print(f"{key.prefix}  {','.join(key.scopes):<18} {created}  {key.name}{revoked}")
+        usage = key_usage(session, include_revoked=args.all)
+        rows = [
+            (
+                f"{item.key.prefix}  {','.join(item.key.scopes):<18} "
+                f"{item.key.created_at.isoformat()}  {item.uploads:>8} uploads  "
+                f"nodes {','.join(item.key.nodes) or '-'}  {item.key.name}"
+                + (f"  revoked {item.key.revoked_at.isoformat()}" if item.key.revoked_at else "")
+            )
+            for item in usage
+        ]
+    for row in rows:
+        print(row)
     return EXIT_OK
 
 
 @_with_store
 def _keys_revoke(args: argparse.Namespace) -> int:
     with _sessions(args) as sessions, sessions.begin() as session:
-        key = revoke_key(session, args.prefix, now=datetime.now(UTC))
-    if key is None:
+        revocation = revoke(
+            session,
+            args.prefix,
+            purge=args.purge,
+            estimator_version=ESTIMATOR_VERSION,
+            now=datetime.now(UTC),
+        )
+    if revocation is None:
         return _fail(args, f"no key with prefix {args.prefix!r}", EXIT_USAGE)
-    print(f"revoked key {args.prefix}")
+    purge = revocation.purge
+    if purge is None:
+        print(f"revoked key {args.prefix}")
+    else:
+        print(
+            f"revoked key {args.prefix}; purged {purge.uploads} uploads ({purge.ratios} "
+            f"ratios), refitted {purge.refitted} partitions of estimator {ESTIMATOR_VERSION}"
+        )
     return EXIT_OK
 
 
@@ -181,19 +209,36 @@ def add_keys_parser(subparsers: Any) -> None:
         choices=list(KeyScope),
         help="read, upload or admin; repeat for several",
     )
+    create.add_argument(
+        "--node",
+        dest="nodes",
+        action="append",
+        metavar="ID",
+        help="a node id an upload key may upload for, or a shell-style pattern ('gpu-node-*'; "
+        "'*' for any); repeat for several. Needed for an upload key; the key casts one "
+        "calibration vote whatever node ids its uploads name, so give each node its own key",
+    )
     create.add_argument("--name", default="", help="what the key is for, shown in listings")
     _add_database_url(create)
     create.set_defaults(handler=_keys_create)
 
-    listing = actions.add_parser("list", help="list keys (never their secrets)")
+    listing = actions.add_parser(
+        "list", help="list keys (never their secrets), with their uploads and node ids"
+    )
     listing.add_argument("--all", action="store_true", help="include revoked keys")
     _add_database_url(listing)
     listing.set_defaults(handler=_keys_list)
 
-    revoke = actions.add_parser("revoke", help="revoke a key by its prefix")
-    revoke.add_argument("prefix", help="the key's prefix, as `keys list` shows it")
-    _add_database_url(revoke)
-    revoke.set_defaults(handler=_keys_revoke)
+    revoking = actions.add_parser("revoke", help="revoke a key by its prefix")
+    revoking.add_argument("prefix", help="the key's prefix, as `keys list` shows it")
+    revoking.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete every calibration upload made with the key, and refit the factors "
+        "without them",
+    )
+    _add_database_url(revoking)
+    revoking.set_defaults(handler=_keys_revoke)
 
 
 def add_db_parser(subparsers: Any, job_estimator: JobEstimatorFactory | None = None) -> None:

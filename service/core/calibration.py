@@ -1,30 +1,61 @@
 """Robust calibration factors (measured / estimated) from peaks that training nodes measured.
 
-Every ratio is one run's measured peak over the estimate for the same spec, at one level. Per
-group (model, method, level; split by GPU or environment only where the data show it matters):
+Every ratio is one run's measured peak over the estimate for the same spec, at one level. A
+run's voter is the credential it was uploaded with (its API key), not the node id its body
+names: a body can name any node, a key is what an operator issued. Per group (model, method,
+level; split by GPU or environment only where the data show it matters):
 
-1. one vote per node: the median of the node's completed runs (a node that uploads a thousand
-   rows still casts one vote);
+1. one vote per voter: the median of the voter's completed runs (a key that uploads a
+   thousand rows, under however many node ids, still casts one vote);
 2. votes far from the median of votes (modified z-score on the MAD, in log space, because the
    errors are multiplicative) are rejected;
-3. the factor is the median of the remaining votes, once at least `MIN_NODES` nodes vote,
+3. the factor is the median of the remaining votes, once at least `MIN_NODES` voters vote,
    moved toward 1 by `SHIFT_Z` standard errors of that median (a soft threshold) and
    clamped to [`FACTOR_MIN`, `FACTOR_MAX`]: a factor shifts an estimate only by what lies beyond
    the uncertainty of its votes, so votes that disagree as much as they differ from 1 leave
    the estimate as it was, while many votes that agree tightly shift it almost fully;
 4. the upper multiplier is the widest of: a one-sided upper prediction bound on the log ratio
-   of one more node's run (Student's t for the number of votes, on the votes' robust spread
-   floored at `MIN_LOG_SPREAD`), so that a few agreeing nodes never prove a zero spread; and
-   the smallest multiplier that leaves at most 5 % of the voting nodes' runs above
-   `factor * upper_multiplier` (OOM runs are lower bounds: they can only raise it). The
-   bound is taken over the larger of the median and the shifted factor, so moving a factor
-   toward 1 never lowers the safe bound (over a factor moved down, the multiplier can reach
-   `UPPER_MULTIPLIER_CEILING`).
+   of one more voter's run (Student's t for the number of votes, on the votes' robust spread
+   floored at `MIN_LOG_SPREAD`), so that a few agreeing voters never prove a zero spread; the
+   largest ratio of a run that supports the factor; and, where OOM runs lie above that (they
+   are lower bounds of what their jobs needed), the smallest that leaves at most 5 % of the
+   runs and those OOM runs above `factor * upper_multiplier`. The bound is taken over the
+   larger of the median and the shifted factor, so moving a factor toward 1 never lowers the
+   safe bound, and kept within [`UPPER_MULTIPLIER_MIN`, `UPPER_MULTIPLIER_MAX`] of it, a
+   clamp that never takes it below a run that supports it.
 
-Each level is fitted on its own ratios. A model without enough nodes falls back to the global
-factor of its method and level, which models vote on as nodes vote on a model's factor: one
-vote per model, at least `MIN_MODELS` of them; a factor learned from one model is that
-model's alone. Without either, no factor applies.
+The runs that support a factor are the completed runs of its kept voters, less those more
+than `OUTLIER_Z` spreads (floored at `MIN_LOG_SPREAD`) above the kept votes' median: a run
+that far above every vote (another job, a shared GPU, a made-up peak) is as little evidence
+of the group as a vote that far, which is rejected.
+
+Each level is fitted on its own ratios. A model without enough voters falls back to the global
+factor of its method and level, which models vote on as voters vote on a model's factor: one
+vote per model, at least `MIN_MODELS` of them and `MIN_NODES` voters behind them; a factor
+learned from one model is that model's alone. Without either, no factor applies.
+
+What voters can do to a safe bound (the calibrated device level times the device factor's
+`upper_multiplier`, `Calibrator.levels`; tests/core/test_calibration_votes.py checks each over
+`fit_table`):
+
+- Fewer than `MIN_NODES` voters move nothing. A model's factor and a global one both need the
+  votes of `MIN_NODES` distinct voters, so runs uploaded with fewer keys, under however many
+  node ids, form no factor: every level and safe bound stays the estimator's, for the models
+  they name and every other one, and no safe bound comes below its uncalibrated device level.
+  Beside other voters, such keys vote as any voter does: once each, rejected when far off.
+- Down: with `MIN_NODES` voters or more a safe bound may come below the uncalibrated device
+  level (to `FACTOR_MIN * UPPER_MULTIPLIER_MIN` of it at the least), but never below a run
+  that supports it: a factor's `upper_ratio` is at least the ratio of each such run, so the
+  job of each, calibrated with the factor, gets a safe bound at or above the device peak it
+  measured.
+- Up: a safe bound rises only through a factor of `MIN_NODES` voters or more. The device
+  factor's `upper_ratio` is at most `max(UPPER_MULTIPLIER_CEILING, L)`, L the largest ratio of
+  a run that supports it: the statistics' margin reaches `UPPER_MULTIPLIER_CEILING` at the
+  most, and beyond it only peaks the kept voters measured, within `OUTLIER_Z` spreads of their
+  votes' median, lift it. The safe bound is the calibrated device level times
+  `upper_multiplier` (`upper_ratio / ratio`): at most `upper_ratio` times the device
+  estimate, unless the (calibrated) reserved or allocated level lies above the device level
+  the factor gives, and lifts the bound with it.
 """
 
 from __future__ import annotations
@@ -38,11 +69,16 @@ from statistics import NormalDist
 from types import MappingProxyType
 from typing import Protocol
 
-from service.core.errors import EstimatorError
+from service.core.measured import ImplausibleMeasurementError as ImplausibleMeasurementError
+from service.core.measured import Level as Level
+from service.core.measured import Measured as Measured
+from service.core.measured import Outcome as Outcome
+from service.core.measured import check_measured as check_measured
+from service.core.measured import estimated_at as estimated_at
 from service.core.result import Levels
 from service.core.student_t import student_t_quantile
 
-# A vote needs this many distinct nodes: with three votes the median survives one bad node
+# A vote needs this many distinct voters: with three votes the median survives one bad voter
 # (the median's breakdown point is floor((n - 1) / 2) votes).
 MIN_NODES = 3
 # A factor applies across models (the global scope) only when this many models agree, each
@@ -55,7 +91,8 @@ FACTOR_MIN = 0.8
 # Calibration raises an estimate by at most 50 %: an overestimate only wastes memory, so the
 # bound is looser, but beyond it the estimator is wrong for the group, not imprecise.
 FACTOR_MAX = 1.5
-# At most this share of runs may exceed the upper bound (the issue's 95 % coverage).
+# The prediction bound's one-sided level, and the share of runs that OOM runs above the bound
+# may make up (the issue's 95 % coverage); no completed run that supports a factor may.
 UPPER_EXCEEDANCE = 0.05
 # Modified z-score threshold for rejecting a vote (Iglewicz & Hoaglin 1993, "How to Detect
 # and Handle Outliers": |0.6745 (x - median) / MAD| > 3.5).
@@ -99,19 +136,6 @@ SPLIT_MIN_EFFECT = math.log(1.05)
 SPLIT_Z = 3.0
 
 
-class Level(StrEnum):
-    """The three peak levels a node can measure (see the architecture notes)."""
-
-    ALLOCATED = "allocated"
-    RESERVED = "reserved"
-    DEVICE = "device"
-
-
-class Outcome(StrEnum):
-    COMPLETED = "completed"
-    OOM = "oom"  # the run died; its measured peak is a lower bound of what it needed
-
-
 class Scope(StrEnum):
     """Where a factor comes from, most specific first."""
 
@@ -121,72 +145,12 @@ class Scope(StrEnum):
     GLOBAL = "global"
 
 
-class ImplausibleMeasurementError(ValueError, EstimatorError):
-    """Measured peaks that cannot be true; `field` names the offending value."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Measured:
-    """Peaks one run measured, bytes; a level the node did not measure is None."""
-
-    allocated_bytes: int | None = None
-    reserved_bytes: int | None = None
-    device_bytes: int | None = None
-
-    def at(self, level: Level) -> int | None:
-        return {
-            Level.ALLOCATED: self.allocated_bytes,
-            Level.RESERVED: self.reserved_bytes,
-            Level.DEVICE: self.device_bytes,
-        }[level]
-
-    def levels(self) -> dict[Level, int]:
-        return {level: value for level in Level if (value := self.at(level)) is not None}
-
-
-def check_measured(measured: Measured, *, gpu_memory_total_bytes: int) -> None:
-    """Raise ImplausibleMeasurementError for peaks no real run can produce."""
-    if gpu_memory_total_bytes <= 0:
-        raise ImplausibleMeasurementError("gpu.memory_total_bytes", "must be positive")
-    levels = measured.levels()
-    if not levels:
-        raise ImplausibleMeasurementError("measured", "at least one level must be measured")
-    for level, value in levels.items():
-        field = f"measured.{level}_bytes"
-        if value <= 0:
-            raise ImplausibleMeasurementError(field, f"a peak must be positive, got {value}")
-        if value > gpu_memory_total_bytes:
-            raise ImplausibleMeasurementError(
-                field,
-                f"{value} bytes is above the GPU's total memory ({gpu_memory_total_bytes})",
-            )
-    allocated, reserved = measured.allocated_bytes, measured.reserved_bytes
-    if allocated is not None and reserved is not None and allocated > reserved:
-        raise ImplausibleMeasurementError(
-            "measured.allocated_bytes",
-            f"allocated ({allocated}) cannot exceed reserved ({reserved}): "
-            "the caching allocator reserves every allocated byte",
-        )
-
-
-def estimated_at(estimate: Levels, level: Level) -> int:
-    if level is Level.ALLOCATED:
-        return estimate.allocated_bytes
-    if level is Level.RESERVED:
-        return estimate.reserved_bytes
-    return estimate.device_bytes
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
-    """One run's measured / estimated ratio at one level, from one node."""
+    """One run's measured / estimated ratio at one level, from one voter (the key that
+    uploaded it)."""
 
-    node_id: str
+    voter: str
     ratio: float
     outcome: Outcome = Outcome.COMPLETED
 
@@ -202,13 +166,13 @@ class Factor:
 
     ratio: float  # the votes' median moved toward 1 (`shifted_log_ratio`), then clamped
     upper_multiplier: float
-    nodes: int  # nodes whose vote counted
+    nodes: int  # voters (upload keys) whose vote counted
     models: int  # models whose vote counted: 1 for a model's own factor
-    rejected_nodes: tuple[str, ...]  # nodes whose vote was too far from the others
-    runs: int  # completed runs of the voting nodes
+    rejected_nodes: tuple[str, ...]  # voters whose vote was too far from the others
+    runs: int  # completed runs of the voters kept
     oom_runs: int  # OOM runs above the bound the completed runs gave: they raised it
     # Robust standard deviation of the kept votes, log space (may be 0; the global factor's:
-    # the wider of its models' and its nodes' votes).
+    # the wider of its models' and its voters' votes).
     log_spread: float
     clamped: bool  # the (shifted) factor or the upper multiplier hit a clamp
 
@@ -230,17 +194,18 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def _allowed_above(runs: int) -> int:
-    """How many of `runs` runs may lie above the safe bound."""
+    """How many of `runs` runs may lie above the safe bound (OOM runs only: every completed
+    run that supports a factor lies at or under it)."""
     return math.floor(UPPER_EXCEEDANCE * runs)
 
 
-def node_votes(samples: Iterable[Sample]) -> dict[str, float]:
-    """Each node's vote: the median of its completed runs' log ratios."""
-    by_node: dict[str, list[float]] = defaultdict(list)
+def voter_votes(samples: Iterable[Sample]) -> dict[str, float]:
+    """Each voter's vote: the median of its completed runs' log ratios."""
+    by_voter: dict[str, list[float]] = defaultdict(list)
     for sample in samples:
         if sample.outcome is Outcome.COMPLETED:
-            by_node[sample.node_id].append(math.log(sample.ratio))
-    return {node: _median(logs) for node, logs in by_node.items()}
+            by_voter[sample.voter].append(math.log(sample.ratio))
+    return {voter: _median(logs) for voter, logs in by_voter.items()}
 
 
 def robust_spread(log_values: Sequence[float], center: float) -> float:
@@ -307,21 +272,42 @@ def _consensus(votes: Mapping[str, float], minimum: int) -> _Consensus | None:
     )
 
 
-def _factor(
-    *,
-    log_center: float,
-    log_spread: float,
-    voters: int,
-    runs: Runs,
-    selection: Selection,
-    nodes: int,
-    models: int,
-    rejected_nodes: Iterable[str],
-) -> Factor:
-    """A factor from its votes' median and spread and the `selection` of `runs` behind them."""
+# A (model, voter) pair: a voter's vote on a model's factor, and the runs behind it.
+Pair = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Selection:
+    """The runs of a group that set its safe bound: those of `models`, except the runs of
+    the `dropped` (model, voter) pairs (voters rejected as far from the others)."""
+
+    models: frozenset[str]
+    dropped: frozenset[Pair]
+
+    def supports(self, model: str, voter: str) -> bool:
+        """Whether the runs of `voter` on `model` support the factor."""
+        return model in self.models and (model, voter) not in self.dropped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Support:
+    """The votes behind a factor and the runs that support it (`selection`)."""
+
+    log_center: float  # the median of the kept votes, log space, before any shift
+    log_spread: float  # their robust spread (the global factor's: models' or pairs')
+    votes: int  # the votes the median and its prediction bound count (models, for global)
+    selection: Selection
+    nodes: int  # voters kept
+    models: int  # models kept
+    rejected: frozenset[str]  # voters left out
+
+
+def _factor(support: Support, runs: Runs) -> Factor:
+    """A factor from its votes' median and spread and the runs that support it."""
+    log_center, log_spread, selection = support.log_center, support.log_spread, support.selection
     raw_ratio = math.exp(log_center)
     median = _clamp(raw_ratio, FACTOR_MIN, FACTOR_MAX)
-    shifted = shifted_log_ratio(log_center, log_spread, voters)
+    shifted = shifted_log_ratio(log_center, log_spread, support.votes)
     # The shift is the median's (a median beyond a clamp shifts from where it lies); clamping
     # after it keeps the factor between 1 and the clamped median.
     unclamped = raw_ratio if shifted == log_center else math.exp(shifted)
@@ -329,58 +315,48 @@ def _factor(
     # The bound is taken over the larger of the median and the shifted factor: a factor moved
     # down toward 1 keeps the bound its median gives, one moved up raises it.
     reference = max(median, ratio)
-    margin = math.exp(upper_prediction_log_margin(log_spread, voters))
+    margin = math.exp(upper_prediction_log_margin(log_spread, support.votes))
     # The prediction bound holds over the votes' median and over the (clamped) factor alike,
-    # and at most UPPER_EXCEEDANCE of the runs may lie above the bound.
+    # and no run that supports the factor (none far above the votes) may lie above the bound.
     completed = runs.completed(selection)
-    upper = max(
-        raw_ratio * margin,
-        reference * margin,
-        runs.largest(selection, _allowed_above(completed)),
-    )
+    reach = OUTLIER_Z * max(log_spread, MIN_LOG_SPREAD)
+    largest = runs.largest(selection, 0, at_most=math.exp(log_center + reach))
+    upper = max(raw_ratio * margin, reference * margin, largest)
     # OOM runs needed more than they measured; one above the bound is a run the bound let
-    # through, so it joins the population (and can only raise the quantile).
+    # through, so it joins the population, of which at most UPPER_EXCEEDANCE may lie above.
     pushing = runs.oom_above(selection, upper)
     if pushing:
         upper = max(
             upper,
             runs.largest(selection, _allowed_above(completed + pushing), oom_above=upper),
         )
-    raw_multiplier = upper / reference
-    over_reference = _clamp(raw_multiplier, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX)
+    # The margin over the reference is clamped, but no clamp takes the bound below a run that
+    # supports it: the job of each keeps a safe bound at or above the peak it measured.
+    clamped = reference * _clamp(upper / reference, UPPER_MULTIPLIER_MIN, UPPER_MULTIPLIER_MAX)
+    bound = max(clamped, largest)
+    upper_multiplier = bound / ratio
+    while ratio * upper_multiplier < bound:  # one ulp, where the division rounded down
+        upper_multiplier = math.nextafter(upper_multiplier, math.inf)
     return Factor(
         ratio=ratio,
-        upper_multiplier=over_reference * (reference / ratio),
-        nodes=nodes,
-        models=models,
-        rejected_nodes=tuple(sorted(rejected_nodes)),
+        upper_multiplier=upper_multiplier,
+        nodes=support.nodes,
+        models=support.models,
+        rejected_nodes=tuple(sorted(support.rejected)),
         runs=completed,
         oom_runs=pushing,
         log_spread=log_spread,
-        clamped=ratio != unclamped or raw_multiplier > UPPER_MULTIPLIER_MAX,
+        clamped=ratio != unclamped or bound < upper,
     )
 
 
-# A (model, node) pair: a node's vote on a model's factor, and the runs behind it.
-Pair = tuple[str, str]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Selection:
-    """The runs of a group that set its safe bound: those of `models`, except the runs of
-    the `dropped` (model, node) pairs (voters rejected as far from the others)."""
-
-    models: frozenset[str]
-    dropped: frozenset[Pair]
-
-
 class Runs(Protocol):
-    """A group's runs as its fit reads them: each node's vote per model, and the few order
+    """A group's runs as its fit reads them: each voter's vote per model, and the few order
     statistics the safe bound needs. `SampleRuns` holds them in memory; a store can answer
     the same questions with queries, without reading every run."""
 
     def votes(self) -> Mapping[Pair, float]:
-        """Each (model, node)'s vote: the median of the log ratios of its completed runs."""
+        """Each (model, voter)'s vote: the median of the log ratios of its completed runs."""
         ...
 
     def completed(self, selection: Selection) -> int:
@@ -391,9 +367,17 @@ class Runs(Protocol):
         """How many OOM runs of `selection` have a ratio above `bound`."""
         ...
 
-    def largest(self, selection: Selection, rank: int, *, oom_above: float | None = None) -> float:
+    def largest(
+        self,
+        selection: Selection,
+        rank: int,
+        *,
+        oom_above: float | None = None,
+        at_most: float | None = None,
+    ) -> float:
         """The ratio that `rank` others lie above (0: the largest) among the completed runs
-        of `selection` and, if `oom_above` is given, its OOM runs above `oom_above`."""
+        of `selection` (those up to `at_most`, if given) and, if `oom_above` is given, its
+        OOM runs above `oom_above`."""
         ...
 
 
@@ -414,9 +398,9 @@ class SampleRuns:
             for model, sample in self._runs:
                 by_model[model].append(sample)
             self._votes = {
-                (model, node): vote
+                (model, voter): vote
                 for model, samples in by_model.items()
-                for node, vote in node_votes(samples).items()
+                for voter, vote in voter_votes(samples).items()
             }
         return self._votes
 
@@ -424,9 +408,7 @@ class SampleRuns:
         return [
             sample.ratio
             for model, sample in self._runs
-            if sample.outcome is outcome
-            and model in selection.models
-            and (model, sample.node_id) not in selection.dropped
+            if sample.outcome is outcome and selection.supports(model, sample.voter)
         ]
 
     def completed(self, selection: Selection) -> int:
@@ -435,41 +417,55 @@ class SampleRuns:
     def oom_above(self, selection: Selection, bound: float) -> int:
         return sum(1 for ratio in self._ratios(selection, Outcome.OOM) if ratio > bound)
 
-    def largest(self, selection: Selection, rank: int, *, oom_above: float | None = None) -> float:
+    def largest(
+        self,
+        selection: Selection,
+        rank: int,
+        *,
+        oom_above: float | None = None,
+        at_most: float | None = None,
+    ) -> float:
         ratios = self._ratios(selection, Outcome.COMPLETED)
+        if at_most is not None:
+            ratios = [r for r in ratios if r <= at_most]
         if oom_above is not None:
             ratios += [r for r in self._ratios(selection, Outcome.OOM) if r > oom_above]
         return sorted(ratios, reverse=True)[rank]
 
 
 def fit_factor(samples: Iterable[Sample]) -> Factor | None:
-    """The group's factor, or None when fewer than MIN_NODES nodes vote after rejection."""
-    fitted = _fit_model_runs(SampleRuns.of_model(samples), "")
-    return None if fitted is None else fitted[0]
+    """The group's factor, or None when fewer than MIN_NODES voters vote after rejection."""
+    runs = SampleRuns.of_model(samples)
+    support = model_support(runs, "")
+    return None if support is None else _factor(support, runs)
 
 
-def _fit_model_runs(runs: Runs, model: str) -> tuple[Factor, float] | None:
-    """A model's group factor (its nodes vote) and the log median of its kept votes (before
-    any shift)."""
-    votes = {node: vote for (_model, node), vote in runs.votes().items()}
+def model_support(runs: Runs, model: str) -> Support | None:
+    """What stands behind a model's group factor: its voters' votes, those far from the
+    others rejected, or None when fewer than MIN_NODES voters are left."""
+    votes = {voter: vote for (_model, voter), vote in runs.votes().items()}
     consensus = _consensus(votes, MIN_NODES)
     if consensus is None:
         return None
     kept, rejected = consensus.kept, consensus.rejected
-    factor = _factor(
+    return Support(
         log_center=consensus.log_center,
         log_spread=robust_spread(list(kept.values()), consensus.log_center),
-        voters=len(kept),
-        runs=runs,
-        # The kept nodes' completed runs, and the OOM runs of every node not rejected.
+        votes=len(kept),
+        # The kept voters' completed runs, and the OOM runs of every voter not rejected.
         selection=Selection(
-            models=frozenset({model}), dropped=frozenset((model, node) for node in rejected)
+            models=frozenset({model}), dropped=frozenset((model, voter) for voter in rejected)
         ),
         nodes=len(kept),
         models=1,
-        rejected_nodes=rejected,
+        rejected=rejected,
     )
-    return factor, consensus.log_center
+
+
+def _fit_model_runs(runs: Runs, model: str) -> tuple[Factor, float] | None:
+    """A model's group factor and the log median of its kept votes (before any shift)."""
+    support = model_support(runs, model)
+    return None if support is None else (_factor(support, runs), support.log_center)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -491,45 +487,51 @@ def fit_global_factor(observations: Iterable[Observation]) -> Factor | None:
 
 def fit_global_runs(runs: Runs) -> Factor | None:
     """The factor of one method and level across models, or None unless at least MIN_MODELS
-    models agree and MIN_NODES nodes stand behind them.
+    models agree and MIN_NODES voters stand behind them (`global_support`)."""
+    support = global_support(runs)
+    return None if support is None else _factor(support, runs)
 
-    Models vote as nodes do on a model's factor: once each, with the median of their nodes'
-    votes, and a model far from the others is rejected. Among the kept models, a node whose
+
+def global_support(runs: Runs) -> Support | None:
+    """What stands behind the factor of one method and level across models, or None unless
+    at least MIN_MODELS models agree and MIN_NODES voters stand behind them.
+
+    Models vote as voters do on a model's factor: once each, with the median of their voters'
+    votes, and a model far from the others is rejected. Among the kept models, a voter whose
     vote is far from their median is left out too, so that its runs set no bound. The safe
     bound's prediction counts models (a new model is what the global factor is for), on the
-    wider of the models' and the nodes' spreads.
+    wider of the models' and the voters' spreads.
     """
     votes_of: dict[str, dict[str, float]] = defaultdict(dict)
-    for (model, node), vote in runs.votes().items():
-        votes_of[model][node] = vote
+    for (model, voter), vote in runs.votes().items():
+        votes_of[model][voter] = vote
     model_votes = {model: _median(list(votes.values())) for model, votes in votes_of.items()}
     consensus = _consensus(model_votes, MIN_MODELS)
     if consensus is None:
         return None
     center = consensus.log_center
     pairs = {
-        (model, node): vote for model in consensus.kept for node, vote in votes_of[model].items()
+        (model, voter): vote for model in consensus.kept for voter, vote in votes_of[model].items()
     }
     pair_spread = robust_spread(list(pairs.values()), center)
     reach = OUTLIER_Z * max(pair_spread, MIN_LOG_SPREAD)
     kept = {pair for pair, vote in pairs.items() if abs(vote - center) <= reach}
-    nodes = {node for _model, node in kept}
-    if len(nodes) < MIN_NODES:
+    voters = {voter for _model, voter in kept}
+    if len(voters) < MIN_NODES:
         return None
-    dropped = {(model, node) for model, votes in votes_of.items() for node in votes} - kept
-    return _factor(
+    dropped = {(model, voter) for model, votes in votes_of.items() for voter in votes} - kept
+    return Support(
         log_center=center,
         log_spread=max(robust_spread(list(consensus.kept.values()), center), pair_spread),
-        voters=len(consensus.kept),
-        runs=runs,
-        # The kept models' runs, less those of their nodes left out.
+        votes=len(consensus.kept),
+        # The kept models' runs, less those of their voters left out.
         selection=Selection(
             models=frozenset(consensus.kept),
             dropped=frozenset(pair for pair in dropped if pair[0] in consensus.kept),
         ),
-        nodes=len(nodes),
+        nodes=len(voters),
         models=len(consensus.kept),
-        rejected_nodes={node for _model, node in dropped},
+        rejected=frozenset(voter for _model, voter in dropped),
     )
 
 

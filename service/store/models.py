@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -40,6 +41,11 @@ NAMING_CONVENTION = {
 
 # BIGINT on PostgreSQL; SQLite only auto-increments a column declared INTEGER PRIMARY KEY.
 BigIntegerPK = BigInteger().with_variant(Integer(), "sqlite")
+# The largest id such a key holds: BIGINT's (PostgreSQL) and SQLite's INTEGER's, both signed
+# 64-bit.
+MAX_ROW_ID = 2**63 - 1
+# The stored width of a key's prefix (`service.store.keys` makes 8 hex digits), the voter.
+PREFIX_LENGTH = 16
 
 
 class UtcDateTime(TypeDecorator[datetime]):
@@ -87,15 +93,20 @@ class Base(DeclarativeBase):
 
 
 class ApiKey(Base):
-    """An API key: only its SHA-256 is stored; the prefix names it in listings and revocation."""
+    """An API key: only its SHA-256 is stored; the prefix names it in listings and revocation,
+    and is the voter of the calibration runs uploaded with it."""
 
     __tablename__ = "api_key"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    prefix: Mapped[str] = mapped_column(String(PREFIX_LENGTH), unique=True)
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     name: Mapped[str] = mapped_column(String(200))
     scopes: Mapped[list[str]] = mapped_column(JSON)
+    # The node ids an upload key may upload for: shell-style patterns, fixed when the key is
+    # made (`service.store.keys.speaks_for`); [] for keys without the upload scope, and for a
+    # key stored without any (it then uploads for none).
+    nodes: Mapped[list[str]] = mapped_column(JSON, server_default=text("'[]'"))
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
 
@@ -158,18 +169,19 @@ class CalibrationUpload(Base):
 class CalibrationRatio(Base):
     """measured / estimated at one level, for one upload and one estimator version.
 
-    It carries the groups its upload belongs to (method, model, node, GPU, environment key,
-    outcome: copies of the upload's, which never change), so that a refit reads a group's
-    runs from one index range (`ix_calibration_ratio_group`) without joining the uploads.
+    It carries the groups its upload belongs to (method, model, GPU, environment key, outcome:
+    copies of the upload's, which never change) and its voter (the prefix of the key that
+    uploaded it), so that a refit reads a group's runs from one index range
+    (`ix_calibration_ratio_group`) without joining the uploads or the keys.
     """
 
     __tablename__ = "calibration_ratio"
     __table_args__ = (
         UniqueConstraint("upload_id", "level", "estimator_version"),
         Index("ix_calibration_ratio_estimator_version_level", "estimator_version", "level"),
-        # A model's runs, by outcome, node, then ratio: each node's median, a model's counts
-        # and ranked ratios from one range; a partition's completed runs in (model, node)
-        # order for its nodes' medians.
+        # A model's runs, by outcome, voter, then ratio: each voter's median, a model's counts
+        # and ranked ratios from one range; a partition's completed runs in (model, voter)
+        # order for its voters' medians.
         Index(
             "ix_calibration_ratio_group",
             "estimator_version",
@@ -177,7 +189,7 @@ class CalibrationRatio(Base):
             "level",
             "model",
             "outcome",
-            "node_id",
+            "voter",
             "ratio",
         ),
         CheckConstraint("estimated_bytes > 0", name="estimated_bytes_positive"),
@@ -201,7 +213,8 @@ class CalibrationRatio(Base):
     ratio: Mapped[float] = mapped_column(Float)
     method: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(200))
-    node_id: Mapped[str] = mapped_column(String(200))
+    # Who cast the vote: the prefix of the upload's key (not the node id its body names).
+    voter: Mapped[str] = mapped_column(String(PREFIX_LENGTH))
     gpu_name: Mapped[str] = mapped_column(String(200))
     # The part of the upload's environment that splits a model's factor (torch and CUDA,
     # major.minor: `service.calibration.factors.environment_key`).
@@ -261,7 +274,7 @@ class CalibrationFactor(Base):
 
 
 class CalibrationVote(Base):
-    """One node's vote on one model's factor (the median of the log ratios of its completed
+    """One voter's vote on one model's factor (the median of the log ratios of its completed
     runs) and how many completed runs it has, as the model's last refit found them: a refit
     of a partition's global factor reads these instead of every run. Replaced with the
     model's factors."""
@@ -274,7 +287,7 @@ class CalibrationVote(Base):
             "method",
             "level",
             "model",
-            "node_id",
+            "voter",
             unique=True,
         ),
     )
@@ -284,7 +297,7 @@ class CalibrationVote(Base):
     method: Mapped[str] = mapped_column(String(16))
     level: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(200))
-    node_id: Mapped[str] = mapped_column(String(200))
+    voter: Mapped[str] = mapped_column(String(PREFIX_LENGTH))
     log_vote: Mapped[float] = mapped_column(Float)
     completed_runs: Mapped[int] = mapped_column(Integer)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -36,6 +36,15 @@ class DuplicateIdempotencyKeyError(Exception):
         self.existing = existing
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyUsage:
+    """A key and the calibration uploads stored under it."""
+
+    key: ApiKey
+    uploads: int
+    last_upload_at: datetime | None
+
+
 class ApiKeyRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -62,6 +71,46 @@ class ApiKeyRepository:
             key.revoked_at = at
             self.session.flush()
 
+    def usage(self, *, include_revoked: bool = False) -> list[KeyUsage]:
+        """Each key with its number of uploads and its last upload's time, oldest key first."""
+        uploads = (
+            select(
+                CalibrationUpload.api_key_id,
+                func.count().label("uploads"),
+                func.max(CalibrationUpload.received_at).label("last_upload_at"),
+            )
+            .group_by(CalibrationUpload.api_key_id)
+            .subquery()
+        )
+        query = (
+            select(ApiKey, uploads.c.uploads, uploads.c.last_upload_at)
+            .outerjoin(uploads, uploads.c.api_key_id == ApiKey.id)
+            .order_by(ApiKey.id)
+        )
+        if not include_revoked:
+            query = query.where(ApiKey.revoked_at.is_(None))
+        return [
+            KeyUsage(
+                key=key,
+                uploads=count or 0,
+                last_upload_at=last,  # (max() keeps its column's type, so its zone)
+            )
+            for key, count, last in self.session.execute(query)
+        ]
+
+    def prefixes(self, ids: Iterable[int]) -> dict[int, str]:
+        """The prefix of each key among `ids`."""
+        wanted = sorted(set(ids))
+        found: dict[int, str] = {}
+        for start in range(0, len(wanted), _CHUNK):
+            rows = self.session.execute(
+                select(ApiKey.id, ApiKey.prefix).where(
+                    ApiKey.id.in_(wanted[start : start + _CHUNK])
+                )
+            )
+            found.update({row.id: row.prefix for row in rows})
+        return found
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ObservationRow:
@@ -71,6 +120,7 @@ class ObservationRow:
     method: str
     level: Level
     node_id: str
+    voter: str  # the prefix of the upload's key
     gpu_name: str
     environment: dict[str, Any]
     outcome: Outcome
@@ -98,6 +148,17 @@ class Change:
     method: str
     level: str
     model: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PurgedUploads:
+    """What deleting a key's uploads deleted."""
+
+    uploads: int
+    ratios: int
+    # The (estimator version, method, level, model) of the ratios deleted: whose factors
+    # are out of date.
+    touched: frozenset[tuple[str, str, str, str]]
 
 
 # Bound parameters per statement when deleting by a list of values (SQLite allows 32,766).
@@ -171,19 +232,22 @@ class CalibrationRepository:
         self, estimator_version: str, *, method: str | None = None, level: str | None = None
     ) -> list[ObservationRow]:
         """Every ratio of one estimator version (of one method and level, if given) with its
-        group and node, for a refit."""
+        group, node and voter, read from its upload and the upload's key (not the ratio's
+        copies), for a refit."""
         query = (
             select(
                 CalibrationUpload.model,
                 CalibrationUpload.method,
                 CalibrationRatio.level,
                 CalibrationUpload.node_id,
+                ApiKey.prefix,
                 CalibrationUpload.gpu_name,
                 CalibrationUpload.environment,
                 CalibrationUpload.outcome,
                 CalibrationRatio.ratio,
             )
             .join(CalibrationRatio.upload)
+            .join(ApiKey, ApiKey.id == CalibrationUpload.api_key_id)
             .where(CalibrationRatio.estimator_version == estimator_version)
         )
         if method is not None:
@@ -197,6 +261,7 @@ class CalibrationRepository:
                 method=row.method,
                 level=row.level,
                 node_id=row.node_id,
+                voter=row.prefix,
                 gpu_name=row.gpu_name,
                 environment=row.environment,
                 outcome=row.outcome,
@@ -252,6 +317,35 @@ class CalibrationRepository:
             for method, level, model in sorted(changes)
         )
         self.session.flush()
+
+    def delete_uploads_of_key(self, api_key_id: int) -> PurgedUploads:
+        """Delete every upload of one key and the ratios derived from it."""
+        of_key = select(CalibrationUpload.id).where(CalibrationUpload.api_key_id == api_key_id)
+        ratio = CalibrationRatio
+        derived = ratio.upload_id.in_(of_key)
+        touched = self.session.execute(
+            select(ratio.estimator_version, ratio.method, ratio.level, ratio.model)
+            .where(derived)
+            .distinct()
+        ).all()
+        ratios = self.session.scalar(select(func.count()).select_from(ratio).where(derived))
+        uploads = self.session.scalar(select(func.count()).select_from(of_key.subquery()))
+        # Bulk deletes, the session's copies of the rows left as they are: callers purge in
+        # a session of their own.
+        unsynchronised = {"synchronize_session": False}
+        self.session.execute(delete(ratio).where(derived), execution_options=unsynchronised)
+        self.session.execute(
+            delete(CalibrationUpload).where(CalibrationUpload.api_key_id == api_key_id),
+            execution_options=unsynchronised,
+        )
+        return PurgedUploads(
+            uploads=uploads or 0,
+            ratios=ratios or 0,
+            touched=frozenset(
+                (row.estimator_version, row.method, Level(row.level).value, row.model)
+                for row in touched
+            ),
+        )
 
     def lock_refit(self, estimator_version: str) -> None:
         """Serialise refits of one version until the transaction ends (PostgreSQL; SQLite
@@ -346,21 +440,21 @@ class CalibrationRepository:
     def _selected(query: Select[Any], selection: Selection) -> Select[Any]:
         query = query.where(CalibrationRatio.model.in_(sorted(selection.models)))
         if selection.dropped:
-            pair = tuple_(CalibrationRatio.model, CalibrationRatio.node_id)
+            pair = tuple_(CalibrationRatio.model, CalibrationRatio.voter)
             query = query.where(pair.not_in(sorted(selection.dropped)))
         return query
 
     def middle_runs(self, group: RatioGroup) -> list[tuple[str, str, float, int]]:
-        """The completed runs in the middle of each (model, node)'s runs of `group`, by
+        """The completed runs in the middle of each (model, voter)'s runs of `group`, by
         ratio: one for an odd number of runs, two for an even one (a median's), in one pass
         of the database, not of Python, over the group; each with its pair's number of
         completed runs."""
-        pair = (CalibrationRatio.model, CalibrationRatio.node_id)
+        pair = (CalibrationRatio.model, CalibrationRatio.voter)
         ranked = (
             self._runs(
                 group,
                 CalibrationRatio.model,
-                CalibrationRatio.node_id,
+                CalibrationRatio.voter,
                 CalibrationRatio.ratio,
                 func.row_number()
                 .over(partition_by=pair, order_by=CalibrationRatio.ratio)
@@ -374,15 +468,11 @@ class CalibrationRepository:
             ranked.c.position == (ranked.c.runs + 1) // 2,
             ranked.c.position == ranked.c.runs // 2 + 1,
         )
-        query = select(ranked.c.model, ranked.c.node_id, ranked.c.ratio, ranked.c.runs).where(
-            middle
-        )
-        return [
-            (row.model, row.node_id, row.ratio, row.runs) for row in self.session.execute(query)
-        ]
+        query = select(ranked.c.model, ranked.c.voter, ranked.c.ratio, ranked.c.runs).where(middle)
+        return [(row.model, row.voter, row.ratio, row.runs) for row in self.session.execute(query)]
 
     def votes(self, estimator_version: str, method: str, level: str) -> Sequence[CalibrationVote]:
-        """Every node's stored vote per model in one partition."""
+        """Every voter's stored vote per model in one partition."""
         return self.session.scalars(
             select(CalibrationVote).where(
                 CalibrationVote.estimator_version == estimator_version,
@@ -425,11 +515,20 @@ class CalibrationRepository:
         return self.session.scalar(query) or 0
 
     def ranked_ratio(
-        self, group: RatioGroup, selection: Selection, rank: int, *, oom_above: float | None
+        self,
+        group: RatioGroup,
+        selection: Selection,
+        rank: int,
+        *,
+        oom_above: float | None,
+        at_most: float | None = None,
     ) -> float:
-        """The ratio `rank` others lie above among the completed runs of `selection` (and its
-        OOM runs above `oom_above`, if given): a top-k query, not a sort in Python."""
+        """The ratio `rank` others lie above among the completed runs of `selection` (those up
+        to `at_most`, if given; and its OOM runs above `oom_above`, if given): a top-k query,
+        not a sort in Python."""
         runs = CalibrationRatio.outcome == Outcome.COMPLETED
+        if at_most is not None:
+            runs = and_(runs, CalibrationRatio.ratio <= at_most)
         if oom_above is not None:
             runs = or_(
                 runs,

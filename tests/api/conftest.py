@@ -10,7 +10,7 @@ import atexit
 import functools
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -96,10 +96,18 @@ def make_app(**settings: Any) -> FastAPI:
     return create_app(Settings(**{**defaults, **settings}))
 
 
-def issue_key(app: FastAPI, *scopes: KeyScope) -> str:
-    """A new API key's token, stored in the app's database."""
+def issue_key(app: FastAPI, *scopes: KeyScope, nodes: Sequence[str] = ("*",)) -> str:
+    """A new API key's token, stored in the app's database; an upload key uploads for
+    `nodes` (any node id unless told)."""
+    uploads = KeyScope.UPLOAD in scopes and KeyScope.ADMIN not in scopes
     with app.state.services.sessions.begin() as session:
-        issued = create_key(session, scopes=scopes, name="tests", now=datetime.now(UTC))
+        issued = create_key(
+            session,
+            scopes=scopes,
+            name="tests",
+            now=datetime.now(UTC),
+            nodes=nodes if uploads else (),
+        )
         return issued.token
 
 

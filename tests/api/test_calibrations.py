@@ -95,16 +95,24 @@ def reloaded_factors(client: TestClient, app: FastAPI) -> dict[str, Any]:
     return factors
 
 
+def prefix(token: str) -> str:
+    """The prefix of a key's token (`vck_<prefix>_<secret>`): the key's voter id."""
+    return token.split("_")[1]
+
+
 def upload_fleet(
-    client: TestClient, token: str, ratios: dict[str, list[float]], estimate: int
-) -> None:
+    client: TestClient, app: FastAPI, ratios: dict[str, list[float]], estimate: int
+) -> dict[str, str]:
+    """Each node's runs, uploaded with a key of its own (made here); returns the tokens."""
+    tokens = {node: issue_key(app, KeyScope.UPLOAD, nodes=[node]) for node in ratios}
     for node, node_ratios in ratios.items():
         for index, ratio in enumerate(node_ratios):
             body = upload_body(
                 device_bytes=round(estimate * ratio), node_id=node, run_id=f"{node}-{index}"
             )
-            response = client.post("/v1/calibrations", json=body, headers=bearer(token))
+            response = client.post("/v1/calibrations", json=body, headers=bearer(tokens[node]))
             assert response.status_code == 201, response.text
+    return tokens
 
 
 class TestUpload:
@@ -317,11 +325,10 @@ class TestFactors:
     def test_three_nodes_calibrate_estimates_and_fit_checks(
         self, store_app: FastAPI, store_client: TestClient
     ) -> None:
-        token = issue_key(store_app, KeyScope.UPLOAD)
         estimate = estimated_device_bytes(store_client)
         upload_fleet(
             store_client,
-            token,
+            store_app,
             {"node-a": [1.19, 1.21], "node-b": [1.2], "node-c": [1.2, 1.22, 1.18]},
             estimate,
         )
@@ -373,15 +380,16 @@ class TestFactors:
     def test_a_node_uploading_a_thousand_absurd_values_moves_no_factor_beyond_its_clamp(
         self, store_app: FastAPI, store_client: TestClient
     ) -> None:
-        token = issue_key(store_app, KeyScope.UPLOAD)
         estimate = estimated_device_bytes(store_client)
         honest = {f"node-{index}": [1.05] for index in range(MIN_NODES)}
-        upload_fleet(store_client, token, honest, estimate)
+        upload_fleet(store_client, store_app, honest, estimate)
         before = reloaded_factors(store_client, store_app)
         # Possible (under the GPU's total), but no real run of this job measures them.
         absurd = A100_BYTES
         assert absurd / estimate > 5 * FACTOR_MAX
-        upload_fleet(store_client, token, {"rogue": [absurd / estimate] * 1000}, estimate)
+        rogue = upload_fleet(
+            store_client, store_app, {"rogue": [absurd / estimate] * 1000}, estimate
+        )["rogue"]
         listed = store_client.get("/v1/calibrations", params={"node_id": "rogue", "limit": 1})
         assert listed.json()["calibrations"][0]["ratios"][0]["outlier_reason"]
 
@@ -389,7 +397,7 @@ class TestFactors:
         for factor in after["factors"]:
             assert FACTOR_MIN <= factor["ratio"] <= FACTOR_MAX
             assert factor["upper_multiplier"] <= UPPER_MULTIPLIER_CEILING
-            assert factor["rejected_nodes"] == ["rogue"]
+            assert factor["rejected_nodes"] == [prefix(rogue)]
         assert [f["ratio"] for f in after["factors"]] == [f["ratio"] for f in before["factors"]]
 
         body = store_client.post("/v1/estimates", json=SMALL_JOB).json()

@@ -1,7 +1,7 @@
 """Calibration on published peaks over HTTP, on SQLite and PostgreSQL: the published rows go
-in through POST /v1/calibrations (each source a node), and the calibrated estimates that
-POST /v1/estimates gives for the rows held back come closer to what was measured wherever a
-factor moves them (their model's own, or one that several models agree on, by what its
+in through POST /v1/calibrations (each source a node with its own key), and the calibrated
+estimates that POST /v1/estimates gives for the rows held back come closer to what was measured
+wherever a factor moves them (their model's own, or one that several models agree on, by what its
 median shows beyond its standard error), and stay as they were where none does.
 
 The same folds as tests/store/test_published_calibration.py, which checks the service layer.
@@ -55,11 +55,13 @@ def test_calibrated_estimates_of_held_back_rows_are_closer(
 ) -> None:
     rows, _estimates, gpus = published()
     uploaded, held_back = split(rows, fold)
-    token = issue_key(store_app, KeyScope.UPLOAD)
+    tokens: dict[str, str] = {}
     for row in uploaded:
-        response = store_client.post(
-            "/v1/calibrations", json=upload_body(row, gpus[row.id]), headers=bearer(token)
-        )
+        body = upload_body(row, gpus[row.id])
+        node = body["node_id"]
+        if node not in tokens:
+            tokens[node] = issue_key(store_app, KeyScope.UPLOAD, nodes=[node])
+        response = store_client.post("/v1/calibrations", json=body, headers=bearer(tokens[node]))
         assert response.status_code == 201, response.text
         assert response.json()["ratios"], f"{row.id}: no ratio derived"
     for factor in reloaded_factors(store_client, store_app)["factors"]:

@@ -1,6 +1,6 @@
 """The safe bound under calibration, over HTTP on SQLite and PostgreSQL: four identical uploads
-of one Qwen2.5-7B job from four nodes keep a margin above the measured peak, leave another
-model family's estimate as it was, and the answer says which calibration it applied."""
+of one Qwen2.5-7B job from four nodes (a key each) keep a margin above the measured peak, leave
+another model family's estimate as it was, and the answer says which calibration it applied."""
 
 from __future__ import annotations
 
@@ -36,14 +36,16 @@ def estimate(client: TestClient, job: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def upload_identical_runs(client: TestClient, token: str) -> dict[str, int]:
-    """Four uploads, one per node, of the same measured peaks; returns what was measured."""
+def upload_identical_runs(client: TestClient, app: FastAPI) -> dict[str, int]:
+    """Four uploads, one per node with the node's own key, of the same measured peaks;
+    returns what was measured."""
     estimated = estimate(client, QWEN_JOB)["estimated"]
     measured = {
         f"{level}_bytes": round(estimated[f"{level}_bytes"] * ratio)
         for level, ratio in MEASURED_OVER_ESTIMATED.items()
     }
     for node in range(NODES):
+        token = issue_key(app, KeyScope.UPLOAD, nodes=[f"node-{node}"])
         body = {
             "job": QWEN_JOB,
             "gpu": {"name": A100_DRIVER_NAME, "memory_total_bytes": A100_BYTES},
@@ -60,13 +62,12 @@ def upload_identical_runs(client: TestClient, token: str) -> dict[str, int]:
 def test_four_identical_uploads_keep_a_safe_margin_and_stay_with_their_model(
     store_app: FastAPI, store_client: TestClient
 ) -> None:
-    token = issue_key(store_app, KeyScope.UPLOAD)
     reloaded_factors(store_client, store_app)
     llama_before = estimate(store_client, LLAMA_JOB)
     assert llama_before["calibration"]["applied"] is False
     assert llama_before["assumptions"][-1].startswith("calibration: none applied")
 
-    measured = upload_identical_runs(store_client, token)
+    measured = upload_identical_runs(store_client, store_app)
     factors = reloaded_factors(store_client, store_app)["factors"]
     assert {(f["scope"], f["model"]) for f in factors} == {("model", "Qwen/Qwen2.5-7B")}
 

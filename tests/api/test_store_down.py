@@ -170,7 +170,7 @@ def test_a_store_that_goes_down_leaves_the_last_factors_in_use(
     with TestClient(app) as client:
         token = issue_key(app, KeyScope.UPLOAD)
         estimate = estimated_device_bytes(client)
-        upload_fleet(client, token, {f"node-{i}": [1.25] for i in range(MIN_NODES)}, estimate)
+        upload_fleet(client, app, {f"node-{i}": [1.25] for i in range(MIN_NODES)}, estimate)
         fresh = reloaded_factors(client, app)
         assert fresh["state"] == "fresh" and fresh["factors"]
 

@@ -78,7 +78,14 @@ class Store:
 
     def issue_key(self, *scopes: KeyScope) -> str:
         with Session(self._engine) as session, session.begin():
-            issued = create_key(session, scopes=scopes, name="tests", now=datetime.now(UTC))
+            uploads = KeyScope.UPLOAD in scopes and KeyScope.ADMIN not in scopes
+            issued = create_key(
+                session,
+                scopes=scopes,
+                name="tests",
+                now=datetime.now(UTC),
+                nodes=["*"] if uploads else [],
+            )
             return issued.token
 
     def uploads(self, run_id: str | None = None) -> list[CalibrationUpload]:

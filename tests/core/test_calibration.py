@@ -19,6 +19,7 @@ from service.core.calibration import (
     MIN_LOG_SPREAD,
     MIN_MODELS,
     MIN_NODES,
+    OUTLIER_Z,
     SHIFT_Z,
     UPPER_EXCEEDANCE,
     UPPER_MULTIPLIER_CEILING,
@@ -63,7 +64,7 @@ def honest_nodes(draw: st.DrawFn, low: float = 0.85, high: float = 1.3) -> list[
     samples: list[Sample] = []
     for index in range(count):
         for noise in draw(st.lists(st.floats(0.95, 1.05), min_size=1, max_size=6)):
-            samples.append(Sample(node_id=f"node-{index}", ratio=center * noise))
+            samples.append(Sample(voter=f"node-{index}", ratio=center * noise))
     return samples
 
 
@@ -72,7 +73,7 @@ def votes(samples: list[Sample]) -> dict[str, float]:
     by_node: dict[str, list[float]] = {}
     for sample in samples:
         if sample.outcome is Outcome.COMPLETED:
-            by_node.setdefault(sample.node_id, []).append(math.log(sample.ratio))
+            by_node.setdefault(sample.voter, []).append(math.log(sample.ratio))
     medians = {}
     for node, logs in by_node.items():
         logs.sort()
@@ -117,19 +118,19 @@ class TestCheckMeasured:
 
 class TestFitFactor:
     def test_needs_min_nodes_distinct_nodes(self) -> None:
-        runs = [Sample(node_id=f"n{i % (MIN_NODES - 1)}", ratio=1.1) for i in range(50)]
+        runs = [Sample(voter=f"n{i % (MIN_NODES - 1)}", ratio=1.1) for i in range(50)]
         assert fit_factor(runs) is None
-        assert fit_factor([*runs, Sample(node_id="another", ratio=1.1)]) is not None
+        assert fit_factor([*runs, Sample(voter="another", ratio=1.1)]) is not None
 
     def test_is_the_median_of_node_votes(self) -> None:
         # Node b's runs (mean 1.10) vote with their median, 1.04, as a and c do: the votes
         # agree exactly, so the median stands unshifted.
         samples = [
-            Sample(node_id="a", ratio=1.04),
-            Sample(node_id="b", ratio=0.96),
-            Sample(node_id="b", ratio=1.04),
-            Sample(node_id="b", ratio=1.30),
-            Sample(node_id="c", ratio=1.04),
+            Sample(voter="a", ratio=1.04),
+            Sample(voter="b", ratio=0.96),
+            Sample(voter="b", ratio=1.04),
+            Sample(voter="b", ratio=1.30),
+            Sample(voter="c", ratio=1.04),
         ]
         factor = fit_factor(samples)
         assert factor is not None
@@ -140,8 +141,8 @@ class TestFitFactor:
         assert factor.rejected_nodes == ()
 
     def test_rejects_a_node_far_from_the_others(self) -> None:
-        samples = [Sample(node_id=f"n{i}", ratio=1.0 + 0.01 * i) for i in range(5)]
-        samples.append(Sample(node_id="broken", ratio=1.45))
+        samples = [Sample(voter=f"n{i}", ratio=1.0 + 0.01 * i) for i in range(5)]
+        samples.append(Sample(voter="broken", ratio=1.45))
         factor = fit_factor(samples)
         without = fit_factor(samples[:-1])
         assert factor is not None and without is not None
@@ -152,34 +153,46 @@ class TestFitFactor:
 
     def test_too_few_nodes_left_after_rejection_gives_none(self) -> None:
         samples = [
-            Sample(node_id="a", ratio=1.0),
-            Sample(node_id="b", ratio=1.0),
-            Sample(node_id="c", ratio=9.0),
+            Sample(voter="a", ratio=1.0),
+            Sample(voter="b", ratio=1.0),
+            Sample(voter="c", ratio=9.0),
         ]
         assert fit_factor(samples) is None
 
     def test_clamps_the_median(self) -> None:
-        low = fit_factor([Sample(node_id=f"n{i}", ratio=0.3) for i in range(4)])
-        high = fit_factor([Sample(node_id=f"n{i}", ratio=4.0) for i in range(4)])
+        low = fit_factor([Sample(voter=f"n{i}", ratio=0.3) for i in range(4)])
+        high = fit_factor([Sample(voter=f"n{i}", ratio=4.0) for i in range(4)])
         assert low is not None and high is not None
         assert (low.ratio, low.clamped) == (FACTOR_MIN, True)
         assert (high.ratio, high.clamped) == (FACTOR_MAX, True)
 
-    def test_upper_bound_covers_all_but_five_percent_of_runs(self) -> None:
-        # 40 runs: two may lie above the bound, so it sits on the third largest. (Eight nodes:
-        # with four, the prediction bound of the few votes, 1.373, is the wider one.)
+    def test_upper_bound_covers_every_run_that_supports_it(self) -> None:
+        # 40 runs, each within the votes' reach: none may lie above the bound, so it sits on
+        # the largest (a 95 % quantile would sit on the third, 1.37). (Eight voters: with
+        # four, the prediction bound of the few votes, 1.373, is the wider one.)
         ratios = [1.0 + i / 100 for i in range(40)]
-        samples = [Sample(node_id=f"n{i % 8}", ratio=r) for i, r in enumerate(ratios)]
+        samples = [Sample(voter=f"n{i % 8}", ratio=r) for i, r in enumerate(ratios)]
         factor = fit_factor(samples)
         assert factor is not None
-        assert factor.upper_ratio == pytest.approx(1.37)
-        assert sum(r > factor.upper_ratio + 1e-12 for r in ratios) == 2
+        assert factor.upper_ratio == pytest.approx(1.39)
+        assert sum(r > factor.upper_ratio for r in ratios) == 0
+
+    def test_a_run_far_above_the_votes_supports_nothing(self) -> None:
+        # One voter's run at 1.6 lies 3.5 spreads above the votes (1.0, spread floored at
+        # 5 %): it no more lifts the bound than a vote that far would count.
+        samples = [Sample(voter=f"n{i}", ratio=1.0) for i in range(5)]
+        far = fit_factor([*samples, Sample(voter="n0", ratio=1.6), Sample(voter="n0", ratio=1.0)])
+        near = fit_factor([*samples, Sample(voter="n0", ratio=1.15), Sample(voter="n0", ratio=1.0)])
+        alone = fit_factor(samples)
+        assert far is not None and near is not None and alone is not None
+        assert far.upper_ratio == alone.upper_ratio < 1.15
+        assert near.upper_ratio == pytest.approx(1.15)
 
     def test_oom_runs_raise_the_upper_bound_but_not_the_median(self) -> None:
-        completed = [Sample(node_id=f"n{i}", ratio=1.0 + i / 100) for i in range(5)]
+        completed = [Sample(voter=f"n{i}", ratio=1.0 + i / 100) for i in range(5)]
         base = fit_factor(completed)
-        oom = [Sample(node_id="n0", ratio=1.3, outcome=Outcome.OOM)]
-        low_oom = [Sample(node_id="n1", ratio=0.5, outcome=Outcome.OOM)]
+        oom = [Sample(voter="n0", ratio=1.3, outcome=Outcome.OOM)]
+        low_oom = [Sample(voter="n1", ratio=0.5, outcome=Outcome.OOM)]
         with_oom = fit_factor(completed + oom + low_oom)
         assert base is not None and with_oom is not None
         assert with_oom.ratio == base.ratio
@@ -187,7 +200,7 @@ class TestFitFactor:
         assert with_oom.oom_runs == 1
 
     def test_oom_only_nodes_cast_no_vote(self) -> None:
-        samples = [Sample(node_id=f"n{i}", ratio=0.5, outcome=Outcome.OOM) for i in range(10)]
+        samples = [Sample(voter=f"n{i}", ratio=0.5, outcome=Outcome.OOM) for i in range(10)]
         assert fit_factor(samples) is None
 
     @given(
@@ -201,7 +214,7 @@ class TestFitFactor:
     ) -> None:
         flood = [
             Sample(
-                node_id="attacker",
+                voter="attacker",
                 ratio=attack[i % len(attack)],
                 outcome=Outcome.OOM if i % 3 == 0 else Outcome.COMPLETED,
             )
@@ -210,18 +223,23 @@ class TestFitFactor:
         factor = fit_factor(honest + flood)
         assert factor is not None
         assert FACTOR_MIN <= factor.ratio <= FACTOR_MAX
-        assert UPPER_MULTIPLIER_MIN <= factor.upper_multiplier <= UPPER_MULTIPLIER_CEILING
-        assert factor.upper_ratio <= FACTOR_MAX * UPPER_MULTIPLIER_MAX * (1 + 1e-12)
+        assert factor.upper_multiplier >= UPPER_MULTIPLIER_MIN
         # One vote among honest ones moves the median by at most one rank: it stays
         # between the honest votes (each clamped), and the shift only moves it toward 1.
-        honest_votes = [min(max(v, FACTOR_MIN), FACTOR_MAX) for v in votes(honest).values()]
+        raw_votes = votes(honest).values()
+        honest_votes = [min(max(v, FACTOR_MIN), FACTOR_MAX) for v in raw_votes]
         assert min(*honest_votes, 1.0) - 1e-9 <= factor.ratio <= max(*honest_votes, 1.0) + 1e-9
+        # The bound rises past the clamps' ceiling only to runs within the reach of the votes'
+        # median, which lies among the honest votes: the absurd runs lift it no further.
+        reach = math.exp(OUTLIER_Z * max(factor.log_spread, MIN_LOG_SPREAD))
+        ceiling = max(UPPER_MULTIPLIER_CEILING, max(raw_votes) * reach)
+        assert factor.upper_ratio <= ceiling * (1 + 1e-12)
 
     @given(samples=honest_nodes(), copies=st.integers(min_value=2, max_value=50))
     @settings(max_examples=60, deadline=None)
     def test_one_vote_per_node(self, samples: list[Sample], copies: int) -> None:
-        loud = samples[0].node_id
-        repeated = samples + [s for s in samples if s.node_id == loud] * copies
+        loud = samples[0].voter
+        repeated = samples + [s for s in samples if s.voter == loud] * copies
         single, many = fit_factor(samples), fit_factor(repeated)
         assert single is not None and many is not None
         assert many.ratio == single.ratio
@@ -235,7 +253,7 @@ class TestFitFactor:
     ) -> None:
         factor = fit_factor(samples)
         assert factor is not None
-        counted = [s.ratio for s in samples if s.node_id not in factor.rejected_nodes]
+        counted = [s.ratio for s in samples if s.voter not in factor.rejected_nodes]
         above = sum(r > factor.upper_ratio * (1 + 1e-12) for r in counted)
         assert above <= math.floor(UPPER_EXCEEDANCE * len(counted))
 
@@ -245,9 +263,9 @@ class TestFitFactor:
         self, samples: list[Sample], oom: list[float]
     ) -> None:
         base = fit_factor(samples)
-        nodes = sorted({s.node_id for s in samples})
+        nodes = sorted({s.voter for s in samples})
         lower_bounds = [
-            Sample(node_id=nodes[i % len(nodes)], ratio=r, outcome=Outcome.OOM)
+            Sample(voter=nodes[i % len(nodes)], ratio=r, outcome=Outcome.OOM)
             for i, r in enumerate(oom)
         ]
         with_oom = fit_factor(samples + lower_bounds)
@@ -277,7 +295,7 @@ class TestSafeBoundMargin:
         assert pytest.approx(math.exp(normal * MIN_LOG_SPREAD)) == UPPER_MULTIPLIER_MIN
 
     def test_four_identical_nodes_are_no_proof_of_zero_spread(self) -> None:
-        factor = fit_factor([Sample(node_id=f"node-{i}", ratio=1.08) for i in range(4)])
+        factor = fit_factor([Sample(voter=f"node-{i}", ratio=1.08) for i in range(4)])
         assert factor is not None
         assert factor.ratio == pytest.approx(1.08) and factor.log_spread == 0.0
         # t(0.95; 3) * 5 % * sqrt(1 + (pi / 2) / 4): a 14.9 % margin, not zero.
@@ -287,7 +305,7 @@ class TestSafeBoundMargin:
     def test_more_agreeing_nodes_narrow_the_margin_down_to_the_floor(self) -> None:
         margins = []
         for nodes in (MIN_NODES, 4, 5, 8, 16, 64, 256):
-            factor = fit_factor([Sample(node_id=f"n{i}", ratio=1.08) for i in range(nodes)])
+            factor = fit_factor([Sample(voter=f"n{i}", ratio=1.08) for i in range(nodes)])
             assert factor is not None
             margins.append(factor.upper_multiplier)
         assert margins == sorted(margins, reverse=True)
@@ -306,19 +324,19 @@ class TestSafeBoundMargin:
         assert upper_prediction_log_margin(spread + 0.01, votes) >= margin
 
     def test_a_wider_spread_of_votes_widens_the_margin(self) -> None:
-        tight = fit_factor([Sample(node_id=f"n{i}", ratio=1.10) for i in range(5)])
+        tight = fit_factor([Sample(voter=f"n{i}", ratio=1.10) for i in range(5)])
         wide = fit_factor(
-            [Sample(node_id=f"n{i}", ratio=r) for i, r in enumerate((0.95, 1.02, 1.10, 1.18, 1.26))]
+            [Sample(voter=f"n{i}", ratio=r) for i, r in enumerate((0.95, 1.02, 1.10, 1.18, 1.26))]
         )
         assert tight is not None and wide is not None
         assert wide.upper_ratio > tight.upper_ratio
         assert wide.upper_ratio > 1.26  # above every node's vote
 
     def test_a_clamped_factor_keeps_its_margin(self) -> None:
-        low = fit_factor([Sample(node_id=f"n{i}", ratio=0.5) for i in range(4)])
+        low = fit_factor([Sample(voter=f"n{i}", ratio=0.5) for i in range(4)])
         assert low is not None and low.ratio == FACTOR_MIN
         assert low.upper_multiplier >= UPPER_MULTIPLIER_MIN
-        high = fit_factor([Sample(node_id=f"n{i}", ratio=1.45) for i in range(4)])
+        high = fit_factor([Sample(voter=f"n{i}", ratio=1.45) for i in range(4)])
         assert high is not None
         assert high.upper_ratio >= 1.45 * UPPER_MULTIPLIER_MIN
 
@@ -327,7 +345,7 @@ def jittered(center: float, nodes: int, step: float = 0.01) -> list[Sample]:
     """One run per node at `center` times exp(-step), 1 or exp(step) in turn: a log spread
     of MAD_TO_SIGMA * step whatever the number of nodes (a multiple of three)."""
     return [
-        Sample(node_id=f"n{i}", ratio=center * math.exp(step * (i % 3 - 1))) for i in range(nodes)
+        Sample(voter=f"n{i}", ratio=center * math.exp(step * (i % 3 - 1))) for i in range(nodes)
     ]
 
 
@@ -373,7 +391,7 @@ class TestShiftBeyondNoise:
         assert 1.10 * math.exp(-0.003) < ratios[-1] < 1.10  # 192 votes: within 0.3 %
 
     def test_identical_votes_shift_by_their_whole_median(self) -> None:
-        factor = fit_factor([Sample(node_id=f"n{i}", ratio=0.9) for i in range(3)])
+        factor = fit_factor([Sample(voter=f"n{i}", ratio=0.9) for i in range(3)])
         assert factor is not None and factor.ratio == 0.9
 
     @given(
@@ -385,7 +403,7 @@ class TestShiftBeyondNoise:
         self, samples: list[Sample], oom: list[float]
     ) -> None:
         samples += [
-            Sample(node_id=samples[i % len(samples)].node_id, ratio=r, outcome=Outcome.OOM)
+            Sample(voter=samples[i % len(samples)].voter, ratio=r, outcome=Outcome.OOM)
             for i, r in enumerate(oom)
         ]
         factor = fit_factor(samples)
@@ -420,7 +438,7 @@ def observation(
         level=Level.DEVICE,
         gpu=gpu,
         environment=environment,
-        sample=Sample(node_id=node, ratio=ratio),
+        sample=Sample(voter=node, ratio=ratio),
     )
 
 
@@ -566,7 +584,7 @@ class TestLevelsAreFittedSeparately:
 
 
 def applied(ratio: float, spread: float = 0.02, upper_multiplier: float = 1.1) -> AppliedFactor:
-    factor = fit_factor([Sample(node_id=f"n{i}", ratio=ratio) for i in range(3)])
+    factor = fit_factor([Sample(voter=f"n{i}", ratio=ratio) for i in range(3)])
     assert factor is not None
     return AppliedFactor(
         key=GroupKey(scope=Scope.MODEL, method="lora", level=Level.DEVICE, model="m"),

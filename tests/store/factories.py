@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from service.calibration.uploads import NewUpload, UploadReceipt
 from service.core.calibration import Measured, Outcome
 from service.core.errors import UnknownModelError
 from service.core.result import Estimate, ParamCounts, Phase
 from service.core.units import GIB
+from service.store.keys import KeyScope, create_key
+from service.store.models import ApiKey
 
 A100_80GB = 85_899_345_920
 VERSION = "test-1"
+KEY_MADE_AT = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def node_key(session: Session, node_id: str) -> ApiKey:
+    """The upload key of one node (made on first use): a node votes once, through its key."""
+    name = f"node {node_id}"
+    found = session.scalars(select(ApiKey).where(ApiKey.name == name)).first()
+    if found is not None:
+        return found
+    return create_key(
+        session, scopes=[KeyScope.UPLOAD], name=name, now=KEY_MADE_AT, nodes=[node_id]
+    ).key
 
 
 def fake_estimate(job: Mapping[str, Any], *, version: str = VERSION) -> Estimate:

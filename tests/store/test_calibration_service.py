@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,7 @@ from service.core.calibration import (
 from service.store.db import create_session_factory
 from service.store.keys import KeyScope, create_key
 from service.store.models import ApiKey, CalibrationRatio, CalibrationUpload
-from tests.store.factories import VERSION, fake_estimate, new_upload, render
+from tests.store.factories import VERSION, fake_estimate, new_upload, node_key, render
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -50,7 +51,7 @@ MODEL = "meta-llama/Llama-3.1-8B"
 
 @pytest.fixture
 def api_key(session: Session) -> ApiKey:
-    return create_key(session, scopes=[KeyScope.UPLOAD], name="nodes", now=NOW).key
+    return create_key(session, scopes=[KeyScope.UPLOAD], name="nodes", now=NOW, nodes=["*"]).key
 
 
 def submit(
@@ -115,6 +116,41 @@ class TestSubmitUpload:
             submit(session, api_key, new_upload(device_gib=25.0), idempotency_key="k")
         assert count(session, CalibrationUpload) == 1
 
+    def test_a_replay_is_compared_on_what_the_upload_means(
+        self, session: Session, api_key: ApiKey
+    ) -> None:
+        # The same job with a default written out, and the environment's unknowns as null:
+        # the same upload. The job is stored as the first sent it.
+        upload = new_upload()
+        meaning = {"model": upload.model, "spec": {"method": "lora", "batch_size": 1}}
+        first = submit(
+            session, api_key, replace(upload, canonical_job=meaning), idempotency_key="k"
+        )
+        spelled_out = replace(
+            upload,
+            job={**upload.job, "seq_len": 2048},
+            environment={**upload.environment, "peft": None},
+            canonical_job=dict(meaning),
+        )
+        again = submit(session, api_key, spelled_out, idempotency_key="k")
+        assert again.replayed and again.upload_id == first.upload_id
+        row = session.get(CalibrationUpload, first.upload_id)
+        assert row is not None and row.job == dict(upload.job)
+        other = replace(spelled_out, canonical_job={**meaning, "spec": {"batch_size": 2}})
+        with pytest.raises(IdempotencyKeyReusedError):
+            submit(session, api_key, other, idempotency_key="k")
+
+    def test_an_upload_stored_with_its_bytes_print_is_replayed(
+        self, session: Session, api_key: ApiKey
+    ) -> None:
+        # Uploads stored before prints were taken on meaning carry the print of their bytes.
+        upload = replace(new_upload(), canonical_job={"spec": {"batch_size": 1}})
+        first = submit(session, api_key, upload, idempotency_key="k")
+        row = session.get(CalibrationUpload, first.upload_id)
+        assert row is not None and row.request_hash == upload.fingerprint()
+        row.request_hash = upload.fingerprint_as_sent()
+        assert submit(session, api_key, upload, idempotency_key="k").replayed
+
     def test_without_a_key_every_upload_is_stored(self, session: Session, api_key: ApiKey) -> None:
         submit(session, api_key, new_upload())
         submit(session, api_key, new_upload())
@@ -152,12 +188,12 @@ class TestSubmitUpload:
 
 def upload_fleet(
     session: Session,
-    api_key: ApiKey,
     ratios_by_node: dict[str, list[float]],
     *,
     model: str = MODEL,
     gpu_name: str = "NVIDIA A100-SXM4-80GB",
 ) -> None:
+    """Each node's runs, uploaded with the node's own key."""
     for node, ratios in ratios_by_node.items():
         for index, ratio in enumerate(ratios):
             upload = new_upload(
@@ -168,7 +204,7 @@ def upload_fleet(
                 run_id=f"{node}-{index}",
                 gpu_name=gpu_name,
             )
-            submit(session, api_key, upload)
+            submit(session, node_key(session, node), upload)
 
 
 class TestFactors:
@@ -176,14 +212,14 @@ class TestFactors:
         self, session: Session, api_key: ApiKey
     ) -> None:
         fleet = {"a": [1.10, 1.12], "b": [1.08], "c": [1.20, 1.11]}
-        upload_fleet(session, api_key, fleet)
+        upload_fleet(session, fleet)
         table = load_factor_table(session, VERSION)
         found = table.lookup(model=MODEL, method="lora", level=Level.DEVICE)
         assert found is not None and found.key.scope is Scope.MODEL
         assert found.factor.nodes == 3 and found.factor.runs == 5
         # The votes' median, 1.11, moved toward 1 by 1.96 of its standard errors (the votes
         # 1.08, 1.11 and 1.154 spread by 4 %): the factor the core fits from these ratios.
-        fitted = fit_factor(Sample(node_id=n, ratio=r) for n, rs in fleet.items() for r in rs)
+        fitted = fit_factor(Sample(voter=n, ratio=r) for n, rs in fleet.items() for r in rs)
         assert fitted is not None
         assert found.factor.ratio == pytest.approx(fitted.ratio, rel=1e-6)
         assert 1.0 < found.factor.ratio < 1.11
@@ -193,17 +229,17 @@ class TestFactors:
         self, session: Session, api_key: ApiKey
     ) -> None:
         honest = {f"node-{i}": [1.05] for i in range(MIN_NODES)}
-        upload_fleet(session, api_key, honest)
+        upload_fleet(session, honest)
         before = load_factor_table(session, VERSION)
         # Possible values (under the GPU's total) that no honest node would measure.
-        upload_fleet(session, api_key, {"rogue": [6.5] * 300})
+        upload_fleet(session, {"rogue": [6.5] * 300})
         after = load_factor_table(session, VERSION)
         old = before.lookup(model=MODEL, method="lora", level=Level.DEVICE)
         new = after.lookup(model=MODEL, method="lora", level=Level.DEVICE)
         assert old is not None and new is not None
         assert new.factor.ratio == pytest.approx(old.factor.ratio)
         assert new.factor.ratio <= FACTOR_MAX
-        assert new.factor.rejected_nodes == ("rogue",)
+        assert new.factor.rejected_nodes == (node_key(session, "rogue").prefix,)
         rogue = session.scalars(
             select(CalibrationRatio)
             .join(CalibrationRatio.upload)
@@ -214,7 +250,7 @@ class TestFactors:
     def test_uploads_are_flagged_against_the_current_factor(
         self, session: Session, api_key: ApiKey
     ) -> None:
-        upload_fleet(session, api_key, {f"n{i}": [1.45, 1.46] for i in range(4)})
+        upload_fleet(session, {f"n{i}": [1.45, 1.46] for i in range(4)})
         table = load_factor_table(session, VERSION)
         # 1.45 is far from the uncalibrated estimate but in line with the model's factor.
         usual = submit(session, api_key, new_upload(estimate_gib=10.0, device_gib=17.4))
@@ -227,7 +263,7 @@ class TestFactors:
     def test_a_new_estimator_version_rederives_every_ratio(
         self, session: Session, api_key: ApiKey
     ) -> None:
-        upload_fleet(session, api_key, {"a": [1.1], "b": [1.1], "c": [1.1]})
+        upload_fleet(session, {"a": [1.1], "b": [1.1], "c": [1.1]})
         submit(session, api_key, new_upload(model="unknown/model"))
 
         def estimate_v2(job: Any) -> Any:
@@ -243,8 +279,8 @@ class TestFactors:
         assert rederive_ratios(session, estimate=estimate_v2, estimator_version="test-2") == 0
 
     def test_splits_by_gpu_when_the_data_show_it(self, session: Session, api_key: ApiKey) -> None:
-        upload_fleet(session, api_key, {f"a{i}": [1.00] for i in range(3)}, gpu_name="A100")
-        upload_fleet(session, api_key, {f"h{i}": [1.20] for i in range(3)}, gpu_name="H100")
+        upload_fleet(session, {f"a{i}": [1.00] for i in range(3)}, gpu_name="A100")
+        upload_fleet(session, {f"h{i}": [1.20] for i in range(3)}, gpu_name="H100")
         table = load_factor_table(session, VERSION)
         h100 = table.lookup(model=MODEL, method="lora", level=Level.DEVICE, gpu="H100")
         assert h100 is not None and h100.key.scope is Scope.MODEL_GPU
@@ -272,7 +308,31 @@ class TestListCalibrations:
         assert last.next_cursor is None
         assert list_calibrations(session, limit=10, node_id="elsewhere").uploads == []
 
-    @pytest.mark.parametrize("cursor", ["", "xyz", "YWZ0ZXI6Mw", "!!"])
+    @pytest.mark.parametrize(
+        "number",
+        [
+            "1" + "0" * 29,  # beyond the id column's signed 64 bits
+            str(2**63),
+            "-5",
+            "+5",
+            " 5",
+            "5_0",
+            "\u0665",  # a digit of another script, which int() would read
+            "0",
+        ],
+    )
+    def test_refuses_a_cursor_no_upload_id_can_have(self, session: Session, number: str) -> None:
+        cursor = base64.urlsafe_b64encode(f"before:{number}".encode()).decode().rstrip("=")
+        with pytest.raises(InvalidCursorError):
+            list_calibrations(session, limit=2, cursor=cursor)
+
+    def test_the_largest_id_is_a_cursor(self, session: Session, api_key: ApiKey) -> None:
+        uploaded = submit(session, api_key, new_upload()).upload_id
+        cursor = base64.urlsafe_b64encode(f"before:{2**63 - 1}".encode()).decode()
+        page = list_calibrations(session, limit=2, cursor=cursor)
+        assert [u.id for u in page.uploads] == [uploaded]
+
+    @pytest.mark.parametrize("cursor", ["", "xyz", "YWZ0ZXI6Mw", "!!", "\u00e9", "_w"])
     def test_refuses_a_foreign_cursor(self, session: Session, cursor: str) -> None:
         with pytest.raises(InvalidCursorError):
             list_calibrations(session, limit=2, cursor=cursor)
@@ -384,7 +444,7 @@ class TestFactorCache:
         replicas = [FactorCache(load, ttl_s=5.0, clock=clock) for _ in range(2)]
         for replica in replicas:
             assert replica.get().table == EMPTY_TABLE
-        upload_fleet(session, api_key, {f"n{i}": [1.1] for i in range(3)})
+        upload_fleet(session, {f"n{i}": [1.1] for i in range(3)})
         clock.now += 5.0
         for replica in replicas:
             found = replica.get().table.lookup(model=MODEL, method="lora", level=Level.DEVICE)
@@ -396,7 +456,9 @@ def committed_key(engine: Engine) -> Iterator[ApiKey]:
     """A committed API key, for tests that need real concurrent transactions."""
     sessions = create_session_factory(engine)
     with sessions.begin() as session:
-        key = create_key(session, scopes=[KeyScope.UPLOAD], name="race", now=NOW).key
+        key = create_key(
+            session, scopes=[KeyScope.UPLOAD], name="race", now=NOW, nodes=["gpu-node-*"]
+        ).key
     yield key
     with sessions.begin() as session:
         session.execute(delete(CalibrationUpload).where(CalibrationUpload.api_key_id == key.id))

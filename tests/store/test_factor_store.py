@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, delete, func, insert, select
+from sqlalchemy import Connection, delete, func, insert, inspect, select, text
 from sqlalchemy.orm import Session
 
 from service.calibration.factors import (
@@ -44,7 +44,7 @@ from service.core.calibration import (
 from service.core.errors import UnknownModelError
 from service.store.db import create_engine_from_url, create_session_factory
 from service.store.keys import KeyScope, create_key
-from service.store.migrate import upgrade
+from service.store.migrate import downgrade, upgrade
 from service.store.models import (
     ApiKey,
     CalibrationChange,
@@ -53,7 +53,7 @@ from service.store.models import (
     CalibrationUpload,
 )
 from service.store.repositories import CalibrationRepository, RatioGroup
-from tests.store.factories import VERSION, fake_estimate, new_upload, render
+from tests.store.factories import VERSION, fake_estimate, new_upload, node_key, render
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 LATER = datetime(2026, 12, 1, 12, 5, tzinfo=UTC)
@@ -69,14 +69,17 @@ NODES = 9
 
 @pytest.fixture
 def api_key(session: Session) -> ApiKey:
-    return create_key(session, scopes=[KeyScope.UPLOAD], name="fleet", now=NOW).key
+    """A key for uploads that vote with no others (a model no other node runs)."""
+    return create_key(session, scopes=[KeyScope.UPLOAD], name="fleet", now=NOW, nodes=["*"]).key
 
 
 def _upload(session: Session, api_key: ApiKey, upload: Any, estimate: Any = fake_estimate) -> None:
+    """Store `upload` with its node's own key (`api_key` for a node without one)."""
+    key = api_key if upload.node_id == "gpu-node-17" else node_key(session, upload.node_id)
     submit_upload(
         session,
         upload,
-        api_key_id=api_key.id,
+        api_key_id=key.id,
         idempotency_key=None,
         estimate=estimate,
         factors=EMPTY_TABLE,
@@ -129,7 +132,8 @@ def test_stored_factors_equal_a_full_refit_as_uploads_come_in(
     # The data exercised every path of the fit: all scopes, rejection, clamps, OOM runs.
     scopes = {key.scope for key in stored.factors}
     assert {Scope.GLOBAL, Scope.MODEL, Scope.MODEL_GPU} <= scopes
-    assert any(f.rejected_nodes == (f"node-{NODES - 1}",) for f in stored.factors.values())
+    rogue = node_key(session, f"node-{NODES - 1}").prefix
+    assert any(f.rejected_nodes == (rogue,) for f in stored.factors.values())
     assert any(f.clamped and f.ratio == FACTOR_MAX for f in stored.factors.values())
     assert {key.method for key in stored.factors} == {"lora", "full"}
     assert {key.level for key in stored.factors} == set(Level)
@@ -263,17 +267,25 @@ def test_the_store_answers_a_fit_s_questions_as_the_runs_in_memory_do(
         )
         _upload(session, api_key, upload)
     for row in session.scalars(select(CalibrationRatio).where(CalibrationRatio.level == "device")):
-        held.append((row.model, Sample(node_id=row.node_id, ratio=row.ratio, outcome=row.outcome)))
+        # Each ratio's voter is its upload's key.
+        key = session.get(ApiKey, row.upload.api_key_id)
+        assert key is not None and row.voter == key.prefix
+        held.append((row.model, Sample(voter=row.voter, ratio=row.ratio, outcome=row.outcome)))
     group = RatioGroup(estimator_version=VERSION, method="lora", level="device")
     stored = StoredRuns(CalibrationRepository(session), group)
     memory = SampleRuns(held)
     assert stored.votes() == memory.votes()
+    assert len({voter for _model, voter in memory.votes()}) == 7
+
+    def voter(node: str) -> str:
+        return node_key(session, node).prefix
+
     selections = [
         Selection(models=frozenset(MODELS[:3]), dropped=frozenset()),
-        Selection(models=frozenset(MODELS[:2]), dropped=frozenset({(MODELS[0], "node-1")})),
+        Selection(models=frozenset(MODELS[:2]), dropped=frozenset({(MODELS[0], voter("node-1"))})),
         Selection(
             models=frozenset({MODELS[2]}),
-            dropped=frozenset({(MODELS[2], "node-0"), (MODELS[2], "node-5")}),
+            dropped=frozenset({(MODELS[2], voter("node-0")), (MODELS[2], voter("node-5"))}),
         ),
     ]
     for selection in selections:
@@ -286,33 +298,50 @@ def test_the_store_answers_a_fit_s_questions_as_the_runs_in_memory_do(
             assert stored.largest(selection, rank, oom_above=1.1) == memory.largest(
                 selection, rank, oom_above=1.1
             )
+        for cap in (1.05, 1.15, 1.3):
+            assert stored.largest(selection, 0, at_most=cap) == memory.largest(
+                selection, 0, at_most=cap
+            )
 
 
 # Environments nodes reported before the ratios carried their keys.
 OLD_ENVIRONMENTS = ({}, {"torch": "2.4.1"}, {"torch": "2.5.1+cu124", "cuda": "12.4"})
 
 
-def _insert_ratios(connection: Connection, ratios: Sequence[float]) -> None:
-    """One device-level LoRA ratio of org/alpha-7b per node, written as the schema stored
-    them before ratios carried their upload's groups (no factor fitted)."""
-    key_id = connection.execute(
+def _insert_key(connection: Connection, prefix: str, scopes: list[str]) -> int:
+    """A key as the schema stored keys before they named their nodes."""
+    return connection.execute(
         insert(ApiKey).returning(ApiKey.id),
         {
-            "prefix": "vc_old",
-            "key_hash": "0" * 64,
+            "prefix": prefix,
+            "key_hash": prefix.ljust(64, "0"),
             "name": "",
-            "scopes": ["upload"],
+            "scopes": scopes,
             "created_at": NOW,
         },
     ).scalar_one()
+
+
+def _insert_ratios(
+    connection: Connection,
+    ratios: Sequence[float],
+    *,
+    model: str = "org/alpha-7b",
+    one_key: bool = False,
+) -> None:
+    """One device-level LoRA ratio of `model` per node, each node with its own key (or all
+    with one), written as the schema stored them before ratios carried their upload's groups
+    and keys their nodes (no factor fitted)."""
+    shared = _insert_key(connection, f"one{model[-2:]}", ["upload"]) if one_key else None
     for node, ratio in enumerate(ratios):
+        key_id = shared or _insert_key(connection, f"old{node}{model[-2:]}", ["upload"])
         upload_id = connection.execute(
             insert(CalibrationUpload).returning(CalibrationUpload.id),
             {
                 "received_at": NOW,
                 "api_key_id": key_id,
                 "request_hash": "0" * 64,
-                "model": "org/alpha-7b",
+                "model": model,
                 "method": "lora",
                 "job": {},
                 "gpu_name": GPUS[0],
@@ -354,19 +383,86 @@ def test_the_upgrade_builds_factors_for_ratios_stored_before_it(blank_database_u
             assert len(ratios) == 3
             for row in ratios:
                 upload = row.upload
-                assert (row.method, row.model, row.node_id, row.gpu_name, row.outcome) == (
+                assert (row.method, row.model, row.gpu_name, row.outcome) == (
                     upload.method,
                     upload.model,
-                    upload.node_id,
                     upload.gpu_name,
                     upload.outcome,
                 )
                 assert row.environment_key == environment_key(upload.environment)
+                key = session.get(ApiKey, upload.api_key_id)
+                assert key is not None and row.voter == key.prefix
+                # A key stored before keys named their nodes uploads for any node.
+                assert key.nodes == ["*"]
             assert {row.environment_key for row in ratios} == {
                 "torch ?, cuda ?",
                 "torch 2.4, cuda ?",
                 "torch 2.5, cuda 12.4",
             }
+    finally:
+        engine.dispose()
+
+
+def _stored_factor(model: str, ratio: float) -> dict[str, Any]:
+    """A model's device-level LoRA factor as a refit stores it, three votes behind it."""
+    return {
+        "estimator_version": VERSION,
+        "method": "lora",
+        "level": "device",
+        "scope": "model",
+        "model": model,
+        "variant": "",
+        "ratio": ratio,
+        "upper_multiplier": 1.2,
+        "nodes": 3,
+        "models": 1,
+        "rejected_nodes": [],
+        "runs": 3,
+        "oom_runs": 0,
+        "log_spread": 0.05,
+        "clamped": False,
+        "fitted_at": NOW,
+    }
+
+
+def test_the_upgrade_counts_one_vote_per_key_and_its_downgrade_one_per_node(
+    blank_database_url: str,
+) -> None:
+    # Three nodes' runs under one key (org/alpha-7b) and under a key each (org/beta-8b).
+    upgrade(blank_database_url, "6f74beb0cf54")
+    engine = create_engine_from_url(blank_database_url)
+    try:
+        with engine.begin() as connection:
+            _insert_ratios(connection, (0.9, 0.9, 0.9), model="org/alpha-7b", one_key=True)
+            _insert_ratios(connection, (1.1, 1.1, 1.1), model="org/beta-8b")
+            _insert_key(connection, "admin000", ["admin"])
+            _insert_key(connection, "reader00", ["read"])
+        upgrade(blank_database_url, "b7d2e4f19a06")
+        with engine.begin() as connection:
+            # The factor that one vote per node gave org/alpha-7b, stored and refitted.
+            connection.execute(delete(CalibrationChange))
+            connection.execute(insert(CalibrationFactor), _stored_factor("org/alpha-7b", 0.9))
+
+        upgrade(blank_database_url)
+        with create_session_factory(engine).begin() as session:
+            table = load_factor_table(session, VERSION)
+            assert table == fit_factor_table(session, VERSION)
+            assert {key.model for key in table.factors} == {"org/beta-8b"}
+            nodes = {key.prefix: key.nodes for key in session.scalars(select(ApiKey))}
+            assert nodes["admin000"] == nodes["reader00"] == []
+            assert nodes["one7b"] == nodes["old08b"] == ["*"]
+
+        downgrade(blank_database_url, "b7d2e4f19a06")
+        with engine.connect() as connection:
+            rows = connection.execute(
+                text(
+                    "SELECT r.node_id, u.node_id FROM calibration_ratio r "
+                    "JOIN calibration_upload u ON u.id = r.upload_id"
+                )
+            ).all()
+            assert len(rows) == 6 and all(ratio == upload for ratio, upload in rows)
+            assert "nodes" not in {c["name"] for c in inspect(connection).get_columns("api_key")}
+        upgrade(blank_database_url)
     finally:
         engine.dispose()
 
@@ -380,27 +476,7 @@ def test_the_upgrade_refits_factors_stored_before_the_shift(blank_database_url: 
         with engine.begin() as connection:
             _insert_ratios(connection, (1.10, 1.14, 1.06))
             connection.execute(delete(CalibrationChange))
-            connection.execute(
-                insert(CalibrationFactor),
-                {
-                    "estimator_version": VERSION,
-                    "method": "lora",
-                    "level": "device",
-                    "scope": "model",
-                    "model": "org/alpha-7b",
-                    "variant": "",
-                    "ratio": 1.10,
-                    "upper_multiplier": 1.2,
-                    "nodes": 3,
-                    "models": 1,
-                    "rejected_nodes": [],
-                    "runs": 3,
-                    "oom_runs": 0,
-                    "log_spread": 0.05,
-                    "clamped": False,
-                    "fitted_at": NOW,
-                },
-            )
+            connection.execute(insert(CalibrationFactor), _stored_factor("org/alpha-7b", 1.10))
         upgrade(blank_database_url)
         with create_session_factory(engine).begin() as session:
             table = load_factor_table(session, VERSION)

@@ -1,6 +1,6 @@
 """Calibration on published peaks: upload the published rows as calibration samples (each
-source a node), and the calibrated estimates of the rows held back come closer to what was
-measured than the uncalibrated ones, wherever a factor moves them.
+source a node with its own key), and the calibrated estimates of the rows held back come closer
+to what was measured than the uncalibrated ones, wherever a factor moves them.
 
 Four folds: each holds back every fourth row of each source and uploads the rest. A factor
 reaches a held-back row only from its own model (at least MIN_NODES sources) or from several
@@ -39,9 +39,8 @@ from service.core.calibration import (
 )
 from service.core.estimator import estimate
 from service.core.result import Estimate
-from service.store.keys import KeyScope, create_key
 from tests.published_rows import DATA, Row, load
-from tests.store.factories import A100_80GB, render
+from tests.store.factories import A100_80GB, node_key, render
 
 FOLDS = 4
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -110,12 +109,12 @@ def test_calibrated_estimates_of_held_back_rows_are_closer(
     def estimate_job(job: Mapping[str, Any]) -> Estimate:
         return estimates[job["published_row"]]
 
-    key = create_key(session, scopes=[KeyScope.UPLOAD], name="published", now=NOW).key
     for row in uploaded:
+        upload = as_upload(row, gpus[row.id])
         submit_upload(
             session,
-            as_upload(row, gpus[row.id]),
-            api_key_id=key.id,
+            upload,
+            api_key_id=node_key(session, upload.node_id).id,
             idempotency_key=None,
             estimate=estimate_job,
             factors=EMPTY_TABLE,

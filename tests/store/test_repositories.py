@@ -24,7 +24,7 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
 @pytest.fixture
 def api_key(session: Session) -> ApiKey:
-    return create_key(session, scopes=[KeyScope.UPLOAD], name="nodes", now=T0).key
+    return create_key(session, scopes=[KeyScope.UPLOAD], name="nodes", now=T0, nodes=["*"]).key
 
 
 def upload_row(api_key: ApiKey, **changes: object) -> CalibrationUpload:
@@ -50,7 +50,9 @@ def upload_row(api_key: ApiKey, **changes: object) -> CalibrationUpload:
     return CalibrationUpload(**values)
 
 
-def ratio_row(upload: CalibrationUpload, **changes: object) -> CalibrationRatio:
+def ratio_row(
+    upload: CalibrationUpload, voter: str = "3a5c0f1e", **changes: object
+) -> CalibrationRatio:
     values: dict[str, object] = {
         "upload_id": upload.id,
         "estimator_version": "v1",
@@ -59,7 +61,7 @@ def ratio_row(upload: CalibrationUpload, **changes: object) -> CalibrationRatio:
         "ratio": 1.1,
         "method": upload.method,
         "model": upload.model,
-        "node_id": upload.node_id,
+        "voter": voter,
         "gpu_name": upload.gpu_name,
         "environment_key": "torch 2.5, cuda 12.4",
         "outcome": upload.outcome,
@@ -119,7 +121,9 @@ class TestCalibrationRepository:
             repository.add_upload(upload_row(api_key, idempotency_key="k1", run_id="other"))
         assert caught.value.existing.id == first.id
         # The savepoint kept the transaction usable, and nothing was stored twice.
-        other_key = create_key(session, scopes=[KeyScope.UPLOAD], name="other", now=T0).key
+        other_key = create_key(
+            session, scopes=[KeyScope.UPLOAD], name="other", now=T0, nodes=["*"]
+        ).key
         repository.add_upload(upload_row(other_key, idempotency_key="k1"))
         repository.add_upload(upload_row(api_key))
         repository.add_upload(upload_row(api_key))
@@ -198,9 +202,9 @@ class TestCalibrationRepository:
             ]
         )
         v1 = repository.observations("v1")
-        assert sorted((o.node_id, o.level, o.ratio) for o in v1) == [
-            ("a", Level.ALLOCATED, 0.9),
-            ("a", Level.DEVICE, 1.1),
+        assert sorted((o.node_id, o.voter, o.level, o.ratio) for o in v1) == [
+            ("a", api_key.prefix, Level.ALLOCATED, 0.9),
+            ("a", api_key.prefix, Level.DEVICE, 1.1),
         ]
         assert v1[0].environment == {"torch": "2.5.1", "cuda": "12.4"}
         assert [u.id for u in repository.uploads_without_ratios("v1")] == [second.id]
@@ -218,3 +222,46 @@ class TestCalibrationRepository:
     def test_an_upload_needs_an_existing_api_key(self, session: Session, api_key: ApiKey) -> None:
         with pytest.raises(IntegrityError):
             CalibrationRepository(session).add_upload(upload_row(api_key, api_key_id=10_000))
+
+
+class TestKeyUploads:
+    def test_usage_counts_each_key_s_uploads(self, session: Session, api_key: ApiKey) -> None:
+        reader = create_key(session, scopes=[KeyScope.READ], name="reader", now=T0).key
+        uploads = CalibrationRepository(session)
+        uploads.add_upload(upload_row(api_key))
+        uploads.add_upload(upload_row(api_key, received_at=T0 + timedelta(hours=1)))
+        keys = ApiKeyRepository(session)
+        usage = [(u.key.id, u.uploads, u.last_upload_at) for u in keys.usage()]
+        assert usage == [(api_key.id, 2, T0 + timedelta(hours=1)), (reader.id, 0, None)]
+        last = keys.usage()[0].last_upload_at
+        assert last is not None and last.tzinfo is not None
+        keys.revoke(api_key, T0)
+        assert [u.key.id for u in keys.usage()] == [reader.id]
+        assert [u.key.id for u in keys.usage(include_revoked=True)] == [api_key.id, reader.id]
+
+    def test_deleting_a_key_s_uploads_names_the_groups_they_fed(
+        self, session: Session, api_key: ApiKey
+    ) -> None:
+        other = create_key(session, scopes=[KeyScope.UPLOAD], name="o", now=T0, nodes=["*"]).key
+        repository = CalibrationRepository(session)
+        first = repository.add_upload(upload_row(api_key))
+        second = repository.add_upload(upload_row(api_key, model="org/phi-2", method="full"))
+        kept = repository.add_upload(upload_row(other))
+        repository.add_ratios(
+            [
+                ratio_row(first),
+                ratio_row(first, estimator_version="v2"),
+                ratio_row(second, level=Level.RESERVED),
+                ratio_row(kept, voter=other.prefix),
+            ]
+        )
+        purged = repository.delete_uploads_of_key(api_key.id)
+        assert (purged.uploads, purged.ratios) == (2, 3)
+        assert purged.touched == {
+            ("v1", "lora", "device", "meta-llama/Llama-3.1-8B"),
+            ("v2", "lora", "device", "meta-llama/Llama-3.1-8B"),
+            ("v1", "full", "reserved", "org/phi-2"),
+        }
+        session.expunge_all()
+        assert [u.id for u in session.scalars(select(CalibrationUpload))] == [kept.id]
+        assert [r.upload_id for r in session.scalars(select(CalibrationRatio))] == [kept.id]

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -103,12 +103,15 @@ def running_service(database_url: str) -> Iterator[str]:
             server.wait()
 
 
-def issue_key(database_url: str, *scopes: KeyScope) -> str:
-    """A new API key's token, stored in the database at `database_url`."""
+def issue_key(database_url: str, *scopes: KeyScope, nodes: Sequence[str] = ()) -> str:
+    """A new API key's token, stored in the database at `database_url`; an upload key
+    uploads for `nodes`."""
     engine = create_engine_from_url(database_url)
     try:
         with create_session_factory(engine).begin() as session:
-            issued = create_key(session, scopes=scopes, name="web tests", now=datetime.now(UTC))
+            issued = create_key(
+                session, scopes=scopes, name="web tests", now=datetime.now(UTC), nodes=nodes
+            )
             return issued.token
     finally:
         engine.dispose()

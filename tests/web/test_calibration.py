@@ -16,21 +16,27 @@ from tests.web.pages import Driver, assert_estimate_shown
 
 QUERY = "?model=Qwen%2FQwen2.5-0.5B&batch_size=2&seq_len=512&gpu="
 A100 = {"name": "NVIDIA A100-SXM4-80GB", "memory_total_bytes": 85_899_345_920}
-# measured / estimated per node and run: three nodes, the fewest a factor needs.
+# measured / estimated per node and run: three nodes, each with its own key, the fewest a factor
+# needs.
 NODE_RATIOS = {"node-a": [1.06, 1.07], "node-b": [1.08], "node-c": [1.05]}
 # An upload makes its replica reload the factors at its next tick (1 s).
 RELOAD_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A service of its own and an upload key for it."""
+def calibrated(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """A service of its own and an upload key for each node."""
     database_url = f"sqlite:///{tmp_path_factory.mktemp('web-calibrated') / 'vramcast.db'}"
     with running_service(database_url) as base_url:
-        yield base_url, issue_key(database_url, KeyScope.UPLOAD)
+        yield (
+            base_url,
+            {node: issue_key(database_url, KeyScope.UPLOAD, nodes=[node]) for node in NODE_RATIOS},
+        )
 
 
-def upload_fleet(client: httpx.Client, token: str, job: dict[str, Any]) -> None:
+def upload_fleet(client: httpx.Client, tokens: dict[str, str], job: dict[str, Any]) -> None:
     estimated = client.post("/v1/estimates", json=job).json()["estimated"]
     for node, ratios in NODE_RATIOS.items():
         for run, ratio in enumerate(ratios):
@@ -45,7 +51,9 @@ def upload_fleet(client: httpx.Client, token: str, job: dict[str, Any]) -> None:
                 "run_id": f"{node}-run-{run}",
             }
             response = client.post(
-                "/v1/calibrations", json=body, headers={"Authorization": f"Bearer {token}"}
+                "/v1/calibrations",
+                json=body,
+                headers={"Authorization": f"Bearer {tokens[node]}"},
             )
             assert response.status_code == 201, response.text
 
@@ -60,9 +68,9 @@ def calibrated_estimate(client: httpx.Client, job: dict[str, Any]) -> dict[str, 
 
 
 def test_the_calibration_behind_the_numbers(
-    calibrated: tuple[str, str], open_page: Callable[[str], Driver]
+    calibrated: tuple[str, dict[str, str]], open_page: Callable[[str], Driver]
 ) -> None:
-    base_url, token = calibrated
+    base_url, tokens = calibrated
     d = open_page(base_url)
     d.open(QUERY)
     job = d.last_post("/v1/estimates")
@@ -71,7 +79,7 @@ def test_the_calibration_behind_the_numbers(
     assert shown["calibration"]["levels"] == []
 
     with httpx.Client(base_url=base_url, timeout=30.0) as client:
-        upload_fleet(client, token, job)
+        upload_fleet(client, tokens, job)
         estimate = calibrated_estimate(client, job)
     calibration = estimate["calibration"]
     assert calibration["applied"], calibration

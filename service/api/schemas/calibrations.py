@@ -35,6 +35,8 @@ from service.core.calibration import (
     Outcome,
     Scope,
 )
+from service.core.codec import spec_to_dict
+from service.core.errors import EstimatorError
 from service.core.units import MIB
 from service.store.models import CalibrationRatio, CalibrationUpload
 
@@ -121,6 +123,24 @@ class EnvironmentIn(In):
     )
 
 
+def canonical_job(job: JobSpec, model: str) -> dict[str, Any]:
+    """The job as the estimator reads it: the model as the upload names it (the catalog's id,
+    or the config as sent), the core spec with every default written out (the codec's form)
+    and the GPU it names. Bodies that differ only in defaults written out or left out give
+    the same; a job whose spec is invalid (stored without ratios) gives its fields as
+    validated, defaults written out."""
+    try:
+        spec = spec_to_dict(job.to_spec())
+    except EstimatorError:
+        spec = job.model_dump(mode="json", exclude={"model", "gpu"})
+    ref = job.model
+    return {
+        "model": model if ref.hf_config is None else {"hf_config": ref.hf_config},
+        "spec": spec,
+        "gpu": None if job.gpu is None else job.gpu.model_dump(mode="json", exclude_none=True),
+    }
+
+
 class CalibrationUploadIn(In):
     """One rank's measured peaks for a job, and where they came from."""
 
@@ -134,13 +154,17 @@ class CalibrationUploadIn(In):
     environment: EnvironmentIn = Field(
         default_factory=EnvironmentIn, description="Versions that change memory use."
     )
-    node_id: NodeName = Field(description="The training node (one vote per node in a factor).")
+    node_id: NodeName = Field(
+        description="The training node: one the key may upload for (403 otherwise). A factor "
+        "counts one vote per key, whatever node ids its uploads name."
+    )
     run_id: NodeName = Field(description="The run and rank, e.g. 'job-4711-rank0'.")
 
     def to_upload(self, *, model: str, gpu_name: str) -> NewUpload:
         """The upload, its model and GPU named as estimates name them."""
         return NewUpload(
             job=self.job.model_dump(mode="json", exclude_unset=True),
+            canonical_job=canonical_job(self.job, model),
             model=model,
             method=self.job.method.value,
             gpu_name=gpu_name,
@@ -160,7 +184,7 @@ class AppliedFactorOut(Out):
     ratio: float = Field(
         ge=FACTOR_MIN, le=FACTOR_MAX, description="The factor, measured/estimated."
     )
-    nodes: int = Field(ge=0, description="Nodes whose vote counted.")
+    nodes: int = Field(ge=0, description="Voters (distinct upload keys) whose vote counted.")
 
 
 class UploadRatioOut(Out):
@@ -366,21 +390,23 @@ class FactorOut(Out):
     )
     upper_multiplier: float = Field(
         ge=UPPER_MULTIPLIER_MIN,
-        le=UPPER_MULTIPLIER_CEILING,
         description="The safe bound above the factor: an upper prediction bound on the measured "
-        "ratios over the larger of the votes' median and the factor, wide for few votes, and "
-        "above all but 5 % of the runs.",
+        "ratios over the larger of the votes' median and the factor, wide for few votes, at "
+        f"most {UPPER_MULTIPLIER_CEILING} times the factor but never below a completed run of "
+        "the voters kept (one far above their votes aside), and above all but 5 % of the OOM "
+        "runs.",
     )
-    nodes: int = Field(ge=0, description="Nodes whose vote counted.")
+    nodes: int = Field(ge=0, description="Voters (distinct upload keys) whose vote counted.")
     models: int = Field(
         ge=1,
         description=f"Models whose vote counted: 1 unless the scope is global ({MIN_MODELS} or "
         "more).",
     )
     rejected_nodes: list[str] = Field(
-        max_length=10_000, description="Nodes whose vote was too far from the others."
+        max_length=10_000,
+        description="Voters (the prefixes of upload keys) whose vote was too far from the others.",
     )
-    runs: int = Field(ge=0, description="Completed runs of the voting nodes.")
+    runs: int = Field(ge=0, description="Completed runs of the voters kept.")
     oom_runs: int = Field(ge=0, description="OOM runs that raised the safe bound.")
     clamped: bool = Field(description="The factor or its spread hit a clamp.")
 

@@ -69,7 +69,7 @@ class LevelCalibrationOut(Out):
     level: Level = Field(description="allocated, reserved or device.")
     scope: str = Field(max_length=64, description="Where it came from (model_gpu, model, ...).")
     factor: float = Field(ge=0.0, description="measured / estimated, multiplied into the level.")
-    nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
+    nodes: int = Field(ge=0, description="Voters (distinct upload keys) whose measurements voted.")
     samples: int = Field(ge=0, description="Measured runs behind the factor.")
     models: int = Field(
         ge=1, description="Models whose measurements voted: 1 unless the scope is global."
@@ -106,7 +106,7 @@ class CalibrationOut(Out):
         description="The safe bound over the calibrated device level: the measured spread, "
         "widened for few nodes.",
     )
-    nodes: int = Field(ge=0, description="Training nodes whose measurements voted.")
+    nodes: int = Field(ge=0, description="Voters (distinct upload keys) whose measurements voted.")
     samples: int = Field(ge=0, description="Measured runs behind the factor.")
     levels: list[LevelCalibrationOut] = Field(
         max_length=3, description="Every level a factor corrected (allocated, reserved, device)."
