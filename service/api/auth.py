@@ -103,6 +103,13 @@ class KeyCache:
         with self._lock:
             self._keys.pop(digest, None)
 
+    def forget_key(self, key_id: int) -> None:
+        """Drop every token of the key `key_id` (revoked here: this replica stops taking it at
+        once; the others within `recheck_s`)."""
+        with self._lock:
+            for digest in [d for d, found in self._keys.items() if found.key_id == key_id]:
+                del self._keys[digest]
+
 
 def _scoped(scopes: tuple[str, ...], scope: KeyScope) -> None:
     if scope.value not in scopes and KeyScope.ADMIN.value not in scopes:

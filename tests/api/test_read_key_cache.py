@@ -60,6 +60,18 @@ def test_a_revoked_key_stops_working_within_the_recheck_time() -> None:
         assert status_of(client, token) == (401, ProblemType.UNAUTHORIZED)
 
 
+def test_a_key_revoked_through_the_api_stops_working_here_at_once() -> None:
+    app = make_app(require_read_key=True)
+    with_clock(app)  # no time passes: only the revocation can drop the cached key
+    with TestClient(app) as client:
+        token = issue_key(app, KeyScope.READ)
+        admin = issue_key(app, KeyScope.ADMIN)
+        assert status_of(client, token) == (200, "")
+        response = client.delete(f"/v1/keys/{token.split('_')[1]}", headers=bearer(admin))
+        assert response.status_code == 200, response.text
+        assert status_of(client, token) == (401, ProblemType.UNAUTHORIZED)
+
+
 def test_an_upload_key_is_not_a_read_key_from_the_cache_either() -> None:
     app = make_app(require_read_key=True)
     with TestClient(app) as client:

@@ -226,9 +226,8 @@ def test_replicas_on_one_database_answer_alike_and_name_their_table(
 ) -> None:
     first, second = make_app(database_url=server.url), make_app(database_url=server.url)
     with TestClient(first) as a, TestClient(second) as b:
-        token = issue_key(first, KeyScope.UPLOAD)
         nodes = {f"replica-{node}": [MEASURED_SHARE] for node in range(MIN_NODES)}
-        upload_fleet(a, token, nodes, estimated_device_bytes(a))
+        upload_fleet(a, first, nodes, estimated_device_bytes(a))
         for app in (first, second):
             app.state.services.factor_cache.invalidate()
         fresh = wait_until(

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from service.api.deps import AdminKeyDep, CalibrationsDep, SessionDep
+from service.api.deps import AdminKeyDep, CalibrationsDep, SessionDep, services_of
 from service.api.problems import ProblemError, http_problem, responses
 from service.api.responses import json_response
 from service.api.schemas.keys import KeyFilterIn, KeyListOut, KeyOut, RevocationOut
@@ -54,6 +54,7 @@ def list_keys(
     responses=responses(401, 403, 404, 422, 503),
 )
 def revoke_key(
+    request: Request,
     prefix: Prefix,
     _admin: AdminKeyDep,
     session: SessionDep,
@@ -65,4 +66,5 @@ def revoke_key(
     revocation = calibrations.revoke(session, prefix, purge=purge, now=datetime.now(UTC))
     if revocation is None:
         raise ProblemError(http_problem(404, f"no API key has the prefix {prefix!r}"))
+    services_of(request).keys.forget_key(revocation.key.id)
     return json_response(RevocationOut.from_core(revocation))
