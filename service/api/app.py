@@ -20,6 +20,7 @@ from service.api import problems
 from service.api.access import AccessMiddleware, configure_access_log
 from service.api.answers import AnswerCache
 from service.api.body import DOCUMENTED_BODIES
+from service.api.budget import ColdWork
 from service.api.deps import Services, require_read_key
 from service.api.docs import mount_docs
 from service.api.limits import BodyLimitMiddleware
@@ -67,6 +68,7 @@ def create_app(
         sessions=sessions,
         factor_cache=cache,
         answers=AnswerCache(settings.estimate_cache_entries),
+        cold_work=ColdWork(settings, metrics, sessions),
     )
 
     @asynccontextmanager

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.answers import AnswerCache
 from service.api.auth import api_key, require_key
+from service.api.budget import ColdWork
 from service.api.estimation import Estimation
 from service.api.metrics import Metrics
 from service.api.settings import Settings
@@ -38,6 +39,7 @@ class Services:
     sessions: sessionmaker[Session]
     factor_cache: FactorCache
     answers: AnswerCache
+    cold_work: ColdWork  # slots and time for estimates' and fit-checks' cold work
 
 
 def services_of(request: Request) -> Services:
