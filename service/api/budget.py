@@ -74,6 +74,9 @@ class ColdWorkSlots:
         """Takes a slot for `caller`, waiting at most `wait_s` seconds; the refusal's reason
         when none came in time."""
         self.asked += 1
+        if not self._waiting and self._free_for(caller):
+            self._take(caller)
+            return None
         entry = (caller, asyncio.get_running_loop().create_future())
         granted = entry[1]
         self._waiting.append(entry)
@@ -120,10 +123,13 @@ class ColdWorkSlots:
             caller, granted = entry
             if self._free_for(caller):
                 self._waiting.remove(entry)
-                self.held += 1
-                if caller is Caller.ANONYMOUS:
-                    self.held_anonymous += 1
+                self._take(caller)
                 granted.set_result(None)
+
+    def _take(self, caller: Caller) -> None:
+        self.held += 1
+        if caller is Caller.ANONYMOUS:
+            self.held_anonymous += 1
 
 
 class ColdWork:
@@ -135,14 +141,11 @@ class ColdWork:
         self.slots = ColdWorkSlots(settings.cold_work_slots, settings.cold_work_anonymous_slots)
         self.wait_s = settings.cold_work_wait_s
         self.budget_s = settings.cold_work_budget_s
-        self.metrics = metrics
         self.sessions = sessions
         metrics.cold_work_slots_held.set_function(lambda: self.slots.held)
-        # every reason and caller listed from the start, at 0
-        for reason in Refusal:
-            metrics.cold_work_refusals.labels(reason=reason.value)
-        for caller in Caller:
-            metrics.cold_work_admissions.labels(caller=caller.value)
+        # the labelled counters made once (listed from the start, at 0)
+        self.refusals = {r: metrics.cold_work_refusals.labels(reason=r.value) for r in Refusal}
+        self.admissions = {c: metrics.cold_work_admissions.labels(caller=c.value) for c in Caller}
 
     def claim(self, authorization: str | None) -> ColdWorkClaim:
         """A request's claim, `authorization` its Authorization header (checked only if the
@@ -205,10 +208,10 @@ class ColdWorkClaim:
                 if refusal is Refusal.ANONYMOUS_SHARE
                 else problems.busy(work.wait_s)
             )
-            work.metrics.count_cold_work_refusal(refusal)
+            work.refusals[refusal].inc()
             raise ProblemError(self._refused)
         self._caller = caller
-        work.metrics.cold_work_admissions.labels(caller=caller.value).inc()
+        work.admissions[caller].inc()
 
     def _admit_from_thread(self) -> None:
         """`admit`, from the worker thread where the first piece of cold work starts (a
@@ -235,7 +238,7 @@ class ColdWorkClaim:
         traceback: TracebackType | None,
     ) -> None:
         if self.allowance.refused:
-            self._work.metrics.count_cold_work_refusal(Refusal.BUDGET)
+            self._work.refusals[Refusal.BUDGET].inc()
         if self._caller is not None:
             self._work.slots.release(self._caller)
 

@@ -73,9 +73,6 @@ class Metrics:
             child = self._estimates_by_model[model] = self.estimates.labels(model=model)
         child.inc()
 
-    def count_cold_work_refusal(self, reason: str) -> None:
-        self.cold_work_refusals.labels(reason=reason).inc()
-
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -121,8 +121,9 @@ def test_a_batch_answers_its_jobs_done_and_refuses_the_rest_each_on_its_own() ->
     jobs: list[dict[str, Any]] = [{**BIG_JOB, "batch_size": b, "seq_len": s} for b, s in shapes]
     warm = {**SMALL_JOB, "seq_len": 256}
     jobs += [warm, {**SMALL_JOB, "batch_size": 0}]
+    with TestClient(make_app()) as warmer:  # (in its own time: the steps and replays are shared)
+        _made_warm(warmer, warm)
     with TestClient(make_app(cold_work_budget_s=SHORT_BUDGET_S)) as client:
-        _made_warm(client, warm)
         answer = client.post("/v1/estimates:batch", json={"jobs": jobs}).json()
         statuses = [result["status"] for result in answer["results"]]
         assert statuses[-2:] == [200, 422]
