@@ -21,6 +21,7 @@ from service.api.access import AccessMiddleware, configure_access_log
 from service.api.answers import AnswerCache
 from service.api.auth import KeyCache
 from service.api.body import DOCUMENTED_BODIES
+from service.api.budget import ColdWork
 from service.api.deps import Services, require_read_key
 from service.api.docs import mount_docs
 from service.api.limits import BodyLimitMiddleware
@@ -60,6 +61,7 @@ def create_app(
     )
     sessions = create_session_factory(engine)
     cache = FactorCache(factor_loader(sessions, ESTIMATOR_VERSION))
+    key_cache = KeyCache()
     services = Services(
         settings=settings,
         models=default_catalog(),
@@ -70,7 +72,8 @@ def create_app(
         sessions=sessions,
         factor_cache=cache,
         answers=AnswerCache(settings.estimate_cache_entries),
-        keys=KeyCache(),
+        keys=key_cache,
+        cold_work=ColdWork(settings, metrics, sessions, key_cache),
     )
 
     @asynccontextmanager

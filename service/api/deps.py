@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.answers import AnswerCache
 from service.api.auth import KeyCache, api_key, require_cached_key, require_key
+from service.api.budget import ColdWork
 from service.api.estimation import Estimation
 from service.api.metrics import Metrics
 from service.api.settings import Settings
@@ -39,6 +40,7 @@ class Services:
     factor_cache: FactorCache
     answers: AnswerCache
     keys: KeyCache  # read keys the store verified lately (`auth.KeyCache`)
+    cold_work: ColdWork  # slots and time for estimates' and fit-checks' cold work
 
 
 def services_of(request: Request) -> Services:

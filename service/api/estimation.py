@@ -43,6 +43,7 @@ from service.calibration.provider import CalibratedPeaks, FactorProvider
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
 from service.catalog.models import CatalogEntry, ModelCatalog
 from service.core.architecture import ModelArch
+from service.core.cold import ColdWorkOverBudget
 from service.core.errors import EstimatorError, InvalidSpecError, UnknownModelError
 from service.core.estimator import (
     default_target_modules,
@@ -208,8 +209,8 @@ class Estimation:
                     if spec is None:
                         spec = specs[first] = SharedSpec()
                     values = self.values(jobs.job(index), loc, spec)
-            except ProblemError as exc:
-                problem = exc.problem
+            except (ProblemError, ColdWorkOverBudget) as exc:  # (its time ran out: 503)
+                problem = from_exception(exc, loc)
                 status = problem.status
                 yield {"index": index, "status": status, "estimate": None, "problem": problem}
             else:
@@ -242,8 +243,8 @@ class Estimation:
                     if spec is None:
                         spec = shared[first] = SharedSpec()
                 values = self.values(job, loc, spec)
-            except ProblemError as exc:
-                problem = exc.problem
+            except (ProblemError, ColdWorkOverBudget) as exc:  # (its time ran out: 503)
+                problem = from_exception(exc, loc)
                 failed += 1
                 results.append(
                     {"index": index, "status": problem.status, "estimate": None, "problem": problem}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Latency buckets, seconds: an estimate answers in about a millisecond, a fit-check over
@@ -45,6 +45,25 @@ class Metrics:
             registry=self.registry,
         )
         self._estimates_by_model: dict[str, Counter] = {}
+        self.cold_work_refusals = Counter(
+            "vramcast_cold_work_refusals",
+            "Requests refused cold work (a job's step run, an allocator replay), by reason: busy "
+            "(no slot freed in time), anonymous_share (the keyless callers' slots stayed "
+            "taken), budget (the request's time for cold work ran out).",
+            ("reason",),
+            registry=self.registry,
+        )
+        self.cold_work_admissions = Counter(
+            "vramcast_cold_work_admissions",
+            "Requests given a slot for cold work, by caller (keyed: a live API key).",
+            ("caller",),
+            registry=self.registry,
+        )
+        self.cold_work_slots_held = Gauge(
+            "vramcast_cold_work_slots_held",
+            "Slots for cold work held now.",
+            registry=self.registry,
+        )
 
     def count_estimate(self, model: str) -> None:
         # The labelled child once per model: `labels()` takes a lock and builds its key on

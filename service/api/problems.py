@@ -19,6 +19,12 @@ Problem types (the `type` member; tag URIs, RFC 4151, identify them without a we
 |                       |        | (also `retry_after_s`)                                      |
 | store-read-only       | 503    | the store answers but refuses writes (read-only, disk       |
 |                       |        | full); the detail names why; retry after `Retry-After`      |
+| busy                  | 503    | no slot for cold work (a step's run, an allocator replay)   |
+|                       |        | freed in time; retry after `Retry-After`                    |
+| anonymous-share-taken | 429    | the slots for cold work open to callers without an API key  |
+|                       |        | are taken; send a key or retry after `Retry-After`          |
+| budget-exceeded       | 503    | the request's time for cold work ran out; what it computed  |
+|                       |        | is kept and a retry after `Retry-After` continues from it   |
 | about:blank           | any    | plain HTTP errors (unknown path, method not allowed)        |
 | internal-error        | 500    | a bug; the detail never carries a traceback                 |
 """
@@ -54,6 +60,7 @@ from service.api.access import REQUEST_ID_HEADER
 from service.calibration.uploads import IdempotencyKeyReusedError, InvalidCursorError
 from service.catalog.gpus import UnknownGpuError
 from service.core.calibration import ImplausibleMeasurementError
+from service.core.cold import ColdWorkOverBudget, ColdWorkRefused
 from service.core.errors import (
     EstimatorError,
     InvalidConfigError,
@@ -80,6 +87,12 @@ MAX_INSTANCE = 2048
 # Seconds a client waits before retrying when the store is unreachable: a database restart
 # or failover takes seconds, and a training node's upload can wait.
 RETRY_AFTER_S = 5
+# Seconds to wait after a request's time for cold work ran out: what it computed is kept, so
+# asking again soon continues from there.
+CONTINUE_AFTER_S = 1
+# Seconds to wait when no slot for cold work freed in time: a cold estimate or fit-check holds
+# its slot for about a second (README's benchmarks: the first fit-check of a job, 1.0 s).
+BUSY_RETRY_AFTER_S = 2
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +108,9 @@ class ProblemType(StrEnum):
     NODE_NOT_ALLOWED = _TYPE_PREFIX + "node-not-allowed"
     STORE_UNAVAILABLE = _TYPE_PREFIX + "store-unavailable"
     STORE_READ_ONLY = _TYPE_PREFIX + "store-read-only"
+    BUSY = _TYPE_PREFIX + "busy"
+    ANONYMOUS_SHARE_TAKEN = _TYPE_PREFIX + "anonymous-share-taken"
+    BUDGET_EXCEEDED = _TYPE_PREFIX + "budget-exceeded"
     INTERNAL_ERROR = _TYPE_PREFIX + "internal-error"
     BLANK = "about:blank"
 
@@ -167,7 +183,8 @@ class Problem(BaseModel):
     )
     retry_after_s: int | None = Field(
         default=None,
-        description="store-unavailable, store-read-only: seconds to wait (as Retry-After).",
+        description="store-unavailable, store-read-only, busy, anonymous-share-taken, "
+        "budget-exceeded: seconds to wait (as Retry-After).",
         ge=0,
     )
 
@@ -311,6 +328,40 @@ def store_read_only(reason: str) -> Problem:
     )
 
 
+def busy(wait_s: float) -> Problem:
+    return Problem(
+        type=ProblemType.BUSY,
+        title="Cold work is busy",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        detail=f"this request needs a job's step run or the allocator replayed, and no slot for "
+        f"such work freed within {wait_s:g} s; answers already computed are not delayed",
+        retry_after_s=BUSY_RETRY_AFTER_S,
+    )
+
+
+def anonymous_share_taken(wait_s: float) -> Problem:
+    return Problem(
+        type=ProblemType.ANONYMOUS_SHARE_TAKEN,
+        title="The share of cold work open to callers without an API key is taken",
+        status=HTTPStatus.TOO_MANY_REQUESTS,
+        detail=f"this request needs a job's step run or the allocator replayed, and the slots "
+        f"for such work open to callers without an API key stayed taken for {wait_s:g} s; "
+        "send an API key (Authorization: Bearer) for the larger share, or ask again later",
+        retry_after_s=BUSY_RETRY_AFTER_S,
+    )
+
+
+def budget_exceeded(seconds: float) -> Problem:
+    return Problem(
+        type=ProblemType.BUDGET_EXCEEDED,
+        title="The request's time for cold work ran out",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        detail=f"this request ran jobs' steps and allocator replays for its {seconds:g} s; what "
+        "it computed is kept, and asking again continues from there",
+        retry_after_s=CONTINUE_AFTER_S,
+    )
+
+
 def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
     """The problem for any error; `loc_prefix` locates the job that a core error is about."""
     match exc:
@@ -358,6 +409,8 @@ def from_exception(exc: Exception, loc_prefix: Loc = ("body",)) -> Problem:
             return invalid_field(("query", "cursor"), "not a cursor this service issued", "cursor")
         case DBAPIError() if (refusal := write_refusal(exc)) is not None:
             return store_read_only(refusal)
+        case ColdWorkOverBudget():
+            return budget_exceeded(exc.seconds)
         case DBAPIError() | PoolTimeoutError() if store_unreachable(exc):
             return store_unavailable()
         case InvalidConfigError():
@@ -470,6 +523,7 @@ def install(app: FastAPI) -> None:
         NodeNotAllowedError,
         DBAPIError,
         PoolTimeoutError,
+        ColdWorkRefused,
         Exception,
     ):
         app.add_exception_handler(kind, _on_error)
@@ -485,12 +539,17 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         413: "The body is over the configured limit.",
         415: "The body is not sent as JSON (`Content-Type: application/json`).",
         422: "Invalid input; `errors` locates each invalid field.",
-        503: "The calibration store is unreachable or refuses writes; retry after "
-        "`Retry-After` seconds.",
+        429: "The slots for cold work open to callers without an API key are taken; send a key "
+        "or retry after `Retry-After` seconds.",
+        503: "The calibration store is unreachable or refuses writes; on estimates and "
+        "fit-checks also: no slot for cold work freed in time, or the request's time for cold "
+        "work ran out (what it computed is kept). Retry after `Retry-After` seconds.",
     }
+    retry_after = {"description": "Seconds to wait.", "schema": {"type": "integer"}}
     headers = {
         401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
-        503: {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}},
+        429: {"Retry-After": retry_after},
+        503: {"Retry-After": retry_after},
     }
     return {
         status: {

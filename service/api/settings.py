@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -58,6 +58,47 @@ class Settings(BaseSettings):
         "verified is taken for 30 s without asking it again, and for 15 min while it cannot "
         "be reached, so GET /v1/factors answers during an outage (an unknown key: 503).",
     )
+    cold_work_slots: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Requests doing cold work (running a job's step or replaying the allocator "
+        "model: estimates, fit-checks and batches not answered from what is kept) at once in "
+        "the process; warm requests take no slot.",
+    )
+    cold_work_anonymous_slots: int = Field(
+        default=1,
+        ge=0,
+        le=63,
+        description="Of those slots, how many requests without a live API key (Authorization: "
+        "Bearer) may hold together; below cold_work_slots, so that keyed callers always have "
+        "one. 0 keeps cold work to keyed callers.",
+    )
+    cold_work_wait_s: float = Field(
+        default=2.0,
+        ge=0.0,
+        le=60.0,
+        description="Longest a request waits for a slot (its key checked included); then 503 "
+        "busy, or 429 anonymous-share-taken when it is the keyless callers' share that is taken.",
+    )
+    cold_work_budget_s: float = Field(
+        default=20.0,
+        ge=0.1,
+        le=600.0,
+        description="Seconds of cold work a request may do once it starts; work that would "
+        "start later gets 503 budget-exceeded (a batch's job: its own entry), what was computed "
+        "is kept and a retry continues. A piece already started ends first (one step's run or "
+        "allocator replay).",
+    )
+
+    @model_validator(mode="after")
+    def _keyed_callers_keep_a_slot(self) -> Settings:
+        if self.cold_work_anonymous_slots >= self.cold_work_slots:
+            raise ValueError(
+                f"cold_work_anonymous_slots ({self.cold_work_anonymous_slots}) must be below "
+                f"cold_work_slots ({self.cold_work_slots}): keyed callers keep a slot"
+            )
+        return self
 
 
 def _default(value: object) -> str:

@@ -1,13 +1,20 @@
 """Long work refused (core/cold.py): under `refusing_cold_work()`, an estimate or fit-check
 that would run a step or replay the allocator raises `ColdWorkRefused` before doing either;
-a warm one is answered as it is anywhere else."""
+a warm one is answered as it is anywhere else. Under `allowing_cold_work()`, the pieces of
+long work that would start past the allowance's time are refused alike, nothing of them kept."""
 
 from __future__ import annotations
 
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.cold import ColdWorkRefused, refusing_cold_work
+from service.core.cold import (
+    ColdWorkAllowance,
+    ColdWorkOverBudget,
+    ColdWorkRefused,
+    allowing_cold_work,
+    refusing_cold_work,
+)
 from service.core.estimator import estimate, forget_compiled_steps, peak_levels, shape_levels
 from service.core.reserved import clear_replay_caches
 from service.core.spec import ALL_LINEAR, LoraSpec, Method, Objective, TrainingSpec
@@ -91,3 +98,67 @@ def test_refusing_ends_with_its_block() -> None:
     with pytest.raises(ColdWorkRefused), refusing_cold_work():
         estimate(ARCH, _qlora(2, 700))
     estimate(ARCH, _qlora(2, 700))  # outside the block: the work is done
+
+
+class _Clock:
+    """A clock that reads `start` once, then `later` (the allowance's first piece sets its
+    deadline from the first reading; every later check reads the second)."""
+
+    def __init__(self, start: float, later: float) -> None:
+        self.readings = [start]
+        self.later = later
+
+    def __call__(self) -> float:
+        return self.readings.pop() if self.readings else self.later
+
+
+def test_past_its_time_the_next_piece_is_refused_and_nothing_of_it_is_kept() -> None:
+    spec = _qlora(3, 1500)
+    allowance = ColdWorkAllowance(1.0, clock=_Clock(0.0, 2.0))
+    with pytest.raises(ColdWorkOverBudget) as refused, allowing_cold_work(allowance):
+        estimate(ARCH, spec)
+    # the step ran (the first piece always does); the replay after it was not started
+    assert (allowance.pieces, allowance.refused) == (1, 1)
+    assert "replay" in refused.value.what and refused.value.seconds == 1.0
+    with pytest.raises(ColdWorkRefused), refusing_cold_work():
+        peak_levels(ARCH, spec)  # no replay half kept: still cold
+    answered = estimate(ARCH, spec)
+    clear_replay_caches()
+    forget_compiled_steps()
+    assert estimate(ARCH, spec) == answered
+
+
+def test_a_step_recorded_after_its_run_is_not_stopped_halfway() -> None:
+    """The job's second shape runs the step and records it: one piece, which an allowance
+    spent right after it starts does not cut (the job's piece is kept, not given up)."""
+    estimate(ARCH, _qlora(3, 1500))
+    allowance = ColdWorkAllowance(1.0, clock=_Clock(0.0, 2.0))
+    with allowing_cold_work(allowance):
+        second = estimate(ARCH, _qlora(3, 1600))  # its replays are the first shape's
+    assert (allowance.pieces, allowance.refused) == (1, 0)
+    with refusing_cold_work():  # recorded: a third shape between them is warm
+        third = estimate(ARCH, _qlora(3, 1700))
+    assert second == estimate(ARCH, _qlora(3, 1600))
+    assert third == estimate(ARCH, _qlora(3, 1700))
+
+
+def test_admission_comes_once_before_the_first_piece_and_may_refuse_it() -> None:
+    class Full(Exception):
+        pass
+
+    def refuse() -> None:
+        raise Full
+
+    with pytest.raises(Full), allowing_cold_work(ColdWorkAllowance(60.0, admit=refuse)):
+        estimate(ARCH, _qlora(2, 900))
+    with pytest.raises(ColdWorkRefused), refusing_cold_work():
+        estimate(ARCH, _qlora(2, 900))  # nothing was done
+    admitted: list[None] = []
+    allowance = ColdWorkAllowance(60.0, admit=lambda: admitted.append(None))
+    with allowing_cold_work(allowance):
+        estimate(ARCH, _qlora(2, 900))
+        estimate(ARCH, _qlora(5, 3000))
+    assert len(admitted) == 1 and allowance.pieces > 2 and allowance.refused == 0
+    with allowing_cold_work(allowance := ColdWorkAllowance(60.0, admit=refuse)):
+        estimate(ARCH, _qlora(2, 900))  # warm: neither admitted nor counted
+    assert allowance.pieces == 0

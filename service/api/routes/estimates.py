@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.api.answers import Answer
 from service.api.batch_body import SharedSpec, known_key, read_known, read_shared, remember
 from service.api.body import is_json, request_body, validate_body, validate_body_or
+from service.api.budget import authorization
 from service.api.deps import Services, estimation_for, services_of
 from service.api.problems import responses
 from service.api.responses import JSON_MEDIA_TYPE
@@ -34,24 +35,34 @@ ESTIMATE_PATH = f"{PREFIX}/estimates"
     summary="Estimate a job's peak GPU memory",
     description="The peak of one GPU of the job at the allocated, reserved and device levels, "
     "the safe bound, where the bytes go and when the peak happens.",
-    responses=responses(404, 413, 415, 422),
+    responses=responses(404, 413, 415, 422, 429, 503),
     openapi_extra=request_body(JobSpec),
 )
 async def create_estimate(request: Request) -> Response:
     return await estimate_response(
-        services_of(request), await request.body(), request.headers.get("content-type")
+        services_of(request),
+        await request.body(),
+        request.headers.get("content-type"),
+        request.scope["headers"],
     )
 
 
-async def estimate_response(services: Services, body: bytes, content_type: str | None) -> Response:
-    """POST /v1/estimates' answer to `body`, sent as `content_type`.
+async def estimate_response(
+    services: Services,
+    body: bytes,
+    content_type: str | None,
+    headers: Iterable[tuple[bytes, bytes]] = (),
+) -> Response:
+    """POST /v1/estimates' answer to `body`, sent as `content_type` with the request's
+    `headers` (read only for cold work's caller: `budget`).
 
     Schedulers call this before every placement: the body is parsed by pydantic-core in one
     pass, the services are read directly (FastAPI's body and dependency resolution would cost
     more than the estimate), and a body asked before under the same calibration factors gets
     its kept answer. A warm estimate is made on the event loop; one that would run the step or
     replay the allocator (`core.cold`) is made in the thread pool, the event loop answering
-    meanwhile (the kept answers are the event loop's alone)."""
+    meanwhile (the kept answers are the event loop's alone), within a slot and the time for
+    cold work (`budget`)."""
     cacheable = is_json(content_type)
     generation = services.factors.generation()
     if cacheable:
@@ -75,7 +86,9 @@ async def estimate_response(services: Services, body: bytes, content_type: str |
         with refusing_cold_work():
             values = estimation.values(job, shared=spec)
     except ColdWorkRefused:
-        values = await run_in_threadpool(estimation.values, job, shared=spec)
+        async with services.cold_work.claim(authorization(headers)) as claim:
+            await claim.admit()
+            values = await run_in_threadpool(claim.run, estimation.values, job, shared=spec)
     content = to_json(values)
     if cacheable:
         services.answers.put(body, Answer(content, values["model"], generation))
@@ -87,7 +100,8 @@ async def estimate_response(services: Services, body: bytes, content_type: str |
     response_model=BatchOut,
     summary="Estimate up to 1000 jobs in one call",
     description="Results come in the jobs' order; a job that fails gets its own problem entry "
-    "(status 404 or 422) and the others are still answered.",
+    "(status 404 or 422; 429 or 503 for one refused cold work) and the others are still "
+    "answered.",
     responses=responses(413, 415, 422),
     openapi_extra=request_body(BatchIn),
 )
@@ -97,6 +111,8 @@ async def create_estimates_batch(request: Request) -> Response:
     # any other is read as FastAPI reads a `BatchIn` body, each job failing on its own. The
     # estimates share the request's lookups and are encoded in one pass; the work runs in the
     # thread pool, as a plain route's would, so that the event loop keeps answering meanwhile.
+    # Its first job that runs a step or replays the allocator takes the request's slot for cold
+    # work (`budget`), from the thread; the jobs its refusals stop get their own problems.
     services = services_of(request)
     body = await request.body()
     content_type = request.headers.get("content-type")
@@ -109,7 +125,9 @@ async def create_estimates_batch(request: Request) -> Response:
         jobs = validate_body_or(body, content_type, JobsIn, BatchIn).jobs
         return to_json(estimation.batch(jobs))
 
-    return Response(await run_in_threadpool(answer), media_type=JSON_MEDIA_TYPE)
+    async with services.cold_work.claim(request.headers.get("authorization")) as claim:
+        content = await run_in_threadpool(claim.run, answer)
+    return Response(content, media_type=JSON_MEDIA_TYPE)
 
 
 def encode_batch(results: Iterable[dict[str, Any]]) -> bytes:
@@ -162,7 +180,9 @@ class EstimateShortcut:
             # messages: the request is made only for an error's handler.
             services: Services = scope["app"].state.services
             body = await _body(receive)
-            response = await estimate_response(services, body, _content_type(scope))
+            response = await estimate_response(
+                services, body, _content_type(scope), scope["headers"]
+            )
         except Exception as exc:
             handler = self._handler(exc)
             if handler is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic_core import to_json
@@ -24,7 +26,7 @@ router = APIRouter(prefix="/v1", tags=["fit-checks"])
     description="Per GPU type: fits, usable and required bytes, headroom, the largest "
     "micro-batch and sequence that fit (solved), ranked changes that make the job fit, and "
     "with prices the cheapest GPU that fits.",
-    responses=responses(404, 413, 415, 422),
+    responses=responses(404, 413, 415, 422, 429, 503),
     openapi_extra=request_body(FitCheckIn),
 )
 async def create_fit_check(request: Request) -> Response:
@@ -32,8 +34,10 @@ async def create_fit_check(request: Request) -> Response:
     # again as FastAPI reads a declared body, for FastAPI's errors). A warm check (its jobs'
     # steps compiled, their replays remembered) is answered on the event loop, as an estimate
     # is; one that would run a step or replay the allocator (seconds, for a new job) runs in
-    # the thread pool, as a plain route's would, the event loop answering meanwhile.
-    estimation = estimation_for(services_of(request))
+    # the thread pool, as a plain route's would, the event loop answering meanwhile, within a
+    # slot and the time for cold work (`budget`).
+    services = services_of(request)
+    estimation = estimation_for(services)
     body = await request.body()
     asked = validate_body_or(body, request.headers.get("content-type"), FitCheckIn, FitCheckIn)
 
@@ -44,5 +48,7 @@ async def create_fit_check(request: Request) -> Response:
         with refusing_cold_work():
             content = answer()
     except ColdWorkRefused:
-        content = await run_in_threadpool(answer)
+        async with services.cold_work.claim(request.headers.get("authorization")) as claim:
+            await claim.admit()
+            content = await run_in_threadpool(partial(claim.run, answer))
     return Response(content, media_type=JSON_MEDIA_TYPE)

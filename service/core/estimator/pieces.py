@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from service.core.architecture import ModelArch
+from service.core.cold import ColdWorkRefused, continuing_cold_work
 from service.core.estimator.plan import _Plan
 from service.core.estimator.symbolic import Compiled, Trace, compile_record, is_shape
 from service.core.spec import TrainingSpec, shape_free_fields
@@ -179,7 +180,11 @@ class Pieces:
         b, s = trace.shape()
         try:
             symbolic = spec.with_shape(b, s)  # type: ignore[arg-type]
-            step = self._run(arch, symbolic, compute_capability)
+            # (part of the run just made: never stopped halfway by the request's allowance)
+            with continuing_cold_work():
+                step = self._run(arch, symbolic, compute_capability)
+        except ColdWorkRefused:
+            raise  # not a step that cannot be recorded: the job stays open
         except Exception:
             return None  # arithmetic the record does not take (symbolic.py)
         ran = step.spec
