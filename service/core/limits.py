@@ -15,6 +15,9 @@ MAX_LORA_R = 16_384
 MAX_NUM_LABELS = 100_000
 MAX_LORA_ALPHA = 1_000_000
 MAX_GPUS = 1024
+# A GPU's total memory as a request may give it (a fit-check's memory_mib, an upload's reported
+# total): 4 TiB, over 20 times what the largest GPU in the catalog holds.
+MAX_GPU_MEMORY_MIB = 4 * 1024 * 1024
 MAX_BUCKET_CAP_MB = 1 << 20  # DDP's bucket cap, in MB: up to 1 TiB
 # DeepSpeed's bucket sizes and live-parameter limits, in elements: up to 1e12 (a 1T model)
 MAX_ZERO_ELEMENTS = 1_000_000_000_000

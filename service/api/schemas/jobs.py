@@ -43,6 +43,7 @@ from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
     MAX_BUCKET_CAP_MB,
+    MAX_GPU_MEMORY_MIB,
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
@@ -84,9 +85,9 @@ from service.core.units import DType
 MAX_BATCH_JOBS = 1000
 MAX_OBJECTIVE_CHARS = 32  # longer than any trainer name TRL has
 MAX_FIT_GPUS = 64
-# Reported totals: from 1 GiB (nothing smaller trains a model) to 4 TiB.
+# Reported totals: from 1 GiB (nothing smaller trains a model) to the core's bound (4 TiB).
 MIN_MEMORY_MIB = 1024
-MAX_MEMORY_MIB = 4 * 1024 * 1024
+MAX_MEMORY_MIB = MAX_GPU_MEMORY_MIB
 MAX_PRICE_PER_HOUR = 1_000_000.0
 MAX_CONFIG_KEYS = 1024
 
