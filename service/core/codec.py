@@ -201,8 +201,7 @@ def _bounds(value: float, field: str, ge: float | None, le: float | None, lt: fl
 
 def _integer(*, ge: int | None = None, le: int | None = None) -> Check:
     def check(value: Any, field: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidSpecError(field, "Input should be a valid integer")
+        # an integer only: not a boolean, and not a float even where it is whole (2.0)
         if isinstance(value, float):
             if not math.isfinite(value):
                 raise InvalidSpecError(field, "Input should be a finite number")
@@ -210,9 +209,10 @@ def _integer(*, ge: int | None = None, le: int | None = None) -> Check:
                 raise InvalidSpecError(
                     field, "Input should be a valid integer, got a number with a fractional part"
                 )
-        number = int(value)
-        _bounds(number, field, ge, le, None)
-        return number
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidSpecError(field, "Input should be a valid integer")
+        _bounds(value, field, ge, le, None)
+        return value
 
     return check
 
