@@ -35,6 +35,7 @@ from service.core.limits import (
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
     MAX_NUM_LABELS,
+    MAX_PRNG_KEY,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
     MAX_TRAINING_STEPS,
@@ -360,7 +361,7 @@ _VERA: dict[str, Check] = {
     "target_modules": _target_modules,
     "vera_dropout": _number(ge=0.0, lt=1.0),
     "d_initial": _number(ge=-1e6, le=1e6),
-    "projection_prng_key": _integer(ge=0, le=2**63 - 1),
+    "projection_prng_key": _integer(ge=0, le=MAX_PRNG_KEY),
     "save_projection": _boolean,
 }
 # LoHa's options (service/core/spec_delta.py LohaSpec); rank and alpha bounded as LoRA's.
