@@ -199,7 +199,7 @@ class DpoIn(In):
 def _not_both(first: str, second: str) -> dict[str, JsonValue]:
     """JSON Schema for "not both of these objects" (either may be null or left out; the model
     validator enforces it)."""
-    given = {"type": "object"}
+    given: JsonValue = {"type": "object"}
     return {"not": {"required": [first, second], "properties": {first: given, second: given}}}
 
 
