@@ -52,11 +52,13 @@ ROUND_LARGE = 2 * MIB  # kRoundLarge: larger segments are rounded to it
 DEFAULT_NON_SPLIT_ROUNDING = LARGE_BUFFER
 # The smallest max_split_size_mb / max_non_split_rounding_mb accepted: kLargeBuffer in MiB.
 MIN_SPLIT_SETTING_MB = LARGE_BUFFER // MIB
-# Where the modelled address space ends; segments are placed downwards from it.
-ADDRESS_TOP = 1 << 62
-# Address space of an expandable segment: more than any device has (the allocator reserves
-# 1 1/8 of the device's memory; ExpandableSegment's constructor).
-EXPANDABLE_SPACE = 1 << 50
+# Address space of an expandable segment: more than any step a spec can describe asks for
+# (on a GPU the allocator reserves 1 1/8 of the device's memory, ExpandableSegment's
+# constructor; the model has no device, so without a `capacity` a replay never runs out).
+EXPANDABLE_SPACE = 1 << 100
+# Where the modelled address space ends; segments are placed downwards from it (the two
+# pools' expandable segments fit below it).
+ADDRESS_TOP = 1 << 102
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

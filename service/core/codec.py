@@ -35,6 +35,7 @@ from service.core.limits import (
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
     MAX_NUM_LABELS,
+    MAX_PRNG_KEY,
     MAX_ROUNDUP_POWER2_DIVISIONS,
     MAX_SEQ_LEN,
     MAX_TRAINING_STEPS,
@@ -201,8 +202,7 @@ def _bounds(value: float, field: str, ge: float | None, le: float | None, lt: fl
 
 def _integer(*, ge: int | None = None, le: int | None = None) -> Check:
     def check(value: Any, field: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidSpecError(field, "Input should be a valid integer")
+        # an integer only: not a boolean, and not a float even where it is whole (2.0)
         if isinstance(value, float):
             if not math.isfinite(value):
                 raise InvalidSpecError(field, "Input should be a finite number")
@@ -210,9 +210,10 @@ def _integer(*, ge: int | None = None, le: int | None = None) -> Check:
                 raise InvalidSpecError(
                     field, "Input should be a valid integer, got a number with a fractional part"
                 )
-        number = int(value)
-        _bounds(number, field, ge, le, None)
-        return number
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidSpecError(field, "Input should be a valid integer")
+        _bounds(value, field, ge, le, None)
+        return value
 
     return check
 
@@ -360,7 +361,7 @@ _VERA: dict[str, Check] = {
     "target_modules": _target_modules,
     "vera_dropout": _number(ge=0.0, lt=1.0),
     "d_initial": _number(ge=-1e6, le=1e6),
-    "projection_prng_key": _integer(ge=0, le=2**63 - 1),
+    "projection_prng_key": _integer(ge=0, le=MAX_PRNG_KEY),
     "save_projection": _boolean,
 }
 # LoHa's options (service/core/spec_delta.py LohaSpec); rank and alpha bounded as LoRA's.

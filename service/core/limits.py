@@ -15,6 +15,9 @@ MAX_LORA_R = 16_384
 MAX_NUM_LABELS = 100_000
 MAX_LORA_ALPHA = 1_000_000
 MAX_GPUS = 1024
+# A GPU's total memory as a request may give it (a fit-check's memory_mib, an upload's reported
+# total): 4 TiB, over 20 times what the largest GPU in the catalog holds.
+MAX_GPU_MEMORY_MIB = 4 * 1024 * 1024
 MAX_BUCKET_CAP_MB = 1 << 20  # DDP's bucket cap, in MB: up to 1 TiB
 # DeepSpeed's bucket sizes and live-parameter limits, in elements: up to 1e12 (a 1T model)
 MAX_ZERO_ELEMENTS = 1_000_000_000_000
@@ -24,6 +27,10 @@ MAX_VIRTUAL_TOKENS = 65_536
 # Prefix tuning's projection width (PrefixTuningConfig.encoder_hidden_size): PEFT's default
 # is the keys' width per layer, a few thousand.
 MAX_ENCODER_HIDDEN_SIZE = 65_536
+# VeRA's projection_prng_key (torch.Generator.manual_seed's seed): up to 2**53 - 1, the
+# integers a JSON number carries exactly wherever it is read (I-JSON, RFC 7493 section 2.2),
+# as the OpenAPI document writes its bounds.
+MAX_PRNG_KEY = 2**53 - 1
 # AdaLoRA's schedule (tinit, tfinal, total_step, deltaT): far above any run's optimizer steps.
 MAX_TRAINING_STEPS = 1_000_000_000
 # A vision-language sample's images and their side in pixels: far above what a processor

@@ -31,6 +31,7 @@ from service.core.architecture import (
 )
 from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
+from service.core.limits import MAX_GPU_MEMORY_MIB
 from service.core.schedule import (
     HALF_BYTES,
     Kernel,
@@ -40,7 +41,7 @@ from service.core.schedule import (
     step_events,
 )
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
-from service.core.units import FP32_BYTES, INT64_BYTES, UINT8_BYTES
+from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB, UINT8_BYTES
 
 # bitsandbytes 4-bit storage (bitsandbytes/functional.py quantize_4bit): two values per byte,
 # one absmax per 64 values, stored as uint8 with double quant (one fp32 absmax per 256 of
@@ -54,6 +55,9 @@ _NF4_CODE = 16
 # states with one fp32 absmax per 256 elements; under 4096 elements, fp32 states.
 _BNB_BLOCK = 256
 _BNB_MIN_8BIT = 4096
+# Above this allocated peak a job fits no GPU this service takes (a request's GPU is at most
+# MAX_GPU_MEMORY_MIB), whatever the allocator reserves on top: the step is not replayed.
+REPLAY_CEILING = MAX_GPU_MEMORY_MIB * MIB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -586,20 +590,37 @@ def _bracket(n: int) -> tuple[int, int]:
     return (low, low) if low == n else (low, 2 * low)
 
 
-def reserved_gap(plan: ReservedPlan, batch: int, seq: int) -> tuple[int, str]:
-    """reserved - allocated for `batch` x `seq`: the replay's, where both are powers of two;
-    between, interpolated (bilinearly in batch and sequence) from the replays at the powers
-    of two around them, each replayed once per plan. Returns the bytes and a note when
-    interpolated."""
+def reserved_gap(plan: ReservedPlan, batch: int, seq: int, *, allocated: int) -> tuple[int, str]:
+    """reserved - allocated for `batch` x `seq` at an `allocated` peak: the replay's, where
+    both are powers of two; between, interpolated (bilinearly in batch and sequence) from the
+    replays at the powers of two around them, each replayed once per plan; above
+    REPLAY_CEILING, not replayed (`unreplayed_note`). Returns the bytes and a note when
+    interpolated or not replayed."""
+    if allocated > REPLAY_CEILING:
+        return 0, unreplayed_note(allocated)
     b0, b1 = _bracket(batch)
     s0, s1 = _bracket(seq)
     if b0 == b1 and s0 == s1:
         return _replayed_gap(plan, batch, seq), ""
-    return reserved_gap_bytes(plan, batch, seq), _interpolated_note(b0, b1, s0, s1)
+    return reserved_gap_bytes(plan, batch, seq, allocated=allocated), _interpolated_note(
+        b0, b1, s0, s1
+    )
 
 
-def reserved_gap_bytes(plan: ReservedPlan, batch: int, seq: int) -> int:
+def unreplayed_note(allocated: int) -> str:
+    """What the reserved level is where the step is not replayed (`reserved_gap`)."""
+    return (
+        f"reserved: not replayed; the allocated peak alone ({allocated / GIB:,.0f} GiB) is over "
+        f"the largest GPU memory this service takes ({REPLAY_CEILING / GIB:,.0f} GiB), so the "
+        "job fits no GPU: reserved is taken as allocated, its lower bound (the caching "
+        "allocator's segments hold every allocated block)"
+    )
+
+
+def reserved_gap_bytes(plan: ReservedPlan, batch: int, seq: int, *, allocated: int) -> int:
     """`reserved_gap`'s bytes alone (what a fit-check's curves read at dozens of shapes)."""
+    if allocated > REPLAY_CEILING:
+        return 0
     b0 = 1 << (batch.bit_length() - 1)
     s0 = 1 << (seq.bit_length() - 1)
     if b0 == batch and s0 == seq:

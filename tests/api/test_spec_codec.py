@@ -39,7 +39,7 @@ fields: dict[str, st.SearchStrategy[Any]] = {
             "half",
         ]
     ),
-    "batch_size": integers | st.just(2.5),
+    "batch_size": integers | st.just(2.5) | st.just(2.0),
     "seq_len": integers,
     "gradient_accumulation_steps": integers,
     "max_grad_norm": numbers,

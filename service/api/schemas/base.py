@@ -10,21 +10,22 @@ from pydantic_core import PydanticCustomError
 Bytes = Annotated[int, Field(ge=0, description="Bytes.")]
 
 
-def _not_boolean_or_text(value: Any) -> Any:
-    if isinstance(value, bool | str | bytes):
+def _integer_only(value: Any) -> Any:
+    # (a float with a fraction, or not finite, goes on to pydantic's own error for it)
+    if isinstance(value, bool | str | bytes) or (isinstance(value, float) and value.is_integer()):
         raise PydanticCustomError("int_type", "Input should be a valid integer")
     return value
 
 
 def integers(*fields: str) -> Any:
-    """A model's validator that refuses booleans and text for these integer fields.
+    """A model's validator that takes only integers for these integer fields.
 
     Request numbers and booleans are taken only as themselves (as the core's spec codec takes
-    them): pydantic's lax mode would read JSON's true as the integer 1 and "8" as 8. An integer
-    may still be written 8.0 (JSON has one number type). Checked around the fields rather than
-    inside their type, so that their bounds stay pydantic's own, and the JSON schema's.
+    them): pydantic's lax mode would read JSON's true as the integer 1, "8" as 8 and 8.0 as 8.
+    Checked around the fields rather than inside their type, so that their bounds stay
+    pydantic's own, and the JSON schema's.
     """
-    return field_validator(*fields, mode="before")(_not_boolean_or_text)
+    return field_validator(*fields, mode="before")(_integer_only)
 
 
 # A number may be written as an integer (2 is 2.0), not as true or text; a boolean is only one.

@@ -9,7 +9,14 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AwareDatetime, BeforeValidator, Field, JsonValue, StringConstraints
+from pydantic import (
+    AwareDatetime,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+)
 
 from service.api.schemas.base import In, Out, integers
 from service.api.schemas.jobs import MAX_MEMORY_MIB, JobSpec
@@ -56,6 +63,20 @@ VersionText = Annotated[
     str, StringConstraints(max_length=MAX_VERSION, pattern=r"^[^\x00-\x1f\x7f]*$")
 ]
 PeakBytes = Annotated[int, Field(ge=1, le=MAX_REPORTED_BYTES)]
+# A listing cursor as `encode_cursor` writes it: "before:<upload id>" in unpadded base64url,
+# the id from 1 up to 17 digits (far more uploads than a store holds; below 2**63, the store's
+# largest id). Base64 writes three bytes as four characters: "before" is "YmVmb3Jl"; ':' and
+# the id's first digit (1-9) start with "Oj" and one of [EIMQUYcgk]; the second digit is one of
+# [w-z0-5]; then every three digits are four characters, the first two spelling the first
+# digit (0-9: M or N then D, T, j or z; O then D or T), the third the second digit, the fourth
+# the third; one or two digits left over end as two or three characters.
+_THREE_DIGITS = "(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]"
+_ONE_LEFT = "(?:[MN][AQgw]|O[AQ])"
+_TWO_LEFT = "(?:[MN][DTjz]|O[DT])[AEIMQUYcgk]"
+CURSOR_PATTERN = (
+    rf"^YmVmb3JlOj[EIMQUYcgk](?:[w-z0-5](?:{_THREE_DIGITS}){{0,4}}"
+    rf"(?:{_THREE_DIGITS}|{_ONE_LEFT}|{_TWO_LEFT})?)?$"
+)
 _DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
 
 
@@ -86,6 +107,15 @@ class MeasuredIn(In):
     """Peaks one rank measured, bytes; leave out a level that was not measured."""
 
     integer_fields = integers("allocated_bytes", "reserved_bytes", "device_bytes")
+    # at least one level given, not null (the calibration's checks refuse none)
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": [level], "properties": {level: {"type": "integer"}}}
+                for level in ("allocated_bytes", "reserved_bytes", "device_bytes")
+            ]
+        }
+    )
 
     allocated_bytes: PeakBytes | None = Field(
         default=None, description="torch.cuda.max_memory_allocated() over the run."
@@ -267,7 +297,7 @@ class CalibrationFilterIn(In):
         default=None,
         min_length=1,
         max_length=64,
-        pattern=r"^[A-Za-z0-9_-]+$",
+        pattern=CURSOR_PATTERN,
         description="`next_cursor` of the previous page.",
     )
 

@@ -34,6 +34,7 @@ class PlacementIn(In):
         min_length=1,
         max_length=len(Strategy),
         description="Strategies to place the job under; null: the job's parallel.strategy.",
+        json_schema_extra={"uniqueItems": True},  # (`_distinct` refuses a repeated one)
     )
     max_gpus: int = Field(
         default=DEFAULT_MAX_GPUS,

@@ -43,6 +43,7 @@ from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,
     MAX_BUCKET_CAP_MB,
+    MAX_GPU_MEMORY_MIB,
     MAX_GPUS,
     MAX_GRAD_NORM,
     MAX_GRADIENT_ACCUMULATION,
@@ -84,15 +85,20 @@ from service.core.units import DType
 MAX_BATCH_JOBS = 1000
 MAX_OBJECTIVE_CHARS = 32  # longer than any trainer name TRL has
 MAX_FIT_GPUS = 64
-# Reported totals: from 1 GiB (nothing smaller trains a model) to 4 TiB.
+# Reported totals: from 1 GiB (nothing smaller trains a model) to the core's bound (4 TiB).
 MIN_MEMORY_MIB = 1024
-MAX_MEMORY_MIB = 4 * 1024 * 1024
+MAX_MEMORY_MIB = MAX_GPU_MEMORY_MIB
 MAX_PRICE_PER_HOUR = 1_000_000.0
 MAX_CONFIG_KEYS = 1024
+# A model id: what the calibration store keeps of one (its model column), far longer than any
+# id on the Hugging Face Hub.
+MAX_MODEL_ID_CHARS = 200
 
 ModelId = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"),
+    StringConstraints(
+        min_length=1, max_length=MAX_MODEL_ID_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+    ),
     Field(description="A catalog model id, e.g. 'Qwen/Qwen2.5-7B-Instruct' (see /v1/models)."),
 ]
 GpuName = Annotated[
@@ -190,6 +196,13 @@ class DpoIn(In):
         )
 
 
+def _not_both(first: str, second: str) -> dict[str, JsonValue]:
+    """JSON Schema for "not both of these objects" (either may be null or left out; the model
+    validator enforces it)."""
+    given: JsonValue = {"type": "object"}
+    return {"not": {"required": [first, second], "properties": {first: given, second: given}}}
+
+
 class ParallelIn(In):
     """How the job spans GPUs, with each strategy's settings by its library's names and
     defaults (torch DDP and FSDP, accelerate's FSDP plugin, DeepSpeed's zero_optimization)."""
@@ -283,6 +296,8 @@ class ParallelIn(In):
         "activation_checkpointing turns on gradient checkpointing. Fields given here beside "
         "it win.",
     )
+
+    model_config = ConfigDict(json_schema_extra=_not_both("deepspeed_config", "fsdp_config"))
 
     @model_validator(mode="after")
     def _one_config(self) -> Self:

@@ -16,6 +16,7 @@ from service.core.limits import (
     MAX_LORA_R,
     MAX_MODULE_NAME_CHARS,
     MAX_MODULES,
+    MAX_PRNG_KEY,
     MAX_TRAINING_STEPS,
     MAX_VIRTUAL_TOKENS,
     MODULE_NAME_PATTERN,
@@ -129,7 +130,7 @@ class VeraIn(In):
         default=0.1, ge=-1e6, le=1e6, description="lambda_d's initial value (no memory)."
     )
     projection_prng_key: int = Field(
-        default=0, ge=0, le=2**63 - 1, description="vera_A / vera_B init seed (no memory)."
+        default=0, ge=0, le=MAX_PRNG_KEY, description="vera_A / vera_B init seed (no memory)."
     )
     save_projection: Boolean = Field(
         default=True, description="Checkpoints hold vera_A / vera_B (no memory)."

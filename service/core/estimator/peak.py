@@ -233,7 +233,7 @@ class _PieceAbove:
     def levels(self, allocated: int, b: int, s: int) -> PeakLevels:
         """`_above`'s levels over `allocated` at batch `b`, sequence `s` as the model ran."""
         reserved, device, upper = self.math[self.fused[s >= self.window]].numbers(
-            allocated, allocated + reserved_gap_bytes(self.plan, b, s)
+            allocated, allocated + reserved_gap_bytes(self.plan, b, s, allocated=allocated)
         )
         return PeakLevels(allocated, reserved, device, upper)
 
@@ -257,7 +257,7 @@ class _PieceAbove:
             raise ValueError(f"a piece of {piece.phases} phases, not {len(PHASES)}")
         phases = tuple(made)
         allocated = peak.allocated_bytes
-        gap, gap_note = reserved_gap(self.plan, b, s)
+        gap, gap_note = reserved_gap(self.plan, b, s, allocated=allocated)
         fused = self.fused[s >= self.window]
         over = self.math[fused].above(allocated, allocated + gap, gap_note)
         assumptions, warnings = piece.notes or ((), ())
@@ -644,7 +644,7 @@ def _above(
     compute_capability: str | None,
 ) -> AboveAllocated:
     rplan = plan.reserved
-    gap, gap_note = reserved_gap(rplan, spec.batch_size, spec.seq_len)
+    gap, gap_note = reserved_gap(rplan, spec.batch_size, spec.seq_len, allocated=allocated)
     kernel, _windowed = resolve_kernel(rplan, spec.seq_len)
     fused = kernel is Kernel.FLASH and plan.flow.attn != FP32_BYTES
     return levels(

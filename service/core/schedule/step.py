@@ -267,6 +267,10 @@ class _Step(_Backward):
             return 0, 0
         if not sh.loss_materialised:
             self.f(fn) if not sh.head_trainable else None
+            if sh.adalora:
+                # a chunked or fused loss is still the model's `.loss`, which
+                # AdaLoraModel.forward adds its penalty to (as loss_backward takes it back)
+                self.penalty_forward()
             return 0, 0
         x_half = 0
         if sh.autocast:
