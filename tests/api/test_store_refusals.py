@@ -32,7 +32,10 @@ def store_with_key(url: str) -> str:
     try:
         with create_session_factory(engine).begin() as session:
             scopes = [KeyScope.UPLOAD]
-            return create_key(session, scopes=scopes, name="t", now=datetime.now(UTC)).token
+            issued = create_key(
+                session, scopes=scopes, name="t", now=datetime.now(UTC), nodes=["node-ro"]
+            )
+            return issued.token
     finally:
         engine.dispose()
 
