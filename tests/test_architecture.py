@@ -118,3 +118,41 @@ def test_no_file_is_over_800_lines() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def _package(module: str, modules: dict[str, Path]) -> str:
+    """The package that holds `module`: itself for a package, else its parent."""
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private_imports() -> Iterator[tuple[str, str, str]]:
+    """(importer, source module, name) for each `_name` a service module imports."""
+    modules = _modules()
+    for importer, path in modules.items():
+        here = _package(importer, modules).split(".")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = here[: len(here) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            if source not in modules:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield importer, source, alias.name
+
+
+def test_no_private_name_crosses_a_package() -> None:
+    """A package's `_names` are its own: other packages import only its public names."""
+    modules = _modules()
+    crossing = [
+        f"{importer} imports {source}.{name}"
+        for importer, source, name in _private_imports()
+        if _package(importer, modules) != _package(source, modules)
+    ]
+    assert not crossing, "\n".join(sorted(crossing))
+
+
+def test_the_private_import_check_sees_imports() -> None:
+    """The check above reads the tree: within a package, `_names` are imported today."""
+    assert any(source.startswith("service.core.estimator") for _, source, _ in _private_imports())
