@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench traces openapi clean
+.PHONY: run docs test lint typecheck unit bench traces openapi clean
 
 # The client distribution (clients/python) first on the command line: the service depends on
 # it, and pip takes this local copy rather than looking for one on an index.
@@ -16,12 +16,16 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 
 # The service on the embedded SQLite default (VRAMCAST_DATABASE_URL overrides), at
 # http://127.0.0.1:8000 (VRAMCAST_HOST, VRAMCAST_PORT), interactive docs at /docs.
-run: $(STAMP)
+run: $(STAMP) docs
 	mkdir -p var
 	if [ -d migrations ] && { [ -f alembic.ini ] || grep -q '^\[tool\.alembic\]' pyproject.toml; }; then \
 		$(BIN)/alembic upgrade head; \
 	fi
 	$(BIN)/vramcast serve
+
+# The manual (docs/, mkdocs.yml), served by the service at /manual/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d service/web/manual
 
 openapi: $(STAMP)
 	$(BIN)/python -m service.openapi

@@ -25,6 +25,7 @@ from service.api.budget import ColdWork
 from service.api.deps import Services, require_read_key
 from service.api.docs import mount_docs
 from service.api.limits import BodyLimitMiddleware
+from service.api.manual import mount_manual
 from service.api.metrics import Metrics, MetricsMiddleware
 from service.api.routes import calibrations, catalog, estimates, factors, fit_checks, health, keys
 from service.api.settings import Settings
@@ -116,6 +117,7 @@ def create_app(
     app.include_router(catalog.router)
     mount_docs(app)
     mount_web(app)
+    mount_manual(app, settings.manual_dir)
     problems.install(app)
     # The last added is the outermost: metrics see every answer, 413s included, and every
     # answer carries its request id and is logged. Innermost, estimates skip the router.

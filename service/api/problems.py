@@ -91,7 +91,7 @@ RETRY_AFTER_S = 5
 # asking again soon continues from there.
 CONTINUE_AFTER_S = 1
 # Seconds to wait when no slot for cold work freed in time: a cold estimate or fit-check holds
-# its slot for about a second (README's benchmarks: the first fit-check of a job, 1.0 s).
+# its slot for about a second (docs/benchmarks.md: the first fit-check of a job, 1.0 s).
 BUSY_RETRY_AFTER_S = 2
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,14 @@
 """Service settings, read from the environment (`VRAMCAST_` prefix) or passed to `create_app`.
 
-`python -m service.api.settings --markdown` prints them as the table README.md lists.
+`python -m service.api.settings --markdown` prints them as the table the manual lists
+(docs/settings.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
@@ -90,6 +92,11 @@ class Settings(BaseSettings):
         "is kept and a retry continues. A piece already started ends first (one step's run or "
         "allocator replay).",
     )
+    manual_dir: Path | None = Field(
+        default=None,
+        description="Directory of the built manual, served at /manual/ (`make docs` builds it); "
+        "unset: service/web/manual/ in the package.",
+    )
 
     @model_validator(mode="after")
     def _keyed_callers_keep_a_slot(self) -> Settings:
@@ -118,8 +125,8 @@ def _bounds(field: FieldInfo) -> str:
 
 
 def settings_table() -> str:
-    """The settings as a Markdown table: variable, default, range, what it does (README lists
-    it)."""
+    """The settings as a Markdown table: variable, default, range, what it does (the manual's
+    docs/settings.md lists it)."""
     prefix = Settings.model_config.get("env_prefix", "")
     lines = ["| variable | default | range | what |", "|---|---|---|---|"]
     for name, field in Settings.model_fields.items():
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m service.api.settings", description="The service's settings."
     )
     parser.add_argument(
-        "--markdown", action="store_true", help="print them as README's Markdown table"
+        "--markdown", action="store_true", help="print them as the manual's Markdown table"
     )
     args = parser.parse_args(argv)
     if not args.markdown:

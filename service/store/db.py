@@ -46,7 +46,7 @@ POSTGRES_CONNECT_TIMEOUT_S = 2
 # Seconds the service waits for one answer of PostgreSQL (a statement, a commit, a ping):
 # with the pool's wait and a connection's timeout, a request that needs the store answers
 # within 5 s even when the database hangs. A statement of the service takes milliseconds; the
-# largest of a refit (a partition's top-k at 1M ratios) 0.3-0.8 s (README, Calibration).
+# largest of a refit (a partition's top-k at 1M ratios) 0.3-0.8 s (docs/calibration.md).
 STORE_ANSWER_S = 2.0
 # The server cancels a statement at this share of the client's deadline, so that a slow
 # statement on a server that runs ends with its own error and keeps its connection.

@@ -28,7 +28,7 @@ from service.store.migrate import upgrade
 from tests.api.conftest import SMALL_JOB, issue_key, make_app
 
 # The least time for cold work the settings take: a cold fit-check of BIG_JOB replays the
-# allocator for about a second on 2 CPUs (README's benchmarks), many times this.
+# allocator for about a second on 2 CPUs (docs/benchmarks.md), many times this.
 SHORT_BUDGET_S = Settings.model_fields["cold_work_budget_s"].metadata[0].ge
 # Far more retries than the cold work takes pieces (each retry does at least one): a retry
 # that did not continue from what the ones before computed would never end.

@@ -36,7 +36,7 @@ from tests.api.test_calibrations import (
 )
 from tests.store.private_postgres import PrivateServer, private_postgres
 
-# What the service promises with the database hung (README, Operations).
+# What the service promises with the database hung (docs/api.md, When the store fails).
 STORE_BOUND_S = 5.0
 READY_BOUND_S = 2.0
 CONCURRENT_UPLOADS = 50

@@ -137,7 +137,7 @@ COMPONENT_TOLERANCE = 0.02  # each component, or within COMPONENT_SLACK_BYTES
 COMPONENT_SLACK_BYTES = 16 * MIB
 
 # References the estimator does not yet meet the tolerances on, each with the bound it holds
-# and why; the README's accuracy section lists them. A gap that grows fails; one that closes
+# and why; docs/accuracy.md lists them. A gap that grows fails; one that closes
 # fails too, so this list only shrinks.
 KNOWN_GAPS: dict[str, tuple[float, str]] = {}
 
