@@ -105,6 +105,18 @@
   };
   const GPU_COLORS = ["#b91c1c", "#1d4ed8", "#047857", "#7c3aed", "#b45309", "#0e7490", "#a21caf"];
 
+  // The result tables' columns: heading, and whether it holds numbers.
+  const TABLE_COLUMNS = {
+    "fit-table": [
+      ["GPU"], ["Fits"], ["Usable GiB", true], ["Headroom GiB", true], ["Max batch", true],
+      ["Max seq", true], ["Cost / h", true],
+    ],
+    "placement-table": [
+      ["GPU"], ["Strategy"], ["GPUs", true], ["Nodes", true], ["GiB per GPU", true],
+      ["Cost / h", true],
+    ],
+  };
+
   const $ = (id) => document.getElementById(id);
   const form = $("spec-form");
   const resultsEl = $("results");
@@ -1541,7 +1553,16 @@
   // ------------------------------------------------------------------------------------------
   // Start
 
+  function renderTableHeads() {
+    for (const [id, columns] of Object.entries(TABLE_COLUMNS)) {
+      const heads = columns.map(([text, numeric]) =>
+        el("th", { role: "columnheader", scope: "col", class: numeric ? "num" : null, text }));
+      $(id).tHead.replaceChildren(el("tr", { role: "row" }, ...heads));
+    }
+  }
+
   function wire() {
+    renderTableHeads();
     form.addEventListener("submit", (e) => e.preventDefault());
     form.addEventListener("input", (e) => {
       if (e.target.classList.contains("gpu-check") || e.target.classList.contains("gpu-price")) return;
