@@ -123,7 +123,9 @@ def _help(node: Mapping[str, Any], kind: str, default: Any) -> str:
     return text
 
 
-def _flag(path: str, node: Mapping[str, Any], group: str | None, top: bool, defs: Any) -> Any:
+def _flag(
+    path: str, node: Mapping[str, Any], group: str | None, top: bool, defs: Mapping[str, Any]
+) -> JobFlag | None:
     kind, choices = _kind(node, defs)
     if not kind:
         return None
@@ -154,6 +156,14 @@ def _section_fields(schema: Mapping[str, Any], section: str) -> Mapping[str, Any
     return dict(objects[0]["properties"]) if objects else {}
 
 
+def _offered(path: str, section: str, group: str | None) -> bool:
+    """Whether a field gets a flag in `group`: not when the command line takes it another
+    way; a top-level field on the parser itself only if it is a main one, in its group if not."""
+    if path in TAKEN_ELSEWHERE:
+        return False
+    return bool(section) or (group is None) == (path in MAIN_FIELDS)
+
+
 @cache
 def job_flags() -> tuple[JobFlag, ...]:
     """Every job flag, in the order the groups lay them out; one flag per option name, with
@@ -165,12 +175,8 @@ def job_flags() -> tuple[JobFlag, ...]:
         for section in sections:
             for field, node in _section_fields(schema, section).items():
                 path = f"{section}.{field}" if section else field
-                if path in TAKEN_ELSEWHERE or (
-                    not section and (group is None) != (field in MAIN_FIELDS)
-                ):
-                    continue
                 flag = _flag(path, node, group, not section, defs)
-                if flag is None:
+                if flag is None or not _offered(path, section, group):
                     continue
                 known = flags.get(flag.option)
                 if known is None:
