@@ -4,7 +4,8 @@ Requests are checked before they leave (`extra="forbid"`, the API's enums), so a
 here rather than as a 422. Results ignore members they do not know, so a newer service that
 adds a field does not break an older client; enum-valued results stay plain strings for the
 same reason. Optional request fields default to None and are left out of the body, so the
-service applies its own defaults.
+service applies its own defaults. The job's models (`Job` and its sections, the enums' names)
+are generated from openapi/openapi.json into `vramcast_client._generated` and re-exported here.
 """
 
 from __future__ import annotations
