@@ -4,8 +4,9 @@ Requests are checked before they leave (`extra="forbid"`, the API's enums), so a
 here rather than as a 422. Results ignore members they do not know, so a newer service that
 adds a field does not break an older client; enum-valued results stay plain strings for the
 same reason. Optional request fields default to None and are left out of the body, so the
-service applies its own defaults. The job's models (`Job` and its sections, the enums' names)
-are generated from openapi/openapi.json into `vramcast_client._generated` and re-exported here.
+service applies its own defaults. The request models (`Job` and its sections, the enums' names,
+`GpuOffer`, `PlacementRequest`, `CalibrationUpload` and its parts) are generated from
+openapi/openapi.json into `vramcast_client._generated` and re-exported here.
 """
 
 from __future__ import annotations
@@ -13,20 +14,23 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-# The job's models, generated from the OpenAPI document (python -m service.openapi --client).
+# The request models, generated from the OpenAPI document (python -m service.openapi --client).
 from vramcast_client._generated import (
     IA3,
     AdaLora,
     Allocator,
     AttnImplName,
     Boft,
+    CalibrationUpload,
     Dpo,
     DTypeName,
+    Environment,
     FrameworkName,
     FsdpBackwardPrefetchName,
     FsdpShardingName,
+    GpuOffer,
     GpuRef,
     Grpo,
     Job,
@@ -36,13 +40,16 @@ from vramcast_client._generated import (
     Lokr,
     Lora,
     LossName,
+    MeasuredPeaks,
     MethodName,
     ModelRef,
     OffloadName,
     Oft,
     OptimName,
     Orpo,
+    OutcomeName,
     Parallel,
+    PlacementRequest,
     PrefixTuning,
     PromptTuning,
     Quantization,
@@ -50,17 +57,16 @@ from vramcast_client._generated import (
     SdpaKernelName,
     Stack,
     StrategyName,
+    UploadGpu,
     Vera,
     Vision,
-    _Request,
 )
 from vramcast_client.errors import Problem
 
-OutcomeName = Literal["completed", "oom"]
 # The training objectives the service models, by TRL's trainer names.
 ObjectiveName = Literal["sft", "dpo", "reward", "kto", "orpo", "grpo"]
 
-# Every public name: the generated job models re-exported, and this module's own.
+# Every public name: the generated request models re-exported, and this module's own.
 __all__ = [
     "IA3",
     "AdaLora",
@@ -139,64 +145,6 @@ __all__ = [
 
 class _Result(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-# Requests ---------------------------------------------------------------------------------
-
-
-class GpuOffer(_Request):
-    """A GPU type for a fit-check: by name or by memory, how many, and what one costs."""
-
-    name: str | None = None
-    memory_mib: int | None = Field(default=None, ge=1)
-    count: int | None = Field(default=None, ge=1)
-    price_per_hour: float | None = Field(default=None, ge=0.0)
-
-
-class PlacementRequest(_Request):
-    """Ask a fit-check for the fewest GPUs per GPU type and strategy (null: the service's
-    defaults: the job's strategy, up to 64 GPUs, the job's node size or 8)."""
-
-    strategies: list[StrategyName] | None = Field(default=None, min_length=1)
-    max_gpus: int | None = Field(default=None, ge=1)
-    gpus_per_node: int | None = Field(default=None, ge=1)
-
-
-class UploadGpu(_Request):
-    name: str = Field(min_length=1, description="The name the driver reports.")
-    memory_total_bytes: int = Field(gt=0, description="Total memory the driver reports.")
-
-
-class MeasuredPeaks(_Request):
-    """Peaks one rank measured, bytes; a level that was not measured is None."""
-
-    allocated_bytes: int | None = Field(default=None, gt=0)
-    reserved_bytes: int | None = Field(default=None, gt=0)
-    device_bytes: int | None = Field(default=None, gt=0)
-
-
-class Environment(_Request):
-    """The software a peak was measured with; None: not known on this node."""
-
-    torch: str | None = None
-    cuda: str | None = None
-    driver: str | None = None
-    transformers: str | None = None
-    peft: str | None = None
-    bitsandbytes: str | None = None
-    world_size: int | None = Field(default=None, ge=1)
-
-
-class CalibrationUpload(_Request):
-    """POST /v1/calibrations: one rank's measured peaks for a job, and where they came from."""
-
-    job: Job
-    gpu: UploadGpu
-    measured: MeasuredPeaks
-    outcome: OutcomeName
-    environment: Environment
-    node_id: str = Field(min_length=1, max_length=200)
-    run_id: str = Field(min_length=1, max_length=200)
 
 
 # Results ----------------------------------------------------------------------------------
