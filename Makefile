@@ -30,6 +30,12 @@ docs: $(STAMP)
 openapi: $(STAMP)
 	$(BIN)/python -m service.openapi
 
+# The client's job models (clients/python/src/vramcast_client/_generated.py), from the
+# committed openapi/openapi.json.
+.PHONY: client-models
+client-models: $(STAMP)
+	$(BIN)/python -m service.openapi --client
+
 lint: $(STAMP)
 	$(BIN)/ruff check service clients tests bench
 	$(BIN)/ruff format --check service clients tests bench

@@ -70,6 +70,20 @@
     "precompute_ref_log_probs",
   ]);
 
+  // More options: the job's fields the form above does not lay out, built from the API's own
+  // schema (JobSpec in /openapi.json), so a field the API gains appears there by itself. The
+  // fields and sections the form lays out by hand:
+  const OPENAPI = "openapi.json";
+  const HAND_LAID = new Set([
+    "model", "method", "objective", "dpo", "kto", "grpo", "orpo", "lora", "quantization", "ia3",
+    "ln_tuning", "prompt_tuning", "prefix_tuning", "vera", "loha", "lokr", "adalora", "oft",
+    "boft", "batch_size", "seq_len", "gradient_accumulation_steps", "dtype", "optim",
+    "attn_implementation", "loss", "framework", "gradient_checkpointing", "packing",
+    "liger_kernel", "gpu", "parallel.gpus", "parallel.strategy", "parallel.offload",
+  ]);
+  // The sections whose fields are offered one by one (the job's own fields come first).
+  const MORE_SECTIONS = ["parallel", "vision", "allocator"];
+
   const COMPONENT_STYLE = {
     frozen_weights: { label: "Frozen weights", color: "#4b5563" },
     trainable_params: { label: "Trainable parameters", color: "#1d4ed8" },
@@ -91,13 +105,27 @@
   };
   const GPU_COLORS = ["#b91c1c", "#1d4ed8", "#047857", "#7c3aed", "#b45309", "#0e7490", "#a21caf"];
 
+  // The result tables' columns: heading, and whether it holds numbers.
+  const TABLE_COLUMNS = {
+    "fit-table": [
+      ["GPU"], ["Fits"], ["Usable GiB", true], ["Headroom GiB", true], ["Max batch", true],
+      ["Max seq", true], ["Cost / h", true],
+    ],
+    "placement-table": [
+      ["GPU"], ["Strategy"], ["GPUs", true], ["Nodes", true], ["GiB per GPU", true],
+      ["Cost / h", true],
+    ],
+  };
+
   const $ = (id) => document.getElementById(id);
   const form = $("spec-form");
   const resultsEl = $("results");
 
   const page = {
-    state: { ...DEFAULTS, gpus: [] },
+    state: { ...DEFAULTS, gpus: [], more: {} },
     models: [],
+    more: [], // the More options' fields, from the schema
+    moreByPath: new Map(),
     gpus: [],
     modelDetails: new Map(),
     generation: 0,
@@ -170,6 +198,10 @@
         state[key] = raw;
       }
     }
+    state.more = {};
+    for (const [key, raw] of params) {
+      if (page.moreByPath.has(key)) state.more[key] = raw;
+    }
     if (params.has("gpu")) {
       state.gpus = params
         .getAll("gpu")
@@ -197,6 +229,10 @@
       if (key === "model" && state.source === "config") continue;
       params.set(key, BOOLEAN_FIELDS.has(key) ? (value ? "1" : "0") : String(value));
     }
+    for (const field of page.more) {
+      const raw = state.more[field.path];
+      if (raw !== undefined) params.set(field.path, raw);
+    }
     if (state.gpus.length === 0) params.append("gpu", "");
     for (const gpu of state.gpus) params.append("gpu", gpu.price ? `${gpu.name}@${gpu.price}` : gpu.name);
     const query = params.toString();
@@ -218,6 +254,7 @@
       } else if (BOOLEAN_FIELDS.has(key)) input.checked = Boolean(state[key]);
       else input.value = String(state[key]);
     }
+    writeMoreOptions(state.more);
     selectModelOption(state.model);
     renderGpuList();
     syncVisibility();
@@ -240,6 +277,7 @@
         state[key] = input.value.trim() === "" || !Number.isFinite(n) ? input.value : n;
       } else state[key] = input.value;
     }
+    state.more = readMoreOptions();
     return state;
   }
 
@@ -380,6 +418,7 @@
           group_size: s.group_size === "" ? null : s.group_size,
         };
     }
+    addMoreOptions(job, s.more);
     return job;
   }
 
@@ -402,8 +441,9 @@
 
   // A suggestion's `set`: job fields with their new values, named as in the request.
   function applyChanges(set) {
-    const s = { ...page.state };
+    const s = { ...page.state, more: { ...page.state.more } };
     for (const [key, value] of Object.entries(set)) {
+      setMoreOptions(s.more, key, value);
       if (key === "lora" && value && typeof value === "object") {
         if ("r" in value) s.lora_r = value.r;
         if ("lora_alpha" in value) s.lora_alpha = value.lora_alpha;
@@ -646,7 +686,9 @@
         best = [prefix, field];
       }
     }
-    return best ? best[1] : null;
+    if (best) return best[1];
+    const path = bare.slice(1).split("/").join(".");
+    return page.moreByPath.has(path) ? path : null;
   }
 
   function clearInvalid() {
@@ -1318,9 +1360,209 @@
   }
 
   // ------------------------------------------------------------------------------------------
+  // More options: fields from the schema (JobSpec and the sections in MORE_SECTIONS)
+
+  function resolveSchema(node, schemas) {
+    const ref = node && node.$ref;
+    return ref ? schemas[ref.split("/").pop()] || {} : node || {};
+  }
+
+  // A field the page can edit: a flag, a number, a string or a choice; null for the rest
+  // (objects, lists, a choice of shapes).
+  function moreField(path, node, schemas) {
+    const options = (node.anyOf || [node]).map((o) => resolveSchema(o, schemas));
+    const typed = options.filter((o) => o.type !== "null");
+    const field = {
+      path,
+      name: path.split(".").pop(),
+      description: node.description || typed[0]?.description || "",
+      fallback: node.default,
+      nullable: typed.length < options.length,
+    };
+    const named = typed.find((o) => Array.isArray(o.enum));
+    if (named) return { ...field, kind: "choice", choices: named.enum.map(String) };
+    if (typed.length !== 1) return null;
+    const only = typed[0];
+    if (only.type === "boolean" && field.nullable) {
+      return { ...field, kind: "choice", choices: ["true", "false"], flag: true };
+    }
+    if (only.type === "boolean") return { ...field, kind: "boolean" };
+    if (only.type === "integer" || only.type === "number") {
+      return { ...field, kind: only.type, min: only.minimum, max: only.maximum };
+    }
+    if (only.type === "string") return { ...field, kind: "string", maxLength: only.maxLength };
+    return null;
+  }
+
+  function moreFields(openapi) {
+    const schemas = openapi?.components?.schemas;
+    const job = schemas?.JobSpec;
+    if (!job) return [];
+    const fields = [];
+    const walk = (prefix, properties) => {
+      for (const [name, node] of Object.entries(properties || {})) {
+        const path = prefix ? `${prefix}.${name}` : name;
+        if (HAND_LAID.has(path) || (!prefix && MORE_SECTIONS.includes(name))) continue;
+        const field = moreField(path, node, schemas);
+        if (field) fields.push(field);
+      }
+    };
+    walk("", job.properties);
+    for (const section of MORE_SECTIONS) {
+      const node = job.properties[section];
+      if (!node) continue;
+      const object = (node.anyOf || [node]).map((o) => resolveSchema(o, schemas)).find((o) => o.properties);
+      if (object) walk(section, object.properties);
+    }
+    return fields;
+  }
+
+  function moreInput(field) {
+    const id = `more-${field.path.replace(/\./g, "-")}`;
+    const common = { id, name: field.path, title: field.description || null };
+    if (field.kind === "boolean") {
+      const box = el("input", { ...common, type: "checkbox" });
+      return el("div", { class: "field check" }, el("label", {}, box, ` ${field.name}`));
+    }
+    const hintId = `${id}-hint`;
+    let input;
+    if (field.kind === "choice") {
+      const blank = field.fallback === undefined || field.fallback === null;
+      input = el(
+        "select",
+        { ...common, "aria-describedby": hintId },
+        blank ? el("option", { value: "", text: "default" }) : null,
+        ...field.choices.map((c) => el("option", { value: c, text: c })),
+      );
+    } else {
+      const numeric = field.kind !== "string";
+      input = el("input", {
+        ...common,
+        type: numeric ? "number" : "text",
+        min: numeric ? field.min : null,
+        max: numeric ? field.max : null,
+        step: field.kind === "integer" ? "1" : numeric ? "any" : null,
+        maxlength: field.maxLength,
+        inputmode: field.kind === "integer" ? "numeric" : null,
+        placeholder: field.fallback === undefined || field.fallback === null ? "default" : null,
+        spellcheck: numeric ? null : "false",
+        "aria-describedby": hintId,
+      });
+    }
+    return el(
+      "div",
+      { class: "field" },
+      el("label", { for: id, text: field.name }),
+      input,
+      el("p", { id: hintId, class: "hint", text: field.description }),
+    );
+  }
+
+  // The More options section, one group per section, from the document at /openapi.json.
+  function renderMoreOptions(openapi) {
+    page.more = moreFields(openapi);
+    page.moreByPath = new Map(page.more.map((f) => [f.path, f]));
+    const host = $("more-fields");
+    host.replaceChildren();
+    const groups = new Map();
+    for (const field of page.more) {
+      const section = field.path.includes(".") ? field.path.split(".")[0] : "job";
+      if (!groups.has(section)) {
+        const grid = el("div", { class: "grid-2" });
+        groups.set(section, grid);
+        host.append(el("fieldset", {}, el("legend", { text: section }), grid));
+      }
+      groups.get(section).append(moreInput(field));
+    }
+    $("more-options").hidden = page.more.length === 0;
+  }
+
+  // The text a field's default shows as (booleans as the link writes them).
+  function moreDefault(field) {
+    if (field.fallback === undefined || field.fallback === null) return "";
+    if (field.kind === "boolean") return field.fallback ? "1" : "0";
+    return String(field.fallback);
+  }
+
+  // The values set, as the link keeps them: fields left at their default are left out.
+  function readMoreOptions() {
+    const values = {};
+    for (const field of page.more) {
+      const input = form.elements[field.path];
+      if (!input) continue;
+      const raw = field.kind === "boolean" ? (input.checked ? "1" : "0") : input.value.trim();
+      if (raw !== "" && raw !== moreDefault(field)) values[field.path] = raw;
+    }
+    return values;
+  }
+
+  function writeMoreOptions(values) {
+    let given = false;
+    for (const field of page.more) {
+      const input = form.elements[field.path];
+      if (!input) continue;
+      const raw = values?.[field.path];
+      given = given || raw !== undefined;
+      const shown = raw === undefined ? moreDefault(field) : raw;
+      if (field.kind === "boolean") input.checked = shown === "1" || shown === "true";
+      else input.value = shown;
+    }
+    if (given) $("more-options").open = true;
+  }
+
+  // The value a field's text stands for in the request.
+  function moreValue(field, raw) {
+    if (field.kind === "boolean") return raw === "1" || raw === "true";
+    if (field.flag) return raw === "true";
+    if (field.kind === "integer" || field.kind === "number") {
+      const n = Number(raw);
+      if (!Number.isFinite(n)) throw new FormError(field.path, `${field.path}: ${raw} is not a number`);
+      return n;
+    }
+    return raw;
+  }
+
+  function addMoreOptions(job, values) {
+    for (const [path, raw] of Object.entries(values || {})) {
+      const field = page.moreByPath.get(path);
+      if (!field) continue;
+      const parts = path.split(".");
+      let target = job;
+      for (const part of parts.slice(0, -1)) {
+        if (!target[part] || typeof target[part] !== "object") target[part] = {};
+        target = target[part];
+      }
+      target[parts[parts.length - 1]] = moreValue(field, raw);
+    }
+  }
+
+  // A suggestion's change to a field of the More options (or to one of a section's).
+  function setMoreOptions(values, key, value) {
+    const entries = value && typeof value === "object" && !Array.isArray(value)
+      ? Object.entries(value).map(([sub, v]) => [`${key}.${sub}`, v])
+      : [[key, value]];
+    for (const [path, v] of entries) {
+      const field = page.moreByPath.get(path);
+      if (!field) continue;
+      const raw = v === null ? "" : field.kind === "boolean" ? (v ? "1" : "0") : String(v);
+      if (raw === "" || raw === moreDefault(field)) delete values[path];
+      else values[path] = raw;
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------
   // Start
 
+  function renderTableHeads() {
+    for (const [id, columns] of Object.entries(TABLE_COLUMNS)) {
+      const heads = columns.map(([text, numeric]) =>
+        el("th", { role: "columnheader", scope: "col", class: numeric ? "num" : null, text }));
+      $(id).tHead.replaceChildren(el("tr", { role: "row" }, ...heads));
+    }
+  }
+
   function wire() {
+    renderTableHeads();
     form.addEventListener("submit", (e) => e.preventDefault());
     form.addEventListener("input", (e) => {
       if (e.target.classList.contains("gpu-check") || e.target.classList.contains("gpu-price")) return;
@@ -1360,9 +1602,11 @@
     wire();
     setPageState("loading");
     try {
-      const [models, gpus] = await Promise.all([api(API.models), api(API.gpus)]);
+      const schema = api(OPENAPI).catch(() => null); // without it, no More options
+      const [models, gpus, openapi] = await Promise.all([api(API.models), api(API.gpus), schema]);
       page.models = models.models;
       page.gpus = gpus.gpus;
+      renderMoreOptions(openapi);
     } catch (err) {
       showError(err);
       setPageState("error");

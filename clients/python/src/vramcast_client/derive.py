@@ -364,12 +364,14 @@ def _peft(model: Any) -> tuple[Lora | None, bool]:
         # (model.layers.0.self_attn.q_proj); a job names modules by their own name.
         target_modules = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
     saved = getattr(config, "modules_to_save", None)
+    # the names as PEFT keeps them; the model checks them against the schema's
+    modules_to_save: Any = sorted(str(m) for m in saved) if saved else None
     lora = Lora(
         r=_int(getattr(config, "r", None)),
         lora_alpha=_int(getattr(config, "lora_alpha", None)),
         lora_dropout=float(getattr(config, "lora_dropout", 0.0) or 0.0),
         target_modules=target_modules,
-        modules_to_save=sorted(str(m) for m in saved) if saved else None,
+        modules_to_save=modules_to_save,
         adapter_dtype=_adapter_dtype(model),
     )
     quantized = bool(
