@@ -8,7 +8,7 @@ import json
 from typing import get_args
 
 from service.openapi import DEFAULT_PATH
-from service.openapi_client import CLIENT_PATH, HEADER, client_text
+from service.openapi.client import CLIENT_PATH, HEADER, client_text
 from vramcast_client import _generated
 from vramcast_client.models import Job, Lora, MethodName
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 CLIENT_PATH = (
-    Path(__file__).resolve().parents[1]
+    Path(__file__).resolve().parents[2]
     / "clients"
     / "python"
     / "src"
@@ -206,7 +206,7 @@ def formatted(source: str, path: Path = CLIENT_PATH) -> str:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     return done.stdout
 
