@@ -172,7 +172,7 @@ def omitted(declared: Declared, value: Any) -> bool:
         return not value
     if omit == "default":
         default = declared.default_value()
-        return value == (default.value if isinstance(default, enum.Enum) else default)
+        return bool(value == (default.value if isinstance(default, enum.Enum) else default))
     return False
 
 

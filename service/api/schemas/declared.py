@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, StringConstraints, create_model
-from pydantic.fields import FieldInfo
 
 from service.api.schemas.base import Boolean, In, Number, integers
 from service.core.fields import (
@@ -34,8 +33,8 @@ Version = Annotated[
     Field(description="A release version, e.g. '4.48.0'."),
 ]
 
-# One field as create_model takes it: its annotation and its FieldInfo.
-FieldDefinition = tuple[Any, FieldInfo]
+# One field as create_model takes it: its annotation and its FieldInfo (pydantic's `Field`).
+FieldDefinition = tuple[Any, Any]
 Model = TypeVar("Model", bound="DeclaredIn")
 
 # The request model of each core spec dataclass made so far: a nested spec's field takes it.
@@ -113,13 +112,13 @@ def declared_model(
         d.name for d in declared_fields(kind) if d.inner is int and d.name not in (extra or {})
     ]
     validators = {"integer_fields": integers(*integer_fields)} if integer_fields else {}
-    model = create_model(
+    model: type[Model] = create_model(  # type: ignore[call-overload]
         name,
         __base__=base,
         __doc__=doc,
         __module__=base.__module__,
         __validators__=validators,
-        **ordered,  # type: ignore[call-overload]
+        **ordered,
     )
     model.spec_kind = kind
     _MODELS[kind] = model
@@ -158,7 +157,7 @@ def _api_type(declared: Declared) -> tuple[Any, dict[str, Any]]:
         return Literal["all-linear"] | ModuleList, {}
     if is_names(kind):
         if rules.choices is not None:
-            return list[Literal[rules.choices]], {"max_length": MAX_MODULES}  # type: ignore[valid-type]
+            return _list_of(_literal(rules.choices)), {"max_length": MAX_MODULES}
         if rules.min_length:
             return ModuleList, {}
         return list[ModuleName], {"max_length": MAX_MODULES}
@@ -168,10 +167,20 @@ def _api_type(declared: Declared) -> tuple[Any, dict[str, Any]]:
         return Number, {}
     if kind is str:
         if rules.choices is not None:
-            return Literal[rules.choices], {}  # type: ignore[valid-type]
+            return _literal(rules.choices), {}
         return Version, {}
     if is_enum(kind) and rules.inline:
-        return Literal[tuple(member.value for member in kind)], {}  # type: ignore[misc]
+        return _literal(tuple(member.value for member in kind)), {}
     if is_declared(kind):
         return _MODELS[kind], {}
     return kind, {}
+
+
+def _literal(values: tuple[Any, ...]) -> Any:
+    """`Literal[values]`: exactly one of them."""
+    return Literal.__getitem__(values)
+
+
+def _list_of(item: Any) -> Any:
+    """`list[item]`."""
+    return list.__class_getitem__(item)

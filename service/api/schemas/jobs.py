@@ -306,9 +306,12 @@ def _stack_preset(value: Any) -> Any:
     return {name: getattr(stack, name) for name in StackIn.model_fields}
 
 
-StackField = Annotated[
-    StackIn, BeforeValidator(_stack_preset, json_schema_input_type=StackPreset | StackIn)
-]
+if TYPE_CHECKING:
+    StackField = DeclaredIn
+else:
+    StackField = Annotated[
+        StackIn, BeforeValidator(_stack_preset, json_schema_input_type=StackPreset | StackIn)
+    ]
 ModelField = Annotated[
     ModelRef, BeforeValidator(_model_shorthand, json_schema_input_type=ModelId | ModelRef)
 ]
