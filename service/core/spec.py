@@ -595,56 +595,8 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
       CEWithChunkedOutputLoss (8 chunks, each upcast to fp32).
     """
     notes: list[str] = []
-    lora = spec.lora
-    quant = spec.quantization
-    # VeRA, LoHa, LoKr and AdaLoRA: their options, and the linears they adapt and their rank
-    # in LoRA's terms (`adapted_linears`)
-    delta: DeltaSpec | None = None
-    field_name = DELTA_OPTIONS.get(spec.method)
-    if field_name is not None:
-        given = getattr(spec, field_name)
-        default, note = DELTA_DEFAULTS[field_name]
-        delta = given or default()
-        if given is None:
-            notes.append(note)
-        # (OFT's rank counts blocks; an OFT job's LoRA-shaped placement takes its targets alone)
-        rank = max(delta.r, 1)
-        lora = LoraSpec(r=rank, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
-    if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
-        lora = LoraSpec()
-        notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
-    if spec.method is Method.QLORA and quant is None:
-        quant = QuantSpec()
-        notes.append(
-            "quantization not given: NF4 without double quant"
-            + (", kbit preparation on" if spec.framework is Framework.HF else "")
-        )
-    if quant is not None and quant.prepare_kbit and spec.framework is not Framework.HF:
-        # LitGPT's finetune scripts quantize through Fabric's BitsandbytesPrecision and
-        # torchtune's recipes through torchao: neither runs PEFT's
-        # prepare_model_for_kbit_training, so no norm or embedding is cast to fp32.
-        quant = dataclasses.replace(quant, prepare_kbit=False)
-        notes.append(
-            f"{spec.framework} does not run PEFT's kbit preparation: norms and embeddings keep "
-            "the model dtype"
-        )
-
-    if quant is not None and quant.type.packed:
-        if quant.prepare_kbit and quant.type is not QuantType.AWQ:
-            # prepare_model_for_kbit_training casts nothing to fp32 on a GPTQ, HQQ or torchao
-            # model (peft/utils/other.py: is_gptq_quantized / is_hqq_quantized /
-            # is_torchao_quantized skip the cast); an AWQ model ("awq") is not excluded.
-            quant = dataclasses.replace(quant, prepare_kbit=False)
-            notes.append(
-                f"PEFT's kbit preparation leaves a {quant.type} model's norms and embeddings "
-                "in the model dtype"
-            )
-        notes.append(
-            quant_formats.format_note(
-                quant.type.value, quant.resolved_bits, quant.resolved_group_size
-            )
-        )
-
+    delta, lora = _resolve_delta(spec, notes)
+    quant = _resolve_quantization(spec, notes)
     ia3 = spec.ia3
     if spec.method is Method.IA3 and ia3 is None:
         ia3 = IA3Spec()
@@ -653,26 +605,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     if spec.method is Method.LN_TUNING and ln_tuning is None:
         ln_tuning = LnTuningSpec()
         notes.append("LN tuning options not given: PEFT's default target modules")
-
-    if lora is not None and lora.adapter_dtype is not None:
-        adapter_dtype = lora.adapter_dtype
-    elif spec.method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING):
-        # PromptEmbedding's and PrefixEncoder's modules are built in torch's default dtype,
-        # fp32, and cast_adapter_dtype leaves them (peft/tuners/prompt_tuning/model.py)
-        adapter_dtype = DType.FP32
-    elif spec.method is Method.LN_TUNING:
-        # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/
-        # layer.py update_layer); PEFT's cast_adapter_dtype casts adapter parameters only, not
-        # the modules a ModuleDict holds, so they keep the model's dtype.
-        adapter_dtype = spec.dtype
-    elif spec.framework is Framework.HF:
-        adapter_dtype = DType.FP32
-        if lora is not None or ia3 is not None:
-            notes.append("adapters in fp32 (PEFT autocast_adapter_dtype=True, the default)")
-    else:
-        adapter_dtype = spec.dtype
-        if lora is not None:
-            notes.append(f"adapters in {spec.dtype} ({spec.framework} keeps the model dtype)")
+    adapter_dtype = _adapter_dtype(spec, lora, ia3, notes)
 
     if lora is not None and lora.lora_dropout is not None:
         lora_dropout = lora.lora_dropout
@@ -687,18 +620,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         compute_dtype = quant.compute_dtype
     else:
         compute_dtype = spec.dtype
-
-    if spec.liger_kernel:
-        loss = LossImpl.FUSED
-        if spec.loss is None:
-            notes.append("use_liger_kernel: Liger's fused linear cross-entropy, no logits")
-    elif spec.loss is not None:
-        loss = spec.loss
-    elif spec.framework is Framework.HF:
-        loss = LossImpl.HF
-    else:
-        loss = LossImpl.CHUNKED
-        notes.append(f"{spec.framework} computes lm_head and cross-entropy in chunks")
+    loss = _loss(spec, notes)
 
     return ResolvedSpec(
         spec=spec,
@@ -720,3 +642,102 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         boft=delta if isinstance(delta, BoftSpec) else None,
         options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )
+
+
+def _resolve_delta(
+    spec: TrainingSpec, notes: list[str]
+) -> tuple[DeltaSpec | None, LoraSpec | None]:
+    """VeRA, LoHa, LoKr, AdaLoRA, OFT and BOFT: their options (defaults where none are given),
+    and the linears they adapt and their rank in LoRA's terms (`adapted_linears`); the LoRA
+    options of a LoRA method (PEFT's defaults where none are given)."""
+    lora = spec.lora
+    delta: DeltaSpec | None = None
+    field_name = DELTA_OPTIONS.get(spec.method)
+    if field_name is not None:
+        given = getattr(spec, field_name)
+        default, note = DELTA_DEFAULTS[field_name]
+        delta = given or default()
+        if given is None:
+            notes.append(note)
+        # (OFT's rank counts blocks; an OFT job's LoRA-shaped placement takes its targets alone)
+        rank = max(delta.r, 1)
+        lora = LoraSpec(r=rank, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
+    if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
+        lora = LoraSpec()
+        notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
+    return delta, lora
+
+
+def _resolve_quantization(spec: TrainingSpec, notes: list[str]) -> QuantSpec | None:
+    """The base's quantization (QLoRA's default where none is given), with kbit preparation as
+    the framework and the format run it."""
+    quant = spec.quantization
+    if spec.method is Method.QLORA and quant is None:
+        quant = QuantSpec()
+        notes.append(
+            "quantization not given: NF4 without double quant"
+            + (", kbit preparation on" if spec.framework is Framework.HF else "")
+        )
+    if quant is not None and quant.prepare_kbit and spec.framework is not Framework.HF:
+        # LitGPT's finetune scripts quantize through Fabric's BitsandbytesPrecision and
+        # torchtune's recipes through torchao: neither runs PEFT's
+        # prepare_model_for_kbit_training, so no norm or embedding is cast to fp32.
+        quant = dataclasses.replace(quant, prepare_kbit=False)
+        notes.append(
+            f"{spec.framework} does not run PEFT's kbit preparation: norms and embeddings keep "
+            "the model dtype"
+        )
+    if quant is not None and quant.type.packed:
+        if quant.prepare_kbit and quant.type is not QuantType.AWQ:
+            # prepare_model_for_kbit_training casts nothing to fp32 on a GPTQ, HQQ or torchao
+            # model (peft/utils/other.py: is_gptq_quantized / is_hqq_quantized /
+            # is_torchao_quantized skip the cast); an AWQ model ("awq") is not excluded.
+            quant = dataclasses.replace(quant, prepare_kbit=False)
+            notes.append(
+                f"PEFT's kbit preparation leaves a {quant.type} model's norms and embeddings "
+                "in the model dtype"
+            )
+        notes.append(
+            quant_formats.format_note(
+                quant.type.value, quant.resolved_bits, quant.resolved_group_size
+            )
+        )
+    return quant
+
+
+def _adapter_dtype(
+    spec: TrainingSpec, lora: LoraSpec | None, ia3: IA3Spec | None, notes: list[str]
+) -> DType:
+    """The trained adapters' dtype: as given, else as the method and the framework make it."""
+    if lora is not None and lora.adapter_dtype is not None:
+        return lora.adapter_dtype
+    if spec.method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING):
+        # PromptEmbedding's and PrefixEncoder's modules are built in torch's default dtype,
+        # fp32, and cast_adapter_dtype leaves them (peft/tuners/prompt_tuning/model.py)
+        return DType.FP32
+    if spec.method is Method.LN_TUNING:
+        # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/
+        # layer.py update_layer); PEFT's cast_adapter_dtype casts adapter parameters only, not
+        # the modules a ModuleDict holds, so they keep the model's dtype.
+        return spec.dtype
+    if spec.framework is Framework.HF:
+        if lora is not None or ia3 is not None:
+            notes.append("adapters in fp32 (PEFT autocast_adapter_dtype=True, the default)")
+        return DType.FP32
+    if lora is not None:
+        notes.append(f"adapters in {spec.dtype} ({spec.framework} keeps the model dtype)")
+    return spec.dtype
+
+
+def _loss(spec: TrainingSpec, notes: list[str]) -> LossImpl:
+    """The causal-LM loss: Liger's fused one, as given, or the framework's."""
+    if spec.liger_kernel:
+        if spec.loss is None:
+            notes.append("use_liger_kernel: Liger's fused linear cross-entropy, no logits")
+        return LossImpl.FUSED
+    if spec.loss is not None:
+        return spec.loss
+    if spec.framework is Framework.HF:
+        return LossImpl.HF
+    notes.append(f"{spec.framework} computes lm_head and cross-entropy in chunks")
+    return LossImpl.CHUNKED
