@@ -10,14 +10,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import Field, StringConstraints, create_model
 
 from service.api.schemas.base import Boolean, In, Number, integers
-from service.core.fields import (
-    Declared,
-    declared_fields,
-    is_declared,
-    is_enum,
-    is_names,
-    is_targets,
-)
+from service.core import fields
+from service.core.fields import Declared, declared_fields
 from service.core.limits import MAX_MODULE_NAME_CHARS, MAX_MODULES, MODULE_NAME_PATTERN
 from service.core.stack import VERSION_PATTERN
 
@@ -84,7 +78,7 @@ def core_value(declared: Declared, value: Any) -> Any:
     if isinstance(value, list):
         return tuple(value)
     kind = declared.inner
-    if is_enum(kind) and not isinstance(value, kind):
+    if fields.is_enum(kind) and not isinstance(value, kind):
         return kind(value)
     if kind is float:
         return float(value)
@@ -104,10 +98,10 @@ def declared_model(
     one, typed and bounded as declared, with `extra` fields beside (or in place of) them;
     the fields in `order` first, in that order, then the rest in the declared order. Integer
     fields take only integers (`base.integers`)."""
-    fields: dict[str, FieldDefinition] = {d.name: api_field(d) for d in declared_fields(kind)}
-    fields.update(extra or {})
-    ordered = {name: fields[name] for name in order}
-    ordered.update({name: field for name, field in fields.items() if name not in ordered})
+    made: dict[str, FieldDefinition] = {d.name: api_field(d) for d in declared_fields(kind)}
+    made.update(extra or {})
+    ordered = {name: made[name] for name in order}
+    ordered.update({name: field for name, field in made.items() if name not in ordered})
     integer_fields = [
         d.name for d in declared_fields(kind) if d.inner is int and d.name not in (extra or {})
     ]
@@ -140,9 +134,9 @@ def api_field(declared: Declared) -> FieldDefinition:
         constraints["allow_inf_nan"] = False
     if declared.required:
         return annotation, Field(**constraints)
-    if is_declared(declared.inner) and not declared.optional:
+    if fields.is_declared(declared.inner) and not declared.optional:
         return annotation, Field(default_factory=_MODELS[declared.inner], **constraints)
-    if is_names(declared.inner) and not declared.optional:
+    if fields.is_names(declared.inner) and not declared.optional:
         return annotation, Field(default_factory=list, **constraints)
     default = declared.default
     if rules.inline and default is not None:
@@ -153,9 +147,9 @@ def api_field(declared: Declared) -> FieldDefinition:
 def _api_type(declared: Declared) -> tuple[Any, dict[str, Any]]:
     """The field's type as the API states it, and the constraints that go with it."""
     kind, rules = declared.inner, declared.rules
-    if is_targets(declared):
+    if fields.is_targets(declared):
         return Literal["all-linear"] | ModuleList, {}
-    if is_names(kind):
+    if fields.is_names(kind):
         if rules.choices is not None:
             return _list_of(_literal(rules.choices)), {"max_length": MAX_MODULES}
         if rules.min_length:
@@ -169,9 +163,9 @@ def _api_type(declared: Declared) -> tuple[Any, dict[str, Any]]:
         if rules.choices is not None:
             return _literal(rules.choices), {}
         return Version, {}
-    if is_enum(kind) and rules.inline:
+    if fields.is_enum(kind) and rules.inline:
         return _literal(tuple(member.value for member in kind)), {}
-    if is_declared(kind):
+    if fields.is_declared(kind):
         return _MODELS[kind], {}
     return kind, {}
 
