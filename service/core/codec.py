@@ -6,6 +6,10 @@ InvalidSpecError naming the first field that is wrong and why, in the words the 
 the same input (a too large batch size is "Input should be less than or equal to 4096").
 Values must have their JSON types: unlike the API's lax parsing, strings are not read as
 numbers or booleans.
+
+Both directions follow the fields' declarations (service/core/fields.py `job_field`): each
+field is read and checked by its declared type and bounds, in the declared order (the
+objective last), and written unless its declaration leaves it out at its value.
 """
 
 from __future__ import annotations
@@ -42,10 +46,10 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
-    """The spec as plain JSON values, every field included, in the spec's field order; the
-    encoder-only `num_labels`, the encoder-decoder `target_length`, the options of PEFT's
-    methods besides LoRA and the quantization's `bits`, `group_size` and `desc_act` only when
-    set."""
+    """The spec as plain JSON values, every field included, in the spec's field order; those
+    declared `omit` only where set (the encoder-only `num_labels`, the encoder-decoder
+    `target_length`, the options of PEFT's methods besides LoRA and of the objectives, the
+    quantization's `bits`, `group_size` and `desc_act`, the switches that are off)."""
     plain: dict[str, Any] = {}
     for name in SPEC_FIELDS:
         value = spec_field(spec, name)

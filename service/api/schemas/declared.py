@@ -13,6 +13,7 @@ from service.api.schemas.base import Boolean, In, Number, integers
 from service.core import fields
 from service.core.fields import Declared, declared_fields
 from service.core.limits import MAX_MODULE_NAME_CHARS, MAX_MODULES, MODULE_NAME_PATTERN
+from service.core.spec import ALL_LINEAR
 from service.core.stack import VERSION_PATTERN
 
 ModuleName = Annotated[
@@ -148,7 +149,7 @@ def _api_type(declared: Declared) -> tuple[Any, dict[str, Any]]:
     """The field's type as the API states it, and the constraints that go with it."""
     kind, rules = declared.inner, declared.rules
     if fields.is_targets(declared):
-        return Literal["all-linear"] | ModuleList, {}
+        return _literal((ALL_LINEAR,)) | ModuleList, {}
     if fields.is_names(kind):
         if rules.choices is not None:
             return _list_of(_literal(rules.choices)), {"max_length": MAX_MODULES}
