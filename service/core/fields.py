@@ -37,7 +37,7 @@ class FieldRules:
     # not infinite nor NaN (a number the API states as such: allow_inf_nan=False)
     finite: bool = False
     omit: Omit | None = None
-    # a list's bounds on its length, and the names its items may be (None: module names)
+    # a list's least length, and the names its items may be (None: module names)
     min_length: int | None = None
     choices: tuple[str, ...] | None = None
     # an enum stated inline in the API's schema (its values), not as a named schema
