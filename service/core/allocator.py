@@ -39,6 +39,8 @@ import bisect
 from dataclasses import dataclass
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import MAX_ALLOC_SETTING_MB, MAX_ROUNDUP_POWER2_DIVISIONS
 from service.core.units import MIB
 
 # c10/cuda/CUDACachingAllocator.cpp
@@ -65,12 +67,42 @@ ADDRESS_TOP = 1 << 102
 class AllocatorConfig:
     """`PYTORCH_CUDA_ALLOC_CONF` settings, PyTorch's defaults when left as they are."""
 
-    max_split_size_mb: int | None = None  # None: every block may be split
-    max_non_split_rounding_mb: int | None = None  # None: 20 MiB (kLargeBuffer)
-    roundup_power2_divisions: int = 0  # 0 or 1: plain 512 B rounding
-    garbage_collection_threshold: float = 0.0  # acts only with a memory fraction set
-    expandable_segments: bool = False
-    per_process_memory_fraction: float | None = None  # torch.cuda.set_per_process_memory_fraction
+    # None: every block may be split
+    max_split_size_mb: int | None = job_field(
+        None,
+        doc="Blocks this large are never split.",
+        ge=MIN_SPLIT_SETTING_MB,
+        le=MAX_ALLOC_SETTING_MB,
+    )
+    # None: 20 MiB (kLargeBuffer)
+    max_non_split_rounding_mb: int | None = job_field(
+        None,
+        doc="How much larger an unsplit block may be than a large request.",
+        ge=MIN_SPLIT_SETTING_MB,
+        le=MAX_ALLOC_SETTING_MB,
+    )
+    # 0 or 1: plain 512 B rounding
+    roundup_power2_divisions: int = job_field(
+        0, doc="Round sizes to power-of-two divisions.", ge=0, le=MAX_ROUNDUP_POWER2_DIVISIONS
+    )
+    # acts only with a memory fraction set
+    garbage_collection_threshold: float = job_field(
+        0.0,
+        doc="Free cached blocks past this share of the allowed memory (needs a fraction).",
+        ge=0.0,
+        lt=1.0,
+    )
+    expandable_segments: bool = job_field(
+        False, doc="Grow segments page by page instead of new ones."
+    )
+    # torch.cuda.set_per_process_memory_fraction
+    per_process_memory_fraction: float | None = job_field(
+        None,
+        doc="torch.cuda.set_per_process_memory_fraction, if the job sets one.",
+        mirrors="torch.cuda.set_per_process_memory_fraction",
+        ge=0.0,
+        le=1.0,
+    )
 
     def __post_init__(self) -> None:
         # c10/core/AllocatorConfig.cpp (torch 2.13): both sizes must be >= kLargeBuffer / kMB.

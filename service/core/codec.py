@@ -6,6 +6,10 @@ InvalidSpecError naming the first field that is wrong and why, in the words the 
 the same input (a too large batch size is "Input should be less than or equal to 4096").
 Values must have their JSON types: unlike the API's lax parsing, strings are not read as
 numbers or booleans.
+
+Both directions follow the fields' declarations (service/core/fields.py `job_field`): each
+field is read and checked by its declared type and bounds, in the declared order (the
+objective last), and written unless its declaration leaves it out at its value.
 """
 
 from __future__ import annotations
@@ -15,66 +19,22 @@ import enum
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
-from service.core.allocator import MIN_SPLIT_SETTING_MB, AllocatorConfig
 from service.core.errors import InvalidSpecError
-from service.core.limits import (
-    MAX_ALLOC_SETTING_MB,
-    MAX_BATCH_SIZE,
-    MAX_BUCKET_CAP_MB,
-    MAX_ENCODER_HIDDEN_SIZE,
-    MAX_GPUS,
-    MAX_GRAD_NORM,
-    MAX_GRADIENT_ACCUMULATION,
-    MAX_IMAGE_SIDE,
-    MAX_IMAGES_PER_SAMPLE,
-    MAX_LORA_ALPHA,
-    MAX_LORA_R,
-    MAX_MODULE_NAME_CHARS,
-    MAX_MODULES,
-    MAX_NUM_LABELS,
-    MAX_PRNG_KEY,
-    MAX_ROUNDUP_POWER2_DIVISIONS,
-    MAX_SEQ_LEN,
-    MAX_TRAINING_STEPS,
-    MAX_VIRTUAL_TOKENS,
-    MAX_ZERO_ELEMENTS,
-    MODULE_NAME_PATTERN,
+from service.core.fields import (
+    Declared,
+    declared_fields,
+    is_declared,
+    is_enum,
+    is_names,
+    is_targets,
+    omitted,
 )
-from service.core.spec import (
-    ALL_LINEAR,
-    DELTA_OPTIONS,
-    METHOD_OPTIONS,
-    SAVABLE_MODULES,
-    AttnImpl,
-    DpoSpec,
-    Framework,
-    FsdpBackwardPrefetch,
-    FsdpSharding,
-    LoraSpec,
-    LossImpl,
-    Method,
-    Objective,
-    Offload,
-    Optim,
-    ParallelSpec,
-    QuantSpec,
-    QuantType,
-    SdpaKernel,
-    Strategy,
-    TrainingSpec,
-    objective_from,
-)
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_grpo import GrpoSpec
-from service.core.spec_kto import KtoLossType, KtoSpec
-from service.core.spec_orpo import OrpoSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
-from service.core.spec_vision import VisionInputs
+from service.core.limits import MAX_MODULE_NAME_CHARS, MAX_MODULES, MODULE_NAME_PATTERN
+from service.core.spec import ALL_LINEAR, Objective, TrainingSpec, objective_from
 from service.core.stack import VERSION_PATTERN, Stack, preset
-from service.core.units import DType
 
 # One field's check: (JSON value, dotted field name) -> the spec's value, or InvalidSpecError.
 Check = Callable[[Any, str], Any]
@@ -86,10 +46,10 @@ _MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 
 def spec_to_dict(spec: TrainingSpec) -> dict[str, Any]:
-    """The spec as plain JSON values, every field included, in the spec's field order; the
-    encoder-only `num_labels`, the encoder-decoder `target_length`, the options of PEFT's
-    methods besides LoRA and the quantization's `bits`, `group_size` and `desc_act` only when
-    set."""
+    """The spec as plain JSON values, every field included, in the spec's field order; those
+    declared `omit` only where set (the encoder-only `num_labels`, the encoder-decoder
+    `target_length`, the options of PEFT's methods besides LoRA and of the objectives, the
+    quantization's `bits`, `group_size` and `desc_act`, the switches that are off)."""
     plain: dict[str, Any] = {}
     for name in SPEC_FIELDS:
         value = spec_field(spec, name)
@@ -105,48 +65,28 @@ class _Omitted(enum.Enum):
 # What `spec_field` gives for a field `spec_to_dict` leaves out.
 OMITTED = _Omitted.OMITTED
 
-# The spec's fields, in order.
-SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainingSpec) if f.init)
-# Written only when set: the options of one model kind, method or objective.
-_WHEN_SET = frozenset(
-    {
-        "num_labels",
-        "target_length",
-        *METHOD_OPTIONS.values(),
-        *DELTA_OPTIONS.values(),
-        "dpo",
-        "kto",
-        "grpo",
-        "orpo",
-        "vision",
-    }
-)
-# Written only when on.
-_WHEN_ON = frozenset(
-    {"optimizer_in_backward", "activation_offloading", "packing", "torch_compile", "liger_kernel"}
-)
+# The spec's fields, in order, and their declarations (service/core/fields.py).
+_DECLARED = {declared.name: declared for declared in declared_fields(TrainingSpec)}
+SPEC_FIELDS: tuple[str, ...] = tuple(_DECLARED)
 
 
 def spec_field(spec: TrainingSpec, name: str) -> Any:
-    """One field of `spec_to_dict(spec)`, or OMITTED where it leaves the field out."""
+    """One field of `spec_to_dict(spec)`, or OMITTED where it leaves the field out (as its
+    declaration says: the options of one model kind, method or objective when set, switches
+    when on, the objective when not SFT's)."""
     value = _plain(getattr(spec, name))
-    if (name in _WHEN_SET and value is None) or (name in _WHEN_ON and not value):
-        return OMITTED
-    if name == "objective" and spec.objective is Objective.SFT:
-        return OMITTED  # written when another objective is asked for
-    if name == "quantization" and isinstance(value, dict):  # GPTQ/AWQ/HQQ options when set
-        for option in ("bits", "group_size"):
-            if value.get(option) is None:
-                value.pop(option, None)
-        if not value.get("desc_act"):
-            value.pop("desc_act", None)
-    return value
+    return OMITTED if omitted(_DECLARED[name], value) else value
 
 
 def _plain(value: Any) -> Any:
-    names = _field_names(value.__class__)
-    if names is not None:
-        return {name: _plain(getattr(value, name)) for name in names}
+    kind = value.__class__
+    if is_declared(kind):
+        plain = {}
+        for declared in declared_fields(kind):
+            item = _plain(getattr(value, declared.name))
+            if not omitted(declared, item):
+                plain[declared.name] = item
+        return plain
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple | list):
@@ -162,7 +102,7 @@ def spec_from_dict(data: Mapping[str, Any]) -> TrainingSpec:
 
     As the API does, every field is checked on its own first; only then are the specs built,
     inner ones first, and their checks of fields against each other run."""
-    checked = _object(TrainingSpec, _TRAINING, required=("batch_size", "seq_len"))(data, "")
+    checked = _object(TrainingSpec)(data, "")
     spec = _build(checked)
     assert isinstance(spec, TrainingSpec)
     return spec
@@ -200,7 +140,7 @@ def _bounds(value: float, field: str, ge: float | None, le: float | None, lt: fl
         raise InvalidSpecError(field, f"Input should be less than {_number_text(lt)}")
 
 
-def _integer(*, ge: int | None = None, le: int | None = None) -> Check:
+def _integer(*, ge: float | None = None, le: float | None = None) -> Check:
     def check(value: Any, field: str) -> int:
         # an integer only: not a boolean, and not a float even where it is whole (2.0)
         if isinstance(value, float):
@@ -236,10 +176,15 @@ def _boolean(value: Any, field: str) -> bool:
     return value
 
 
+def _words(values: Sequence[str]) -> str:
+    """The choices as the API names them: 'a', 'b' or 'c'."""
+    quoted = [f"'{v}'" for v in values]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 def _choice(kind: type[enum.Enum]) -> Check:
     values = [member.value for member in kind]
-    quoted = [f"'{v}'" for v in values]
-    words = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    words = _words(values)
 
     def check(value: Any, field: str) -> enum.Enum:
         if isinstance(value, kind):
@@ -247,6 +192,18 @@ def _choice(kind: type[enum.Enum]) -> Check:
         if not isinstance(value, str) or value not in values:
             raise InvalidSpecError(field, f"Input should be {words}")
         return kind(value)
+
+    return check
+
+
+def _one_of(values: tuple[str, ...]) -> Check:
+    """A string among `values`."""
+    words = _words(values)
+
+    def check(value: Any, field: str) -> str:
+        if not isinstance(value, str) or value not in values:
+            raise InvalidSpecError(field, f"Input should be {words}")
+        return value
 
     return check
 
@@ -269,13 +226,6 @@ def _module_name(value: Any, field: str) -> str:
         )
     if not _MODULE_NAME.match(value):
         raise InvalidSpecError(field, f"String should match pattern '{MODULE_NAME_PATTERN}'")
-    return value
-
-
-def _savable_module(value: Any, field: str) -> str:
-    if not isinstance(value, str) or value not in SAVABLE_MODULES:
-        words = " or ".join(f"'{name}'" for name in SAVABLE_MODULES)
-        raise InvalidSpecError(field, f"Input should be {words}")
     return value
 
 
@@ -309,10 +259,12 @@ def _target_modules(value: Any, field: str) -> tuple[str, ...] | str | None:
     return names
 
 
-def _object(kind: type, checks: Mapping[str, Check], *, required: tuple[str, ...] = ()) -> Check:
-    """A JSON object of `kind`'s fields; unknown keys are refused, absent ones take defaults."""
+def _object(kind: type) -> Check:
+    """A JSON object of `kind`'s fields; unknown keys are refused, absent ones take defaults,
+    required ones must be there."""
 
     def check(value: Any, field: str) -> Any:
+        checks = _checks(kind)
         prefix = f"{field}." if field else ""
         if not isinstance(value, Mapping):
             raise InvalidSpecError(field, "Input should be an object")
@@ -320,147 +272,14 @@ def _object(kind: type, checks: Mapping[str, Check], *, required: tuple[str, ...
             if key not in checks:
                 raise InvalidSpecError(f"{prefix}{key}", "Extra inputs are not permitted")
         kwargs: dict[str, Any] = {}
-        for name, check_field in checks.items():
+        for name, (check_field, required) in checks.items():
             if name in value:
                 kwargs[name] = check_field(value[name], f"{prefix}{name}")
-            elif name in required:
+            elif required:
                 raise InvalidSpecError(f"{prefix}{name}", "Field required")
         return _Unbuilt(kind, kwargs)
 
     return check
-
-
-_LORA: dict[str, Check] = {
-    "r": _integer(ge=1, le=MAX_LORA_R),
-    "lora_alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
-    "lora_dropout": _optional(_number(ge=0.0, lt=1.0)),
-    "target_modules": _target_modules,
-    "modules_to_save": _module_names(min_length=0, item=_savable_module),
-    "adapter_dtype": _optional(_choice(DType)),
-    "use_dora": _boolean,
-    "use_rslora": _boolean,
-}
-_IA3: dict[str, Check] = {
-    "target_modules": _optional(_module_names(min_length=1)),
-    "feedforward_modules": _optional(_module_names(min_length=0)),
-}
-_LN_TUNING: dict[str, Check] = {
-    "target_modules": _optional(_module_names(min_length=1)),
-}
-_PROMPT_TUNING: dict[str, Check] = {
-    "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
-}
-_PREFIX_TUNING: dict[str, Check] = {
-    "num_virtual_tokens": _integer(ge=1, le=MAX_VIRTUAL_TOKENS),
-    "prefix_projection": _boolean,
-    "encoder_hidden_size": _optional(_integer(ge=1, le=MAX_ENCODER_HIDDEN_SIZE)),
-}
-# VeRA's options (service/core/spec_delta.py VeraSpec); its rank bounded as LoRA's.
-_VERA: dict[str, Check] = {
-    "r": _integer(ge=1, le=MAX_LORA_R),
-    "target_modules": _target_modules,
-    "vera_dropout": _number(ge=0.0, lt=1.0),
-    "d_initial": _number(ge=-1e6, le=1e6),
-    "projection_prng_key": _integer(ge=0, le=MAX_PRNG_KEY),
-    "save_projection": _boolean,
-}
-# LoHa's options (service/core/spec_delta.py LohaSpec); rank and alpha bounded as LoRA's.
-_LOHA: dict[str, Check] = {
-    "r": _integer(ge=1, le=MAX_LORA_R),
-    "alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
-    "rank_dropout": _number(ge=0.0, lt=1.0),
-    "module_dropout": _number(ge=0.0, lt=1.0),
-    "target_modules": _target_modules,
-}
-# LoKr's options (service/core/spec_delta.py LokrSpec).
-_LOKR: dict[str, Check] = {
-    "r": _integer(ge=1, le=MAX_LORA_R),
-    "alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
-    "rank_dropout": _number(ge=0.0, lt=1.0),
-    "module_dropout": _number(ge=0.0, lt=1.0),
-    "decompose_both": _boolean,
-    "decompose_factor": _integer(ge=-1, le=MAX_LORA_R),
-    "rank_dropout_scale": _boolean,
-    "target_modules": _target_modules,
-}
-# AdaLoRA's options (service/core/spec_delta.py AdaLoraSpec); ranks and alpha bounded as LoRA's.
-_ADALORA: dict[str, Check] = {
-    "init_r": _integer(ge=1, le=MAX_LORA_R),
-    "target_r": _integer(ge=1, le=MAX_LORA_R),
-    "lora_alpha": _integer(ge=1, le=MAX_LORA_ALPHA),
-    "lora_dropout": _number(ge=0.0, lt=1.0),
-    "target_modules": _target_modules,
-    "orth_reg_weight": _number(ge=0.0, le=1e6),
-    "tinit": _integer(ge=0, le=MAX_TRAINING_STEPS),
-    "tfinal": _integer(ge=0, le=MAX_TRAINING_STEPS),
-    "deltaT": _integer(ge=1, le=MAX_TRAINING_STEPS),
-    "beta1": _number(ge=0.0, lt=1.0),
-    "beta2": _number(ge=0.0, lt=1.0),
-    "total_step": _optional(_integer(ge=1, le=MAX_TRAINING_STEPS)),
-}
-# OFT's options (service/core/spec_delta.py OftSpec); block counts and sizes bounded as LoRA's rank.
-_OFT: dict[str, Check] = {
-    "r": _integer(ge=0, le=MAX_LORA_R),
-    "oft_block_size": _integer(ge=0, le=MAX_LORA_R),
-    "module_dropout": _number(ge=0.0, lt=1.0),
-    "target_modules": _target_modules,
-    "coft": _boolean,
-    "eps": _number(ge=0.0, le=1.0),
-    "block_share": _boolean,
-    "use_cayley_neumann": _boolean,
-    "num_cayley_neumann_terms": _integer(ge=1, le=64),
-}
-
-
-def _boft_bias(value: Any, field: str) -> str:
-    """BOFTConfig.bias: 'none', 'all' or 'boft_only' (peft/tuners/boft/config.py)."""
-    if value not in ("none", "all", "boft_only"):
-        raise InvalidSpecError(field, "Input should be 'none', 'all' or 'boft_only'")
-    return str(value)
-
-
-# BOFT's options (service/core/spec_delta.py BoftSpec); block counts and sizes bounded as
-# LoRA's rank.
-_BOFT: dict[str, Check] = {
-    "boft_block_size": _integer(ge=0, le=MAX_LORA_R),
-    "boft_block_num": _integer(ge=0, le=MAX_LORA_R),
-    "boft_n_butterfly_factor": _integer(ge=1, le=16),
-    "boft_dropout": _number(ge=0.0, lt=1.0),
-    "bias": _boft_bias,
-    "target_modules": _target_modules,
-}
-_QUANTIZATION: dict[str, Check] = {
-    "type": _choice(QuantType),
-    "double_quant": _boolean,
-    "compute_dtype": _optional(_choice(DType)),
-    "prepare_kbit": _boolean,
-    # GPTQ/AWQ bits, HQQ nbits; GPTQ/AWQ/HQQ group_size (-1: GPTQ/AWQ one group per row);
-    # quant_formats.check_quant_options names the values each format takes
-    "bits": _optional(_integer(ge=1, le=8)),
-    "group_size": _optional(_integer(ge=-1, le=1 << 20)),
-    "desc_act": _boolean,
-}
-_PARALLEL: dict[str, Check] = {
-    "gpus": _integer(ge=1, le=MAX_GPUS),
-    "strategy": _choice(Strategy),
-    "offload": _choice(Offload),
-    "gpus_per_node": _optional(_integer(ge=1, le=MAX_GPUS)),
-    "bucket_cap_mb": _integer(ge=1, le=MAX_BUCKET_CAP_MB),
-    "gradient_as_bucket_view": _boolean,
-    "sharding_strategy": _choice(FsdpSharding),
-    "use_orig_params": _boolean,
-    "limit_all_gathers": _boolean,
-    "forward_prefetch": _boolean,
-    "backward_prefetch": _choice(FsdpBackwardPrefetch),
-    "reshard_after_forward": _boolean,
-    "reduce_bucket_size": _optional(_integer(ge=1, le=MAX_ZERO_ELEMENTS)),
-    "allgather_bucket_size": _integer(ge=1, le=MAX_ZERO_ELEMENTS),
-    "stage3_prefetch_bucket_size": _optional(_integer(ge=1, le=MAX_ZERO_ELEMENTS)),
-    "stage3_max_live_parameters": _integer(ge=1, le=MAX_ZERO_ELEMENTS),
-    "stage3_param_persistence_threshold": _optional(_integer(ge=0, le=MAX_ZERO_ELEMENTS)),
-    "contiguous_gradients": _boolean,
-    "overlap_comm": _optional(_boolean),
-}
 
 
 def _version(value: Any, field: str) -> str:
@@ -469,33 +288,13 @@ def _version(value: Any, field: str) -> str:
     return value
 
 
-_STACK: dict[str, Check] = {
-    "transformers": _version,
-    "peft": _version,
-    "bitsandbytes": _version,
-    "torch": _version,
-}
-
-
 def _stack(value: Any, field: str) -> Any:
     """A preset's name ('hf-5.24') or the versions (absent ones: the traced stack's)."""
     if isinstance(value, str):
         return preset(value, field)
     if not isinstance(value, Mapping):
         raise InvalidSpecError(field, "Input should be a preset's name or an object of versions")
-    return _object(Stack, _STACK)(value, field)
-
-
-_ALLOCATOR: dict[str, Check] = {
-    "max_split_size_mb": _optional(_integer(ge=MIN_SPLIT_SETTING_MB, le=MAX_ALLOC_SETTING_MB)),
-    "max_non_split_rounding_mb": _optional(
-        _integer(ge=MIN_SPLIT_SETTING_MB, le=MAX_ALLOC_SETTING_MB)
-    ),
-    "roundup_power2_divisions": _integer(ge=0, le=MAX_ROUNDUP_POWER2_DIVISIONS),
-    "garbage_collection_threshold": _number(ge=0.0, lt=1.0),
-    "expandable_segments": _boolean,
-    "per_process_memory_fraction": _optional(_number(ge=0.0, le=1.0)),
-}
+    return _object(Stack)(value, field)
 
 
 def _objective(value: Any, field: str) -> Objective:
@@ -504,87 +303,44 @@ def _objective(value: Any, field: str) -> Objective:
     return objective_from(value)
 
 
-_DPO: dict[str, Check] = {
-    "precompute_ref_log_probs": _boolean,
-    "max_completion_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
-}
-_KTO: dict[str, Check] = {
-    "precompute_ref_log_probs": _boolean,
-    "loss_type": _choice(KtoLossType),
-}
-# GRPOConfig's names (spec_grpo.py); what is not modelled is refused by the spec's checks.
-_GRPO: dict[str, Check] = {
-    "num_generations": _integer(ge=1, le=MAX_BATCH_SIZE),
-    "max_prompt_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
-    "max_completion_length": _integer(ge=1, le=MAX_SEQ_LEN),
-    "beta": _number(ge=0.0),
-    "num_iterations": _integer(ge=1),
-    "use_vllm": _boolean,
-}
-_ORPO: dict[str, Check] = {"disable_dropout": _boolean}
-_VISION: dict[str, Check] = {
-    "images_per_sample": _integer(ge=1, le=MAX_IMAGES_PER_SAMPLE),
-    "image_height": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE)),
-    "image_width": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE)),
-    "image_tokens": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
-    "min_pixels": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE**2)),
-    "max_pixels": _optional(_integer(ge=1, le=MAX_IMAGE_SIDE**2)),
-}
-_TRAINING: dict[str, Check] = {
-    "method": _choice(Method),
-    "batch_size": _integer(ge=1, le=MAX_BATCH_SIZE),
-    "seq_len": _integer(ge=1, le=MAX_SEQ_LEN),
-    "lora": _optional(_object(LoraSpec, _LORA)),
-    "quantization": _optional(_object(QuantSpec, _QUANTIZATION)),
-    "ia3": _optional(_object(IA3Spec, _IA3)),
-    "ln_tuning": _optional(_object(LnTuningSpec, _LN_TUNING)),
-    "prompt_tuning": _optional(
-        _object(PromptTuningSpec, _PROMPT_TUNING, required=("num_virtual_tokens",))
-    ),
-    "prefix_tuning": _optional(
-        _object(PrefixTuningSpec, _PREFIX_TUNING, required=("num_virtual_tokens",))
-    ),
-    "dtype": _choice(DType),
-    "autocast": _boolean,
-    "optim": _choice(Optim),
-    "gradient_accumulation_steps": _integer(ge=1, le=MAX_GRADIENT_ACCUMULATION),
-    "max_grad_norm": _number(ge=0, le=MAX_GRAD_NORM),
-    "gradient_checkpointing": _boolean,
-    "optimizer_in_backward": _boolean,
-    "activation_offloading": _boolean,
-    "attn_implementation": _choice(AttnImpl),
-    "sdpa_kernel": _choice(SdpaKernel),
-    "loss": _optional(_choice(LossImpl)),
-    "framework": _choice(Framework),
-    "packing": _boolean,
-    "torch_compile": _boolean,
-    "liger_kernel": _boolean,
-    "parallel": _object(ParallelSpec, _PARALLEL),
-    "allocator": _object(AllocatorConfig, _ALLOCATOR),
-    "num_labels": _optional(_integer(ge=1, le=MAX_NUM_LABELS)),
-    "target_length": _optional(_integer(ge=1, le=MAX_SEQ_LEN)),
-    "stack": _stack,
-    "vera": _optional(_object(VeraSpec, _VERA)),
-    "loha": _optional(_object(LohaSpec, _LOHA)),
-    "lokr": _optional(_object(LokrSpec, _LOKR)),
-    "dpo": _optional(_object(DpoSpec, _DPO)),
-    "kto": _optional(_object(KtoSpec, _KTO)),
-    "grpo": _optional(_object(GrpoSpec, _GRPO)),
-    "orpo": _optional(_object(OrpoSpec, _ORPO)),
-    "adalora": _optional(_object(AdaLoraSpec, _ADALORA)),
-    "oft": _optional(_object(OftSpec, _OFT)),
-    "boft": _optional(_object(BoftSpec, _BOFT)),
-    "vision": _optional(_object(VisionInputs, _VISION)),
-    # read after the option objects, as the API names a bad option before the objective (its
-    # objective is a string until to_spec)
-    "objective": _objective,
-}
+@cache
+def _checks(kind: type) -> dict[str, tuple[Check, bool]]:
+    """Each of `kind`'s fields' check and whether it is required, in the order they are read:
+    the declared order, those read last (the objective) after the rest."""
+    declared = declared_fields(kind)
+    ordered = [d for d in declared if not d.rules.read_last]
+    ordered += [d for d in declared if d.rules.read_last]
+    return {d.name: (_field_check(kind, d), d.required) for d in ordered}
 
 
-@lru_cache(maxsize=256)
-def _field_names(kind: Any) -> tuple[str, ...] | None:
-    """The fields a dataclass is made with, in order (those made on construction, such as a
-    cached hash, are not its values); None for any other type."""
-    if not dataclasses.is_dataclass(kind):
-        return None
-    return tuple(f.name for f in dataclasses.fields(kind) if f.init)
+def _field_check(owner: type, declared: Declared) -> Check:
+    """The check of one declared field, from its type and rules."""
+    kind, rules = declared.inner, declared.rules
+    if is_targets(declared):
+        return _target_modules
+    check: Check
+    if kind is Objective:
+        check = _objective
+    elif kind is Stack:
+        check = _stack
+    elif kind is bool:
+        check = _boolean
+    elif kind is int:
+        le = rules.le if rules.le is not None else rules.unstated_le
+        check = _integer(ge=rules.ge, le=le)
+    elif kind is float:
+        check = _number(ge=rules.ge, le=rules.le, lt=rules.lt)
+    elif is_enum(kind):
+        check = _choice(kind)
+    elif kind is str and rules.choices:
+        check = _one_of(rules.choices)
+    elif kind is str and owner is Stack:
+        check = _version
+    elif is_names(kind):
+        item = _module_name if rules.choices is None else _one_of(rules.choices)
+        check = _module_names(min_length=rules.min_length or 0, item=item)
+    elif is_declared(kind):
+        check = _object(kind)
+    else:
+        raise TypeError(f"{owner.__name__}.{declared.name}: no check for {kind!r}")
+    return _optional(check) if declared.optional else check

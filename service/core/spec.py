@@ -10,19 +10,42 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import service.core.quant_formats as quant_formats
 import service.core.spec_parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import (
+    MAX_BATCH_SIZE,
+    MAX_GRAD_NORM,
+    MAX_GRADIENT_ACCUMULATION,
+    MAX_NUM_LABELS,
+    MAX_SEQ_LEN,
+)
 from service.core.spec_checks import (
     check_adapter_method,
     check_liger_job,
     check_lora_fa,
     check_packed_base,
 )
+from service.core.spec_choices import ADAPTER_METHODS as ADAPTER_METHODS
+from service.core.spec_choices import DDP_OBJECTIVES as DDP_OBJECTIVES
+from service.core.spec_choices import DELTA_OPTIONS as DELTA_OPTIONS
+from service.core.spec_choices import DPO_METHODS as DPO_METHODS
+from service.core.spec_choices import LORA_METHODS as LORA_METHODS
+from service.core.spec_choices import METHOD_OPTIONS as METHOD_OPTIONS
+from service.core.spec_choices import PREFERENCE_OBJECTIVES as PREFERENCE_OBJECTIVES
+from service.core.spec_choices import UNMODELLED_OBJECTIVES as UNMODELLED_OBJECTIVES
+from service.core.spec_choices import AttnImpl as AttnImpl
+from service.core.spec_choices import Framework as Framework
+from service.core.spec_choices import LossImpl as LossImpl
+from service.core.spec_choices import Method as Method
+from service.core.spec_choices import Objective as Objective
+from service.core.spec_choices import Optim as Optim
+from service.core.spec_choices import SdpaKernel as SdpaKernel
+from service.core.spec_choices import objective_from as objective_from
 from service.core.spec_delta import (
     DELTA_DEFAULTS,
     AdaLoraSpec,
@@ -36,6 +59,11 @@ from service.core.spec_delta import (
 from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
 from service.core.spec_grpo import GrpoSpec, check_grpo
 from service.core.spec_kto import KtoSpec
+from service.core.spec_lora import ALL_LINEAR as ALL_LINEAR
+from service.core.spec_lora import SAVABLE_MODULES as SAVABLE_MODULES
+from service.core.spec_lora import LoraSpec as LoraSpec
+from service.core.spec_lora import QuantSpec as QuantSpec
+from service.core.spec_lora import QuantType as QuantType
 from service.core.spec_orpo import OrpoSpec, orpo_refusal
 from service.core.spec_packing import check_packing
 from service.core.spec_prompt import (
@@ -68,319 +96,221 @@ ParallelSpec = spec_parallel.ParallelSpec
 Strategy = spec_parallel.Strategy
 
 
-class Method(StrEnum):
-    FULL = "full"
-    LORA = "lora"
-    QLORA = "qlora"
-    # LoRA with A frozen, B trained by PEFT's LoraFAOptimizer (peft/optimizers/lorafa.py).
-    LORA_FA = "lora-fa"
-    # VeRA: frozen shared random projections, trained scaling vectors (peft/tuners/vera).
-    VERA = "vera"
-    # LoHa: a Hadamard product of two low-rank pairs as a full-size delta (peft/tuners/loha).
-    LOHA = "loha"
-    # LoKr: a Kronecker product as a full-size delta (peft/tuners/lokr).
-    LOKR = "lokr"
-    # AdaLoRA: SVD-shaped LoRA triplets, an orthogonality penalty, a rank allocator (peft/tuners/
-    # adalora).
-    ADALORA = "adalora"
-    # OFT: block-diagonal orthogonal rotations of each adapted linear's input (peft/tuners/oft).
-    OFT = "oft"
-    # BOFT: OFT's butterfly generalisation, a dense rotation of the input (peft/tuners/boft).
-    BOFT = "boft"
-    IA3 = "ia3"
-    LN_TUNING = "ln-tuning"
-    PROMPT_TUNING = "prompt-tuning"
-    PREFIX_TUNING = "prefix-tuning"
-    LLAMA_ADAPTER = "llama-adapter"
-    LLAMA_ADAPTER_V2 = "llama-adapter-v2"
-
-
-# PEFT's prompt-side methods, each with the TrainingSpec field that holds its options
-# (service/core/spec_prompt.py); the weight-side ones are `DELTA_OPTIONS`.
-METHOD_OPTIONS = {
-    Method.IA3: "ia3",
-    Method.LN_TUNING: "ln_tuning",
-    Method.PROMPT_TUNING: "prompt_tuning",
-    Method.PREFIX_TUNING: "prefix_tuning",
-}
-# LitGPT's LLaMA-Adapter and LLaMA-Adapter v2 (lit_gpt/adapter.py, lit_gpt/adapter_v2.py): no
-# options of their own (LitGPT's defaults, service/core/estimator/adapter.py); the base may
-# be 4-bit (finetune/adapter*.py --quantize bnb.nf4 / bnb.nf4-dq).
-ADAPTER_METHODS = (Method.LLAMA_ADAPTER, Method.LLAMA_ADAPTER_V2)
-
-
-class Objective(StrEnum):
-    """The training loss, named as TRL names its trainers (SFTTrainer, DPOTrainer, ...)."""
-
-    SFT = "sft"  # the causal-LM loss of HF Trainer (SFTTrainer's)
-    DPO = "dpo"  # direct preference optimization (trl/trainer/dpo_trainer.py, TRL 1.16.0)
-    REWARD = "reward"  # a one-label classifier on [chosen; rejected] (reward_trainer.py)
-    KTO = "kto"  # unpaired completions, a KL batch, a reference (kto_trainer.py, TRL 1.16.0)
-    # odds-ratio preference optimization: NLL on chosen plus an odds-ratio term, no reference
-    # (trl/experimental/orpo/orpo_trainer.py, TRL 1.16.0)
-    ORPO = "orpo"
-    GRPO = "grpo"  # generated completions, scored (trl/trainer/grpo_trainer.py, TRL 1.16.0)
-
-
-# TRL's other trainers (trl 1.16.0: trl/trainer/, trl/experimental/), refused with the reason
-# rather than as unknown words.
-UNMODELLED_OBJECTIVES = {
-    "rloo": "RLOOTrainer",
-    "cpo": "CPOTrainer",
-    "online_dpo": "OnlineDPOTrainer",
-    "distillation": "DistillationTrainer",
-}
-# What TRL's trainers are modelled with: HF + PEFT full, LoRA and QLoRA.
-DPO_METHODS = (Method.FULL, Method.LORA, Method.QLORA)
-PREFERENCE_OBJECTIVES = {"dpo": "DPOTrainer", "reward": "RewardTrainer", "kto": "KTOTrainer"}
-PREFERENCE_OBJECTIVES.update(orpo="ORPOTrainer", grpo="GRPOTrainer")
-# The objectives modelled under DDP too: each rank the one-GPU step with DDP's gradient buckets
-# (reference traces tests/data/traces_parallel/*__{dpo,reward,kto,orpo}__*__ddp-*).
-DDP_OBJECTIVES = frozenset({Objective.DPO, Objective.REWARD, Objective.KTO, Objective.ORPO})
-
-
-def objective_from(name: str) -> Objective:
-    """The objective called `name`, or an error naming the field and why it is refused."""
-    try:
-        return Objective(name)
-    except ValueError:
-        modelled = ", ".join(repr(o.value) for o in Objective)
-        trainer = UNMODELLED_OBJECTIVES.get(name.lower())
-        if trainer is not None:
-            reason = f"{name!r} (TRL's {trainer}) is not modelled"
-        else:
-            reason = f"unknown objective {name!r}"
-        raise InvalidSpecError("objective", f"{reason}; modelled: {modelled}") from None
-
-
-class QuantType(StrEnum):
-    """The frozen base's weight format: bitsandbytes' (nf4, fp4, int8) or another library's
-    (service/core/quant_formats.py): GPTQ and AWQ through gptqmodel, HQQ, torchao."""
-
-    NF4 = "nf4"
-    FP4 = "fp4"
-    INT8 = "int8"
-    GPTQ = quant_formats.GPTQ
-    AWQ = quant_formats.AWQ
-    HQQ = quant_formats.HQQ
-    TORCHAO_INT4 = quant_formats.TORCHAO_INT4
-    TORCHAO_FLOAT8 = quant_formats.TORCHAO_FLOAT8
-
-    @property
-    def packed(self) -> bool:
-        """A format beside bitsandbytes' (GPTQ, AWQ, HQQ, torchao)."""
-        return self.value in quant_formats.PACKED_TYPES
-
-
-class Optim(StrEnum):
-    """Optimizers by their HF `TrainingArguments.optim` names."""
-
-    ADAMW_TORCH = "adamw_torch"
-    ADAMW_TORCH_FUSED = "adamw_torch_fused"
-    ADAMW_BNB_8BIT = "adamw_bnb_8bit"
-    PAGED_ADAMW_8BIT = "paged_adamw_8bit"
-    PAGED_ADAMW_32BIT = "paged_adamw_32bit"
-    ADAFACTOR = "adafactor"
-    SGD = "sgd"
-
-
-class AttnImpl(StrEnum):
-    EAGER = "eager"
-    SDPA = "sdpa"
-    FLASH_ATTENTION_2 = "flash_attention_2"
-
-
-class SdpaKernel(StrEnum):
-    """Which SDPA backend runs; `auto` is what PyTorch picks on a GPU (flash for bf16/fp16)."""
-
-    AUTO = "auto"
-    FLASH = "flash"
-    EFFICIENT = "efficient"
-    MATH = "math"
-
-
-class LossImpl(StrEnum):
-    """How the causal-LM loss is computed.
-
-    hf: transformers' ForCausalLMLoss, logits upcast to fp32 then cross-entropy.
-    plain: cross-entropy on the half-precision logits, no upcast.
-    chunked: lm_head + cross-entropy over sequence chunks (LitGPT, torchtune), b*s*V never whole.
-    fused: fused linear cross-entropy (Liger, Cut Cross-Entropy), logits never materialised.
-    """
-
-    HF = "hf"
-    PLAIN = "plain"
-    CHUNKED = "chunked"
-    FUSED = "fused"
-
-
-class Framework(StrEnum):
-    """Training framework preset; each differs in defaults (see `resolve`)."""
-
-    HF = "hf"
-    LITGPT = "litgpt"
-    TORCHTUNE = "torchtune"
-
-
-ALL_LINEAR = "all-linear"
-# What `modules_to_save` can name: the input embedding and the LM head, by their module names in
-# transformers' decoder models (modeling_llama.py LlamaModel.embed_tokens,
-# LlamaForCausalLM.lm_head). PEFT trains a full copy of each (ModulesToSaveWrapper).
-SAVABLE_MODULES = ("embed_tokens", "lm_head")
-# The methods that take LoRA options (`lora`).
-LORA_METHODS = (Method.LORA, Method.QLORA, Method.LORA_FA)
-# The PEFT methods beside LoRA with options of their own: the TrainingSpec field of each.
-DELTA_OPTIONS = {
-    Method.VERA: "vera",
-    Method.LOHA: "loha",
-    Method.LOKR: "lokr",
-    Method.ADALORA: "adalora",
-    Method.OFT: "oft",
-    Method.BOFT: "boft",
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LoraSpec:
-    """PEFT LoraConfig; defaults are PEFT's (peft/tuners/lora/config.py)."""
-
-    r: int = 8
-    lora_alpha: int = 8
-    # None: the framework's default (PEFT 0.0; LitGPT's finetune scripts 0.05).
-    lora_dropout: float | None = None
-    # None: PEFT's per-architecture default (q_proj, v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
-    modules_to_save: tuple[str, ...] = ()
-    # None: the framework's default; PEFT's autocast_adapter_dtype=True makes fp32 adapters.
-    adapter_dtype: DType | None = None
-    # DoRA (peft/tuners/lora/dora.py DoraLinearLayer): a trainable magnitude per output feature
-    # of each adapted linear, and a forward that keeps more for backward.
-    use_dora: bool = False
-    # rsLoRA: scaling lora_alpha / sqrt(r) instead of lora_alpha / r; no tensor changes size.
-    use_rslora: bool = False
-
-    def __post_init__(self) -> None:
-        if self.r < 1:
-            raise InvalidSpecError("lora.r", "must be at least 1")
-        if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
-            raise InvalidSpecError("lora.lora_dropout", "must be in [0, 1)")
-        if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
-            raise InvalidSpecError(
-                "lora.target_modules", f"must be a list of module names or {ALL_LINEAR!r}"
-            )
-        if isinstance(self.target_modules, tuple) and not self.target_modules:
-            raise InvalidSpecError("lora.target_modules", "must not be empty")
-        unknown = [name for name in self.modules_to_save if name not in SAVABLE_MODULES]
-        if unknown:
-            raise InvalidSpecError(
-                "lora.modules_to_save",
-                f"{', '.join(map(repr, unknown))}: only the embedding and the LM head can be "
-                f"trained in full beside the adapters ({', '.join(SAVABLE_MODULES)})",
-            )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class QuantSpec:
-    """The frozen base's quantization: bitsandbytes' (BitsAndBytesConfig), or GPTQ, AWQ, HQQ
-    or torchao (GPTQConfig, AwqConfig, HqqConfig, TorchAoConfig; quant_formats.py)."""
-
-    type: QuantType = QuantType.NF4
-    double_quant: bool = False  # bnb_4bit_use_double_quant, BitsAndBytesConfig default False
-    # None: the model's dtype (the QLoRA recipe); BitsAndBytesConfig's own default is fp32.
-    compute_dtype: DType | None = None
-    prepare_kbit: bool = True  # peft.prepare_model_for_kbit_training applied
-    # GPTQ/AWQ `bits`, HQQ `nbits`; None: the format's default (quant_formats.DEFAULT_BITS)
-    bits: int | None = None
-    # GPTQ/AWQ/HQQ `group_size` (-1: one group per input row for GPTQ/AWQ); None: the default
-    group_size: int | None = None
-    # GPTQConfig.desc_act (act-order: g_idx permutes the groups; the stored tensors are alike)
-    desc_act: bool = False
-
-    def __post_init__(self) -> None:
-        quant_formats.check_quant_options(
-            self.type.value, self.bits, self.group_size, self.desc_act
-        )
-        if self.type.packed and self.double_quant:
-            raise InvalidSpecError("quantization.double_quant", "only for bitsandbytes' nf4/fp4")
-        if self.type.packed and self.compute_dtype is not None:
-            raise InvalidSpecError(
-                "quantization.compute_dtype",
-                f"only for bitsandbytes; {self.type.value} computes in the model's dtype",
-            )
-
-    @property
-    def resolved_bits(self) -> int:
-        """The width of a GPTQ, AWQ or HQQ weight (the format's default when not given)."""
-        return self.bits or quant_formats.DEFAULT_BITS.get(self.type.value, 0)
-
-    @property
-    def resolved_group_size(self) -> int:
-        """The group size of a GPTQ, AWQ or HQQ weight (the format's default when not given)."""
-        return self.group_size or quant_formats.DEFAULT_GROUP_SIZE.get(self.type.value, 0)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingSpec:
     """One fine-tuning job on one GPU type. Sizes are per micro-batch, per GPU."""
 
-    method: Method = Method.LORA
-    batch_size: int
-    seq_len: int
-    lora: LoraSpec | None = None
-    quantization: QuantSpec | None = None
+    method: Method = job_field(
+        Method.LORA,
+        doc="full, lora, qlora, lora-fa (LoRA with A frozen, PEFT's LoRA-FA optimizer), PEFT's "
+        "ia3, ln-tuning, prompt-tuning, prefix-tuning, vera, loha, lokr, adalora, oft or "
+        "boft, or LitGPT's llama-adapter or llama-adapter-v2 (framework 'litgpt' only).",
+    )
+    batch_size: int = job_field(doc="Micro-batch per GPU.", ge=1, le=MAX_BATCH_SIZE)
+    seq_len: int = job_field(doc="Tokens per sequence.", ge=1, le=MAX_SEQ_LEN)
+    lora: LoraSpec | None = job_field(
+        None,
+        doc="LoRA options (lora, qlora, lora-fa); null: PEFT's defaults.",
+    )
+    quantization: QuantSpec | None = job_field(
+        None,
+        doc="Quantization (qlora, or a 4-bit base under LitGPT's adapters); null: NF4 with "
+        "kbit preparation for qlora, an unquantized base for the adapters.",
+    )
     # PEFT's other methods' options, each for its method only (`METHOD_OPTIONS`)
-    ia3: IA3Spec | None = None
-    ln_tuning: LnTuningSpec | None = None
-    prompt_tuning: PromptTuningSpec | None = None
-    prefix_tuning: PrefixTuningSpec | None = None
-    dtype: DType = DType.BF16  # torch_dtype the base model is loaded in
-    autocast: bool = False  # TrainingArguments bf16/fp16 mixed precision (default off)
-    optim: Optim = Optim.ADAMW_TORCH_FUSED  # TrainingArguments.optim default
-    gradient_accumulation_steps: int = 1
-    # TrainingArguments.max_grad_norm: HF Trainer clips the gradients' norm before each
-    # optimizer step unless it is 0.
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False
-    optimizer_in_backward: bool = False  # torchtune's optimizer_in_bwd (spec_train.py)
-    activation_offloading: bool = False  # torchtune's enable_activation_offloading
-    attn_implementation: AttnImpl = AttnImpl.SDPA
-    sdpa_kernel: SdpaKernel = SdpaKernel.AUTO
-    loss: LossImpl | None = None
-    framework: Framework = Framework.HF
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    allocator: AllocatorConfig = DEFAULT_ALLOCATOR  # PYTORCH_CUDA_ALLOC_CONF
-    # Classes of an encoder's sequence-classification head (config.num_labels); None: the
-    # model's (transformers' PreTrainedConfig default, 2). Decoders take none.
-    num_labels: int | None = None
-    # An encoder-decoder's (T5) target length: the decoder's tokens, the labels' length;
-    # seq_len is the encoder's (the source's). None: as long as the source. Decoder-only and
-    # encoder-only models take none.
-    target_length: int | None = None
-    stack: Stack = PINNED_STACK  # the library versions the job runs on
+    ia3: IA3Spec | None = job_field(
+        None, doc="(IA)^3 options (ia3 only); null: PEFT's defaults.", omit="none"
+    )
+    ln_tuning: LnTuningSpec | None = job_field(
+        None, doc="LN tuning options (ln-tuning only); null: PEFT's defaults.", omit="none"
+    )
+    prompt_tuning: PromptTuningSpec | None = job_field(
+        None, doc="Prompt tuning options (prompt-tuning only, required there).", omit="none"
+    )
+    prefix_tuning: PrefixTuningSpec | None = job_field(
+        None, doc="Prefix tuning options (prefix-tuning only, required there).", omit="none"
+    )
+    dtype: DType = job_field(
+        DType.BF16, doc="torch_dtype the base is loaded in.", mirrors="torch_dtype"
+    )
+    autocast: bool = job_field(
+        False,
+        doc="TrainingArguments bf16/fp16 autocast.",
+        mirrors="TrainingArguments.bf16 / fp16",
+    )
+    optim: Optim = job_field(
+        Optim.ADAMW_TORCH_FUSED,
+        doc="TrainingArguments.optim.",
+        mirrors="TrainingArguments.optim",
+    )
+    gradient_accumulation_steps: int = job_field(
+        1,
+        doc="Micro-batches per step.",
+        mirrors="TrainingArguments.gradient_accumulation_steps",
+        ge=1,
+        le=MAX_GRADIENT_ACCUMULATION,
+    )
+    # HF Trainer clips the gradients' norm before each optimizer step unless it is 0.
+    max_grad_norm: float = job_field(
+        1.0,
+        doc="TrainingArguments.max_grad_norm: gradient clipping, 0 for none.",
+        mirrors="TrainingArguments.max_grad_norm",
+        ge=0,
+        le=MAX_GRAD_NORM,
+        finite=True,
+    )
+    gradient_checkpointing: bool = job_field(
+        False,
+        doc="TrainingArguments.gradient_checkpointing.",
+        mirrors="TrainingArguments.gradient_checkpointing",
+    )
+    # (spec_train.py)
+    optimizer_in_backward: bool = job_field(
+        False,
+        doc="torchtune's optimizer_in_bwd (framework 'torchtune', full fine-tuning, one GPU, "
+        "no accumulation or clipping): each parameter stepped as its gradient lands.",
+        mirrors="torchtune optimizer_in_bwd",
+        omit="off",
+    )
+    activation_offloading: bool = job_field(
+        False,
+        doc="torchtune's enable_activation_offloading (framework 'torchtune', with "
+        "gradient_checkpointing): saved activations kept in pinned host memory.",
+        mirrors="torchtune enable_activation_offloading",
+        omit="off",
+    )
+    attn_implementation: AttnImpl = job_field(
+        AttnImpl.SDPA,
+        doc="transformers attn_implementation.",
+        mirrors="from_pretrained(attn_implementation=...)",
+    )
+    sdpa_kernel: SdpaKernel = job_field(
+        SdpaKernel.AUTO, doc="Which SDPA backend runs; auto: PyTorch's pick."
+    )
+    loss: LossImpl | None = job_field(
+        None, doc="Causal-LM loss implementation; null: the framework's."
+    )
+    framework: Framework = job_field(Framework.HF, doc="Training framework preset.")
+    parallel: ParallelSpec = job_field(
+        doc="Multi-GPU layout; default one GPU.", factory=ParallelSpec
+    )
+    allocator: AllocatorConfig = job_field(
+        DEFAULT_ALLOCATOR,
+        doc="PYTORCH_CUDA_ALLOC_CONF settings; default: PyTorch's.",
+        mirrors="PYTORCH_CUDA_ALLOC_CONF",
+    )
+    # Decoders take none; None: transformers' PreTrainedConfig default, 2.
+    num_labels: int | None = job_field(
+        None,
+        doc="Classes of an encoder's sequence-classification head (BERT); null: the model's, "
+        "2 by default. Encoder models only.",
+        mirrors="config.num_labels",
+        ge=1,
+        le=MAX_NUM_LABELS,
+        omit="none",
+    )
+    # Decoder-only and encoder-only models take none.
+    target_length: int | None = job_field(
+        None,
+        doc="An encoder-decoder's (T5) target length: the decoder's tokens (the labels); "
+        "seq_len is then the encoder's (the source's). null: as long as seq_len. "
+        "Encoder-decoder models only.",
+        ge=1,
+        le=MAX_SEQ_LEN,
+        omit="none",
+    )
+    stack: Stack = job_field(
+        PINNED_STACK,
+        doc="The library versions it runs on: a preset ('hf-5.24', the traced stack, 'hf-4.48' "
+        "or 'hf-4.16') or {transformers, peft, bitsandbytes, torch}. The answer names the "
+        "stack it modelled; a job whose memory differs there in a way not modelled is a 422.",
+    )
     # Options of the PEFT methods beside LoRA (service/core/spec_delta.py), one per method,
     # named after it; None: PEFT's defaults.
-    vera: VeraSpec | None = None
-    loha: LohaSpec | None = None
-    lokr: LokrSpec | None = None
-    adalora: AdaLoraSpec | None = None
-    oft: OftSpec | None = None
-    boft: BoftSpec | None = None
-    # The training objective (TRL's trainer names) and DPO's settings, for objective "dpo".
-    objective: Objective = Objective.SFT
-    dpo: DpoSpec | None = None
-    kto: KtoSpec | None = None  # KTOConfig's settings, for objective "kto"
-    grpo: GrpoSpec | None = None  # GRPOConfig's settings, for objective "grpo"
-    orpo: OrpoSpec | None = None  # ORPOConfig's settings, for objective "orpo"
-    vision: VisionInputs | None = None  # a vision-language job's images (spec_vision.py)
-    # TRL's padding-free packing (spec_packing.py): the micro-batch's sequences in one row of
-    # at most batch_size x seq_len tokens, position_ids restarting at each
-    packing: bool = False
-    # TrainingArguments.torch_compile: not traced, the eager step is estimated (stated in the
-    # answer: estimator/peak.py COMPILE_NOTE)
-    torch_compile: bool = False
-    # TrainingArguments.use_liger_kernel: Liger Kernel's patches for the model type
-    # (service/core/liger.py), its fused linear cross-entropy among them
-    liger_kernel: bool = False
+    vera: VeraSpec | None = job_field(
+        None, doc="VeRA options (vera only); null: PEFT's defaults.", omit="none"
+    )
+    loha: LohaSpec | None = job_field(
+        None, doc="LoHa options (loha only); null: PEFT's defaults.", omit="none"
+    )
+    lokr: LokrSpec | None = job_field(
+        None, doc="LoKr options (lokr only); null: PEFT's defaults.", omit="none"
+    )
+    adalora: AdaLoraSpec | None = job_field(
+        None, doc="AdaLoRA options (adalora only); null: PEFT's defaults.", omit="none"
+    )
+    oft: OftSpec | None = job_field(
+        None, doc="OFT options (oft only); null: PEFT's defaults.", omit="none"
+    )
+    boft: BoftSpec | None = job_field(
+        None, doc="BOFT options (boft only); null: PEFT's defaults.", omit="none"
+    )
+    # The training objective (TRL's trainer names); read last, as the API names a bad option
+    # before the objective (its objective is a string until to_spec).
+    objective: Objective = job_field(
+        Objective.SFT,
+        doc="The training objective, as TRL names its trainers: sft (the causal-LM loss, "
+        "SFTTrainer's and HF Trainer's) or dpo (DPOTrainer: batch_size pairs run as "
+        "2 x batch_size sequences of seq_len tokens, a reference model's forward) or "
+        "reward (RewardTrainer: a one-label sequence classifier, batch_size pairs run as "
+        "2 x batch_size sequences in one forward, no LM head) or kto (KTOTrainer: "
+        "batch_size unpaired examples, a KL batch and a reference model's forwards), orpo "
+        "(ORPOTrainer: batch_size pairs run as 2 x batch_size sequences with the whole "
+        "logits kept, no reference model) or grpo (GRPOTrainer: model.generate's "
+        "completions, batch_size of them, then the policy's loss on them). Other trainers "
+        "(rloo, cpo, ...) are a 422: not modelled.",
+        omit="default",
+        read_last=True,
+    )
+    dpo: DpoSpec | None = job_field(
+        None, doc="DPO settings (objective 'dpo' only); null: DPOConfig's.", omit="none"
+    )
+    kto: KtoSpec | None = job_field(
+        None, doc="KTO settings (objective 'kto' only); null: KTOConfig's.", omit="none"
+    )
+    grpo: GrpoSpec | None = job_field(
+        None, doc="GRPO settings (objective 'grpo' only); null: GRPOConfig's.", omit="none"
+    )
+    orpo: OrpoSpec | None = job_field(
+        None, doc="ORPO settings (objective 'orpo' only); null: ORPOConfig's.", omit="none"
+    )
+    # (spec_vision.py)
+    vision: VisionInputs | None = job_field(
+        None,
+        doc="A vision-language model's image inputs (Qwen2-VL, Qwen2.5-VL: images per sample "
+        "and their size or tokens, which seq_len counts; Llama-3.2-Vision: images per sample "
+        "and their size, tiled, seq_len counting text only). Required for such a model; "
+        "null otherwise.",
+        omit="none",
+    )
+    # (spec_packing.py)
+    packing: bool = job_field(
+        False,
+        doc="TRL's padding-free packing (SFTConfig padding_free=True, or packing=True with its "
+        "default 'bfd' strategy): the micro-batch's batch_size sequences of up to seq_len "
+        "tokens run as one row of batch_size x seq_len tokens, position_ids restarting at "
+        "each. Under SDPA the row gets a block-diagonal mask; flash_attention_2 runs it "
+        "varlen. Objective 'sft', framework 'hf', decoder-only models.",
+        mirrors="SFTConfig.padding_free",
+        omit="off",
+    )
+    # Not traced: the eager step is estimated (stated in the answer: estimator/peak.py
+    # COMPILE_NOTE)
+    torch_compile: bool = job_field(
+        False,
+        doc="TrainingArguments.torch_compile. Not traced: the eager step is estimated, and "
+        "the answer says so (inductor usually keeps no more).",
+        mirrors="TrainingArguments.torch_compile",
+        omit="off",
+    )
+    # Liger Kernel's patches for the model type (service/core/liger.py)
+    liger_kernel: bool = job_field(
+        False,
+        doc="TrainingArguments.use_liger_kernel: liger-kernel 0.8.2's RoPE, RMSNorm, "
+        "SwiGLU/GEGLU, fused linear cross-entropy (loss 'fused'): llama, mistral, qwen2, gemma2.",
+        mirrors="TrainingArguments.use_liger_kernel",
+        omit="off",
+    )
     # The spec's hash, and that of its fields but the shape, made when first asked: a
     # fit-check looks a job up at dozens of shapes (`with_shape` keeps the second).
     _hash: int = field(default=0, init=False, repr=False, compare=False)
@@ -665,56 +595,8 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
       CEWithChunkedOutputLoss (8 chunks, each upcast to fp32).
     """
     notes: list[str] = []
-    lora = spec.lora
-    quant = spec.quantization
-    # VeRA, LoHa, LoKr and AdaLoRA: their options, and the linears they adapt and their rank
-    # in LoRA's terms (`adapted_linears`)
-    delta: DeltaSpec | None = None
-    field_name = DELTA_OPTIONS.get(spec.method)
-    if field_name is not None:
-        given = getattr(spec, field_name)
-        default, note = DELTA_DEFAULTS[field_name]
-        delta = given or default()
-        if given is None:
-            notes.append(note)
-        # (OFT's rank counts blocks; an OFT job's LoRA-shaped placement takes its targets alone)
-        rank = max(delta.r, 1)
-        lora = LoraSpec(r=rank, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
-    if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
-        lora = LoraSpec()
-        notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
-    if spec.method is Method.QLORA and quant is None:
-        quant = QuantSpec()
-        notes.append(
-            "quantization not given: NF4 without double quant"
-            + (", kbit preparation on" if spec.framework is Framework.HF else "")
-        )
-    if quant is not None and quant.prepare_kbit and spec.framework is not Framework.HF:
-        # LitGPT's finetune scripts quantize through Fabric's BitsandbytesPrecision and
-        # torchtune's recipes through torchao: neither runs PEFT's
-        # prepare_model_for_kbit_training, so no norm or embedding is cast to fp32.
-        quant = dataclasses.replace(quant, prepare_kbit=False)
-        notes.append(
-            f"{spec.framework} does not run PEFT's kbit preparation: norms and embeddings keep "
-            "the model dtype"
-        )
-
-    if quant is not None and quant.type.packed:
-        if quant.prepare_kbit and quant.type is not QuantType.AWQ:
-            # prepare_model_for_kbit_training casts nothing to fp32 on a GPTQ, HQQ or torchao
-            # model (peft/utils/other.py: is_gptq_quantized / is_hqq_quantized /
-            # is_torchao_quantized skip the cast); an AWQ model ("awq") is not excluded.
-            quant = dataclasses.replace(quant, prepare_kbit=False)
-            notes.append(
-                f"PEFT's kbit preparation leaves a {quant.type} model's norms and embeddings "
-                "in the model dtype"
-            )
-        notes.append(
-            quant_formats.format_note(
-                quant.type.value, quant.resolved_bits, quant.resolved_group_size
-            )
-        )
-
+    delta, lora = _resolve_delta(spec, notes)
+    quant = _resolve_quantization(spec, notes)
     ia3 = spec.ia3
     if spec.method is Method.IA3 and ia3 is None:
         ia3 = IA3Spec()
@@ -723,26 +605,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
     if spec.method is Method.LN_TUNING and ln_tuning is None:
         ln_tuning = LnTuningSpec()
         notes.append("LN tuning options not given: PEFT's default target modules")
-
-    if lora is not None and lora.adapter_dtype is not None:
-        adapter_dtype = lora.adapter_dtype
-    elif spec.method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING):
-        # PromptEmbedding's and PrefixEncoder's modules are built in torch's default dtype,
-        # fp32, and cast_adapter_dtype leaves them (peft/tuners/prompt_tuning/model.py)
-        adapter_dtype = DType.FP32
-    elif spec.method is Method.LN_TUNING:
-        # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/
-        # layer.py update_layer); PEFT's cast_adapter_dtype casts adapter parameters only, not
-        # the modules a ModuleDict holds, so they keep the model's dtype.
-        adapter_dtype = spec.dtype
-    elif spec.framework is Framework.HF:
-        adapter_dtype = DType.FP32
-        if lora is not None or ia3 is not None:
-            notes.append("adapters in fp32 (PEFT autocast_adapter_dtype=True, the default)")
-    else:
-        adapter_dtype = spec.dtype
-        if lora is not None:
-            notes.append(f"adapters in {spec.dtype} ({spec.framework} keeps the model dtype)")
+    adapter_dtype = _adapter_dtype(spec, lora, ia3, notes)
 
     if lora is not None and lora.lora_dropout is not None:
         lora_dropout = lora.lora_dropout
@@ -757,18 +620,7 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         compute_dtype = quant.compute_dtype
     else:
         compute_dtype = spec.dtype
-
-    if spec.liger_kernel:
-        loss = LossImpl.FUSED
-        if spec.loss is None:
-            notes.append("use_liger_kernel: Liger's fused linear cross-entropy, no logits")
-    elif spec.loss is not None:
-        loss = spec.loss
-    elif spec.framework is Framework.HF:
-        loss = LossImpl.HF
-    else:
-        loss = LossImpl.CHUNKED
-        notes.append(f"{spec.framework} computes lm_head and cross-entropy in chunks")
+    loss = _loss(spec, notes)
 
     return ResolvedSpec(
         spec=spec,
@@ -790,3 +642,102 @@ def resolve(spec: TrainingSpec) -> ResolvedSpec:
         boft=delta if isinstance(delta, BoftSpec) else None,
         options_field=DELTA_OPTIONS.get(spec.method, "lora"),
     )
+
+
+def _resolve_delta(
+    spec: TrainingSpec, notes: list[str]
+) -> tuple[DeltaSpec | None, LoraSpec | None]:
+    """VeRA, LoHa, LoKr, AdaLoRA, OFT and BOFT: their options (defaults where none are given),
+    and the linears they adapt and their rank in LoRA's terms (`adapted_linears`); the LoRA
+    options of a LoRA method (PEFT's defaults where none are given)."""
+    lora = spec.lora
+    delta: DeltaSpec | None = None
+    field_name = DELTA_OPTIONS.get(spec.method)
+    if field_name is not None:
+        given = getattr(spec, field_name)
+        default, note = DELTA_DEFAULTS[field_name]
+        delta = given or default()
+        if given is None:
+            notes.append(note)
+        # (OFT's rank counts blocks; an OFT job's LoRA-shaped placement takes its targets alone)
+        rank = max(delta.r, 1)
+        lora = LoraSpec(r=rank, target_modules=delta.target_modules, adapter_dtype=DType.FP32)
+    if (spec.method in LORA_METHODS or spec.method in DELTA_OPTIONS) and lora is None:
+        lora = LoraSpec()
+        notes.append("LoRA options not given: r=8, lora_alpha=8, default target modules")
+    return delta, lora
+
+
+def _resolve_quantization(spec: TrainingSpec, notes: list[str]) -> QuantSpec | None:
+    """The base's quantization (QLoRA's default where none is given), with kbit preparation as
+    the framework and the format run it."""
+    quant = spec.quantization
+    if spec.method is Method.QLORA and quant is None:
+        quant = QuantSpec()
+        notes.append(
+            "quantization not given: NF4 without double quant"
+            + (", kbit preparation on" if spec.framework is Framework.HF else "")
+        )
+    if quant is not None and quant.prepare_kbit and spec.framework is not Framework.HF:
+        # LitGPT's finetune scripts quantize through Fabric's BitsandbytesPrecision and
+        # torchtune's recipes through torchao: neither runs PEFT's
+        # prepare_model_for_kbit_training, so no norm or embedding is cast to fp32.
+        quant = dataclasses.replace(quant, prepare_kbit=False)
+        notes.append(
+            f"{spec.framework} does not run PEFT's kbit preparation: norms and embeddings keep "
+            "the model dtype"
+        )
+    if quant is not None and quant.type.packed:
+        if quant.prepare_kbit and quant.type is not QuantType.AWQ:
+            # prepare_model_for_kbit_training casts nothing to fp32 on a GPTQ, HQQ or torchao
+            # model (peft/utils/other.py: is_gptq_quantized / is_hqq_quantized /
+            # is_torchao_quantized skip the cast); an AWQ model ("awq") is not excluded.
+            quant = dataclasses.replace(quant, prepare_kbit=False)
+            notes.append(
+                f"PEFT's kbit preparation leaves a {quant.type} model's norms and embeddings "
+                "in the model dtype"
+            )
+        notes.append(
+            quant_formats.format_note(
+                quant.type.value, quant.resolved_bits, quant.resolved_group_size
+            )
+        )
+    return quant
+
+
+def _adapter_dtype(
+    spec: TrainingSpec, lora: LoraSpec | None, ia3: IA3Spec | None, notes: list[str]
+) -> DType:
+    """The trained adapters' dtype: as given, else as the method and the framework make it."""
+    if lora is not None and lora.adapter_dtype is not None:
+        return lora.adapter_dtype
+    if spec.method in (Method.PROMPT_TUNING, Method.PREFIX_TUNING):
+        # PromptEmbedding's and PrefixEncoder's modules are built in torch's default dtype,
+        # fp32, and cast_adapter_dtype leaves them (peft/tuners/prompt_tuning/model.py)
+        return DType.FP32
+    if spec.method is Method.LN_TUNING:
+        # LN tuning's trainable norms are deep copies of the model's (peft/tuners/ln_tuning/
+        # layer.py update_layer); PEFT's cast_adapter_dtype casts adapter parameters only, not
+        # the modules a ModuleDict holds, so they keep the model's dtype.
+        return spec.dtype
+    if spec.framework is Framework.HF:
+        if lora is not None or ia3 is not None:
+            notes.append("adapters in fp32 (PEFT autocast_adapter_dtype=True, the default)")
+        return DType.FP32
+    if lora is not None:
+        notes.append(f"adapters in {spec.dtype} ({spec.framework} keeps the model dtype)")
+    return spec.dtype
+
+
+def _loss(spec: TrainingSpec, notes: list[str]) -> LossImpl:
+    """The causal-LM loss: Liger's fused one, as given, or the framework's."""
+    if spec.liger_kernel:
+        if spec.loss is None:
+            notes.append("use_liger_kernel: Liger's fused linear cross-entropy, no logits")
+        return LossImpl.FUSED
+    if spec.loss is not None:
+        return spec.loss
+    if spec.framework is Framework.HF:
+        return LossImpl.HF
+    notes.append(f"{spec.framework} computes lm_head and cross-entropy in chunks")
+    return LossImpl.CHUNKED

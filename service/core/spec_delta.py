@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import MAX_LORA_ALPHA, MAX_LORA_R, MAX_PRNG_KEY, MAX_TRAINING_STEPS
 
 # service.core.spec.ALL_LINEAR: PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
 ALL_LINEAR = "all-linear"
@@ -32,14 +34,39 @@ class VeraSpec:
     vera_A (r x largest in_features) and vera_B (largest out_features x r) shared by every
     adapted linear, and per linear two trained vectors, lambda_d (r) and lambda_b (out)."""
 
-    r: int = 256
+    r: int = job_field(256, doc="VeRA rank.", mirrors="VeraConfig.r", ge=1, le=MAX_LORA_R)
     # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_VERA_TARGET_MODULES_MAPPING,
     # q_proj and v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
-    vera_dropout: float = 0.0
-    d_initial: float = 0.1  # lambda_d's initial value: no memory
-    projection_prng_key: int = 0  # vera_A / vera_B's init seed: no memory
-    save_projection: bool = True  # whether checkpoints hold vera_A / vera_B: no memory
+    target_modules: tuple[str, ...] | str | None = job_field(
+        None,
+        doc="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+        mirrors="VeraConfig.target_modules",
+    )
+    vera_dropout: float = job_field(
+        0.0, doc="Dropout on the input.", mirrors="VeraConfig.vera_dropout", ge=0.0, lt=1.0
+    )
+    # lambda_d's initial value: no memory
+    d_initial: float = job_field(
+        0.1,
+        doc="lambda_d's initial value (no memory).",
+        mirrors="VeraConfig.d_initial",
+        ge=-1e6,
+        le=1e6,
+    )
+    # vera_A / vera_B's init seed: no memory
+    projection_prng_key: int = job_field(
+        0,
+        doc="vera_A / vera_B init seed (no memory).",
+        mirrors="VeraConfig.projection_prng_key",
+        ge=0,
+        le=MAX_PRNG_KEY,
+    )
+    # whether checkpoints hold vera_A / vera_B: no memory
+    save_projection: bool = job_field(
+        True,
+        doc="Checkpoints hold vera_A / vera_B (no memory).",
+        mirrors="VeraConfig.save_projection",
+    )
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -59,13 +86,28 @@ class LohaSpec:
     (hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b) whose Hadamard product is a full-size delta
     weight, built every forward (peft/tuners/loha/layer.py HadaWeight)."""
 
-    r: int = 8
-    alpha: int = 8  # scaling alpha / r: no memory
-    rank_dropout: float = 0.0
-    module_dropout: float = 0.0
+    r: int = job_field(8, doc="LoHa rank.", mirrors="LoHaConfig.r", ge=1, le=MAX_LORA_R)
+    # scaling alpha / r: no memory
+    alpha: int = job_field(
+        8,
+        doc="LoHa scaling numerator (no memory).",
+        mirrors="LoHaConfig.alpha",
+        ge=1,
+        le=MAX_LORA_ALPHA,
+    )
+    rank_dropout: float = job_field(
+        0.0, doc="Rank dropout.", mirrors="LoHaConfig.rank_dropout", ge=0.0, lt=1.0
+    )
+    module_dropout: float = job_field(
+        0.0, doc="Module dropout.", mirrors="LoHaConfig.module_dropout", ge=0.0, lt=1.0
+    )
     # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_LOHA_TARGET_MODULES_MAPPING,
     # a copy of LoRA's: q_proj and v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
+    target_modules: tuple[str, ...] | str | None = job_field(
+        None,
+        doc="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+        mirrors="LoHaConfig.target_modules",
+    )
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -87,16 +129,44 @@ class LokrSpec:
     of a small w1 and a w2 (each kept whole or as a rank-r pair) over the factorised
     dimensions, a full-size delta weight built every forward (peft/tuners/lokr/layer.py)."""
 
-    r: int = 8
-    alpha: int = 8  # scaling alpha / r: no memory
-    rank_dropout: float = 0.0
-    module_dropout: float = 0.0
-    decompose_both: bool = False  # w1 as a rank-r pair too
-    decompose_factor: int = -1  # -1: factors near the square root of each dimension
-    rank_dropout_scale: bool = False  # no memory without rank dropout
+    r: int = job_field(8, doc="LoKr rank.", mirrors="LoKrConfig.r", ge=1, le=MAX_LORA_R)
+    # scaling alpha / r: no memory
+    alpha: int = job_field(
+        8,
+        doc="LoKr scaling numerator (no memory).",
+        mirrors="LoKrConfig.alpha",
+        ge=1,
+        le=MAX_LORA_ALPHA,
+    )
+    rank_dropout: float = job_field(
+        0.0, doc="Rank dropout.", mirrors="LoKrConfig.rank_dropout", ge=0.0, lt=1.0
+    )
+    module_dropout: float = job_field(
+        0.0, doc="Module dropout.", mirrors="LoKrConfig.module_dropout", ge=0.0, lt=1.0
+    )
+    # w1 as a rank-r pair too
+    decompose_both: bool = job_field(
+        False, doc="w1 as a rank-r pair too.", mirrors="LoKrConfig.decompose_both"
+    )
+    # -1: factors near the square root of each dimension
+    decompose_factor: int = job_field(
+        -1,
+        doc="Kronecker factor; -1: near the square root.",
+        mirrors="LoKrConfig.decompose_factor",
+        ge=-1,
+        le=MAX_LORA_R,
+    )
+    # no memory without rank dropout
+    rank_dropout_scale: bool = job_field(
+        False, doc="Rank dropout scaling.", mirrors="LoKrConfig.rank_dropout_scale"
+    )
     # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_LOKR_TARGET_MODULES_MAPPING,
     # a copy of LoRA's: q_proj and v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
+    target_modules: tuple[str, ...] | str | None = job_field(
+        None,
+        doc="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+        mirrors="LoKrConfig.target_modules",
+    )
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -124,25 +194,80 @@ class AdaLoraSpec:
     RankAllocator's importance, its moving average and its uncertainty). Ranks are pruned by
     masking lora_E in place: no tensor changes size during training."""
 
-    init_r: int = 12
-    target_r: int = 8  # the pruned average rank: lora_E masked, no memory
-    lora_alpha: int = 8  # scaling: no memory
-    lora_dropout: float = 0.0
+    init_r: int = job_field(
+        12, doc="Initial rank of each triplet.", mirrors="AdaLoraConfig.init_r", ge=1, le=MAX_LORA_R
+    )
+    # the pruned average rank: lora_E masked, no memory
+    target_r: int = job_field(
+        8,
+        doc="Target average rank (masking, no memory).",
+        mirrors="AdaLoraConfig.target_r",
+        ge=1,
+        le=MAX_LORA_R,
+    )
+    # scaling: no memory
+    lora_alpha: int = job_field(
+        8,
+        doc="Scaling numerator (no memory).",
+        mirrors="AdaLoraConfig.lora_alpha",
+        ge=1,
+        le=MAX_LORA_ALPHA,
+    )
+    lora_dropout: float = job_field(
+        0.0, doc="Dropout (0 only).", mirrors="AdaLoraConfig.lora_dropout", ge=0.0, lt=1.0
+    )
     # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_ADALORA_TARGET_MODULES_MAPPING,
     # q_proj and v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
-    orth_reg_weight: float = 0.5  # the penalty is built at any weight (0 included)
+    target_modules: tuple[str, ...] | str | None = job_field(
+        None,
+        doc="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+        mirrors="AdaLoraConfig.target_modules",
+    )
+    # the penalty is built at any weight (0 included)
+    orth_reg_weight: float = job_field(
+        0.5,
+        doc="Orthogonality penalty weight (no memory).",
+        mirrors="AdaLoraConfig.orth_reg_weight",
+        ge=0.0,
+        le=1e6,
+    )
     # The RankAllocator's schedule: steps of warm-up, of final fine-tuning, and in all. Its
     # buffers exist from the first step to step total_step - tfinal whatever the schedule; the
     # masking steps' scores are one parameter-sized temporary at a time.
-    tinit: int = 0
-    tfinal: int = 0
-    deltaT: int = 1  # PEFT's field name and default
-    beta1: float = 0.85  # moving averages' factors: no memory
-    beta2: float = 0.85
+    tinit: int = job_field(
+        0, doc="Warm-up steps.", mirrors="AdaLoraConfig.tinit", ge=0, le=MAX_TRAINING_STEPS
+    )
+    tfinal: int = job_field(
+        0,
+        doc="Final fine-tuning steps.",
+        mirrors="AdaLoraConfig.tfinal",
+        ge=0,
+        le=MAX_TRAINING_STEPS,
+    )
+    # PEFT's field name and default
+    deltaT: int = job_field(
+        1,
+        doc="Steps between rank maskings.",
+        mirrors="AdaLoraConfig.deltaT",
+        ge=1,
+        le=MAX_TRAINING_STEPS,
+    )
+    # moving averages' factors: no memory
+    beta1: float = job_field(
+        0.85, doc="Importance smoothing.", mirrors="AdaLoraConfig.beta1", ge=0.0, lt=1.0
+    )
+    beta2: float = job_field(
+        0.85, doc="Uncertainty smoothing.", mirrors="AdaLoraConfig.beta2", ge=0.0, lt=1.0
+    )
     # PEFT requires it (AdaLoraConfig.__post_init__); None: not given, the memory does not
     # depend on it while the RankAllocator runs.
-    total_step: int | None = None
+    total_step: int | None = job_field(
+        None,
+        doc="Total training steps.",
+        mirrors="AdaLoraConfig.total_step",
+        ge=1,
+        le=MAX_TRAINING_STEPS,
+    )
 
     @property
     def r(self) -> int:
@@ -201,17 +326,42 @@ class OftSpec:
     the Cayley–Neumann series; the forward rotates the linear's input block by block
     (peft/tuners/oft/layer.py OFTRotationModule.forward)."""
 
-    r: int = 0
-    oft_block_size: int = 32
-    module_dropout: float = 0.0
+    r: int = job_field(
+        0, doc="Blocks per adapted linear.", mirrors="OFTConfig.r", ge=0, le=MAX_LORA_R
+    )
+    oft_block_size: int = job_field(
+        32, doc="Block size.", mirrors="OFTConfig.oft_block_size", ge=0, le=MAX_LORA_R
+    )
+    module_dropout: float = job_field(
+        0.0,
+        doc="Multiplicative dropout (0 only).",
+        mirrors="OFTConfig.module_dropout",
+        ge=0.0,
+        lt=1.0,
+    )
     # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING,
     # a copy of LoRA's: q_proj and v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
-    coft: bool = False
-    eps: float = 6e-5  # COFT's constraint: no memory
-    block_share: bool = False
-    use_cayley_neumann: bool = True
-    num_cayley_neumann_terms: int = 5
+    target_modules: tuple[str, ...] | str | None = job_field(
+        None,
+        doc="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+        mirrors="OFTConfig.target_modules",
+    )
+    coft: bool = job_field(False, doc="Constrained OFT (not modelled).", mirrors="OFTConfig.coft")
+    # COFT's constraint: no memory
+    eps: float = job_field(6e-5, doc="COFT's constraint.", mirrors="OFTConfig.eps", ge=0.0, le=1.0)
+    block_share: bool = job_field(
+        False, doc="One block shared (not modelled).", mirrors="OFTConfig.block_share"
+    )
+    use_cayley_neumann: bool = job_field(
+        True, doc="Cayley-Neumann series.", mirrors="OFTConfig.use_cayley_neumann"
+    )
+    num_cayley_neumann_terms: int = job_field(
+        5,
+        doc="Terms of the series (5 only).",
+        mirrors="OFTConfig.num_cayley_neumann_terms",
+        ge=1,
+        le=64,
+    )
 
     def __post_init__(self) -> None:
         if self.r < 0 or self.oft_block_size < 0:
@@ -257,14 +407,43 @@ class BoftSpec:
     input (peft/tuners/boft/layer.py Linear.forward). A butterfly factor above 1 needs PEFT's
     CUDA extension fbd_cuda (without it PEFT falls back to 1): the GPU path is modelled."""
 
-    boft_block_size: int = 4
-    boft_block_num: int = 0
-    boft_n_butterfly_factor: int = 1
-    boft_dropout: float = 0.0
-    bias: str = "none"
+    boft_block_size: int = job_field(
+        4, doc="Block size.", mirrors="BOFTConfig.boft_block_size", ge=0, le=MAX_LORA_R
+    )
+    boft_block_num: int = job_field(
+        0,
+        doc="Blocks per adapted linear.",
+        mirrors="BOFTConfig.boft_block_num",
+        ge=0,
+        le=MAX_LORA_R,
+    )
+    boft_n_butterfly_factor: int = job_field(
+        1,
+        doc="Butterfly factors (1: OFT's blocks).",
+        mirrors="BOFTConfig.boft_n_butterfly_factor",
+        ge=1,
+        le=16,
+    )
+    boft_dropout: float = job_field(
+        0.0,
+        doc="Multiplicative dropout (0 only).",
+        mirrors="BOFTConfig.boft_dropout",
+        ge=0.0,
+        lt=1.0,
+    )
+    bias: str = job_field(
+        "none",
+        doc="Trained biases ('none' only).",
+        mirrors="BOFTConfig.bias",
+        choices=("none", "all", "boft_only"),
+    )
     # None: PEFT's per-architecture default (TRANSFORMERS_MODELS_TO_BOFT_TARGET_MODULES_MAPPING,
     # a copy of LoRA's: q_proj and v_proj for Llama-family models).
-    target_modules: tuple[str, ...] | str | None = None
+    target_modules: tuple[str, ...] | str | None = job_field(
+        None,
+        doc="Adapted modules, or 'all-linear'; null: PEFT's default for the model.",
+        mirrors="BOFTConfig.target_modules",
+    )
 
     def __post_init__(self) -> None:
         if self.boft_block_size < 0 or self.boft_block_num < 0:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN
 
 # GRPOConfig.__post_init__: "num_generations ... is less than the minimum required" below 2.
 MIN_GENERATIONS = 2
@@ -24,20 +26,55 @@ class GrpoSpec:
     """GRPOConfig's memory settings, its defaults where it has them."""
 
     # GRPOConfig.num_generations (default 8): completions sampled per prompt.
-    num_generations: int = 8
+    num_generations: int = job_field(
+        8,
+        doc="GRPOConfig.num_generations: completions sampled per prompt; the generation batch "
+        "(batch_size x gradient_accumulation_steps) must divide by it.",
+        mirrors="GRPOConfig.num_generations",
+        ge=1,
+        unstated_le=MAX_BATCH_SIZE,
+    )
     # The prompts' padded length (TRL 1.16.0 has no GRPOConfig.max_prompt_length: prompts are
     # left-padded to the longest of the generation batch, `_generate_single_turn`); None: the
     # sequence's length less max_completion_length.
-    max_prompt_length: int | None = None
+    max_prompt_length: int | None = job_field(
+        None,
+        doc="The prompts' padded length (TRL 1.16.0 pads prompts to the longest); null: seq_len - "
+        "max_completion_length.",
+        ge=1,
+        unstated_le=MAX_SEQ_LEN,
+    )
     # GRPOConfig.max_completion_length (default 512): generate's max_new_tokens; completions
     # run to it (no EOS), the longest case.
-    max_completion_length: int = 512
+    max_completion_length: int = job_field(
+        512,
+        doc="GRPOConfig.max_completion_length: model.generate's max_new_tokens; completions are "
+        "taken to run to it (no EOS).",
+        mirrors="GRPOConfig.max_completion_length",
+        ge=1,
+        unstated_le=MAX_SEQ_LEN,
+    )
     # GRPOConfig.beta (default 0.0): the KL coefficient; 0.0 loads no reference model.
-    beta: float = 0.0
+    beta: float = job_field(
+        0.0,
+        doc="GRPOConfig.beta: 0.0 (the default) loads no reference model; above 0 is a 422 (not "
+        "modelled).",
+        mirrors="GRPOConfig.beta",
+        ge=0.0,
+    )
     # GRPOConfig.num_iterations (default 1): above 1 TRL computes old_per_token_logps.
-    num_iterations: int = 1
+    num_iterations: int = job_field(
+        1,
+        doc="GRPOConfig.num_iterations: above 1 is a 422 (old_per_token_logps not modelled).",
+        mirrors="GRPOConfig.num_iterations",
+        ge=1,
+    )
     # GRPOConfig.use_vllm (default False): generation by vLLM instead of model.generate.
-    use_vllm: bool = False
+    use_vllm: bool = job_field(
+        False,
+        doc="GRPOConfig.use_vllm: true is a 422 (vLLM's engine is not traced).",
+        mirrors="GRPOConfig.use_vllm",
+    )
 
     def prompt_length(self, seq_len: int) -> int:
         """The prompts' padded length within a `seq_len`-token sequence."""

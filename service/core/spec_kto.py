@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from service.core.fields import job_field
+
 
 class KtoLossType(StrEnum):
     """KTOConfig.loss_type's choices."""
@@ -29,11 +31,24 @@ class KtoSpec:
     # KTOConfig.precompute_ref_log_probs (default False): the reference's log-probabilities
     # (and its KL log-probabilities) are computed before training, so the step runs no
     # reference forward and full fine-tuning loads no reference copy (KTOTrainer.__init__).
-    precompute_ref_log_probs: bool = False
+    precompute_ref_log_probs: bool = job_field(
+        False,
+        doc="KTOConfig.precompute_ref_log_probs: the reference's log-probs (and its KL log-probs) "
+        "computed before training, so no reference forward in the step and, for full fine-tuning, "
+        "no reference copy of the model.",
+        mirrors="KTOConfig.precompute_ref_log_probs",
+    )
     # KTOConfig.loss_type (default "kto"): every loss type but "apo_zero_unpaired" runs the
     # KL batch, the completions rotated by one within the batch, through the policy and the
     # reference under no_grad (KTOTrainer._compute_kl_logps).
-    loss_type: KtoLossType = KtoLossType.KTO
+    loss_type: KtoLossType = job_field(
+        KtoLossType.KTO,
+        doc="KTOConfig.loss_type: 'kto' runs the KL batch (each prompt with the completion of the "
+        "example before it) through the policy and the reference under no_grad, and needs "
+        "batch_size of at least 2; 'apo_zero_unpaired' runs no KL batch.",
+        mirrors="KTOConfig.loss_type",
+        inline=True,
+    )
 
     @property
     def calculate_kl(self) -> bool:

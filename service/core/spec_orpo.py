@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +24,12 @@ class OrpoSpec:
     # ORPOConfig.disable_dropout (default True): ORPOTrainer.__init__ sets every nn.Dropout's
     # p to 0 (trl/trainer/utils.py disable_dropout_in_model), LoRA's included; False keeps
     # LoRA's dropout and the masks it saves.
-    disable_dropout: bool = True
+    disable_dropout: bool = job_field(
+        True,
+        doc="ORPOConfig.disable_dropout: every dropout's p set to 0, LoRA's included; false keeps "
+        "LoRA's dropout and the masks it saves.",
+        mirrors="ORPOConfig.disable_dropout",
+    )
 
 
 def orpo_refusal(objective: str, method: str, autocast: bool) -> InvalidSpecError | None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import MAX_BUCKET_CAP_MB, MAX_GPUS, MAX_ZERO_ELEMENTS
 
 
 class Strategy(StrEnum):
@@ -71,31 +73,99 @@ class ParallelSpec:
     (torch DDP's and FSDP's arguments, accelerate's FSDP plugin, DeepSpeed's `zero_optimization`
     keys) and their defaults. Settings of other strategies than `strategy` are ignored."""
 
-    gpus: int = 1
-    strategy: Strategy = Strategy.DDP
-    offload: Offload = Offload.NONE
-    gpus_per_node: int | None = None  # None: min(gpus, DEFAULT_GPUS_PER_NODE)
+    gpus: int = job_field(1, doc="GPUs (ranks) the job spans.", ge=1, le=MAX_GPUS)
+    strategy: Strategy = job_field(
+        Strategy.DDP, doc="ddp, fsdp (FSDP1), fsdp2 (fully_shard), or DeepSpeed zero1/zero2/zero3."
+    )
+    offload: Offload = job_field(Offload.NONE, doc="What is offloaded to the host.")
+    # None: min(gpus, DEFAULT_GPUS_PER_NODE)
+    gpus_per_node: int | None = job_field(
+        None, doc=f"GPUs per node; null: min(gpus, {DEFAULT_GPUS_PER_NODE}).", ge=1, le=MAX_GPUS
+    )
     # DDP (torch.nn.parallel.DistributedDataParallel)
-    bucket_cap_mb: int = DDP_BUCKET_CAP_MB
-    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: int = job_field(
+        DDP_BUCKET_CAP_MB,
+        doc="DDP's bucket cap (MB).",
+        mirrors="DistributedDataParallel.bucket_cap_mb",
+        ge=1,
+        le=MAX_BUCKET_CAP_MB,
+    )
+    gradient_as_bucket_view: bool = job_field(
+        False,
+        doc="DDP: gradients are views into the buckets.",
+        mirrors="DistributedDataParallel.gradient_as_bucket_view",
+    )
     # FSDP1 (torch's FullyShardedDataParallel defaults; HF Trainer passes backward_prefetch
     # NO_PREFETCH unless its fsdp_config sets one: transformers/training_args.py)
-    sharding_strategy: FsdpSharding = FsdpSharding.FULL_SHARD
-    use_orig_params: bool = True
-    limit_all_gathers: bool = True
-    forward_prefetch: bool = False
-    backward_prefetch: FsdpBackwardPrefetch = FsdpBackwardPrefetch.BACKWARD_PRE
+    sharding_strategy: FsdpSharding = job_field(
+        FsdpSharding.FULL_SHARD,
+        doc="FSDP1's sharding strategy.",
+        mirrors="FullyShardedDataParallel.sharding_strategy",
+    )
+    use_orig_params: bool = job_field(
+        True, doc="FSDP1's use_orig_params.", mirrors="FullyShardedDataParallel.use_orig_params"
+    )
+    limit_all_gathers: bool = job_field(
+        True, doc="FSDP1's limit_all_gathers.", mirrors="FullyShardedDataParallel.limit_all_gathers"
+    )
+    forward_prefetch: bool = job_field(
+        False, doc="FSDP1's forward_prefetch.", mirrors="FullyShardedDataParallel.forward_prefetch"
+    )
+    backward_prefetch: FsdpBackwardPrefetch = job_field(
+        FsdpBackwardPrefetch.BACKWARD_PRE,
+        doc="FSDP1's backward_prefetch.",
+        mirrors="FullyShardedDataParallel.backward_prefetch",
+    )
     # FSDP2 (torch.distributed.fsdp.fully_shard)
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = job_field(
+        True, doc="FSDP2's reshard_after_forward.", mirrors="fully_shard(reshard_after_forward=...)"
+    )
     # DeepSpeed ZeRO (`zero_optimization`); None: "auto" as HF's DeepSpeed integration fills it
     # from the model (transformers/integrations/deepspeed.py).
-    reduce_bucket_size: int | None = None
-    allgather_bucket_size: int = ZERO_ALLGATHER_BUCKET_SIZE
-    stage3_prefetch_bucket_size: int | None = None
-    stage3_max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS
-    stage3_param_persistence_threshold: int | None = None
-    contiguous_gradients: bool = True
-    overlap_comm: bool | None = None  # None: DeepSpeed's default for the stage
+    reduce_bucket_size: int | None = job_field(
+        None,
+        doc="ZeRO's reduce_bucket_size (elements); null: 'auto' (hidden_size²).",
+        mirrors="zero_optimization.reduce_bucket_size",
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+    )
+    allgather_bucket_size: int = job_field(
+        ZERO_ALLGATHER_BUCKET_SIZE,
+        doc="ZeRO-1/2's allgather_bucket_size (elements).",
+        mirrors="zero_optimization.allgather_bucket_size",
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+    )
+    stage3_prefetch_bucket_size: int | None = job_field(
+        None,
+        doc="ZeRO-3's prefetch bucket (elements); null: 'auto' (0.9 hidden_size²).",
+        mirrors="zero_optimization.stage3_prefetch_bucket_size",
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+    )
+    stage3_max_live_parameters: int = job_field(
+        ZERO3_MAX_LIVE_PARAMETERS,
+        doc="ZeRO-3's stage3_max_live_parameters (elements).",
+        mirrors="zero_optimization.stage3_max_live_parameters",
+        ge=1,
+        le=MAX_ZERO_ELEMENTS,
+    )
+    stage3_param_persistence_threshold: int | None = job_field(
+        None,
+        doc="ZeRO-3's persistence threshold (elements); null: 'auto' (10 hidden_size).",
+        mirrors="zero_optimization.stage3_param_persistence_threshold",
+        ge=0,
+        le=MAX_ZERO_ELEMENTS,
+    )
+    contiguous_gradients: bool = job_field(
+        True, doc="ZeRO's contiguous_gradients.", mirrors="zero_optimization.contiguous_gradients"
+    )
+    # None: DeepSpeed's default for the stage
+    overlap_comm: bool | None = job_field(
+        None,
+        doc="ZeRO's overlap_comm; null: DeepSpeed's default for the stage.",
+        mirrors="zero_optimization.overlap_comm",
+    )
 
     def __post_init__(self) -> None:
         if self.gpus < 1:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import MAX_ENCODER_HIDDEN_SIZE, MAX_VIRTUAL_TOKENS
 
 # peft/utils/constants.py TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING and
 # TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING (PEFT 0.21), for the decoder families
@@ -89,10 +91,21 @@ class IA3Spec:
     """PEFT IA3Config; defaults are PEFT's (peft/tuners/ia3/config.py)."""
 
     # None: PEFT's per-architecture default (IA3_TARGET_MODULES).
-    target_modules: tuple[str, ...] | None = None
+    target_modules: tuple[str, ...] | None = job_field(
+        None,
+        doc="Linears that get a scaling vector; null: PEFT's default for the model.",
+        mirrors="IA3Config.target_modules",
+        min_length=1,
+    )
     # Targets whose input is scaled rather than their output; None: PEFT's default
     # (IA3_FEEDFORWARD_MODULES); empty: none. PEFT requires them to be among the targets.
-    feedforward_modules: tuple[str, ...] | None = None
+    feedforward_modules: tuple[str, ...] | None = job_field(
+        None,
+        doc="Targets whose input is scaled instead of their output; null: PEFT's default for the "
+        "model, [] none.",
+        mirrors="IA3Config.feedforward_modules",
+        min_length=0,
+    )
 
     def __post_init__(self) -> None:
         _names("ia3.target_modules", self.target_modules)
@@ -113,7 +126,12 @@ class LnTuningSpec:
     """PEFT LNTuningConfig; defaults are PEFT's (peft/tuners/ln_tuning/config.py)."""
 
     # None: PEFT's per-architecture default (LN_TUNING_TARGET_MODULES).
-    target_modules: tuple[str, ...] | None = None
+    target_modules: tuple[str, ...] | None = job_field(
+        None,
+        doc="Norm layers trained (as copies); null: PEFT's default for the model.",
+        mirrors="LNTuningConfig.target_modules",
+        min_length=1,
+    )
 
     def __post_init__(self) -> None:
         _names("ln_tuning.target_modules", self.target_modules)
@@ -125,7 +143,12 @@ class PromptTuningSpec:
     num_virtual_tokens (PromptLearningConfig: None, which get_peft_model cannot build), so it
     is required; the initialisation (prompt_tuning_init) changes no tensor's size."""
 
-    num_virtual_tokens: int
+    num_virtual_tokens: int = job_field(
+        doc="Virtual tokens prepended to every sequence (trainable embeddings).",
+        mirrors="PromptTuningConfig.num_virtual_tokens",
+        ge=1,
+        le=MAX_VIRTUAL_TOKENS,
+    )
 
     def __post_init__(self) -> None:
         if self.num_virtual_tokens < 1:
@@ -141,9 +164,25 @@ class PrefixTuningSpec:
     default, the keys' and values' width per layer (utils/other.py
     _prepare_prompt_learning_config). init_weights changes no tensor's size."""
 
-    num_virtual_tokens: int
-    prefix_projection: bool = False
-    encoder_hidden_size: int | None = None
+    num_virtual_tokens: int = job_field(
+        doc="Virtual tokens whose keys and values every layer's attention sees first.",
+        mirrors="PrefixTuningConfig.num_virtual_tokens",
+        ge=1,
+        le=MAX_VIRTUAL_TOKENS,
+    )
+    prefix_projection: bool = job_field(
+        False,
+        doc="A two-layer MLP between the virtual tokens and the keys and values.",
+        mirrors="PrefixTuningConfig.prefix_projection",
+    )
+    encoder_hidden_size: int | None = job_field(
+        None,
+        doc="The projection's hidden width (prefix_projection only); null: PEFT's default, the "
+        "keys' width per layer.",
+        mirrors="PrefixTuningConfig.encoder_hidden_size",
+        ge=1,
+        le=MAX_ENCODER_HIDDEN_SIZE,
+    )
 
     def __post_init__(self) -> None:
         if self.num_virtual_tokens < 1:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
+from service.core.limits import MAX_IMAGE_SIDE, MAX_IMAGES_PER_SAMPLE, MAX_SEQ_LEN
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,18 +24,49 @@ class VisionInputs:
     """Images per sample, each of one size: its pixels (`image_height`, `image_width`) or
     the tokens it contributes to the language model's sequence (`image_tokens`)."""
 
-    images_per_sample: int = 1
+    images_per_sample: int = job_field(
+        1, doc="Images in each sample.", ge=1, le=MAX_IMAGES_PER_SAMPLE
+    )
     # The image's size in pixels before the processor resizes it.
-    image_height: int | None = None
-    image_width: int | None = None
+    image_height: int | None = job_field(
+        None,
+        doc="The images' height in pixels; with image_width, the processor's resize (Qwen2-VL: "
+        "smart_resize to multiples of 28 within min/max_pixels) gives the tokens, or "
+        "(Llama-3.2-Vision) get_optimal_tiled_canvas the tiles.",
+        ge=1,
+        le=MAX_IMAGE_SIDE,
+    )
+    image_width: int | None = job_field(
+        None, doc="The images' width in pixels.", ge=1, le=MAX_IMAGE_SIDE
+    )
     # An override: the tokens one image takes in the language model's sequence (Qwen2-VL: its
     # merged patches, one <|image_pad|> placeholder each), instead of deriving them from pixels.
-    image_tokens: int | None = None
+    image_tokens: int | None = job_field(
+        None,
+        doc="Instead of the size: the tokens one image takes in the language model's sequence "
+        "(Qwen2-VL: its merged patches, a quarter of its 14 x 14 patches). Not for "
+        "Llama-3.2-Vision, whose images are no tokens of the sequence.",
+        ge=1,
+        le=MAX_SEQ_LEN,
+    )
     # Qwen2-VL's processor bounds on the resized image's pixels (Qwen2VLImageProcessor
     # min_pixels / max_pixels, its size's shortest_edge / longest_edge); None: the
     # processor's defaults.
-    min_pixels: int | None = None
-    max_pixels: int | None = None
+    min_pixels: int | None = job_field(
+        None,
+        doc="Qwen2-VL's processor min_pixels; null: Qwen2VLImageProcessor's 3136.",
+        mirrors="Qwen2VLImageProcessor.min_pixels",
+        ge=1,
+        le=MAX_IMAGE_SIDE**2,
+    )
+    max_pixels: int | None = job_field(
+        None,
+        doc="Qwen2-VL's processor max_pixels; null: Qwen2VLImageProcessor's 1003520 (28 x 28 x "
+        "1280).",
+        mirrors="Qwen2VLImageProcessor.max_pixels",
+        ge=1,
+        le=MAX_IMAGE_SIDE**2,
+    )
 
     def __post_init__(self) -> None:
         if self.images_per_sample < 1:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from service.core.errors import InvalidSpecError
+from service.core.fields import job_field
 
 # X, X.Y or X.Y.Z, with an optional suffix (".dev0", "rc1", "+cu124").
 VERSION_PATTERN = re.compile(r"^(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.+\-]?[0-9A-Za-z.+\-]*)?$")
@@ -52,10 +53,10 @@ VERSION_PATTERN = re.compile(r"^(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.+\-]?[0-9A-Za-
 class Stack:
     """Versions of the libraries whose behaviour sets a step's memory."""
 
-    transformers: str = "5.24.0"
-    peft: str = "0.21.2"
-    bitsandbytes: str = "0.50.2"
-    torch: str = "2.13.0"
+    transformers: str = job_field("5.24.0", doc=None)
+    peft: str = job_field("0.21.2", doc=None)
+    bitsandbytes: str = job_field("0.50.2", doc=None)
+    torch: str = job_field("2.13.0", doc=None)
 
     def __post_init__(self) -> None:
         for name in ("transformers", "peft", "bitsandbytes", "torch"):

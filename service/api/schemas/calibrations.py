@@ -448,15 +448,13 @@ class FactorOut(Out):
             level=key.level,
             model=key.model,
             variant=key.variant,
-            ratio=factor.ratio,
-            upper_multiplier=factor.upper_multiplier,
-            nodes=factor.nodes,
-            models=factor.models,
             rejected_nodes=list(factor.rejected_nodes),
-            runs=factor.runs,
-            oom_runs=factor.oom_runs,
-            clamped=factor.clamped,
+            **{name: getattr(factor, name) for name in _FACTOR_VALUES},
         )
+
+
+# The fields a factor's answer takes from the core's Factor as they are.
+_FACTOR_VALUES = ("ratio", "upper_multiplier", "nodes", "models", "runs", "oom_runs", "clamped")
 
 
 class FactorTableOut(Out):
