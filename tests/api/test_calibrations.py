@@ -310,6 +310,8 @@ class TestListing:
         [
             ({"cursor": "bm90LWEtY3Vyc29y"}, ["query", "cursor"]),
             ({"since": "2026-11-29T12:00:00"}, ["query", "since"]),
+            ({"since": "0001-01-01T00:00:00+00:01"}, ["query", "since"]),
+            ({"since": "9999-12-31T23:59:00-00:01"}, ["query", "since"]),
             ({"limit": 0}, ["query", "limit"]),
             ({"page": 2}, ["query", "page"]),
         ],

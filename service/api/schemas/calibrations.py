@@ -6,10 +6,11 @@ An upload maps to the calibration package's `NewUpload`; what it returns maps ba
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BeforeValidator,
     ConfigDict,
@@ -87,7 +88,18 @@ def _date_time_text(value: Any) -> Any:
     return value
 
 
-DateTimeText = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
+def _within_utc(value: datetime) -> datetime:
+    """A time the store can hold: the store keeps UTC, and years 1 to 9999 only."""
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("must lie between the years 1 and 9999 in UTC") from None
+    return value
+
+
+DateTimeText = Annotated[
+    AwareDatetime, BeforeValidator(_date_time_text), AfterValidator(_within_utc)
+]
 
 
 # ---------------------------------------------------------------------------------------------
