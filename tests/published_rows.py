@@ -26,8 +26,8 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.stack import preset
 from service.core.units import DType
 

@@ -27,7 +27,7 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec
+from service.core.spec.delta import AdaLoraSpec
 
 
 class CliError(Exception):

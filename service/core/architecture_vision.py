@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.errors import InvalidConfigError, InvalidSpecError
-from service.core.spec_vision import VisionInputs
+from service.core.spec.vision import VisionInputs
 
 # The model types whose vision tower this module describes.
 VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})

@@ -23,8 +23,8 @@ from typing import Literal, NamedTuple, TypeVar
 from service.core.errors import InvalidSpecError
 from service.core.fit_changes import Change, apply_change, take_back
 from service.core.spec import Objective, Optim, TrainingSpec
-from service.core.spec_grpo import curve_point
-from service.core.spec_vision import SequenceTooShortError
+from service.core.spec.grpo import curve_point
+from service.core.spec.vision import SequenceTooShortError
 from service.core.units import MIB
 
 # CUDA hands out less than nvidia-smi's total: on the H200 of tests/data/gpu/ torch reported

@@ -23,7 +23,7 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
-from service.core.spec_grpo import fewer_generations, shorter_completions
+from service.core.spec.grpo import fewer_generations, shorter_completions
 
 
 class Change(StrEnum):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from service.core.errors import InvalidSpecError
 
-# The quantization.type values of these formats (service/core/spec.py QuantType).
+# The quantization.type values of these formats (service/core/spec/__init__.py QuantType).
 GPTQ = "gptq"
 AWQ = "awq"
 HQQ = "hqq"

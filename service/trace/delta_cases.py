@@ -7,7 +7,7 @@ buffers), on Qwen2.5-0.5B and Llama-3.2-1B."""
 from __future__ import annotations
 
 from service.core.spec import ALL_LINEAR, AttnImpl, LoraSpec, Method, TrainingSpec
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
 
 QWEN_05B = "Qwen/Qwen2.5-0.5B"
 LLAMA_1B = "meta-llama/Llama-3.2-1B"

@@ -21,11 +21,11 @@ from service.core.spec import (
     QuantType,
     TrainingSpec,
 )
-from service.core.spec_grpo import GrpoSpec
-from service.core.spec_kto import KtoLossType, KtoSpec
-from service.core.spec_orpo import OrpoSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
-from service.core.spec_vision import VisionInputs
+from service.core.spec.grpo import GrpoSpec
+from service.core.spec.kto import KtoLossType, KtoSpec
+from service.core.spec.orpo import OrpoSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.vision import VisionInputs
 from service.core.units import DType
 
 QWEN_7B = "Qwen/Qwen2.5-7B"

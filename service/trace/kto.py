@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from service.core.result import Component, Phase
 from service.core.spec import Method, TrainingSpec
-from service.core.spec_kto import KtoLossType
+from service.core.spec.kto import KtoLossType
 from service.trace import preference
 from service.trace.preference import (
     CHECKPOINTING_KWARGS,

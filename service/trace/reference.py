@@ -36,7 +36,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_vision import VisionInputs
+from service.core.spec.vision import VisionInputs
 from service.core.stack import PINNED_STACK, preset
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases

@@ -13,7 +13,7 @@ from service.api.schemas import JobSpec
 from service.catalog.models import default_catalog
 from service.core.estimator import estimate
 from service.core.spec import Objective
-from service.core.spec_grpo import GrpoSpec
+from service.core.spec.grpo import GrpoSpec
 
 # Qwen2.5-1.5B LoRA, 8 completions of one prompt (GRPOConfig's default num_generations), 512
 # prompt + 512 completion tokens

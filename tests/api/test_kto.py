@@ -13,7 +13,7 @@ from service.api.schemas import JobSpec
 from service.catalog.models import default_catalog
 from service.core.estimator import estimate
 from service.core.spec import Method, Objective
-from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.spec.kto import KtoLossType, KtoSpec
 from tests.api.conftest import SMALL_JOB
 
 KTO_JOB: dict[str, Any] = {**SMALL_JOB, "objective": "kto"}

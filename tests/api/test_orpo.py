@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.api.schemas import JobSpec
 from service.core.spec import Method, Objective
-from service.core.spec_orpo import OrpoSpec
+from service.core.spec.orpo import OrpoSpec
 from tests.api.conftest import SMALL_JOB, answered_as_the_core, refused_naming
 
 ORPO_JOB: dict[str, Any] = {**SMALL_JOB, "objective": "orpo"}

@@ -12,7 +12,7 @@ from service.catalog.models import default_catalog
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.estimator import estimate
 from service.core.spec import Method
-from service.core.spec_prompt import IA3Spec, LnTuningSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec
 from tests.api.conftest import SMALL_JOB
 
 

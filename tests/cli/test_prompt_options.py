@@ -8,7 +8,7 @@ import pytest
 from service.cli.main import build_parser
 from service.cli.options import CliError, spec_from_args
 from service.core.spec import Method, TrainingSpec
-from service.core.spec_prompt import PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.prompt import PrefixTuningSpec, PromptTuningSpec
 
 JOB = ["Qwen/Qwen2.5-0.5B", "-b", "2", "-s", "512"]
 

@@ -12,7 +12,7 @@ from service.catalog.models import CatalogEntry, default_catalog
 from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate
 from service.core.spec import AttnImpl, LoraSpec, Method, QuantSpec, TrainingSpec
-from service.core.spec_vision import VisionInputs
+from service.core.spec.vision import VisionInputs
 
 ENTRIES = default_catalog().entries()
 

@@ -62,11 +62,11 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_kto import KtoLossType, KtoSpec
-from service.core.spec_orpo import OrpoSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
-from service.core.spec_vision import VisionInputs
+from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.kto import KtoLossType, KtoSpec
+from service.core.spec.orpo import OrpoSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.vision import VisionInputs
 from service.core.units import DType
 
 module_names = st.from_regex(r"[A-Za-z0-9_.]{1,20}", fullmatch=True)

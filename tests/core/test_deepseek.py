@@ -31,7 +31,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_parallel import ParallelSpec
+from service.core.spec.parallel import ParallelSpec
 from service.core.units import DType
 from service.trace.reference import spec_from_json
 from tests.core.test_references import TRACES

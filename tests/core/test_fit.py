@@ -36,8 +36,8 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.core.spec_delta import VeraSpec
-from service.core.spec_prompt import PromptTuningSpec
+from service.core.spec.delta import VeraSpec
+from service.core.spec.prompt import PromptTuningSpec
 from service.core.units import GIB, MIB
 
 BASE = TrainingSpec(batch_size=4, seq_len=64)

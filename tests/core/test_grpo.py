@@ -13,7 +13,7 @@ from service.core.fit import GpuOffer, Requirement, check_fit
 from service.core.fit_changes import Change
 from service.core.result import Component, Phase
 from service.core.spec import Framework, LoraSpec, Method, Objective, TrainingSpec
-from service.core.spec_grpo import GrpoSpec, fewer_generations, shorter_completions
+from service.core.spec.grpo import GrpoSpec, fewer_generations, shorter_completions
 from service.core.units import GIB
 
 CATALOG = default_catalog()

@@ -22,7 +22,7 @@ from service.core.spec import (
     TrainingSpec,
     objective_from,
 )
-from service.core.spec_kto import KtoLossType, KtoSpec
+from service.core.spec.kto import KtoLossType, KtoSpec
 from service.core.units import DType
 
 CATALOG = default_catalog()

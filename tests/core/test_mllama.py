@@ -14,7 +14,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.hf_config import from_hf_config
 from service.core.spec import AttnImpl, LoraSpec, Method, QuantSpec, SdpaKernel, TrainingSpec
-from service.core.spec_vision import SequenceTooShortError, VisionInputs
+from service.core.spec.vision import SequenceTooShortError, VisionInputs
 from service.core.units import DType
 
 ENTRY = default_catalog().resolve("meta-llama/Llama-3.2-11B-Vision-Instruct")

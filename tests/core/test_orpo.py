@@ -23,7 +23,7 @@ from service.core.spec import (
     TrainingSpec,
     objective_from,
 )
-from service.core.spec_orpo import OrpoSpec
+from service.core.spec.orpo import OrpoSpec
 from service.core.units import DType
 
 CATALOG = default_catalog()

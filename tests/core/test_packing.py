@@ -20,7 +20,7 @@ from service.core.spec import (
     SdpaKernel,
     TrainingSpec,
 )
-from service.core.spec_prompt import PromptTuningSpec
+from service.core.spec.prompt import PromptTuningSpec
 from service.core.units import INT64_BYTES
 
 

@@ -10,7 +10,7 @@ from service.core.errors import InvalidSpecError
 from service.core.estimator import ALLOCATOR_BUFFERS, adalora_parts, estimate, layer_saved_bytes
 from service.core.result import Component
 from service.core.spec import Framework, LoraSpec, Method, ParallelSpec, TrainingSpec, resolve
-from service.core.spec_delta import AdaLoraSpec, VeraSpec
+from service.core.spec.delta import AdaLoraSpec, VeraSpec
 from tests.core.test_estimator import ARCH
 
 QV = ("q_proj", "v_proj")

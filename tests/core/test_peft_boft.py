@@ -10,7 +10,7 @@ from service.core.errors import InvalidSpecError
 from service.core.estimator import estimate, layer_saved_bytes
 from service.core.result import Component
 from service.core.spec import LoraSpec, Method, TrainingSpec, resolve
-from service.core.spec_delta import BoftSpec
+from service.core.spec.delta import BoftSpec
 from tests.core.test_estimator import ARCH
 
 QV = ("q_proj", "v_proj")

@@ -18,7 +18,7 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_delta import LohaSpec, LokrSpec, VeraSpec
+from service.core.spec.delta import LohaSpec, LokrSpec, VeraSpec
 from tests.core.test_estimator import ARCH, LORA_QV
 
 

@@ -10,7 +10,7 @@ from service.core.errors import InvalidSpecError
 from service.core.estimator import OFT_SERIES_SAVED, estimate, layer_saved_bytes
 from service.core.result import Component
 from service.core.spec import LoraSpec, Method, TrainingSpec, resolve
-from service.core.spec_delta import OftSpec, oft_blocks
+from service.core.spec.delta import OftSpec, oft_blocks
 from tests.core.test_estimator import ARCH
 
 QV = ("q_proj", "v_proj")

@@ -26,8 +26,8 @@ from service.core.spec import (
     QuantSpec,
     TrainingSpec,
 )
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.prompt import PrefixTuningSpec, PromptTuningSpec
 from service.core.units import DType
 
 MODELS = (

@@ -11,7 +11,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
 from service.core.result import Component
 from service.core.spec import LoraSpec, Method, QuantSpec, TrainingSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 
 QWEN = "Qwen/Qwen2.5-0.5B"
 LLAMA = "meta-llama/Llama-3.2-1B"

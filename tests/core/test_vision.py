@@ -19,7 +19,7 @@ from service.core.estimator import estimate
 from service.core.fit import GpuOffer, Requirement, check_fit
 from service.core.result import Component
 from service.core.spec import AttnImpl, LoraSpec, Method, Objective, ParallelSpec, TrainingSpec
-from service.core.spec_vision import VisionInputs
+from service.core.spec.vision import VisionInputs
 from service.core.units import GIB
 
 CATALOG = default_catalog()

@@ -225,7 +225,7 @@ def test_a_kto_trace_runs_the_kl_batch_and_the_reference_forward() -> None:
     fine-tuning holds the reference copy, and the KL batch's three (rows, seq) int64 tensors
     are in the collator's batch only with a loss type that estimates the KL term."""
     from service.core.spec import Objective
-    from service.core.spec_kto import KtoLossType, KtoSpec
+    from service.core.spec.kto import KtoLossType, KtoSpec
 
     full = TrainingSpec(method=Method.FULL, batch_size=2, seq_len=32, objective=Objective.KTO)
     result = trace(full, TINY, "tiny")
@@ -252,7 +252,7 @@ def test_a_grpo_trace_runs_generate_with_its_kv_cache_then_the_step() -> None:
     labelled generation_kv_cache (a key and a value per layer over the prompt and every
     sampled token), freed before the step's forward."""
     from service.core.spec import Objective
-    from service.core.spec_grpo import GrpoSpec
+    from service.core.spec.grpo import GrpoSpec
 
     settings = GrpoSpec(num_generations=2, max_prompt_length=8, max_completion_length=4)
     spec = TrainingSpec(

@@ -13,7 +13,7 @@ import transformers
 
 from service.core.architecture_vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, smart_resize
 from service.core.spec import TrainingSpec
-from service.core.spec_vision import VisionInputs
+from service.core.spec.vision import VisionInputs
 from service.trace import vision
 
 PROCESSOR = (

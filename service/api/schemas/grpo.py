@@ -1,10 +1,10 @@
 """GRPO's settings in a job request (objective 'grpo'), by TRL GRPOConfig's names and defaults
-(service/core/spec_grpo.py, where each field is declared)."""
+(service/core/spec/grpo.py, where each field is declared)."""
 
 from __future__ import annotations
 
 from service.api.schemas.declared import DeclaredIn, declared_model
-from service.core.spec_grpo import GrpoSpec
+from service.core.spec.grpo import GrpoSpec
 
 GrpoIn = declared_model(
     "GrpoIn",

@@ -1,10 +1,10 @@
 """ORPO's settings in a job request (objective 'orpo'), by TRL ORPOConfig's names and defaults
-(service/core/spec_orpo.py, where each field is declared)."""
+(service/core/spec/orpo.py, where each field is declared)."""
 
 from __future__ import annotations
 
 from service.api.schemas.declared import DeclaredIn, declared_model
-from service.core.spec_orpo import OrpoSpec
+from service.core.spec.orpo import OrpoSpec
 
 OrpoIn = declared_model(
     "OrpoIn",

@@ -1,13 +1,13 @@
 """The options of PEFT's methods besides LoRA in a job request, by PEFT's config names and
-defaults: (IA)^3, LN tuning, prompt and prefix tuning (service/core/spec_prompt.py), VeRA,
-LoHa, LoKr, AdaLoRA, OFT and BOFT (service/core/spec_delta.py), where each field is declared;
+defaults: (IA)^3, LN tuning, prompt and prefix tuning (service/core/spec/prompt.py), VeRA,
+LoHa, LoKr, AdaLoRA, OFT and BOFT (service/core/spec/delta.py), where each field is declared;
 and the module names every adapter option takes."""
 
 from __future__ import annotations
 
 from service.api.schemas.declared import DeclaredIn, ModuleList, ModuleName, declared_model
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 
 __all__ = [
     "AdaLoraIn",

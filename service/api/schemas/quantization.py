@@ -1,5 +1,5 @@
 """The frozen base's quantization in a job: bitsandbytes', GPTQ, AWQ, HQQ or torchao
-(service/core/spec_lora.py QuantSpec, where each field is declared)."""
+(service/core/spec/lora.py QuantSpec, where each field is declared)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""A vision-language job's image inputs in a job request (service/core/spec_vision.py, where
+"""A vision-language job's image inputs in a job request (service/core/spec/vision.py, where
 each field is declared)."""
 
 from __future__ import annotations
 
 from service.api.schemas.declared import DeclaredIn, declared_model
-from service.core.spec_vision import VisionInputs
+from service.core.spec.vision import VisionInputs
 
 VisionIn = declared_model(
     "VisionIn",

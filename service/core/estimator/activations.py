@@ -48,7 +48,7 @@ from service.core.spec import (
     ResolvedSpec,
     SdpaKernel,
 )
-from service.core.spec_delta import BoftSpec, LokrSpec, OftSpec
+from service.core.spec.delta import BoftSpec, LokrSpec, OftSpec
 from service.core.units import (
     AUTOCAST_BYTES,
     BOOL_BYTES,

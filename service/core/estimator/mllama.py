@@ -45,7 +45,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, SdpaKernel, TrainingSpec
-from service.core.spec_vision import check_sequence
+from service.core.spec.vision import check_sequence
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES, DType
 
 # The processor's outputs: pixel_values fp32 (rescaled and normalised), the aspect-ratio ids

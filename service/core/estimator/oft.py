@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.core.architecture import Linear
 from service.core.estimator.ledger import _Kind, _Ledger
-from service.core.spec_delta import BoftSpec, OftSpec
+from service.core.spec.delta import BoftSpec, OftSpec
 from service.core.units import FP32_BYTES
 
 # The Cayley–Neumann series' products each forward keeps for backward (peft/tuners/oft/

@@ -1,4 +1,4 @@
-"""A padding-free packed micro-batch (spec_packing.py) as the step the model runs: one row of
+"""A padding-free packed micro-batch (spec/packing.py) as the step the model runs: one row of
 batch_size x seq_len tokens.
 
 TRL's collator flattens the micro-batch into input_ids, labels and position_ids of shape

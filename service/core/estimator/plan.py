@@ -62,8 +62,8 @@ from service.core.spec import (
     TrainingSpec,
     resolve,
 )
-from service.core.spec_delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
-from service.core.spec_prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
+from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
 # Gradient accumulation: the reserved level's replay runs at most this many micro-batches per
@@ -546,7 +546,7 @@ class _PlanKey(NamedTuple):
     oft: OftSpec | None = None
     boft: BoftSpec | None = None
     prefix_tuning: PrefixTuningSpec | None = None
-    optimizer_in_backward: bool = False  # torchtune's options (spec_train.py)
+    optimizer_in_backward: bool = False  # torchtune's options (spec/train.py)
     activation_offloading: bool = False
     liger_kernel: bool = False  # HF Trainer's use_liger_kernel (service/core/liger.py)
 

@@ -18,7 +18,7 @@ from service.core.architecture import ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.spec import AttnImpl, Method, SdpaKernel, TrainingSpec
-from service.core.spec_prompt import PrefixTuningSpec
+from service.core.spec.prompt import PrefixTuningSpec
 from service.core.units import FP32_BYTES
 
 

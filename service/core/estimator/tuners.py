@@ -21,7 +21,7 @@ from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.prefix import check_prefix_attention, prefix_tensors
 from service.core.estimator.weights import adapted_linears
 from service.core.spec import Method, ResolvedSpec, TrainingSpec
-from service.core.spec_prompt import (
+from service.core.spec.prompt import (
     IA3_FEEDFORWARD_MODULES,
     IA3_TARGET_MODULES,
     LN_TUNING_TARGET_MODULES,

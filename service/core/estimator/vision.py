@@ -33,7 +33,7 @@ from service.core.estimator.mllama import mllama_step
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.estimator.weights import _quantized_matrix_bytes
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, TrainingSpec
-from service.core.spec_vision import check_sequence
+from service.core.spec.vision import check_sequence
 from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
 
 # The image grid rows (t, h, w) and the token types are torch.long (the processor's

@@ -20,7 +20,7 @@ from service.core.spec import (
     QuantType,
     ResolvedSpec,
 )
-from service.core.spec_delta import BoftSpec, LokrSpec, OftSpec
+from service.core.spec.delta import BoftSpec, LokrSpec, OftSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, INT64_BYTES, UINT8_BYTES, DType
 
 # bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64

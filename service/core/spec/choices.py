@@ -36,7 +36,7 @@ class Method(StrEnum):
 
 
 # PEFT's prompt-side methods, each with the TrainingSpec field that holds its options
-# (service/core/spec_prompt.py); the weight-side ones are `DELTA_OPTIONS`.
+# (service/core/spec/prompt.py); the weight-side ones are `DELTA_OPTIONS`.
 METHOD_OPTIONS = {
     Method.IA3: "ia3",
     Method.LN_TUNING: "ln_tuning",

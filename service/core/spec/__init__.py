@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import service.core.quant_formats as quant_formats
-import service.core.spec_parallel as spec_parallel
+import service.core.spec.parallel as spec_parallel
 from service.core.allocator import DEFAULT_ALLOCATOR, AllocatorConfig
 from service.core.errors import InvalidSpecError
 from service.core.fields import job_field
@@ -24,29 +24,29 @@ from service.core.limits import (
     MAX_NUM_LABELS,
     MAX_SEQ_LEN,
 )
-from service.core.spec_checks import (
+from service.core.spec.checks import (
     check_adapter_method,
     check_liger_job,
     check_lora_fa,
     check_packed_base,
 )
-from service.core.spec_choices import ADAPTER_METHODS as ADAPTER_METHODS
-from service.core.spec_choices import DDP_OBJECTIVES as DDP_OBJECTIVES
-from service.core.spec_choices import DELTA_OPTIONS as DELTA_OPTIONS
-from service.core.spec_choices import DPO_METHODS as DPO_METHODS
-from service.core.spec_choices import LORA_METHODS as LORA_METHODS
-from service.core.spec_choices import METHOD_OPTIONS as METHOD_OPTIONS
-from service.core.spec_choices import PREFERENCE_OBJECTIVES as PREFERENCE_OBJECTIVES
-from service.core.spec_choices import UNMODELLED_OBJECTIVES as UNMODELLED_OBJECTIVES
-from service.core.spec_choices import AttnImpl as AttnImpl
-from service.core.spec_choices import Framework as Framework
-from service.core.spec_choices import LossImpl as LossImpl
-from service.core.spec_choices import Method as Method
-from service.core.spec_choices import Objective as Objective
-from service.core.spec_choices import Optim as Optim
-from service.core.spec_choices import SdpaKernel as SdpaKernel
-from service.core.spec_choices import objective_from as objective_from
-from service.core.spec_delta import (
+from service.core.spec.choices import ADAPTER_METHODS as ADAPTER_METHODS
+from service.core.spec.choices import DDP_OBJECTIVES as DDP_OBJECTIVES
+from service.core.spec.choices import DELTA_OPTIONS as DELTA_OPTIONS
+from service.core.spec.choices import DPO_METHODS as DPO_METHODS
+from service.core.spec.choices import LORA_METHODS as LORA_METHODS
+from service.core.spec.choices import METHOD_OPTIONS as METHOD_OPTIONS
+from service.core.spec.choices import PREFERENCE_OBJECTIVES as PREFERENCE_OBJECTIVES
+from service.core.spec.choices import UNMODELLED_OBJECTIVES as UNMODELLED_OBJECTIVES
+from service.core.spec.choices import AttnImpl as AttnImpl
+from service.core.spec.choices import Framework as Framework
+from service.core.spec.choices import LossImpl as LossImpl
+from service.core.spec.choices import Method as Method
+from service.core.spec.choices import Objective as Objective
+from service.core.spec.choices import Optim as Optim
+from service.core.spec.choices import SdpaKernel as SdpaKernel
+from service.core.spec.choices import objective_from as objective_from
+from service.core.spec.delta import (
     DELTA_DEFAULTS,
     AdaLoraSpec,
     BoftSpec,
@@ -56,29 +56,29 @@ from service.core.spec_delta import (
     OftSpec,
     VeraSpec,
 )
-from service.core.spec_dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
-from service.core.spec_grpo import GrpoSpec, check_grpo
-from service.core.spec_kto import KtoSpec
-from service.core.spec_lora import ALL_LINEAR as ALL_LINEAR
-from service.core.spec_lora import SAVABLE_MODULES as SAVABLE_MODULES
-from service.core.spec_lora import LoraSpec as LoraSpec
-from service.core.spec_lora import QuantSpec as QuantSpec
-from service.core.spec_lora import QuantType as QuantType
-from service.core.spec_orpo import OrpoSpec, orpo_refusal
-from service.core.spec_packing import check_packing
-from service.core.spec_prompt import (
+from service.core.spec.dpo import DpoSpec as DpoSpec  # re-exported: the spec's type
+from service.core.spec.grpo import GrpoSpec, check_grpo
+from service.core.spec.kto import KtoSpec
+from service.core.spec.lora import ALL_LINEAR as ALL_LINEAR
+from service.core.spec.lora import SAVABLE_MODULES as SAVABLE_MODULES
+from service.core.spec.lora import LoraSpec as LoraSpec
+from service.core.spec.lora import QuantSpec as QuantSpec
+from service.core.spec.lora import QuantType as QuantType
+from service.core.spec.orpo import OrpoSpec, orpo_refusal
+from service.core.spec.packing import check_packing
+from service.core.spec.prompt import (
     IA3Spec,
     LnTuningSpec,
     PrefixTuningSpec,
     PromptTuningSpec,
     check_prompt_job,
 )
-from service.core.spec_train import check_training_features
-from service.core.spec_vision import VisionInputs, check_vision
+from service.core.spec.train import check_training_features
+from service.core.spec.vision import VisionInputs, check_vision
 from service.core.stack import PINNED_STACK, Stack
 from service.core.units import DType
 
-# The parallel settings' types and defaults (spec_parallel.py), importable from here as the
+# The parallel settings' types and defaults (spec/parallel.py), importable from here as the
 # rest of the spec.
 DDP_BUCKET_CAP_MB = spec_parallel.DDP_BUCKET_CAP_MB
 DEFAULT_GPUS_PER_NODE = spec_parallel.DEFAULT_GPUS_PER_NODE
@@ -164,7 +164,7 @@ class TrainingSpec:
         doc="TrainingArguments.gradient_checkpointing.",
         mirrors="TrainingArguments.gradient_checkpointing",
     )
-    # (spec_train.py)
+    # (spec/train.py)
     optimizer_in_backward: bool = job_field(
         False,
         doc="torchtune's optimizer_in_bwd (framework 'torchtune', full fine-tuning, one GPU, "
@@ -225,7 +225,7 @@ class TrainingSpec:
         "or 'hf-4.16') or {transformers, peft, bitsandbytes, torch}. The answer names the "
         "stack it modelled; a job whose memory differs there in a way not modelled is a 422.",
     )
-    # Options of the PEFT methods beside LoRA (service/core/spec_delta.py), one per method,
+    # Options of the PEFT methods beside LoRA (service/core/spec/delta.py), one per method,
     # named after it; None: PEFT's defaults.
     vera: VeraSpec | None = job_field(
         None, doc="VeRA options (vera only); null: PEFT's defaults.", omit="none"
@@ -274,7 +274,7 @@ class TrainingSpec:
     orpo: OrpoSpec | None = job_field(
         None, doc="ORPO settings (objective 'orpo' only); null: ORPOConfig's.", omit="none"
     )
-    # (spec_vision.py)
+    # (spec/vision.py)
     vision: VisionInputs | None = job_field(
         None,
         doc="A vision-language model's image inputs (Qwen2-VL, Qwen2.5-VL: images per sample "
@@ -283,7 +283,7 @@ class TrainingSpec:
         "null otherwise.",
         omit="none",
     )
-    # (spec_packing.py)
+    # (spec/packing.py)
     packing: bool = job_field(
         False,
         doc="TRL's padding-free packing (SFTConfig padding_free=True, or packing=True with its "
