@@ -39,19 +39,18 @@ import bisect
 from dataclasses import dataclass
 
 from service.core.errors import InvalidSpecError
+from service.core.libs.torch_allocator import (
+    DEFAULT_NON_SPLIT_ROUNDING,
+    LARGE_BUFFER,
+    MIN_BLOCK,
+    MIN_LARGE_ALLOC,
+    MIN_SPLIT_SETTING_MB,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+)
 from service.core.units import MIB
 
-# c10/cuda/CUDACachingAllocator.cpp
-MIN_BLOCK = 512  # kMinBlockSize: every size is rounded to a multiple of it
-SMALL_SIZE = 1 * MIB  # kSmallSize: the largest request served by the small pool
-SMALL_BUFFER = 2 * MIB  # kSmallBuffer: a small-pool segment
-MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc: requests under it share kLargeBuffer segments
-LARGE_BUFFER = 20 * MIB  # kLargeBuffer: large-pool segment for 1-10 MiB requests
-ROUND_LARGE = 2 * MIB  # kRoundLarge: larger segments are rounded to it
-# c10/cuda/CUDAAllocatorConfig.h: max_non_split_rounding_size defaults to kLargeBuffer.
-DEFAULT_NON_SPLIT_ROUNDING = LARGE_BUFFER
-# The smallest max_split_size_mb / max_non_split_rounding_mb accepted: kLargeBuffer in MiB.
-MIN_SPLIT_SETTING_MB = LARGE_BUFFER // MIB
 # Address space of an expandable segment: more than any step a spec can describe asks for
 # (on a GPU the allocator reserves 1 1/8 of the device's memory, ExpandableSegment's
 # constructor; the model has no device, so without a `capacity` a replay never runs out).

@@ -14,7 +14,6 @@ from functools import lru_cache
 
 from service.core.allocator import (
     DEFAULT_ALLOCATOR,
-    MIN_BLOCK,
     AllocatorConfig,
     CachingAllocator,
     FrozenState,
@@ -31,30 +30,26 @@ from service.core.architecture import (
 )
 from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
+from service.core.libs.bitsandbytes import (
+    NESTED_BLOCK,
+    NESTED_CODE_ENTRIES,
+    NF4_BLOCK,
+    NF4_CODE_ENTRIES,
+    NF4_VALUES_PER_BYTE,
+)
+from service.core.libs.optimizers import LORA_FA, OPTIMIZERS, Optimizer
+from service.core.libs.torch_allocator import block_bytes
 from service.core.limits import MAX_GPU_MEMORY_MIB
 from service.core.schedule import (
     HALF_BYTES,
     Kernel,
     LinearShape,
     StepShape,
-    Updater,
     step_events,
 )
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
 from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB, UINT8_BYTES
 
-# bitsandbytes 4-bit storage (bitsandbytes/functional.py quantize_4bit): two values per byte,
-# one absmax per 64 values, stored as uint8 with double quant (one fp32 absmax per 256 of
-# them and a 256-entry fp32 code), fp32 otherwise; the 16-entry fp32 NF4/FP4 code.
-_NF4_PER_BYTE = 2
-_NF4_BLOCK = 64
-_NESTED_BLOCK = 256
-_NESTED_CODE = 256
-_NF4_CODE = 16
-# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State): uint8
-# states with one fp32 absmax per 256 elements; under 4096 elements, fp32 states.
-_BNB_BLOCK = 256
-_BNB_MIN_8BIT = 4096
 # Above this allocated peak a job fits no GPU this service takes (a request's GPU is at most
 # MAX_GPU_MEMORY_MIB), whatever the allocator reserves on top: the step is not replayed.
 REPLAY_CEILING = MAX_GPU_MEMORY_MIB * MIB
@@ -208,33 +203,19 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
     )
 
 
-def _updater(optim: Optim, method: Method) -> Updater:
-    if method is Method.LORA_FA:
-        return Updater.LORA_FA
-    return {
-        Optim.ADAMW_TORCH_FUSED: Updater.ADAMW_FUSED,
-        Optim.ADAMW_TORCH: Updater.ADAMW_FOREACH,
-        Optim.SGD: Updater.STATELESS,
-        Optim.ADAMW_BNB_8BIT: Updater.BNB_8BIT,
-        Optim.ADAFACTOR: Updater.ADAFACTOR,
-        Optim.PAGED_ADAMW_8BIT: Updater.OUTSIDE,
-        Optim.PAGED_ADAMW_32BIT: Updater.OUTSIDE,
-    }[optim]
+def _optimizer(optim: Optim, method: Method) -> Optimizer:
+    """The optimizer that steps: LoRA-FA's own in place of the AdamW a LoRA-FA job names."""
+    return LORA_FA if method is Method.LORA_FA else OPTIMIZERS[optim]
 
 
-def _states(plan: ReservedPlan, updater: Updater) -> tuple[int, ...]:
+def _states(plan: ReservedPlan, opt: Optimizer) -> tuple[int, ...]:
+    """The optimizer's state tensors in the allocator, parameter by parameter (none for a
+    paged one; the device `step` scalars, in the small pool, left out)."""
+    if opt.paged:
+        return ()
     states: list[int] = []
     for nbytes, elements in zip(plan.trainable, plan.trainable_elements, strict=True):
-        if updater in (Updater.ADAMW_FUSED, Updater.ADAMW_FOREACH, Updater.LORA_FA):
-            states += [nbytes, nbytes]  # exp_avg, exp_avg_sq (zeros_like)
-        elif updater is Updater.BNB_8BIT:
-            if elements < _BNB_MIN_8BIT:
-                states += [elements * FP32_BYTES] * 2
-            else:
-                absmax = -(-elements // _BNB_BLOCK) * FP32_BYTES
-                states += [elements * UINT8_BYTES, elements * UINT8_BYTES, absmax, absmax]
-        elif updater is Updater.ADAFACTOR:
-            states.append(nbytes // max(1, elements) * int(elements**0.5) * 2)
+        states += opt.state_sizes(nbytes, elements)
     return tuple(states)
 
 
@@ -245,7 +226,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
     for lin in linears:
         by_kind.setdefault(lin.kind, []).append(lin)
     kernel, windowed = resolve_kernel(plan, seq)
-    updater = _updater(plan.optim, plan.method)
+    opt = _optimizer(plan.optim, plan.method)
     mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
     out_kind = by_kind.get(LinearKind.MLP_OUT)
     intermediate = arch.intermediate_size
@@ -334,9 +315,9 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         head_trainable=plan.head_trainable,
         embed_trainable=plan.embed_trainable,
         tied=arch.tie_word_embeddings and not arch.score_head,
-        updater=updater,
+        updater=opt.updater,
         trainable=plan.trainable,
-        states=_states(plan, updater),
+        states=_states(plan, opt),
         largest_trainable=max(plan.trainable_elements, default=0),
         workspace=cublas_workspace(plan.compute_capability),
         lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
@@ -488,14 +469,14 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
 
 
 def _quantized(elements: int, plan: ReservedPlan) -> list[int]:
-    blocks = -(-elements // _NF4_BLOCK)
-    pieces = [elements // _NF4_PER_BYTE]
+    blocks = -(-elements // NF4_BLOCK)
+    pieces = [elements // NF4_VALUES_PER_BYTE]
     if plan.double_quant:
-        nested = -(-blocks // _NESTED_BLOCK)
-        pieces += [blocks * UINT8_BYTES, _NF4_CODE * FP32_BYTES, FP32_BYTES]
-        pieces += [nested * FP32_BYTES, _NESTED_CODE * FP32_BYTES]
+        nested = -(-blocks // NESTED_BLOCK)
+        pieces += [blocks * UINT8_BYTES, NF4_CODE_ENTRIES * FP32_BYTES, FP32_BYTES]
+        pieces += [nested * FP32_BYTES, NESTED_CODE_ENTRIES * FP32_BYTES]
     else:
-        pieces += [blocks * FP32_BYTES, _NF4_CODE * FP32_BYTES]
+        pieces += [blocks * FP32_BYTES, NF4_CODE_ENTRIES * FP32_BYTES]
     return pieces
 
 
@@ -522,16 +503,12 @@ class ReservedPeaks:
     allocated_peak: int
 
 
-def _tensor_bytes(nbytes: int) -> int:
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
-
-
 def reserved_levels(plan: ReservedPlan, batch: int, seq: int) -> ReservedPeaks:
     """Replay the weights and two training steps of `plan` at `batch` x `seq`."""
     allocator = CachingAllocator(plan.allocator)
     allocator.resume(_after_weights(plan))
     events, ends = step_events(step_shape(plan, batch, seq))
-    weights = sum(_tensor_bytes(n) for n in weight_sizes(plan) if n > 0)
+    weights = sum(block_bytes(n) for n in weight_sizes(plan) if n > 0)
     return _replay(allocator, events, ends, weights)
 
 
@@ -550,7 +527,7 @@ def _replay(
     for end in ends:
         for key, nbytes in events[start:end]:
             if nbytes:
-                size = _tensor_bytes(nbytes)
+                size = block_bytes(nbytes)
                 live[key] = (malloc(nbytes), size)
                 tensors += size
                 peak_tensors = max(peak_tensors, tensors)

@@ -5,9 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from functools import lru_cache
 
-# CUDACachingAllocator rounds every block up to kMinBlockSize = 512 B
-# (c10/cuda/CUDACachingAllocator.cpp).
-ALLOC_BLOCK = 512
+from service.core.libs.torch_allocator import MIN_BLOCK as ALLOC_BLOCK
 
 
 def _blk(nbytes: int) -> int:

@@ -35,6 +35,7 @@ from service.core.estimator.seq2seq_zero import seq2seq_stage3
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.zero import ZeroRank
 from service.core.hf_t5 import T5_GATED_GELU_ACT
+from service.core.libs.torch_allocator import MIN_BLOCK as SCALAR_BLOCK
 from service.core.overhead import Uncertainty, levels
 from service.core.result import (
     COMPONENT_ORDER,
@@ -71,8 +72,6 @@ _OPTIMS = (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED)
 # nll_loss's forward returns the loss and its total weight, one fp32 scalar each
 # (aten nll_loss_forward); HF's loss keeps both until backward.
 LOSS_SCALARS = 2
-# A tensor below one block still takes one (c10/cuda/CUDACachingAllocator.cpp kMinBlockSize).
-SCALAR_BLOCK = 512
 # How many vocab x d_model tensors live while the decoder embedding's gradient is added to the
 # lm_head's (autograd's input buffer for the tied table: the lm_head's, the embedding's, their
 # sum), traced on t5-v1_1-small and T0-3B full fine-tuning.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from service.core.libs.bitsandbytes import nf4_absmax_bytes
 from service.core.liger import REFERENCE_SM_COUNT
 from service.core.schedule.forward import _Forward
 from service.core.schedule.program import _Saved
@@ -268,7 +269,7 @@ class _Backward(_Forward):
         compute = sh.compute
         cast = self.a(compute * lin.d_out) if nbytes != compute else 0
         elements = lin.d_in * lin.d_out
-        absmax = self.p.alloc(-(-elements // 64) * FP32_BYTES) if sh.double_quant else 0
+        absmax = self.p.alloc(nf4_absmax_bytes(elements)) if sh.double_quant else 0
         weight = self.p.alloc(elements * compute)
         self.f(absmax)
         out = self.a(compute * lin.d_in)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from service.core.libs.bitsandbytes import nf4_absmax_bytes
 from service.core.schedule.program import _Saved, _StepBase, _Stop
 from service.core.schedule.shapes import HALF_BYTES, LinearShape
-from service.core.units import FP32_BYTES
 
 
 class _Dora(_StepBase):
@@ -183,7 +183,7 @@ class _Dora(_StepBase):
         if lin.quantized:
             absmax = []
             if sh.double_quant:
-                blocks = -(-elements // 64) * FP32_BYTES
+                blocks = nf4_absmax_bytes(elements)
                 absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
             weight = self.p.alloc(weight_bytes * elements)
             self.f(*reversed(absmax))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.core.bnb import uses_dequant_fallback
+from service.core.libs.bitsandbytes import nf4_absmax_bytes, uses_dequant_fallback
 from service.core.schedule.ia3 import _IA3
 from service.core.schedule.oft import _Oft
 from service.core.schedule.prefix import _Prefix
@@ -226,7 +226,7 @@ class _Forward(_IA3, _Oft, _Prefix):
         elements = lin.d_in * lin.d_out
         absmax = []
         if sh.double_quant:
-            blocks = -(-elements // 64) * FP32_BYTES
+            blocks = nf4_absmax_bytes(elements)
             absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
         weight = self.p.alloc(elements * compute)
         out = self.a(compute * lin.d_out)
