@@ -37,8 +37,10 @@ from service.core.libs.bitsandbytes import (
     NF4_CODE_ENTRIES,
     NF4_VALUES_PER_BYTE,
 )
-from service.core.libs.optimizers import LORA_FA, OPTIMIZERS, Optimizer
+from service.core.libs.optimizers import OPTIMIZERS, Optimizer
+from service.core.libs.peft import LORA_FA
 from service.core.libs.torch_allocator import block_bytes
+from service.core.libs.torch_kernels import FLASH_MAX_HEAD_DIM
 from service.core.limits import MAX_GPU_MEMORY_MIB
 from service.core.schedule import (
     HALF_BYTES,
@@ -166,7 +168,7 @@ def resolve_kernel(plan: ReservedPlan, seq: int) -> tuple[Kernel, bool]:
     half = plan.attn != FP32_BYTES
     if plan.prefix_tokens:  # prefix tuning's explicit mask over the longer keys
         return Kernel.EFFICIENT, windowed
-    if half and not windowed and arch.head_dim <= 256:
+    if half and not windowed and arch.head_dim <= FLASH_MAX_HEAD_DIM:
         return Kernel.FLASH, False
     gqa = arch.num_key_value_heads < arch.num_attention_heads and not windowed
     if not half and gqa:

@@ -21,6 +21,7 @@ from service.core.estimator.step import PHASES
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.weights import adapted_linears
 from service.core.libs.optimizers import OPTIMIZERS
+from service.core.libs.torch_kernels import FLASH_MAX_HEAD_DIM
 from service.core.overhead import AboveAllocated, levels
 from service.core.result import (
     COMPONENT_ORDER,
@@ -47,9 +48,6 @@ from service.core.spec import (
 )
 from service.core.stack import check_stack, stack_note
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES
-
-# FlashAttention's largest head dim (aten sdp_utils check_head_dim_size_flash).
-FLASH_MAX_HEAD_DIM = 256
 
 # The transformers class each encoder model type is run as.
 _TASK_MODELS = {"bert": "BertForSequenceClassification"}

@@ -17,6 +17,7 @@ from service.core.libs.bitsandbytes import (
     NF4_VALUES_PER_BYTE,
 )
 from service.core.libs.optimizers import FP32_COPIES, OPTIMIZERS, Temporaries
+from service.core.libs.peft import LORAFA_AUTOCAST_BYTES
 from service.core.quant_formats import check_shape, packed_bytes
 from service.core.spec import (
     ADAPTER_METHODS,
@@ -31,9 +32,6 @@ from service.core.spec import (
 from service.core.spec_delta import BoftSpec, LokrSpec, OftSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, INT64_BYTES, UINT8_BYTES, DType
 
-# LoraFAOptimizer.step projects B's gradient under torch.autocast(dtype=torch.bfloat16) where
-# bf16 is available (peft/optimizers/lorafa.py): half-precision temporaries.
-LORAFA_AUTOCAST_BYTES = 2
 # Two one-element tensors an OFT model holds beside its rotations and index buffers (reference
 # traces *__oft__*: 1024 bytes of frozen weights over the modules' own tensors).
 OFT_MODEL_CONSTANTS = 2 * 512

@@ -12,9 +12,21 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from service.core.libs.bitsandbytes import optim_8bit_states
-from service.core.schedule.shapes import Updater
 from service.core.spec import Optim
 from service.core.units import FP32_BYTES
+
+
+class Updater(StrEnum):
+    """What an optimizer's step allocates in the allocation schedule (`service.core.schedule`):
+    the optimizers grouped by memory behaviour."""
+
+    ADAMW_FUSED = "adamw_fused"  # two states per parameter, no temporaries
+    ADAMW_FOREACH = "adamw_foreach"  # two states, and one state-sized list of temporaries
+    STATELESS = "stateless"  # SGD without momentum
+    BNB_8BIT = "bnb_8bit"  # uint8 states with fp32 absmax blocks
+    ADAFACTOR = "adafactor"  # factored second moment; fp32 copies of one parameter
+    OUTSIDE = "outside"  # paged optimizers: state in managed memory, outside the allocator
+    LORA_FA = "lora_fa"  # PEFT's LoraFAOptimizer: AdamW states for B, per-B temporaries
 
 
 class States(StrEnum):
@@ -134,13 +146,3 @@ _DESCRIPTORS = (
 )
 
 OPTIMIZERS: dict[Optim, Optimizer] = {d.optim: d for d in _DESCRIPTORS if d.optim is not None}
-
-# PEFT's LoraFAOptimizer (peft/optimizers/lorafa.py LoraFAOptimizer.step): exp_avg_B and
-# exp_avg_sq_B, zeros_like each lora_B; `step` a Python int. It stands in for the AdamW a
-# LoRA-FA job names.
-LORA_FA = Optimizer(
-    optim=None,
-    states=States.MOMENTS,
-    updater=Updater.LORA_FA,
-    source="peft/optimizers/lorafa.py LoraFAOptimizer",
-)

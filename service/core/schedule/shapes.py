@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from service.core.libs.optimizers import Updater
+
 HALF_BYTES = 2  # autocast's bf16 / fp16
 
 Event = tuple[int, int]
@@ -17,18 +19,6 @@ class Kernel(StrEnum):
     EFFICIENT = "efficient"  # mem-efficient: key/value repeated to the query heads
     MATH = "math"  # SDPA's math composite: fp32 scores materialised
     EAGER = "eager"  # transformers' eager attention: scores, fp32 softmax, cast
-
-
-class Updater(StrEnum):
-    """What the optimizer step allocates (`Optim` grouped by memory behaviour)."""
-
-    ADAMW_FUSED = "adamw_fused"  # two states per parameter, no temporaries
-    ADAMW_FOREACH = "adamw_foreach"  # two states, and one state-sized list of temporaries
-    STATELESS = "stateless"  # SGD without momentum
-    BNB_8BIT = "bnb_8bit"  # uint8 states with fp32 absmax blocks
-    ADAFACTOR = "adafactor"  # factored second moment; fp32 copies of one parameter
-    OUTSIDE = "outside"  # paged optimizers: state in managed memory, outside the allocator
-    LORA_FA = "lora_fa"  # PEFT's LoraFAOptimizer: AdamW states for B, per-B temporaries
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 from service.core.architecture import SCORE_OUTPUTS
+from service.core.libs.optimizers import FP32_COPIES, Updater
+from service.core.libs.peft import LORAFA_AUTOCAST_BYTES
+from service.core.libs.trl import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB, PAIR_SIDES
 from service.core.liger import liger_chunk_rows
 from service.core.schedule.backward import _Backward
 from service.core.schedule.generation import generation_events
 from service.core.schedule.program import _Program, _Saved, _Stop
-from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape, Updater
+from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
 
-# trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE and trl/trainer/utils.py
-# _CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16.0): a tile of the fused head's logits.
-DPO_TILE_TOKENS = 4096
-DPO_TILE_VOCAB = 32768
-# ChunkedLogProbFunction.forward's fp32 running statistics per scored position.
-DPO_RUNNING_STATS = 7
 # q-sized copies around SDPA's math kernel without grad: k and v expanded to every head, the
 # scaled q and its contiguous copy (reference trace llama-3_2-1b__qlora__dpo__*__b2-s1024).
 MATH_REFERENCE_COPIES = 4
-# ORPO's [chosen; rejected] rows on the batch axis (trl/experimental/orpo/orpo_trainer.py
-# concatenated_inputs): the chosen half is the NLL's.
-PAIR_SIDES = 2
 
 
 class _Step(_Backward):
@@ -683,7 +677,7 @@ class _Step(_Backward):
         `denom_B` lets go of the previous B's."""
         grad_b = denom = 0
         for nbytes in self.sh.trainable:
-            half = nbytes * HALF_BYTES // self.sh.adapter
+            half = nbytes * LORAFA_AUTOCAST_BYTES // self.sh.adapter
             cast = self.p.alloc(half)
             product = self.p.alloc(half)
             self.f(cast)
@@ -718,7 +712,7 @@ class _Step(_Backward):
         elif up is Updater.LORA_FA:
             self._lorafa_step()
         elif up is Updater.ADAFACTOR:
-            self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(3)])
+            self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(FP32_COPIES)])
         if sh.adalora:
             self.allocate_ranks()
         self.zero_grad()
