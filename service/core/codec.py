@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from service.core.allocator import MIN_SPLIT_SETTING_MB, AllocatorConfig
+from service.core.allocator import AllocatorConfig
 from service.core.errors import InvalidSpecError
+from service.core.libs.torch_allocator import MIN_SPLIT_SETTING_MB
 from service.core.limits import (
     MAX_ALLOC_SETTING_MB,
     MAX_BATCH_SIZE,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
+from typing import Any
 
 from service.core.allocator import (
     DEFAULT_ALLOCATOR,
@@ -223,34 +224,8 @@ def _states(plan: ReservedPlan, opt: Optimizer) -> tuple[int, ...]:
 
 def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
     arch = plan.arch
-    linears = [lin for lin in arch.linears if not lin.expert]
-    by_kind: dict[LinearKind, list[Linear]] = {}
-    for lin in linears:
-        by_kind.setdefault(lin.kind, []).append(lin)
     kernel, windowed = resolve_kernel(plan, seq)
     opt = _optimizer(plan.optim, plan.method)
-    mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
-    out_kind = by_kind.get(LinearKind.MLP_OUT)
-    intermediate = arch.intermediate_size
-    if arch.is_moe:
-        intermediate = arch.shared_expert_intermediate_size
-    if out_kind:
-        mlp_out = _linear_shape(out_kind[0], plan)
-    else:  # a MoE without a shared expert: nothing dense
-        mlp_out = LinearShape(
-            name="down_proj", d_in=1, d_out=1, adapted=False, trainable=False, weight_bytes=0
-        )
-    shared_gate = by_kind.get(LinearKind.SHARED_GATE)
-    experts = {lin.kind: lin for lin in arch.linears if lin.expert}
-    full = plan.method is Method.FULL
-    qkv = by_kind.get(LinearKind.ATTN_QKV, [])
-    if arch.is_mla:
-        # Multi-head latent attention runs through the q/k/v schedule as three projections
-        # (the query's last, kv_a_proj_with_mqa, kv_b_proj; q_a_proj's narrow latent left
-        # out): an approximation of the replay, which sets only reserved - allocated; the
-        # allocated level is modelled exactly (estimator/deepseek.py). Measured against the
-        # reference traces deepseek-*: tests/core/test_references.py.
-        qkv = [lin for lin in qkv if lin.name != "q_a_proj"]
     return StepShape(
         tokens=batch * seq,
         batch=batch,
@@ -261,23 +236,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,
         vocab=arch.vocab_size,
-        qkv=tuple(_linear_shape(lin, plan) for lin in qkv),
-        out_proj=_linear_shape(by_kind[LinearKind.ATTN_OUT][0], plan),
-        mlp_in=mlp_in,
-        mlp_out=mlp_out,
-        gated=arch.mlp is MlpKind.GATED,
-        intermediate=intermediate,
-        experts=arch.num_experts,
-        top_k=arch.num_experts_per_tok,
-        expert_intermediate=arch.expert_intermediate_size,
-        shared_gate=_linear_shape(shared_gate[0], plan) if shared_gate else None,
-        experts_trainable=full and arch.is_moe,
-        expert_gate_up_bytes=experts[LinearKind.MLP_IN].weight_elements * plan.dtype_bytes
-        if full and LinearKind.MLP_IN in experts
-        else 0,
-        expert_down_bytes=experts[LinearKind.MLP_OUT].weight_elements * plan.dtype_bytes
-        if full and LinearKind.MLP_OUT in experts
-        else 0,
+        **_linear_fields(plan),
         residual=plan.residual,
         compute=plan.compute,
         half_is_fp16=plan.fp16,
@@ -322,7 +281,6 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         states=_states(plan, opt),
         largest_trainable=max(plan.trainable_elements, default=0),
         workspace=cublas_workspace(plan.compute_capability),
-        lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
         autocast=plan.autocast,
         liger=plan.liger,
         liger_norm_in_place=not (plan.liger and arch.model_type == "gemma2"),
@@ -333,6 +291,69 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         else 0,
         clip=plan.clip,
         in_backward=plan.in_backward,
+        **_trainer_fields(plan, batch, seq),
+        score_head=arch.score_head,
+        param_bytes=plan.dtype_bytes,
+        accumulation=plan.accumulation,
+        alibi=arch.alibi,
+        half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
+    )
+
+
+def _linear_fields(plan: ReservedPlan) -> dict[str, Any]:
+    """`step_shape`'s linears: attention's, the MLP's, a MoE's shared expert and experts."""
+    arch = plan.arch
+    linears = [lin for lin in arch.linears if not lin.expert]
+    by_kind: dict[LinearKind, list[Linear]] = {}
+    for lin in linears:
+        by_kind.setdefault(lin.kind, []).append(lin)
+    mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
+    out_kind = by_kind.get(LinearKind.MLP_OUT)
+    intermediate = arch.intermediate_size
+    if arch.is_moe:
+        intermediate = arch.shared_expert_intermediate_size
+    if out_kind:
+        mlp_out = _linear_shape(out_kind[0], plan)
+    else:  # a MoE without a shared expert: nothing dense
+        mlp_out = LinearShape(
+            name="down_proj", d_in=1, d_out=1, adapted=False, trainable=False, weight_bytes=0
+        )
+    shared_gate = by_kind.get(LinearKind.SHARED_GATE)
+    experts = {lin.kind: lin for lin in arch.linears if lin.expert}
+    full = plan.method is Method.FULL
+    qkv = by_kind.get(LinearKind.ATTN_QKV, [])
+    if arch.is_mla:
+        # Multi-head latent attention runs through the q/k/v schedule as three projections
+        # (the query's last, kv_a_proj_with_mqa, kv_b_proj; q_a_proj's narrow latent left
+        # out): an approximation of the replay, which sets only reserved - allocated; the
+        # allocated level is modelled exactly (estimator/deepseek.py). Measured against the
+        # reference traces deepseek-*: tests/core/test_references.py.
+        qkv = [lin for lin in qkv if lin.name != "q_a_proj"]
+    return dict(
+        qkv=tuple(_linear_shape(lin, plan) for lin in qkv),
+        out_proj=_linear_shape(by_kind[LinearKind.ATTN_OUT][0], plan),
+        mlp_in=mlp_in,
+        mlp_out=mlp_out,
+        gated=arch.mlp is MlpKind.GATED,
+        intermediate=intermediate,
+        experts=arch.num_experts,
+        top_k=arch.num_experts_per_tok,
+        expert_intermediate=arch.expert_intermediate_size,
+        shared_gate=_linear_shape(shared_gate[0], plan) if shared_gate else None,
+        experts_trainable=full and arch.is_moe,
+        expert_gate_up_bytes=experts[LinearKind.MLP_IN].weight_elements * plan.dtype_bytes
+        if full and LinearKind.MLP_IN in experts
+        else 0,
+        expert_down_bytes=experts[LinearKind.MLP_OUT].weight_elements * plan.dtype_bytes
+        if full and LinearKind.MLP_OUT in experts
+        else 0,
+        lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
+    )
+
+
+def _trainer_fields(plan: ReservedPlan, batch: int, seq: int) -> dict[str, Any]:
+    """`step_shape`'s trainer and PEFT method: DPO, KTO, GRPO and ORPO's, the adapters'."""
+    return dict(
         dpo_scored=_dpo_scored(plan, batch, seq),
         dpo_reference=plan.dpo_reference,
         kto_kl=plan.kto_kl,
@@ -345,9 +366,6 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         generation_tokens=plan.dpo_completion if plan.generation else 0,
         generation_kv_bytes=plan.attn,
         orpo_logits=plan.orpo_logits,
-        score_head=arch.score_head,
-        param_bytes=plan.dtype_bytes,
-        accumulation=plan.accumulation,
         dora=plan.dora,
         frozen_a=plan.frozen_a,
         vera=plan.vera,
@@ -357,8 +375,6 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         oft=bool(plan.oft),
         penalty=_penalty_sizes(plan),
         ranked=_penalty_sizes(plan, with_e=True),
-        alibi=arch.alibi,
-        half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
 
 

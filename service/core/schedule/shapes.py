@@ -179,3 +179,12 @@ class StepShape:
     ranked: tuple[int, ...] = ()
     # A reward model (TRL's RewardTrainer): a one-output score head instead of the LM head
     score_head: bool = False
+
+    @property
+    def peft_method(self) -> str:
+        """The PEFT method on the adapted linears: the first of `PEFT_FLAGS` set, else LoRA."""
+        return next((name for name in PEFT_FLAGS if getattr(self, name)), "lora")
+
+
+# The PEFT methods a StepShape flags, in the order they are read (OFT before the rest).
+PEFT_FLAGS = ("oft", "loha", "lokr", "adalora", "vera", "dora")
