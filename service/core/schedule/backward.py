@@ -7,7 +7,7 @@ from collections.abc import Callable
 from service.core.libs.bitsandbytes import nf4_absmax_bytes
 from service.core.liger import REFERENCE_SM_COUNT
 from service.core.schedule.forward import _Forward
-from service.core.schedule.program import _Saved
+from service.core.schedule.program import _Grad, _Saved
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import FP32_BYTES
 
@@ -53,36 +53,17 @@ class _Backward(_Forward):
                 self.f(acc, gin)
                 gin = total
             return gin
+        call = _Grad(g, nbytes, lin, saved, x_grad, acc, before_saved, in_bytes)
         if lin.adapted and sh.oft:
-            return self._oft_backward(
-                g,
-                nbytes,
-                lin,
-                saved,
-                x_grad=x_grad,
-                acc=acc,
-                before_saved=before_saved,
-                in_bytes=in_bytes,
-            )
+            return self._oft_backward(call)
         g_base, gx_lora = g, 0
         if lin.adapted and sh.autocast:
             adapter_backward = (
                 self._dora_autocast_backward if sh.dora else self._lora_autocast_backward
             )
-            g_base, gx_lora, acc = adapter_backward(
-                g,
-                nbytes,
-                lin,
-                saved,
-                x_grad=x_grad,
-                acc=acc,
-                before_saved=before_saved,
-                in_bytes=in_bytes,
-            )
+            g_base, gx_lora, acc = adapter_backward(call)
         elif lin.adapted:
-            g_base, gx_lora, acc = ADAPTER_BACKWARDS[sh.peft_method](
-                self, g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
-            )
+            g_base, gx_lora, acc = ADAPTER_BACKWARDS[sh.peft_method](self, call)
         elif before_saved is not None:
             before_saved()
         return self._base_backward(g_base, gx_lora, acc, nbytes, lin, saved, x_grad, in_bytes)
@@ -127,21 +108,13 @@ class _Backward(_Forward):
                 gin = total
         return gin
 
-    def _lora_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-    ) -> tuple[int, int, int]:
+    def _lora_backward(self, c: _Grad) -> tuple[int, int, int]:
         """LoRA's adapter backward (g, in `nbytes`, released): the output cast's backward (g
         in the adapters' dtype; autograd lets go of g), then the promoting add's (g cast back
         for the base branch), the scaling's, lora_B's and lora_A's. Returns the base branch's
         gradient, the adapter branch's input gradient and the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
         sh = self.sh
         ad = sh.adapter
         gx_lora = 0
@@ -211,23 +184,14 @@ class _Backward(_Forward):
             gin = total
         return gin
 
-    def _lora_autocast_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-        in_bytes: int,
-    ) -> tuple[int, int, int]:
+    def _lora_autocast_backward(self, c: _Grad) -> tuple[int, int, int]:
         """The adapter's backward under autocast (g, in `nbytes`, released): the add's gradient
         cast to half for the adapter branch when the result is wider, the scaling's, lora_B's
         and lora_A's in half, the casts' backwards back to the input's dtype (`in_bytes`).
         Returns the base branch's gradient, the adapter branch's input gradient and the
         accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved, in_bytes = c.x_grad, c.acc, c.before_saved, c.in_bytes
         sh = self.sh
         ad = sh.adapter
         srcb = in_bytes if lin.bnb else ad
@@ -798,7 +762,7 @@ class _Backward(_Forward):
 # Each PEFT method's adapter backward on an adapted linear (`StepShape.peft_method`; OFT's and
 # those under autocast are taken before it): the base branch's gradient, the adapter branch's
 # input gradient and the accumulator.
-ADAPTER_BACKWARDS: dict[str, Callable[..., tuple[int, int, int]]] = {
+ADAPTER_BACKWARDS: dict[str, Callable[[_Backward, _Grad], tuple[int, int, int]]] = {
     "loha": _Backward._delta_backward,
     "lokr": _Backward._delta_backward,
     "adalora": _Backward._adalora_backward,

@@ -3,10 +3,8 @@ DoraLinearVariant): its forward and backward, as the reference traces record the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from service.core.libs.bitsandbytes import nf4_absmax_bytes
-from service.core.schedule.program import _Saved, _StepBase, _Stop
+from service.core.schedule.program import _Grad, _Saved, _StepBase, _Stop
 from service.core.schedule.shapes import HALF_BYTES, LinearShape
 
 
@@ -235,17 +233,7 @@ class _Dora(_StepBase):
         self.f(lora_weight, eye_a, eye, weight, norm, scale, lora_out, minus_one, base_result)
         return result
 
-    def _dora_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-    ) -> tuple[int, int, int]:
+    def _dora_backward(self, c: _Grad) -> tuple[int, int, int]:
         """DoRA's backward (g, in `nbytes`, released; `forward._dora`): the output cast's and
         the promoting add's, the scaling's, then each product's two gradients (its saved
         tensors released before the scale's is summed to its shape), the base result's
@@ -253,6 +241,8 @@ class _Dora(_StepBase):
         added, lora_B and lora_A, the magnitude's gradient through the division, the input
         cast's. Returns the base branch's gradient, the adapter branch's input gradient and
         the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
         sh = self.sh
         ad = sh.adapter
         din, dout = lin.d_in, lin.d_out
@@ -326,22 +316,13 @@ class _Dora(_StepBase):
         self.f(first, second)
         return total
 
-    def _dora_autocast_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-        in_bytes: int,
-    ) -> tuple[int, int, int]:
+    def _dora_autocast_backward(self, c: _Grad) -> tuple[int, int, int]:
         """`_dora_backward` under autocast (`forward._dora_autocast`): the products' gradients
         in the magnitude's dtype, cast to the half adapter output's and the base result's;
         lora_B's and lora_A's in half; the input's cast back through autocast's copy, the
         magnitude's gradient, then PEFT's cast (`in_bytes`)."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved, in_bytes = c.x_grad, c.acc, c.before_saved, c.in_bytes
         sh = self.sh
         ad = sh.adapter
         din, dout = lin.d_in, lin.d_out

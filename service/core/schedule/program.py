@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.core.schedule.shapes import Event, StepShape
+from service.core.schedule.shapes import Event, LinearShape, StepShape
 
 
 @dataclass(slots=True)
@@ -60,6 +61,24 @@ class _Saved:
     def release_all(self) -> None:
         self.prog.free(*self.slots.values())
         self.slots.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _Grad:
+    """An adapted linear's backward as its adapter's backward takes it: the output's gradient
+    `g` (in `nbytes` per element, released there), the linear and what its forward saved,
+    whether the input takes a gradient, the gradient it is added to (`acc`, 0 for none), what
+    runs before the saved tensors are read (a checkpoint's recomputation) and the input's
+    bytes per element."""
+
+    g: int
+    nbytes: int
+    lin: LinearShape
+    saved: _Saved
+    x_grad: bool
+    acc: int
+    before_saved: Callable[[], None] | None
+    in_bytes: int
 
 
 class _Stop(Exception):
