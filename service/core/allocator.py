@@ -426,16 +426,7 @@ class CachingAllocator:
 
     def _merge(self, block: _Block, neighbour: _Block) -> None:
         neighbour.pool.remove(neighbour)
-        if neighbour is block.prev:
-            block.addr = neighbour.addr
-            block.prev = neighbour.prev
-            if block.prev is not None:
-                block.prev.next = block
-        else:
-            block.next = neighbour.next
-            if block.next is not None:
-                block.next.prev = block
-        block.size += neighbour.size
+        _join(block, neighbour)
 
     # -- new memory from the driver ---------------------------------------------------------
 
@@ -618,16 +609,7 @@ class CachingAllocator:
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.mapped:
                 del pool.unmapped[neighbour.addr]
-                if neighbour is block.prev:
-                    block.addr = neighbour.addr
-                    block.prev = neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
+                _join(block, neighbour)
         pool.unmapped[block.addr] = block
 
     def _garbage_collect(self) -> None:
@@ -657,3 +639,17 @@ class CachingAllocator:
             if len(kept) == len(freeable):
                 break
             freeable = kept
+
+
+def _join(block: _Block, neighbour: _Block) -> None:
+    """Take `neighbour`, the block before or after `block` in its segment, into `block`."""
+    if neighbour is block.prev:
+        block.addr = neighbour.addr
+        block.prev = neighbour.prev
+        if block.prev is not None:
+            block.prev.next = block
+    else:
+        block.next = neighbour.next
+        if block.next is not None:
+            block.next.prev = block
+    block.size += neighbour.size

@@ -50,6 +50,7 @@ from service.core.schedule import (
     StepShape,
     step_events,
 )
+from service.core.schedule.shapes import model_sizes
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
 from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB, UINT8_BYTES
 
@@ -227,15 +228,7 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
     kernel, windowed = resolve_kernel(plan, seq)
     opt = _optimizer(plan.optim, plan.method)
     return StepShape(
-        tokens=batch * seq,
-        batch=batch,
-        seq=seq,
-        layers=arch.num_hidden_layers,
-        hidden=arch.hidden_size,
-        heads=arch.num_attention_heads,
-        kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        vocab=arch.vocab_size,
+        **model_sizes(arch, batch, seq),
         **_linear_fields(plan),
         residual=plan.residual,
         compute=plan.compute,

@@ -34,6 +34,7 @@ from service.core.result import (
 )
 from service.core.schedule import HALF_BYTES, Kernel, LinearShape, StepShape
 from service.core.schedule.encoder import RELABEL, EncoderShape, encoder_events
+from service.core.schedule.shapes import model_sizes
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
@@ -229,15 +230,7 @@ def encoder_shape(
     by_name = {lin.name: shape(lin) for lin in arch.linears}
     lora = rs.lora
     step = StepShape(
-        tokens=spec.batch_size * spec.seq_len,
-        batch=spec.batch_size,
-        seq=spec.seq_len,
-        layers=arch.num_hidden_layers,
-        hidden=arch.hidden_size,
-        heads=arch.num_attention_heads,
-        kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        vocab=arch.vocab_size,
+        **model_sizes(arch, spec.batch_size, spec.seq_len),
         qkv=(by_name["query"], by_name["key"], by_name["value"]),
         out_proj=by_name["attention.output.dense"],
         mlp_in=(by_name["intermediate.dense"],),

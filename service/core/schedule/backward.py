@@ -48,10 +48,7 @@ class _Backward(_Forward):
             gin = self.ia3_backward(g, nbytes, lin, saved, x_grad=x_grad, before_saved=before_saved)
             if not x_grad:
                 return acc
-            if acc:
-                total = self.a(in_bytes * lin.d_in)
-                self.f(acc, gin)
-                gin = total
+            gin = self._plus(acc, gin, in_bytes * lin.d_in)
             return gin
         call = _Grad(g, nbytes, lin, saved, x_grad, acc, before_saved, in_bytes)
         if lin.adapted and sh.oft:
@@ -102,10 +99,7 @@ class _Backward(_Forward):
         if not x_grad:
             return acc
         for other in (gx_lora, acc):
-            if other:
-                total = self.a(in_bytes * lin.d_in)
-                self.f(other, gin)
-                gin = total
+            gin = self._plus(other, gin, in_bytes * lin.d_in)
         return gin
 
     def _lora_backward(self, c: _Grad) -> tuple[int, int, int]:
@@ -140,10 +134,7 @@ class _Backward(_Forward):
             if ad != nbytes:
                 gx_lora = self.a(nbytes * lin.d_in)
                 self.f(gx32)
-            if acc:
-                total = self.a(nbytes * lin.d_in)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, nbytes * lin.d_in), 0
         else:
             self.f(g_a)
             saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
@@ -178,10 +169,7 @@ class _Backward(_Forward):
             gin = wide
         if not x_grad:
             return acc
-        if acc:
-            total = self.a(in_bytes * lin.d_in)
-            self.f(acc, gin)
-            gin = total
+        gin = self._plus(acc, gin, in_bytes * lin.d_in)
         return gin
 
     def _lora_autocast_backward(self, c: _Grad) -> tuple[int, int, int]:
@@ -221,10 +209,7 @@ class _Backward(_Forward):
                 self.f(gx)
                 gx = nxt
             gx_lora = gx
-            if acc:
-                total = self.a(in_bytes * lin.d_in)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, in_bytes * lin.d_in), 0
         else:
             self.f(g_a)
             saved.release(f"{lin.name}.cast", f"{lin.name}.mask")

@@ -77,10 +77,7 @@ class _Delta(_Dora):
         if ad != nbytes:
             gx = self.a(nbytes * lin.d_in)
             self.f(gx32)
-        if acc:
-            total = self.a(nbytes * lin.d_in)
-            self.f(acc, gx)
-            gx, acc = total, 0
+        gx, acc = self._plus(acc, gx, nbytes * lin.d_in), 0
         return g_base, gx, acc
 
     def _loha(

@@ -67,16 +67,8 @@ class _Dora(_StepBase):
             base_result = self.a(nbytes * dout)  # base_result - bias
         else:
             base_result = self.p.hold(base)
-        result = self._dora_combine(
-            lin,
-            saved,
-            stop,
-            nbytes,
-            base_result,
-            scale,
-            lora_out,
-            (lora_weight, eye_a, eye, weight, norm),
-        )
+        factors = (lora_weight, eye_a, eye, weight, norm)
+        result = self._dora_combine(lin, saved, stop, nbytes, base_result, scale, lora_out, factors)
         # `result + dora` promotes (bitsandbytes' layer too), then the cast back
         wide_out = max(nbytes, ad)
         summed = self.a(wide_out * dout)
@@ -151,16 +143,8 @@ class _Dora(_StepBase):
             base_result = self.a(out_b * dout)  # base_result - bias
         else:
             base_result = self.p.hold(base)
-        result = self._dora_combine(
-            lin,
-            saved,
-            stop,
-            out_b,
-            base_result,
-            scale,
-            lora_out,
-            (lora_weight, eye_a, eye_half, weight, norm),
-        )
+        factors = (lora_weight, eye_a, eye_half, weight, norm)
+        result = self._dora_combine(lin, saved, stop, out_b, base_result, scale, lora_out, factors)
         wide_out = max(out_b, ad)
         out = self.a(wide_out * dout)
         self.f(result, base)
@@ -304,10 +288,7 @@ class _Dora(_StepBase):
             if ad != nbytes:
                 gx_lora = self.a(nbytes * din)
                 self.f(gx32)
-            if acc:
-                total = self.a(nbytes * din)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, nbytes * din), 0
         return g_base, gx_lora, acc
 
     def _added(self, first: int, second: int, nbytes: int) -> int:
@@ -388,8 +369,5 @@ class _Dora(_StepBase):
                 self.f(gx)
                 gx = nxt
             gx_lora = gx
-            if acc:
-                total = self.a(in_bytes * din)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, in_bytes * din), 0
         return g_base, gx_lora, acc

@@ -500,10 +500,7 @@ class _EncoderStep(_Step):
         saved.release(f"{lin.name}.x")
         if not x_grad:
             return acc
-        if acc:
-            total = self.a(in_bytes * lin.d_in)
-            self.f(acc, gin)
-            gin = total
+        gin = self._plus(acc, gin, in_bytes * lin.d_in)
         return gin
 
     def layer_backward(  # type: ignore[override]

@@ -98,8 +98,5 @@ class _Oft(_AdaLora):
         result = self.a(in_bytes * lin.d_in) if in_bytes != FP32_BYTES else gx_copy
         if result != gx_copy:
             self.f(gx_copy)
-        if acc:
-            total = self.a(in_bytes * lin.d_in)
-            self.f(acc, result)
-            result = total
+        result = self._plus(acc, result, in_bytes * lin.d_in)
         return result

@@ -145,6 +145,15 @@ class _StepBase:
     def f(self, *keys: int) -> None:
         self.p.free(*keys)
 
+    def _plus(self, first: int, second: int, per_token: int) -> int:
+        """`first + second` in a new tensor of `per_token` bytes a token, both let go;
+        `second` itself when `first` is 0."""
+        if not first:
+            return second
+        total = self.a(per_token)
+        self.f(first, second)
+        return total
+
     def gemm(self, bias: bool = False) -> None:
         """A GEMM on the current handle: its workspaces the first time (after the output)."""
         handle = self.handle

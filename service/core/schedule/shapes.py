@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
+from service.core.architecture import ModelArch
 from service.core.libs.optimizers import Updater
 
 HALF_BYTES = 2  # autocast's bf16 / fp16
@@ -188,3 +190,19 @@ class StepShape:
 
 # The PEFT methods a StepShape flags, in the order they are read (OFT before the rest).
 PEFT_FLAGS = ("oft", "loha", "lokr", "adalora", "vera", "dora")
+
+
+def model_sizes(arch: ModelArch, batch: int, seq: int) -> dict[str, Any]:
+    """A StepShape's sizes of the micro-batch and the model: tokens, layers, widths, heads
+    and vocabulary."""
+    return dict(
+        tokens=batch * seq,
+        batch=batch,
+        seq=seq,
+        layers=arch.num_hidden_layers,
+        hidden=arch.hidden_size,
+        heads=arch.num_attention_heads,
+        kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        vocab=arch.vocab_size,
+    )
