@@ -11,6 +11,18 @@ from service.core.schedule.shapes import HALF_BYTES, LinearShape
 class _Dora(_StepBase):
     """Appends the events of DoRA's forward and backward."""
 
+    def _dropout(self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None) -> int:
+        """PEFT's lora_dropout on an adapter's input `x` (`nbytes` per element, let go): its
+        mask, saved for the backward, and the dropped copy; `x` itself without dropout."""
+        if not self.sh.dropout:
+            return x
+        mask = self.a(lin.d_in)
+        dropped = self.a(nbytes * lin.d_in)
+        if saved is not None:
+            saved.save(f"{lin.name}.mask", mask)
+        self.f(mask, x)
+        return dropped
+
     def _dora(
         self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
     ) -> int:
@@ -25,13 +37,7 @@ class _Dora(_StepBase):
         din, dout = lin.d_in, lin.d_out
         weight_elements = din * dout
         cast = self.p.hold(x) if ad == nbytes else self.a(ad * din)
-        if sh.dropout:
-            mask = self.a(din)
-            dropped = self.a(ad * din)
-            if saved is not None:
-                saved.save(f"{lin.name}.mask", mask)
-            self.f(mask, cast)
-            cast = dropped
+        cast = self._dropout(cast, ad, lin, saved)
         # get_lora_weight: torch.eye, lora_A, lora_B; the graph keeps eye and A(eye)
         eye = self.p.alloc(ad * din * din)
         eye_a = self.p.alloc(ad * din * sh.rank)
@@ -93,13 +99,7 @@ class _Dora(_StepBase):
         weight_elements = din * dout
         srcb = nbytes if lin.quantized else ad
         src = self.p.hold(x) if srcb == nbytes else self.a(srcb * din)
-        if sh.dropout:
-            mask = self.a(din)
-            dropped = self.a(srcb * din)
-            if saved is not None:
-                saved.save(f"{lin.name}.mask", mask)
-            self.f(mask, src)
-            src = dropped
+        src = self._dropout(src, srcb, lin, saved)
         eye = self.p.alloc(ad * din * din)
         eye_half = self.p.alloc(HALF_BYTES * din * din) if ad != HALF_BYTES else self.p.hold(eye)
         eye_a = self.p.alloc(HALF_BYTES * din * sh.rank)
