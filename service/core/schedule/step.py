@@ -85,33 +85,7 @@ class _Step(_Backward):
                 for name, key in zip(("x", "mean", "rstd"), (embedded, *stats), strict=True):
                     embed_norm.save(name, key)
             self.f(*stats)
-        mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
-        bools = sh.batch * sh.seq * sh.seq
-        masks = []
-        for index in range(sh.masks if sh.window_mask else 0):
-            if sh.mask_bytes != 1:
-                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
-                # comparison; a sliding one's window comparison and its ands too), then where
-                boolean = self.p.alloc(bools)
-                if index:
-                    window = boolean
-                    first = self.p.alloc(bools)
-                    self.f(window)
-                    causal = self.p.alloc(bools)
-                    boolean = self.p.alloc(bools)
-                    self.f(causal, first)
-                masks.append(self.p.alloc(mask_bytes))
-                self.f(boolean)
-            else:
-                # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
-                # window's comparison, its and with the padding term, the causal comparison and
-                # the final and, each (1, 1, s, s) (expanded to the batch as a view)
-                window = self.p.alloc(sh.seq * sh.seq)
-                first = self.p.alloc(sh.seq * sh.seq)
-                self.f(window)
-                causal = self.p.alloc(sh.seq * sh.seq)
-                masks.append(self.p.alloc(sh.seq * sh.seq))
-                self.f(causal, first)
+        masks = self._attention_masks()
         if sh.prefix_tokens:
             # prefix tuning: the cache, and transformers' causal mask over the longer keys,
             # (1, 1, s, s + virtual) expanded to the batch as a view
@@ -151,6 +125,50 @@ class _Step(_Backward):
                 g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
         if sh.prefix_tokens:
             self.prefix_backward_end()
+        self._embedding_backward(g, embedded, embed_norm)
+        self.f(leaf)
+        if sh.checkpointing:
+            self.f(*masks)
+
+    def _attention_masks(self) -> list[int]:
+        """The attention masks transformers builds for the step's forward (none without a
+        sliding window shorter than the sequence)."""
+        sh = self.sh
+        mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
+        bools = sh.batch * sh.seq * sh.seq
+        masks = []
+        for index in range(sh.masks if sh.window_mask else 0):
+            if sh.mask_bytes != 1:
+                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
+                # comparison; a sliding one's window comparison and its ands too), then where
+                boolean = self.p.alloc(bools)
+                if index:
+                    window = boolean
+                    first = self.p.alloc(bools)
+                    self.f(window)
+                    causal = self.p.alloc(bools)
+                    boolean = self.p.alloc(bools)
+                    self.f(causal, first)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(boolean)
+            else:
+                # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
+                # window's comparison, its and with the padding term, the causal comparison and
+                # the final and, each (1, 1, s, s) (expanded to the batch as a view)
+                window = self.p.alloc(sh.seq * sh.seq)
+                first = self.p.alloc(sh.seq * sh.seq)
+                self.f(window)
+                causal = self.p.alloc(sh.seq * sh.seq)
+                masks.append(self.p.alloc(sh.seq * sh.seq))
+                self.f(causal, first)
+        return masks
+
+    def _embedding_backward(self, g: int, embedded: int, embed_norm: _Saved) -> None:
+        """The input embedding's backward from its output's gradient `g` (0: none): the
+        embedding LayerNorm's (BLOOM), then the table's gradient, tied or not, or prompt
+        tuning's."""
+        sh = self.sh
+        h = sh.hidden
         if g and embedded:  # the embedding LayerNorm's backward
             g_embed = self.a(sh.residual * h)
             self.f(g)
@@ -179,9 +197,6 @@ class _Step(_Backward):
                 self._prompt_backward(g)
             else:
                 self.f(g)
-        self.f(leaf)
-        if sh.checkpointing:
-            self.f(*masks)
 
     def _prompt_forward(self) -> tuple[int, int]:
         """Prompt tuning's input (peft/peft_model.py PeftModelForCausalLM.forward, get_prompt):
