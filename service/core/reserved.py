@@ -31,13 +31,7 @@ from service.core.architecture import (
 )
 from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
-from service.core.libs.bitsandbytes import (
-    NESTED_BLOCK,
-    NESTED_CODE_ENTRIES,
-    NF4_BLOCK,
-    NF4_CODE_ENTRIES,
-    NF4_VALUES_PER_BYTE,
-)
+from service.core.libs.bitsandbytes import nf4_storage
 from service.core.libs.optimizers import OPTIMIZERS, Optimizer
 from service.core.libs.peft import LORA_FA
 from service.core.libs.torch_allocator import block_bytes
@@ -52,7 +46,7 @@ from service.core.schedule import (
 )
 from service.core.schedule.shapes import model_sizes
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
-from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB, UINT8_BYTES
+from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB
 
 # Above this allocated peak a job fits no GPU this service takes (a request's GPU is at most
 # MAX_GPU_MEMORY_MIB), whatever the allocator reserves on top: the step is not replayed.
@@ -409,7 +403,7 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
             # Int8Params: the int8 weight (CB) and one fp32 scale per output row (SCB)
             layer += [lin.in_features * lin.out_features, lin.out_features * FP32_BYTES]
         elif kbit and lin.nn_linear:
-            layer += _quantized(lin.in_features * lin.out_features, plan)
+            layer += nf4_storage(lin.in_features * lin.out_features, plan.double_quant)
         else:
             layer.append(lin.weight_elements * md)
         if lin.bias:
@@ -477,18 +471,6 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
         # DPOTrainer loads the reference model after the policy: the same tensors again
         sizes += sizes
     return tuple(sizes)
-
-
-def _quantized(elements: int, plan: ReservedPlan) -> list[int]:
-    blocks = -(-elements // NF4_BLOCK)
-    pieces = [elements // NF4_VALUES_PER_BYTE]
-    if plan.double_quant:
-        nested = -(-blocks // NESTED_BLOCK)
-        pieces += [blocks * UINT8_BYTES, NF4_CODE_ENTRIES * FP32_BYTES, FP32_BYTES]
-        pieces += [nested * FP32_BYTES, NESTED_CODE_ENTRIES * FP32_BYTES]
-    else:
-        pieces += [blocks * FP32_BYTES, NF4_CODE_ENTRIES * FP32_BYTES]
-    return pieces
 
 
 @lru_cache(maxsize=256)

@@ -67,3 +67,22 @@ def optim_8bit_states(elements: int) -> tuple[int, ...]:
         return elements * FP32_BYTES, elements * FP32_BYTES
     absmax = -(-elements // OPTIM_8BIT_BLOCK) * FP32_BYTES
     return elements * UINT8_BYTES, elements * UINT8_BYTES, absmax, absmax
+
+
+def nf4_storage(elements: int, double_quant: bool) -> tuple[int, ...]:
+    """The tensors a 4-bit weight of `elements` values is stored in, bytes in the order
+    quantize_4bit makes them: the packed values, then with double quant the uint8 absmax, the
+    code, the offset, the nested absmax and its code; without, the fp32 absmax and the code."""
+    blocks = -(-elements // NF4_BLOCK)
+    packed = elements // NF4_VALUES_PER_BYTE
+    if double_quant:
+        nested = -(-blocks // NESTED_BLOCK)
+        return (
+            packed,
+            blocks * UINT8_BYTES,
+            NF4_CODE_ENTRIES * FP32_BYTES,
+            FP32_BYTES,
+            nested * FP32_BYTES,
+            NESTED_CODE_ENTRIES * FP32_BYTES,
+        )
+    return packed, blocks * FP32_BYTES, NF4_CODE_ENTRIES * FP32_BYTES
