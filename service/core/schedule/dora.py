@@ -23,6 +23,16 @@ class _Dora(_StepBase):
         self.f(mask, x)
         return dropped
 
+    def _dora_base_result(self, lin: LinearShape, base: int, dropped: int, out: int) -> int:
+        """DoRA's base result: with dropout F.linear(dropout(x), W) again (`dropped` bytes per
+        element), else the base output less its bias (`out` bytes), or the base output."""
+        if self.sh.dropout:
+            self.gemm()
+            return self.a(dropped * lin.d_out)
+        if lin.bias:
+            return self.a(out * lin.d_out)  # base_result - bias
+        return self.p.hold(base)
+
     def _dora(
         self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
     ) -> int:
@@ -64,15 +74,9 @@ class _Dora(_StepBase):
             saved.save(f"{lin.name}.lora_a", lora_a)
         lora_out = self.a(ad * dout)
         self.f(lora_a)
-        if sh.dropout:
-            self.gemm()
-            base_result = self.a(ad * dout)
-            if saved is not None:
-                saved.save(f"{lin.name}.dora_weight", weight)
-        elif lin.bias:
-            base_result = self.a(nbytes * dout)  # base_result - bias
-        else:
-            base_result = self.p.hold(base)
+        base_result = self._dora_base_result(lin, base, ad, nbytes)
+        if sh.dropout and saved is not None:
+            saved.save(f"{lin.name}.dora_weight", weight)
         factors = (lora_weight, eye_a, eye, weight, norm)
         result = self._dora_combine(lin, saved, stop, nbytes, base_result, scale, lora_out, factors)
         # `result + dora` promotes (bitsandbytes' layer too), then the cast back
@@ -136,13 +140,7 @@ class _Dora(_StepBase):
         self.f(lora_a)
         # autocast's output dtype: half, but a 4-bit base's is its input's (_Forward.out_bytes)
         out_b = max(nbytes, HALF_BYTES) if lin.quantized else HALF_BYTES
-        if sh.dropout:
-            self.gemm()
-            base_result = self.a(HALF_BYTES * dout)
-        elif lin.bias:
-            base_result = self.a(out_b * dout)  # base_result - bias
-        else:
-            base_result = self.p.hold(base)
+        base_result = self._dora_base_result(lin, base, HALF_BYTES, out_b)
         factors = (lora_weight, eye_a, eye_half, weight, norm)
         result = self._dora_combine(lin, saved, stop, out_b, base_result, scale, lora_out, factors)
         wide_out = max(out_b, ad)
