@@ -40,20 +40,19 @@ from dataclasses import dataclass
 
 from service.core.errors import InvalidSpecError
 from service.core.fields import job_field
+from service.core.libs.torch_allocator import (
+    DEFAULT_NON_SPLIT_ROUNDING,
+    LARGE_BUFFER,
+    MIN_BLOCK,
+    MIN_LARGE_ALLOC,
+    MIN_SPLIT_SETTING_MB,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+)
 from service.core.limits import MAX_ALLOC_SETTING_MB, MAX_ROUNDUP_POWER2_DIVISIONS
 from service.core.units import MIB
 
-# c10/cuda/CUDACachingAllocator.cpp
-MIN_BLOCK = 512  # kMinBlockSize: every size is rounded to a multiple of it
-SMALL_SIZE = 1 * MIB  # kSmallSize: the largest request served by the small pool
-SMALL_BUFFER = 2 * MIB  # kSmallBuffer: a small-pool segment
-MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc: requests under it share kLargeBuffer segments
-LARGE_BUFFER = 20 * MIB  # kLargeBuffer: large-pool segment for 1-10 MiB requests
-ROUND_LARGE = 2 * MIB  # kRoundLarge: larger segments are rounded to it
-# c10/cuda/CUDAAllocatorConfig.h: max_non_split_rounding_size defaults to kLargeBuffer.
-DEFAULT_NON_SPLIT_ROUNDING = LARGE_BUFFER
-# The smallest max_split_size_mb / max_non_split_rounding_mb accepted: kLargeBuffer in MiB.
-MIN_SPLIT_SETTING_MB = LARGE_BUFFER // MIB
 # Address space of an expandable segment: more than any step a spec can describe asks for
 # (on a GPU the allocator reserves 1 1/8 of the device's memory, ExpandableSegment's
 # constructor; the model has no device, so without a `capacity` a replay never runs out).
@@ -459,16 +458,7 @@ class CachingAllocator:
 
     def _merge(self, block: _Block, neighbour: _Block) -> None:
         neighbour.pool.remove(neighbour)
-        if neighbour is block.prev:
-            block.addr = neighbour.addr
-            block.prev = neighbour.prev
-            if block.prev is not None:
-                block.prev.next = block
-        else:
-            block.next = neighbour.next
-            if block.next is not None:
-                block.next.prev = block
-        block.size += neighbour.size
+        _join(block, neighbour)
 
     # -- new memory from the driver ---------------------------------------------------------
 
@@ -651,16 +641,7 @@ class CachingAllocator:
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.mapped:
                 del pool.unmapped[neighbour.addr]
-                if neighbour is block.prev:
-                    block.addr = neighbour.addr
-                    block.prev = neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
+                _join(block, neighbour)
         pool.unmapped[block.addr] = block
 
     def _garbage_collect(self) -> None:
@@ -690,3 +671,17 @@ class CachingAllocator:
             if len(kept) == len(freeable):
                 break
             freeable = kept
+
+
+def _join(block: _Block, neighbour: _Block) -> None:
+    """Take `neighbour`, the block before or after `block` in its segment, into `block`."""
+    if neighbour is block.prev:
+        block.addr = neighbour.addr
+        block.prev = neighbour.prev
+        if block.prev is not None:
+            block.prev.next = block
+    else:
+        block.next = neighbour.next
+        if block.next is not None:
+            block.next.prev = block
+    block.size += neighbour.size

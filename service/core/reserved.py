@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
+from typing import Any
 
 from service.core.allocator import (
     DEFAULT_ALLOCATOR,
-    MIN_BLOCK,
     AllocatorConfig,
     CachingAllocator,
     FrozenState,
@@ -31,30 +31,23 @@ from service.core.architecture import (
 )
 from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
+from service.core.libs.bitsandbytes import nf4_storage
+from service.core.libs.optimizers import OPTIMIZERS, Optimizer
+from service.core.libs.peft import LORA_FA
+from service.core.libs.torch_allocator import block_bytes
+from service.core.libs.torch_kernels import FLASH_MAX_HEAD_DIM
 from service.core.limits import MAX_GPU_MEMORY_MIB
 from service.core.schedule import (
     HALF_BYTES,
     Kernel,
     LinearShape,
     StepShape,
-    Updater,
     step_events,
 )
+from service.core.schedule.shapes import model_sizes
 from service.core.spec import AttnImpl, LossImpl, Method, Optim, QuantType, SdpaKernel
-from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB, UINT8_BYTES
+from service.core.units import FP32_BYTES, GIB, INT64_BYTES, MIB
 
-# bitsandbytes 4-bit storage (bitsandbytes/functional.py quantize_4bit): two values per byte,
-# one absmax per 64 values, stored as uint8 with double quant (one fp32 absmax per 256 of
-# them and a 256-entry fp32 code), fp32 otherwise; the 16-entry fp32 NF4/FP4 code.
-_NF4_PER_BYTE = 2
-_NF4_BLOCK = 64
-_NESTED_BLOCK = 256
-_NESTED_CODE = 256
-_NF4_CODE = 16
-# bitsandbytes 8-bit optimizers (bitsandbytes/optim/optimizer.py Optimizer2State): uint8
-# states with one fp32 absmax per 256 elements; under 4096 elements, fp32 states.
-_BNB_BLOCK = 256
-_BNB_MIN_8BIT = 4096
 # Above this allocated peak a job fits no GPU this service takes (a request's GPU is at most
 # MAX_GPU_MEMORY_MIB), whatever the allocator reserves on top: the step is not replayed.
 REPLAY_CEILING = MAX_GPU_MEMORY_MIB * MIB
@@ -171,7 +164,7 @@ def resolve_kernel(plan: ReservedPlan, seq: int) -> tuple[Kernel, bool]:
     half = plan.attn != FP32_BYTES
     if plan.prefix_tokens:  # prefix tuning's explicit mask over the longer keys
         return Kernel.EFFICIENT, windowed
-    if half and not windowed and arch.head_dim <= 256:
+    if half and not windowed and arch.head_dim <= FLASH_MAX_HEAD_DIM:
         return Kernel.FLASH, False
     gqa = arch.num_key_value_heads < arch.num_attention_heads and not windowed
     if not half and gqa:
@@ -208,93 +201,29 @@ def _linear_shape(lin: Linear, plan: ReservedPlan) -> LinearShape:
     )
 
 
-def _updater(optim: Optim, method: Method) -> Updater:
-    if method is Method.LORA_FA:
-        return Updater.LORA_FA
-    return {
-        Optim.ADAMW_TORCH_FUSED: Updater.ADAMW_FUSED,
-        Optim.ADAMW_TORCH: Updater.ADAMW_FOREACH,
-        Optim.SGD: Updater.STATELESS,
-        Optim.ADAMW_BNB_8BIT: Updater.BNB_8BIT,
-        Optim.ADAFACTOR: Updater.ADAFACTOR,
-        Optim.PAGED_ADAMW_8BIT: Updater.OUTSIDE,
-        Optim.PAGED_ADAMW_32BIT: Updater.OUTSIDE,
-    }[optim]
+def _optimizer(optim: Optim, method: Method) -> Optimizer:
+    """The optimizer that steps: LoRA-FA's own in place of the AdamW a LoRA-FA job names."""
+    return LORA_FA if method is Method.LORA_FA else OPTIMIZERS[optim]
 
 
-def _states(plan: ReservedPlan, updater: Updater) -> tuple[int, ...]:
+def _states(plan: ReservedPlan, opt: Optimizer) -> tuple[int, ...]:
+    """The optimizer's state tensors in the allocator, parameter by parameter (none for a
+    paged one; the device `step` scalars, in the small pool, left out)."""
+    if opt.paged:
+        return ()
     states: list[int] = []
     for nbytes, elements in zip(plan.trainable, plan.trainable_elements, strict=True):
-        if updater in (Updater.ADAMW_FUSED, Updater.ADAMW_FOREACH, Updater.LORA_FA):
-            states += [nbytes, nbytes]  # exp_avg, exp_avg_sq (zeros_like)
-        elif updater is Updater.BNB_8BIT:
-            if elements < _BNB_MIN_8BIT:
-                states += [elements * FP32_BYTES] * 2
-            else:
-                absmax = -(-elements // _BNB_BLOCK) * FP32_BYTES
-                states += [elements * UINT8_BYTES, elements * UINT8_BYTES, absmax, absmax]
-        elif updater is Updater.ADAFACTOR:
-            states.append(nbytes // max(1, elements) * int(elements**0.5) * 2)
+        states += opt.state_sizes(nbytes, elements)
     return tuple(states)
 
 
 def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
     arch = plan.arch
-    linears = [lin for lin in arch.linears if not lin.expert]
-    by_kind: dict[LinearKind, list[Linear]] = {}
-    for lin in linears:
-        by_kind.setdefault(lin.kind, []).append(lin)
     kernel, windowed = resolve_kernel(plan, seq)
-    updater = _updater(plan.optim, plan.method)
-    mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
-    out_kind = by_kind.get(LinearKind.MLP_OUT)
-    intermediate = arch.intermediate_size
-    if arch.is_moe:
-        intermediate = arch.shared_expert_intermediate_size
-    if out_kind:
-        mlp_out = _linear_shape(out_kind[0], plan)
-    else:  # a MoE without a shared expert: nothing dense
-        mlp_out = LinearShape(
-            name="down_proj", d_in=1, d_out=1, adapted=False, trainable=False, weight_bytes=0
-        )
-    shared_gate = by_kind.get(LinearKind.SHARED_GATE)
-    experts = {lin.kind: lin for lin in arch.linears if lin.expert}
-    full = plan.method is Method.FULL
-    qkv = by_kind.get(LinearKind.ATTN_QKV, [])
-    if arch.is_mla:
-        # Multi-head latent attention runs through the q/k/v schedule as three projections
-        # (the query's last, kv_a_proj_with_mqa, kv_b_proj; q_a_proj's narrow latent left
-        # out): an approximation of the replay, which sets only reserved - allocated; the
-        # allocated level is modelled exactly (estimator/deepseek.py). Measured against the
-        # reference traces deepseek-*: tests/core/test_references.py.
-        qkv = [lin for lin in qkv if lin.name != "q_a_proj"]
+    opt = _optimizer(plan.optim, plan.method)
     return StepShape(
-        tokens=batch * seq,
-        batch=batch,
-        seq=seq,
-        layers=arch.num_hidden_layers,
-        hidden=arch.hidden_size,
-        heads=arch.num_attention_heads,
-        kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        vocab=arch.vocab_size,
-        qkv=tuple(_linear_shape(lin, plan) for lin in qkv),
-        out_proj=_linear_shape(by_kind[LinearKind.ATTN_OUT][0], plan),
-        mlp_in=mlp_in,
-        mlp_out=mlp_out,
-        gated=arch.mlp is MlpKind.GATED,
-        intermediate=intermediate,
-        experts=arch.num_experts,
-        top_k=arch.num_experts_per_tok,
-        expert_intermediate=arch.expert_intermediate_size,
-        shared_gate=_linear_shape(shared_gate[0], plan) if shared_gate else None,
-        experts_trainable=full and arch.is_moe,
-        expert_gate_up_bytes=experts[LinearKind.MLP_IN].weight_elements * plan.dtype_bytes
-        if full and LinearKind.MLP_IN in experts
-        else 0,
-        expert_down_bytes=experts[LinearKind.MLP_OUT].weight_elements * plan.dtype_bytes
-        if full and LinearKind.MLP_OUT in experts
-        else 0,
+        **model_sizes(arch, batch, seq),
+        **_linear_fields(plan),
         residual=plan.residual,
         compute=plan.compute,
         half_is_fp16=plan.fp16,
@@ -334,12 +263,11 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         head_trainable=plan.head_trainable,
         embed_trainable=plan.embed_trainable,
         tied=arch.tie_word_embeddings and not arch.score_head,
-        updater=updater,
+        updater=opt.updater,
         trainable=plan.trainable,
-        states=_states(plan, updater),
+        states=_states(plan, opt),
         largest_trainable=max(plan.trainable_elements, default=0),
         workspace=cublas_workspace(plan.compute_capability),
-        lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
         autocast=plan.autocast,
         liger=plan.liger,
         liger_norm_in_place=not (plan.liger and arch.model_type == "gemma2"),
@@ -350,6 +278,69 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         else 0,
         clip=plan.clip,
         in_backward=plan.in_backward,
+        **_trainer_fields(plan, batch, seq),
+        score_head=arch.score_head,
+        param_bytes=plan.dtype_bytes,
+        accumulation=plan.accumulation,
+        alibi=arch.alibi,
+        half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
+    )
+
+
+def _linear_fields(plan: ReservedPlan) -> dict[str, Any]:
+    """`step_shape`'s linears: attention's, the MLP's, a MoE's shared expert and experts."""
+    arch = plan.arch
+    linears = [lin for lin in arch.linears if not lin.expert]
+    by_kind: dict[LinearKind, list[Linear]] = {}
+    for lin in linears:
+        by_kind.setdefault(lin.kind, []).append(lin)
+    mlp_in = tuple(_linear_shape(lin, plan) for lin in by_kind.get(LinearKind.MLP_IN, []))
+    out_kind = by_kind.get(LinearKind.MLP_OUT)
+    intermediate = arch.intermediate_size
+    if arch.is_moe:
+        intermediate = arch.shared_expert_intermediate_size
+    if out_kind:
+        mlp_out = _linear_shape(out_kind[0], plan)
+    else:  # a MoE without a shared expert: nothing dense
+        mlp_out = LinearShape(
+            name="down_proj", d_in=1, d_out=1, adapted=False, trainable=False, weight_bytes=0
+        )
+    shared_gate = by_kind.get(LinearKind.SHARED_GATE)
+    experts = {lin.kind: lin for lin in arch.linears if lin.expert}
+    full = plan.method is Method.FULL
+    qkv = by_kind.get(LinearKind.ATTN_QKV, [])
+    if arch.is_mla:
+        # Multi-head latent attention runs through the q/k/v schedule as three projections
+        # (the query's last, kv_a_proj_with_mqa, kv_b_proj; q_a_proj's narrow latent left
+        # out): an approximation of the replay, which sets only reserved - allocated; the
+        # allocated level is modelled exactly (estimator/deepseek.py). Measured against the
+        # reference traces deepseek-*: tests/core/test_references.py.
+        qkv = [lin for lin in qkv if lin.name != "q_a_proj"]
+    return dict(
+        qkv=tuple(_linear_shape(lin, plan) for lin in qkv),
+        out_proj=_linear_shape(by_kind[LinearKind.ATTN_OUT][0], plan),
+        mlp_in=mlp_in,
+        mlp_out=mlp_out,
+        gated=arch.mlp is MlpKind.GATED,
+        intermediate=intermediate,
+        experts=arch.num_experts,
+        top_k=arch.num_experts_per_tok,
+        expert_intermediate=arch.expert_intermediate_size,
+        shared_gate=_linear_shape(shared_gate[0], plan) if shared_gate else None,
+        experts_trainable=full and arch.is_moe,
+        expert_gate_up_bytes=experts[LinearKind.MLP_IN].weight_elements * plan.dtype_bytes
+        if full and LinearKind.MLP_IN in experts
+        else 0,
+        expert_down_bytes=experts[LinearKind.MLP_OUT].weight_elements * plan.dtype_bytes
+        if full and LinearKind.MLP_OUT in experts
+        else 0,
+        lt_workspace=CUBLASLT_WORKSPACE if any(lin.bias for lin in linears) else 0,
+    )
+
+
+def _trainer_fields(plan: ReservedPlan, batch: int, seq: int) -> dict[str, Any]:
+    """`step_shape`'s trainer and PEFT method: DPO, KTO, GRPO and ORPO's, the adapters'."""
+    return dict(
         dpo_scored=_dpo_scored(plan, batch, seq),
         dpo_reference=plan.dpo_reference,
         kto_kl=plan.kto_kl,
@@ -362,9 +353,6 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         generation_tokens=plan.dpo_completion if plan.generation else 0,
         generation_kv_bytes=plan.attn,
         orpo_logits=plan.orpo_logits,
-        score_head=arch.score_head,
-        param_bytes=plan.dtype_bytes,
-        accumulation=plan.accumulation,
         dora=plan.dora,
         frozen_a=plan.frozen_a,
         vera=plan.vera,
@@ -374,8 +362,6 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
         oft=bool(plan.oft),
         penalty=_penalty_sizes(plan),
         ranked=_penalty_sizes(plan, with_e=True),
-        alibi=arch.alibi,
-        half_softmax=arch.model_type == "falcon" and kernel is Kernel.EAGER,
     )
 
 
@@ -417,7 +403,7 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
             # Int8Params: the int8 weight (CB) and one fp32 scale per output row (SCB)
             layer += [lin.in_features * lin.out_features, lin.out_features * FP32_BYTES]
         elif kbit and lin.nn_linear:
-            layer += _quantized(lin.in_features * lin.out_features, plan)
+            layer += nf4_storage(lin.in_features * lin.out_features, plan.double_quant)
         else:
             layer.append(lin.weight_elements * md)
         if lin.bias:
@@ -487,18 +473,6 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _quantized(elements: int, plan: ReservedPlan) -> list[int]:
-    blocks = -(-elements // _NF4_BLOCK)
-    pieces = [elements // _NF4_PER_BYTE]
-    if plan.double_quant:
-        nested = -(-blocks // _NESTED_BLOCK)
-        pieces += [blocks * UINT8_BYTES, _NF4_CODE * FP32_BYTES, FP32_BYTES]
-        pieces += [nested * FP32_BYTES, _NESTED_CODE * FP32_BYTES]
-    else:
-        pieces += [blocks * FP32_BYTES, _NF4_CODE * FP32_BYTES]
-    return pieces
-
-
 @lru_cache(maxsize=256)
 def _after_weights(plan: ReservedPlan) -> FrozenState:
     """The allocator once the model is loaded (its blocks are held for good)."""
@@ -522,16 +496,12 @@ class ReservedPeaks:
     allocated_peak: int
 
 
-def _tensor_bytes(nbytes: int) -> int:
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
-
-
 def reserved_levels(plan: ReservedPlan, batch: int, seq: int) -> ReservedPeaks:
     """Replay the weights and two training steps of `plan` at `batch` x `seq`."""
     allocator = CachingAllocator(plan.allocator)
     allocator.resume(_after_weights(plan))
     events, ends = step_events(step_shape(plan, batch, seq))
-    weights = sum(_tensor_bytes(n) for n in weight_sizes(plan) if n > 0)
+    weights = sum(block_bytes(n) for n in weight_sizes(plan) if n > 0)
     return _replay(allocator, events, ends, weights)
 
 
@@ -550,7 +520,7 @@ def _replay(
     for end in ends:
         for key, nbytes in events[start:end]:
             if nbytes:
-                size = _tensor_bytes(nbytes)
+                size = block_bytes(nbytes)
                 live[key] = (malloc(nbytes), size)
                 tensors += size
                 peak_tensors = max(peak_tensors, tensors)

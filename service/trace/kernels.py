@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.core.bnb import uses_dequant_fallback
+from service.core.libs.bitsandbytes import uses_dequant_fallback
 from service.core.spec import SdpaKernel
 
 # Head dims the CUDA flash kernel takes (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,

@@ -19,11 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from service.core.allocator import CachingAllocator
+from service.core.libs.torch_allocator import MIN_BLOCK as CUDA_MIN_BLOCK_BYTES
 from service.core.result import Component, Phase
 
-# The caching allocator rounds every request up to a multiple of this (kMinBlockSize,
-# c10/cuda/CUDACachingAllocator.cpp); zero-byte requests allocate nothing.
-CUDA_MIN_BLOCK_BYTES = 512
 # The ops that run a cuBLAS GEMM on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
 ADDMM_OP = "aten.addmm.default"
 BLAS_OPS = frozenset(

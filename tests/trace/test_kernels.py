@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service.core.bnb import uses_dequant_fallback  # noqa: E402
+from service.core.libs.bitsandbytes import uses_dequant_fallback  # noqa: E402
 from service.core.spec import SdpaKernel  # noqa: E402
 from service.trace import kernels  # noqa: E402
 from service.trace.tracker import StorageTracker  # noqa: E402

@@ -19,7 +19,9 @@ from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import PHASES
 from service.core.estimator.uncertainty import _uncertainty
-from service.core.estimator.weights import BNB_8BIT_BLOCK, BNB_MIN_8BIT_SIZE, adapted_linears
+from service.core.estimator.weights import adapted_linears
+from service.core.libs.optimizers import OPTIMIZERS
+from service.core.libs.torch_kernels import FLASH_MAX_HEAD_DIM
 from service.core.overhead import AboveAllocated, levels
 from service.core.result import (
     COMPONENT_ORDER,
@@ -30,8 +32,9 @@ from service.core.result import (
     Phase,
     PhasePeak,
 )
-from service.core.schedule import HALF_BYTES, Kernel, LinearShape, StepShape, Updater
+from service.core.schedule import HALF_BYTES, Kernel, LinearShape, StepShape
 from service.core.schedule.encoder import RELABEL, EncoderShape, encoder_events
+from service.core.schedule.shapes import model_sizes
 from service.core.spec import (
     ALL_LINEAR,
     AttnImpl,
@@ -45,23 +48,10 @@ from service.core.spec import (
     resolve,
 )
 from service.core.stack import check_stack, stack_note
-from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES, UINT8_BYTES
-
-# FlashAttention's largest head dim (aten sdp_utils check_head_dim_size_flash).
-FLASH_MAX_HEAD_DIM = 256
+from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
 # The transformers class each encoder model type is run as.
 _TASK_MODELS = {"bert": "BertForSequenceClassification"}
-
-_UPDATERS = {
-    Optim.ADAMW_TORCH_FUSED: Updater.ADAMW_FUSED,
-    Optim.ADAMW_TORCH: Updater.ADAMW_FOREACH,
-    Optim.SGD: Updater.STATELESS,
-    Optim.ADAMW_BNB_8BIT: Updater.BNB_8BIT,
-    Optim.ADAFACTOR: Updater.ADAFACTOR,
-    Optim.PAGED_ADAMW_8BIT: Updater.OUTSIDE,
-    Optim.PAGED_ADAMW_32BIT: Updater.OUTSIDE,
-}
 
 
 def check_encoder_spec(arch: ModelArch, spec: TrainingSpec) -> ResolvedSpec:
@@ -192,35 +182,26 @@ def _pooler_adapted(rs: ResolvedSpec) -> bool:
 
 
 def _states(optim: Optim, trainable: tuple[tuple[int, int, int], ...]) -> tuple[int, ...]:
-    """The optimizer's state tensors in creation order (torch/optim/adamw.py _init_group: a
-    fused AdamW keeps each `step` as an fp32 scalar on the device)."""
+    """The optimizer's state tensors in creation order, as its descriptor lays them out (a
+    fused AdamW's `step` first, an fp32 scalar on the device); none in the allocator for a
+    paged one."""
+    opt = OPTIMIZERS[optim]
+    if opt.paged:
+        return ()
     states: list[int] = []
     for nbytes, elements, _ in trainable:
-        if optim is Optim.ADAMW_TORCH_FUSED:
-            states += [FP32_BYTES, nbytes, nbytes]
-        elif optim is Optim.ADAMW_TORCH:
-            states += [nbytes, nbytes]
-        elif optim is Optim.ADAMW_BNB_8BIT:
-            states += _bnb_8bit(elements)
-        elif optim is Optim.ADAFACTOR:
-            states.append(nbytes // max(1, elements) * int(elements**0.5) * 2)
+        if opt.device_step:
+            states.append(FP32_BYTES)
+        states += opt.state_sizes(nbytes, elements)
     return tuple(states)
-
-
-def _bnb_8bit(elements: int) -> list[int]:
-    if elements < BNB_MIN_8BIT_SIZE:
-        return [elements * FP32_BYTES] * 2
-    absmax = -(-elements // BNB_8BIT_BLOCK) * FP32_BYTES
-    return [elements * UINT8_BYTES, elements * UINT8_BYTES, absmax, absmax]
 
 
 def _paged_state(optim: Optim, trainable: tuple[tuple[int, int, int], ...]) -> int:
     """Optimizer state in managed memory, outside the allocator (bitsandbytes' paged ones)."""
-    if optim is Optim.PAGED_ADAMW_8BIT:
-        return sum(_blk(n) for _, e, _ in trainable for n in _bnb_8bit(e))
-    if optim is Optim.PAGED_ADAMW_32BIT:
-        return sum(2 * _blk(e * FP32_BYTES) for _, e, _ in trainable)
-    return 0
+    opt = OPTIMIZERS[optim]
+    if not opt.paged:
+        return 0
+    return sum(_blk(n) for nbytes, e, _ in trainable for n in opt.state_sizes(nbytes, e))
 
 
 def encoder_shape(
@@ -234,7 +215,7 @@ def encoder_shape(
     full = spec.method is Method.FULL
     names = {lin.name for lin in adapted}
     tensors = _tensors(arch, rs, adapted)
-    updater = _UPDATERS[spec.optim]
+    updater = OPTIMIZERS[spec.optim].updater
 
     def shape(lin: Linear) -> LinearShape:
         return LinearShape(
@@ -249,15 +230,7 @@ def encoder_shape(
     by_name = {lin.name: shape(lin) for lin in arch.linears}
     lora = rs.lora
     step = StepShape(
-        tokens=spec.batch_size * spec.seq_len,
-        batch=spec.batch_size,
-        seq=spec.seq_len,
-        layers=arch.num_hidden_layers,
-        hidden=arch.hidden_size,
-        heads=arch.num_attention_heads,
-        kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        vocab=arch.vocab_size,
+        **model_sizes(arch, spec.batch_size, spec.seq_len),
         qkv=(by_name["query"], by_name["key"], by_name["value"]),
         out_proj=by_name["attention.output.dense"],
         mlp_in=(by_name["intermediate.dense"],),

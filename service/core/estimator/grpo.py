@@ -30,6 +30,7 @@ from service.core.estimator.preference import (
     head_dtypes,
 )
 from service.core.estimator.step import _Moment, _Step, _step
+from service.core.libs.transformers import KV_TENSORS, PREFILL_HIDDEN, PREFILL_INTERMEDIATES
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import LossImpl, Objective, TrainingSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
@@ -42,14 +43,6 @@ POLICY_FP32_OUTPUTS = 2
 # per_token_loss1 and 2, their minimum, its negation and its product with the mask
 # (grpo_trainer.py `_compute_loss`; reference traces *__grpo__*).
 LOSS_PER_TOKEN_TENSORS = 10
-# One decoder layer's no-grad prefill at its MLP product, in tokens x intermediate_size and
-# tokens x hidden_size elements of the compute dtype (reference trace
-# qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b8-s512: the generation's peak at the MLP
-# product, 266 MB over 3840 prompt tokens).
-PREFILL_INTERMEDIATES = 7
-PREFILL_HIDDEN = 1
-# The key and the value tensor each layer's DynamicCache holds (cache_utils.DynamicLayer).
-KV_TENSORS = 2
 
 
 def generation_rows(spec: TrainingSpec) -> int:

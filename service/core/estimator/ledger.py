@@ -5,9 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from functools import lru_cache
 
-# CUDACachingAllocator rounds every block up to kMinBlockSize = 512 B
-# (c10/cuda/CUDACachingAllocator.cpp).
-ALLOC_BLOCK = 512
+from service.core.libs.torch_allocator import MIN_BLOCK as ALLOC_BLOCK
+from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD
 
 
 def _blk(nbytes: int) -> int:
@@ -73,7 +72,7 @@ def _sum_recipe(recipe: tuple[tuple[int, _Kind, int], ...], b: int, s: int, pref
         _Kind.KEYS: b * (s + prefix),
         _Kind.KEYS_SQUARE: b * s * (s + prefix),
         _Kind.TOKENS: b * s,
-        _Kind.TOKENS_PAD32: b * (-(-s // 32) * 32),
+        _Kind.TOKENS_PAD32: b * (-(-s // EFFICIENT_LSE_PAD) * EFFICIENT_LSE_PAD),
         _Kind.SQUARE: b * s * s,
         _Kind.CONSTANT: 1,
     }

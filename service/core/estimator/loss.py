@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk
-from service.core.estimator.weights import NF4_BLOCK
+from service.core.libs.bitsandbytes import NF4_BLOCK
 from service.core.liger import liger_chunk_rows
 from service.core.spec import Framework, LossImpl, Method, ResolvedSpec
 from service.core.units import (

@@ -44,6 +44,7 @@ from service.core.device import CUBLASLT_WORKSPACE
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import _Moment, _Step, _step
+from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD as EFFICIENT_LSE_ALIGN
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, SdpaKernel, TrainingSpec
 from service.core.spec.vision import check_sequence
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES, DType
@@ -52,9 +53,6 @@ from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES, DType
 # and masks and the cross-attention mask torch.long (image_processing_mllama.py,
 # processing_mllama.py BatchFeature of numpy int64 arrays).
 PIXEL_BYTES = FP32_BYTES
-# The mem-efficient SDPA kernel's log-sum-exp rows are padded to a multiple of 32
-# (aten/src/ATen/native/transformers/cuda/attention.cu, kAlignLSE), fp32.
-EFFICIENT_LSE_ALIGN = 32
 LSE_BYTES = FP32_BYTES
 # SDPA's philox seed and offset, two int64 scalars saved for backward by the flash and
 # mem-efficient kernels alike (one 512-byte block each).

@@ -21,8 +21,8 @@ from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.preference import head_dtypes, step_phases
 from service.core.estimator.step import _Moment, _Step, _step
+from service.core.libs.trl import PAIR_SIDES
 from service.core.result import Phase
-from service.core.schedule import PAIR_SIDES
 from service.core.spec import LossImpl, Objective, TrainingSpec
 from service.core.units import FP32_BYTES, INT64_BYTES
 

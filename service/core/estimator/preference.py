@@ -18,8 +18,8 @@ from typing import NamedTuple
 from service.core.architecture import LinearKind, ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import _Moment, _Step, _step
+from service.core.libs.trl import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
 from service.core.result import Phase
-from service.core.schedule import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
 from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec
 from service.core.units import AUTOCAST_BYTES, BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 

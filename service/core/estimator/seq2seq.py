@@ -35,6 +35,8 @@ from service.core.estimator.seq2seq_zero import seq2seq_stage3
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.zero import ZeroRank
 from service.core.hf_t5 import T5_GATED_GELU_ACT
+from service.core.libs.torch_allocator import MIN_BLOCK as SCALAR_BLOCK
+from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD, LOSS_SCALARS
 from service.core.overhead import Uncertainty, levels
 from service.core.result import (
     COMPONENT_ORDER,
@@ -61,18 +63,10 @@ from service.core.spec import (
 from service.core.stack import stack_note
 from service.core.units import BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES, DType
 
-# The mem-efficient kernel pads its log-sum-exp to a multiple of 32 queries
-# (aten/src/ATen/native/transformers/cuda/attention.cu _efficient_attention_forward).
-EFFICIENT_LSE_PAD = 32
 # An encoder block's linears with the gated feed-forward: q, k, v, o, wi_0, wi_1, wo.
 GATED_BLOCK_LINEARS = 7
 # The optimizers modelled: torch's AdamW, foreach (its default on CUDA) or fused.
 _OPTIMS = (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED)
-# nll_loss's forward returns the loss and its total weight, one fp32 scalar each
-# (aten nll_loss_forward); HF's loss keeps both until backward.
-LOSS_SCALARS = 2
-# A tensor below one block still takes one (c10/cuda/CUDACachingAllocator.cpp kMinBlockSize).
-SCALAR_BLOCK = 512
 # How many vocab x d_model tensors live while the decoder embedding's gradient is added to the
 # lm_head's (autograd's input buffer for the tied table: the lm_head's, the embedding's, their
 # sum), traced on t5-v1_1-small and T0-3B full fine-tuning.

@@ -9,6 +9,15 @@ from service.core.architecture import SCORE_OUTPUTS, Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.lora_targets import deepseek_lora_targets, default_target_modules
+from service.core.libs.bitsandbytes import (
+    NESTED_BLOCK,
+    NESTED_CODE_ENTRIES,
+    NF4_BLOCK,
+    NF4_CODE_ENTRIES,
+    NF4_VALUES_PER_BYTE,
+)
+from service.core.libs.optimizers import FP32_COPIES, OPTIMIZERS, Temporaries
+from service.core.libs.peft import LORAFA_AUTOCAST_BYTES
 from service.core.quant_formats import check_shape, packed_bytes
 from service.core.spec import (
     ADAPTER_METHODS,
@@ -23,28 +32,9 @@ from service.core.spec import (
 from service.core.spec.delta import BoftSpec, LokrSpec, OftSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT8_BYTES, INT64_BYTES, UINT8_BYTES, DType
 
-# bitsandbytes 4-bit: two 4-bit values per uint8, one fp32 absmax per block of 64
-# (bitsandbytes/functional.py quantize_4bit, blocksize=64); double quant stores the absmax
-# as uint8 with one fp32 absmax per 256 of them plus a 256-entry fp32 code and an fp32 offset
-# (quantize_blockwise, blocksize=256).
-NF4_VALUES_PER_BYTE = 2
-NF4_BLOCK = 64
-NESTED_BLOCK = 256
-# LoraFAOptimizer.step projects B's gradient under torch.autocast(dtype=torch.bfloat16) where
-# bf16 is available (peft/optimizers/lorafa.py): half-precision temporaries.
-LORAFA_AUTOCAST_BYTES = 2
-NESTED_CODE_ENTRIES = 256
-NF4_CODE_ENTRIES = 16  # quant_state.code: the 16 NF4/FP4 levels, fp32
-# LLM.int8 (bitsandbytes Linear8bitLt): int8 weight plus one fp32 scale per output row (SCB).
-
-# bitsandbytes 8-bit optimizers: uint8 state per element, one fp32 absmax per 256-element
-# block (bitsandbytes/optim/optimizer.py Optimizer2State, blockwise=True); parameters with
-# fewer than min_8bit_size = 4096 elements keep fp32 states.
-BNB_8BIT_BLOCK = 256
 # Two one-element tensors an OFT model holds beside its rotations and index buffers (reference
 # traces *__oft__*: 1024 bytes of frozen weights over the modules' own tensors).
 OFT_MODEL_CONSTANTS = 2 * 512
-BNB_MIN_8BIT_SIZE = 4096
 
 
 # Model types whose "all-linear" PEFT 0.21 also points at the MoE experts' 3-D parameters and
@@ -489,47 +479,20 @@ def _lorafa_state(p: _Params) -> tuple[int, int, int]:
 
 
 def _optimizer_state(p: _Params, optim: Optim) -> tuple[int, int, int]:
-    """(state bytes inside torch's allocator, state bytes outside it, step temporaries)."""
-    tensors = p.tensors
-    if optim is Optim.SGD:
-        # HF "sgd" is torch.optim.SGD with momentum 0: no state (transformers/trainer.py).
-        return 0, 0, 0
-    if optim in (Optim.ADAMW_TORCH, Optim.ADAMW_TORCH_FUSED):
-        # exp_avg and exp_avg_sq take the parameter's dtype (torch/optim/adamw.py _init_group).
-        state = 2 * p.trainable
-        if optim is Optim.ADAMW_TORCH_FUSED:
-            # fused AdamW keeps each parameter's `step` as an fp32 scalar on the device
-            # (torch/optim/adamw.py _init_group: device=p.device if capturable or fused);
-            # foreach keeps it on the host.
-            state += sum(t.count for t in p.tensors) * _blk(FP32_BYTES)
-        # foreach AdamW's torch._foreach_sqrt(exp_avg_sqs) allocates one state-sized copy
-        # (torch/optim/adamw.py _multi_tensor_adamw); fused and for-loop do not.
-        temps = p.trainable if optim is Optim.ADAMW_TORCH else 0
-        return state, 0, temps
-    if optim in (Optim.ADAMW_BNB_8BIT, Optim.PAGED_ADAMW_8BIT):
-        state = 0
-        for t in tensors:
-            e = t.elements
-            if e < BNB_MIN_8BIT_SIZE:
-                state += t.count * 2 * _blk(e * FP32_BYTES)
-            else:
-                absmax = _blk(-(-e // BNB_8BIT_BLOCK) * FP32_BYTES)
-                state += t.count * 2 * (_blk(e * UINT8_BYTES) + absmax)
-        paged = optim is Optim.PAGED_ADAMW_8BIT
-        return (0, state, 0) if paged else (state, 0, 0)
-    if optim is Optim.PAGED_ADAMW_32BIT:
-        # bitsandbytes 32-bit states are fp32 whatever the parameter's dtype; paged states live
-        # in CUDA managed memory, outside torch's allocator counters (bitsandbytes/optim).
-        return 0, sum(t.count * 2 * _blk(t.elements * FP32_BYTES) for t in tensors), 0
-    # Adafactor (transformers/optimization.py, beta1=None as HF Trainer builds it): for a 2-D
-    # parameter, row and column second moments in the gradient's dtype; for 1-D, a full one.
-    # step() works one parameter at a time on fp32 copies of the gradient and the parameter
-    # and an fp32 update: three fp32 copies of the largest parameter.
+    """(state bytes inside torch's allocator, state bytes outside it, step temporaries), as
+    the optimizer's descriptor (`service.core.libs.optimizers`) lays its state out."""
+    opt = OPTIMIZERS[optim]
     state = 0
-    for t in tensors:
-        if t.cols:
-            state += t.count * (_blk(t.rows * t.itemsize) + _blk(t.cols * t.itemsize))
-        else:
-            state += t.count * _blk(t.rows * t.itemsize)
-    largest = max((t.elements for t in tensors), default=0)
-    return state, 0, 3 * _blk(largest * FP32_BYTES)
+    for t in p.tensors:
+        nbytes = _blk(t.elements * t.itemsize)
+        sizes = opt.state_sizes(nbytes, t.elements, (t.rows, t.cols, t.itemsize))
+        state += t.count * sum(_blk(n) for n in sizes)
+    if opt.device_step:
+        state += sum(t.count for t in p.tensors) * _blk(FP32_BYTES)
+    temps = 0
+    if opt.temporaries is Temporaries.STATE_COPY:
+        temps = p.trainable
+    elif opt.temporaries is Temporaries.FP32_COPIES:
+        largest = max((t.elements for t in p.tensors), default=0)
+        temps = FP32_COPIES * _blk(largest * FP32_BYTES)
+    return (0, state, temps) if opt.paged else (state, 0, temps)

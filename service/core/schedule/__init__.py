@@ -17,14 +17,10 @@ Events are `(key, nbytes)`: `nbytes > 0` allocates tensor `key`, `nbytes == 0` f
 
 from __future__ import annotations
 
-from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, LinearShape, StepShape, Updater
-from service.core.schedule.step import (
-    DPO_RUNNING_STATS,
-    DPO_TILE_TOKENS,
-    DPO_TILE_VOCAB,
-    PAIR_SIDES,
-    step_events,
-)
+from service.core.libs.optimizers import Updater
+from service.core.libs.trl import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB, PAIR_SIDES
+from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, LinearShape, StepShape
+from service.core.schedule.step import step_events
 
 __all__ = [
     "DPO_RUNNING_STATS",

@@ -5,10 +5,8 @@ optimizer step (layer.py RankAllocator.update_ipt, called by the training loop).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from service.core.schedule.delta import _Delta
-from service.core.schedule.program import _Saved, _Stop
+from service.core.schedule.program import _Grad, _Saved, _Stop
 from service.core.schedule.shapes import LinearShape
 from service.core.units import FP32_BYTES
 
@@ -51,17 +49,7 @@ class _AdaLora(_Delta):
         self.f(scaled, quotient, divisor, cast)
         return base
 
-    def _adalora_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-    ) -> tuple[int, int, int]:
+    def _adalora_backward(self, c: _Grad) -> tuple[int, int, int]:
         """The in-place add's backward hands g to the base branch as it is and a copy in the
         adapters' dtype to the adapter (reference traces *__adalora__*, op by op): the
         division's (the quotient, and the trainable divisor's gradient through three
@@ -70,6 +58,8 @@ class _AdaLora(_Delta):
         gradient of A and B added out of place to the penalty's waiting for it, the input
         cast's. Returns the base branch's gradient, the adapter branch's input gradient and
         the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
         ad = FP32_BYTES
         r = self.sh.rank
         din, dout = lin.d_in, lin.d_out

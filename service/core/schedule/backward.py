@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from service.core.libs.bitsandbytes import nf4_absmax_bytes
 from service.core.liger import REFERENCE_SM_COUNT
 from service.core.schedule.forward import _Forward
-from service.core.schedule.program import _Saved
+from service.core.schedule.program import _Grad, _Saved
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape
 from service.core.units import FP32_BYTES
 
@@ -32,9 +33,6 @@ class _Backward(_Forward):
         `nbytes`); returns the input's gradient (in `in_bytes`, by default `nbytes`) added to
         `acc` (0 when the input takes none)."""
         sh = self.sh
-        ad = sh.adapter
-        gx_lora = 0
-        g_base = g
         in_bytes = in_bytes or nbytes
         if (
             lin.trainable
@@ -50,92 +48,37 @@ class _Backward(_Forward):
             gin = self.ia3_backward(g, nbytes, lin, saved, x_grad=x_grad, before_saved=before_saved)
             if not x_grad:
                 return acc
-            if acc:
-                total = self.a(in_bytes * lin.d_in)
-                self.f(acc, gin)
-                gin = total
+            gin = self._plus(acc, gin, in_bytes * lin.d_in)
             return gin
+        call = _Grad(g, nbytes, lin, saved, x_grad, acc, before_saved, in_bytes)
         if lin.adapted and sh.oft:
-            return self._oft_backward(
-                g,
-                nbytes,
-                lin,
-                saved,
-                x_grad=x_grad,
-                acc=acc,
-                before_saved=before_saved,
-                in_bytes=in_bytes,
-            )
+            return self._oft_backward(call)
+        g_base, gx_lora = g, 0
         if lin.adapted and sh.autocast:
             adapter_backward = (
                 self._dora_autocast_backward if sh.dora else self._lora_autocast_backward
             )
-            g_base, gx_lora, acc = adapter_backward(
-                g,
-                nbytes,
-                lin,
-                saved,
-                x_grad=x_grad,
-                acc=acc,
-                before_saved=before_saved,
-                in_bytes=in_bytes,
-            )
-            before_saved = None
-        elif lin.adapted and (sh.loha or sh.lokr):
-            g_base, gx_lora, acc = self._delta_backward(
-                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
-            )
-            before_saved = None
-        elif lin.adapted and sh.adalora:
-            g_base, gx_lora, acc = self._adalora_backward(
-                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
-            )
-            before_saved = None
-        elif lin.adapted and sh.vera:
-            g_base, gx_lora, acc = self._vera_backward(
-                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
-            )
-            before_saved = None
-        elif lin.adapted and sh.dora:
-            g_base, gx_lora, acc = self._dora_backward(
-                g, nbytes, lin, saved, x_grad=x_grad, acc=acc, before_saved=before_saved
-            )
-            before_saved = None
+            g_base, gx_lora, acc = adapter_backward(call)
         elif lin.adapted:
-            # the output cast's backward (g in the adapters' dtype; autograd lets go of g),
-            # then the promoting add's: g cast back for the base branch
-            g32 = self.a(ad * lin.d_out) if ad != nbytes else self.p.hold(g)
-            self.f(g)
-            g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g32)
-            scaled = self.a(ad * lin.d_out)
-            self.f(g32)
-            if before_saved is not None:
-                before_saved()
-                before_saved = None
-            self.grad(ad * lin.d_out * sh.rank)  # lora_B.weight.grad
-            # a frozen lora_A (LoRA-FA) takes no gradient: its backward runs only for x's
-            g_a = self.a(ad * sh.rank) if x_grad or not sh.frozen_a else 0
-            self.f(scaled)
-            saved.release(f"{lin.name}.lora_a")
-            if not sh.frozen_a:
-                self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
-            if x_grad:
-                gx32 = self.a(ad * lin.d_in)
-                self.f(g_a)
-                saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
-                gx_lora = gx32
-                if ad != nbytes:
-                    gx_lora = self.a(nbytes * lin.d_in)
-                    self.f(gx32)
-                if acc:
-                    total = self.a(nbytes * lin.d_in)
-                    self.f(acc, gx_lora)
-                    gx_lora, acc = total, 0
-            else:
-                self.f(g_a)
-                saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            g_base, gx_lora, acc = ADAPTER_BACKWARDS[sh.peft_method](self, call)
         elif before_saved is not None:
             before_saved()
+        return self._base_backward(g_base, gx_lora, acc, nbytes, lin, saved, x_grad, in_bytes)
+
+    def _base_backward(
+        self,
+        g_base: int,
+        gx_lora: int,
+        acc: int,
+        nbytes: int,
+        lin: LinearShape,
+        saved: _Saved,
+        x_grad: bool,
+        in_bytes: int,
+    ) -> int:
+        """The base linear's backward from its branch's gradient `g_base` (released here):
+        the weight's gradient when it trains, the input's, summed with the adapter branch's
+        `gx_lora` and `acc`."""
         if lin.trainable:
             self.grad(lin.weight_bytes)
         gin = 0
@@ -156,11 +99,46 @@ class _Backward(_Forward):
         if not x_grad:
             return acc
         for other in (gx_lora, acc):
-            if other:
-                total = self.a(in_bytes * lin.d_in)
-                self.f(other, gin)
-                gin = total
+            gin = self._plus(other, gin, in_bytes * lin.d_in)
         return gin
+
+    def _lora_backward(self, c: _Grad) -> tuple[int, int, int]:
+        """LoRA's adapter backward (g, in `nbytes`, released): the output cast's backward (g
+        in the adapters' dtype; autograd lets go of g), then the promoting add's (g cast back
+        for the base branch), the scaling's, lora_B's and lora_A's. Returns the base branch's
+        gradient, the adapter branch's input gradient and the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
+        sh = self.sh
+        ad = sh.adapter
+        gx_lora = 0
+        g32 = self.a(ad * lin.d_out) if ad != nbytes else self.p.hold(g)
+        self.f(g)
+        g_base = self.a(nbytes * lin.d_out) if ad != nbytes else self.p.hold(g32)
+        scaled = self.a(ad * lin.d_out)
+        self.f(g32)
+        if before_saved is not None:
+            before_saved()
+        self.grad(ad * lin.d_out * sh.rank)  # lora_B.weight.grad
+        # a frozen lora_A (LoRA-FA) takes no gradient: its backward runs only for x's
+        g_a = self.a(ad * sh.rank) if x_grad or not sh.frozen_a else 0
+        self.f(scaled)
+        saved.release(f"{lin.name}.lora_a")
+        if not sh.frozen_a:
+            self.grad(ad * lin.d_in * sh.rank)  # lora_A.weight.grad
+        if x_grad:
+            gx32 = self.a(ad * lin.d_in)
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+            gx_lora = gx32
+            if ad != nbytes:
+                gx_lora = self.a(nbytes * lin.d_in)
+                self.f(gx32)
+            gx_lora, acc = self._plus(acc, gx_lora, nbytes * lin.d_in), 0
+        else:
+            self.f(g_a)
+            saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
+        return g_base, gx_lora, acc
 
     def _trainable_autocast_backward(
         self, g: int, lin: LinearShape, saved: _Saved, *, x_grad: bool, acc: int, in_bytes: int
@@ -191,29 +169,17 @@ class _Backward(_Forward):
             gin = wide
         if not x_grad:
             return acc
-        if acc:
-            total = self.a(in_bytes * lin.d_in)
-            self.f(acc, gin)
-            gin = total
+        gin = self._plus(acc, gin, in_bytes * lin.d_in)
         return gin
 
-    def _lora_autocast_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-        in_bytes: int,
-    ) -> tuple[int, int, int]:
+    def _lora_autocast_backward(self, c: _Grad) -> tuple[int, int, int]:
         """The adapter's backward under autocast (g, in `nbytes`, released): the add's gradient
         cast to half for the adapter branch when the result is wider, the scaling's, lora_B's
         and lora_A's in half, the casts' backwards back to the input's dtype (`in_bytes`).
         Returns the base branch's gradient, the adapter branch's input gradient and the
         accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved, in_bytes = c.x_grad, c.acc, c.before_saved, c.in_bytes
         sh = self.sh
         ad = sh.adapter
         srcb = in_bytes if lin.bnb else ad
@@ -243,10 +209,7 @@ class _Backward(_Forward):
                 self.f(gx)
                 gx = nxt
             gx_lora = gx
-            if acc:
-                total = self.a(in_bytes * lin.d_in)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, in_bytes * lin.d_in), 0
         else:
             self.f(g_a)
             saved.release(f"{lin.name}.cast", f"{lin.name}.mask")
@@ -268,7 +231,7 @@ class _Backward(_Forward):
         compute = sh.compute
         cast = self.a(compute * lin.d_out) if nbytes != compute else 0
         elements = lin.d_in * lin.d_out
-        absmax = self.p.alloc(-(-elements // 64) * FP32_BYTES) if sh.double_quant else 0
+        absmax = self.p.alloc(nf4_absmax_bytes(elements)) if sh.double_quant else 0
         weight = self.p.alloc(elements * compute)
         self.f(absmax)
         out = self.a(compute * lin.d_in)
@@ -779,3 +742,16 @@ class _Backward(_Forward):
             self.f(dk)
             dk = summed
         return dq, dk, dv
+
+
+# Each PEFT method's adapter backward on an adapted linear (`StepShape.peft_method`; OFT's and
+# those under autocast are taken before it): the base branch's gradient, the adapter branch's
+# input gradient and the accumulator.
+ADAPTER_BACKWARDS: dict[str, Callable[[_Backward, _Grad], tuple[int, int, int]]] = {
+    "loha": _Backward._delta_backward,
+    "lokr": _Backward._delta_backward,
+    "adalora": _Backward._adalora_backward,
+    "vera": _Backward._vera_backward,
+    "dora": _Backward._dora_backward,
+    "lora": _Backward._lora_backward,
+}

@@ -4,10 +4,8 @@ reference traces record them. VeRA (peft/tuners/vera/layer.py Linear.forward), L
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from service.core.schedule.dora import _Dora
-from service.core.schedule.program import _Saved, _Stop
+from service.core.schedule.program import _Grad, _Saved, _Stop
 from service.core.schedule.shapes import LinearShape
 from service.core.units import FP32_BYTES
 
@@ -39,22 +37,14 @@ class _Delta(_Dora):
         self.f(cast)
         return out
 
-    def _vera_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-    ) -> tuple[int, int, int]:
+    def _vera_backward(self, c: _Grad) -> tuple[int, int, int]:
         """VeRA's backward (g, in `nbytes`, released): the output cast's and the promoting
         add's; lambda_b's product (its gradient summed from a full-size product, then vera_B's
         output gradient), vera_B's matmul, lambda_d's product, vera_A's matmul when the input
         takes a gradient, the input cast's. Returns the base branch's gradient, the adapter
         branch's input gradient and the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
         ad = FP32_BYTES
         r = self.sh.rank
         dout = lin.d_out
@@ -87,10 +77,7 @@ class _Delta(_Dora):
         if ad != nbytes:
             gx = self.a(nbytes * lin.d_in)
             self.f(gx32)
-        if acc:
-            total = self.a(nbytes * lin.d_in)
-            self.f(acc, gx)
-            gx, acc = total, 0
+        gx, acc = self._plus(acc, gx, nbytes * lin.d_in), 0
         return g_base, gx, acc
 
     def _loha(
@@ -151,22 +138,14 @@ class _Delta(_Dora):
         out = self.add_and_cast_back(base, delta_out, lin.d_out, nbytes, ad)
         return out
 
-    def _delta_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-    ) -> tuple[int, int, int]:
+    def _delta_backward(self, c: _Grad) -> tuple[int, int, int]:
         """The backward of a built delta weight's linear (g, in `nbytes`, released): the output
         cast's and the promoting add's; F.linear's (the input's gradient through the delta,
         the delta's gradient); the input cast's; then the delta's own backward (`_loha_weight`
         or `_lokr_weight`). Returns the base branch's gradient, the adapter branch's input
         gradient and the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
         ad = FP32_BYTES
         din, dout = lin.d_in, lin.d_out
         weight = ad * din * dout

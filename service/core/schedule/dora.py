@@ -3,15 +3,35 @@ DoraLinearVariant): its forward and backward, as the reference traces record the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from service.core.schedule.program import _Saved, _StepBase, _Stop
+from service.core.libs.bitsandbytes import nf4_absmax_bytes
+from service.core.schedule.program import _Grad, _Saved, _StepBase, _Stop
 from service.core.schedule.shapes import HALF_BYTES, LinearShape
-from service.core.units import FP32_BYTES
 
 
 class _Dora(_StepBase):
     """Appends the events of DoRA's forward and backward."""
+
+    def _dropout(self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None) -> int:
+        """PEFT's lora_dropout on an adapter's input `x` (`nbytes` per element, let go): its
+        mask, saved for the backward, and the dropped copy; `x` itself without dropout."""
+        if not self.sh.dropout:
+            return x
+        mask = self.a(lin.d_in)
+        dropped = self.a(nbytes * lin.d_in)
+        if saved is not None:
+            saved.save(f"{lin.name}.mask", mask)
+        self.f(mask, x)
+        return dropped
+
+    def _dora_base_result(self, lin: LinearShape, base: int, dropped: int, out: int) -> int:
+        """DoRA's base result: with dropout F.linear(dropout(x), W) again (`dropped` bytes per
+        element), else the base output less its bias (`out` bytes), or the base output."""
+        if self.sh.dropout:
+            self.gemm()
+            return self.a(dropped * lin.d_out)
+        if lin.bias:
+            return self.a(out * lin.d_out)  # base_result - bias
+        return self.p.hold(base)
 
     def _dora(
         self, x: int, nbytes: int, lin: LinearShape, saved: _Saved | None, base: int, stop: bool
@@ -27,13 +47,7 @@ class _Dora(_StepBase):
         din, dout = lin.d_in, lin.d_out
         weight_elements = din * dout
         cast = self.p.hold(x) if ad == nbytes else self.a(ad * din)
-        if sh.dropout:
-            mask = self.a(din)
-            dropped = self.a(ad * din)
-            if saved is not None:
-                saved.save(f"{lin.name}.mask", mask)
-            self.f(mask, cast)
-            cast = dropped
+        cast = self._dropout(cast, ad, lin, saved)
         # get_lora_weight: torch.eye, lora_A, lora_B; the graph keeps eye and A(eye)
         eye = self.p.alloc(ad * din * din)
         eye_a = self.p.alloc(ad * din * sh.rank)
@@ -60,25 +74,11 @@ class _Dora(_StepBase):
             saved.save(f"{lin.name}.lora_a", lora_a)
         lora_out = self.a(ad * dout)
         self.f(lora_a)
-        if sh.dropout:
-            self.gemm()
-            base_result = self.a(ad * dout)
-            if saved is not None:
-                saved.save(f"{lin.name}.dora_weight", weight)
-        elif lin.bias:
-            base_result = self.a(nbytes * dout)  # base_result - bias
-        else:
-            base_result = self.p.hold(base)
-        result = self._dora_combine(
-            lin,
-            saved,
-            stop,
-            nbytes,
-            base_result,
-            scale,
-            lora_out,
-            (lora_weight, eye_a, eye, weight, norm),
-        )
+        base_result = self._dora_base_result(lin, base, ad, nbytes)
+        if sh.dropout and saved is not None:
+            saved.save(f"{lin.name}.dora_weight", weight)
+        factors = (lora_weight, eye_a, eye, weight, norm)
+        result = self._dora_combine(lin, saved, stop, nbytes, base_result, scale, lora_out, factors)
         # `result + dora` promotes (bitsandbytes' layer too), then the cast back
         wide_out = max(nbytes, ad)
         summed = self.a(wide_out * dout)
@@ -103,13 +103,7 @@ class _Dora(_StepBase):
         weight_elements = din * dout
         srcb = nbytes if lin.quantized else ad
         src = self.p.hold(x) if srcb == nbytes else self.a(srcb * din)
-        if sh.dropout:
-            mask = self.a(din)
-            dropped = self.a(srcb * din)
-            if saved is not None:
-                saved.save(f"{lin.name}.mask", mask)
-            self.f(mask, src)
-            src = dropped
+        src = self._dropout(src, srcb, lin, saved)
         eye = self.p.alloc(ad * din * din)
         eye_half = self.p.alloc(HALF_BYTES * din * din) if ad != HALF_BYTES else self.p.hold(eye)
         eye_a = self.p.alloc(HALF_BYTES * din * sh.rank)
@@ -146,23 +140,9 @@ class _Dora(_StepBase):
         self.f(lora_a)
         # autocast's output dtype: half, but a 4-bit base's is its input's (_Forward.out_bytes)
         out_b = max(nbytes, HALF_BYTES) if lin.quantized else HALF_BYTES
-        if sh.dropout:
-            self.gemm()
-            base_result = self.a(HALF_BYTES * dout)
-        elif lin.bias:
-            base_result = self.a(out_b * dout)  # base_result - bias
-        else:
-            base_result = self.p.hold(base)
-        result = self._dora_combine(
-            lin,
-            saved,
-            stop,
-            out_b,
-            base_result,
-            scale,
-            lora_out,
-            (lora_weight, eye_a, eye_half, weight, norm),
-        )
+        base_result = self._dora_base_result(lin, base, HALF_BYTES, out_b)
+        factors = (lora_weight, eye_a, eye_half, weight, norm)
+        result = self._dora_combine(lin, saved, stop, out_b, base_result, scale, lora_out, factors)
         wide_out = max(out_b, ad)
         out = self.a(wide_out * dout)
         self.f(result, base)
@@ -183,7 +163,7 @@ class _Dora(_StepBase):
         if lin.quantized:
             absmax = []
             if sh.double_quant:
-                blocks = -(-elements // 64) * FP32_BYTES
+                blocks = nf4_absmax_bytes(elements)
                 absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
             weight = self.p.alloc(weight_bytes * elements)
             self.f(*reversed(absmax))
@@ -235,17 +215,7 @@ class _Dora(_StepBase):
         self.f(lora_weight, eye_a, eye, weight, norm, scale, lora_out, minus_one, base_result)
         return result
 
-    def _dora_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-    ) -> tuple[int, int, int]:
+    def _dora_backward(self, c: _Grad) -> tuple[int, int, int]:
         """DoRA's backward (g, in `nbytes`, released; `forward._dora`): the output cast's and
         the promoting add's, the scaling's, then each product's two gradients (its saved
         tensors released before the scale's is summed to its shape), the base result's
@@ -253,6 +223,8 @@ class _Dora(_StepBase):
         added, lora_B and lora_A, the magnitude's gradient through the division, the input
         cast's. Returns the base branch's gradient, the adapter branch's input gradient and
         the accumulator."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved = c.x_grad, c.acc, c.before_saved
         sh = self.sh
         ad = sh.adapter
         din, dout = lin.d_in, lin.d_out
@@ -314,10 +286,7 @@ class _Dora(_StepBase):
             if ad != nbytes:
                 gx_lora = self.a(nbytes * din)
                 self.f(gx32)
-            if acc:
-                total = self.a(nbytes * din)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, nbytes * din), 0
         return g_base, gx_lora, acc
 
     def _added(self, first: int, second: int, nbytes: int) -> int:
@@ -326,22 +295,13 @@ class _Dora(_StepBase):
         self.f(first, second)
         return total
 
-    def _dora_autocast_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-        in_bytes: int,
-    ) -> tuple[int, int, int]:
+    def _dora_autocast_backward(self, c: _Grad) -> tuple[int, int, int]:
         """`_dora_backward` under autocast (`forward._dora_autocast`): the products' gradients
         in the magnitude's dtype, cast to the half adapter output's and the base result's;
         lora_B's and lora_A's in half; the input's cast back through autocast's copy, the
         magnitude's gradient, then PEFT's cast (`in_bytes`)."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved, in_bytes = c.x_grad, c.acc, c.before_saved, c.in_bytes
         sh = self.sh
         ad = sh.adapter
         din, dout = lin.d_in, lin.d_out
@@ -407,8 +367,5 @@ class _Dora(_StepBase):
                 self.f(gx)
                 gx = nxt
             gx_lora = gx
-            if acc:
-                total = self.a(in_bytes * din)
-                self.f(acc, gx_lora)
-                gx_lora, acc = total, 0
+            gx_lora, acc = self._plus(acc, gx_lora, in_bytes * din), 0
         return g_base, gx_lora, acc

@@ -16,17 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD, LOSS_SCALARS
 from service.core.result import Component, Phase
 from service.core.schedule.program import _Program, _Saved
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape, StepShape
 from service.core.schedule.step import _Step
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT64_BYTES
-
-# The mem-efficient kernel pads its log-sum-exp to a multiple of 32 queries
-# (aten/src/ATen/native/transformers/cuda/attention.cu _efficient_attention_forward).
-EFFICIENT_LSE_PAD = 32
-# nll_loss's forward returns the loss and its total weight, one fp32 scalar each.
-LOSS_SCALARS = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -505,10 +500,7 @@ class _EncoderStep(_Step):
         saved.release(f"{lin.name}.x")
         if not x_grad:
             return acc
-        if acc:
-            total = self.a(in_bytes * lin.d_in)
-            self.f(acc, gin)
-            gin = total
+        gin = self._plus(acc, gin, in_bytes * lin.d_in)
         return gin
 
     def layer_backward(  # type: ignore[override]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.core.bnb import uses_dequant_fallback
+from service.core.libs.bitsandbytes import nf4_absmax_bytes, uses_dequant_fallback
 from service.core.schedule.ia3 import _IA3
 from service.core.schedule.oft import _Oft
 from service.core.schedule.prefix import _Prefix
@@ -119,13 +119,7 @@ class _Forward(_IA3, _Oft, _Prefix):
         if sh.dora:
             return self._dora(x, nbytes, lin, saved, base, stop)
         cast = self.p.hold(x) if ad == nbytes else self.a(ad * lin.d_in)
-        if sh.dropout:
-            mask = self.a(lin.d_in)
-            dropped = self.a(ad * lin.d_in)
-            if saved is not None:
-                saved.save(f"{lin.name}.mask", mask)
-            self.f(mask, cast)
-            cast = dropped
+        cast = self._dropout(cast, ad, lin, saved)
         if saved is not None and not sh.frozen_a:  # a frozen lora_A keeps no input
             saved.save(f"{lin.name}.cast", cast)
         lora_a = self.a(ad * sh.rank)
@@ -185,13 +179,7 @@ class _Forward(_IA3, _Oft, _Prefix):
         sh = self.sh
         srcb = nbytes if lin.bnb else sh.adapter
         src = self.p.hold(x) if srcb == nbytes else self.a(srcb * lin.d_in)
-        if sh.dropout:
-            mask = self.a(lin.d_in)
-            dropped = self.a(srcb * lin.d_in)
-            if saved is not None:
-                saved.save(f"{lin.name}.mask", mask)
-            self.f(mask, src)
-            src = dropped
+        src = self._dropout(src, srcb, lin, saved)
         half = self.p.hold(src) if srcb == HALF_BYTES else self.a(HALF_BYTES * lin.d_in)
         if saved is not None:
             saved.save(f"{lin.name}.cast", half)
@@ -226,7 +214,7 @@ class _Forward(_IA3, _Oft, _Prefix):
         elements = lin.d_in * lin.d_out
         absmax = []
         if sh.double_quant:
-            blocks = -(-elements // 64) * FP32_BYTES
+            blocks = nf4_absmax_bytes(elements)
             absmax = [self.p.alloc(blocks), self.p.alloc(blocks)]
         weight = self.p.alloc(elements * compute)
         out = self.a(compute * lin.d_out)

@@ -4,18 +4,10 @@ time (cache_utils.DynamicLayer.update: the grown tensor is made before the old o
 
 from __future__ import annotations
 
+from service.core.libs.transformers import KV_TENSORS, PREFILL_HIDDEN, PREFILL_INTERMEDIATES
 from service.core.schedule.program import _Program
 from service.core.schedule.shapes import StepShape
 from service.core.units import FP32_BYTES, INT32_BYTES, INT64_BYTES
-
-# One decoder layer's no-grad prefill at its MLP product, in rows x prompt x intermediate_size
-# and rows x prompt x hidden_size elements of the compute dtype, as the estimate's generation
-# moment counts them (service/core/estimator/grpo.py PREFILL_INTERMEDIATES, PREFILL_HIDDEN;
-# reference trace qwen2_5-0_5b__lora__grpo__g8-p480__r16-all-linear__b8-s512).
-PREFILL_INTERMEDIATES = 7
-PREFILL_HIDDEN = 1
-# The key and the value tensor each layer's DynamicCache holds.
-KV_TENSORS = 2
 
 
 def generation_events(sh: StepShape, prog: _Program) -> list[int]:

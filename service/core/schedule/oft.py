@@ -4,10 +4,8 @@ the default five-term Cayley–Neumann series), as the reference traces *__oft__
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from service.core.schedule.adalora import _AdaLora
-from service.core.schedule.program import _Saved, _Stop
+from service.core.schedule.program import _Grad, _Saved, _Stop
 from service.core.schedule.shapes import LinearShape
 from service.core.units import FP32_BYTES
 
@@ -55,23 +53,14 @@ class _Oft(_AdaLora):
         self.f(half, copy, cast)
         return out
 
-    def _oft_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int,
-        before_saved: Callable[[], None] | None,
-        in_bytes: int,
-    ) -> int:
+    def _oft_backward(self, c: _Grad) -> int:
         """The base linear's input gradient (g let go), cast to fp32; the einsum's batched
         matmul (the rotation's gradient, the input's) and its copy back to the input's shape;
         the series' backward (two products per power, summed into Q's gradient), the skew
         construction's, the weight's gradient gathered from the upper triangles; the input's
         gradient cast back, added to `acc`."""
+        g, nbytes, lin, saved = c.g, c.nbytes, c.lin, c.saved
+        x_grad, acc, before_saved, in_bytes = c.x_grad, c.acc, c.before_saved, c.in_bytes
         blocks, size = lin.oft_blocks
         square = blocks * size * size * FP32_BYTES
         if before_saved is not None:
@@ -109,8 +98,5 @@ class _Oft(_AdaLora):
         result = self.a(in_bytes * lin.d_in) if in_bytes != FP32_BYTES else gx_copy
         if result != gx_copy:
             self.f(gx_copy)
-        if acc:
-            total = self.a(in_bytes * lin.d_in)
-            self.f(acc, result)
-            result = total
+        result = self._plus(acc, result, in_bytes * lin.d_in)
         return result

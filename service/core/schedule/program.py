@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.core.schedule.shapes import Event, StepShape
+from service.core.schedule.shapes import Event, LinearShape, StepShape
 
 
 @dataclass(slots=True)
@@ -60,6 +61,24 @@ class _Saved:
     def release_all(self) -> None:
         self.prog.free(*self.slots.values())
         self.slots.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _Grad:
+    """An adapted linear's backward as its adapter's backward takes it: the output's gradient
+    `g` (in `nbytes` per element, released there), the linear and what its forward saved,
+    whether the input takes a gradient, the gradient it is added to (`acc`, 0 for none), what
+    runs before the saved tensors are read (a checkpoint's recomputation) and the input's
+    bytes per element."""
+
+    g: int
+    nbytes: int
+    lin: LinearShape
+    saved: _Saved
+    x_grad: bool
+    acc: int
+    before_saved: Callable[[], None] | None
+    in_bytes: int
 
 
 class _Stop(Exception):
@@ -125,6 +144,15 @@ class _StepBase:
 
     def f(self, *keys: int) -> None:
         self.p.free(*keys)
+
+    def _plus(self, first: int, second: int, per_token: int) -> int:
+        """`first + second` in a new tensor of `per_token` bytes a token, both let go;
+        `second` itself when `first` is 0."""
+        if not first:
+            return second
+        total = self.a(per_token)
+        self.f(first, second)
+        return total
 
     def gemm(self, bias: bool = False) -> None:
         """A GEMM on the current handle: its workspaces the first time (after the output)."""

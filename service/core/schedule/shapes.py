@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from service.core.architecture import ModelArch
+from service.core.libs.optimizers import Updater
 
 HALF_BYTES = 2  # autocast's bf16 / fp16
 
@@ -17,18 +21,6 @@ class Kernel(StrEnum):
     EFFICIENT = "efficient"  # mem-efficient: key/value repeated to the query heads
     MATH = "math"  # SDPA's math composite: fp32 scores materialised
     EAGER = "eager"  # transformers' eager attention: scores, fp32 softmax, cast
-
-
-class Updater(StrEnum):
-    """What the optimizer step allocates (`Optim` grouped by memory behaviour)."""
-
-    ADAMW_FUSED = "adamw_fused"  # two states per parameter, no temporaries
-    ADAMW_FOREACH = "adamw_foreach"  # two states, and one state-sized list of temporaries
-    STATELESS = "stateless"  # SGD without momentum
-    BNB_8BIT = "bnb_8bit"  # uint8 states with fp32 absmax blocks
-    ADAFACTOR = "adafactor"  # factored second moment; fp32 copies of one parameter
-    OUTSIDE = "outside"  # paged optimizers: state in managed memory, outside the allocator
-    LORA_FA = "lora_fa"  # PEFT's LoraFAOptimizer: AdamW states for B, per-B temporaries
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,3 +181,28 @@ class StepShape:
     ranked: tuple[int, ...] = ()
     # A reward model (TRL's RewardTrainer): a one-output score head instead of the LM head
     score_head: bool = False
+
+    @property
+    def peft_method(self) -> str:
+        """The PEFT method on the adapted linears: the first of `PEFT_FLAGS` set, else LoRA."""
+        return next((name for name in PEFT_FLAGS if getattr(self, name)), "lora")
+
+
+# The PEFT methods a StepShape flags, in the order they are read (OFT before the rest).
+PEFT_FLAGS = ("oft", "loha", "lokr", "adalora", "vera", "dora")
+
+
+def model_sizes(arch: ModelArch, batch: int, seq: int) -> dict[str, Any]:
+    """A StepShape's sizes of the micro-batch and the model: tokens, layers, widths, heads
+    and vocabulary."""
+    return dict(
+        tokens=batch * seq,
+        batch=batch,
+        seq=seq,
+        layers=arch.num_hidden_layers,
+        hidden=arch.hidden_size,
+        heads=arch.num_attention_heads,
+        kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        vocab=arch.vocab_size,
+    )

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 from service.core.architecture import SCORE_OUTPUTS
+from service.core.libs.optimizers import FP32_COPIES, Updater
+from service.core.libs.peft import LORAFA_AUTOCAST_BYTES
+from service.core.libs.trl import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB, PAIR_SIDES
 from service.core.liger import liger_chunk_rows
 from service.core.schedule.backward import _Backward
 from service.core.schedule.generation import generation_events
 from service.core.schedule.program import _Program, _Saved, _Stop
-from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape, Updater
+from service.core.schedule.shapes import HALF_BYTES, Event, Kernel, StepShape
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
 
-# trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE and trl/trainer/utils.py
-# _CHUNKED_LOGPROB_CHUNK_SIZE (trl 1.16.0): a tile of the fused head's logits.
-DPO_TILE_TOKENS = 4096
-DPO_TILE_VOCAB = 32768
-# ChunkedLogProbFunction.forward's fp32 running statistics per scored position.
-DPO_RUNNING_STATS = 7
 # q-sized copies around SDPA's math kernel without grad: k and v expanded to every head, the
 # scaled q and its contiguous copy (reference trace llama-3_2-1b__qlora__dpo__*__b2-s1024).
 MATH_REFERENCE_COPIES = 4
-# ORPO's [chosen; rejected] rows on the batch axis (trl/experimental/orpo/orpo_trainer.py
-# concatenated_inputs): the chosen half is the NLL's.
-PAIR_SIDES = 2
 
 
 class _Step(_Backward):
@@ -91,33 +85,7 @@ class _Step(_Backward):
                 for name, key in zip(("x", "mean", "rstd"), (embedded, *stats), strict=True):
                     embed_norm.save(name, key)
             self.f(*stats)
-        mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
-        bools = sh.batch * sh.seq * sh.seq
-        masks = []
-        for index in range(sh.masks if sh.window_mask else 0):
-            if sh.mask_bytes != 1:
-                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
-                # comparison; a sliding one's window comparison and its ands too), then where
-                boolean = self.p.alloc(bools)
-                if index:
-                    window = boolean
-                    first = self.p.alloc(bools)
-                    self.f(window)
-                    causal = self.p.alloc(bools)
-                    boolean = self.p.alloc(bools)
-                    self.f(causal, first)
-                masks.append(self.p.alloc(mask_bytes))
-                self.f(boolean)
-            else:
-                # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
-                # window's comparison, its and with the padding term, the causal comparison and
-                # the final and, each (1, 1, s, s) (expanded to the batch as a view)
-                window = self.p.alloc(sh.seq * sh.seq)
-                first = self.p.alloc(sh.seq * sh.seq)
-                self.f(window)
-                causal = self.p.alloc(sh.seq * sh.seq)
-                masks.append(self.p.alloc(sh.seq * sh.seq))
-                self.f(causal, first)
+        masks = self._attention_masks()
         if sh.prefix_tokens:
             # prefix tuning: the cache, and transformers' causal mask over the longer keys,
             # (1, 1, s, s + virtual) expanded to the batch as a view
@@ -157,6 +125,50 @@ class _Step(_Backward):
                 g = self.layer_backward(g, layers[index], x_grad=x_grad, recompute=None)
         if sh.prefix_tokens:
             self.prefix_backward_end()
+        self._embedding_backward(g, embedded, embed_norm)
+        self.f(leaf)
+        if sh.checkpointing:
+            self.f(*masks)
+
+    def _attention_masks(self) -> list[int]:
+        """The attention masks transformers builds for the step's forward (none without a
+        sliding window shorter than the sequence)."""
+        sh = self.sh
+        mask_bytes = sh.batch * sh.seq * sh.seq * sh.mask_bytes
+        bools = sh.batch * sh.seq * sh.seq
+        masks = []
+        for index in range(sh.masks if sh.window_mask else 0):
+            if sh.mask_bytes != 1:
+                # eager's additive mask (masking_utils eager_mask): the boolean one (the causal
+                # comparison; a sliding one's window comparison and its ands too), then where
+                boolean = self.p.alloc(bools)
+                if index:
+                    window = boolean
+                    first = self.p.alloc(bools)
+                    self.f(window)
+                    causal = self.p.alloc(bools)
+                    boolean = self.p.alloc(bools)
+                    self.f(causal, first)
+                masks.append(self.p.alloc(mask_bytes))
+                self.f(boolean)
+            else:
+                # transformers' boolean sliding-window mask (masking_utils sdpa_mask): the
+                # window's comparison, its and with the padding term, the causal comparison and
+                # the final and, each (1, 1, s, s) (expanded to the batch as a view)
+                window = self.p.alloc(sh.seq * sh.seq)
+                first = self.p.alloc(sh.seq * sh.seq)
+                self.f(window)
+                causal = self.p.alloc(sh.seq * sh.seq)
+                masks.append(self.p.alloc(sh.seq * sh.seq))
+                self.f(causal, first)
+        return masks
+
+    def _embedding_backward(self, g: int, embedded: int, embed_norm: _Saved) -> None:
+        """The input embedding's backward from its output's gradient `g` (0: none): the
+        embedding LayerNorm's (BLOOM), then the table's gradient, tied or not, or prompt
+        tuning's."""
+        sh = self.sh
+        h = sh.hidden
         if g and embedded:  # the embedding LayerNorm's backward
             g_embed = self.a(sh.residual * h)
             self.f(g)
@@ -185,9 +197,6 @@ class _Step(_Backward):
                 self._prompt_backward(g)
             else:
                 self.f(g)
-        self.f(leaf)
-        if sh.checkpointing:
-            self.f(*masks)
 
     def _prompt_forward(self) -> tuple[int, int]:
         """Prompt tuning's input (peft/peft_model.py PeftModelForCausalLM.forward, get_prompt):
@@ -683,7 +692,7 @@ class _Step(_Backward):
         `denom_B` lets go of the previous B's."""
         grad_b = denom = 0
         for nbytes in self.sh.trainable:
-            half = nbytes * HALF_BYTES // self.sh.adapter
+            half = nbytes * LORAFA_AUTOCAST_BYTES // self.sh.adapter
             cast = self.p.alloc(half)
             product = self.p.alloc(half)
             self.f(cast)
@@ -718,7 +727,7 @@ class _Step(_Backward):
         elif up is Updater.LORA_FA:
             self._lorafa_step()
         elif up is Updater.ADAFACTOR:
-            self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(3)])
+            self.f(*[self.p.alloc(sh.largest_trainable * FP32_BYTES) for _ in range(FP32_COPIES)])
         if sh.adalora:
             self.allocate_ranks()
         self.zero_grad()
