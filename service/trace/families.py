@@ -97,6 +97,17 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
     adamw = Optim.ADAMW_TORCH
     peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
     all_linear = _lora(r=16, lora_dropout=0.1)
+    # PEFT's seq2seq LoRA in fp32 with eager attention, as T0-3B's published runs
+    eager_peft_fp32 = _spec(
+        lora,
+        8,
+        128,
+        target_length=4,
+        dtype=fp32,
+        attn_implementation=eager,
+        optim=adamw,
+        lora=peft_lora,
+    )
     # SDPA (transformers' default): the mem-efficient kernel with the bias as its mask
     sdpa = [
         (T5_SMALL, _spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
@@ -134,19 +145,7 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
                 full, 4, 128, target_length=32, dtype=fp32, attn_implementation=eager, optim=adamw
             ),
         ),
-        (
-            T5_SMALL,
-            _spec(
-                lora,
-                8,
-                128,
-                target_length=4,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=peft_lora,
-            ),
-        ),
+        (T5_SMALL, eager_peft_fp32),
         (T5_SMALL, _spec(full, 4, 128, target_length=32, attn_implementation=eager)),
         (
             T5_SMALL,
@@ -159,19 +158,7 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
                 lora=_lora(r=8, targets=None),
             ),
         ),
-        (
-            T0_3B,
-            _spec(
-                lora,
-                8,
-                128,
-                target_length=4,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=peft_lora,
-            ),
-        ),
+        (T0_3B, eager_peft_fp32),
         (
             T0_3B,
             _spec(

@@ -424,7 +424,7 @@ def _prepare_objective(
     """Set the model up for its objective's trainer; the notes the trainer adds."""
     notes: list[str] = []
     if goal.dpo:
-        preference.prepare(model, spec)
+        preference.prepare(model)
         notes.append(preference.note())
     if goal.kto:
         kto.prepare(model)
@@ -631,61 +631,27 @@ def _run_objective_steps(
                 (preference.unwrapped(m) for m in (model, ref_model) if m is not None), spec
             )
         )
-    rewrap = functools.partial(steering.rewrap, model)
+    run = preference.TrainerRun(
+        model=model,
+        optimizer=optimizer,
+        params=params,
+        tracker=tracker,
+        steering=steering,
+        spec=spec,
+        steps=STEPS,
+        rewrap_checkpoints=functools.partial(steering.rewrap, model),
+        keep_gradients=keep_gradients,
+    )
     if goal.dpo:
-        preference.run_dpo_steps(
-            model,
-            ref_model,
-            optimizer,
-            params,
-            tracker,
-            steering,
-            spec,
-            steps=STEPS,
-            rewrap_checkpoints=rewrap,
-            keep_gradients=keep_gradients,
-        )
+        preference.run_dpo_steps(run, ref_model)
     elif goal.kto:
-        kto.run_kto_steps(
-            model,
-            ref_model,
-            optimizer,
-            params,
-            tracker,
-            steering,
-            spec,
-            steps=STEPS,
-            rewrap_checkpoints=rewrap,
-            keep_gradients=keep_gradients,
-        )
+        kto.run_kto_steps(run, ref_model)
     elif goal.grpo:
-        grpo.run_grpo_steps(
-            model,
-            optimizer,
-            params,
-            tracker,
-            steering,
-            spec,
-            steps=STEPS,
-            rewrap_checkpoints=rewrap,
-            keep_gradients=keep_gradients,
-        )
+        grpo.run_grpo_steps(run)
     elif goal.orpo:
-        micro_batch = orpo.micro_batches(model, tracker, spec)
-        preference.trainer_steps(
-            tracker, steering, optimizer, params, spec, micro_batch, STEPS, keep_gradients
-        )
+        preference.trainer_steps(run, orpo.micro_batches(model, tracker, spec))
     elif goal.reward:
-        reward.run_reward_steps(
-            model,
-            optimizer,
-            params,
-            tracker,
-            steering,
-            spec,
-            steps=STEPS,
-            keep_gradients=keep_gradients,
-        )
+        reward.run_reward_steps(run)
     else:
         _run_steps(
             model,
