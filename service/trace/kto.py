@@ -27,7 +27,6 @@ from service.core.spec import Method, TrainingSpec
 from service.core.spec_kto import KtoLossType
 from service.trace import preference
 from service.trace.preference import (
-    CHECKPOINTING_KWARGS,
     IGNORE_INDEX,
 )
 
@@ -88,9 +87,6 @@ def run_kto_steps(run: preference.TrainerRun, ref_model: torch.nn.Module | None)
     """`steps` optimizer steps of KTOTrainer: per micro-batch `_compute_loss` (the KL batch,
     the policy forward, the reference forwards, the loss), backward, then HF Trainer's
     clipping, optimizer step and zero_grad as in service/trace/runner.py."""
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
-
     model, tracker, spec = run.model, run.tracker, run.spec
     rows, seq = spec.batch_size, spec.seq_len
     settings = spec.kto_settings
@@ -112,21 +108,7 @@ def run_kto_steps(run: preference.TrainerRun, ref_model: torch.nn.Module | None)
             chosen=chosen,
         )
 
-    def micro_batch(step: int) -> torch.Tensor:
-        return _compute_loss(
-            model,
-            ref_model,
-            batch,
-            spec,
-            tracker=tracker,
-            step=step,
-            use_adapter=use_adapter,
-            no_checkpointing=lambda: disable_gradient_checkpointing(
-                preference.unwrapped(model), CHECKPOINTING_KWARGS
-            ),
-            rewrap_checkpoints=run.rewrap_checkpoints,
-        )
-
+    micro_batch = preference.reference_micro_batch(run, _compute_loss, ref_model, batch, spec)
     with preference.fused_head_steering(run, model, ref_model) as head:
         preference.trainer_steps(run, micro_batch, head)
 

@@ -230,9 +230,6 @@ def run_dpo_steps(run: TrainerRun, ref_model: torch.nn.Module | None) -> None:
     """`steps` optimizer steps of DPOTrainer: per micro-batch `_compute_loss` (policy forward
     with the fused head, reference forward, the sigmoid loss), backward, then HF Trainer's
     clipping, optimizer step and zero_grad as in service/trace/runner.py."""
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
-
     model, tracker, spec = run.model, run.tracker, run.spec
     rows = 2 * spec.batch_size  # [chosen; rejected] on the batch axis
     seq = spec.seq_len
@@ -249,14 +246,35 @@ def run_dpo_steps(run: TrainerRun, ref_model: torch.nn.Module | None) -> None:
             (torch.zeros(spec.batch_size), torch.zeros(spec.batch_size)) if precompute else None
         )
 
+    micro_batch = reference_micro_batch(
+        run, _compute_loss, ref_model, input_ids, completion_mask, ref_logps_in
+    )
+    with fused_head_steering(run, model, ref_model) as head:
+        trainer_steps(run, micro_batch, head)
+    del attention_mask
+
+
+def reference_micro_batch(
+    run: TrainerRun,
+    compute_loss: Callable[..., torch.Tensor],
+    ref_model: torch.nn.Module | None,
+    *inputs: Any,
+) -> Callable[[int], torch.Tensor]:
+    """A micro-batch of a trainer with a reference forward (DPO, KTO): `compute_loss` on the
+    policy, the reference (a frozen copy, or the policy with TRL's `use_adapter` disabling
+    its adapters) and `inputs`, the reference run under TRL's
+    `disable_gradient_checkpointing`."""
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.utils import use_adapter
+
+    model = run.model
+
     def micro_batch(step: int) -> torch.Tensor:
-        return _compute_loss(
+        return compute_loss(
             model,
             ref_model,
-            input_ids,
-            completion_mask,
-            ref_logps_in,
-            tracker=tracker,
+            *inputs,
+            tracker=run.tracker,
             step=step,
             use_adapter=use_adapter,
             no_checkpointing=lambda: disable_gradient_checkpointing(
@@ -265,9 +283,7 @@ def run_dpo_steps(run: TrainerRun, ref_model: torch.nn.Module | None) -> None:
             rewrap_checkpoints=run.rewrap_checkpoints,
         )
 
-    with fused_head_steering(run, model, ref_model) as head:
-        trainer_steps(run, micro_batch, head)
-    del attention_mask
+    return micro_batch
 
 
 def trainer_steps(
