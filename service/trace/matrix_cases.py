@@ -24,9 +24,9 @@ from service.trace.families import (
     QWEN_05B,
     QWEN_7B,
     QWEN_MOE,
-    _lora,
-    _qlora,
-    _spec,
+    case_spec,
+    lora_spec,
+    qlora_spec,
 )
 
 Cases = list[tuple[str, TrainingSpec]]
@@ -44,38 +44,40 @@ def qwen_7b_cases() -> Cases:
     cases: Cases = []
     cases += _on(
         QWEN_7B,
-        _spec(lora, 1, 512, ckpt=True),
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 4, 2048),
-        _spec(lora, 4, 2048, lora=_lora(adapter_dtype=bf16)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 4, 2048),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(prepare_kbit=False)),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(double_quant=False)),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(type=QuantType.FP4)),
-        _spec(qlora, 1, 512, ckpt=True),
-        _spec(lora, 1, 2048, ckpt=True),
-        _spec(lora, 1, 2048),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(qlora, 1, 8192, ckpt=True),
-        _spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER),
-        _spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.EFFICIENT),
-        _spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.MATH),
-        _spec(lora, 1, 2048, attn_implementation=AttnImpl.FLASH_ATTENTION_2),
-        _spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
-        _spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(r=64)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(modules_to_save=("lm_head",))),
-        _spec(lora, 1, 2048, ckpt=True, lora=_lora(modules_to_save=("embed_tokens", "lm_head"))),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(lora_dropout=0.05)),
-        _spec(lora, 4, 2048, ckpt=True, loss=LossImpl.PLAIN),
-        _spec(full, 1, 2048, ckpt=True),
-        _spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
-        _spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(full, 1, 512),
+        case_spec(lora, 1, 512, ckpt=True),
+        case_spec(lora, 4, 2048, ckpt=True),
+        case_spec(lora, 4, 2048),
+        case_spec(lora, 4, 2048, lora=lora_spec(adapter_dtype=bf16)),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(adapter_dtype=bf16)),
+        case_spec(qlora, 4, 2048, ckpt=True),
+        case_spec(qlora, 4, 2048),
+        case_spec(qlora, 4, 2048, ckpt=True, quantization=qlora_spec(prepare_kbit=False)),
+        case_spec(qlora, 4, 2048, ckpt=True, quantization=qlora_spec(double_quant=False)),
+        case_spec(qlora, 4, 2048, ckpt=True, quantization=qlora_spec(type=QuantType.FP4)),
+        case_spec(qlora, 1, 512, ckpt=True),
+        case_spec(lora, 1, 2048, ckpt=True),
+        case_spec(lora, 1, 2048),
+        case_spec(lora, 1, 8192, ckpt=True),
+        case_spec(qlora, 1, 8192, ckpt=True),
+        case_spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER),
+        case_spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.EFFICIENT),
+        case_spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.MATH),
+        case_spec(lora, 1, 2048, attn_implementation=AttnImpl.FLASH_ATTENTION_2),
+        case_spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
+        case_spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(r=8, targets=None)),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(r=64)),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(targets=ATTENTION_PROJECTIONS)),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(modules_to_save=("lm_head",))),
+        case_spec(
+            lora, 1, 2048, ckpt=True, lora=lora_spec(modules_to_save=("embed_tokens", "lm_head"))
+        ),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(lora_dropout=0.05)),
+        case_spec(lora, 4, 2048, ckpt=True, loss=LossImpl.PLAIN),
+        case_spec(full, 1, 2048, ckpt=True),
+        case_spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
+        case_spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        case_spec(full, 1, 512),
     )
     return cases
 
@@ -89,57 +91,61 @@ def seven_b_family_cases() -> Cases:
     # Llama-3.1-8B (128k vocabulary).
     cases += _on(
         LLAMA_8B,
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 4, 2048),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 1, 2048),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(lora, 2, 4096, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(lora, 1, 2048, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(full, 1, 2048, ckpt=True),
-        _spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER),
+        case_spec(lora, 4, 2048, ckpt=True),
+        case_spec(lora, 4, 2048),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(adapter_dtype=bf16)),
+        case_spec(qlora, 4, 2048, ckpt=True),
+        case_spec(qlora, 1, 2048),
+        case_spec(lora, 1, 8192, ckpt=True),
+        case_spec(lora, 2, 4096, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        case_spec(lora, 1, 2048, ckpt=True, lora=lora_spec(r=8, targets=None)),
+        case_spec(full, 1, 2048, ckpt=True),
+        case_spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER),
     )
     # Mistral-7B-v0.1: 4096-token sliding window (a mask, hence the mem-efficient kernel, past it).
     cases += _on(
         MISTRAL_7B,
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 1, 2048),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 2, 2048, quantization=_qlora(prepare_kbit=False)),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(lora, 2, 1024, ckpt=True, lora=_lora(r=8, targets=None, adapter_dtype=bf16)),
-        _spec(full, 1, 1024, ckpt=True),
+        case_spec(lora, 4, 2048, ckpt=True),
+        case_spec(lora, 1, 2048),
+        case_spec(qlora, 4, 2048, ckpt=True),
+        case_spec(qlora, 2, 2048, quantization=qlora_spec(prepare_kbit=False)),
+        case_spec(lora, 1, 8192, ckpt=True),
+        case_spec(lora, 2, 1024, ckpt=True, lora=lora_spec(r=8, targets=None, adapter_dtype=bf16)),
+        case_spec(full, 1, 1024, ckpt=True),
     )
     # Gemma-2-2B: logit soft-capping, so eager attention (SDPA cannot soft-cap); 256k vocabulary.
     eager = AttnImpl.EAGER
     cases += _on(
         GEMMA_2B,
-        _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager),
-        _spec(lora, 1, 2048, attn_implementation=eager),
-        _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager),
-        _spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager),
-        _spec(qlora, 2, 1024, attn_implementation=eager, quantization=_qlora(double_quant=False)),
-        _spec(full, 1, 1024, ckpt=True, attn_implementation=eager),
-        _spec(full, 1, 1024, ckpt=True, attn_implementation=eager, optim=Optim.ADAMW_TORCH),
-        _spec(lora, 2, 1024, ckpt=True, attn_implementation=eager, lora=_lora(adapter_dtype=bf16)),
+        case_spec(lora, 1, 2048, ckpt=True, attn_implementation=eager),
+        case_spec(lora, 1, 2048, attn_implementation=eager),
+        case_spec(lora, 4, 1024, ckpt=True, attn_implementation=eager),
+        case_spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager),
+        case_spec(
+            qlora, 2, 1024, attn_implementation=eager, quantization=qlora_spec(double_quant=False)
+        ),
+        case_spec(full, 1, 1024, ckpt=True, attn_implementation=eager),
+        case_spec(full, 1, 1024, ckpt=True, attn_implementation=eager, optim=Optim.ADAMW_TORCH),
+        case_spec(
+            lora, 2, 1024, ckpt=True, attn_implementation=eager, lora=lora_spec(adapter_dtype=bf16)
+        ),
     )
     # Phi-3-mini: fused qkv_proj and gate_up_proj; a 2047-token sliding window.
     cases += _on(
         PHI_3,
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(lora, 2, 1024, ckpt=True, lora=_lora(targets=("qkv_proj", "o_proj"))),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 1, 1024, quantization=_qlora(prepare_kbit=False)),
-        _spec(full, 1, 1024, ckpt=True),
-        _spec(lora, 1, 1024, ckpt=True, sdpa_kernel=SdpaKernel.EFFICIENT),
-        _spec(lora, 1, 4096, ckpt=True),
+        case_spec(lora, 4, 2048, ckpt=True),
+        case_spec(lora, 1, 1024),
+        case_spec(lora, 2, 1024, ckpt=True, lora=lora_spec(targets=("qkv_proj", "o_proj"))),
+        case_spec(qlora, 4, 2048, ckpt=True),
+        case_spec(qlora, 1, 1024, quantization=qlora_spec(prepare_kbit=False)),
+        case_spec(full, 1, 1024, ckpt=True),
+        case_spec(lora, 1, 1024, ckpt=True, sdpa_kernel=SdpaKernel.EFFICIENT),
+        case_spec(lora, 1, 4096, ckpt=True),
         # Without checkpointing, the memory-efficient kernel (fp32 after kbit preparation;
         # past the window, its mask) keeps the value, a view of the fused qkv output, whole.
-        _spec(qlora, 1, 1024),
-        _spec(qlora, 2, 2048),
-        _spec(lora, 1, 1024, sdpa_kernel=SdpaKernel.EFFICIENT),
+        case_spec(qlora, 1, 1024),
+        case_spec(qlora, 2, 2048),
+        case_spec(lora, 1, 1024, sdpa_kernel=SdpaKernel.EFFICIENT),
     )
     return cases
 
@@ -153,39 +159,39 @@ def moe_cases() -> Cases:
     # Qwen1.5-MoE-A2.7B: 60 routed experts (grouped_mm) plus a shared expert per layer.
     cases += _on(
         QWEN_MOE,
-        _spec(lora, 1, 2048, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(lora, 2, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
-        _spec(lora, 1, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
-        _spec(full, 1, 1024, ckpt=True),
+        case_spec(lora, 1, 2048, ckpt=True),
+        case_spec(lora, 1, 1024),
+        case_spec(lora, 2, 2048, ckpt=True, lora=lora_spec(targets=ATTENTION_PROJECTIONS)),
+        case_spec(lora, 1, 2048, ckpt=True, lora=lora_spec(adapter_dtype=bf16)),
+        case_spec(full, 1, 1024, ckpt=True),
         # QLoRA: bitsandbytes quantizes the attention and shared-expert linears only; kbit
         # preparation casts the 3-D experts to fp32, which then run the grouped GEMM in fp32.
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(qlora, 1, 1024),
-        _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
-        _spec(qlora, 1, 1024, ckpt=True, autocast=True),
+        case_spec(qlora, 1, 1024, ckpt=True),
+        case_spec(qlora, 1, 1024),
+        case_spec(qlora, 1, 1024, ckpt=True, quantization=qlora_spec(prepare_kbit=False)),
+        case_spec(qlora, 1, 1024, ckpt=True, autocast=True),
     )
     # DeepSeek-V2-Lite: multi-head latent attention; a dense first layer, then 64 routed experts
     # (top-6, grouped_mm) and two shared experts per layer.
     cases += _on(
         DEEPSEEK_V2_LITE,
-        _spec(lora, 1, 1024, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(full, 1, 1024, ckpt=True),
+        case_spec(lora, 1, 1024, ckpt=True),
+        case_spec(lora, 1, 1024),
+        case_spec(qlora, 1, 1024, ckpt=True),
+        case_spec(full, 1, 1024, ckpt=True),
         # without checkpointing: QLoRA (fp32 experts after kbit preparation) and full
-        _spec(qlora, 1, 1024),
+        case_spec(qlora, 1, 1024),
         # LoRA on the attention's projections alone: no adapter on the experts or the router
-        _spec(lora, 2, 1024, ckpt=True, lora=_lora(targets=MLA_PROJECTIONS)),
+        case_spec(lora, 2, 1024, ckpt=True, lora=lora_spec(targets=MLA_PROJECTIONS)),
     )
     # DeepSeek-V3 (671B on fake tensors): q through its latent, a sigmoid router with group-limited
     # top-k, 256 routed experts (top-8) and one shared expert, three dense first layers.
     cases += _on(
         DEEPSEEK_V3,
-        _spec(lora, 1, 1024, ckpt=True),
-        _spec(lora, 1, 512),
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(full, 1, 512, ckpt=True),
+        case_spec(lora, 1, 1024, ckpt=True),
+        case_spec(lora, 1, 512),
+        case_spec(qlora, 1, 1024, ckpt=True),
+        case_spec(full, 1, 512, ckpt=True),
     )
     return cases
 
@@ -198,28 +204,28 @@ def qwen_05b_cases() -> Cases:
     # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
     cases += _on(
         QWEN_05B,
-        _spec(full, 1, 2048),
-        _spec(full, 1, 512, ckpt=True),
-        _spec(full, 4, 512, optim=Optim.ADAMW_TORCH),
-        _spec(full, 4, 512, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(full, 4, 512, optim=Optim.SGD),
-        _spec(full, 1, 512, dtype=DType.FP32),
-        _spec(lora, 1, 128),
-        _spec(lora, 1, 128, ckpt=True),
-        _spec(lora, 2, 512, lora=_lora(adapter_dtype=bf16)),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(modules_to_save=("embed_tokens",))),
-        _spec(lora, 2, 512, lora=_lora(lora_dropout=0.1)),
-        _spec(lora, 2, 512, attn_implementation=AttnImpl.EAGER),
-        _spec(lora, 2, 512, sdpa_kernel=SdpaKernel.EFFICIENT),
-        _spec(lora, 2, 512, sdpa_kernel=SdpaKernel.MATH),
-        _spec(lora, 2, 512, loss=LossImpl.PLAIN),
-        _spec(lora, 8, 2048, ckpt=True),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(qlora, 1, 128),
-        _spec(qlora, 2, 512, ckpt=True),
-        _spec(qlora, 2, 512, quantization=_qlora(prepare_kbit=False, double_quant=False)),
-        _spec(qlora, 2, 512, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
+        case_spec(full, 1, 2048),
+        case_spec(full, 1, 512, ckpt=True),
+        case_spec(full, 4, 512, optim=Optim.ADAMW_TORCH),
+        case_spec(full, 4, 512, optim=Optim.ADAMW_BNB_8BIT),
+        case_spec(full, 4, 512, optim=Optim.SGD),
+        case_spec(full, 1, 512, dtype=DType.FP32),
+        case_spec(lora, 1, 128),
+        case_spec(lora, 1, 128, ckpt=True),
+        case_spec(lora, 2, 512, lora=lora_spec(adapter_dtype=bf16)),
+        case_spec(lora, 2, 512, ckpt=True, lora=lora_spec(r=8, targets=None)),
+        case_spec(lora, 2, 512, ckpt=True, lora=lora_spec(modules_to_save=("embed_tokens",))),
+        case_spec(lora, 2, 512, lora=lora_spec(lora_dropout=0.1)),
+        case_spec(lora, 2, 512, attn_implementation=AttnImpl.EAGER),
+        case_spec(lora, 2, 512, sdpa_kernel=SdpaKernel.EFFICIENT),
+        case_spec(lora, 2, 512, sdpa_kernel=SdpaKernel.MATH),
+        case_spec(lora, 2, 512, loss=LossImpl.PLAIN),
+        case_spec(lora, 8, 2048, ckpt=True),
+        case_spec(lora, 1, 8192, ckpt=True),
+        case_spec(qlora, 1, 128),
+        case_spec(qlora, 2, 512, ckpt=True),
+        case_spec(qlora, 2, 512, quantization=qlora_spec(prepare_kbit=False, double_quant=False)),
+        case_spec(qlora, 2, 512, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
     )
     return cases
 
@@ -235,49 +241,49 @@ def mixed_precision_cases() -> Cases:
     mixed = {"autocast": True}
     cases += _on(
         QWEN_7B,
-        _spec(lora, 4, 2048, ckpt=True, **mixed),
-        _spec(lora, 4, 2048, **mixed),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16), **mixed),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(lora_dropout=0.05), **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, **mixed),
-        _spec(qlora, 1, 2048, **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(prepare_kbit=False), **mixed),
-        _spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER, **mixed),
-        _spec(full, 1, 2048, ckpt=True, **mixed),
+        case_spec(lora, 4, 2048, ckpt=True, **mixed),
+        case_spec(lora, 4, 2048, **mixed),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(adapter_dtype=bf16), **mixed),
+        case_spec(lora, 4, 2048, ckpt=True, lora=lora_spec(lora_dropout=0.05), **mixed),
+        case_spec(qlora, 4, 2048, ckpt=True, **mixed),
+        case_spec(qlora, 1, 2048, **mixed),
+        case_spec(qlora, 4, 2048, ckpt=True, quantization=qlora_spec(prepare_kbit=False), **mixed),
+        case_spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER, **mixed),
+        case_spec(full, 1, 2048, ckpt=True, **mixed),
     )
     cases += _on(
         LLAMA_8B,
-        _spec(lora, 4, 2048, ckpt=True, **mixed),
-        _spec(lora, 1, 2048, **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, **mixed),
+        case_spec(lora, 4, 2048, ckpt=True, **mixed),
+        case_spec(lora, 1, 2048, **mixed),
+        case_spec(qlora, 4, 2048, ckpt=True, **mixed),
     )
     cases += _on(
         MISTRAL_7B,
-        _spec(lora, 1, 8192, ckpt=True, **mixed),
-        _spec(qlora, 2, 2048, ckpt=True, **mixed),
+        case_spec(lora, 1, 8192, ckpt=True, **mixed),
+        case_spec(qlora, 2, 2048, ckpt=True, **mixed),
     )
     cases += _on(
         GEMMA_2B,
-        _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
-        _spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
+        case_spec(lora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
+        case_spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
     )
     cases += _on(
         PHI_3,
-        _spec(lora, 4, 2048, ckpt=True, **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, **mixed),
+        case_spec(lora, 4, 2048, ckpt=True, **mixed),
+        case_spec(qlora, 4, 2048, ckpt=True, **mixed),
     )
-    cases += _on(QWEN_MOE, _spec(lora, 1, 2048, ckpt=True, **mixed))
+    cases += _on(QWEN_MOE, case_spec(lora, 1, 2048, ckpt=True, **mixed))
     cases += _on(
         QWEN_05B,
-        _spec(lora, 1, 128, ckpt=True, **mixed),
-        _spec(lora, 2, 512, **mixed),
-        _spec(qlora, 2, 512, ckpt=True, **mixed),
-        _spec(lora, 2, 512, ckpt=True, dtype=DType.FP16, **mixed),
-        _spec(full, 1, 512, ckpt=True, dtype=DType.FP32, **mixed),
-        _spec(lora, 2, 512, ckpt=True, max_grad_norm=0.0),
+        case_spec(lora, 1, 128, ckpt=True, **mixed),
+        case_spec(lora, 2, 512, **mixed),
+        case_spec(qlora, 2, 512, ckpt=True, **mixed),
+        case_spec(lora, 2, 512, ckpt=True, dtype=DType.FP16, **mixed),
+        case_spec(full, 1, 512, ckpt=True, dtype=DType.FP32, **mixed),
+        case_spec(lora, 2, 512, ckpt=True, max_grad_norm=0.0),
         # HF Trainer's gradient accumulation: micro-batches add into .grad before the step.
-        _spec(lora, 2, 512, ckpt=True, gradient_accumulation_steps=2, **mixed),
-        _spec(full, 1, 512, ckpt=True, gradient_accumulation_steps=2),
+        case_spec(lora, 2, 512, ckpt=True, gradient_accumulation_steps=2, **mixed),
+        case_spec(full, 1, 512, ckpt=True, gradient_accumulation_steps=2),
     )
     return cases
 
@@ -291,33 +297,35 @@ def small_family_cases() -> Cases:
     # published residual dropout (0.1) active in training.
     cases += _on(
         PHI_2,
-        _spec(lora, 2, 1024, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=("q_proj", "k_proj", "v_proj", "dense"))),
-        _spec(qlora, 2, 1024, ckpt=True),
-        _spec(full, 1, 512, ckpt=True),
-        _spec(lora, 2, 1024, ckpt=True, **mixed),
+        case_spec(lora, 2, 1024, ckpt=True),
+        case_spec(lora, 1, 1024),
+        case_spec(
+            lora, 2, 512, ckpt=True, lora=lora_spec(targets=("q_proj", "k_proj", "v_proj", "dense"))
+        ),
+        case_spec(qlora, 2, 1024, ckpt=True),
+        case_spec(full, 1, 512, ckpt=True),
+        case_spec(lora, 2, 1024, ckpt=True, **mixed),
     )
     # Gemma-3-1B: five sliding-window (512) layers to one global, qk-norm, sandwich norms,
     # one key/value head, a 262k vocabulary; below the window no layer builds a mask.
     cases += _on(
         GEMMA_3,
-        _spec(lora, 2, 1024, ckpt=True),
-        _spec(lora, 1, 256),
-        _spec(qlora, 2, 1024, ckpt=True),
-        _spec(full, 1, 1024, ckpt=True),
-        _spec(lora, 2, 1024, ckpt=True, **mixed),
+        case_spec(lora, 2, 1024, ckpt=True),
+        case_spec(lora, 1, 256),
+        case_spec(qlora, 2, 1024, ckpt=True),
+        case_spec(full, 1, 1024, ckpt=True),
+        case_spec(lora, 2, 1024, ckpt=True, **mixed),
     )
     # Qwen3-30B-A3B: 128 routed experts, top-8 with renormalised weights, no shared expert.
     # (kbit preparation casts the 3-D expert weights to fp32; CUDA's grouped GEMM runs them.)
     cases += _on(
         QWEN3_MOE,
-        _spec(lora, 1, 1024, ckpt=True),
-        _spec(lora, 1, 512),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
-        _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(full, 1, 512, ckpt=True),
+        case_spec(lora, 1, 1024, ckpt=True),
+        case_spec(lora, 1, 512),
+        case_spec(lora, 2, 512, ckpt=True, lora=lora_spec(targets=ATTENTION_PROJECTIONS)),
+        case_spec(qlora, 1, 1024, ckpt=True, quantization=qlora_spec(prepare_kbit=False)),
+        case_spec(qlora, 1, 1024, ckpt=True),
+        case_spec(full, 1, 512, ckpt=True),
     )
     return cases
 
@@ -332,14 +340,14 @@ def transformers4_moe_cases() -> Cases:
     v4 = preset("hf-4.48")
     cases += _on(
         QWEN_MOE,
-        _spec(lora, 1, 512, ckpt=True, stack=v4),
-        _spec(qlora, 1, 512, ckpt=True, stack=v4),
-        _spec(lora, 1, 512, stack=v4),
+        case_spec(lora, 1, 512, ckpt=True, stack=v4),
+        case_spec(qlora, 1, 512, ckpt=True, stack=v4),
+        case_spec(lora, 1, 512, stack=v4),
     )
     cases += _on(
         MIXTRAL,
-        _spec(qlora, 1, 1024, ckpt=True, stack=v4),
-        _spec(lora, 1, 1024, ckpt=True, stack=v4),
+        case_spec(qlora, 1, 1024, ckpt=True, stack=v4),
+        case_spec(lora, 1, 1024, ckpt=True, stack=v4),
     )
     return cases
 
@@ -367,7 +375,7 @@ def lora_grid_cases(previous: Cases) -> Cases:
                         continue
                     cases += _on(
                         model_id,
-                        _spec(
+                        case_spec(
                             lora,
                             1,
                             1024,
@@ -391,19 +399,23 @@ def mlp_only_cases() -> Cases:
     mlp = ("gate_proj", "up_proj", "down_proj")
     cases += _on(
         LLAMA_8B,
-        _spec(qlora, 1, 1024, lora=_lora(targets=mlp)),
-        _spec(qlora, 1, 1024, ckpt=True, lora=_lora(targets=mlp)),
-        _spec(lora, 1, 1024, lora=_lora(targets=mlp)),
+        case_spec(qlora, 1, 1024, lora=lora_spec(targets=mlp)),
+        case_spec(qlora, 1, 1024, ckpt=True, lora=lora_spec(targets=mlp)),
+        case_spec(lora, 1, 1024, lora=lora_spec(targets=mlp)),
     )
     cases += _on(
         QWEN_05B,
-        _spec(qlora, 2, 512, lora=_lora(targets=mlp)),
+        case_spec(qlora, 2, 512, lora=lora_spec(targets=mlp)),
         # PEFT's default q and v: the frozen 4-bit o_proj keeps no input either
-        _spec(qlora, 2, 512, lora=_lora(r=8, targets=None)),
+        case_spec(qlora, 2, 512, lora=lora_spec(r=8, targets=None)),
     )
-    cases += _on(PHI_3, _spec(qlora, 1, 1024, lora=_lora(targets=("gate_up_proj", "down_proj"))))
-    cases += _on(GEMMA_2B, _spec(lora, 1, 512, attn_implementation=eager, lora=_lora(targets=mlp)))
-    cases += _on(PHI_2, _spec(lora, 1, 512, lora=_lora(targets=("fc1", "fc2"))))
+    cases += _on(
+        PHI_3, case_spec(qlora, 1, 1024, lora=lora_spec(targets=("gate_up_proj", "down_proj")))
+    )
+    cases += _on(
+        GEMMA_2B, case_spec(lora, 1, 512, attn_implementation=eager, lora=lora_spec(targets=mlp))
+    )
+    cases += _on(PHI_2, case_spec(lora, 1, 512, lora=lora_spec(targets=("fc1", "fc2"))))
     return cases
 
 
@@ -418,20 +430,20 @@ def bert_cases() -> Cases:
     fp32 = DType.FP32
     cases += _on(
         BERT_BASE,
-        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager),
-        _spec(full, 4, 512, dtype=fp32, **mixed),
-        _spec(full, 4, 512, ckpt=True, dtype=fp32),
-        _spec(lora, 4, 512, lora=_lora(r=8, targets=None)),
+        case_spec(full, 4, 512, dtype=fp32, attn_implementation=eager),
+        case_spec(full, 4, 512, dtype=fp32, **mixed),
+        case_spec(full, 4, 512, ckpt=True, dtype=fp32),
+        case_spec(lora, 4, 512, lora=lora_spec(r=8, targets=None)),
     )
     cases += _on(
         BERT_BASE,
-        _spec(lora, 4, 512, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(lora, 2, 256, attn_implementation=eager, lora=_lora(r=8, lora_dropout=0.1)),
-        _spec(full, 2, 256, gradient_accumulation_steps=2),
+        case_spec(lora, 4, 512, ckpt=True, lora=lora_spec(r=8, targets=None)),
+        case_spec(lora, 2, 256, attn_implementation=eager, lora=lora_spec(r=8, lora_dropout=0.1)),
+        case_spec(full, 2, 256, gradient_accumulation_steps=2),
     )
     cases += _on(
         BERT_LARGE,
-        _spec(full, 1, 512, dtype=fp32),
-        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
+        case_spec(full, 1, 512, dtype=fp32),
+        case_spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
     )
     return cases

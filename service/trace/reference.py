@@ -44,23 +44,23 @@ from service.trace.families import (
     LLAMA_1B,
     PHI_3,
     QWEN_05B,
-    _dora_cases,
-    _dpo_cases,
-    _falcon_bloom_cases,
-    _grpo_cases,
-    _int8_cases,
-    _kto_cases,
-    _liger_cases,
-    _lora,
-    _mixed_precision_objective_cases,
-    _orpo_cases,
-    _packing_cases,
-    _reward_cases,
-    _spec,
-    _t5_cases,
-    _tuner_cases,
-    _vision_cases,
+    case_spec,
+    dora_cases,
+    dpo_cases,
+    falcon_bloom_cases,
+    grpo_cases,
+    int8_cases,
+    kto_cases,
+    liger_cases,
+    lora_spec,
+    mixed_precision_objective_cases,
+    orpo_cases,
+    packing_cases,
+    reward_cases,
+    t5_cases,
     train_feature_cases,
+    tuner_cases,
+    vision_cases,
 )
 from service.trace.matrix_cases import (
     Cases,
@@ -395,20 +395,20 @@ def matrix() -> list[Case]:
     cases += lora_grid_cases(cases)
     for group in (
         mlp_only_cases,
-        _falcon_bloom_cases,
-        _dora_cases,
-        _dpo_cases,
-        _reward_cases,
-        _mixed_precision_objective_cases,
-        _kto_cases,
-        _grpo_cases,
-        _orpo_cases,
-        _t5_cases,
-        _tuner_cases,
-        _int8_cases,
-        _vision_cases,
-        _packing_cases,
-        _liger_cases,
+        falcon_bloom_cases,
+        dora_cases,
+        dpo_cases,
+        reward_cases,
+        mixed_precision_objective_cases,
+        kto_cases,
+        grpo_cases,
+        orpo_cases,
+        t5_cases,
+        tuner_cases,
+        int8_cases,
+        vision_cases,
+        packing_cases,
+        liger_cases,
         peft_delta_cases,
         train_feature_cases,
         bert_cases,
@@ -442,17 +442,17 @@ def parallel_matrix() -> list[Case]:
         for setup in setups:
             for gpus in (2, 8):
                 for method in (full, lora):
-                    add(model_id, _spec(method, b, s, ckpt=True, **extra), setup, gpus)
+                    add(model_id, case_spec(method, b, s, ckpt=True, **extra), setup, gpus)
     # Checkpointing off: every strategy once, on Qwen2.5-0.5B.
     for setup in setups:
-        add(QWEN_05B, _spec(full, 1, 512), setup, 2)
-        add(QWEN_05B, _spec(lora, 1, 512), setup, 8)
+        add(QWEN_05B, case_spec(full, 1, 512), setup, 2)
+        add(QWEN_05B, case_spec(lora, 1, 512), setup, 8)
     # An LM head not tied to the embedding: FSDP2 gives the embedding a group of its own.
     for setup in (setups[1], setups[3]):
         for method in (full, lora):
-            add(PHI_3, _spec(method, 1, 512, ckpt=True), setup, 2)
+            add(PHI_3, case_spec(method, 1, 512, ckpt=True), setup, 2)
     # The settings each strategy honours, beyond its defaults.
-    base = _spec(full, 1, 512, ckpt=True)
+    base = case_spec(full, 1, 512, ckpt=True)
     for setup in (
         ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True),
         ParallelSpec(strategy=Strategy.DDP, bucket_cap_mb=100),
@@ -470,26 +470,26 @@ def parallel_matrix() -> list[Case]:
     kto = {"objective": Objective.KTO}
     orpo = {"objective": Objective.ORPO}
     for model_id, spec, gpus in (
-        (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
-        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
-        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **dpo), 4),
-        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
-        (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
-        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
-        (QWEN_05B, _spec(lora, 2, 512, **kto), 2),
-        (QWEN_05B, _spec(lora, 2, 512, **orpo), 2),
-        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **orpo), 2),
-        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
-        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto), 2),
-        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
+        (QWEN_05B, case_spec(lora, 1, 512, **dpo), 2),
+        (QWEN_05B, case_spec(full, 1, 512, ckpt=True, **dpo), 2),
+        (LLAMA_1B, case_spec(lora, 2, 512, ckpt=True, autocast=True, **dpo), 4),
+        (GEMMA_2B, case_spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
+        (QWEN_05B, case_spec(lora, 2, 512, **reward), 2),
+        (LLAMA_1B, case_spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
+        (QWEN_05B, case_spec(lora, 2, 512, **kto), 2),
+        (QWEN_05B, case_spec(lora, 2, 512, **orpo), 2),
+        (QWEN_05B, case_spec(full, 1, 512, ckpt=True, **orpo), 2),
+        (LLAMA_1B, case_spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
+        (QWEN_05B, case_spec(full, 2, 512, ckpt=True, **kto), 2),
+        (LLAMA_1B, case_spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
     ):
         add(model_id, spec, ddp, gpus)
     # An encoder (BERT sequence classification) under DDP.
     fp32 = DType.FP32
-    add(BERT_BASE, _spec(full, 4, 512, dtype=fp32), ddp, 2)
-    add(BERT_BASE, _spec(lora, 4, 512, lora=_lora(r=8, targets=None)), ddp, 2)
+    add(BERT_BASE, case_spec(full, 4, 512, dtype=fp32), ddp, 2)
+    add(BERT_BASE, case_spec(lora, 4, 512, lora=lora_spec(r=8, targets=None)), ddp, 2)
     bucket_view = ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True)
-    add(BERT_BASE, _spec(full, 2, 512, ckpt=True, dtype=fp32), bucket_view, 4)
+    add(BERT_BASE, case_spec(full, 2, 512, ckpt=True, dtype=fp32), bucket_view, 4)
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 
