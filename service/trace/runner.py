@@ -378,6 +378,7 @@ def trace(
                 goal,
                 offloader,
                 keep_gradients,
+                kept,
             )
             measured = _Measured.of(tracker)
             del optimizer, model, built, ref_model
@@ -623,6 +624,7 @@ def _run_objective_steps(
     goal: _Goal,
     offloader: Offloader | None,
     keep_gradients: bool,
+    kept: list[Any],
 ) -> None:
     """The STEPS training steps, as the objective's trainer runs them."""
     if goal.trl:  # TRL's: forwards as accelerate's
@@ -649,7 +651,9 @@ def _run_objective_steps(
     elif goal.grpo:
         grpo.run_grpo_steps(run)
     elif goal.orpo:
-        preference.trainer_steps(run, orpo.micro_batches(model, tracker, spec))
+        micro_batch = orpo.micro_batches(model, tracker, spec)
+        kept.append(micro_batch)  # its inputs outlive the steps
+        preference.trainer_steps(run, micro_batch)
     elif goal.reward:
         reward.run_reward_steps(run)
     else:
