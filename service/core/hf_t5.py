@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError
-from service.core.hf_values import _Config, _dropout, _linear
+from service.core.hf_values import Config, dropout, linear
 
 # T5Config and MT5Config default tie_word_embeddings to True (the original T5 ties the lm_head).
 T5_TIE_WORD_EMBEDDINGS = True
@@ -17,7 +17,7 @@ T5_FEED_FORWARD_PROJ = "relu"
 T5_GATED_GELU_ACT = "gelu_new"
 
 
-def _t5(c: _Config, model_type: str) -> ModelArch:
+def t5_arch(c: Config, model_type: str) -> ModelArch:
     """T5ForConditionalGeneration / MT5ForConditionalGeneration (transformers
     models/t5/modeling_t5.py): a shared embedding; encoder blocks of SelfAttention (q, k, v,
     o without bias, relative position bias) and DenseReluDense (wi or gated wi_0/wi_1, wo);
@@ -44,16 +44,16 @@ def _t5(c: _Config, model_type: str) -> ModelArch:
 
     def attention(prefix: str) -> list[Linear]:
         return [
-            _linear(f"{prefix}.q", LinearKind.ATTN_QKV, h, inner),
-            _linear(f"{prefix}.k", LinearKind.ATTN_QKV, h, inner),
-            _linear(f"{prefix}.v", LinearKind.ATTN_QKV, h, inner),
-            _linear(f"{prefix}.o", LinearKind.ATTN_OUT, inner, h),
+            linear(f"{prefix}.q", LinearKind.ATTN_QKV, h, inner),
+            linear(f"{prefix}.k", LinearKind.ATTN_QKV, h, inner),
+            linear(f"{prefix}.v", LinearKind.ATTN_QKV, h, inner),
+            linear(f"{prefix}.o", LinearKind.ATTN_OUT, inner, h),
         ]
 
     ffn_in = ["DenseReluDense.wi_0", "DenseReluDense.wi_1"] if gated else ["DenseReluDense.wi"]
-    ffn = [_linear(n, LinearKind.MLP_IN, h, ff) for n in ffn_in]
-    ffn.append(_linear("DenseReluDense.wo", LinearKind.MLP_OUT, ff, h))
-    dropout = _dropout(c, "dropout_rate", T5_DROPOUT)
+    ffn = [linear(n, LinearKind.MLP_IN, h, ff) for n in ffn_in]
+    ffn.append(linear("DenseReluDense.wo", LinearKind.MLP_OUT, ff, h))
+    rate = dropout(c, "dropout_rate", T5_DROPOUT)
     return ModelArch(
         model_type=model_type,
         hidden_size=h,
@@ -77,8 +77,8 @@ def _t5(c: _Config, model_type: str) -> ModelArch:
         attn_logit_softcapping=None,
         sliding_window=None,
         linears=(*attention("SelfAttention"), *ffn),
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
+        hidden_dropout=rate,
+        attention_dropout=rate,
         decoder_layers=c.integer("num_decoder_layers", default=layers),
         decoder_linears=(*attention("SelfAttention"), *attention("EncDecAttention"), *ffn),
         relative_attention_num_buckets=c.integer(

@@ -55,7 +55,7 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_PROJECTIONS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
-def _lora(
+def lora_spec(
     r: int = 16,
     targets: tuple[str, ...] | str | None = ALL_LINEAR,
     adapter_dtype: DType | None = None,
@@ -66,7 +66,7 @@ def _lora(
     )
 
 
-def _qlora(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) -> QuantSpec:
+def qlora_spec(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) -> QuantSpec:
     return QuantSpec(
         type=kwargs.pop("type", QuantType.NF4),
         double_quant=double_quant,
@@ -75,11 +75,11 @@ def _qlora(double_quant: bool = True, prepare_kbit: bool = True, **kwargs: Any) 
     )
 
 
-def _spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) -> TrainingSpec:
+def case_spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) -> TrainingSpec:
     if method in LORA_METHODS and "lora" not in kwargs:
-        kwargs["lora"] = _lora()
+        kwargs["lora"] = lora_spec()
     if method is Method.QLORA and "quantization" not in kwargs:
-        kwargs["quantization"] = _qlora()
+        kwargs["quantization"] = qlora_spec()
     return TrainingSpec(
         method=method, batch_size=b, seq_len=s, gradient_checkpointing=ckpt, **kwargs
     )
@@ -88,36 +88,53 @@ def _spec(method: Method, b: int, s: int, *, ckpt: bool = False, **kwargs: Any) 
 LLAMA_1B = "meta-llama/Llama-3.2-1B"
 
 
-def _t5_cases() -> list[tuple[str, TrainingSpec]]:
+def t5_cases() -> list[tuple[str, TrainingSpec]]:
     """Encoder-decoders (T5 v1.1, eager attention with the relative position bias, dropout
     0.1 everywhere): full and LoRA (PEFT's default q and v, r 8, dropout 0.1, as PEFT's
     seq2seq examples) in fp32 with torch AdamW, and bf16; T0-3B as the published runs."""
     lora, full = Method.LORA, Method.FULL
     fp32, eager = DType.FP32, AttnImpl.EAGER
     adamw = Optim.ADAMW_TORCH
-    peft_lora = _lora(r=8, targets=None, lora_dropout=0.1)
-    all_linear = _lora(r=16, lora_dropout=0.1)
+    peft_lora = lora_spec(r=8, targets=None, lora_dropout=0.1)
+    all_linear = lora_spec(r=16, lora_dropout=0.1)
+    # PEFT's seq2seq LoRA in fp32 with eager attention, as T0-3B's published runs
+    eager_peft_fp32 = case_spec(
+        lora,
+        8,
+        128,
+        target_length=4,
+        dtype=fp32,
+        attn_implementation=eager,
+        optim=adamw,
+        lora=peft_lora,
+    )
     # SDPA (transformers' default): the mem-efficient kernel with the bias as its mask
     sdpa = [
-        (T5_SMALL, _spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
-        (T5_SMALL, _spec(full, 4, 128, target_length=32)),
-        (T5_SMALL, _spec(lora, 4, 128, target_length=32, lora=_lora(r=8, targets=None))),
-        (T0_3B, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+        (T5_SMALL, case_spec(full, 4, 128, target_length=32, dtype=fp32, optim=adamw)),
+        (T5_SMALL, case_spec(full, 4, 128, target_length=32)),
+        (T5_SMALL, case_spec(lora, 4, 128, target_length=32, lora=lora_spec(r=8, targets=None))),
+        (T0_3B, case_spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
         # mT5 (MT5ForConditionalGeneration, a 250k vocabulary): mt0-xxl as PEFT's README ran it
-        (MT0_XXL, _spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora)),
+        (
+            MT0_XXL,
+            case_spec(lora, 8, 128, target_length=4, dtype=fp32, optim=adamw, lora=peft_lora),
+        ),
     ]
     return [
         *sdpa,
         (
             T5_SMALL,
-            _spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),
+            case_spec(lora, 4, 64, target_length=16, attn_implementation=eager, lora=all_linear),
         ),
-        (T5_SMALL, _spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager)),
-        (T5_SMALL, _spec(full, 4, 64, target_length=256)),  # a target longer than the source
-        (T5_SMALL, _spec(full, 4, 128, target_length=32, gradient_accumulation_steps=2)),
         (
             T5_SMALL,
-            _spec(
+            case_spec(full, 2, 256, target_length=64, dtype=fp32, attn_implementation=eager),
+        ),
+        (T5_SMALL, case_spec(full, 4, 64, target_length=256)),  # a target longer than the source
+        (T5_SMALL, case_spec(full, 4, 128, target_length=32, gradient_accumulation_steps=2)),
+        (
+            T5_SMALL,
+            case_spec(
                 lora,
                 4,
                 128,
@@ -125,63 +142,39 @@ def _t5_cases() -> list[tuple[str, TrainingSpec]]:
                 dtype=fp32,
                 attn_implementation=eager,
                 optim=adamw,
-                lora=_lora(r=16),
+                lora=lora_spec(r=16),
             ),
         ),
         (
             T5_SMALL,
-            _spec(
+            case_spec(
                 full, 4, 128, target_length=32, dtype=fp32, attn_implementation=eager, optim=adamw
             ),
         ),
+        (T5_SMALL, eager_peft_fp32),
+        (T5_SMALL, case_spec(full, 4, 128, target_length=32, attn_implementation=eager)),
         (
             T5_SMALL,
-            _spec(
-                lora,
-                8,
-                128,
-                target_length=4,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=peft_lora,
-            ),
-        ),
-        (T5_SMALL, _spec(full, 4, 128, target_length=32, attn_implementation=eager)),
-        (
-            T5_SMALL,
-            _spec(
+            case_spec(
                 lora,
                 4,
                 128,
                 target_length=32,
                 attn_implementation=eager,
-                lora=_lora(r=8, targets=None),
+                lora=lora_spec(r=8, targets=None),
             ),
         ),
+        (T0_3B, eager_peft_fp32),
         (
             T0_3B,
-            _spec(
-                lora,
-                8,
-                128,
-                target_length=4,
-                dtype=fp32,
-                attn_implementation=eager,
-                optim=adamw,
-                lora=peft_lora,
-            ),
-        ),
-        (
-            T0_3B,
-            _spec(
+            case_spec(
                 full, 8, 128, target_length=4, dtype=fp32, attn_implementation=eager, optim=adamw
             ),
         ),
     ]
 
 
-def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
+def dpo_cases() -> list[tuple[str, TrainingSpec]]:
     """TRL's DPOTrainer (objective 'dpo'): full, LoRA and QLoRA on three families, the
     reference forward on or precomputed, the whole sequence or a completion scored."""
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
@@ -192,25 +185,27 @@ def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
         return {**dpo, "dpo": DpoSpec(**kwargs)}
 
     return [
-        (QWEN_05B, _spec(lora, 1, 512, **dpo)),
-        (QWEN_05B, _spec(full, 1, 512, **dpo)),
-        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
-        (QWEN_05B, _spec(lora, 4, 1024, **settings(max_completion_length=512))),
+        (QWEN_05B, case_spec(lora, 1, 512, **dpo)),
+        (QWEN_05B, case_spec(full, 1, 512, **dpo)),
+        (QWEN_05B, case_spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
+        (QWEN_05B, case_spec(lora, 4, 1024, **settings(max_completion_length=512))),
         # DPOConfig.disable_dropout (default True) turns LoRA's dropout off
         (
             QWEN_05B,
-            _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **dpo),
+            case_spec(
+                lora, 2, 512, gradient_accumulation_steps=2, lora=lora_spec(lora_dropout=0.1), **dpo
+            ),
         ),
-        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **dpo)),
-        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **settings(max_completion_length=256))),
-        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **dpo)),
+        (LLAMA_1B, case_spec(qlora, 2, 512, ckpt=True, **dpo)),
+        (LLAMA_1B, case_spec(lora, 2, 1024, ckpt=True, **settings(max_completion_length=256))),
+        (LLAMA_1B, case_spec(full, 1, 512, ckpt=True, **dpo)),
         # fp32 attention after kbit preparation: SDPA's math kernel in the reference forward
-        (LLAMA_1B, _spec(qlora, 2, 1024, **dpo)),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, **dpo)),
         # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
-        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
+        (GEMMA_2B, case_spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
         (
             GEMMA_2B,
-            _spec(
+            case_spec(
                 qlora,
                 2,
                 512,
@@ -219,35 +214,40 @@ def _dpo_cases() -> list[tuple[str, TrainingSpec]]:
                 **settings(precompute_ref_log_probs=True),
             ),
         ),
-        (PHI_3, _spec(lora, 1, 1024, ckpt=True, **dpo)),
+        (PHI_3, case_spec(lora, 1, 1024, ckpt=True, **dpo)),
         # an LM head apart from the embedding: its fp32 gradient accumulator and its cast
-        (PHI_3, _spec(full, 1, 512, ckpt=True, **dpo)),
+        (PHI_3, case_spec(full, 1, 512, ckpt=True, **dpo)),
     ]
 
 
-def _reward_cases() -> list[tuple[str, TrainingSpec]]:
+def reward_cases() -> list[tuple[str, TrainingSpec]]:
     """TRL's RewardTrainer (objective 'reward'): a one-label sequence classifier over the
     [chosen; rejected] batch, full, LoRA and QLoRA on two families."""
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
     reward = {"objective": Objective.REWARD}
     return [
-        (QWEN_05B, _spec(lora, 2, 512, **reward)),
-        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **reward)),
-        (LLAMA_1B, _spec(lora, 4, 1024, ckpt=True, **reward)),
-        (LLAMA_1B, _spec(full, 1, 512, **reward)),
-        (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, **reward)),
-        (QWEN_05B, _spec(qlora, 2, 512, **reward)),
+        (QWEN_05B, case_spec(lora, 2, 512, **reward)),
+        (QWEN_05B, case_spec(full, 2, 1024, ckpt=True, **reward)),
+        (LLAMA_1B, case_spec(lora, 4, 1024, ckpt=True, **reward)),
+        (LLAMA_1B, case_spec(full, 1, 512, **reward)),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, ckpt=True, **reward)),
+        (QWEN_05B, case_spec(qlora, 2, 512, **reward)),
         # RewardConfig.disable_dropout (default True) turns LoRA's dropout off
         (
             LLAMA_1B,
-            _spec(
-                lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **reward
+            case_spec(
+                lora,
+                2,
+                512,
+                gradient_accumulation_steps=2,
+                lora=lora_spec(lora_dropout=0.1),
+                **reward,
             ),
         ),
     ]
 
 
-def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
+def mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
     """DPO, KTO and reward modelling under TRL's default mixed precision (its configs set
     bf16=True unless fp16 is asked for: trl/trainer/base_config.py): accelerate's autocast
     around each model's forward, full, LoRA and QLoRA on four families."""
@@ -258,31 +258,34 @@ def _mixed_precision_objective_cases() -> list[tuple[str, TrainingSpec]]:
     kto = {"objective": Objective.KTO, "autocast": True}
     no_kl = {**kto, "kto": KtoSpec(loss_type=KtoLossType.APO_ZERO_UNPAIRED)}
     return [
-        (QWEN_05B, _spec(lora, 1, 512, ckpt=True, **dpo)),
-        (QWEN_05B, _spec(full, 1, 512, **dpo)),
-        (QWEN_05B, _spec(qlora, 2, 512, **dpo)),
-        (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, **dpo)),
-        (LLAMA_1B, _spec(lora, 2, 512, **dpo)),
-        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **dpo, dpo=DpoSpec(max_completion_length=256))),
-        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
-        (PHI_3, _spec(qlora, 1, 1024, ckpt=True, **dpo)),
-        (QWEN_05B, _spec(lora, 2, 512, **reward)),
-        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, **reward)),
-        (LLAMA_1B, _spec(full, 1, 512, **reward)),
-        (LLAMA_1B, _spec(qlora, 2, 1024, **reward)),
-        (QWEN_05B, _spec(lora, 2, 512, **kto)),
-        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto)),
-        (QWEN_05B, _spec(qlora, 2, 1024, ckpt=True, **no_kl)),
-        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **kto)),
-        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **kto)),
-        (LLAMA_1B, _spec(full, 2, 512, **kto)),
-        (LLAMA_1B, _spec(qlora, 2, 1024, **kto)),
-        (GEMMA_2B, _spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
-        (PHI_3, _spec(lora, 2, 512, ckpt=True, **kto)),
+        (QWEN_05B, case_spec(lora, 1, 512, ckpt=True, **dpo)),
+        (QWEN_05B, case_spec(full, 1, 512, **dpo)),
+        (QWEN_05B, case_spec(qlora, 2, 512, **dpo)),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, ckpt=True, **dpo)),
+        (LLAMA_1B, case_spec(lora, 2, 512, **dpo)),
+        (
+            LLAMA_1B,
+            case_spec(full, 1, 512, ckpt=True, **dpo, dpo=DpoSpec(max_completion_length=256)),
+        ),
+        (GEMMA_2B, case_spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **dpo)),
+        (PHI_3, case_spec(qlora, 1, 1024, ckpt=True, **dpo)),
+        (QWEN_05B, case_spec(lora, 2, 512, **reward)),
+        (QWEN_05B, case_spec(qlora, 2, 512, ckpt=True, **reward)),
+        (LLAMA_1B, case_spec(full, 1, 512, **reward)),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, **reward)),
+        (QWEN_05B, case_spec(lora, 2, 512, **kto)),
+        (QWEN_05B, case_spec(full, 2, 512, ckpt=True, **kto)),
+        (QWEN_05B, case_spec(qlora, 2, 1024, ckpt=True, **no_kl)),
+        (LLAMA_1B, case_spec(qlora, 2, 512, ckpt=True, **kto)),
+        (LLAMA_1B, case_spec(lora, 2, 1024, ckpt=True, **kto)),
+        (LLAMA_1B, case_spec(full, 2, 512, **kto)),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, **kto)),
+        (GEMMA_2B, case_spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
+        (PHI_3, case_spec(lora, 2, 512, ckpt=True, **kto)),
     ]
 
 
-def _kto_cases() -> list[tuple[str, TrainingSpec]]:
+def kto_cases() -> list[tuple[str, TrainingSpec]]:
     """TRL's KTOTrainer (objective 'kto'): full, LoRA and QLoRA on four families, with the KL
     batch (loss 'kto') or without it ('apo_zero_unpaired'), the reference forward on or
     precomputed, with and without checkpointing."""
@@ -295,84 +298,89 @@ def _kto_cases() -> list[tuple[str, TrainingSpec]]:
 
     no_kl = settings(loss_type=KtoLossType.APO_ZERO_UNPAIRED)
     return [
-        (QWEN_05B, _spec(lora, 2, 512, **kto)),
-        (QWEN_05B, _spec(full, 2, 512, **kto)),
-        (QWEN_05B, _spec(lora, 2, 1024, ckpt=True, **no_kl)),
-        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
+        (QWEN_05B, case_spec(lora, 2, 512, **kto)),
+        (QWEN_05B, case_spec(full, 2, 512, **kto)),
+        (QWEN_05B, case_spec(lora, 2, 1024, ckpt=True, **no_kl)),
+        (QWEN_05B, case_spec(full, 2, 1024, ckpt=True, **settings(precompute_ref_log_probs=True))),
         # KTOConfig.disable_dropout (default True) turns LoRA's dropout off
         (
             QWEN_05B,
-            _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=_lora(lora_dropout=0.1), **kto),
+            case_spec(
+                lora, 2, 512, gradient_accumulation_steps=2, lora=lora_spec(lora_dropout=0.1), **kto
+            ),
         ),
-        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **kto)),
-        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **kto)),
-        (LLAMA_1B, _spec(full, 2, 512, ckpt=True, **kto)),
+        (LLAMA_1B, case_spec(qlora, 2, 512, ckpt=True, **kto)),
+        (LLAMA_1B, case_spec(lora, 2, 1024, ckpt=True, **kto)),
+        (LLAMA_1B, case_spec(full, 2, 512, ckpt=True, **kto)),
         # fp32 attention after kbit preparation: SDPA's math kernel in the no-grad forwards
-        (LLAMA_1B, _spec(qlora, 2, 1024, **kto)),
-        (LLAMA_1B, _spec(qlora, 2, 512, **settings(precompute_ref_log_probs=True))),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, **kto)),
+        (LLAMA_1B, case_spec(qlora, 2, 512, **settings(precompute_ref_log_probs=True))),
         # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
-        (GEMMA_2B, _spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
-        (GEMMA_2B, _spec(qlora, 2, 512, ckpt=True, attn_implementation=eager, **no_kl)),
-        (PHI_3, _spec(lora, 2, 512, ckpt=True, **kto)),
+        (GEMMA_2B, case_spec(lora, 2, 512, ckpt=True, attn_implementation=eager, **kto)),
+        (GEMMA_2B, case_spec(qlora, 2, 512, ckpt=True, attn_implementation=eager, **no_kl)),
+        (PHI_3, case_spec(lora, 2, 512, ckpt=True, **kto)),
         # an LM head apart from the embedding: its fp32 gradient accumulator and its cast
-        (PHI_3, _spec(full, 2, 512, ckpt=True, **kto)),
+        (PHI_3, case_spec(full, 2, 512, ckpt=True, **kto)),
         # longer and wider: the reference forwards' transients beside every saved activation
-        (QWEN_05B, _spec(lora, 4, 1024, **kto)),
-        (LLAMA_1B, _spec(full, 2, 1024, **kto)),
+        (QWEN_05B, case_spec(lora, 4, 1024, **kto)),
+        (LLAMA_1B, case_spec(full, 2, 1024, **kto)),
     ]
 
 
-def _orpo_cases() -> list[tuple[str, TrainingSpec]]:
+def orpo_cases() -> list[tuple[str, TrainingSpec]]:
     """TRL's ORPOTrainer (objective 'orpo'): full, LoRA and QLoRA on four families, with and
     without checkpointing, with and without TRL's default bf16 mixed precision."""
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
     eager = AttnImpl.EAGER
     orpo: dict[str, Any] = {"objective": Objective.ORPO}
     mixed: dict[str, Any] = {**orpo, "autocast": True}
-    dropout = _lora(lora_dropout=0.1)
+    dropout = lora_spec(lora_dropout=0.1)
     return [
-        (QWEN_05B, _spec(lora, 2, 512, **orpo)),
-        (QWEN_05B, _spec(full, 2, 512, **orpo)),
-        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **orpo)),
-        (QWEN_05B, _spec(qlora, 2, 512, **orpo)),
-        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, **mixed)),
-        (QWEN_05B, _spec(full, 1, 512, **mixed)),
+        (QWEN_05B, case_spec(lora, 2, 512, **orpo)),
+        (QWEN_05B, case_spec(full, 2, 512, **orpo)),
+        (QWEN_05B, case_spec(full, 2, 1024, ckpt=True, **orpo)),
+        (QWEN_05B, case_spec(qlora, 2, 512, **orpo)),
+        (QWEN_05B, case_spec(lora, 2, 512, ckpt=True, **mixed)),
+        (QWEN_05B, case_spec(full, 1, 512, **mixed)),
         # an fp32 model under autocast: the LM head's half weight copy beside the logits
-        (QWEN_05B, _spec(lora, 1, 512, dtype=DType.FP32, **mixed)),
+        (QWEN_05B, case_spec(lora, 1, 512, dtype=DType.FP32, **mixed)),
         # ORPOConfig.disable_dropout (default True) turns LoRA's dropout off; False keeps it
-        (QWEN_05B, _spec(lora, 2, 512, gradient_accumulation_steps=2, lora=dropout, **orpo)),
-        (QWEN_05B, _spec(lora, 2, 512, lora=dropout, orpo=OrpoSpec(disable_dropout=False), **orpo)),
-        (LLAMA_1B, _spec(qlora, 2, 512, ckpt=True, **orpo)),
-        (LLAMA_1B, _spec(lora, 2, 1024, ckpt=True, **orpo)),
-        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **orpo)),
-        (LLAMA_1B, _spec(lora, 2, 512, **mixed)),
-        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, **mixed)),
+        (QWEN_05B, case_spec(lora, 2, 512, gradient_accumulation_steps=2, lora=dropout, **orpo)),
+        (
+            QWEN_05B,
+            case_spec(lora, 2, 512, lora=dropout, orpo=OrpoSpec(disable_dropout=False), **orpo),
+        ),
+        (LLAMA_1B, case_spec(qlora, 2, 512, ckpt=True, **orpo)),
+        (LLAMA_1B, case_spec(lora, 2, 1024, ckpt=True, **orpo)),
+        (LLAMA_1B, case_spec(full, 1, 512, ckpt=True, **orpo)),
+        (LLAMA_1B, case_spec(lora, 2, 512, **mixed)),
+        (LLAMA_1B, case_spec(full, 1, 512, ckpt=True, **mixed)),
         # Gemma-2 runs eager attention (transformers 5.24 gives it no SDPA path)
-        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **orpo)),
-        (GEMMA_2B, _spec(qlora, 1, 512, ckpt=True, attn_implementation=eager, **orpo)),
-        (PHI_3, _spec(lora, 1, 512, ckpt=True, **orpo)),
+        (GEMMA_2B, case_spec(lora, 1, 512, ckpt=True, attn_implementation=eager, **orpo)),
+        (GEMMA_2B, case_spec(qlora, 1, 512, ckpt=True, attn_implementation=eager, **orpo)),
+        (PHI_3, case_spec(lora, 1, 512, ckpt=True, **orpo)),
         # an LM head apart from the embedding: its weight's gradient beside the logits'
-        (PHI_3, _spec(full, 1, 512, ckpt=True, **orpo)),
+        (PHI_3, case_spec(full, 1, 512, ckpt=True, **orpo)),
     ]
 
 
-def _dora_cases() -> list[tuple[str, TrainingSpec]]:
+def dora_cases() -> list[tuple[str, TrainingSpec]]:
     """DoRA (PEFT use_dora): LoRA and QLoRA, with and without checkpointing, autocast and
     dropout, on Qwen2.5-0.5B, and Llama-3.2-1B for a second family."""
     lora, qlora = Method.LORA, Method.QLORA
-    dora = _lora(use_dora=True)
+    dora = lora_spec(use_dora=True)
     return [
-        (QWEN_05B, _spec(lora, 2, 512, lora=dora)),
-        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora)),
-        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, lora=dora)),
-        (QWEN_05B, _spec(lora, 2, 512, ckpt=True, lora=dora, autocast=True)),
+        (QWEN_05B, case_spec(lora, 2, 512, lora=dora)),
+        (QWEN_05B, case_spec(lora, 2, 512, ckpt=True, lora=dora)),
+        (QWEN_05B, case_spec(qlora, 2, 512, ckpt=True, lora=dora)),
+        (QWEN_05B, case_spec(lora, 2, 512, ckpt=True, lora=dora, autocast=True)),
         # With dropout PEFT runs the base linear again on the dropped-out input.
-        (QWEN_05B, _spec(lora, 2, 512, lora=_lora(use_dora=True, lora_dropout=0.1))),
-        (LLAMA_1B, _spec(lora, 1, 1024, ckpt=True, lora=dora)),
+        (QWEN_05B, case_spec(lora, 2, 512, lora=lora_spec(use_dora=True, lora_dropout=0.1))),
+        (LLAMA_1B, case_spec(lora, 1, 1024, ckpt=True, lora=dora)),
     ]
 
 
-def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
+def tuner_cases() -> list[tuple[str, TrainingSpec]]:
     """PEFT's (IA)^3 and LN tuning with their defaults, with and without checkpointing, on
     Qwen2.5-0.5B and Llama-3.2-1B (whose defaults differ: q_proj or k_proj scaled, one norm
     or every norm trained), and with targets named; prompt tuning likewise; prefix tuning
@@ -389,27 +397,36 @@ def _tuner_cases() -> list[tuple[str, TrainingSpec]]:
         feedforward_modules=("up_proj", "down_proj"),
     )
     return [
-        (QWEN_05B, _spec(ia3, 2, 512)),
-        (QWEN_05B, _spec(ia3, 2, 512, ckpt=True)),
-        (QWEN_05B, _spec(ia3, 2, 512, ia3=named_ia3)),
-        (QWEN_05B, _spec(ln, 2, 512)),
-        (QWEN_05B, _spec(ln, 1, 1024, ckpt=True)),
-        (QWEN_05B, _spec(ln, 2, 512, ln_tuning=every_norm)),
-        (LLAMA_1B, _spec(ia3, 1, 1024)),
-        (LLAMA_1B, _spec(ia3, 2, 256, ckpt=True)),
-        (LLAMA_1B, _spec(ln, 1, 1024)),
-        (LLAMA_1B, _spec(ln, 2, 512, ckpt=True)),
+        (QWEN_05B, case_spec(ia3, 2, 512)),
+        (QWEN_05B, case_spec(ia3, 2, 512, ckpt=True)),
+        (QWEN_05B, case_spec(ia3, 2, 512, ia3=named_ia3)),
+        (QWEN_05B, case_spec(ln, 2, 512)),
+        (QWEN_05B, case_spec(ln, 1, 1024, ckpt=True)),
+        (QWEN_05B, case_spec(ln, 2, 512, ln_tuning=every_norm)),
+        (LLAMA_1B, case_spec(ia3, 1, 1024)),
+        (LLAMA_1B, case_spec(ia3, 2, 256, ckpt=True)),
+        (LLAMA_1B, case_spec(ln, 1, 1024)),
+        (LLAMA_1B, case_spec(ln, 2, 512, ckpt=True)),
         # prompt tuning: 20 virtual tokens, and the 200 of PEFT's method comparison
-        (QWEN_05B, _spec(prompt, 2, 512, prompt_tuning=PromptTuningSpec(num_virtual_tokens=20))),
-        (QWEN_05B, _spec(prompt, 2, 512, ckpt=True, prompt_tuning=virtual_200)),
-        (LLAMA_1B, _spec(prompt, 1, 1024, prompt_tuning=virtual_200)),
-        (LLAMA_1B, _spec(prompt, 2, 256, ckpt=True, prompt_tuning=virtual_200)),
+        (
+            QWEN_05B,
+            case_spec(prompt, 2, 512, prompt_tuning=PromptTuningSpec(num_virtual_tokens=20)),
+        ),
+        (QWEN_05B, case_spec(prompt, 2, 512, ckpt=True, prompt_tuning=virtual_200)),
+        (LLAMA_1B, case_spec(prompt, 1, 1024, prompt_tuning=virtual_200)),
+        (LLAMA_1B, case_spec(prompt, 2, 256, ckpt=True, prompt_tuning=virtual_200)),
         # prefix tuning (PEFT refuses it with checkpointing): 20 and 200 virtual tokens, the
         # latter PEFT's method comparison's, and the MLP projection
-        (QWEN_05B, _spec(prefix, 2, 512, prefix_tuning=PrefixTuningSpec(num_virtual_tokens=20))),
-        (QWEN_05B, _spec(prefix, 2, 512, prefix_tuning=projected)),
-        (LLAMA_1B, _spec(prefix, 1, 1024, prefix_tuning=PrefixTuningSpec(num_virtual_tokens=200))),
-        (LLAMA_1B, _spec(prefix, 2, 256, prefix_tuning=projected)),
+        (
+            QWEN_05B,
+            case_spec(prefix, 2, 512, prefix_tuning=PrefixTuningSpec(num_virtual_tokens=20)),
+        ),
+        (QWEN_05B, case_spec(prefix, 2, 512, prefix_tuning=projected)),
+        (
+            LLAMA_1B,
+            case_spec(prefix, 1, 1024, prefix_tuning=PrefixTuningSpec(num_virtual_tokens=200)),
+        ),
+        (LLAMA_1B, case_spec(prefix, 2, 256, prefix_tuning=projected)),
     ]
 
 
@@ -418,66 +435,69 @@ BLOOM_560M = "bigscience/bloom-560m"
 BLOOMZ_7B1 = "bigscience/bloomz-7b1"
 
 
-def _falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
+def falcon_bloom_cases() -> list[tuple[str, TrainingSpec]]:
     """Falcon-7B (multi-query attention through SDPA's math kernel, one LayerNorm feeding
     attention and MLP in parallel) and BLOOM (ALiBi, its own baddbmm attention, which
     transformers 5.24 runs as eager only; an embedding LayerNorm)."""
     lora, full = Method.LORA, Method.FULL
     eager = AttnImpl.EAGER
     return [
-        (FALCON_7B, _spec(lora, 1, 512)),
-        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True)),
-        (FALCON_7B, _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None))),
-        (FALCON_7B, _spec(full, 1, 512, ckpt=True)),
-        (FALCON_7B, _spec(lora, 1, 512, attn_implementation=eager)),
-        (FALCON_7B, _spec(lora, 2, 512)),
-        (FALCON_7B, _spec(lora, 2, 512, attn_implementation=eager)),
-        (FALCON_7B, _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager)),
-        (FALCON_7B, _spec(lora, 1, 1024, ckpt=True, autocast=True)),
-        (FALCON_7B, _spec(Method.QLORA, 1, 1024, ckpt=True)),
-        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 4, 512, attn_implementation=eager, lora=_lora(r=8, targets=None))),
-        (BLOOM_560M, _spec(full, 1, 1024, ckpt=True, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 1, 2048, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 2, 2048, ckpt=True, attn_implementation=eager)),
-        (BLOOM_560M, _spec(lora, 2, 512, attn_implementation=eager, autocast=True)),
-        (BLOOM_560M, _spec(Method.QLORA, 2, 512, attn_implementation=eager)),
+        (FALCON_7B, case_spec(lora, 1, 512)),
+        (FALCON_7B, case_spec(lora, 1, 1024, ckpt=True)),
+        (FALCON_7B, case_spec(lora, 2, 512, ckpt=True, lora=lora_spec(r=8, targets=None))),
+        (FALCON_7B, case_spec(full, 1, 512, ckpt=True)),
+        (FALCON_7B, case_spec(lora, 1, 512, attn_implementation=eager)),
+        (FALCON_7B, case_spec(lora, 2, 512)),
+        (FALCON_7B, case_spec(lora, 2, 512, attn_implementation=eager)),
+        (FALCON_7B, case_spec(lora, 1, 2048, ckpt=True, attn_implementation=eager)),
+        (FALCON_7B, case_spec(lora, 1, 1024, ckpt=True, autocast=True)),
+        (FALCON_7B, case_spec(Method.QLORA, 1, 1024, ckpt=True)),
+        (BLOOM_560M, case_spec(lora, 2, 512, attn_implementation=eager)),
+        (BLOOM_560M, case_spec(lora, 4, 1024, ckpt=True, attn_implementation=eager)),
+        (
+            BLOOM_560M,
+            case_spec(lora, 4, 512, attn_implementation=eager, lora=lora_spec(r=8, targets=None)),
+        ),
+        (BLOOM_560M, case_spec(full, 1, 1024, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, case_spec(lora, 1, 2048, attn_implementation=eager)),
+        (BLOOM_560M, case_spec(lora, 2, 2048, ckpt=True, attn_implementation=eager)),
+        (BLOOM_560M, case_spec(lora, 2, 512, attn_implementation=eager, autocast=True)),
+        (BLOOM_560M, case_spec(Method.QLORA, 2, 512, attn_implementation=eager)),
         # PEFT's README row for bigscience/bloomz-7b1: LoRA r8 on query_key_value, fp32, b8 s64.
         (
             BLOOMZ_7B1,
-            _spec(
+            case_spec(
                 lora,
                 8,
                 64,
                 attn_implementation=eager,
                 dtype=DType.FP32,
-                lora=_lora(r=8, targets=None),
+                lora=lora_spec(r=8, targets=None),
             ),
         ),
     ]
 
 
-def _int8_cases() -> list[tuple[str, TrainingSpec]]:
+def int8_cases() -> list[tuple[str, TrainingSpec]]:
     """LoRA on an LLM.int8 base (bitsandbytes Linear8bitLt): with and without PEFT's k-bit
     preparation and checkpointing, every linear adapted, on three families."""
     qlora = Method.QLORA
-    int8 = _qlora(double_quant=False, type=QuantType.INT8)
-    raw = _qlora(double_quant=False, prepare_kbit=False, type=QuantType.INT8)
+    int8 = qlora_spec(double_quant=False, type=QuantType.INT8)
+    raw = qlora_spec(double_quant=False, prepare_kbit=False, type=QuantType.INT8)
     return [
-        (QWEN_7B, _spec(qlora, 4, 2048, ckpt=True, quantization=int8)),
-        (QWEN_7B, _spec(qlora, 1, 1024, quantization=int8)),
-        (QWEN_05B, _spec(qlora, 2, 512, quantization=int8)),
-        (QWEN_05B, _spec(qlora, 1, 128, ckpt=True, quantization=int8)),
-        (QWEN_05B, _spec(qlora, 2, 512, ckpt=True, quantization=raw)),
-        (LLAMA_1B, _spec(qlora, 2, 512, quantization=int8, lora=_lora(r=8, targets=None))),
-        (LLAMA_1B, _spec(qlora, 1, 1024, ckpt=True, quantization=int8)),
-        (LLAMA_1B, _spec(qlora, 2, 512, quantization=raw)),
-        (MISTRAL_7B, _spec(qlora, 1, 2048, ckpt=True, quantization=int8)),
+        (QWEN_7B, case_spec(qlora, 4, 2048, ckpt=True, quantization=int8)),
+        (QWEN_7B, case_spec(qlora, 1, 1024, quantization=int8)),
+        (QWEN_05B, case_spec(qlora, 2, 512, quantization=int8)),
+        (QWEN_05B, case_spec(qlora, 1, 128, ckpt=True, quantization=int8)),
+        (QWEN_05B, case_spec(qlora, 2, 512, ckpt=True, quantization=raw)),
+        (LLAMA_1B, case_spec(qlora, 2, 512, quantization=int8, lora=lora_spec(r=8, targets=None))),
+        (LLAMA_1B, case_spec(qlora, 1, 1024, ckpt=True, quantization=int8)),
+        (LLAMA_1B, case_spec(qlora, 2, 512, quantization=raw)),
+        (MISTRAL_7B, case_spec(qlora, 1, 2048, ckpt=True, quantization=int8)),
     ]
 
 
-def _grpo_cases() -> list[tuple[str, TrainingSpec]]:
+def grpo_cases() -> list[tuple[str, TrainingSpec]]:
     """TRL's GRPOTrainer (objective 'grpo', beta 0.0, model.generate): full, LoRA and QLoRA on
     four families, eight completions of one prompt per step (GRPOConfig.num_generations 8),
     with and without checkpointing; short completions (the tracer runs every decode step of
@@ -494,19 +514,19 @@ def _grpo_cases() -> list[tuple[str, TrainingSpec]]:
         return {"objective": Objective.GRPO, "grpo": settings}
 
     return [
-        (QWEN_05B, _spec(lora, 8, 512, **grpo(480, 32))),
-        (QWEN_05B, _spec(full, 8, 512, ckpt=True, **grpo(448, 64))),
-        (QWEN_05B, _spec(lora, 4, 1024, gradient_accumulation_steps=2, **grpo(992, 32))),
-        (LLAMA_1B, _spec(lora, 8, 512, ckpt=True, **grpo(480, 32))),
-        (LLAMA_1B, _spec(qlora, 8, 512, ckpt=True, **grpo(448, 64))),
-        (LLAMA_1B, _spec(full, 4, 512, ckpt=True, **grpo(480, 32, generations=4))),
-        (GEMMA_2B, _spec(lora, 8, 512, ckpt=True, attn_implementation=eager, **grpo(480, 32))),
-        (PHI_3, _spec(qlora, 8, 512, ckpt=True, **grpo(480, 32))),
+        (QWEN_05B, case_spec(lora, 8, 512, **grpo(480, 32))),
+        (QWEN_05B, case_spec(full, 8, 512, ckpt=True, **grpo(448, 64))),
+        (QWEN_05B, case_spec(lora, 4, 1024, gradient_accumulation_steps=2, **grpo(992, 32))),
+        (LLAMA_1B, case_spec(lora, 8, 512, ckpt=True, **grpo(480, 32))),
+        (LLAMA_1B, case_spec(qlora, 8, 512, ckpt=True, **grpo(448, 64))),
+        (LLAMA_1B, case_spec(full, 4, 512, ckpt=True, **grpo(480, 32, generations=4))),
+        (GEMMA_2B, case_spec(lora, 8, 512, ckpt=True, attn_implementation=eager, **grpo(480, 32))),
+        (PHI_3, case_spec(qlora, 8, 512, ckpt=True, **grpo(480, 32))),
         # one completion per micro-batch, sixteen accumulated: generate's prefill on all
         # sixteen rows is the peak
         (
             QWEN_05B,
-            _spec(lora, 1, 512, ckpt=True, gradient_accumulation_steps=16, **grpo(480, 32)),
+            case_spec(lora, 1, 512, ckpt=True, gradient_accumulation_steps=16, **grpo(480, 32)),
         ),
     ]
 
@@ -520,15 +540,15 @@ def train_feature_cases() -> list[tuple[str, TrainingSpec]]:
     in_bwd: dict[str, Any] = {**tune, "optimizer_in_backward": True, "max_grad_norm": 0.0}
     offload: dict[str, Any] = {**tune, "activation_offloading": True}
     return [
-        (QWEN_05B, _spec(full, 1, 2048, **in_bwd)),
-        (QWEN_05B, _spec(full, 2, 1024, ckpt=True, **in_bwd)),
-        (LLAMA_1B, _spec(full, 1, 1024, **in_bwd)),
+        (QWEN_05B, case_spec(full, 1, 2048, **in_bwd)),
+        (QWEN_05B, case_spec(full, 2, 1024, ckpt=True, **in_bwd)),
+        (LLAMA_1B, case_spec(full, 1, 1024, **in_bwd)),
         # a short sequence: the LM head's backward (its weight's gradient) is the peak
-        (LLAMA_1B, _spec(full, 1, 256, **in_bwd)),
-        (QWEN_05B, _spec(lora, 2, 1024, ckpt=True, **offload)),
-        (QWEN_05B, _spec(full, 1, 2048, ckpt=True, **offload)),
-        (LLAMA_1B, _spec(lora, 1, 2048, ckpt=True, **offload)),
-        (LLAMA_1B, _spec(full, 1, 1024, ckpt=True, **{**offload, **in_bwd})),
+        (LLAMA_1B, case_spec(full, 1, 256, **in_bwd)),
+        (QWEN_05B, case_spec(lora, 2, 1024, ckpt=True, **offload)),
+        (QWEN_05B, case_spec(full, 1, 2048, ckpt=True, **offload)),
+        (LLAMA_1B, case_spec(lora, 1, 2048, ckpt=True, **offload)),
+        (LLAMA_1B, case_spec(full, 1, 1024, ckpt=True, **{**offload, **in_bwd})),
     ]
 
 
@@ -537,27 +557,27 @@ def train_feature_cases() -> list[tuple[str, TrainingSpec]]:
 LANGUAGE_MODEL_LINEARS = (*ATTENTION_PROJECTIONS, "gate_proj", "up_proj", "down_proj")
 
 
-def _vision_cases() -> list[tuple[str, TrainingSpec]]:
+def vision_cases() -> list[tuple[str, TrainingSpec]]:
     """Qwen2-VL-2B and Qwen2.5-VL-7B with images (pixel_values and image_grid_thw through
     the real vision tower, M-RoPE positions, the features scattered into the embeddings):
     LoRA and QLoRA on the language model's linears, the tower frozen; one or two images per
     sample at modest resolutions (448 x 448 pixels: 256 tokens; 672 x 672: 576)."""
     lora, qlora = Method.LORA, Method.QLORA
-    targets = _lora(targets=LANGUAGE_MODEL_LINEARS)
-    attention = _lora(targets=ATTENTION_PROJECTIONS)
+    targets = lora_spec(targets=LANGUAGE_MODEL_LINEARS)
+    attention = lora_spec(targets=ATTENTION_PROJECTIONS)
     one = VisionInputs(images_per_sample=1, image_height=448, image_width=448)
     two = VisionInputs(images_per_sample=2, image_height=448, image_width=448)
     large = VisionInputs(images_per_sample=2, image_height=672, image_width=672)
     return [
-        (QWEN2_VL_2B, _spec(lora, 2, 1024, ckpt=True, lora=targets, vision=one)),
-        (QWEN2_VL_2B, _spec(lora, 2, 1024, lora=targets, vision=one)),
-        (QWEN2_VL_2B, _spec(qlora, 2, 1024, ckpt=True, lora=targets, vision=two)),
-        (QWEN2_VL_2B, _spec(lora, 1, 2048, ckpt=True, lora=targets, vision=large)),
+        (QWEN2_VL_2B, case_spec(lora, 2, 1024, ckpt=True, lora=targets, vision=one)),
+        (QWEN2_VL_2B, case_spec(lora, 2, 1024, lora=targets, vision=one)),
+        (QWEN2_VL_2B, case_spec(qlora, 2, 1024, ckpt=True, lora=targets, vision=two)),
+        (QWEN2_VL_2B, case_spec(lora, 1, 2048, ckpt=True, lora=targets, vision=large)),
         # Qwen2.5-VL's tower has gate_proj/up_proj/down_proj of its own: attention targets
         # keep it frozen; windowed attention in all blocks but four
-        (QWEN25_VL_7B, _spec(lora, 1, 2048, ckpt=True, lora=attention, vision=two)),
-        (QWEN25_VL_7B, _spec(lora, 1, 1536, lora=attention, vision=large)),
-        *_mllama_cases(),
+        (QWEN25_VL_7B, case_spec(lora, 1, 2048, ckpt=True, lora=attention, vision=two)),
+        (QWEN25_VL_7B, case_spec(lora, 1, 1536, lora=attention, vision=large)),
+        *mllama_cases(),
     ]
 
 
@@ -566,31 +586,31 @@ def _vision_cases() -> list[tuple[str, TrainingSpec]]:
 MLLAMA_LANGUAGE_MODEL_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _mllama_cases() -> list[tuple[str, TrainingSpec]]:
+def mllama_cases() -> list[tuple[str, TrainingSpec]]:
     """Llama-3.2-11B-Vision: pixel_values through the real tiled tower (every image padded to
     four tiles), the projected features as the keys and values of the eight cross-attention
     layers; LoRA on the language model's MLP linears, with and without checkpointing; an
     image of 1120 x 1120 pixels (2 x 2 tiles), one of 448 x 448 (one tile), two of 560 x 1120
     (1 x 2 tiles)."""
     lora = Method.LORA
-    mlp = _lora(targets=MLLAMA_LANGUAGE_MODEL_LINEARS)
+    mlp = lora_spec(targets=MLLAMA_LANGUAGE_MODEL_LINEARS)
     large = VisionInputs(images_per_sample=1, image_height=1120, image_width=1120)
     small = VisionInputs(images_per_sample=1, image_height=448, image_width=448)
     wide = VisionInputs(images_per_sample=2, image_height=560, image_width=1120)
     return [
-        (LLAMA_32_VISION, _spec(lora, 1, 1024, ckpt=True, lora=mlp, vision=large)),
-        (LLAMA_32_VISION, _spec(lora, 1, 1024, lora=mlp, vision=large)),
-        (LLAMA_32_VISION, _spec(lora, 2, 512, ckpt=True, lora=mlp, vision=small)),
+        (LLAMA_32_VISION, case_spec(lora, 1, 1024, ckpt=True, lora=mlp, vision=large)),
+        (LLAMA_32_VISION, case_spec(lora, 1, 1024, lora=mlp, vision=large)),
+        (LLAMA_32_VISION, case_spec(lora, 2, 512, ckpt=True, lora=mlp, vision=small)),
         # two images a sample (1 x 2 tiles each): twice the keys of every cross-attention layer
-        (LLAMA_32_VISION, _spec(lora, 1, 2048, lora=mlp, vision=wide)),
+        (LLAMA_32_VISION, case_spec(lora, 1, 2048, lora=mlp, vision=wide)),
         (
             LLAMA_32_VISION,
-            _spec(lora, 2, 512, lora=mlp, vision=replace(small, images_per_sample=2)),
+            case_spec(lora, 2, 512, lora=mlp, vision=replace(small, images_per_sample=2)),
         ),
     ]
 
 
-def _packing_cases() -> list[tuple[str, TrainingSpec]]:
+def packing_cases() -> list[tuple[str, TrainingSpec]]:
     """TRL's padding-free packing (one row of batch x seq tokens, position_ids restarting at
     each sequence): SDPA's block-diagonal mask (its mem-efficient kernel, the key/value heads
     repeated), flash_attention_2's varlen run, and eager's mask, on two families, full, LoRA and
@@ -598,31 +618,33 @@ def _packing_cases() -> list[tuple[str, TrainingSpec]]:
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
     flash, eager = AttnImpl.FLASH_ATTENTION_2, AttnImpl.EAGER
     return [
-        (QWEN_05B, _spec(full, 2, 256, packing=True)),
-        (QWEN_05B, _spec(lora, 4, 512, ckpt=True, packing=True)),
-        (QWEN_05B, _spec(lora, 2, 256, packing=True, attn_implementation=eager)),
-        (LLAMA_1B, _spec(lora, 2, 1024, packing=True, attn_implementation=flash)),
-        (LLAMA_1B, _spec(qlora, 4, 512, ckpt=True, packing=True)),
-        (LLAMA_1B, _spec(lora, 8, 256, packing=True)),
+        (QWEN_05B, case_spec(full, 2, 256, packing=True)),
+        (QWEN_05B, case_spec(lora, 4, 512, ckpt=True, packing=True)),
+        (QWEN_05B, case_spec(lora, 2, 256, packing=True, attn_implementation=eager)),
+        (LLAMA_1B, case_spec(lora, 2, 1024, packing=True, attn_implementation=flash)),
+        (LLAMA_1B, case_spec(qlora, 4, 512, ckpt=True, packing=True)),
+        (LLAMA_1B, case_spec(lora, 8, 256, packing=True)),
     ]
 
 
-def _liger_cases() -> list[tuple[str, TrainingSpec]]:
+def liger_cases() -> list[tuple[str, TrainingSpec]]:
     """HF Trainer's use_liger_kernel (liger-kernel 0.8.2's patches: RoPE, RMSNorm, SwiGLU for
     llama and qwen2, Gemma-2's RMSNorm mode and GEGLU, fused linear cross-entropy): LoRA, QLoRA
     and full fine-tuning, with and without checkpointing."""
     lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
     return [
-        (LLAMA_1B, _spec(lora, 2, 1024, liger_kernel=True)),
-        (LLAMA_1B, _spec(lora, 4, 1024, ckpt=True, liger_kernel=True)),
-        (LLAMA_1B, _spec(full, 1, 1024, liger_kernel=True)),
-        (LLAMA_1B, _spec(qlora, 2, 1024, ckpt=True, liger_kernel=True)),
-        (QWEN_05B, _spec(lora, 2, 1024, liger_kernel=True)),
-        (QWEN_05B, _spec(full, 2, 512, ckpt=True, liger_kernel=True)),
-        (QWEN_05B, _spec(full, 1, 1024, liger_kernel=True)),
-        (GEMMA_2B, _spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER, liger_kernel=True)),
+        (LLAMA_1B, case_spec(lora, 2, 1024, liger_kernel=True)),
+        (LLAMA_1B, case_spec(lora, 4, 1024, ckpt=True, liger_kernel=True)),
+        (LLAMA_1B, case_spec(full, 1, 1024, liger_kernel=True)),
+        (LLAMA_1B, case_spec(qlora, 2, 1024, ckpt=True, liger_kernel=True)),
+        (QWEN_05B, case_spec(lora, 2, 1024, liger_kernel=True)),
+        (QWEN_05B, case_spec(full, 2, 512, ckpt=True, liger_kernel=True)),
+        (QWEN_05B, case_spec(full, 1, 1024, liger_kernel=True)),
+        (GEMMA_2B, case_spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER, liger_kernel=True)),
         (
             GEMMA_2B,
-            _spec(lora, 2, 512, ckpt=True, attn_implementation=AttnImpl.EAGER, liger_kernel=True),
+            case_spec(
+                lora, 2, 512, ckpt=True, attn_implementation=AttnImpl.EAGER, liger_kernel=True
+            ),
         ),
     ]

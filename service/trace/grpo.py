@@ -219,37 +219,20 @@ def _buffered_batch(spec: TrainingSpec) -> dict[str, torch.Tensor]:
     }
 
 
-def run_grpo_steps(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    tracker: Any,
-    steering: Any,
-    spec: TrainingSpec,
-    *,
-    steps: int,
-    rewrap_checkpoints: Callable[[], None],
-    keep_gradients: bool = False,
-) -> None:
+def run_grpo_steps(run: preference.TrainerRun) -> None:
     """`steps` optimizer steps of GRPOTrainer: the generation, then per micro-batch
     `_compute_loss` and backward, then HF Trainer's clipping, optimizer step and zero_grad as
     in service/trace/runner.py."""
-
-    def backbone_grad(grad: torch.Tensor) -> None:
-        tracker.begin_phase(steering.step, Phase.BACKWARD)
-        tracker.component = Component.BACKWARD_TEMPORARIES
-
-    head = preference._HeadSteering(tracker, backbone_grad)
-    handles = [preference._backbone(model).register_forward_hook(head.hook)]
+    model, tracker, steering, spec = run.model, run.tracker, run.steering, run.spec
     rows = spec.batch_size
-    try:
-        for step in range(1, steps + 1):
+    with preference.fused_head_steering(run, model) as head:
+        for step in range(1, run.steps + 1):
             steering.step = step
             tracker.begin_phase(step, Phase.GENERATION)
             tracker.blas_handle = "forward"  # generate runs on the trainer's thread
             _generate(model, spec, tracker)
             tracker.blas_handle = None
-            rewrap_checkpoints()
+            run.rewrap_checkpoints()
             with tracker.labelling(Component.INPUTS):
                 buffered = _buffered_batch(spec)
             for micro in range(spec.gradient_accumulation_steps):
@@ -269,18 +252,9 @@ def run_grpo_steps(
                 tracker.blas_handle = None
                 del loss, batch
             del buffered
-            tracker.begin_phase(step, Phase.OPTIMIZER_STEP)
-            tracker.component = Component.OPTIMIZER_TEMPORARIES
-            if spec.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm, foreach=True)
-            tracker.host_scalar_ops = spec.optim.value != "adamw_torch_fused"
-            optimizer.step()
-            tracker.host_scalar_ops = False
-            optimizer.zero_grad(set_to_none=not keep_gradients)
-            tracker.end_phase()
-    finally:
-        for handle in handles:
-            handle.remove()
+            preference.optimizer_step(
+                tracker, step, run.optimizer, run.params, spec, keep_gradients=run.keep_gradients
+            )
 
 
 def _compute_loss(

@@ -27,7 +27,6 @@ from service.core.spec import Method, TrainingSpec
 from service.core.spec.kto import KtoLossType
 from service.trace import preference
 from service.trace.preference import (
-    CHECKPOINTING_KWARGS,
     IGNORE_INDEX,
 )
 
@@ -67,13 +66,9 @@ def mask_shape(spec: TrainingSpec) -> tuple[int, int]:
 
 
 def prepare(model: torch.nn.Module) -> None:
-    """What KTOTrainer.__init__ does to the policy: dropout off (KTOConfig.disable_dropout),
-    the fused LM head on the base model."""
-    from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
-
-    disable_dropout_in_model(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    add_fused_lm_head(base, outputs=POLICY_OUTPUTS)
+    """What KTOTrainer.__init__ does to the policy, as DPOTrainer's: dropout off
+    (KTOConfig.disable_dropout), the fused LM head on the base model."""
+    preference.prepare_policy(model, POLICY_OUTPUTS)
 
 
 def needs_reference_copy(spec: TrainingSpec) -> bool:
@@ -88,37 +83,14 @@ def build_reference(spec: TrainingSpec, config: Any) -> torch.nn.Module:
     return preference.build_reference(spec, config)
 
 
-def run_kto_steps(
-    model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    tracker: Any,
-    steering: Any,
-    spec: TrainingSpec,
-    *,
-    steps: int,
-    rewrap_checkpoints: Callable[[], None],
-    keep_gradients: bool = False,
-) -> None:
+def run_kto_steps(run: preference.TrainerRun, ref_model: torch.nn.Module | None) -> None:
     """`steps` optimizer steps of KTOTrainer: per micro-batch `_compute_loss` (the KL batch,
     the policy forward, the reference forwards, the loss), backward, then HF Trainer's
     clipping, optimizer step and zero_grad as in service/trace/runner.py."""
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
-
+    model, tracker, spec = run.model, run.tracker, run.spec
     rows, seq = spec.batch_size, spec.seq_len
     settings = spec.kto_settings
     chosen = (rows + 1) // 2  # the first half of the batch desirable
-
-    def backbone_grad(grad: torch.Tensor) -> None:
-        tracker.begin_phase(steering.step, Phase.BACKWARD)
-        tracker.component = Component.BACKWARD_TEMPORARIES
-
-    head = preference._HeadSteering(tracker, backbone_grad)
-    handles = [preference._backbone(model).register_forward_hook(head.hook)]
-    if ref_model is not None:
-        handles.append(preference._backbone(ref_model).register_forward_hook(head.hook))
     with tracker.labelling(Component.INPUTS):
         # DataCollatorForUnpairedPreference's batch (kto_trainer.py): int64 ids and masks, the
         # KL sequences under the KL_ keys, the labels, the precomputed log-probs
@@ -136,28 +108,9 @@ def run_kto_steps(
             chosen=chosen,
         )
 
-    def micro_batch(step: int) -> torch.Tensor:
-        return _compute_loss(
-            model,
-            ref_model,
-            batch,
-            spec,
-            tracker=tracker,
-            step=step,
-            use_adapter=use_adapter,
-            no_checkpointing=lambda: disable_gradient_checkpointing(
-                preference.unwrapped(model), CHECKPOINTING_KWARGS
-            ),
-            rewrap_checkpoints=rewrap_checkpoints,
-        )
-
-    try:
-        preference.trainer_steps(
-            tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients, head
-        )
-    finally:
-        for handle in handles:
-            handle.remove()
+    micro_batch = preference.reference_micro_batch(run, _compute_loss, ref_model, batch, spec)
+    with preference.fused_head_steering(run, model, ref_model) as head:
+        preference.trainer_steps(run, micro_batch, head)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

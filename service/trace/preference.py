@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -123,14 +123,19 @@ def compact_index(mask_shape: tuple[int, ...], rows: int) -> Callable[..., Any]:
     return index
 
 
-def prepare(model: torch.nn.Module, spec: TrainingSpec) -> None:
+def prepare(model: torch.nn.Module) -> None:
     """What DPOTrainer.__init__ does to the policy: dropout off (DPOConfig.disable_dropout),
     the fused LM head on the base model."""
+    prepare_policy(model, POLICY_OUTPUTS)
+
+
+def prepare_policy(model: torch.nn.Module, outputs: tuple[str, ...]) -> None:
+    """Dropout off and TRL's fused LM head, computing `outputs`, on the base model."""
     from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
     disable_dropout_in_model(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    add_fused_lm_head(base, outputs=POLICY_OUTPUTS)
+    add_fused_lm_head(base, outputs=outputs)
 
 
 def needs_reference_copy(spec: TrainingSpec) -> bool:
@@ -184,38 +189,52 @@ def _backbone(model: torch.nn.Module) -> torch.nn.Module:
     return base.base_model  # type: ignore[no-any-return]
 
 
-def run_dpo_steps(
-    model: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    tracker: Any,
-    steering: Any,
-    spec: TrainingSpec,
-    *,
-    steps: int,
-    rewrap_checkpoints: Callable[[], None],
-    keep_gradients: bool = False,
-) -> None:
-    """`steps` optimizer steps of DPOTrainer: per micro-batch `_compute_loss` (policy forward
-    with the fused head, reference forward, the sigmoid loss), backward, then HF Trainer's
-    clipping, optimizer step and zero_grad as in service/trace/runner.py."""
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerRun:
+    """What a trainer's steps run with (service/trace/runner.py): the model, its optimizer
+    over `params`, the tracker and the steering hooks, the spec, the number of optimizer
+    steps, the labelling of checkpoint functions a trainer sets anew, and zero_grad's mode."""
 
-    rows = 2 * spec.batch_size  # [chosen; rejected] on the batch axis
-    seq = spec.seq_len
-    precompute = spec.dpo_settings.precompute_ref_log_probs
-    completion = min(spec.dpo_settings.max_completion_length or seq, seq)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    tracker: Any
+    steering: Any
+    spec: TrainingSpec
+    steps: int
+    rewrap_checkpoints: Callable[[], None]
+    keep_gradients: bool = False
+
+
+@contextmanager
+def fused_head_steering(run: TrainerRun, *models: torch.nn.Module | None) -> Iterator[Any]:
+    """The fused head's steering on the backbones of `models` (the policy, and a reference
+    copy where there is one): it labels the head's tensors and opens the layers' backward
+    when the gradient reaches a backbone's output; its hooks removed after."""
+    tracker, steering = run.tracker, run.steering
 
     def backbone_grad(grad: torch.Tensor) -> None:
         tracker.begin_phase(steering.step, Phase.BACKWARD)
         tracker.component = Component.BACKWARD_TEMPORARIES
 
     head = _HeadSteering(tracker, backbone_grad)
-    handles = [_backbone(model).register_forward_hook(head.hook)]
-    if ref_model is not None:
-        handles.append(_backbone(ref_model).register_forward_hook(head.hook))
+    handles = [_backbone(m).register_forward_hook(head.hook) for m in models if m is not None]
+    try:
+        yield head
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_dpo_steps(run: TrainerRun, ref_model: torch.nn.Module | None) -> None:
+    """`steps` optimizer steps of DPOTrainer: per micro-batch `_compute_loss` (policy forward
+    with the fused head, reference forward, the sigmoid loss), backward, then HF Trainer's
+    clipping, optimizer step and zero_grad as in service/trace/runner.py."""
+    model, tracker, spec = run.model, run.tracker, run.spec
+    rows = 2 * spec.batch_size  # [chosen; rejected] on the batch axis
+    seq = spec.seq_len
+    precompute = spec.dpo_settings.precompute_ref_log_probs
+    completion = min(spec.dpo_settings.max_completion_length or seq, seq)
     with tracker.labelling(Component.INPUTS):
         # DataCollatorForPreference's batch (dpo_trainer.py): int64 ids and masks, the
         # completion at the end of each sequence
@@ -227,50 +246,57 @@ def run_dpo_steps(
             (torch.zeros(spec.batch_size), torch.zeros(spec.batch_size)) if precompute else None
         )
 
+    micro_batch = reference_micro_batch(
+        run, _compute_loss, ref_model, input_ids, completion_mask, ref_logps_in
+    )
+    with fused_head_steering(run, model, ref_model) as head:
+        trainer_steps(run, micro_batch, head)
+    del attention_mask
+
+
+def reference_micro_batch(
+    run: TrainerRun,
+    compute_loss: Callable[..., torch.Tensor],
+    ref_model: torch.nn.Module | None,
+    *inputs: Any,
+) -> Callable[[int], torch.Tensor]:
+    """A micro-batch of a trainer with a reference forward (DPO, KTO): `compute_loss` on the
+    policy, the reference (a frozen copy, or the policy with TRL's `use_adapter` disabling
+    its adapters) and `inputs`, the reference run under TRL's
+    `disable_gradient_checkpointing`."""
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.utils import use_adapter
+
+    model = run.model
+
     def micro_batch(step: int) -> torch.Tensor:
-        return _compute_loss(
+        return compute_loss(
             model,
             ref_model,
-            input_ids,
-            completion_mask,
-            ref_logps_in,
-            tracker=tracker,
+            *inputs,
+            tracker=run.tracker,
             step=step,
             use_adapter=use_adapter,
             no_checkpointing=lambda: disable_gradient_checkpointing(
                 unwrapped(model), CHECKPOINTING_KWARGS
             ),
-            rewrap_checkpoints=rewrap_checkpoints,
+            rewrap_checkpoints=run.rewrap_checkpoints,
         )
 
-    try:
-        trainer_steps(
-            tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients, head
-        )
-    finally:
-        for handle in handles:
-            handle.remove()
-    del attention_mask
+    return micro_batch
 
 
 def trainer_steps(
-    tracker: Any,
-    steering: Any,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    spec: TrainingSpec,
-    micro_batch: Callable[[int], torch.Tensor],
-    steps: int,
-    keep_gradients: bool,
-    *steered: Any,
+    run: TrainerRun, micro_batch: Callable[[int], torch.Tensor], *steered: Any
 ) -> None:
     """HF Trainer's loop as TRL's trainers run it: per micro-batch `micro_batch(step)` (the
     trainer's compute_loss, which marks the forward's end), backward with the steering objects
     told it runs, the detached loss added to the logged total; then clipping, the optimizer
     step and zero_grad (`optimizer_step`)."""
+    tracker, steering, spec = run.tracker, run.steering, run.spec
     with tracker.labelling(Component.INPUTS):
         logged = torch.zeros(())  # Trainer's tr_loss
-    for step in range(1, steps + 1):
+    for step in range(1, run.steps + 1):
         steering.step = step
         for _ in range(spec.gradient_accumulation_steps):
             tracker.begin_phase(step, Phase.FORWARD_END)
@@ -279,7 +305,9 @@ def trainer_steps(
             loss = micro_batch(step)
             logged = logged + backward(loss, tracker, step, steering, *steered)
             del loss
-        optimizer_step(tracker, step, optimizer, params, spec, keep_gradients=keep_gradients)
+        optimizer_step(
+            tracker, step, run.optimizer, run.params, spec, keep_gradients=run.keep_gradients
+        )
 
 
 def backward(loss: torch.Tensor, tracker: Any, step: int, *steered: Any) -> torch.Tensor:

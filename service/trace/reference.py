@@ -25,58 +25,55 @@ from service.core.spec import (
     Framework,
     FsdpBackwardPrefetch,
     FsdpSharding,
-    LossImpl,
     Method,
     Objective,
     Offload,
     Optim,
     ParallelSpec,
-    QuantType,
     SdpaKernel,
     Strategy,
     TrainingSpec,
 )
 from service.core.spec.vision import VisionInputs
-from service.core.stack import PINNED_STACK, preset
+from service.core.stack import PINNED_STACK
 from service.core.units import DType
 from service.trace.delta_cases import peft_delta_cases
 from service.trace.families import (
-    ATTENTION_PROJECTIONS,
     BERT_BASE,
-    BERT_LARGE,
-    DEEPSEEK_V2_LITE,
-    DEEPSEEK_V3,
     GEMMA_2B,
-    GEMMA_3,
     LLAMA_1B,
-    LLAMA_8B,
-    MISTRAL_7B,
-    MIXTRAL,
-    MLA_PROJECTIONS,
-    PHI_2,
     PHI_3,
-    QWEN3_MOE,
     QWEN_05B,
-    QWEN_7B,
-    QWEN_MOE,
-    _dora_cases,
-    _dpo_cases,
-    _falcon_bloom_cases,
-    _grpo_cases,
-    _int8_cases,
-    _kto_cases,
-    _liger_cases,
-    _lora,
-    _mixed_precision_objective_cases,
-    _orpo_cases,
-    _packing_cases,
-    _qlora,
-    _reward_cases,
-    _spec,
-    _t5_cases,
-    _tuner_cases,
-    _vision_cases,
+    case_spec,
+    dora_cases,
+    dpo_cases,
+    falcon_bloom_cases,
+    grpo_cases,
+    int8_cases,
+    kto_cases,
+    liger_cases,
+    lora_spec,
+    mixed_precision_objective_cases,
+    orpo_cases,
+    packing_cases,
+    reward_cases,
+    t5_cases,
     train_feature_cases,
+    tuner_cases,
+    vision_cases,
+)
+from service.trace.matrix_cases import (
+    Cases,
+    bert_cases,
+    lora_grid_cases,
+    mixed_precision_cases,
+    mlp_only_cases,
+    moe_cases,
+    qwen_05b_cases,
+    qwen_7b_cases,
+    seven_b_family_cases,
+    small_family_cases,
+    transformers4_moe_cases,
 )
 
 if typing.TYPE_CHECKING:  # the JSON helpers need no torch
@@ -208,6 +205,16 @@ class Case:
 def reference_name(model_id: str, spec: TrainingSpec) -> str:
     """A file-safe name that spells out every option differing from the defaults."""
     parts = [model_id.split("/")[-1].lower(), spec.method.value]
+    parts += _objective_name(spec)
+    parts += _adapter_name(spec)
+    parts.append(f"b{spec.batch_size}-s{spec.seq_len}")
+    parts += _run_name(spec)
+    return "__".join(parts).replace(".", "_")
+
+
+def _objective_name(spec: TrainingSpec) -> list[str]:
+    """The objective beyond SFT and its settings."""
+    parts: list[str] = []
     if spec.objective is not Objective.SFT:
         parts.append(spec.objective.value)
         dpo = spec.dpo_settings
@@ -225,6 +232,12 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
             parts.append(f"g{g.num_generations}-p{g.prompt_length(spec.seq_len)}")
         if spec.objective is Objective.ORPO and not spec.orpo_settings.disable_dropout:
             parts.append("dropout-kept")
+    return parts
+
+
+def _adapter_name(spec: TrainingSpec) -> list[str]:
+    """The PEFT method's settings and the quantization."""
+    parts: list[str] = []
     options = spec.vera or spec.loha or spec.lokr or spec.adalora or spec.oft or spec.boft
     if options is not None:
         target = options.target_modules
@@ -279,7 +292,12 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(quant.type.value + ("-dq" if quant.double_quant else ""))
         if not quant.prepare_kbit:
             parts.append("no-kbit-prep")
-    parts.append(f"b{spec.batch_size}-s{spec.seq_len}")
+    return parts
+
+
+def _run_name(spec: TrainingSpec) -> list[str]:
+    """Inputs, attention, optimizer, precision, parallelism and stack beyond the defaults."""
+    parts: list[str] = []
     if spec.vision is not None:
         parts.append(_vision_name(spec.vision))
     if spec.target_length is not None:
@@ -316,7 +334,7 @@ def reference_name(model_id: str, spec: TrainingSpec) -> str:
         parts.append(_parallel_name(spec.parallel))
     if spec.stack != PINNED_STACK:
         parts.append(f"transformers{spec.stack.transformers}")
-    return "__".join(parts).replace(".", "_")
+    return parts
 
 
 def _vision_name(vision: VisionInputs) -> str:
@@ -363,347 +381,39 @@ def _parallel_name(parallel: ParallelSpec) -> str:
 
 def matrix() -> list[Case]:
     """Every committed reference, most important first (7B LoRA/QLoRA, checkpointing on/off)."""
-    lora, qlora, full = Method.LORA, Method.QLORA, Method.FULL
-    bf16 = DType.BF16
-    cases: list[tuple[str, TrainingSpec]] = []
-
-    def add(model_id: str, *specs: TrainingSpec) -> None:
-        cases.extend((model_id, s) for s in specs)
-
-    # Qwen2.5-7B: the memory model's reference cases and the axes around them.
-    add(
-        QWEN_7B,
-        _spec(lora, 1, 512, ckpt=True),
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 4, 2048),
-        _spec(lora, 4, 2048, lora=_lora(adapter_dtype=bf16)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 4, 2048),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(prepare_kbit=False)),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(double_quant=False)),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(type=QuantType.FP4)),
-        _spec(qlora, 1, 512, ckpt=True),
-        _spec(lora, 1, 2048, ckpt=True),
-        _spec(lora, 1, 2048),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(qlora, 1, 8192, ckpt=True),
-        _spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER),
-        _spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.EFFICIENT),
-        _spec(lora, 1, 2048, sdpa_kernel=SdpaKernel.MATH),
-        _spec(lora, 1, 2048, attn_implementation=AttnImpl.FLASH_ATTENTION_2),
-        _spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
-        _spec(lora, 4, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(r=64)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(modules_to_save=("lm_head",))),
-        _spec(lora, 1, 2048, ckpt=True, lora=_lora(modules_to_save=("embed_tokens", "lm_head"))),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(lora_dropout=0.05)),
-        _spec(lora, 4, 2048, ckpt=True, loss=LossImpl.PLAIN),
-        _spec(full, 1, 2048, ckpt=True),
-        _spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_TORCH),
-        _spec(full, 1, 2048, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(full, 1, 512),
-    )
-    # Llama-3.1-8B (128k vocabulary).
-    add(
-        LLAMA_8B,
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 4, 2048),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 1, 2048),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(lora, 2, 4096, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(lora, 1, 2048, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(full, 1, 2048, ckpt=True),
-        _spec(lora, 1, 1024, attn_implementation=AttnImpl.EAGER),
-    )
-    # Mistral-7B-v0.1: 4096-token sliding window (a mask, hence the mem-efficient kernel, past it).
-    add(
-        MISTRAL_7B,
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 1, 2048),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 2, 2048, quantization=_qlora(prepare_kbit=False)),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(lora, 2, 1024, ckpt=True, lora=_lora(r=8, targets=None, adapter_dtype=bf16)),
-        _spec(full, 1, 1024, ckpt=True),
-    )
-    # Gemma-2-2B: logit soft-capping, so eager attention (SDPA cannot soft-cap); 256k vocabulary.
-    eager = AttnImpl.EAGER
-    add(
-        GEMMA_2B,
-        _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager),
-        _spec(lora, 1, 2048, attn_implementation=eager),
-        _spec(lora, 4, 1024, ckpt=True, attn_implementation=eager),
-        _spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager),
-        _spec(qlora, 2, 1024, attn_implementation=eager, quantization=_qlora(double_quant=False)),
-        _spec(full, 1, 1024, ckpt=True, attn_implementation=eager),
-        _spec(full, 1, 1024, ckpt=True, attn_implementation=eager, optim=Optim.ADAMW_TORCH),
-        _spec(lora, 2, 1024, ckpt=True, attn_implementation=eager, lora=_lora(adapter_dtype=bf16)),
-    )
-    # Phi-3-mini: fused qkv_proj and gate_up_proj; a 2047-token sliding window.
-    add(
-        PHI_3,
-        _spec(lora, 4, 2048, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(lora, 2, 1024, ckpt=True, lora=_lora(targets=("qkv_proj", "o_proj"))),
-        _spec(qlora, 4, 2048, ckpt=True),
-        _spec(qlora, 1, 1024, quantization=_qlora(prepare_kbit=False)),
-        _spec(full, 1, 1024, ckpt=True),
-        _spec(lora, 1, 1024, ckpt=True, sdpa_kernel=SdpaKernel.EFFICIENT),
-        _spec(lora, 1, 4096, ckpt=True),
-        # Without checkpointing, the memory-efficient kernel (fp32 after kbit preparation;
-        # past the window, its mask) keeps the value, a view of the fused qkv output, whole.
-        _spec(qlora, 1, 1024),
-        _spec(qlora, 2, 2048),
-        _spec(lora, 1, 1024, sdpa_kernel=SdpaKernel.EFFICIENT),
-    )
-    # Qwen1.5-MoE-A2.7B: 60 routed experts (grouped_mm) plus a shared expert per layer.
-    add(
-        QWEN_MOE,
-        _spec(lora, 1, 2048, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(lora, 2, 2048, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
-        _spec(lora, 1, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16)),
-        _spec(full, 1, 1024, ckpt=True),
-        # QLoRA: bitsandbytes quantizes the attention and shared-expert linears only; kbit
-        # preparation casts the 3-D experts to fp32, which then run the grouped GEMM in fp32.
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(qlora, 1, 1024),
-        _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
-        _spec(qlora, 1, 1024, ckpt=True, autocast=True),
-    )
-    # DeepSeek-V2-Lite: multi-head latent attention; a dense first layer, then 64 routed experts
-    # (top-6, grouped_mm) and two shared experts per layer.
-    add(
-        DEEPSEEK_V2_LITE,
-        _spec(lora, 1, 1024, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(full, 1, 1024, ckpt=True),
-        # without checkpointing: QLoRA (fp32 experts after kbit preparation) and full
-        _spec(qlora, 1, 1024),
-        # LoRA on the attention's projections alone: no adapter on the experts or the router
-        _spec(lora, 2, 1024, ckpt=True, lora=_lora(targets=MLA_PROJECTIONS)),
-    )
-    # DeepSeek-V3 (671B on fake tensors): q through its latent, a sigmoid router with group-limited
-    # top-k, 256 routed experts (top-8) and one shared expert, three dense first layers.
-    add(
-        DEEPSEEK_V3,
-        _spec(lora, 1, 1024, ckpt=True),
-        _spec(lora, 1, 512),
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(full, 1, 512, ckpt=True),
-    )
-    # Qwen2.5-0.5B: cheap cases over every axis (the re-trace tests use a few of these).
-    add(
-        QWEN_05B,
-        _spec(full, 1, 2048),
-        _spec(full, 1, 512, ckpt=True),
-        _spec(full, 4, 512, optim=Optim.ADAMW_TORCH),
-        _spec(full, 4, 512, optim=Optim.ADAMW_BNB_8BIT),
-        _spec(full, 4, 512, optim=Optim.SGD),
-        _spec(full, 1, 512, dtype=DType.FP32),
-        _spec(lora, 1, 128),
-        _spec(lora, 1, 128, ckpt=True),
-        _spec(lora, 2, 512, lora=_lora(adapter_dtype=bf16)),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(modules_to_save=("embed_tokens",))),
-        _spec(lora, 2, 512, lora=_lora(lora_dropout=0.1)),
-        _spec(lora, 2, 512, attn_implementation=AttnImpl.EAGER),
-        _spec(lora, 2, 512, sdpa_kernel=SdpaKernel.EFFICIENT),
-        _spec(lora, 2, 512, sdpa_kernel=SdpaKernel.MATH),
-        _spec(lora, 2, 512, loss=LossImpl.PLAIN),
-        _spec(lora, 8, 2048, ckpt=True),
-        _spec(lora, 1, 8192, ckpt=True),
-        _spec(qlora, 1, 128),
-        _spec(qlora, 2, 512, ckpt=True),
-        _spec(qlora, 2, 512, quantization=_qlora(prepare_kbit=False, double_quant=False)),
-        _spec(qlora, 2, 512, ckpt=True, optim=Optim.ADAMW_BNB_8BIT),
-    )
-    # HF Trainer with mixed precision (autocast, service/trace/autocast.py) on every family.
-    mixed = {"autocast": True}
-    add(
-        QWEN_7B,
-        _spec(lora, 4, 2048, ckpt=True, **mixed),
-        _spec(lora, 4, 2048, **mixed),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(adapter_dtype=bf16), **mixed),
-        _spec(lora, 4, 2048, ckpt=True, lora=_lora(lora_dropout=0.05), **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, **mixed),
-        _spec(qlora, 1, 2048, **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, quantization=_qlora(prepare_kbit=False), **mixed),
-        _spec(lora, 1, 2048, attn_implementation=AttnImpl.EAGER, **mixed),
-        _spec(full, 1, 2048, ckpt=True, **mixed),
-    )
-    add(
-        LLAMA_8B,
-        _spec(lora, 4, 2048, ckpt=True, **mixed),
-        _spec(lora, 1, 2048, **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, **mixed),
-    )
-    add(
-        MISTRAL_7B,
-        _spec(lora, 1, 8192, ckpt=True, **mixed),
-        _spec(qlora, 2, 2048, ckpt=True, **mixed),
-    )
-    add(
-        GEMMA_2B,
-        _spec(lora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
-        _spec(qlora, 1, 2048, ckpt=True, attn_implementation=eager, **mixed),
-    )
-    add(
-        PHI_3,
-        _spec(lora, 4, 2048, ckpt=True, **mixed),
-        _spec(qlora, 4, 2048, ckpt=True, **mixed),
-    )
-    add(QWEN_MOE, _spec(lora, 1, 2048, ckpt=True, **mixed))
-    add(
-        QWEN_05B,
-        _spec(lora, 1, 128, ckpt=True, **mixed),
-        _spec(lora, 2, 512, **mixed),
-        _spec(qlora, 2, 512, ckpt=True, **mixed),
-        _spec(lora, 2, 512, ckpt=True, dtype=DType.FP16, **mixed),
-        _spec(full, 1, 512, ckpt=True, dtype=DType.FP32, **mixed),
-        _spec(lora, 2, 512, ckpt=True, max_grad_norm=0.0),
-        # HF Trainer's gradient accumulation: micro-batches add into .grad before the step.
-        _spec(lora, 2, 512, ckpt=True, gradient_accumulation_steps=2, **mixed),
-        _spec(full, 1, 512, ckpt=True, gradient_accumulation_steps=2),
-    )
-    # Phi-2: LayerNorm, parallel attention and MLP, partial RoPE, biases everywhere, the
-    # published residual dropout (0.1) active in training.
-    add(
-        PHI_2,
-        _spec(lora, 2, 1024, ckpt=True),
-        _spec(lora, 1, 1024),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=("q_proj", "k_proj", "v_proj", "dense"))),
-        _spec(qlora, 2, 1024, ckpt=True),
-        _spec(full, 1, 512, ckpt=True),
-        _spec(lora, 2, 1024, ckpt=True, **mixed),
-    )
-    # Gemma-3-1B: five sliding-window (512) layers to one global, qk-norm, sandwich norms,
-    # one key/value head, a 262k vocabulary; below the window no layer builds a mask.
-    add(
-        GEMMA_3,
-        _spec(lora, 2, 1024, ckpt=True),
-        _spec(lora, 1, 256),
-        _spec(qlora, 2, 1024, ckpt=True),
-        _spec(full, 1, 1024, ckpt=True),
-        _spec(lora, 2, 1024, ckpt=True, **mixed),
-    )
-    # Qwen3-30B-A3B: 128 routed experts, top-8 with renormalised weights, no shared expert.
-    # (kbit preparation casts the 3-D expert weights to fp32; CUDA's grouped GEMM runs them.)
-    add(
-        QWEN3_MOE,
-        _spec(lora, 1, 1024, ckpt=True),
-        _spec(lora, 1, 512),
-        _spec(lora, 2, 512, ckpt=True, lora=_lora(targets=ATTENTION_PROJECTIONS)),
-        _spec(qlora, 1, 1024, ckpt=True, quantization=_qlora(prepare_kbit=False)),
-        _spec(qlora, 1, 1024, ckpt=True),
-        _spec(full, 1, 512, ckpt=True),
-    )
-    # transformers 4's MoE layout (stack 'hf-4.48'): the router and every expert's linears
-    # nn.Linear modules run expert by expert (service/trace/linear_experts.py), which
-    # bitsandbytes quantizes and "all-linear" adapts one by one.
-    v4 = preset("hf-4.48")
-    add(
-        QWEN_MOE,
-        _spec(lora, 1, 512, ckpt=True, stack=v4),
-        _spec(qlora, 1, 512, ckpt=True, stack=v4),
-        _spec(lora, 1, 512, stack=v4),
-    )
-    add(
-        MIXTRAL,
-        _spec(qlora, 1, 1024, ckpt=True, stack=v4),
-        _spec(lora, 1, 1024, ckpt=True, stack=v4),
-    )
-    # Every family's LoRA step with checkpointing on and off, SDPA (the kernel PyTorch picks)
-    # and eager attention, mixed precision on and off: the combinations the cases above do
-    # not already cover, at one sequence of 1024 tokens.
-    covered = {
-        (m, s.gradient_checkpointing, s.attn_implementation, s.autocast)
-        for m, s in cases
-        if s.method is lora and s.stack == PINNED_STACK
-    }
-    families = (QWEN_7B, LLAMA_8B, MISTRAL_7B, GEMMA_2B, PHI_3, QWEN_MOE, QWEN_05B)
-    for model_id in (*families, PHI_2, GEMMA_3, QWEN3_MOE):
-        # transformers 5.24 runs Gemma-2 with eager attention only (it refuses SDPA)
-        attentions = (AttnImpl.EAGER,) if model_id == GEMMA_2B else (AttnImpl.SDPA, AttnImpl.EAGER)
-        for ckpt in (True, False):
-            for attention in attentions:
-                for mixed_precision in (False, True):
-                    if (model_id, ckpt, attention, mixed_precision) in covered:
-                        continue
-                    add(
-                        model_id,
-                        _spec(
-                            lora,
-                            1,
-                            1024,
-                            ckpt=ckpt,
-                            attn_implementation=attention,
-                            autocast=mixed_precision,
-                        ),
-                    )
-    # LoRA on the MLP's linears alone: the first layer's norm, attention and output projection
-    # (frozen, on the frozen embedding's output) record nothing, and a frozen 4-bit o_proj
-    # keeps no input (SDPA's math kernel on fp32 after kbit preparation); Gemma-2's
-    # post-feedforward norm and Phi-2's residual dropout on the MLP's output still record.
-    mlp = ("gate_proj", "up_proj", "down_proj")
-    add(
-        LLAMA_8B,
-        _spec(qlora, 1, 1024, lora=_lora(targets=mlp)),
-        _spec(qlora, 1, 1024, ckpt=True, lora=_lora(targets=mlp)),
-        _spec(lora, 1, 1024, lora=_lora(targets=mlp)),
-    )
-    add(
-        QWEN_05B,
-        _spec(qlora, 2, 512, lora=_lora(targets=mlp)),
-        # PEFT's default q and v: the frozen 4-bit o_proj keeps no input either
-        _spec(qlora, 2, 512, lora=_lora(r=8, targets=None)),
-    )
-    add(PHI_3, _spec(qlora, 1, 1024, lora=_lora(targets=("gate_up_proj", "down_proj"))))
-    add(GEMMA_2B, _spec(lora, 1, 512, attn_implementation=eager, lora=_lora(targets=mlp)))
-    add(PHI_2, _spec(lora, 1, 512, lora=_lora(targets=("fc1", "fc2"))))
-    cases.extend(_falcon_bloom_cases())
-    cases.extend(_dora_cases())
-    cases.extend(_dpo_cases())
-    cases.extend(_reward_cases())
-    cases.extend(_mixed_precision_objective_cases())
-    cases.extend(_kto_cases())
-    cases.extend(_grpo_cases())
-    cases.extend(_orpo_cases())
-    cases.extend(_t5_cases())
-    cases.extend(_tuner_cases())
-    cases.extend(_int8_cases())
-    cases.extend(_vision_cases())
-    cases.extend(_packing_cases())
-    cases.extend(_liger_cases())
-    cases.extend(peft_delta_cases())
-    cases.extend(train_feature_cases())
-    # BERT sequence classification (2 labels): post-LN encoder layers, bidirectional attention,
-    # dropout on the hidden states and the attention probabilities, pooler and classifier.
-    fp32 = DType.FP32
-    add(
-        BERT_BASE,
-        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager),
-        _spec(full, 4, 512, dtype=fp32, **mixed),
-        _spec(full, 4, 512, ckpt=True, dtype=fp32),
-        _spec(lora, 4, 512, lora=_lora(r=8, targets=None)),
-    )
-    add(
-        BERT_BASE,
-        _spec(lora, 4, 512, ckpt=True, lora=_lora(r=8, targets=None)),
-        _spec(lora, 2, 256, attn_implementation=eager, lora=_lora(r=8, lora_dropout=0.1)),
-        _spec(full, 2, 256, gradient_accumulation_steps=2),
-    )
-    add(
-        BERT_LARGE,
-        _spec(full, 1, 512, dtype=fp32),
-        _spec(full, 4, 512, dtype=fp32, attn_implementation=eager, **mixed),
-    )
+    cases: Cases = []
+    for group in (
+        qwen_7b_cases,
+        seven_b_family_cases,
+        moe_cases,
+        qwen_05b_cases,
+        mixed_precision_cases,
+        small_family_cases,
+        transformers4_moe_cases,
+    ):
+        cases += group()
+    cases += lora_grid_cases(cases)
+    for group in (
+        mlp_only_cases,
+        falcon_bloom_cases,
+        dora_cases,
+        dpo_cases,
+        reward_cases,
+        mixed_precision_objective_cases,
+        kto_cases,
+        grpo_cases,
+        orpo_cases,
+        t5_cases,
+        tuner_cases,
+        int8_cases,
+        vision_cases,
+        packing_cases,
+        liger_cases,
+        peft_delta_cases,
+        train_feature_cases,
+        bert_cases,
+    ):
+        cases += group()
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 
@@ -732,17 +442,17 @@ def parallel_matrix() -> list[Case]:
         for setup in setups:
             for gpus in (2, 8):
                 for method in (full, lora):
-                    add(model_id, _spec(method, b, s, ckpt=True, **extra), setup, gpus)
+                    add(model_id, case_spec(method, b, s, ckpt=True, **extra), setup, gpus)
     # Checkpointing off: every strategy once, on Qwen2.5-0.5B.
     for setup in setups:
-        add(QWEN_05B, _spec(full, 1, 512), setup, 2)
-        add(QWEN_05B, _spec(lora, 1, 512), setup, 8)
+        add(QWEN_05B, case_spec(full, 1, 512), setup, 2)
+        add(QWEN_05B, case_spec(lora, 1, 512), setup, 8)
     # An LM head not tied to the embedding: FSDP2 gives the embedding a group of its own.
     for setup in (setups[1], setups[3]):
         for method in (full, lora):
-            add(PHI_3, _spec(method, 1, 512, ckpt=True), setup, 2)
+            add(PHI_3, case_spec(method, 1, 512, ckpt=True), setup, 2)
     # The settings each strategy honours, beyond its defaults.
-    base = _spec(full, 1, 512, ckpt=True)
+    base = case_spec(full, 1, 512, ckpt=True)
     for setup in (
         ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True),
         ParallelSpec(strategy=Strategy.DDP, bucket_cap_mb=100),
@@ -760,26 +470,26 @@ def parallel_matrix() -> list[Case]:
     kto = {"objective": Objective.KTO}
     orpo = {"objective": Objective.ORPO}
     for model_id, spec, gpus in (
-        (QWEN_05B, _spec(lora, 1, 512, **dpo), 2),
-        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **dpo), 2),
-        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **dpo), 4),
-        (GEMMA_2B, _spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
-        (QWEN_05B, _spec(lora, 2, 512, **reward), 2),
-        (LLAMA_1B, _spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
-        (QWEN_05B, _spec(lora, 2, 512, **kto), 2),
-        (QWEN_05B, _spec(lora, 2, 512, **orpo), 2),
-        (QWEN_05B, _spec(full, 1, 512, ckpt=True, **orpo), 2),
-        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
-        (QWEN_05B, _spec(full, 2, 512, ckpt=True, **kto), 2),
-        (LLAMA_1B, _spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
+        (QWEN_05B, case_spec(lora, 1, 512, **dpo), 2),
+        (QWEN_05B, case_spec(full, 1, 512, ckpt=True, **dpo), 2),
+        (LLAMA_1B, case_spec(lora, 2, 512, ckpt=True, autocast=True, **dpo), 4),
+        (GEMMA_2B, case_spec(lora, 1, 512, ckpt=True, **eager, **dpo), 2),
+        (QWEN_05B, case_spec(lora, 2, 512, **reward), 2),
+        (LLAMA_1B, case_spec(full, 1, 512, ckpt=True, autocast=True, **reward), 2),
+        (QWEN_05B, case_spec(lora, 2, 512, **kto), 2),
+        (QWEN_05B, case_spec(lora, 2, 512, **orpo), 2),
+        (QWEN_05B, case_spec(full, 1, 512, ckpt=True, **orpo), 2),
+        (LLAMA_1B, case_spec(lora, 2, 512, ckpt=True, autocast=True, **orpo), 4),
+        (QWEN_05B, case_spec(full, 2, 512, ckpt=True, **kto), 2),
+        (LLAMA_1B, case_spec(lora, 2, 512, ckpt=True, autocast=True, **kto), 4),
     ):
         add(model_id, spec, ddp, gpus)
     # An encoder (BERT sequence classification) under DDP.
     fp32 = DType.FP32
-    add(BERT_BASE, _spec(full, 4, 512, dtype=fp32), ddp, 2)
-    add(BERT_BASE, _spec(lora, 4, 512, lora=_lora(r=8, targets=None)), ddp, 2)
+    add(BERT_BASE, case_spec(full, 4, 512, dtype=fp32), ddp, 2)
+    add(BERT_BASE, case_spec(lora, 4, 512, lora=lora_spec(r=8, targets=None)), ddp, 2)
     bucket_view = ParallelSpec(strategy=Strategy.DDP, gradient_as_bucket_view=True)
-    add(BERT_BASE, _spec(full, 2, 512, ckpt=True, dtype=fp32), bucket_view, 4)
+    add(BERT_BASE, case_spec(full, 2, 512, ckpt=True, dtype=fp32), bucket_view, 4)
     return [Case(model_id=m, spec=s) for m, s in cases]
 
 

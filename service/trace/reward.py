@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from service.core.result import Component, Phase
-from service.core.spec import TrainingSpec
-from service.trace.preference import trainer_steps
+from service.trace.preference import TrainerRun, trainer_steps
 
 # A token id other than the padding one the model's config is given
 # (service/trace/model.py REWARD_PAD_TOKEN_ID: RewardTrainer.__init__ sets config.pad_token_id
@@ -47,21 +46,12 @@ def prepare(model: torch.nn.Module) -> None:
     disable_dropout_in_model(model)
 
 
-def run_reward_steps(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    tracker: Any,
-    steering: Any,
-    spec: TrainingSpec,
-    *,
-    steps: int,
-    keep_gradients: bool = False,
-) -> None:
+def run_reward_steps(run: TrainerRun) -> None:
     """`steps` optimizer steps of RewardTrainer: per micro-batch `compute_loss` (one forward of
     the [chosen; rejected] batch, the pairwise loss), backward, then HF Trainer's clipping,
     optimizer step and zero_grad as in service/trace/runner.py. The score head's output carries
     the steering's hook that opens the layers' backward."""
+    model, tracker, spec = run.model, run.tracker, run.spec
     rows = 2 * spec.batch_size
     with tracker.labelling(Component.INPUTS):
         # DataCollatorForPreference's batch: int64 ids and attention mask, chosen rows then
@@ -75,7 +65,7 @@ def run_reward_steps(
         tracker.mark(step, Phase.FORWARD_END)
         return loss
 
-    trainer_steps(tracker, steering, optimizer, params, spec, micro_batch, steps, keep_gradients)
+    trainer_steps(run, micro_batch)
     del attention_mask
 
 

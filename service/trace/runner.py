@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +39,10 @@ from service.core.spec import (
 )
 from service.trace import grpo, kernels, kto, liger, orpo, parallel, preference, reward, vision
 from service.trace.autocast import accelerate_forward, autocast_dtype, cuda_autocast_policy
-from service.trace.model import LEARNING_RATE, build_meta_model, is_encoder, materialize
-from service.trace.traceable import STEPS, NotTraceableError, check_traceable
+from service.trace.model import build_meta_model, is_encoder, materialize
+from service.trace.optimizers import LabelledState, lorafa_optimizer, make_optimizer
+from service.trace.steering import Steering
+from service.trace.traceable import STEPS, check_traceable
 from service.trace.tracker import (
     CUDA_MIN_BLOCK_BYTES,
     MemoryEvent,
@@ -79,53 +80,6 @@ class TraceResult:
     host_pinned_bytes: int = 0  # pinned host memory at its peak (activation offloading)
 
 
-def make_optimizer(
-    params: list[torch.nn.Parameter], optim: Optim, *, fake: bool
-) -> torch.optim.Optimizer:
-    """HF Trainer's optimizer for `optim`, with the implementation a GPU gets chosen explicitly."""
-    if optim is Optim.ADAMW_TORCH_FUSED:
-        return torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
-    if optim is Optim.ADAMW_TORCH:
-        # On CUDA tensors torch picks foreach by default (torch/optim/optimizer.py).
-        return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=True)
-    if optim is Optim.SGD:
-        return torch.optim.SGD(params, lr=LEARNING_RATE, foreach=True)
-    if optim is Optim.ADAMW_BNB_8BIT:
-        return _adamw_8bit(params, fake=fake)
-    raise NotTraceableError(f"optimizer {optim!r} is not traced")
-
-
-def _lorafa_optimizer(model: torch.nn.Module, resolved: ResolvedSpec) -> torch.optim.Optimizer:
-    """PEFT's LoRA-FA optimizer as its helper builds it (peft/optimizers/lorafa.py
-    create_lorafa_optimizer): one group over every named parameter, AdamW state for each
-    lora_B only."""
-    from peft.optimizers import create_lorafa_optimizer
-
-    lora = resolved.lora
-    if lora is None:  # resolve() always fills it for LoRA-FA
-        raise ValueError("LoRA-FA needs a LoRA spec")
-    return create_lorafa_optimizer(model, r=lora.r, lora_alpha=lora.lora_alpha, lr=LEARNING_RATE)  # type: ignore[arg-type]
-
-
-def _adamw_8bit(params: list[torch.nn.Parameter], *, fake: bool) -> torch.optim.Optimizer:
-    """bitsandbytes' AdamW8bit, its two 256-entry quantization maps made where fake tensors can.
-
-    The maps are computed through `.tolist()` of tensors, which fake tensors cannot answer, so
-    the optimizer is built outside every mode; its maps are then replaced by tensors made inside
-    them (the values do not matter to a fake run): two fp32 maps that every 8-bit state shares.
-    """
-    import bitsandbytes as bnb
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        optimizer = bnb.optim.AdamW8bit(params, lr=LEARNING_RATE)
-    for name, qmap in optimizer.name2qmap.items():
-        optimizer.name2qmap[name] = (
-            torch.empty(qmap.shape, dtype=qmap.dtype) if fake else qmap.clone()
-        )
-    return optimizer
-
-
 def plain_causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **kwargs: Any
 ) -> torch.Tensor:
@@ -137,121 +91,56 @@ def plain_causal_lm_loss(
     )
 
 
-class _LabelledState(defaultdict):  # type: ignore[type-arg]
-    """An optimizer's `state` whose per-parameter dicts label tensors as optimizer state."""
+@dataclass(frozen=True, slots=True)
+class _Goal:
+    """The objective a trace runs, as the step's phases branch on it."""
 
-    def __init__(self, tracker: StorageTracker) -> None:
-        super().__init__(lambda: _LabellingDict(tracker))
+    dpo: bool
+    kto: bool
+    grpo: bool
+    orpo: bool
+    reward: bool
+
+    @classmethod
+    def of(cls, spec: TrainingSpec) -> _Goal:
+        o = spec.objective
+        return cls(
+            dpo=o is Objective.DPO,
+            kto=o is Objective.KTO,
+            grpo=o is Objective.GRPO,
+            orpo=o is Objective.ORPO,
+            reward=o is Objective.REWARD,
+        )
+
+    @property
+    def trl(self) -> bool:
+        """TRL's trainers (GRPO's loop aside), whose forwards run as accelerate's."""
+        return self.dpo or self.kto or self.orpo or self.reward
 
 
-class _LabellingDict(dict):  # type: ignore[type-arg]
-    def __init__(self, tracker: StorageTracker) -> None:
-        super().__init__()
-        self._tracker = tracker
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """What the tracker holds once the steps have run."""
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if isinstance(value, torch.Tensor) and self._tracker.component_of(value) is not None:
-            self._tracker.label(value, Component.OPTIMIZER_STATE)
-        super().__setitem__(key, value)
+    step: int
+    phase: Phase
+    phase_reserved: dict[tuple[int, Phase], int]
+    phases: tuple[PhaseSnapshot, ...]
+    steps: tuple[PhaseSnapshot, ...]
+    peak: Snapshot
 
-
-class _Steering:
-    """Module and tensor hooks that set the tracker's labels and phases as the step runs."""
-
-    def __init__(
-        self,
-        tracker: StorageTracker,
-        lm_head: torch.nn.Module,
-        backbone: torch.nn.Module | None = None,
-    ) -> None:
-        self.tracker = tracker
-        self.lm_head = lm_head
-        # Liger's fused loss calls no lm_head: the backbone's output opens the loss's part
-        self.backbone = backbone
-        self.step = 0
-        self.in_backward = False
-        self._handles: list[Any] = []
-
-    @contextmanager
-    def installed(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> Iterator[None]:
-        self._handles = [
-            self.lm_head.register_forward_pre_hook(self._lm_head_pre),
-            self.lm_head.register_forward_hook(self._lm_head_post),
-        ]
-        if self.backbone is not None:
-            self._handles.append(self.backbone.register_forward_hook(self._backbone_post))
-        for param in params:
-            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
-        wrapped = []
-        for module in model.modules():
-            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-            if checkpoint is not None:
-                module._gradient_checkpointing_func = self._labelling_checkpoint(checkpoint)
-                wrapped.append((module, checkpoint))
-        try:
-            yield
-        finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-            for module, checkpoint in wrapped:
-                module._gradient_checkpointing_func = checkpoint
-
-    def _labelling_checkpoint(self, checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-        """HF's checkpoint function, its forward labelled `recompute` when rerun in backward."""
-
-        def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return checkpoint(self._recomputing(function), *args, **kwargs)
-
-        run.labelling = True  # type: ignore[attr-defined]
-        return run
-
-    def rewrap(self, model: torch.nn.Module) -> None:
-        """Label the checkpoint functions a gradient_checkpointing_enable() call has set anew
-        (TRL's disable_gradient_checkpointing around the DPO reference forward)."""
-        for module in model.modules():
-            checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-            if checkpoint is not None and not getattr(checkpoint, "labelling", False):
-                module._gradient_checkpointing_func = self._labelling_checkpoint(checkpoint)
-
-    def _recomputing(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if not self.in_backward:
-                return function(*args, **kwargs)
-            before = self.tracker.component
-            self.tracker.component = Component.RECOMPUTE
-            try:  # recomputation stops early by raising once it has what backward needs
-                return function(*args, **kwargs)
-            finally:
-                self.tracker.component = before
-
-        return run
-
-    def _lm_head_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if not self.in_backward:
-            self.tracker.component = Component.LOGITS_LOSS
-
-    def _lm_head_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.in_backward and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._logits_grad)
-
-    def _backbone_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """The fused loss's tensors are the loss's; the gradient reaching them opens backward."""
-        if self.in_backward:
-            return
-        self.tracker.component = Component.LOGITS_LOSS
-        hidden = getattr(output, "last_hidden_state", None)
-        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            hidden.register_hook(self._logits_grad)
-
-    def _logits_grad(self, grad: torch.Tensor) -> None:
-        # The loss's gradient has reached the logits: the rest of backward is the layers'.
-        self.tracker.begin_phase(self.step, Phase.BACKWARD)
-        self.tracker.component = Component.BACKWARD_TEMPORARIES
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            self.tracker.label(param.grad, Component.GRADIENTS)
+    @classmethod
+    def of(cls, tracker: StorageTracker) -> _Measured:
+        tracker.check_consistent()
+        step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
+        return cls(
+            step=step,
+            phase=phase,
+            phase_reserved=tracker.phase_reserved(),
+            phases=tuple(_phase_table(tracker)),
+            steps=tuple(_step_peaks(tracker)),
+            peak=tracker.peak(),
+        )
 
 
 def trace(
@@ -276,42 +165,129 @@ def trace(
     it needs `cpu_kernels=True`, which swaps the CUDA-only kernels for CPU ones (the CPU
     flash-attention op, bitsandbytes' own 4-bit matmul), in a fake trace too for comparison.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     resolved = resolve(spec)
     notes = [*resolved.assumptions, *check_traceable(resolved)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the libraries' deprecation notices
         built = build_meta_model(resolved, config)
     model = built.model
-    dpo = spec.objective is Objective.DPO
-    if dpo:
-        preference.prepare(model, spec)
-        notes.append(preference.note())
-    kto_step = spec.objective is Objective.KTO
-    if kto_step:
-        kto.prepare(model)
-        notes.append(kto.note(spec))
-    grpo_step = spec.objective is Objective.GRPO
-    if grpo_step:
-        grpo.prepare(model)
-        notes.append(grpo.note(spec))
-    orpo_step = spec.objective is Objective.ORPO
-    if orpo_step:
-        orpo.prepare(model, spec)
-        notes.append(orpo.note())
-    rewarding = spec.objective is Objective.REWARD
-    if rewarding:
-        reward.prepare(model)
-        notes.append(reward.note())
-    if resolved.loss is LossImpl.PLAIN and not (
-        dpo or kto_step or orpo_step or grpo_step or rewarding
-    ):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.loss_function = plain_causal_lm_loss
-
+    goal = _Goal.of(spec)
+    # what the trace holds until it returns, after the tracker stops listening: its frees are
+    # none of the step's events
+    kept: list[Any] = []
+    notes += _prepare_objective(model, spec, resolved, goal, kept)
     allocator = CachingAllocator(spec.allocator)
     tracker = StorageTracker(record_events=record_events, unit=allocation_unit, allocator=allocator)
+    _set_up_tracker(tracker, spec, goal, real=real, cpu_kernels=cpu_kernels)
+    with _collector_off():
+        with ExitStack() as stack:
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+            wrapping = None
+            if spec.parallel.gpus != 1:  # the process group and its mesh, outside fake mode
+                mesh = stack.enter_context(parallel.process_group(spec.parallel.gpus))
+                wrapping = parallel.Wrapping(spec, mesh, tracker)
+            _enter_kernels(stack, spec, config, resolved, goal, model, tracker, real, cpu_kernels)
+            if real:
+                torch.manual_seed(0)
+            params_total = sum(_numel(p) for p in model.parameters())
+            params_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            model, ref_model = _materialize(
+                stack, model, spec, config, goal, tracker, wrapping, kept
+            )
+            # The wrapped model's parameters: FSDP2's DTensors, FSDP1's flat parameters (or the
+            # original parameters, views of them, with use_orig_params).
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer, steering = _optimizer_and_steering(
+                stack, model, params, built.lm_head, spec, resolved, tracker, real, kept
+            )
+            offloader = Offloader(tracker) if spec.activation_offloading else None
+            _run_objective_steps(
+                stack,
+                model,
+                ref_model,
+                optimizer,
+                params,
+                tracker,
+                steering,
+                spec,
+                config,
+                goal,
+                offloader,
+                keep_gradients,
+                kept,
+            )
+            measured = _Measured.of(tracker)
+            del optimizer, model, built, ref_model
+        tracker.close()
+    return TraceResult(
+        spec=spec,
+        model_id=model_id,
+        peak=measured.peak,
+        peak_step=measured.step,
+        peak_phase=measured.phase,
+        phases=measured.phases,
+        steps=measured.steps,
+        params_total=params_total,
+        params_trainable=params_trainable,
+        assumptions=tuple(notes),
+        events=tuple(tracker.events or ()),
+        reserved_bytes=allocator.peak_reserved,
+        phase_reserved=measured.phase_reserved,
+        allocator_allocated_bytes=allocator.peak_allocated,
+        host_pinned_bytes=tracker.host_peak,
+    )
+
+
+@contextmanager
+def _collector_off() -> Iterator[None]:
+    """The garbage collector off: frees happen on the last reference, deterministically."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _prepare_objective(
+    model: torch.nn.Module,
+    spec: TrainingSpec,
+    resolved: ResolvedSpec,
+    goal: _Goal,
+    kept: list[Any],
+) -> list[str]:
+    """Set the model up for its objective's trainer; the notes the trainer adds."""
+    notes: list[str] = []
+    if goal.dpo:
+        preference.prepare(model)
+        notes.append(preference.note())
+    if goal.kto:
+        kto.prepare(model)
+        notes.append(kto.note(spec))
+    if goal.grpo:
+        grpo.prepare(model)
+        notes.append(grpo.note(spec))
+    if goal.orpo:
+        orpo.prepare(model, spec)
+        notes.append(orpo.note())
+    if goal.reward:
+        reward.prepare(model)
+        notes.append(reward.note())
+    if resolved.loss is LossImpl.PLAIN and not (goal.trl or goal.grpo):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.loss_function = plain_causal_lm_loss
+        kept.append(base)
+    return notes
+
+
+def _set_up_tracker(
+    tracker: StorageTracker, spec: TrainingSpec, goal: _Goal, *, real: bool, cpu_kernels: bool
+) -> None:
+    """The host outputs of the attention kernels and, for a GPU run, cuBLAS's workspaces and
+    the GPU kernels' allocations the CPU ops stand in for."""
     if not cpu_kernels:
         # A GPU run's cuBLAS handles take their workspaces from the caching allocator.
         tracker.blas_workspace = cublas_workspace(REFERENCE_COMPUTE_CAPABILITY)
@@ -320,25 +296,31 @@ def trace(
     tracker.mark_host_outputs(kernels.EFFICIENT_OP, kernels.EFFICIENT_HOST_OUTPUTS)
     if real and not cpu_kernels:
         raise ValueError("a real CPU run needs cpu_kernels=True")
-    if dpo and not cpu_kernels:
+    if not cpu_kernels:
+        _gpu_rewrites(tracker, spec, goal)
+
+
+def _gpu_rewrites(tracker: StorageTracker, spec: TrainingSpec, goal: _Goal) -> None:
+    """The GPU kernels' allocations the CPU ops stand in for: the compacted index of the
+    preference losses, bitsandbytes' CUDA kernels."""
+    if goal.dpo:
         tracker.rewrite(
             preference.INDEX_OP,
             preference.compact_index(
                 (2 * spec.batch_size, spec.seq_len - 1), preference.compact_rows(spec)
             ),
         )
-    if kto_step and not cpu_kernels:
+    if goal.kto:
         tracker.rewrite(
             preference.INDEX_OP,
             preference.compact_index(kto.mask_shape(spec), kto.compact_rows(spec)),
         )
-    if grpo_step and not cpu_kernels:
+    if goal.grpo:
         tracker.rewrite(
             preference.INDEX_OP,
             preference.compact_index(grpo.mask_shape(spec), grpo.compact_rows(spec)),
         )
-    int8 = resolved.quantization is not None and resolved.quantization.type is QuantType.INT8
-    if spec.method is Method.QLORA and not cpu_kernels:
+    if spec.method is Method.QLORA:
         tracker.rewrite("bitsandbytes.gemm_4bit.default", kernels.gemm_4bit_cuda)
         tracker.rewrite(
             "bitsandbytes.int8_vectorwise_quant.default", kernels.int8_vectorwise_quant_cuda
@@ -348,195 +330,182 @@ def trace(
         )
         tracker.rewrite("bitsandbytes.int8_scaled_mm.default", kernels.int8_scaled_mm_cuda)
 
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()  # frees happen on the last reference, deterministically
-    try:
-        with ExitStack() as stack:
-            stack.enter_context(warnings.catch_warnings())
-            warnings.simplefilter("ignore")
-            wrapping = None
-            if spec.parallel.gpus != 1:  # the process group and its mesh, outside fake mode
-                mesh = stack.enter_context(parallel.process_group(spec.parallel.gpus))
-                wrapping = parallel.Wrapping(spec, mesh, tracker)
-            if not real:
-                fake_mode = FakeTensorMode()
-                stack.enter_context(fake_mode)
-            stack.enter_context(
-                # (flash_attention_2, traced as SDPA, reads the sequences' boundaries from the
-                # collator's cu_seq_lens: transformers builds it no mask)
-                kernels.gpu_kernels(
-                    spec.sdpa_kernel,
-                    cpu_flash=cpu_kernels,
-                    packed=spec.packing
-                    and spec.attn_implementation is not AttnImpl.FLASH_ATTENTION_2,
-                )
-            )
-            if vision.is_vision_language(config) and not real:
-                stack.enter_context(vision.constants())
-            if (dpo or kto_step or grpo_step) and not cpu_kernels:
-                stack.enter_context(preference.gpu_fused_head())
-            if orpo_step and not cpu_kernels:
-                stack.enter_context(orpo.gpu_logprob_kernel())
-            if int8 and not cpu_kernels:
-                import bitsandbytes as bnb
 
-                stack.enter_context(kernels.patched(bnb, "matmul", kernels.matmul_8bit_cuda))
-                # MatMul8bitLt logs its fp16 cast of every non-fp16 input, once per call
-                stack.enter_context(kernels.quiet_logger("bitsandbytes.autograd._functions"))
-            if spec.autocast:
-                stack.enter_context(cuda_autocast_policy())
-            if spec.liger_kernel:
-                stack.enter_context(liger.applied(model))
-                stack.enter_context(liger.registers(tracker.off_device))
-            if real:
-                torch.manual_seed(0)
-            params_total = sum(_numel(p) for p in model.parameters())
-            params_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            if wrapping is not None and wrapping.shards_before_tracking:
-                materialize(model)
-                model = wrapping.wrap(model)
-            stack.enter_context(tracker)
-            if wrapping is not None and wrapping.shards_before_tracking:
-                owned = list(wrapping.local_tensors(model))
-            else:
-                with tracker.labelling(Component.FROZEN_WEIGHTS):
-                    owned = materialize(model)
-            for tensor, component in owned:
-                tracker.label(tensor, component)
-            ref_model = None
-            if dpo and preference.needs_reference_copy(spec):
-                ref_model = preference.build_reference(spec, config)
-                with tracker.labelling(Component.REFERENCE_MODEL):
-                    for tensor, _ in materialize(ref_model):
-                        tracker.label(tensor, Component.REFERENCE_MODEL)
-            if kto_step and kto.needs_reference_copy(spec):
-                ref_model = kto.build_reference(spec, config)
-                with tracker.labelling(Component.REFERENCE_MODEL):
-                    for tensor, _ in materialize(ref_model):
-                        tracker.label(tensor, Component.REFERENCE_MODEL)
-            if wrapping is not None and not wrapping.shards_before_tracking:
-                model = wrapping.wrap(model)
-            if wrapping is not None:
-                stack.enter_context(wrapping.labelling())
-            # The wrapped model's parameters: FSDP2's DTensors, FSDP1's flat parameters (or the
-            # original parameters, views of them, with use_orig_params).
-            params = [p for p in model.parameters() if p.requires_grad]
-            if spec.method is Method.LORA_FA:
-                optimizer = _lorafa_optimizer(model, resolved)
-            else:
-                optimizer = make_optimizer(params, spec.optim, fake=not real)
-            optimizer.state = _LabelledState(tracker)
-            for qmap in getattr(optimizer, "name2qmap", {}).values():
-                tracker.label(qmap, Component.OPTIMIZER_STATE)
-            steering = _Steering(
-                tracker, built.lm_head, liger.backbone(model) if spec.liger_kernel else None
-            )
-            stack.enter_context(steering.installed(model, params))
-            if spec.optimizer_in_backward:  # after the steering's hooks, which label .grad
-                optimizer = _in_backward(params, spec, tracker, stack, fake=not real)
-            offloader = Offloader(tracker) if spec.activation_offloading else None
-            if dpo or kto_step or orpo_step or rewarding:  # TRL's: forwards as accelerate's
-                stack.enter_context(
-                    accelerate_forward(
-                        (preference.unwrapped(m) for m in (model, ref_model) if m is not None), spec
-                    )
-                )
-            if dpo:
-                preference.run_dpo_steps(
-                    model,
-                    ref_model,
-                    optimizer,
-                    params,
-                    tracker,
-                    steering,
-                    spec,
-                    steps=STEPS,
-                    rewrap_checkpoints=functools.partial(steering.rewrap, model),
-                    keep_gradients=keep_gradients,
-                )
-            elif kto_step:
-                kto.run_kto_steps(
-                    model,
-                    ref_model,
-                    optimizer,
-                    params,
-                    tracker,
-                    steering,
-                    spec,
-                    steps=STEPS,
-                    rewrap_checkpoints=functools.partial(steering.rewrap, model),
-                    keep_gradients=keep_gradients,
-                )
-            elif grpo_step:
-                grpo.run_grpo_steps(
-                    model,
-                    optimizer,
-                    params,
-                    tracker,
-                    steering,
-                    spec,
-                    steps=STEPS,
-                    rewrap_checkpoints=functools.partial(steering.rewrap, model),
-                    keep_gradients=keep_gradients,
-                )
-            elif orpo_step:
-                micro_batch = orpo.micro_batches(model, tracker, spec)
-                preference.trainer_steps(
-                    tracker, steering, optimizer, params, spec, micro_batch, STEPS, keep_gradients
-                )
-            elif rewarding:
-                reward.run_reward_steps(
-                    model,
-                    optimizer,
-                    params,
-                    tracker,
-                    steering,
-                    spec,
-                    steps=STEPS,
-                    keep_gradients=keep_gradients,
-                )
-            else:
-                _run_steps(
-                    model,
-                    params,
-                    optimizer,
-                    tracker,
-                    steering,
-                    spec,
-                    classes=is_encoder(config),
-                    keep_gradients=keep_gradients,
-                    offloader=offloader,
-                    vision_config=config if vision.is_vision_language(config) else None,
-                )
-            tracker.check_consistent()
-            step, phase = tracker.peak_key() or (1, Phase.FORWARD_END)
-            phase_reserved = tracker.phase_reserved()
-            phases = tuple(_phase_table(tracker))
-            steps = tuple(_step_peaks(tracker))
-            peak = tracker.peak()
-            del optimizer, model, built, ref_model
-        tracker.close()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return TraceResult(
-        spec=spec,
-        model_id=model_id,
-        peak=peak,
-        peak_step=step,
-        peak_phase=phase,
-        phases=phases,
-        steps=steps,
-        params_total=params_total,
-        params_trainable=params_trainable,
-        assumptions=tuple(notes),
-        events=tuple(tracker.events or ()),
-        reserved_bytes=allocator.peak_reserved,
-        phase_reserved=phase_reserved,
-        allocator_allocated_bytes=allocator.peak_allocated,
-        host_pinned_bytes=tracker.host_peak,
+def _enter_kernels(
+    stack: ExitStack,
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    resolved: ResolvedSpec,
+    goal: _Goal,
+    model: torch.nn.Module,
+    tracker: StorageTracker,
+    real: bool,
+    cpu_kernels: bool,
+) -> None:
+    """Fake mode (unless real), and the kernels, autocast policy and Liger patches the step
+    runs under."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not real:
+        fake_mode = FakeTensorMode()
+        stack.enter_context(fake_mode)
+    stack.enter_context(
+        # (flash_attention_2, traced as SDPA, reads the sequences' boundaries from the
+        # collator's cu_seq_lens: transformers builds it no mask)
+        kernels.gpu_kernels(
+            spec.sdpa_kernel,
+            cpu_flash=cpu_kernels,
+            packed=spec.packing and spec.attn_implementation is not AttnImpl.FLASH_ATTENTION_2,
+        )
     )
+    if vision.is_vision_language(config) and not real:
+        stack.enter_context(vision.constants())
+    if (goal.dpo or goal.kto or goal.grpo) and not cpu_kernels:
+        stack.enter_context(preference.gpu_fused_head())
+    if goal.orpo and not cpu_kernels:
+        stack.enter_context(orpo.gpu_logprob_kernel())
+    int8 = resolved.quantization is not None and resolved.quantization.type is QuantType.INT8
+    if int8 and not cpu_kernels:
+        import bitsandbytes as bnb
+
+        stack.enter_context(kernels.patched(bnb, "matmul", kernels.matmul_8bit_cuda))
+        # MatMul8bitLt logs its fp16 cast of every non-fp16 input, once per call
+        stack.enter_context(kernels.quiet_logger("bitsandbytes.autograd._functions"))
+    if spec.autocast:
+        stack.enter_context(cuda_autocast_policy())
+    if spec.liger_kernel:
+        stack.enter_context(liger.applied(model))
+        stack.enter_context(liger.registers(tracker.off_device))
+
+
+def _materialize(
+    stack: ExitStack,
+    model: torch.nn.Module,
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    goal: _Goal,
+    tracker: StorageTracker,
+    wrapping: parallel.Wrapping | None,
+    kept: list[Any],
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Start tracking and give the model (wrapped for its parallel strategy) and the frozen
+    reference copy of DPO and KTO their storages, labelled; the model and the copy."""
+    if wrapping is not None and wrapping.shards_before_tracking:
+        materialize(model)
+        model = wrapping.wrap(model)
+    stack.enter_context(tracker)
+    if wrapping is not None and wrapping.shards_before_tracking:
+        owned = list(wrapping.local_tensors(model))
+    else:
+        with tracker.labelling(Component.FROZEN_WEIGHTS):
+            owned = materialize(model)
+    for tensor, component in owned:
+        tracker.label(tensor, component)
+    kept.append(owned)
+    ref_model = None
+    if goal.dpo and preference.needs_reference_copy(spec):
+        ref_model = preference.build_reference(spec, config)
+    if goal.kto and kto.needs_reference_copy(spec):
+        ref_model = kto.build_reference(spec, config)
+    if ref_model is not None:
+        with tracker.labelling(Component.REFERENCE_MODEL):
+            ref_owned = materialize(ref_model)
+            for tensor, _ in ref_owned:
+                tracker.label(tensor, Component.REFERENCE_MODEL)
+        kept += [tensor for tensor, _ in ref_owned[-1:]]
+    if wrapping is not None and not wrapping.shards_before_tracking:
+        model = wrapping.wrap(model)
+    if wrapping is not None:
+        stack.enter_context(wrapping.labelling())
+    return model, ref_model
+
+
+def _optimizer_and_steering(
+    stack: ExitStack,
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    lm_head: torch.nn.Module,
+    spec: TrainingSpec,
+    resolved: ResolvedSpec,
+    tracker: StorageTracker,
+    real: bool,
+    kept: list[Any],
+) -> tuple[torch.optim.Optimizer, Steering]:
+    """The optimizer, its state labelled, and the hooks that steer the tracker's labels."""
+    if spec.method is Method.LORA_FA:
+        optimizer = lorafa_optimizer(model, resolved)
+    else:
+        optimizer = make_optimizer(params, spec.optim, fake=not real)
+    optimizer.state = LabelledState(tracker)
+    qmaps = list(getattr(optimizer, "name2qmap", {}).values())
+    for qmap in qmaps:
+        tracker.label(qmap, Component.OPTIMIZER_STATE)
+    kept += qmaps[-1:]
+    steering = Steering(tracker, lm_head, liger.backbone(model) if spec.liger_kernel else None)
+    stack.enter_context(steering.installed(model, params))
+    if spec.optimizer_in_backward:  # after the steering's hooks, which label .grad
+        optimizer = _in_backward(params, spec, tracker, stack, fake=not real)
+    return optimizer, steering
+
+
+def _run_objective_steps(
+    stack: ExitStack,
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    tracker: StorageTracker,
+    steering: Steering,
+    spec: TrainingSpec,
+    config: Mapping[str, Any],
+    goal: _Goal,
+    offloader: Offloader | None,
+    keep_gradients: bool,
+    kept: list[Any],
+) -> None:
+    """The STEPS training steps, as the objective's trainer runs them."""
+    if goal.trl:  # TRL's: forwards as accelerate's
+        stack.enter_context(
+            accelerate_forward(
+                (preference.unwrapped(m) for m in (model, ref_model) if m is not None), spec
+            )
+        )
+    run = preference.TrainerRun(
+        model=model,
+        optimizer=optimizer,
+        params=params,
+        tracker=tracker,
+        steering=steering,
+        spec=spec,
+        steps=STEPS,
+        rewrap_checkpoints=functools.partial(steering.rewrap, model),
+        keep_gradients=keep_gradients,
+    )
+    if goal.dpo:
+        preference.run_dpo_steps(run, ref_model)
+    elif goal.kto:
+        kto.run_kto_steps(run, ref_model)
+    elif goal.grpo:
+        grpo.run_grpo_steps(run)
+    elif goal.orpo:
+        micro_batch = orpo.micro_batches(model, tracker, spec)
+        kept.append(micro_batch)  # its inputs outlive the steps
+        preference.trainer_steps(run, micro_batch)
+    elif goal.reward:
+        reward.run_reward_steps(run)
+    else:
+        _run_steps(
+            model,
+            params,
+            optimizer,
+            tracker,
+            steering,
+            spec,
+            classes=is_encoder(config),
+            keep_gradients=keep_gradients,
+            offloader=offloader,
+            vision_config=config if vision.is_vision_language(config) else None,
+        )
 
 
 def _in_backward(
@@ -552,7 +521,7 @@ def _in_backward(
 
     def make(group: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = make_optimizer(group, spec.optim, fake=fake)
-        optimizer.state = _LabelledState(tracker)
+        optimizer.state = LabelledState(tracker)
         return optimizer
 
     optimizers, handles = in_backward_optimizers(params, make)
@@ -594,7 +563,7 @@ def _run_steps(
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     tracker: StorageTracker,
-    steering: _Steering,
+    steering: Steering,
     spec: TrainingSpec,
     *,
     classes: bool = False,

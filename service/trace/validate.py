@@ -78,6 +78,11 @@ NO_OP = "(no op)"
 _LORA = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear")
 
 
+def _case(model: str, method: Method, **fields: Any) -> tuple[str, TrainingSpec]:
+    """A validation case: the tiny model and a spec at BATCH x SEQ."""
+    return model, TrainingSpec(method=method, batch_size=BATCH, seq_len=SEQ, **fields)
+
+
 def validation_cases() -> list[tuple[str, TrainingSpec]]:
     """Every architecture with LoRA with and without checkpointing and full FT; LoRA dropout;
     QLoRA."""
@@ -88,99 +93,25 @@ def validation_cases() -> list[tuple[str, TrainingSpec]]:
         attention = {"attn_implementation": AttnImpl.EAGER} if model in _EAGER else {}
         for ckpt in (False, True):
             cases.append(
-                (
-                    model,
-                    TrainingSpec(
-                        method=Method.LORA,
-                        batch_size=BATCH,
-                        seq_len=SEQ,
-                        lora=_LORA,
-                        gradient_checkpointing=ckpt,
-                        **attention,
-                    ),
-                )
+                _case(model, Method.LORA, lora=_LORA, gradient_checkpointing=ckpt, **attention)
             )
-        cases.append(
-            (
-                model,
-                TrainingSpec(
-                    method=Method.FULL,
-                    batch_size=BATCH,
-                    seq_len=SEQ,
-                    gradient_checkpointing=True,
-                    **attention,
-                ),
-            )
-        )
-    cases.append(
-        (
-            "tiny-llama",
-            TrainingSpec(
-                method=Method.LORA,
-                batch_size=BATCH,
-                seq_len=SEQ,
-                lora=LoraSpec(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.1),
-            ),
-        )
-    )
+        cases.append(_case(model, Method.FULL, gradient_checkpointing=True, **attention))
+    dropout = LoraSpec(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.1)
+    cases.append(_case("tiny-llama", Method.LORA, lora=dropout))
+    qlora = {"lora": _LORA, "quantization": QuantSpec(double_quant=True)}
     for model in ("tiny-qwen2", "tiny-llama"):
-        cases.append(
-            (
-                model,
-                TrainingSpec(
-                    method=Method.QLORA,
-                    batch_size=BATCH,
-                    seq_len=SEQ,
-                    lora=_LORA,
-                    quantization=QuantSpec(double_quant=True),
-                    gradient_checkpointing=True,
-                ),
-            )
-        )
+        cases.append(_case(model, Method.QLORA, gradient_checkpointing=True, **qlora))
     # HF Trainer's mixed precision under the emulated CUDA autocast policy: bf16 (LoRA with and
     # without checkpointing, QLoRA), and fp16 with its GradScaler.
     for model in ("tiny-qwen2", "tiny-llama"):
         for ckpt in (False, True):
             cases.append(
-                (
-                    model,
-                    TrainingSpec(
-                        method=Method.LORA,
-                        batch_size=BATCH,
-                        seq_len=SEQ,
-                        lora=_LORA,
-                        gradient_checkpointing=ckpt,
-                        autocast=True,
-                    ),
-                )
+                _case(model, Method.LORA, lora=_LORA, gradient_checkpointing=ckpt, autocast=True)
             )
     cases.append(
-        (
-            "tiny-qwen2",
-            TrainingSpec(
-                method=Method.QLORA,
-                batch_size=BATCH,
-                seq_len=SEQ,
-                lora=_LORA,
-                quantization=QuantSpec(double_quant=True),
-                gradient_checkpointing=True,
-                autocast=True,
-            ),
-        )
+        _case("tiny-qwen2", Method.QLORA, gradient_checkpointing=True, autocast=True, **qlora)
     )
-    cases.append(
-        (
-            "tiny-llama",
-            TrainingSpec(
-                method=Method.LORA,
-                batch_size=BATCH,
-                seq_len=SEQ,
-                lora=_LORA,
-                dtype=DType.FP16,
-                autocast=True,
-            ),
-        )
-    )
+    cases.append(_case("tiny-llama", Method.LORA, lora=_LORA, dtype=DType.FP16, autocast=True))
     return cases
 
 

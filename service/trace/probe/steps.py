@@ -99,7 +99,7 @@ def make_probe_optimizer(params: list[Any], optim: Optim) -> Any:
 
         cls = bnb.optim.PagedAdamW8bit if optim is Optim.PAGED_ADAMW_8BIT else bnb.optim.PagedAdamW
         return cls(params, lr=LEARNING_RATE)
-    from service.trace.runner import make_optimizer
+    from service.trace.optimizers import make_optimizer
 
     return make_optimizer(params, optim, fake=False)
 
