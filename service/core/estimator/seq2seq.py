@@ -29,6 +29,7 @@ from service.core.architecture import Linear, ModelArch
 from service.core.cold import starting_cold_work
 from service.core.device import cublas_workspace, device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.answer import estimate_from
 from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.seq2seq_zero import seq2seq_stage3
@@ -708,22 +709,15 @@ def seq2seq_estimate(
         "reserved level not modelled for encoder-decoders: reported at the allocated level",
         stack_note(spec.stack),
     ]
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
+    return estimate_from(
+        phases,
+        peak,
+        over,
         params=ParamCounts(total=arch.total_params - untied, trainable=model.trainable_params),
-        upper_margin=over.upper_margin,
         assumptions=(*assumptions, *over.assumptions, *compile_notes(spec)),
         warnings=(),
-        estimator_version=version,
-        host_bytes=rank.host if rank is not None else 0,
+        version=version,
+        host=(rank.host if rank is not None else 0, 0),
     )
 
 
