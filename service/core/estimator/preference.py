@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 from service.core.architecture import LinearKind, ModelArch
 from service.core.estimator.ledger import _blk
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Moment, _Step, _step, dropout_off
 from service.core.result import Phase
 from service.core.schedule import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
-from service.core.spec import AttnImpl, LoraSpec, LossImpl, Method, Objective, TrainingSpec
+from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec
 from service.core.units import AUTOCAST_BYTES, BOOL_BYTES, DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
 # trl/kernels/chunked_logprob.py: tokens per projection tile (TOKEN_CHUNK_SIZE) and the
@@ -88,14 +88,6 @@ def policy_spec(spec: TrainingSpec) -> TrainingSpec:
         loss=LossImpl.FUSED,
         lora=dropout_off(spec.lora),
     )
-
-
-def dropout_off(lora: LoraSpec | None) -> LoraSpec | None:
-    """LoRA's dropout set to 0, as TRL's trainers' disable_dropout does (trl/trainer/utils.py
-    disable_dropout_in_model)."""
-    if lora is not None and lora.lora_dropout:
-        return replace(lora, lora_dropout=0.0)
-    return lora
 
 
 def reference_notes(spec: TrainingSpec, precompute: bool, config: str) -> list[str]:
