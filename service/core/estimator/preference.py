@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from service.core.architecture import LinearKind, ModelArch
 from service.core.estimator.ledger import _blk
-from service.core.estimator.step import _Moment, _Step, _step, dropout_off
+from service.core.estimator.step import _Moment, _Step, _step
 from service.core.result import Phase
 from service.core.schedule import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
 from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec
@@ -81,13 +81,21 @@ def policy_spec(spec: TrainingSpec) -> TrainingSpec:
     dropout (DPOConfig.disable_dropout, True by default, sets every nn.Dropout's p to 0,
     LoRA's included: trl/trainer/utils.py disable_dropout_in_model)."""
     return replace(
-        spec,
+        without_dropout(spec),
         batch_size=2 * spec.batch_size,
         objective=Objective.SFT,
         dpo=None,
         loss=LossImpl.FUSED,
-        lora=dropout_off(spec.lora),
     )
+
+
+def without_dropout(spec: TrainingSpec) -> TrainingSpec:
+    """`spec` with LoRA's dropout at 0, as TRL's trainers' disable_dropout sets it
+    (trl/trainer/utils.py disable_dropout_in_model)."""
+    lora = spec.lora
+    if lora is None or not lora.lora_dropout:
+        return spec
+    return replace(spec, lora=replace(lora, lora_dropout=0.0))
 
 
 def reference_notes(spec: TrainingSpec, precompute: bool, config: str) -> list[str]:

@@ -38,7 +38,6 @@ from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import (
     AttnImpl,
     Framework,
-    LoraSpec,
     Method,
     ResolvedSpec,
     SdpaKernel,
@@ -206,14 +205,6 @@ def _packed_dequant(arch: ModelArch, rs: ResolvedSpec, batch: int, tokens: int) 
         tokens,
     )
     return _blk(nbytes)
-
-
-def dropout_off(lora: LoraSpec | None) -> LoraSpec | None:
-    """LoRA's dropout set to 0, as TRL's trainers' disable_dropout does (trl/trainer/utils.py
-    disable_dropout_in_model)."""
-    if lora is not None and lora.lora_dropout:
-        return replace(lora, lora_dropout=0.0)
-    return lora
 
 
 def check_liger(arch: ModelArch, spec: TrainingSpec) -> None:
