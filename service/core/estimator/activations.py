@@ -674,28 +674,9 @@ def layer_saved_bytes(
     )
 
 
-@lru_cache(maxsize=4096)
-def _layer_recipe(
-    arch: ModelArch,
-    f: LayerFlow,
-    attn: AttnImpl,
-    kernel: SdpaKernel,
-    input_needs_grad: bool,
-    at_up_proj: bool = False,
-    windowed: bool = False,
-    until_attention: bool = False,
-    single: bool = False,
-) -> tuple[tuple[int, _Kind, int], ...]:
-    """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
-    shapes depend on the model and settings, not on b or s).
-
-    With `at_up_proj`: what is live when the layer's forward (or its recomputation under
-    checkpointing) forms the MLP's last input projection, the largest moment of a LoRA
-    layer's forward: every tensor saved so far, the MLP's inputs and up_proj's output with
-    its fp32 LoRA branch."""
-    led = _Ledger()
+def _input_norm_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, input_needs_grad: bool) -> None:
+    """The layer's first norm."""
     h = arch.hidden_size
-    spec_like = _AttnChoice(attn, kernel, windowed, single)
     norm1_trains = "norm1" in f.trained_norms
     if input_needs_grad or (norm1_trains and arch.norm is NormKind.LAYER):
         # (nn.LayerNorm keeps its input, mean and rstd for its weight's gradient too)
@@ -704,49 +685,59 @@ def _layer_recipe(
         # a trained norm whose input takes no gradient (LN tuning's copy, LLaMA-Adapter v2):
         # only the weight's product records, keeping the normed input
         led.add("norm1.normed", h * norm_product_bytes(arch, f.adapter_v2, f.residual))
-    if not (input_needs_grad or f.attention_trains):
-        # nothing before the MLP's norm takes a gradient in this layer (LN tuning of
-        # post_attention_layernorm alone)
-        norm2_trains = "norm2" in f.trained_norms
-        if norm2_trains:
-            led.add("norm2.normed", h * f.residual)
-        # the MLP's input takes a gradient only through a trained norm before it
-        _mlp_saves(led, f, arch, "norm2.out", at_up_proj=at_up_proj, input_grad=norm2_trains)
-        # The MLP's output takes a gradient: Gemma-2's post-feedforward norm on it records,
-        # and Phi's residual dropout keeps its mask; the attention's counterparts record
-        # nothing (reference traces gemma-2-2b__lora__r16-gate_proj+up_proj+down_proj__*,
-        # phi-2__lora__r16-fc1+fc2__*).
-        if arch.norms_per_layer == 4:
-            _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
-        if arch.residual_dropout > 0 and f.hf_modules:
-            led.add("mlp.dropout_mask", h * BOOL_BYTES)
-        return led.recipe()
+
+
+def _mlp_alone_saves(led: _Ledger, f: LayerFlow, arch: ModelArch, at_up_proj: bool) -> None:
+    """A layer where nothing before the MLP's norm takes a gradient (LN tuning of
+    post_attention_layernorm alone)."""
+    h = arch.hidden_size
+    norm2_trains = "norm2" in f.trained_norms
+    if norm2_trains:
+        led.add("norm2.normed", h * f.residual)
+    # the MLP's input takes a gradient only through a trained norm before it
+    _mlp_saves(led, f, arch, "norm2.out", at_up_proj=at_up_proj, input_grad=norm2_trains)
+    # The MLP's output takes a gradient: Gemma-2's post-feedforward norm on it records,
+    # and Phi's residual dropout keeps its mask; the attention's counterparts record
+    # nothing (reference traces gemma-2-2b__lora__r16-gate_proj+up_proj+down_proj__*,
+    # phi-2__lora__r16-fc1+fc2__*).
+    if arch.norms_per_layer == 4:
+        _norm_saves(led, f, "norm4", "mlp_proj", h, arch)
+    if arch.residual_dropout > 0 and f.hf_modules:
+        led.add("mlp.dropout_mask", h * BOOL_BYTES)
+
+
+def _attention_block_saves(
+    led: _Ledger, f: LayerFlow, arch: ModelArch, choice: _AttnChoice, input_needs_grad: bool
+) -> None:
+    """The attention's input projections, its own saves and LitGPT's adapter prompt."""
+    input_grad = input_needs_grad or "norm1" in f.trained_norms
     if arch.is_mla:
-        mla_attention_saves(led, f, arch, _linear_saves, input_needs_grad or norm1_trains)
+        mla_attention_saves(led, f, arch, _linear_saves, input_grad)
     else:
         for lin in arch.linears:
             if lin.kind is LinearKind.ATTN_QKV:
-                _linear_saves(
-                    led,
-                    f,
-                    lin,
-                    "norm1.out",
-                    f.norm_out,
-                    input_grad=input_needs_grad or norm1_trains,
-                )
+                _linear_saves(led, f, lin, "norm1.out", f.norm_out, input_grad=input_grad)
         if arch.qk_norm:
             _qk_norm_saves(led, f, arch)
-        attention_saves(led, f, arch, spec_like)
+        attention_saves(led, f, arch, choice)
     if f.adapter_prompt:
         adapter_attention_saves(led, arch, f.attn, main_records=input_needs_grad or f.adapter_v2)
-    if until_attention:
-        # What the scores' backward still finds: o_proj's backward has consumed its input, and
-        # probs @ v's backward the repeated value (eager: and the probabilities' copy in the
-        # attention dtype, or the fused projection's output that the value view held).
-        for key in ("attn_out", "v_rep", "probs", "qkv_out"):
-            if key != "probs" or attn is AttnImpl.EAGER:
-                led.items.pop(key, None)
-        return led.recipe()
+
+
+def _consumed_before_scores(led: _Ledger, attn: AttnImpl) -> None:
+    """What the scores' backward still finds: o_proj's backward has consumed its input, and
+    probs @ v's backward the repeated value (eager: and the probabilities' copy in the
+    attention dtype, or the fused projection's output that the value view held)."""
+    for key in ("attn_out", "v_rep", "probs", "qkv_out"):
+        if key != "probs" or attn is AttnImpl.EAGER:
+            led.items.pop(key, None)
+
+
+def _mlp_block_saves(
+    led: _Ledger, f: LayerFlow, arch: ModelArch, input_needs_grad: bool, at_up_proj: bool
+) -> None:
+    """The attention's output projection, the MLP's norm(s) and the MLP."""
+    h = arch.hidden_size
     proj_key = "attn_out.reshaped" if f.proj_input_copy else "attn_out"
     for lin in arch.linears:
         if lin.kind is LinearKind.ATTN_OUT:
@@ -777,4 +768,36 @@ def _layer_recipe(
     if mlp_input_grad or mlp_trains:
         _mlp_saves(led, f, arch, mlp_in_key, at_up_proj=at_up_proj, input_grad=mlp_input_grad)
     _residual_dropout_saves(led, f, arch)
+
+
+@lru_cache(maxsize=4096)
+def _layer_recipe(
+    arch: ModelArch,
+    f: LayerFlow,
+    attn: AttnImpl,
+    kernel: SdpaKernel,
+    input_needs_grad: bool,
+    at_up_proj: bool = False,
+    windowed: bool = False,
+    until_attention: bool = False,
+    single: bool = False,
+) -> tuple[tuple[int, _Kind, int], ...]:
+    """A decoder layer's saved tensors, sized per unit of batch and sequence (cached: the
+    shapes depend on the model and settings, not on b or s).
+
+    With `at_up_proj`: what is live when the layer's forward (or its recomputation under
+    checkpointing) forms the MLP's last input projection, the largest moment of a LoRA
+    layer's forward: every tensor saved so far, the MLP's inputs and up_proj's output with
+    its fp32 LoRA branch."""
+    led = _Ledger()
+    _input_norm_saves(led, f, arch, input_needs_grad)
+    if not (input_needs_grad or f.attention_trains):
+        _mlp_alone_saves(led, f, arch, at_up_proj)
+        return led.recipe()
+    choice = _AttnChoice(attn, kernel, windowed, single)
+    _attention_block_saves(led, f, arch, choice, input_needs_grad)
+    if until_attention:
+        _consumed_before_scores(led, attn)
+        return led.recipe()
+    _mlp_block_saves(led, f, arch, input_needs_grad, at_up_proj)
     return led.recipe()

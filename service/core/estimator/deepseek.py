@@ -8,6 +8,7 @@ tests/data/traces/deepseek-* check them; settings no trace checked are refused
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -112,6 +113,91 @@ def deepseek_layer_trainable(arch: ModelArch, rs: ResolvedSpec) -> tuple[int, in
     return per_layer["moe"], per_layer["dense"]
 
 
+@dataclasses.dataclass(slots=True)
+class _DeepseekTally:
+    """The weights counted so far: frozen bytes, the trainable tensors, and one layer's
+    trainable bytes by kind of layer ("moe", "dense")."""
+
+    frozen: int = 0
+    tensors: list[_Tensor] = dataclasses.field(default_factory=list)
+    per_layer: dict[str, int] = dataclasses.field(default_factory=lambda: {"moe": 0, "dense": 0})
+
+    def put(self, elements: int, itemsize: int, count: int, train: bool, kind: str = "") -> None:
+        if train:
+            self.tensors.append(_Tensor(elements, 0, itemsize, count))
+            if kind:
+                self.per_layer[kind] += _blk(elements * itemsize)
+        else:
+            self.frozen += count * _blk(elements * itemsize)
+
+
+_LayerGroups = list[tuple[int, tuple[Linear, ...], str]]
+
+
+def _deepseek_layer_weights(
+    tally: _DeepseekTally,
+    arch: ModelArch,
+    groups: _LayerGroups,
+    method: Method,
+    md: int,
+    other: int,
+    quant: QuantSpec | None,
+) -> None:
+    """The MoE and dense layers' linears, router and norms."""
+    full, kbit = method is Method.FULL, method is Method.QLORA
+    put = tally.put
+    for layers, linears, group in groups:
+        for lin in linears:
+            if lin.kind is LinearKind.ROUTER:
+                put(lin.weight_elements, ROUTER_BYTES, layers, full, group)
+            elif lin.expert:
+                put(lin.weight_elements, other, layers, full, group)
+            elif kbit:
+                tally.frozen += layers * _quantized_weight_bytes(lin, quant)
+            else:
+                put(lin.weight_elements, md, layers, full, group)
+            if lin.bias:
+                put(lin.out_features * lin.count, other, layers, full, group)
+        for width in (arch.hidden_size, arch.hidden_size, arch.kv_lora_rank, arch.q_lora_rank):
+            if width:
+                put(width, other, layers, full, group)
+
+
+def _deepseek_adapters(
+    tally: _DeepseekTally,
+    arch: ModelArch,
+    groups: _LayerGroups,
+    lora: LoraSpec,
+    adapter_dtype: DType,
+) -> None:
+    """PEFT's adapters on the layers' linears, the router and the experts' parameters."""
+    put = tally.put
+    moe_layers = arch.num_hidden_layers - arch.dense_layers
+    targets = deepseek_lora_targets(arch, lora)
+    ad = DTYPE_BYTES[adapter_dtype]
+    r = lora.r
+    for layers, linears, group in groups:
+        for lin in linears:
+            if not lin.expert and lin.name in targets.modules:
+                put(r * lin.in_features, ad, layers, True, group)  # lora_A
+                put(lin.out_features * r, ad, layers, True, group)  # lora_B
+    experts = {lin.kind: lin for lin in arch.linears if lin.expert}
+    e = arch.num_experts
+    if targets.router:
+        put(r * arch.hidden_size, ad, moe_layers, True, "moe")
+        put(e * r, ad, moe_layers, True, "moe")
+    # PEFT's ParamWrapper on a 3-D parameter: lora_A nn.Linear(in, rank * E) and lora_B
+    # nn.Linear(rank * E, out) (peft/tuners/lora/layer.py ParamWrapper.update_layer).
+    for chosen, kind, rank in (
+        (targets.gate_up, LinearKind.MLP_IN, 2 * r),
+        (targets.down, LinearKind.MLP_OUT, r),
+    ):
+        stack = experts.get(kind)
+        if chosen and stack is not None:
+            put(rank * e * stack.in_features, ad, moe_layers, True, "moe")
+            put(stack.out_features * rank * e, ad, moe_layers, True, "moe")
+
+
 def _deepseek_params(
     arch: ModelArch,
     method: Method,
@@ -125,44 +211,18 @@ def _deepseek_params(
     to fp32, PEFT's adapters take `adapter_dtype`. `total_count` counts the adapters too (the
     parameters of the model PEFT returns); `layer` is a MoE layer's bytes."""
     md = DTYPE_BYTES[dtype]
-    kbit = method is Method.QLORA
-    prep = kbit and quant is not None and quant.prepare_kbit
+    prep = method is Method.QLORA and quant is not None and quant.prepare_kbit
     other = FP32_BYTES if prep else md
     full = method is Method.FULL
     moe_layers = arch.num_hidden_layers - arch.dense_layers
-    groups: list[tuple[int, tuple[Linear, ...], str]] = [(moe_layers, arch.linears, "moe")]
+    groups: _LayerGroups = [(moe_layers, arch.linears, "moe")]
     if arch.dense_layers:
         groups.append((arch.dense_layers, arch.dense_linears, "dense"))
 
-    frozen = 0
-    tensors: list[_Tensor] = []
-    per_layer = {"moe": 0, "dense": 0}  # one layer's trainable bytes, by kind of layer
-
-    def put(elements: int, itemsize: int, count: int, train: bool, kind: str = "") -> None:
-        nonlocal frozen
-        if train:
-            tensors.append(_Tensor(elements, 0, itemsize, count))
-            if kind:
-                per_layer[kind] += _blk(elements * itemsize)
-        else:
-            frozen += count * _blk(elements * itemsize)
-
-    for layers, linears, group in groups:
-        for lin in linears:
-            if lin.kind is LinearKind.ROUTER:
-                put(lin.weight_elements, ROUTER_BYTES, layers, full, group)
-            elif lin.expert:
-                put(lin.weight_elements, other, layers, full, group)
-            elif kbit:
-                frozen += layers * _quantized_weight_bytes(lin, quant)
-            else:
-                put(lin.weight_elements, md, layers, full, group)
-            if lin.bias:
-                put(lin.out_features * lin.count, other, layers, full, group)
-        for width in (arch.hidden_size, arch.hidden_size, arch.kv_lora_rank, arch.q_lora_rank):
-            if width:
-                put(width, other, layers, full, group)
-    layers_frozen = frozen
+    tally = _DeepseekTally()
+    put, tensors = tally.put, tally.tensors
+    _deepseek_layer_weights(tally, arch, groups, method, md, other, quant)
+    layers_frozen = tally.frozen
     layers_end = len(tensors)
     if arch.model_type == "deepseek_v3" and arch.is_moe:
         put(arch.num_experts, ROUTER_BYTES, moe_layers, False)  # e_score_correction_bias
@@ -173,35 +233,13 @@ def _deepseek_params(
     if not arch.tie_word_embeddings:
         put(arch.vocab_size * arch.hidden_size, other, 1, full)  # lm_head, never quantized
     head_end = len(tensors)
-
     if lora is not None:
-        targets = deepseek_lora_targets(arch, lora)
-        ad = DTYPE_BYTES[adapter_dtype]
-        r = lora.r
-        for layers, linears, group in groups:
-            for lin in linears:
-                if not lin.expert and lin.name in targets.modules:
-                    put(r * lin.in_features, ad, layers, True, group)  # lora_A
-                    put(lin.out_features * r, ad, layers, True, group)  # lora_B
-        experts = {lin.kind: lin for lin in arch.linears if lin.expert}
-        e = arch.num_experts
-        if targets.router:
-            put(r * arch.hidden_size, ad, moe_layers, True, "moe")
-            put(e * r, ad, moe_layers, True, "moe")
-        # PEFT's ParamWrapper on a 3-D parameter: lora_A nn.Linear(in, rank * E) and lora_B
-        # nn.Linear(rank * E, out) (peft/tuners/lora/layer.py ParamWrapper.update_layer).
-        for chosen, kind, rank in (
-            (targets.gate_up, LinearKind.MLP_IN, 2 * r),
-            (targets.down, LinearKind.MLP_OUT, r),
-        ):
-            stack = experts.get(kind)
-            if chosen and stack is not None:
-                put(rank * e * stack.in_features, ad, moe_layers, True, "moe")
-                put(stack.out_features * rank * e, ad, moe_layers, True, "moe")
+        _deepseek_adapters(tally, arch, groups, lora, adapter_dtype)
 
     def size(chosen: list[_Tensor]) -> int:
         return sum(t.nbytes for t in chosen)
 
+    frozen = tally.frozen
     adapters = tensors[head_end:]
     in_layers = tensors[:layers_end] + adapters
     params = _Params(
@@ -215,7 +253,7 @@ def _deepseek_params(
         layer=(layers_frozen + size(in_layers)) // arch.num_hidden_layers,
         outside_layers=frozen - layers_frozen + size(tensors[layers_end:head_end]),
     )
-    return params, per_layer
+    return params, tally.per_layer
 
 
 # DeepseekV2RotaryEmbedding.forward returns freqs_cis = torch.polar(ones, freqs): complex64,

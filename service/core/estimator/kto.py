@@ -25,6 +25,7 @@ from service.core.estimator.preference import (
     DpoShape,
     fused_head_phases,
     head_dtypes,
+    reference_notes,
 )
 from service.core.estimator.step import _Step, _step
 from service.core.result import Phase
@@ -102,12 +103,5 @@ def kto_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
         f"completion): {d.scored} positions per forward, in tiles of {TILE_TOKENS} x "
         f"{TILE_VOCAB} logits",
     ]
-    if spec.lora is not None and spec.lora.lora_dropout:
-        notes.append("LoRA dropout off: KTOConfig.disable_dropout (default True) sets p = 0")
-    if precompute:
-        notes.append("reference log-probs precomputed: no reference forward, no reference copy")
-    elif spec.method is Method.FULL:
-        notes.append("the reference model: a frozen copy of the policy's weights, held all run")
-    else:
-        notes.append("the reference model: the policy with its adapters disabled (no copy)")
+    notes += reference_notes(spec, precompute, "KTOConfig")
     return KtoStep(st, rows, tuple(notes))

@@ -7,6 +7,8 @@ holds everything and adds nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from service.core.architecture import ModelArch
 from service.core.estimator.layout import RankLayout
 from service.core.estimator.ledger import _blk
@@ -76,24 +78,18 @@ def _ddp(spec: TrainingSpec, plan: _Plan) -> RankLayout:
     )
 
 
-def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
-    """FSDP1 and FSDP2, wrapped as HF Trainer + accelerate wrap a decoder: one unit per decoder
-    layer, the root holding what is outside the layers (embedding, final norm, LM head).
+class _Sharding(NamedTuple):
+    """How FSDP shards and gathers: FSDP1 or FSDP2, over how many ranks a shard spans, whether
+    units are resharded after forward and whether backward prefetches."""
 
-    Each rank keeps 1/N of every parameter, gradient and optimizer state. A unit's parameters
-    are gathered whole for its forward and again for its backward; with resharding after
-    forward (FSDP1's FULL_SHARD and HYBRID_SHARD, FSDP2's reshard_after_forward) they are
-    freed after each, except the root's, which stay gathered from the forward through the
-    backward (torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`: not for the
-    root; _fully_shard/_fsdp_state.py: the root's group is not resharded after forward).
-    Backward prefetches the next unit's parameters, so two layers are gathered inside it
-    (FSDP1's BACKWARD_PRE and BACKWARD_POST, FSDP2's default). SHARD_GRAD_OP and
-    reshard_after_forward=False keep every unit gathered from its forward to its backward.
-    The embedding's gradient is made whole before it is reduce-scattered.
-    """
+    fsdp1: bool
+    n: int
+    reshard: bool
+    prefetch: bool
+
+
+def _sharding(spec: TrainingSpec) -> _Sharding:
     par = spec.parallel
-    p = plan.params
-    whole = plan.whole
     fsdp1 = par.strategy is Strategy.FSDP
     if fsdp1 and par.sharding_strategy is FsdpSharding.NO_SHARD:
         n = 1
@@ -107,6 +103,23 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     else:
         reshard = par.reshard_after_forward
         prefetch = True
+    return _Sharding(fsdp1, n, reshard, prefetch)
+
+
+class _Units(NamedTuple):
+    """The bytes each kind of FSDP unit holds gathered: the root (or tail) group, one layer,
+    every layer, and FSDP2's untied embedding group; `one_group`: a PEFT model under FSDP2,
+    every layer in the root group."""
+
+    root: int
+    layer: int
+    layers: int
+    embed: int
+    one_group: bool
+
+
+def _units(arch: ModelArch, spec: TrainingSpec, plan: _Plan, sh: _Sharding) -> _Units:
+    p = plan.params
     layer = p.layer
     layers = arch.num_hidden_layers * layer
     # What stays gathered from the forward through the backward. FSDP1: the root unit, all
@@ -115,17 +128,17 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     # the embedding when tied to the head) with reshard_after_forward=False; an untied
     # embedding is a group of its own, resharded after forward.
     embed = 0
-    if not fsdp1 and not arch.tie_word_embeddings:
+    if not sh.fsdp1 and not arch.tie_word_embeddings:
         embed = _blk(arch.vocab_size * arch.hidden_size * DTYPE_BYTES[spec.dtype])
     root = p.outside_layers - embed
     # HF Trainer sets PEFT's wrap policy for a PEFT model (transformers/distributed/fsdp.py
     # `update_fsdp_plugin_peft`), which accelerate's FSDP2 path does not translate
     # (`fsdp2_prepare_auto_wrap_policy` returns None): the root group holds every layer, never
     # resharded after forward.
-    one_group = not fsdp1 and spec.method is not Method.FULL and spec.framework is Framework.HF
+    one_group = not sh.fsdp1 and spec.method is not Method.FULL and spec.framework is Framework.HF
     if one_group:
-        root, layer, layers, embed = p.frozen + p.trainable - embed, 0, 0, embed
-    if n == 1:
+        root, layer, layers = p.frozen + p.trainable - embed, 0, 0
+    if sh.n == 1:
         root = layers = layer = embed = 0  # nothing is sharded, so nothing is gathered
     if spec.autocast and DTYPE_BYTES[spec.dtype] > AUTOCAST_BYTES:
         # HF Trainer's mixed precision under FSDP is FSDP's own (accelerate sets
@@ -134,69 +147,111 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         root, layer, layers, embed = (
             x * AUTOCAST_BYTES // DTYPE_BYTES[spec.dtype] for x in (root, layer, layers, embed)
         )
-    gathered_forward = root if reshard else root + layers
+    return _Units(root, layer, layers, embed, one_group)
+
+
+def _late_prefetch(spec: TrainingSpec, sh: _Sharding) -> bool:
+    """HF Trainer wraps a PEFT model with PEFT's policy (`update_fsdp_plugin_peft`): every
+    module with trainable weights, each LoRA A and B, is a unit of its own. FSDP1 prefetches
+    the next unit in backward order (torch/distributed/fsdp/_runtime_utils.py
+    `_prefetch_handle`), which inside a layer is its next adapter; the layer below is
+    prefetched only by the layer's first adapter in forward order, as its backward ends
+    (reference trace phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-
+    full-shard: the layer below gathered at the input norm's backward). A layer recomputed
+    for checkpointing has only its own parameters gathered beside the root's."""
+    return (
+        sh.fsdp1
+        and sh.prefetch
+        and sh.reshard
+        and sh.n > 1
+        and spec.method is not Method.FULL
+        and spec.framework is Framework.HF
+        and spec.gradient_checkpointing
+    )
+
+
+class _Gathered(NamedTuple):
+    """The gathered parameters at each moment of the step, by `RankLayout`'s names."""
+
+    comm_forward: int
+    comm_backward_start: int
+    comm_backward: int
+    comm_bottom: int
+    comm_end: int
+    comm_forward_start: int | None
+    comm_top: int | None
+
+
+def _fsdp_communication(spec: TrainingSpec, plan: _Plan, sh: _Sharding, units: _Units) -> _Gathered:
+    """The gathered parameters at each moment of the step (`RankLayout`'s comm_* fields)."""
+    root, layer, layers, embed = units.root, units.layer, units.layers, units.embed
+    gathered_forward = root if sh.reshard else root + layers
     # inside one layer's backward: the root, the layer, and the next one when prefetched
-    one_layer_back = root + layer * (2 if prefetch else 1)
+    one_layer_back = root + layer * (2 if sh.prefetch else 1)
     # At the top layer every layer is still gathered when none was resharded after forward;
     # layers are resharded after their backward, so at the bottom only the last are left.
-    in_backward = one_layer_back if reshard else max(one_layer_back, gathered_forward)
+    in_backward = one_layer_back if sh.reshard else max(one_layer_back, gathered_forward)
     # FSDP1 has resharded the first layer by the embedding's backward (reference traces
     # *fsdp-*-full-shard, full fine-tuning); FSDP2 still holds it then (*fsdp2-*), with an
     # untied embedding gathered again for its backward.
-    at_end = root if fsdp1 else root + layer + embed
+    at_end = root if sh.fsdp1 else root + layer + embed
     # FSDP2 all-gathers a group into one flat buffer and copies it out into the parameters'
     # own tensors (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
     # `foreach_all_gather`, `foreach_all_gather_copy_out`): both exist as the first group is
     # gathered at the forward's start (the tail with a tied embedding, else the embedding's).
     # FSDP1 gathers straight into the unsharded flat parameter.
-    forward_start = None if fsdp1 or n == 1 else 2 * (embed or root)
+    forward_start = None if sh.fsdp1 or sh.n == 1 else 2 * (embed or root)
     # FSDP1 prefetches the last layer as the backward starts (its pre-backward hook on the
     # root's output); FSDP2 gathers it when the layer's backward begins.
-    backward_start = root + layer if fsdp1 and prefetch and reshard else gathered_forward
-    # HF Trainer wraps a PEFT model with PEFT's policy (`update_fsdp_plugin_peft`): every
-    # module with trainable weights, each LoRA A and B, is a unit of its own. FSDP1 prefetches
-    # the next unit in backward order (torch/distributed/fsdp/_runtime_utils.py
-    # `_prefetch_handle`), which inside a layer is its next adapter; the layer below is
-    # prefetched only by the layer's first adapter in forward order, as its backward ends
-    # (reference trace phi-3-mini-4k-instruct__lora__r16-all-linear__b1-s512__ckpt__fsdp-2gpu-
-    # full-shard: the layer below gathered at the input norm's backward). A layer recomputed
-    # for checkpointing has only its own parameters gathered beside the root's.
-    late_prefetch = (
-        fsdp1
-        and prefetch
-        and reshard
-        and n > 1
-        and spec.method is not Method.FULL
-        and spec.framework is Framework.HF
-        and spec.gradient_checkpointing
-    )
-    if one_group and n > 1:
+    prefetched = sh.fsdp1 and sh.prefetch and sh.reshard
+    backward_start = root + layer if prefetched else gathered_forward
+    late_prefetch = _late_prefetch(spec, sh)
+    if units.one_group and sh.n > 1:
         # With every layer in the root group, the tail group's flat all-gather buffer stays
         # until the loss (reference trace qwen2_5-0_5b__lora__r16-all-linear__b1-s512__fsdp2-
         # 8gpu: an LM-head-sized buffer freed after the log-softmax).
-        tail = p.outside_layers - embed
-        gathered_forward += tail
+        gathered_forward += plan.params.outside_layers - embed
         # The root group is gathered (its flat buffer and its copies) as the forward starts; an
         # untied embedding's group is gathered and freed on its own (reference traces
         # *lora*fsdp2-2gpu of Phi-3-mini and Qwen2.5-0.5B).
         forward_start = 2 * root
-    grads = whole.gradients
+    return _Gathered(
+        comm_forward=gathered_forward,
+        comm_backward_start=backward_start,
+        comm_backward=in_backward,
+        # (at the bottom layer there is no layer below to prefetch)
+        comm_bottom=root + layer if late_prefetch else one_layer_back,
+        comm_end=at_end,
+        comm_forward_start=forward_start,
+        comm_top=root + layer if late_prefetch else None,
+    )
+
+
+def _fsdp_gradients(
+    spec: TrainingSpec, plan: _Plan, sh: _Sharding, units: _Units
+) -> tuple[int, int | None, int, list[str]]:
+    """The gradients a rank makes before sharding (LitGPT's whole-Block units make them for
+    frozen weights too), those accumulated unsharded between optimizer steps, FSDP1's
+    flattened copy in flight, and the notes."""
+    par, p = spec.parallel, plan.params
+    fsdp1, n = sh.fsdp1, sh.n
     notes = [
         f"{'FSDP1' if fsdp1 else 'FSDP2'} over {par.gpus} GPUs"
         + (f" (sharded within nodes of {n})" if n != par.gpus else "")
         + ": each rank keeps its shard of every parameter, gradient and optimizer state; one "
         "unit per decoder layer, the root holding the embedding, final norm and LM head"
     ]
-    if not reshard and not one_group and n > 1:
+    if not sh.reshard and not units.one_group and n > 1:
         notes.append(
             "every layer's gathered parameters kept from its forward to its backward "
             + ("(SHARD_GRAD_OP)" if fsdp1 else "(reshard_after_forward=False)")
         )
-    if one_group and n > 1:
+    if units.one_group and n > 1:
         notes.append(
             "FSDP2 with a PEFT model under HF Trainer: accelerate wraps no layer separately, so "
             "the whole model is gathered on every GPU from the forward through the backward"
         )
+    grads = plan.whole.gradients
     if fsdp1 and spec.framework is Framework.LITGPT and spec.method is not Method.FULL and n > 1:
         # Fabric wraps whole Blocks, adapters inside: with use_orig_params a flat parameter
         # that holds any trainable tensor takes a gradient for all of it
@@ -213,7 +268,7 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         # gradients, before reduce-scattering it: two copies of a layer's gradients (reference
         # trace phi-3-mini-4k-instruct__full__b1-s512__ckpt__fsdp-2gpu-full-shard, peak at
         # that cat).
-        in_flight = 2 * layer - layer // n
+        in_flight = 2 * units.layer - units.layer // n
     accumulated = None
     if spec.gradient_accumulation_steps > 1 and n > 1:
         # Between optimizer steps the micro-batches' gradients add up unsharded: HF Trainer
@@ -226,6 +281,30 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
             "gradient accumulation without synchronisation (accelerate's no_sync): the "
             "accumulated gradients are held unsharded"
         )
+    return grads, accumulated, in_flight, notes
+
+
+def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
+    """FSDP1 and FSDP2, wrapped as HF Trainer + accelerate wrap a decoder: one unit per decoder
+    layer, the root holding what is outside the layers (embedding, final norm, LM head).
+
+    Each rank keeps 1/N of every parameter, gradient and optimizer state. A unit's parameters
+    are gathered whole for its forward and again for its backward; with resharding after
+    forward (FSDP1's FULL_SHARD and HYBRID_SHARD, FSDP2's reshard_after_forward) they are
+    freed after each, except the root's, which stay gathered from the forward through the
+    backward (torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`: not for the
+    root; _fully_shard/_fsdp_state.py: the root's group is not resharded after forward).
+    Backward prefetches the next unit's parameters, so two layers are gathered inside it
+    (FSDP1's BACKWARD_PRE and BACKWARD_POST, FSDP2's default). SHARD_GRAD_OP and
+    reshard_after_forward=False keep every unit gathered from its forward to its backward.
+    The embedding's gradient is made whole before it is reduce-scattered.
+    """
+    whole = plan.whole
+    sh = _sharding(spec)
+    units = _units(arch, spec, plan, sh)
+    comm = _fsdp_communication(spec, plan, sh, units)
+    grads, accumulated, in_flight, notes = _fsdp_gradients(spec, plan, sh, units)
+    n = sh.n
     state = whole.optimizer_state // n
     outside = whole.state_outside // n
     temps = whole.optimizer_temporaries // n
@@ -233,7 +312,7 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
     trainable = whole.trainable // n
     held_grads = grads // n
     host = 0
-    if par.offload is Offload.OPTIMIZER_AND_PARAMS:
+    if spec.parallel.offload is Offload.OPTIMIZER_AND_PARAMS:
         # CPUOffload / CPUOffloadPolicy: shards, their gradients and the optimizer on the host
         host = frozen + trainable + held_grads + state + outside
         frozen = trainable = held_grads = state = outside = temps = 0
@@ -247,18 +326,11 @@ def _fsdp(arch: ModelArch, spec: TrainingSpec, plan: _Plan) -> RankLayout:
         optimizer_state=state,
         state_outside=outside,
         optimizer_temporaries=temps,
-        comm_forward=gathered_forward,
-        comm_backward_start=backward_start,
-        comm_backward=in_backward,
-        # (at the bottom layer there is no layer below to prefetch)
-        comm_bottom=root + layer if late_prefetch else one_layer_back,
-        comm_end=at_end,
-        comm_forward_start=forward_start,
         comm_step=0,
         host=host,
         assumptions=tuple(notes),
         embed_gradient_made=whole.embed_gradients,
         accumulated_gradients=accumulated,
         bottom_temporaries=in_flight,
-        comm_top=root + layer if late_prefetch else None,
+        **comm._asdict(),
     )

@@ -10,6 +10,7 @@ from typing import Any
 from service.core.architecture import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.answer import estimate_from
 from service.core.estimator.compiled import compile_notes
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.grpo import GrpoStep, grpo_policy_spec, grpo_step
@@ -261,13 +262,14 @@ class _PieceAbove:
         fused = self.fused[s >= self.window]
         over = self.math[fused].above(allocated, allocated + gap, gap_note)
         assumptions, warnings = piece.notes or ((), ())
-        return _made(
+        return estimate_from(
             phases,
             peak,
             over,
             params=self.params,
             assumptions=(*assumptions, *over.assumptions, *self.notes),
             warnings=warnings,
+            version=ESTIMATOR_VERSION,
             host=(found[3], found[4]),
         )
 
@@ -545,7 +547,7 @@ def _estimate(
     above, of torch.compile and of the stack; `host` is the host memory per rank and its
     pinned part."""
     p = plan.params
-    return _made(
+    return estimate_from(
         phases,
         peak,
         over,
@@ -557,39 +559,8 @@ def _estimate(
             stack_note(spec.stack),
         ),
         warnings=warnings,
+        version=ESTIMATOR_VERSION,
         host=host,
-    )
-
-
-def _made(
-    phases: tuple[PhasePeak, ...],
-    peak: PhasePeak,
-    over: AboveAllocated,
-    *,
-    params: ParamCounts,
-    assumptions: tuple[str, ...],
-    warnings: tuple[str, ...],
-    host: tuple[int, int],
-) -> Estimate:
-    """The estimate peaking at `peak` with the levels `over` it, its notes in order (what
-    `_estimate` and a piece's `_PieceAbove.estimate` give alike)."""
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
-        params=params,
-        upper_margin=over.upper_margin,
-        assumptions=assumptions,
-        warnings=warnings,
-        estimator_version=ESTIMATOR_VERSION,
-        host_bytes=host[0],
-        host_pinned_bytes=host[1],
     )
 
 

@@ -129,49 +129,53 @@ class _StepTraits:
     liger_down: bool = False
 
 
-@lru_cache(maxsize=4096)
-def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
-    unit = key.unit_spec()
-    rs = resolve(unit)
-    check_tuner_model(arch, rs)
-    check_adapter_model(arch, rs)
-    adapted = adapted_linears(arch, rs)
-    f = layer_flow(arch, rs, adapted)
-    p = (
-        deepseek_weights(arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype)
-        if arch.is_mla
-        else _params(
-            arch,
-            unit.method,
-            unit.dtype,
-            rs.lora,
-            rs.quantization,
-            rs.adapter_dtype,
-            adapted,
-            f.head_quantized,
-            expert_adapters(arch, rs),
-            tuner_tensors(arch, rs) + adapter_tensors(arch, rs),
-            rs.lokr,
-            is_v2(rs),
-            rs.oft,
-            rs.boft,
+def _plan_params(
+    arch: ModelArch, unit: TrainingSpec, rs: ResolvedSpec, adapted: tuple[Linear, ...], f: LayerFlow
+) -> _Params:
+    """The model's weights by role, DeepSeek's by their own layout."""
+    if arch.is_mla:
+        return deepseek_weights(
+            arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype
         )
+    return _params(
+        arch,
+        unit.method,
+        unit.dtype,
+        rs.lora,
+        rs.quantization,
+        rs.adapter_dtype,
+        adapted,
+        f.head_quantized,
+        expert_adapters(arch, rs),
+        tuner_tensors(arch, rs) + adapter_tensors(arch, rs),
+        rs.lokr,
+        is_v2(rs),
+        rs.oft,
+        rs.boft,
     )
-    attn, kernel = unit.attn_implementation, unit.sdpa_kernel
+
+
+def _dequant_bytes(arch: ModelArch, unit: TrainingSpec, rs: ResolvedSpec, f: LayerFlow) -> int:
+    """A transient dequantized copy of the largest k-bit weight (0 without a k-bit base)."""
     largest = max(
         (lin for lin in (*arch.linears, *arch.dense_linears) if lin.nn_linear),
         key=lambda lin: lin.in_features * lin.out_features,
     )
     if not unit.kbit_base or (rs.quantization is not None and rs.quantization.type.packed):
         # (a GPTQ, AWQ, HQQ or torchao base's transient depends on the batch: estimator/step.py)
-        dequant = 0
-    elif unit.framework is Framework.LITGPT:
-        dequant = _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
-    elif rs.quantization is not None and rs.quantization.type is QuantType.INT8:
+        return 0
+    if unit.framework is Framework.LITGPT:
+        return _litgpt_dequant_bytes(largest.in_features, largest.out_features, rs)
+    if rs.quantization is not None and rs.quantization.type is QuantType.INT8:
         # MatMul8bitLt.backward: state.CB.to(A's dtype, copy=True), scaled in place.
-        dequant = _blk(largest.in_features * largest.out_features * f.residual)
-    else:
-        dequant = _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
+        return _blk(largest.in_features * largest.out_features * f.residual)
+    return _blk(largest.in_features * largest.out_features * DTYPE_BYTES[rs.compute_dtype])
+
+
+def _plan_assumptions(
+    arch: ModelArch, unit: TrainingSpec, rs: ResolvedSpec, f: LayerFlow
+) -> tuple[str, ...]:
+    """The resolved spec's assumptions, and those of the base's format and LitGPT's adapters."""
     assumptions = rs.assumptions
     if rs.quantization is not None and rs.quantization.type.packed:
         assumptions += (
@@ -189,67 +193,92 @@ def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
             "LitGPT adapts the query and value parts of the fused qkv projection "
             "(finetune/lora.py's lora_query and lora_value defaults)",
         )
-    single = key.single_sequence
-    if unit.method is Method.LORA_FA:
-        optimizer = _lorafa_state(p)
-    else:
-        optimizer = _optimizer_state(p, unit.optim)
-    lower = replace(f, adapter_prompt=0)
     if is_adapter(rs):
         assumptions += (
-            f"{unit.method.value} is modelled from LitGPT's lit_gpt/adapter*.py (prompt length "
-            f"10 from layer {ADAPTER_START_LAYER}, bf16-true parameters), not traced",
+            f"{unit.method.value} is modelled from LitGPT's lit_gpt/adapter*.py (prompt "
+            f"length 10 from layer {ADAPTER_START_LAYER}, bf16-true parameters), not traced",
         )
+    return assumptions
+
+
+class _Recipes(NamedTuple):
+    """The saved tensors of each kind of layer (and layer moment), by `_Plan`'s names."""
+
+    dense_layer: tuple[tuple[int, _Kind, int], ...]
+    layer: tuple[tuple[int, _Kind, int], ...]
+    first_layer: tuple[tuple[int, _Kind, int], ...]
+    lower_layers: tuple[int, tuple[tuple[int, _Kind, int], ...]]
+    global_layer: tuple[tuple[int, _Kind, int], ...]
+    up_proj_moment: tuple[tuple[int, _Kind, int], ...]
+    attention_part: tuple[tuple[int, _Kind, int], ...]
+
+
+def _recipes(
+    arch: ModelArch, key: _PlanKey, unit: TrainingSpec, rs: ResolvedSpec, f: LayerFlow
+) -> _Recipes:
+    attn, kernel = unit.attn_implementation, unit.sdpa_kernel
+    single, windowed = key.single_sequence, key.windowed
+    lower = replace(f, adapter_prompt=0)
     first_arch = arch
     dense_layer: tuple[tuple[int, _Kind, int], ...] = ()
     if arch.dense_layers:
         first_arch = dense_arch(arch)
         dense_layer = _layer_recipe(first_arch, f, attn, kernel, True, single=single)
+    layer = _layer_recipe(arch, f, attn, kernel, True, windowed=windowed, single=single)
+    first_flow = lower if is_v2(rs) else f
+    first_layer = _layer_recipe(
+        first_arch, first_flow, attn, kernel, False, windowed=windowed, single=single
+    )
+    lower_layers = _lower_layers(arch, rs, lower, attn, kernel, single)
+    global_layer = (
+        _layer_recipe(arch, f, attn, kernel, True, windowed=False, single=single)
+        if arch.global_layers and windowed
+        else ()
+    )
+    up_proj_moment = (
+        _layer_recipe(arch, f, attn, kernel, True, True, windowed=windowed, single=single)
+        if (unit.method in (Method.LORA, Method.LORA_FA) or f.packed)
+        and arch.mlp is MlpKind.GATED
+        and not arch.is_moe
+        else ()
+    )
+    attention_part = _layer_recipe(
+        arch, f, attn, kernel, True, windowed=windowed, until_attention=True, single=single
+    )
+    return _Recipes(
+        dense_layer, layer, first_layer, lower_layers, global_layer, up_proj_moment, attention_part
+    )
+
+
+@lru_cache(maxsize=4096)
+def _plan(arch: ModelArch, key: _PlanKey) -> _Plan:
+    unit = key.unit_spec()
+    rs = resolve(unit)
+    check_tuner_model(arch, rs)
+    check_adapter_model(arch, rs)
+    adapted = adapted_linears(arch, rs)
+    f = layer_flow(arch, rs, adapted)
+    p = _plan_params(arch, unit, rs, adapted, f)
+    dequant = _dequant_bytes(arch, unit, rs, f)
+    if unit.method is Method.LORA_FA:
+        optimizer = _lorafa_state(p)
+    else:
+        optimizer = _optimizer_state(p, unit.optim)
+    recipes = _recipes(arch, key, unit, rs, f)
     return _Plan(
         rs=rs,
         adapted=adapted,
-        dense_layer=dense_layer,
         flow=f,
         params=p,
         optimizer=optimizer,
         whole=whole_layout(p, optimizer),
-        layer=_layer_recipe(arch, f, attn, kernel, True, windowed=key.windowed, single=single),
-        first_layer=_layer_recipe(
-            first_arch,
-            lower if is_v2(rs) else f,
-            attn,
-            kernel,
-            False,
-            windowed=key.windowed,
-            single=single,
-        ),
-        lower_layers=_lower_layers(arch, rs, lower, attn, kernel, single),
-        global_layer=_layer_recipe(arch, f, attn, kernel, True, windowed=False, single=single)
-        if arch.global_layers and key.windowed
-        else (),
-        up_proj_moment=_layer_recipe(
-            arch, f, attn, kernel, True, True, windowed=key.windowed, single=single
-        )
-        if (unit.method in (Method.LORA, Method.LORA_FA) or f.packed)
-        and arch.mlp is MlpKind.GATED
-        and not arch.is_moe
-        else (),
-        attention_part=_layer_recipe(
-            arch,
-            f,
-            attn,
-            kernel,
-            True,
-            windowed=key.windowed,
-            until_attention=True,
-            single=single,
-        ),
         dequant=dequant,
         kept_past_checkpoints=kept_past_checkpoints(arch, f),
         lt_workspaces=_lt_workspaces(arch, unit),
         reserved=_reserved_plan(arch, rs, f, p, key.gradient_checkpointing),
-        assumptions=assumptions,
+        assumptions=_plan_assumptions(arch, unit, rs, f),
         traits=_step_traits(arch, key, rs, f),
+        **recipes._asdict(),
     )
 
 

@@ -80,17 +80,37 @@ def policy_spec(spec: TrainingSpec) -> TrainingSpec:
     """The SFT step whose layers DPO's policy runs: the doubled batch, no logits, and no
     dropout (DPOConfig.disable_dropout, True by default, sets every nn.Dropout's p to 0,
     LoRA's included: trl/trainer/utils.py disable_dropout_in_model)."""
-    lora = spec.lora
-    if lora is not None and lora.lora_dropout:
-        lora = replace(lora, lora_dropout=0.0)
     return replace(
-        spec,
+        without_dropout(spec),
         batch_size=2 * spec.batch_size,
         objective=Objective.SFT,
         dpo=None,
         loss=LossImpl.FUSED,
-        lora=lora,
     )
+
+
+def without_dropout(spec: TrainingSpec) -> TrainingSpec:
+    """`spec` with LoRA's dropout at 0, as TRL's trainers' disable_dropout sets it
+    (trl/trainer/utils.py disable_dropout_in_model)."""
+    lora = spec.lora
+    if lora is None or not lora.lora_dropout:
+        return spec
+    return replace(spec, lora=replace(lora, lora_dropout=0.0))
+
+
+def reference_notes(spec: TrainingSpec, precompute: bool, config: str) -> list[str]:
+    """What a preference trainer (`config`: its TRL config class) does with LoRA's dropout
+    and where its reference model's log-probs come from."""
+    notes: list[str] = []
+    if spec.lora is not None and spec.lora.lora_dropout:
+        notes.append(f"LoRA dropout off: {config}.disable_dropout (default True) sets p = 0")
+    if precompute:
+        notes.append("reference log-probs precomputed: no reference forward, no reference copy")
+    elif spec.method is Method.FULL:
+        notes.append("the reference model: a frozen copy of the policy's weights, held all run")
+    else:
+        notes.append("the reference model: the policy with its adapters disabled (no copy)")
+    return notes
 
 
 def _head_saved(
@@ -347,12 +367,5 @@ def dpo_step(arch: ModelArch, spec: TrainingSpec, compute_capability: str | None
         )
         + f": {d.scored} positions, in tiles of {TILE_TOKENS} x {TILE_VOCAB} logits",
     ]
-    if spec.lora is not None and spec.lora.lora_dropout:
-        notes.append("LoRA dropout off: DPOConfig.disable_dropout (default True) sets p = 0")
-    if precompute:
-        notes.append("reference log-probs precomputed: no reference forward, no reference copy")
-    elif spec.method is Method.FULL:
-        notes.append("the reference model: a frozen copy of the policy's weights, held all run")
-    else:
-        notes.append("the reference model: the policy with its adapters disabled (no copy)")
+    notes += reference_notes(spec, precompute, "DPOConfig")
     return DpoStep(st, rows, tuple(notes))

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
+from service.core.estimator.preference import without_dropout
 from service.core.estimator.step import _Moment, _Step, _step
 from service.core.spec import LossImpl, Method, Objective, TrainingSpec
 from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, FP32_BYTES, HALF_BYTES
@@ -42,15 +43,11 @@ def reward_spec(spec: TrainingSpec) -> TrainingSpec:
     """The SFT step the reward model's forward and backward are: the doubled batch, no
     logits, and no dropout (RewardConfig.disable_dropout, True by default, sets every
     nn.Dropout's p to 0, LoRA's included: trl/trainer/utils.py disable_dropout_in_model)."""
-    lora = spec.lora
-    if lora is not None and lora.lora_dropout:
-        lora = replace(lora, lora_dropout=0.0)
     return replace(
-        spec,
+        without_dropout(spec),
         batch_size=2 * spec.batch_size,
         objective=Objective.SFT,
         loss=LossImpl.FUSED,
-        lora=lora,
     )
 
 

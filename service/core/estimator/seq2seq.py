@@ -29,6 +29,7 @@ from service.core.architecture import Linear, ModelArch
 from service.core.cold import starting_cold_work
 from service.core.device import cublas_workspace, device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
+from service.core.estimator.answer import estimate_from
 from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.seq2seq_zero import seq2seq_stage3
@@ -443,6 +444,117 @@ def _shape(arch: ModelArch, rs: ResolvedSpec) -> _Shape:
     )
 
 
+def _adamw_sizes(model: _Model, spec: TrainingSpec) -> tuple[int, int]:
+    """AdamW's state and its step's temporaries for `model`'s trainable tensors."""
+    fused = spec.optim is Optim.ADAMW_TORCH_FUSED
+    # AdamW's exp_avg and exp_avg_sq per trainable tensor; fused keeps each `step` as an fp32
+    # scalar on the device (torch/optim/adamw.py _init_group)
+    states = 2 * model.trainable + (model.trainable_tensors * SCALAR_BLOCK if fused else 0)
+    # foreach: _foreach_sqrt of exp_avg_sq, one trainable-sized list (torch/optim/adamw.py
+    # _multi_tensor_adamw); fused: clip_grad_norm_'s per-tensor norms, their total and the
+    # clip coefficient (torch/nn/utils/clip_grad.py)
+    update = (model.trainable_tensors + 2) * SCALAR_BLOCK if fused else model.trainable
+    if spec.max_grad_norm == 0 and fused:
+        update = 0
+    return states, update
+
+
+@dataclass(frozen=True, slots=True)
+class _Seq2SeqStep:
+    """What each phase of an encoder-decoder's step is built from."""
+
+    arch: ModelArch
+    sh: _Shape
+    saved: _Saved
+    model: _Model
+    fused: bool  # the fused AdamW (its step's temporaries only from step 2)
+    accumulating: bool
+    states: int
+    update: int
+    workspace: int
+    inputs: int
+    logp: int
+    loss: int
+
+    @property
+    def src(self) -> int:
+        return self.sh.b * self.sh.s
+
+    @property
+    def tgt(self) -> int:
+        return self.sh.b * self.sh.t
+
+
+def _backward_window(
+    st: _Seq2SeqStep, held: dict[Component, int], forward: dict[Component, int]
+) -> dict[Component, int]:
+    """The backward phase's peak."""
+    sh, model, src, tgt = st.sh, st.model, st.src, st.tgt
+    both = {Component.WORKSPACES: 2 * st.workspace}
+    if not sh.full:
+        # the lm_head's input gradient beside the loss's
+        return {
+            **forward,
+            **both,
+            Component.LOGITS_LOSS: st.logp + st.loss,
+            Component.BACKWARD_TEMPORARIES: _blk(tgt * sh.h * sh.e),
+        }
+    # the decoder embedding's gradient added to the lm_head's: the decoder's gradients
+    # made, the encoder's saved tensors (less its output, released by the last
+    # cross-attention's backward) waiting, its output's gradient accumulating
+    table = _blk(st.arch.vocab_size * sh.h * sh.e)
+    # or earlier, as the lm_head's weight gradient is made beside the logits' gradient
+    # with every saved tensor still waiting
+    head = {
+        **forward,
+        **both,
+        Component.LOGITS_LOSS: st.logp + st.loss,
+        Component.BACKWARD_TEMPORARIES: table + _blk(tgt * sh.h * sh.e),
+    }
+    embedding = {
+        **held,
+        **both,
+        Component.GRADIENTS: model.trainable if st.accumulating else model.decoder_trainable,
+        Component.ACTIVATIONS: st.saved.encoder - _blk(src * sh.h * sh.e),
+        Component.LOGITS_LOSS: st.loss,
+        Component.BACKWARD_TEMPORARIES: TIED_GRADIENT_TABLES * table + _blk(src * sh.h * sh.e),
+    }
+    return max(head, embedding, key=lambda parts: sum(parts.values()))
+
+
+def _step_peaks(st: _Seq2SeqStep, step: int) -> list[PhasePeak]:
+    """Step `step`'s four phase peaks."""
+    model = st.model
+    weights = {Component.FROZEN_WEIGHTS: model.frozen, Component.TRAINABLE_PARAMS: model.trainable}
+    held = {**weights, Component.INPUTS: st.inputs}
+    if step == 2:
+        held[Component.OPTIMIZER_STATE] = st.states
+    if st.accumulating:
+        held[Component.GRADIENTS] = model.trainable
+    handles = 1 if step == 1 and not st.accumulating else 2
+    first = {Component.WORKSPACES: st.workspace * handles}
+    activations = st.saved.encoder + st.saved.decoder
+    forward = {**held, **first, Component.ACTIVATIONS: activations}
+    windows: list[tuple[Phase, dict[Component, int]]] = [
+        (Phase.FORWARD_END, {**forward, Component.LOGITS_LOSS: st.logp + st.loss}),
+        (Phase.BACKWARD_START, {**forward, Component.LOGITS_LOSS: 3 * st.logp + st.loss}),
+        (Phase.BACKWARD, _backward_window(st, held, forward)),
+    ]
+    optimizer = {
+        **held,
+        Component.WORKSPACES: 2 * st.workspace,
+        Component.GRADIENTS: model.trainable,
+        Component.OPTIMIZER_STATE: st.states,
+        Component.OPTIMIZER_TEMPORARIES: st.update if (step == 2 or not st.fused) else 0,
+    }
+    windows.append((Phase.OPTIMIZER_STEP, optimizer))
+    peaks = []
+    for phase, parts in windows:
+        row = tuple(parts.get(c, 0) for c in COMPONENT_ORDER)
+        peaks.append(PhasePeak(step, phase, sum(row), row))
+    return peaks
+
+
 def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhasePeak, ...]:
     """Each step's four phase peaks with their components."""
     starting_cold_work("an encoder-decoder's step")  # (not compiled: each estimate runs it)
@@ -456,23 +568,12 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
     names = _adapted(arch, rs, (*arch.linears, *arch.decoder_linears))
     saved = _saved(arch, sh, names)
     model = _model(arch, sh, names)
-    fused = spec.optim is Optim.ADAMW_TORCH_FUSED
-    # AdamW's exp_avg and exp_avg_sq per trainable tensor; fused keeps each `step` as an fp32
-    # scalar on the device (torch/optim/adamw.py _init_group)
-    states = 2 * model.trainable + (model.trainable_tensors * SCALAR_BLOCK if fused else 0)
-    # foreach: _foreach_sqrt of exp_avg_sq, one trainable-sized list (torch/optim/adamw.py
-    # _multi_tensor_adamw); fused: clip_grad_norm_'s per-tensor norms, their total and the
-    # clip coefficient (torch/nn/utils/clip_grad.py)
-    update = (model.trainable_tensors + 2) * SCALAR_BLOCK if fused else model.trainable
-    if spec.max_grad_norm == 0 and fused:
-        update = 0
+    states, update = _adamw_sizes(model, spec)
     workspace = cublas_workspace(cc)
     src, tgt = sh.b * sh.s, sh.b * sh.t
     inputs = _blk(src * INT64_BYTES) + _blk(tgt * INT64_BYTES) + SCALAR_BLOCK
     logp = _blk(tgt * arch.vocab_size * sh.e)  # no upcast: T5 runs CrossEntropyLoss on them
     loss = LOSS_SCALARS * SCALAR_BLOCK
-    weights = {Component.FROZEN_WEIGHTS: model.frozen, Component.TRAINABLE_PARAMS: model.trainable}
-    activations = saved.encoder + saved.decoder
     # With gradient accumulation each window's highest micro-batch is a later one: every
     # .grad made by the first (a later one's gradients are added into them in place and let
     # go), both cuBLAS handles in use.
@@ -481,69 +582,26 @@ def _phases(arch: ModelArch, spec: TrainingSpec, cc: str | None) -> tuple[PhaseP
         return _zero3_phases(
             seq2seq_stage3(arch, rs, names),
             accumulating,
-            {Component.INPUTS: inputs, Component.ACTIVATIONS: activations},
+            {Component.INPUTS: inputs, Component.ACTIVATIONS: saved.encoder + saved.decoder},
             logp + loss,
             workspace,
             _blk(tgt * sh.h * sh.e),
         )
-    peaks: list[PhasePeak] = []
-    for step in (1, 2):
-        held = {**weights, Component.INPUTS: inputs}
-        if step == 2:
-            held[Component.OPTIMIZER_STATE] = states
-        if accumulating:
-            held[Component.GRADIENTS] = model.trainable
-        first = {Component.WORKSPACES: workspace * (1 if step == 1 and not accumulating else 2)}
-        forward = {**held, **first, Component.ACTIVATIONS: activations}
-        windows: list[tuple[Phase, dict[Component, int]]] = [
-            (Phase.FORWARD_END, {**forward, Component.LOGITS_LOSS: logp + loss}),
-            (Phase.BACKWARD_START, {**forward, Component.LOGITS_LOSS: 3 * logp + loss}),
-        ]
-        both = {Component.WORKSPACES: 2 * workspace}
-        if sh.full:
-            # the decoder embedding's gradient added to the lm_head's: the decoder's gradients
-            # made, the encoder's saved tensors (less its output, released by the last
-            # cross-attention's backward) waiting, its output's gradient accumulating
-            table = _blk(arch.vocab_size * sh.h * sh.e)
-            # or earlier, as the lm_head's weight gradient is made beside the logits' gradient
-            # with every saved tensor still waiting
-            head = {
-                **forward,
-                **both,
-                Component.LOGITS_LOSS: logp + loss,
-                Component.BACKWARD_TEMPORARIES: table + _blk(tgt * sh.h * sh.e),
-            }
-            embedding = {
-                **held,
-                **both,
-                Component.GRADIENTS: model.trainable if accumulating else model.decoder_trainable,
-                Component.ACTIVATIONS: saved.encoder - _blk(src * sh.h * sh.e),
-                Component.LOGITS_LOSS: loss,
-                Component.BACKWARD_TEMPORARIES: TIED_GRADIENT_TABLES * table
-                + _blk(src * sh.h * sh.e),
-            }
-            backward = max(head, embedding, key=lambda parts: sum(parts.values()))
-        else:
-            # the lm_head's input gradient beside the loss's
-            backward = {
-                **forward,
-                **both,
-                Component.LOGITS_LOSS: logp + loss,
-                Component.BACKWARD_TEMPORARIES: _blk(tgt * sh.h * sh.e),
-            }
-        windows.append((Phase.BACKWARD, backward))
-        optimizer = {
-            **held,
-            **both,
-            Component.GRADIENTS: model.trainable,
-            Component.OPTIMIZER_STATE: states,
-            Component.OPTIMIZER_TEMPORARIES: update if (step == 2 or not fused) else 0,
-        }
-        windows.append((Phase.OPTIMIZER_STEP, optimizer))
-        for phase, parts in windows:
-            row = tuple(parts.get(c, 0) for c in COMPONENT_ORDER)
-            peaks.append(PhasePeak(step, phase, sum(row), row))
-    return tuple(peaks)
+    st = _Seq2SeqStep(
+        arch=arch,
+        sh=sh,
+        saved=saved,
+        model=model,
+        fused=spec.optim is Optim.ADAMW_TORCH_FUSED,
+        accumulating=accumulating,
+        states=states,
+        update=update,
+        workspace=workspace,
+        inputs=inputs,
+        logp=logp,
+        loss=loss,
+    )
+    return tuple(peak for step in (1, 2) for peak in _step_peaks(st, step))
 
 
 def _zero3_phases(
@@ -645,22 +703,15 @@ def seq2seq_estimate(
         "reserved level not modelled for encoder-decoders: reported at the allocated level",
         stack_note(spec.stack),
     ]
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
+    return estimate_from(
+        phases,
+        peak,
+        over,
         params=ParamCounts(total=arch.total_params - untied, trainable=model.trainable_params),
-        upper_margin=over.upper_margin,
         assumptions=(*assumptions, *over.assumptions, *compile_notes(spec)),
         warnings=(),
-        estimator_version=version,
-        host_bytes=rank.host if rank is not None else 0,
+        version=version,
+        host=(rank.host if rank is not None else 0, 0),
     )
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from service.core.architecture import SCORE_OUTPUTS, Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
@@ -189,6 +192,249 @@ def _quantized_matrix_bytes(
     )
 
 
+@dataclass(slots=True)
+class _Tally:
+    """The weights counted so far: frozen bytes, the trainable tensors, and the bytes inside
+    one decoder layer's stack and outside the layers (for strategies that gather by module)."""
+
+    frozen: int = 0
+    trainable: list[_Tensor] = dataclasses.field(default_factory=list)
+    layers_bytes: int = 0
+    outside_layers: int = 0
+
+    def put(self, rows: int, cols: int, itemsize: int, count: int, train: bool) -> None:
+        tensor = _Tensor(rows, cols, itemsize, count)
+        if train:
+            self.trainable.append(tensor)
+        else:
+            self.frozen += tensor.nbytes
+
+    def train_in_layers(self, rows: int, cols: int, itemsize: int, count: int) -> None:
+        """A trainable adapter tensor inside the decoder layers."""
+        tensor = _Tensor(rows, cols, itemsize, count)
+        self.trainable.append(tensor)
+        self.layers_bytes += tensor.nbytes
+
+    def freeze_in_layers(self, nbytes: int) -> None:
+        """A frozen adapter tensor (or buffer) inside the decoder layers."""
+        self.frozen += nbytes
+        self.layers_bytes += nbytes
+
+    def trainable_bytes(self, start: int = 0, end: int | None = None) -> int:
+        return sum(t.nbytes for t in self.trainable[start:end])
+
+
+class _Base(NamedTuple):
+    """How the model's own weights are stored: the model's dtype, whether the base is k-bit,
+    the dtype of its other parameters, and which of them train."""
+
+    arch: ModelArch
+    md: int  # the model's dtype's bytes
+    kbit: bool
+    other: int  # bytes of every parameter that is not 4/8-bit
+    full: bool
+    quant: QuantSpec | None
+    norms_train: bool
+
+
+def _layer_weights(tally: _Tally, base: _Base) -> None:
+    """The decoder layers' linears and norms."""
+    arch, md, kbit, other, full, quant = (
+        base.arch,
+        base.md,
+        base.kbit,
+        base.other,
+        base.full,
+        base.quant,
+    )
+    L = arch.num_hidden_layers
+    for lin in arch.linears:
+        if lin.looped:
+            # transformers 4's experts: one nn.Linear per expert (each quantized on its own)
+            if kbit:
+                tally.frozen += L * lin.count * _quantized_weight_bytes(lin, quant, md)
+            else:
+                tally.put(lin.out_features, lin.in_features, md, L * lin.count, full)
+        elif kbit and not lin.expert:
+            tally.frozen += L * _quantized_weight_bytes(lin, quant, md)
+        else:
+            # transformers 5 keeps a stack of experts (and a router) as a bare 3-D (2-D)
+            # parameter that bitsandbytes leaves in half precision: kbit preparation casts it
+            # to fp32 like any other unquantized parameter.
+            tally.put(lin.out_features * lin.count, lin.in_features, other if kbit else md, L, full)
+        if lin.bias:
+            # gptqmodel's and torchao's quantized linears keep the bias as a buffer in the
+            # model's dtype (gptqmodel registers it fp16), which kbit preparation never casts
+            packed = quant is not None and quant.type.packed and not lin.expert
+            bias_bytes = md if packed or not kbit else other
+            tally.put(lin.out_features * lin.count, 0, bias_bytes, L, full)
+    norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+    tally.put(arch.hidden_size, 0, other, L * norm_tensors, full or base.norms_train)
+    if arch.qk_norm:
+        tally.put(arch.head_dim, 0, other, 2 * L, full)
+
+
+def _embedding_weights(tally: _Tally, base: _Base, saved_modules: set[str]) -> None:
+    """The input embedding, and PEFT's trained copy of it (modules_to_save)."""
+    arch, other, full = base.arch, base.other, base.full
+    tally.put(arch.vocab_size, arch.hidden_size, other, 1, full)
+    if "embed_tokens" in saved_modules and not full:
+        # ModulesToSaveWrapper trains a copy and keeps the original.
+        tally.trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
+
+
+def _head_weights(
+    tally: _Tally, base: _Base, saved_modules: set[str], head_quantized: bool
+) -> None:
+    """The final norm and the LM head (or a sequence classifier's score)."""
+    arch, other, full = base.arch, base.other, base.full
+    final_norms = 2 if arch.norm is NormKind.LAYER else 1
+    tally.put(arch.hidden_size, 0, other, final_norms, full or base.norms_train)
+    if arch.score_head:
+        # the sequence classifier's score (hidden -> 1, no bias); PEFT's SEQ_CLS task trains a
+        # copy of it beside the original (PeftModelForSequenceClassification: modules_to_save)
+        tally.put(SCORE_OUTPUTS, arch.hidden_size, other, 1, full)
+        if not full:
+            tally.trainable.append(_Tensor(SCORE_OUTPUTS, arch.hidden_size, other, 1))
+    elif not arch.tie_word_embeddings:
+        if head_quantized:
+            tally.frozen += _quantized_matrix_bytes(arch.hidden_size, arch.vocab_size, base.quant)
+        else:
+            tally.put(arch.vocab_size, arch.hidden_size, other, 1, full)
+        if arch.lm_head_bias:
+            tally.put(arch.vocab_size, 0, other, 1, full)
+        if "lm_head" in saved_modules and not full:
+            tally.trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
+
+
+class _Adapters(NamedTuple):
+    """A weight-side PEFT method's settings, for its tensors (`_ADAPTER_WEIGHTS`)."""
+
+    method: Method
+    lora: LoraSpec | None
+    adapter_dtype: DType
+    adapted: tuple[Linear, ...]
+    expert_lora: tuple[tuple[int, int], ...]
+    lokr: LokrSpec | None
+    oft: OftSpec | None
+    boft: BoftSpec | None
+    layers: int
+
+
+def _lora_options(adapters: _Adapters) -> LoraSpec:
+    if adapters.lora is None:
+        raise AssertionError("the adapter's options were checked by its entry")
+    return adapters.lora
+
+
+def _vera_weights(tally: _Tally, adapters: _Adapters) -> None:
+    r, L = _lora_options(adapters).r, adapters.layers
+    tally.frozen += _vera_projections(adapters.adapted, r)
+    for lin in adapters.adapted:
+        # vera_lambda_b (out) and vera_lambda_d (r), fp32 (torch.ones / torch.randn in
+        # peft/tuners/vera/layer.py VeraLayer.update_layer)
+        tally.train_in_layers(lin.out_features, 0, FP32_BYTES, L)
+        tally.train_in_layers(r, 0, FP32_BYTES, L)
+
+
+def _lokr_weights(tally: _Tally, adapters: _Adapters) -> None:
+    lora, lokr = _lora_options(adapters), adapters.lokr
+    if lokr is None:
+        raise AssertionError("LoKr's options were checked by its entry")
+    for lin in adapters.adapted:
+        shape = lokr_shape(lin, lora.r, lokr.decompose_both, lokr.decompose_factor)
+        for rows, cols in shape.tensors(lora.r):
+            tally.train_in_layers(rows, cols, FP32_BYTES, adapters.layers)
+
+
+def _oft_weights(tally: _Tally, adapters: _Adapters) -> None:
+    """OFT's rotations are `tuner` tensors (`tuners.tuner_tensors`); each rotation module
+    registers the upper triangle's row and column indices as int64 buffers
+    (peft/tuners/oft/layer.py OFTRotationModule.__init__: torch.triu_indices)."""
+    oft = adapters.oft
+    if oft is None:
+        raise AssertionError("OFT's options were checked by its entry")
+    for lin in adapters.adapted:
+        _, size = oft.blocks(lin.in_features)
+        indices = _Tensor(size * (size - 1) // 2, 0, INT64_BYTES, adapters.layers)
+        tally.freeze_in_layers(2 * indices.nbytes)
+    tally.frozen += OFT_MODEL_CONSTANTS
+
+
+def _boft_weights(tally: _Tally, adapters: _Adapters) -> None:
+    """BOFT's blocks and scales are `tuner` tensors (`tuners.tuner_tensors`); each adapted
+    linear registers its butterfly permutations as a dense fp32 buffer (peft/tuners/boft/
+    layer.py BOFTLayer.update_layer: boft_P, (factors, in, in), torch.empty)."""
+    boft = adapters.boft
+    if boft is None:
+        raise AssertionError("BOFT's options were checked by its entry")
+    for lin in adapters.adapted:
+        factors, _, _ = boft.blocks(lin.in_features)
+        perms = _Tensor(factors * lin.in_features, lin.in_features, FP32_BYTES, adapters.layers)
+        tally.freeze_in_layers(perms.nbytes)
+    tally.frozen += OFT_MODEL_CONSTANTS  # (the same two in the traces *__boft__*)
+
+
+def _loha_weights(tally: _Tally, adapters: _Adapters) -> None:
+    r = _lora_options(adapters).r
+    for lin in adapters.adapted:
+        for rows, cols in loha_tensors(lin, r):
+            tally.train_in_layers(rows, cols, FP32_BYTES, adapters.layers)
+
+
+def _lora_weights(tally: _Tally, adapters: _Adapters) -> None:
+    """LoRA's A and B (LoRA-FA's A frozen), AdaLoRA's E and rank, DoRA's magnitude, and the
+    adapters on the experts' parameters."""
+    lora, method, L = _lora_options(adapters), adapters.method, adapters.layers
+    ad = DTYPE_BYTES[adapters.adapter_dtype]
+    r = lora.r
+    for lin in adapters.adapted:
+        # one adapter per layer, or per expert for transformers 4's looped experts
+        n = L * lin.count if lin.looped else L
+        if method is Method.LORA_FA:
+            # create_lorafa_optimizer freezes every lora_A (peft/optimizers/lorafa.py)
+            tally.freeze_in_layers(_Tensor(r, lin.in_features, ad, n).nbytes)
+        else:
+            tally.train_in_layers(r, lin.in_features, ad, n)
+        tally.train_in_layers(lin.out_features, r, ad, n)  # lora_B
+        if method is Method.ADALORA:
+            # lora_E (r, 1), registered after lora_A and lora_B, then ranknum, one fp32
+            # element (peft/tuners/adalora/layer.py AdaLoraLayer.update_layer): created
+            # frozen, it is trainable once moved to the base layer's device (re-registered
+            # as a new Parameter; reference traces *__adalora__*)
+            tally.train_in_layers(r, 0, ad, L)
+            tally.train_in_layers(1, 0, FP32_BYTES, L)
+        if lora.use_dora:
+            # DoRA's magnitude: one per output feature, the norm of the adapter-dtype weight
+            # (peft/tuners/lora/dora.py DoraLinearLayer.update_layer).
+            tally.train_in_layers(lin.out_features, 0, ad, L)
+    for rows, cols in adapters.expert_lora:
+        tally.train_in_layers(rows, cols, ad, L)
+
+
+# The weight-side methods' tensors: the first entry whose test holds adds them.
+_ADAPTER_WEIGHTS: tuple[
+    tuple[Callable[[_Adapters], bool], Callable[[_Tally, _Adapters], None]], ...
+] = (
+    (lambda a: a.lora is not None and a.method is Method.VERA, _vera_weights),
+    (
+        lambda a: a.lora is not None and a.method is Method.LOKR and a.lokr is not None,
+        _lokr_weights,
+    ),
+    (lambda a: a.oft is not None, _oft_weights),
+    (lambda a: a.boft is not None, _boft_weights),
+    (lambda a: a.lora is not None and a.method is Method.LOHA, _loha_weights),
+    (lambda a: a.lora is not None, _lora_weights),
+)
+
+
+def _adapter_weights(tally: _Tally, adapters: _Adapters) -> None:
+    for applies, add in _ADAPTER_WEIGHTS:
+        if applies(adapters):
+            add(tally, adapters)
+            return
+
+
 @lru_cache(maxsize=1024)
 def _params(
     arch: ModelArch,
@@ -221,162 +467,42 @@ def _params(
     # prepare_model_for_kbit_training casts every parameter that is not 4/8-bit to fp32
     # (peft/utils/other.py: param.data = param.data.to(torch.float32)).
     other = FP32_BYTES if prep else md
-    full = method is Method.FULL
+    base = _Base(arch, md, kbit, other, method is Method.FULL, quant, norms_train)
     saved_modules = set(lora.modules_to_save) if lora else set()
     L = arch.num_hidden_layers
 
-    frozen = 0
-    trainable: list[_Tensor] = []
+    tally = _Tally()
+    _layer_weights(tally, base)
+    layers_end = len(tally.trainable)
+    layers_frozen = tally.frozen
+    _embedding_weights(tally, base, saved_modules)
+    embed_trainable = tally.trainable_bytes(layers_end)
+    head_start = len(tally.trainable)
+    _head_weights(tally, base, saved_modules, head_quantized)
+    head_trainable = tally.trainable_bytes(head_start)
+    tally.layers_bytes = layers_frozen + tally.trainable_bytes(0, layers_end)
+    tally.outside_layers = tally.frozen - layers_frozen + tally.trainable_bytes(layers_end)
 
-    def put(rows: int, cols: int, itemsize: int, count: int, train: bool) -> None:
-        nonlocal frozen
-        tensor = _Tensor(rows, cols, itemsize, count)
-        if train:
-            trainable.append(tensor)
-        else:
-            frozen += tensor.nbytes
-
-    for lin in arch.linears:
-        if lin.looped:
-            # transformers 4's experts: one nn.Linear per expert (each quantized on its own)
-            if kbit:
-                frozen += L * lin.count * _quantized_weight_bytes(lin, quant, md)
-            else:
-                put(lin.out_features, lin.in_features, md, L * lin.count, full)
-        elif kbit and not lin.expert:
-            frozen += L * _quantized_weight_bytes(lin, quant, md)
-        else:
-            # transformers 5 keeps a stack of experts (and a router) as a bare 3-D (2-D)
-            # parameter that bitsandbytes leaves in half precision: kbit preparation casts it
-            # to fp32 like any other unquantized parameter.
-            put(lin.out_features * lin.count, lin.in_features, other if kbit else md, L, full)
-        if lin.bias:
-            # gptqmodel's and torchao's quantized linears keep the bias as a buffer in the
-            # model's dtype (gptqmodel registers it fp16), which kbit preparation never casts
-            packed = quant is not None and quant.type.packed and not lin.expert
-            put(lin.out_features * lin.count, 0, md if packed or not kbit else other, L, full)
-    norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
-    put(arch.hidden_size, 0, other, L * norm_tensors, full or norms_train)
-    if arch.qk_norm:
-        put(arch.head_dim, 0, other, 2 * L, full)
-
-    layers_end = len(trainable)
-    layers_frozen = frozen
-    put(arch.vocab_size, arch.hidden_size, other, 1, full)
-    if "embed_tokens" in saved_modules and not full:
-        # ModulesToSaveWrapper trains a copy and keeps the original.
-        trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
-    embed_trainable = sum(t.nbytes for t in trainable[layers_end:])
-    head_start = len(trainable)
-    put(arch.hidden_size, 0, other, 2 if arch.norm is NormKind.LAYER else 1, full or norms_train)
-    if arch.score_head:
-        # the sequence classifier's score (hidden -> 1, no bias); PEFT's SEQ_CLS task trains a
-        # copy of it beside the original (PeftModelForSequenceClassification: modules_to_save)
-        put(SCORE_OUTPUTS, arch.hidden_size, other, 1, full)
-        if not full:
-            trainable.append(_Tensor(SCORE_OUTPUTS, arch.hidden_size, other, 1))
-    elif not arch.tie_word_embeddings:
-        if head_quantized:
-            frozen += _quantized_matrix_bytes(arch.hidden_size, arch.vocab_size, quant)
-        else:
-            put(arch.vocab_size, arch.hidden_size, other, 1, full)
-        if arch.lm_head_bias:
-            put(arch.vocab_size, 0, other, 1, full)
-        if "lm_head" in saved_modules and not full:
-            trainable.append(_Tensor(arch.vocab_size, arch.hidden_size, other, 1))
-    head_trainable = sum(t.nbytes for t in trainable[head_start:])
-    layers_bytes = layers_frozen + sum(t.nbytes for t in trainable[:layers_end])
-    outside_layers = frozen - layers_frozen + sum(t.nbytes for t in trainable[layers_end:])
-
-    if lora is not None and method is Method.VERA:
-        frozen += _vera_projections(adapted, lora.r)
-        for lin in adapted:
-            # vera_lambda_b (out) and vera_lambda_d (r), fp32 (torch.ones / torch.randn in
-            # peft/tuners/vera/layer.py VeraLayer.update_layer)
-            trainable.append(_Tensor(lin.out_features, 0, FP32_BYTES, L))
-            trainable.append(_Tensor(lora.r, 0, FP32_BYTES, L))
-            layers_bytes += _Tensor(lin.out_features, 0, FP32_BYTES, L).nbytes
-            layers_bytes += _Tensor(lora.r, 0, FP32_BYTES, L).nbytes
-    elif lora is not None and method is Method.LOKR and lokr is not None:
-        for lin in adapted:
-            shape = lokr_shape(lin, lora.r, lokr.decompose_both, lokr.decompose_factor)
-            for tensor in shape.tensors(lora.r):
-                trainable.append(_Tensor(*tensor, FP32_BYTES, L))
-                layers_bytes += _Tensor(*tensor, FP32_BYTES, L).nbytes
-    elif oft is not None:
-        # OFT's rotations are `tuner` tensors (`tuners.tuner_tensors`); each rotation module
-        # registers the upper triangle's row and column indices as int64 buffers
-        # (peft/tuners/oft/layer.py OFTRotationModule.__init__: torch.triu_indices)
-        for lin in adapted:
-            _, size = oft.blocks(lin.in_features)
-            indices = _Tensor(size * (size - 1) // 2, 0, INT64_BYTES, L)
-            frozen += 2 * indices.nbytes
-            layers_bytes += 2 * indices.nbytes
-        frozen += OFT_MODEL_CONSTANTS
-    elif boft is not None:
-        # BOFT's blocks and scales are `tuner` tensors (`tuners.tuner_tensors`); each adapted
-        # linear registers its butterfly permutations as a dense fp32 buffer (peft/tuners/boft/
-        # layer.py BOFTLayer.update_layer: boft_P, (factors, in, in), torch.empty)
-        for lin in adapted:
-            factors, _, _ = boft.blocks(lin.in_features)
-            perms = _Tensor(factors * lin.in_features, lin.in_features, FP32_BYTES, L)
-            frozen += perms.nbytes
-            layers_bytes += perms.nbytes
-        frozen += OFT_MODEL_CONSTANTS  # (the same two in the traces *__boft__*)
-    elif lora is not None and method is Method.LOHA:
-        for lin in adapted:
-            for tensor in loha_tensors(lin, lora.r):
-                trainable.append(_Tensor(*tensor, FP32_BYTES, L))
-                layers_bytes += _Tensor(*tensor, FP32_BYTES, L).nbytes
-    elif lora is not None:
-        ad = DTYPE_BYTES[adapter_dtype]
-        r = lora.r
-        for lin in adapted:
-            # one adapter per layer, or per expert for transformers 4's looped experts
-            n = L * lin.count if lin.looped else L
-            lora_a = _Tensor(r, lin.in_features, ad, n)
-            if method is Method.LORA_FA:
-                # create_lorafa_optimizer freezes every lora_A (peft/optimizers/lorafa.py)
-                frozen += lora_a.nbytes
-            else:
-                trainable.append(lora_a)
-            trainable.append(_Tensor(lin.out_features, r, ad, n))  # lora_B
-            layers_bytes += _Tensor(r, lin.in_features, ad, n).nbytes
-            layers_bytes += _Tensor(lin.out_features, r, ad, n).nbytes
-            if method is Method.ADALORA:
-                # lora_E (r, 1), registered after lora_A and lora_B, then ranknum, one fp32
-                # element (peft/tuners/adalora/layer.py AdaLoraLayer.update_layer): created
-                # frozen, it is trainable once moved to the base layer's device (re-registered
-                # as a new Parameter; reference traces *__adalora__*)
-                trainable.append(_Tensor(r, 0, ad, L))
-                trainable.append(_Tensor(1, 0, FP32_BYTES, L))
-                layers_bytes += _Tensor(r, 0, ad, L).nbytes
-                layers_bytes += _Tensor(1, 0, FP32_BYTES, L).nbytes
-            if lora.use_dora:
-                # DoRA's magnitude: one per output feature, the norm of the adapter-dtype weight
-                # (peft/tuners/lora/dora.py DoraLinearLayer.update_layer).
-                trainable.append(_Tensor(lin.out_features, 0, ad, L))
-                layers_bytes += _Tensor(lin.out_features, 0, ad, L).nbytes
-        for rows, cols in expert_lora:
-            trainable.append(_Tensor(rows, cols, ad, L))
-            layers_bytes += _Tensor(rows, cols, ad, L).nbytes
+    adapters = _Adapters(method, lora, adapter_dtype, adapted, expert_lora, lokr, oft, boft, L)
+    _adapter_weights(tally, adapters)
     for rows, cols, itemsize, count in tuner:
         tuned = _Tensor(rows, cols, itemsize, count)
-        trainable.append(tuned)
+        tally.trainable.append(tuned)
         if count == L:
-            layers_bytes += tuned.nbytes
+            tally.layers_bytes += tuned.nbytes
         else:
-            outside_layers += tuned.nbytes
+            tally.outside_layers += tuned.nbytes
+    trainable = tally.trainable
     return _Params(
-        frozen=frozen,
+        frozen=tally.frozen,
         trainable=sum(t.nbytes for t in trainable),
         tensors=tuple(trainable),
         total_count=arch.total_params,
         trainable_count=sum(t.elements * t.count for t in trainable),
         embed_trainable=embed_trainable,
         head_trainable=head_trainable,
-        layer=layers_bytes // L,
-        outside_layers=outside_layers,
+        layer=tally.layers_bytes // L,
+        outside_layers=tally.outside_layers,
     )
 
 

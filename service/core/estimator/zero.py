@@ -242,24 +242,47 @@ def _zero_layout(arch: ModelArch, job: _Job) -> ZeroRank:
     return _stage1_2(arch, job)
 
 
-def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
-    par = job.parallel
-    n = par.gpus
-    stage2 = par.strategy is Strategy.ZERO2
-    cfg = zero_settings(arch, par)
+class _Flat(NamedTuple):
+    """A ZeRO-1/2 rank's flat buffers: the trainable parameters whole, this rank's slices of
+    them, their fp32 master weights and optimizer state, the gradients' partition buffer, the
+    reduce bucket(s) and what a reduction holds in flight."""
+
+    frozen: int
+    trainable: int
+    whole_gradients: int  # every trainable parameter's gradient, unpartitioned
+    head_trainable: int
+    embed_trainable: int
+    itemsize: int
+    slices: list[int]  # `partition_size` of each group
+    largest: int  # the largest trainable parameter (elements)
+    master: int
+    state_parts: list[tuple[int, int, int]]  # per slice: state, outside, step temporaries
+    grads_in_partition: int
+    bucket: int
+    ipg: int  # the bucket(s) gradients are reduced through (contiguous_gradients)
+    collective: int
+    reducing: int
+
+    @property
+    def state(self) -> int:
+        return sum(s for s, _, _ in self.state_parts)
+
+    @property
+    def outside(self) -> int:
+        return sum(o for _, o, _ in self.state_parts)
+
+
+def _flat(arch: ModelArch, job: _Job, cfg: ZeroSettings) -> _Flat:
+    n = job.parallel.gpus
     p, itemsize = _cast_params(arch, job)
     groups = _groups(p)
     align = NCCL_START_ALIGNMENT_FACTOR * n
     flat = [_cdiv(_elements(g), align) * align for g in groups]
     slices = [f // n for f in flat]  # `partition_size`
-    largest = [max(t.elements for t in g) for g in groups]
-    largest_all = max(largest, default=0)
-    trainable = sum(_blk(f * itemsize) for f in flat)
-    master = sum(_blk(s * FP32_BYTES) for s in slices)
+    largest_all = max((max(t.elements for t in g) for g in groups), default=0)
     # `grads_in_partition` holds every parameter that overlaps this rank's slice whole
     # (`params_in_partition`); the worst rank's, from the parameters' order.
     held = _partition_elements(arch, job, p, groups, slices, n)
-    grads_in_partition = _blk(held * itemsize)
     bucket = _blk(cfg.reduce_bucket_size * itemsize)
     ipg = (2 if cfg.overlap_comm else 1) * bucket if cfg.contiguous_gradients else 0
     # Reducing: the newest gradient (the largest parameter's, before its hook moves it into the
@@ -267,121 +290,156 @@ def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
     # makes of the bucket's (or that parameter's) per-rank slices.
     in_flight = _blk(largest_all * itemsize)
     collective = _blk(max(cfg.reduce_bucket_size, largest_all) * itemsize) if n > 1 else 0
-    reducing = in_flight + collective
+    return _Flat(
+        frozen=p.frozen,
+        trainable=sum(_blk(f * itemsize) for f in flat),
+        whole_gradients=p.trainable,
+        head_trainable=p.head_trainable,
+        embed_trainable=p.embed_trainable,
+        itemsize=itemsize,
+        slices=slices,
+        largest=largest_all,
+        master=sum(_blk(s * FP32_BYTES) for s in slices),
+        state_parts=[_optimizer_state(_fp32_partitions([s]), job.optim) for s in slices],
+        grads_in_partition=_blk(held * itemsize),
+        bucket=bucket,
+        ipg=ipg,
+        collective=collective,
+        reducing=in_flight + collective,
+    )
 
-    state_parts = [_optimizer_state(_fp32_partitions([s]), job.optim) for s in slices]
-    state = sum(s for s, _, _ in state_parts)
-    outside = sum(o for _, o, _ in state_parts)
+
+def _stage1_2_notes(job: _Job, cfg: ZeroSettings, flat: _Flat) -> list[str]:
+    par = job.parallel
+    n = par.gpus
     notes = [
         f"ZeRO-{ZERO_STAGES[par.strategy]} {_over(n)} (DeepSpeed v0.19.5 "
         f"DeepSpeedZeroOptimizer): every rank holds the whole {job.dtype} trainable parameters "
         f"in one flat buffer; fp32 master weights and optimizer state for 1/{n} of them",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements"
-        + (" (two: overlap_comm)" if ipg == 2 * bucket else "")
+        + (" (two: overlap_comm)" if flat.ipg == 2 * flat.bucket else "")
         + (" (HF auto: hidden_size squared)" if par.reduce_bucket_size is None else ""),
     ]
     if job.dtype is not DType.FP32 and job.method is not Method.FULL:
         notes.append(f"DeepSpeed casts every floating parameter, adapters included, to {job.dtype}")
     notes.append(
         f"not a phase here: at start-up flattening holds the trainable parameters twice "
-        f"({2 * trainable / GIB:.2f} GiB) when the GPU has room for it"
+        f"({2 * flat.trainable / GIB:.2f} GiB) when the GPU has room for it"
     )
+    return notes
 
-    if par.offload is not Offload.NONE:
-        # stage_1_and_2.py with offload_optimizer: the fp32 slice, its fp32 gradient, a half
-        # copy of the slice and the optimizer state live in (pinned) host memory; the GPU keeps
-        # the flat parameters, the bucket(s) and `temp_grad_buffer_for_gpu_offload` (the
-        # largest parameter), and converts each gradient piece to fp32 before copying it out.
-        host_state = sum(s + o for s, o, _ in state_parts)
-        host = (
-            master
-            + sum(_blk(s * FP32_BYTES) + _blk(s * itemsize) for s in slices)
-            + host_state
-            + _blk(largest_all * itemsize)  # temp_grad_buffer_for_cpu_offload
-        )
-        gpu_temp = _blk(largest_all * itemsize)
-        notes.append(
-            "optimizer offloaded to CPU: fp32 master weights, their gradients and the optimizer "
-            "state in pinned host memory; the optimizer step runs on the CPU"
-        )
-        comm = ipg + gpu_temp
-        return ZeroRank(
-            frozen=p.frozen,
-            trainable=trainable,
-            gradients=0,
-            head_gradients=0,
-            embed_gradients=0,
-            optimizer_state=0,
-            state_outside=0,
-            optimizer_temporaries=0,
-            comm_forward=gpu_temp,
-            comm_backward=comm + reducing + _blk(largest_all * FP32_BYTES),
-            comm_step=gpu_temp,
-            host=host,
-            assumptions=tuple(notes),
-        )
 
-    check = _blk(min(largest_all, max(slices, default=0)) * OVERFLOW_CHECK_BYTES_PER_ELEMENT)
-    if job.dtype is DType.FP32:
-        check = 0  # engine.py `_configure_zero_optimizer`: no overflow check without bf16/fp16
-    scratch = _step_scratch(slices, [t for _, _, t in state_parts], itemsize, check)
-    state += master
-    if stage2 or cfg.overlap_comm:
-        # Gradients are reduced during backward into the partition buffer; the rank that owns
-        # the last parameters holds it from the backward's first reduction on.
-        notes.append(
-            f"gradients reduced during backward into this rank's 1/{n} partition buffer "
-            "(contiguous_gradients)"
-        )
-        accumulated = 0
-        if job.accumulating:
-            # `independent_gradient_partition_epilogue` keeps each micro-batch's reduced
-            # gradients (`all_grad_tensors`, views of its partition buffer) and adds the next
-            # micro-batch's into them: the next backward fills a second partition buffer.
-            accumulated = grads_in_partition
-            notes.append(
-                "gradient accumulation: a second partition buffer during each later backward"
-            )
-        return ZeroRank(
-            frozen=p.frozen,
-            trainable=trainable,
-            gradients=grads_in_partition,
-            head_gradients=grads_in_partition,
-            embed_gradients=0,
-            optimizer_state=state,
-            state_outside=outside,
-            optimizer_temporaries=scratch,
-            comm_forward=0,
-            comm_backward=ipg + reducing + accumulated,
-            comm_step=0,
-            host=0,
-            assumptions=tuple(notes),
-        )
-    # ZeRO-1 without overlap_comm: whole gradients until `reduce_gradients` after backward,
-    # which moves them bucket by bucket into the partition buffer; then the step.
-    whole = p.trainable
-    reduce_moment = whole + grads_in_partition + ipg + collective
-    step_moment = grads_in_partition + scratch
+def _offloaded_stage1_2(job: _Job, flat: _Flat, notes: list[str]) -> ZeroRank:
+    """stage_1_and_2.py with offload_optimizer: the fp32 slice, its fp32 gradient, a half copy
+    of the slice and the optimizer state live in (pinned) host memory; the GPU keeps the flat
+    parameters, the bucket(s) and `temp_grad_buffer_for_gpu_offload` (the largest parameter),
+    and converts each gradient piece to fp32 before copying it out."""
+    itemsize = flat.itemsize
+    host_state = sum(s + o for s, o, _ in flat.state_parts)
+    host = (
+        flat.master
+        + sum(_blk(s * FP32_BYTES) + _blk(s * itemsize) for s in flat.slices)
+        + host_state
+        + _blk(flat.largest * itemsize)  # temp_grad_buffer_for_cpu_offload
+    )
+    gpu_temp = _blk(flat.largest * itemsize)
     notes.append(
-        "ZeRO-1: whole gradients until they are reduced after backward; the optimizer step "
-        f"works on this rank's 1/{n}"
+        "optimizer offloaded to CPU: fp32 master weights, their gradients and the optimizer "
+        "state in pinned host memory; the optimizer step runs on the CPU"
     )
+    comm = flat.ipg + gpu_temp
     return ZeroRank(
-        frozen=p.frozen,
-        trainable=trainable,
-        gradients=whole,
-        head_gradients=p.head_trainable,
-        embed_gradients=p.embed_trainable,
-        optimizer_state=state,
-        state_outside=outside,
-        # the step's scratch beyond what the reduction held
-        optimizer_temporaries=max(0, step_moment - reduce_moment),
+        frozen=flat.frozen,
+        trainable=flat.trainable,
+        gradients=0,
+        head_gradients=0,
+        embed_gradients=0,
+        optimizer_state=0,
+        state_outside=0,
+        optimizer_temporaries=0,
+        comm_forward=gpu_temp,
+        comm_backward=comm + flat.reducing + _blk(flat.largest * FP32_BYTES),
+        comm_step=gpu_temp,
+        host=host,
+        assumptions=tuple(notes),
+    )
+
+
+def _reduced_in_backward(job: _Job, flat: _Flat, scratch: int, notes: list[str]) -> ZeroRank:
+    """ZeRO-2, or ZeRO-1 with overlap_comm: gradients are reduced during backward into the
+    partition buffer; the rank that owns the last parameters holds it from the backward's
+    first reduction on."""
+    notes.append(
+        f"gradients reduced during backward into this rank's 1/{job.parallel.gpus} partition "
+        "buffer (contiguous_gradients)"
+    )
+    accumulated = 0
+    if job.accumulating:
+        # `independent_gradient_partition_epilogue` keeps each micro-batch's reduced
+        # gradients (`all_grad_tensors`, views of its partition buffer) and adds the next
+        # micro-batch's into them: the next backward fills a second partition buffer.
+        accumulated = flat.grads_in_partition
+        notes.append("gradient accumulation: a second partition buffer during each later backward")
+    return ZeroRank(
+        frozen=flat.frozen,
+        trainable=flat.trainable,
+        gradients=flat.grads_in_partition,
+        head_gradients=flat.grads_in_partition,
+        embed_gradients=0,
+        optimizer_state=flat.state + flat.master,
+        state_outside=flat.outside,
+        optimizer_temporaries=scratch,
         comm_forward=0,
-        comm_backward=ipg,
-        comm_step=grads_in_partition + ipg + collective,
+        comm_backward=flat.ipg + flat.reducing + accumulated,
+        comm_step=0,
         host=0,
         assumptions=tuple(notes),
     )
+
+
+def _reduced_after_backward(job: _Job, flat: _Flat, scratch: int, notes: list[str]) -> ZeroRank:
+    """ZeRO-1 without overlap_comm: whole gradients until `reduce_gradients` after backward,
+    which moves them bucket by bucket into the partition buffer; then the step."""
+    whole = flat.whole_gradients
+    reduce_moment = whole + flat.grads_in_partition + flat.ipg + flat.collective
+    step_moment = flat.grads_in_partition + scratch
+    notes.append(
+        "ZeRO-1: whole gradients until they are reduced after backward; the optimizer step "
+        f"works on this rank's 1/{job.parallel.gpus}"
+    )
+    return ZeroRank(
+        frozen=flat.frozen,
+        trainable=flat.trainable,
+        gradients=whole,
+        head_gradients=flat.head_trainable,
+        embed_gradients=flat.embed_trainable,
+        optimizer_state=flat.state + flat.master,
+        state_outside=flat.outside,
+        # the step's scratch beyond what the reduction held
+        optimizer_temporaries=max(0, step_moment - reduce_moment),
+        comm_forward=0,
+        comm_backward=flat.ipg,
+        comm_step=flat.grads_in_partition + flat.ipg + flat.collective,
+        host=0,
+        assumptions=tuple(notes),
+    )
+
+
+def _stage1_2(arch: ModelArch, job: _Job) -> ZeroRank:
+    par = job.parallel
+    cfg = zero_settings(arch, par)
+    flat = _flat(arch, job, cfg)
+    notes = _stage1_2_notes(job, cfg, flat)
+    if par.offload is not Offload.NONE:
+        return _offloaded_stage1_2(job, flat, notes)
+    check = _blk(min(flat.largest, max(flat.slices, default=0)) * OVERFLOW_CHECK_BYTES_PER_ELEMENT)
+    if job.dtype is DType.FP32:
+        check = 0  # engine.py `_configure_zero_optimizer`: no overflow check without bf16/fp16
+    temporaries = [t for _, _, t in flat.state_parts]
+    scratch = _step_scratch(flat.slices, temporaries, flat.itemsize, check)
+    if par.strategy is Strategy.ZERO2 or cfg.overlap_comm:
+        return _reduced_in_backward(job, flat, scratch, notes)
+    return _reduced_after_backward(job, flat, scratch, notes)
 
 
 def _model_order(arch: ModelArch, job: _Job) -> list[tuple[int, bool]]:
@@ -556,53 +614,37 @@ class Stage3Model(NamedTuple):
     layer_largest: int
 
 
-def stage3_rank(model: Stage3Model, cfg: ZeroSettings, job: _Job) -> ZeroRank:
-    """One rank of ZeRO-3 holding `model` with the settings `cfg`."""
-    par = job.parallel
-    n = par.gpus
-    itemsize = model.itemsize
+def _shard_elements(tensors: Sequence[_Tensor], n: int) -> int:
+    """Each parameter split into ceil(numel / N)-element shards in one flat buffer."""
+    return sum(t.count * _cdiv(t.elements, n) for t in tensors)
+
+
+def _persistent_bytes(tensors: Sequence[_Tensor], threshold: int, itemsize: int) -> int:
+    """Parameters of at most `threshold` elements, also kept whole once gathered (ds_persist)."""
+    return sum(t.count * _blk(t.elements * itemsize) for t in tensors if t.elements <= threshold)
+
+
+@dataclasses.dataclass(slots=True)
+class _Stage3Holding:
+    """What a ZeRO-3 rank holds, as the offloads move parts of it to the host."""
+
+    frozen: int
+    trainable: int
+    state: int
+    outside: int
+    scratch: int
+    grad_buffer: int  # grad_partitions_flat_buffer
+    gathered_turn: int  # gathered as the forward turns into the backward
+    gathered_layers: int  # gathered inside the layers' backward
+    host: int
+    notes: list[str]
+
+
+def _stage3_notes(
+    n: int, job: _Job, cfg: ZeroSettings, model: Stage3Model, sub_groups: list[int], turn: int
+) -> list[str]:
+    """The settings a ZeRO-3 rank runs with, and what happens at start-up."""
     threshold = cfg.persistence_threshold
-    # Every parameter, frozen ones too, is split into ceil(numel / N)-element shards in one
-    # flat buffer; parameters of at most `threshold` elements are also kept whole once gathered
-    # (ds_persist).
-    full = job.method is Method.FULL
-    frozen_tensors = model.frozen
-    train_tensors = model.trainable
-
-    def shard(tensors: Sequence[_Tensor]) -> int:
-        return sum(t.count * _cdiv(t.elements, n) for t in tensors)
-
-    def persistent(tensors: Sequence[_Tensor]) -> int:
-        return sum(
-            t.count * _blk(t.elements * itemsize) for t in tensors if t.elements <= threshold
-        )
-
-    train_shard = shard(train_tensors)
-    frozen_bytes = _blk(shard(frozen_tensors) * itemsize) + persistent(frozen_tensors)
-    trainable_bytes = _blk(train_shard * itemsize) + persistent(train_tensors)
-    largest = max((t.elements for t in train_tensors), default=0)
-
-    sub_groups = [
-        min(ZERO3_SUB_GROUP_SIZE, train_shard - i)
-        for i in range(0, train_shard, ZERO3_SUB_GROUP_SIZE)
-    ]
-    state_parts = [_optimizer_state(_fp32_partitions([s]), job.optim) for s in sub_groups]
-    master = sum(_blk(s * FP32_BYTES) for s in sub_groups)
-    state = master + sum(s for s, _, _ in state_parts)
-    outside = sum(o for _, o, _ in state_parts)
-    grad_buffer = _blk(train_shard * itemsize)  # grad_partitions_flat_buffer
-    bucket = _blk(cfg.reduce_bucket_size * itemsize) if cfg.contiguous_gradients else 0
-    # Reducing: the newest gradient (the largest trainable parameter's, whole) and the flat
-    # copy `reduce_scatter_coalesced` makes of the gradients a bucket holds: no more than the
-    # bucket, and no more than every trainable parameter's (a LoRA job's fill a small part).
-    filled = min(cfg.reduce_bucket_size, sum(t.elements * t.count for t in train_tensors))
-    reducing = _blk(largest * itemsize) + _blk(filled * itemsize)
-
-    turn, layers_peak = gathered_elements(
-        model.modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
-    )
-    gathered_turn = _blk(turn * itemsize)
-    gathered_layers = _blk(layers_peak * itemsize)
     notes = [
         (
             f"ZeRO-3 over {n} GPUs (DeepSpeed v0.19.5): {job.dtype} parameters, gradients, fp32 "
@@ -615,75 +657,138 @@ def stage3_rank(model: Stage3Model, cfg: ZeroSettings, job: _Job) -> ZeroRank:
         f"parameters gathered module by module, with up to {cfg.prefetch_bucket_size:,} elements "
         f"prefetched (at most {cfg.max_live_parameters:,} live); at the forward's end the last "
         f"modules stay gathered for the backward (max_reuse_distance "
-        f"{ZERO3_MAX_REUSE_DISTANCE:,}): {gathered_turn / GIB:.2f} GiB",
+        f"{ZERO3_MAX_REUSE_DISTANCE:,}): {turn / GIB:.2f} GiB",
         f"reduce bucket of {cfg.reduce_bucket_size:,} elements for the whole run",
     ]
-    if par.offload is Offload.NONE and sub_groups:
+    if job.parallel.offload is Offload.NONE and sub_groups:
         # stage3.py `initialize_optimizer_states`: a zeroed fp32 buffer as large as the
         # largest sub-group's parameters whole (`ds_numel`), freed once the states exist.
         start_up = _blk(
-            min(sub_groups[0] * n, sum(t.elements * t.count for t in train_tensors)) * FP32_BYTES
+            min(sub_groups[0] * n, sum(t.elements * t.count for t in model.trainable)) * FP32_BYTES
         )
         notes.append(
             f"not a phase here: at start-up DeepSpeed briefly allocates a {start_up / GIB:.2f} "
             "GiB fp32 buffer for the optimizer's first sub-group (initialize_optimizer_states)"
         )
-    if job.dtype is not DType.FP32 and not full:
+    if job.dtype is not DType.FP32 and job.method is not Method.FULL:
         notes.append(f"DeepSpeed casts every floating parameter, adapters included, to {job.dtype}")
+    return notes
+
+
+def _stage3_holding(model: Stage3Model, cfg: ZeroSettings, job: _Job) -> _Stage3Holding:
+    """A ZeRO-3 rank's shards, master weights, optimizer state and gathered parameters, before
+    any offload."""
+    n = job.parallel.gpus
+    itemsize = model.itemsize
+    threshold = cfg.persistence_threshold
+    train_shard = _shard_elements(model.trainable, n)
+    sub_groups = [
+        min(ZERO3_SUB_GROUP_SIZE, train_shard - i)
+        for i in range(0, train_shard, ZERO3_SUB_GROUP_SIZE)
+    ]
+    state_parts = [_optimizer_state(_fp32_partitions([s]), job.optim) for s in sub_groups]
+    master = sum(_blk(s * FP32_BYTES) for s in sub_groups)
+    turn, layers_peak = gathered_elements(
+        model.modules, threshold, cfg.prefetch_bucket_size, cfg.max_live_parameters
+    )
+    gathered_turn = _blk(turn * itemsize)
+    notes = _stage3_notes(n, job, cfg, model, sub_groups, gathered_turn)
     check = _blk(train_shard * BOOL_BYTES) if job.dtype is not DType.FP32 else 0
-    scratch = _step_scratch(sub_groups, [t for _, _, t in state_parts], itemsize, check)
-    host = 0
+    frozen_shard = _shard_elements(model.frozen, n)
+    return _Stage3Holding(
+        frozen=_blk(frozen_shard * itemsize) + _persistent_bytes(model.frozen, threshold, itemsize),
+        trainable=_blk(train_shard * itemsize)
+        + _persistent_bytes(model.trainable, threshold, itemsize),
+        state=master + sum(s for s, _, _ in state_parts),
+        outside=sum(o for _, o, _ in state_parts),
+        scratch=_step_scratch(sub_groups, [t for _, _, t in state_parts], itemsize, check),
+        grad_buffer=_blk(train_shard * itemsize),
+        gathered_turn=gathered_turn,
+        gathered_layers=_blk(layers_peak * itemsize),
+        host=0,
+        notes=notes,
+    )
+
+
+def _stage3_offload_optimizer(held: _Stage3Holding, model: Stage3Model, n: int) -> None:
+    """stage3.py with offload_optimizer: the fp32 shards, their fp32 gradients, the gradient
+    partition buffer and the optimizer state in pinned host memory; the step runs there."""
+    train_shard = _shard_elements(model.trainable, n)
+    held.host += held.state + held.outside + _blk(train_shard * FP32_BYTES) + held.grad_buffer
+    held.state = held.outside = held.scratch = held.grad_buffer = 0
+    held.notes.append(
+        "optimizer offloaded to CPU: fp32 master weights, gradients and optimizer state in "
+        "pinned host memory"
+    )
+
+
+def _stage3_offload_params(
+    held: _Stage3Holding, model: Stage3Model, n: int, threshold: int
+) -> None:
+    """partition_parameters.py with offload_param: the shards live in pinned host memory; the
+    GPU holds the persistent parameters and what is gathered."""
+    itemsize = model.itemsize
+    frozen_shard = _shard_elements(model.frozen, n)
+    train_shard = _shard_elements(model.trainable, n)
+    held.host += _blk(frozen_shard * itemsize) + _blk(train_shard * itemsize)
+    held.frozen = _persistent_bytes(model.frozen, threshold, itemsize)
+    held.trainable = _persistent_bytes(model.trainable, threshold, itemsize)
+    # partition_parameters.py `all_gather_coalesced`, one parameter: its host shard is copied
+    # to the GPU (`param_ds_tensor.to(device)`) as the all-gather's input, held by the
+    # collective until the gathered buffer is waited on: a shard beside the whole parameter
+    # while it is gathered. As the forward ends that is the LM head (the largest), inside
+    # backward a layer's largest.
+    largest_gathered = max((e for m in model.modules for e in m if e > threshold), default=0)
+    shard_copy = _blk(_cdiv(largest_gathered, n) * itemsize)
+    held.gathered_turn += shard_copy
+    if model.layer_largest > threshold:
+        held.gathered_layers += _blk(_cdiv(model.layer_largest, n) * itemsize)
+    held.notes.append(
+        "parameters offloaded to CPU: only gathered ones on the GPU, each gathered from a "
+        f"copy of its host shard (up to {shard_copy / GIB:.2f} GiB beside the gathered "
+        "parameter)"
+    )
+
+
+def stage3_rank(model: Stage3Model, cfg: ZeroSettings, job: _Job) -> ZeroRank:
+    """One rank of ZeRO-3 holding `model` with the settings `cfg`."""
+    par = job.parallel
+    n = par.gpus
+    itemsize = model.itemsize
+    held = _stage3_holding(model, cfg, job)
+    train_tensors = model.trainable
+    bucket = _blk(cfg.reduce_bucket_size * itemsize) if cfg.contiguous_gradients else 0
+    # Reducing: the newest gradient (the largest trainable parameter's, whole) and the flat
+    # copy `reduce_scatter_coalesced` makes of the gradients a bucket holds: no more than the
+    # bucket, and no more than every trainable parameter's (a LoRA job's fill a small part).
+    largest = max((t.elements for t in train_tensors), default=0)
+    filled = min(cfg.reduce_bucket_size, sum(t.elements * t.count for t in train_tensors))
+    reducing = _blk(largest * itemsize) + _blk(filled * itemsize)
     if par.offload is not Offload.NONE:
-        # stage3.py with offload_optimizer: the fp32 shards, their fp32 gradients, the gradient
-        # partition buffer and the optimizer state in pinned host memory; the step runs there.
-        host += state + outside + _blk(train_shard * FP32_BYTES) + grad_buffer
-        state = outside = scratch = grad_buffer = 0
-        notes.append(
-            "optimizer offloaded to CPU: fp32 master weights, gradients and optimizer state in "
-            "pinned host memory"
-        )
+        _stage3_offload_optimizer(held, model, n)
     if par.offload is Offload.OPTIMIZER_AND_PARAMS:
-        # partition_parameters.py with offload_param: the shards live in pinned host memory;
-        # the GPU holds the persistent parameters and what is gathered.
-        host += _blk(shard(frozen_tensors) * itemsize) + _blk(train_shard * itemsize)
-        frozen_bytes = persistent(frozen_tensors)
-        trainable_bytes = persistent(train_tensors)
-        # partition_parameters.py `all_gather_coalesced`, one parameter: its host shard is
-        # copied to the GPU (`param_ds_tensor.to(device)`) as the all-gather's input, held by the
-        # collective until the gathered buffer is waited on: a shard beside the whole parameter
-        # while it is gathered. As the forward ends that is the LM head (the largest), inside
-        # backward a layer's largest.
-        largest_gathered = max((e for m in model.modules for e in m if e > threshold), default=0)
-        shard_copy = _blk(_cdiv(largest_gathered, n) * itemsize)
-        gathered_turn += shard_copy
-        if model.layer_largest > threshold:
-            gathered_layers += _blk(_cdiv(model.layer_largest, n) * itemsize)
-        notes.append(
-            "parameters offloaded to CPU: only gathered ones on the GPU, each gathered from a "
-            f"copy of its host shard (up to {shard_copy / GIB:.2f} GiB beside the gathered "
-            "parameter)"
-        )
-    forward = bucket + gathered_turn
+        _stage3_offload_params(held, model, n, cfg.persistence_threshold)
+    forward = bucket + held.gathered_turn
     if not job.accumulating:
         # The gradient partition buffer exists from start-up, the forward included; the step
         # counts gradients at the forward's end only when accumulating, so it goes here.
-        forward += grad_buffer
-        notes.append(
+        forward += held.grad_buffer
+        held.notes.append(
             "the gradient partition buffer exists from start-up: at the forward's end it is "
             "counted with the communication buffers"
         )
     return ZeroRank(
-        frozen=frozen_bytes,
-        trainable=trainable_bytes,
-        gradients=grad_buffer,
-        head_gradients=grad_buffer,
+        frozen=held.frozen,
+        trainable=held.trainable,
+        gradients=held.grad_buffer,
+        head_gradients=held.grad_buffer,
         embed_gradients=0,
-        optimizer_state=state,
-        state_outside=outside,
-        optimizer_temporaries=scratch,
+        optimizer_state=held.state,
+        state_outside=held.outside,
+        optimizer_temporaries=held.scratch,
         comm_forward=forward,
-        comm_backward=bucket + max(gathered_turn, gathered_layers) + reducing,
+        comm_backward=bucket + max(held.gathered_turn, held.gathered_layers) + reducing,
         comm_step=bucket,
-        host=host,
-        assumptions=tuple(notes),
+        host=held.host,
+        assumptions=tuple(held.notes),
     )
