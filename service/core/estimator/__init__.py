@@ -19,12 +19,7 @@ latent attention, MoE layers and model states); `lora_targets` (which modules PE
 Other code imports the names below from this package, not from its modules.
 """
 
-from service.core.estimator.activations import (
-    LayerFlow,
-    layer_flow,
-    layer_saved_bytes,
-    litgpt_zero_pad_width,
-)
+from service.core.estimator.activations import layer_saved_bytes
 from service.core.estimator.adalora import ALLOCATOR_BUFFERS, AdaLoraParts, adalora_parts
 from service.core.estimator.deepseek import (
     ModelStates,
@@ -34,6 +29,7 @@ from service.core.estimator.deepseek import (
 )
 from service.core.estimator.grpo import buffered_inputs, kv_cache_bytes
 from service.core.estimator.kto import KL_BATCH_TENSORS, kto_policy_spec, kto_shape
+from service.core.estimator.layer_flow import LayerFlow, layer_flow, litgpt_zero_pad_width
 from service.core.estimator.lora_targets import (
     LoraTargets,
     deepseek_lora_targets,

@@ -29,7 +29,8 @@ from service.core.estimator.preference import (
     fused_head_phases,
     head_dtypes,
 )
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Step, _step
+from service.core.estimator.step_context import _Moment
 from service.core.libs.transformers import KV_TENSORS, PREFILL_HIDDEN, PREFILL_INTERMEDIATES
 from service.core.result import COMPONENT_ORDER, Component, Phase
 from service.core.spec import LossImpl, Objective, TrainingSpec

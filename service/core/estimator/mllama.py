@@ -43,7 +43,8 @@ from service.core.architecture_mllama import (
 from service.core.device import CUBLASLT_WORKSPACE
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.ledger import _blk
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Step, _step
+from service.core.estimator.step_context import _Moment
 from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD as EFFICIENT_LSE_ALIGN
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, SdpaKernel, TrainingSpec
 from service.core.spec.vision import check_sequence

@@ -4,7 +4,7 @@ forward holds at its softmax, where these models peak at long sequences."""
 from __future__ import annotations
 
 from service.core.architecture import ModelArch
-from service.core.estimator.activations import LayerFlow
+from service.core.estimator.layer_flow import LayerFlow
 from service.core.estimator.ledger import _blk
 from service.core.spec import AttnImpl, TrainingSpec
 from service.core.units import FP32_BYTES

@@ -20,7 +20,8 @@ from typing import NamedTuple
 from service.core.architecture import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.preference import head_dtypes, step_phases
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Step, _step
+from service.core.estimator.step_context import _Moment
 from service.core.libs.trl import PAIR_SIDES
 from service.core.result import Phase
 from service.core.spec import LossImpl, Objective, TrainingSpec

@@ -23,7 +23,8 @@ from service.core.estimator.plan import _Plan
 from service.core.estimator.preference import DpoStep, dpo_step, policy_spec
 from service.core.estimator.reward import reward_arch, reward_spec, reward_step
 from service.core.estimator.seq2seq import seq2seq_estimate, seq2seq_peak_levels
-from service.core.estimator.step import PHASES, _check_modelled, _Step, _step, check_liger
+from service.core.estimator.step import PHASES, _Step, _step
+from service.core.estimator.step_context import _check_modelled, check_liger
 from service.core.estimator.symbolic import Compiled
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty

@@ -17,12 +17,7 @@ from service.core.architecture import (
     module_order,
 )
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
-from service.core.estimator.activations import (
-    LayerFlow,
-    _layer_recipe,
-    kept_past_checkpoints,
-    layer_flow,
-)
+from service.core.estimator.activations import _layer_recipe, kept_past_checkpoints
 from service.core.estimator.adapter import (
     ADAPTER_START_LAYER,
     adapter_tensors,
@@ -31,6 +26,7 @@ from service.core.estimator.adapter import (
     is_v2,
 )
 from service.core.estimator.deepseek import deepseek_weights, dense_arch
+from service.core.estimator.layer_flow import LayerFlow, layer_flow
 from service.core.estimator.layout import RankLayout, whole_layout
 from service.core.estimator.ledger import _blk, _Kind
 from service.core.estimator.loss import _litgpt_dequant_bytes

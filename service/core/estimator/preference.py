@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 from service.core.architecture import LinearKind, ModelArch
 from service.core.estimator.ledger import _blk
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Step, _step
+from service.core.estimator.step_context import _Moment
 from service.core.libs.trl import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB
 from service.core.result import Phase
 from service.core.spec import AttnImpl, LossImpl, Method, Objective, TrainingSpec

@@ -23,7 +23,8 @@ from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.preference import without_dropout
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Step, _step
+from service.core.estimator.step_context import _Moment
 from service.core.spec import LossImpl, Method, Objective, TrainingSpec
 from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, FP32_BYTES, HALF_BYTES
 

@@ -30,7 +30,8 @@ from service.core.architecture_vision import VisionArch, image_grid
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.mllama import mllama_step
-from service.core.estimator.step import _Moment, _Step, _step
+from service.core.estimator.step import _Step, _step
+from service.core.estimator.step_context import _Moment
 from service.core.estimator.weights import _quantized_matrix_bytes
 from service.core.spec import ALL_LINEAR, AttnImpl, Method, TrainingSpec
 from service.core.spec.vision import check_sequence
