@@ -39,7 +39,6 @@ from service.core.units import (
 
 
 @dataclass(frozen=True, slots=True)
-@dataclass(frozen=True, slots=True)
 class LayerFlow:
     """Element sizes of the tensors flowing through a layer."""
 
