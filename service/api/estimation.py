@@ -42,7 +42,8 @@ from service.api.schemas import (
 from service.calibration.provider import CalibratedPeaks, FactorProvider
 from service.catalog.gpus import Gpu, GpuCatalog, UnknownGpuError
 from service.catalog.models import CatalogEntry, ModelCatalog
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
+from service.core.arch.hf_config import from_hf_config
 from service.core.cold import ColdWorkOverBudget
 from service.core.errors import EstimatorError, InvalidSpecError, UnknownModelError
 from service.core.estimator import (
@@ -53,7 +54,6 @@ from service.core.estimator import (
     shape_levels,
 )
 from service.core.fit import GpuOffer, Requirement, Suggestion, check_fit, usable_bytes
-from service.core.hf_config import from_hf_config
 from service.core.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from service.core.placement import Placement, place
 from service.core.result import Estimate, Levels

@@ -17,9 +17,9 @@ from importlib.resources.abc import Traversable
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
+from service.core.arch.hf_config import from_hf_config
 from service.core.errors import UnknownModelError
-from service.core.hf_config import from_hf_config
 
 T = TypeVar("T")
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from service.cli.job_flags import add_job_flags, field_options, given_fields
 from service.core.allocator import alloc_conf_values
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
+from service.core.arch.hf_config import from_hf_config
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import EstimatorError, InvalidConfigError, InvalidSpecError
-from service.core.hf_config import from_hf_config
 from service.core.parallel_config import parallel_from_deepspeed, parallel_from_fsdp
 from service.core.spec import (
     ADAPTER_METHODS,

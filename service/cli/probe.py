@@ -35,7 +35,7 @@ from service.core.errors import InvalidSpecError
 from service.core.units import GIB
 
 if TYPE_CHECKING:
-    from service.core.architecture import ModelArch
+    from service.core.arch import ModelArch
     from service.core.result import Estimate
     from service.core.spec import TrainingSpec
     from service.trace.probe import DeviceReadings, ProbeRun, Runner

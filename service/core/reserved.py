@@ -19,7 +19,7 @@ from service.core.allocator import (
     CachingAllocator,
     FrozenState,
 )
-from service.core.architecture import (
+from service.core.arch import (
     COMPOSITE_TANH_GELU,
     SCORE_OUTPUTS,
     Linear,

@@ -19,9 +19,9 @@ from typing import Any
 import bitsandbytes as bnb
 import torch
 
-from service.core.architecture_mllama import MLLAMA_MODEL_TYPE
-from service.core.architecture_vision import VISION_MODEL_TYPES
-from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
+from service.core.arch.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
+from service.core.arch.mllama import MLLAMA_MODEL_TYPE
+from service.core.arch.vision import VISION_MODEL_TYPES
 from service.core.result import Component
 from service.core.spec import (
     ALL_LINEAR,

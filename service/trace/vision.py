@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from service.core.architecture_mllama import MLLAMA_MODEL_TYPE, aspect_ratios, tile_grid
-from service.core.architecture_vision import VISION_MODEL_TYPES, image_grid
-from service.core.hf_config import from_hf_config
+from service.core.arch.hf_config import from_hf_config
+from service.core.arch.mllama import MLLAMA_MODEL_TYPE, aspect_ratios, tile_grid
+from service.core.arch.vision import VISION_MODEL_TYPES, image_grid
 from service.core.spec import TrainingSpec
 
 # transformers Qwen2VLConfig / Qwen2_5_VLConfig image_token_id default.

@@ -13,8 +13,8 @@ from service.catalog.models import (
     arch_from_config,
     default_catalog,
 )
+from service.core.arch.hf_config import from_hf_config
 from service.core.errors import UnknownModelError
-from service.core.hf_config import from_hf_config
 
 # Computed totals must match the published ones this closely: exact counts differ only by
 # non-parameter buffers (Llama-2's rotary inv_freq), rounded ones by their rounding.

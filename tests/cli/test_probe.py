@@ -21,8 +21,8 @@ from service.api.schemas import JobSpec
 from service.cli import probe as probe_cli
 from service.cli.main import build_parser, main
 from service.cli.options import spec_from_args
+from service.core.arch.hf_config import from_hf_config
 from service.core.estimator import estimate
-from service.core.hf_config import from_hf_config
 from service.core.result import Estimate
 from service.core.spec import LoraSpec, Method, TrainingSpec
 from service.store.keys import KeyScope

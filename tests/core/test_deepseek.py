@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture import LinearKind
+from service.core.arch import LinearKind
+from service.core.arch.hf_config import from_hf_config
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import (
     deepseek_layer_trainable,
@@ -18,7 +19,6 @@ from service.core.estimator import (
     deepseek_weights,
     estimate,
 )
-from service.core.hf_config import from_hf_config
 from service.core.result import Component
 from service.core.spec import (
     AttnImpl,

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
+from service.core.arch.hf_config import from_hf_config
 from service.core.device import REFERENCE_COMPUTE_CAPABILITY
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate, peak_levels
-from service.core.hf_config import from_hf_config
 from service.core.result import Component
 from service.core.spec import (
     AttnImpl,

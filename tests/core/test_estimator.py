@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from service.core.arch.hf_config import from_hf_config
 from service.core.errors import InvalidSpecError
 from service.core.estimator import (
     adapted_linears,
@@ -12,7 +13,6 @@ from service.core.estimator import (
     layer_saved_bytes,
     litgpt_zero_pad_width,
 )
-from service.core.hf_config import from_hf_config
 from service.core.result import Component, Phase
 from service.core.spec import (
     AttnImpl,

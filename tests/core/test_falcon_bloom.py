@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture import LinearKind, MlpKind, NormKind
+from service.core.arch import LinearKind, MlpKind, NormKind
+from service.core.arch.hf_config import from_hf_config
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
-from service.core.hf_config import from_hf_config
 from service.core.spec import ALL_LINEAR, AttnImpl, LoraSpec, Method, SdpaKernel, TrainingSpec
 from service.core.units import DType
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from service.catalog.gpus import default_gpu_catalog
 from service.catalog.models import default_catalog
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.estimator import default_target_modules, estimate, peak_levels, shape_levels
 from service.core.fit import (

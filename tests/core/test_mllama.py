@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture_mllama import tile_grid
+from service.core.arch.hf_config import from_hf_config
+from service.core.arch.mllama import tile_grid
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate
-from service.core.hf_config import from_hf_config
 from service.core.spec import AttnImpl, LoraSpec, Method, QuantSpec, SdpaKernel, TrainingSpec
 from service.core.spec.vision import SequenceTooShortError, VisionInputs
 from service.core.units import DType

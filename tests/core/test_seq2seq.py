@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture import MlpKind, ModelArch
+from service.core.arch import MlpKind, ModelArch
+from service.core.arch.hf_config import from_hf_config
 from service.core.codec import spec_from_dict, spec_to_dict
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator import estimate, peak_levels
-from service.core.hf_config import from_hf_config
 from service.core.result import Component, Phase
 from service.core.spec import (
     ZERO3_PARAM_PERSISTENCE_THRESHOLD,

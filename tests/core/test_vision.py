@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from service.catalog.models import default_catalog
-from service.core.architecture_vision import (
+from service.core.arch.vision import (
     DEFAULT_MAX_PIXELS,
     image_grid,
     image_tokens,

@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import pytest
 
+from service.core.arch.hf_config import from_hf_config
 from service.core.estimator import estimate, gathered_elements, zero_settings
-from service.core.hf_config import from_hf_config
 from service.core.result import Component, Phase
 from service.core.spec import (
     LoraSpec,

@@ -11,8 +11,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from service.core.arch.hf_config import from_hf_config
 from service.core.estimator import deepseek_model_states
-from service.core.hf_config import from_hf_config
 from service.core.result import Component
 from service.core.spec import LoraSpec, Method, Optim, QuantSpec, TrainingSpec
 from service.trace.runner import trace

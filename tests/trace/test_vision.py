@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import transformers
 
-from service.core.architecture_vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, smart_resize
+from service.core.arch.vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, smart_resize
 from service.core.spec import TrainingSpec
 from service.core.spec.vision import VisionInputs
 from service.trace import vision
@@ -95,9 +95,9 @@ def test_the_estimate_refuses_exactly_the_targets_peft_finds_in_the_tower(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from service.core.arch.hf_config import from_hf_config
     from service.core.errors import InvalidSpecError
     from service.core.estimator import estimate
-    from service.core.hf_config import from_hf_config
     from service.core.spec import LoraSpec
 
     values = dict(
@@ -159,8 +159,8 @@ def _transformers_tiled_canvas() -> Any:
 def test_tile_grid_is_the_processors(height: int, width: int) -> None:
     import json
 
-    from service.core.architecture_mllama import tile_grid
-    from service.core.hf_config import from_hf_config
+    from service.core.arch.hf_config import from_hf_config
+    from service.core.arch.mllama import tile_grid
 
     tower = from_hf_config(json.loads(MLLAMA_CATALOG.read_text())["config"]).mllama
     assert tower is not None
@@ -216,9 +216,9 @@ def test_the_mllama_estimate_refuses_exactly_the_targets_peft_finds_in_the_tower
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from service.core.arch.hf_config import from_hf_config
     from service.core.errors import InvalidSpecError
     from service.core.estimator import estimate
-    from service.core.hf_config import from_hf_config
     from service.core.spec import LoraSpec
 
     values = dict(json.loads(MLLAMA_CATALOG.read_text())["config"])

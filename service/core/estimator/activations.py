@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from service.core.architecture import (
+from service.core.arch import (
     COMPOSITE_TANH_GELU,
     Linear,
     LinearKind,

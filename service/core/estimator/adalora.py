@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.weights import adapted_linears
 from service.core.spec import Method, ResolvedSpec

@@ -17,7 +17,7 @@ Under `--precision bf16-true` every parameter is bf16 (Fabric converts the modul
 
 from __future__ import annotations
 
-from service.core.architecture import ModelArch, NormKind
+from service.core.arch import ModelArch, NormKind
 from service.core.errors import InvalidConfigError
 from service.core.estimator.ledger import _Kind, _Ledger
 from service.core.spec import Method, ResolvedSpec

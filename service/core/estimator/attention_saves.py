@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.ledger import _Kind, _Ledger
 from service.core.spec import AttnImpl, SdpaKernel
 from service.core.units import FP32_BYTES, HALF_BYTES

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from service.core.architecture import Linear, LinearKind, ModelArch
+from service.core.arch import Linear, LinearKind, ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _Kind, _Ledger
 from service.core.estimator.lora_targets import FUSED_TARGETS, deepseek_lora_targets

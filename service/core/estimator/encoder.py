@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from service.core.allocator import AllocatorConfig, CachingAllocator
-from service.core.architecture import Linear, ModelArch
+from service.core.arch import Linear, ModelArch
 from service.core.cold import starting_cold_work
 from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
 from service.core.errors import InvalidSpecError

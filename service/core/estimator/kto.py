@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.preference import (
     TILE_TOKENS,

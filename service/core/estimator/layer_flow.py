@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.core.architecture import (
+from service.core.arch import (
     Linear,
     LinearKind,
     ModelArch,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from service.core.architecture import EXPERTS_PREFIX, Linear, LinearKind, ModelArch
+from service.core.arch import EXPERTS_PREFIX, Linear, LinearKind, ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.spec import Method, QuantType, TrainingSpec
 from service.core.stack import check_stack

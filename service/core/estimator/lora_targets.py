@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.spec import ALL_LINEAR, LoraSpec
 

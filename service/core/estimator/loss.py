@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.libs.bitsandbytes import NF4_BLOCK
 from service.core.liger import liger_chunk_rows

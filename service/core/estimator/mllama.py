@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from service.core.architecture import ModelArch
-from service.core.architecture_mllama import (
+from service.core.arch import ModelArch
+from service.core.arch.mllama import (
     EXTRA_EMBEDDING_ROWS,
     MllamaVision,
     tile_grid,

@@ -3,7 +3,7 @@ forward holds at its softmax, where these models peak at long sequences."""
 
 from __future__ import annotations
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.layer_flow import LayerFlow
 from service.core.estimator.ledger import _blk
 from service.core.spec import AttnImpl, TrainingSpec

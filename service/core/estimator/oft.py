@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from service.core.architecture import Linear
+from service.core.arch import Linear
 from service.core.estimator.ledger import _Kind, _Ledger
 from service.core.spec.delta import BoftSpec, OftSpec
 from service.core.units import FP32_BYTES

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.spec import AttnImpl, SdpaKernel, TrainingSpec
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.layout import RankLayout
 from service.core.estimator.ledger import _blk
 from service.core.estimator.plan import _Plan

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.answer import estimate_from

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.cold import ColdWorkRefused, continuing_cold_work
 from service.core.estimator.plan import _Plan
 from service.core.estimator.symbolic import Compiled, Trace, compile_record, is_shape

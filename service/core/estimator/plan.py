@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from service.core.allocator import AllocatorConfig
-from service.core.architecture import (
+from service.core.arch import (
     SCORE_OUTPUTS,
     Linear,
     LinearKind,

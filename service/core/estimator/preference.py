@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from service.core.architecture import LinearKind, ModelArch
+from service.core.arch import LinearKind, ModelArch
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import _Step, _step
 from service.core.estimator.step_context import _Moment

@@ -14,7 +14,7 @@ SDPA runs the mem-efficient kernel with key and value repeated to the query head
 
 from __future__ import annotations
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.spec import AttnImpl, Method, SdpaKernel, TrainingSpec

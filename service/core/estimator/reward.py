@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
+from service.core.arch import LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk, _recipe_bytes
 from service.core.estimator.preference import without_dropout

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from service.core.architecture import Linear, ModelArch
+from service.core.arch import Linear, ModelArch
+from service.core.arch.hf_t5 import T5_GATED_GELU_ACT
 from service.core.cold import starting_cold_work
 from service.core.device import cublas_workspace, device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
@@ -35,7 +36,6 @@ from service.core.estimator.ledger import _blk
 from service.core.estimator.seq2seq_zero import seq2seq_stage3
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.zero import ZeroRank
-from service.core.hf_t5 import T5_GATED_GELU_ACT
 from service.core.libs.torch_allocator import MIN_BLOCK as SCALAR_BLOCK
 from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD, LOSS_SCALARS
 from service.core.overhead import Uncertainty, levels

@@ -21,7 +21,7 @@ live, not what autograd saves.
 
 from __future__ import annotations
 
-from service.core.architecture import Linear, ModelArch
+from service.core.arch import Linear, ModelArch
 from service.core.estimator.weights import _Tensor
 from service.core.estimator.zero import Stage3Model, ZeroRank, _Job, stage3_rank, zero_settings
 from service.core.spec import ResolvedSpec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.estimator.moments import (
     _BACKWARD_MOMENTS,
     _BACKWARD_PASSES,

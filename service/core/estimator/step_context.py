@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from service.core.architecture import ModelArch, NormKind
+from service.core.arch import ModelArch, NormKind
 from service.core.cold import starting_cold_work
 from service.core.errors import InvalidSpecError
 from service.core.estimator.adalora import AdaLoraParts, adalora_parts

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.arch import Linear, LinearKind, MlpKind, ModelArch, NormKind
 from service.core.errors import InvalidConfigError, InvalidSpecError
 from service.core.estimator.prefix import check_prefix_attention, prefix_tensors
 from service.core.estimator.weights import adapted_linears

@@ -6,7 +6,7 @@ import math
 from enum import Enum
 from functools import lru_cache
 
-from service.core.architecture import Linear, ModelArch
+from service.core.arch import Linear, ModelArch
 from service.core.overhead import Uncertainty
 from service.core.spec import ZERO_STAGES, Framework, Method, Strategy, TrainingSpec
 from service.core.units import DTYPE_BYTES, DType

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from service.core.architecture import ModelArch
-from service.core.architecture_vision import VisionArch, image_grid
+from service.core.arch import ModelArch
+from service.core.arch.vision import VisionArch, image_grid
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.mllama import mllama_step

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from service.core.architecture import SCORE_OUTPUTS, Linear, ModelArch, NormKind
+from service.core.arch import SCORE_OUTPUTS, Linear, ModelArch, NormKind
 from service.core.errors import InvalidSpecError
 from service.core.estimator.ledger import _blk
 from service.core.estimator.lora_targets import deepseek_lora_targets, default_target_modules

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
-from service.core.architecture import Linear, ModelArch, NormKind
+from service.core.arch import Linear, ModelArch, NormKind
 from service.core.estimator.layer_flow import LayerFlow
 from service.core.estimator.ledger import _blk
 from service.core.estimator.weights import _optimizer_state, _Params, _params, _Tensor

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from service.core.architecture import ModelArch
+from service.core.arch import ModelArch
 from service.core.libs.optimizers import Updater
 
 HALF_BYTES = 2  # autocast's bf16 / fp16

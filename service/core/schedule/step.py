@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.core.architecture import SCORE_OUTPUTS
+from service.core.arch import SCORE_OUTPUTS
 from service.core.libs.optimizers import FP32_COPIES, Updater
 from service.core.libs.peft import LORAFA_AUTOCAST_BYTES
 from service.core.libs.trl import DPO_RUNNING_STATS, DPO_TILE_TOKENS, DPO_TILE_VOCAB, PAIR_SIDES

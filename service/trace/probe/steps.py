@@ -60,7 +60,7 @@ def _labels(model: Any, ids: Any, spec: TrainingSpec) -> Any:
     """A causal LM's labels are its input ids; a sequence classifier's (an encoder's) one
     class id per sequence (a single row when `ids` is one sequence); an encoder-decoder's
     `target_length` token ids (the first input id repeated)."""
-    from service.core.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
+    from service.core.arch.hf_config import ENCODER_DECODER_MODEL_TYPES, ENCODER_MODEL_TYPES
 
     model_type = getattr(model.config, "model_type", "")
     if model_type in ENCODER_DECODER_MODEL_TYPES:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, field, replace
 from enum import StrEnum
 
-from service.core.architecture_mllama import EXTRA_EMBEDDING_ROWS, MllamaVision
-from service.core.architecture_vision import VisionArch
+from service.core.arch.mllama import EXTRA_EMBEDDING_ROWS, MllamaVision
+from service.core.arch.vision import VisionArch
 from service.core.errors import InvalidConfigError
 
 

@@ -1,4 +1,4 @@
-"""The structure hooks of the model families (service/core/hf_config.py FAMILIES): what a
+"""The structure hooks of the model families (service/core/arch/hf_config.py FAMILIES): what a
 family builds beyond the modules its descriptor lists, each reading the config and completing
 the fields of the ModelArch being read."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from service.core.architecture import Linear, LinearKind
+from service.core.arch import Linear, LinearKind
+from service.core.arch.hf_values import Config, Fields, dropout, linear
 from service.core.errors import InvalidConfigError
-from service.core.hf_values import Config, Fields, dropout, linear
 
 # Gemma3TextConfig's sliding_window_pattern default: every sixth layer attends globally.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6

@@ -1,7 +1,7 @@
 """Architectures from a model's `config.json` as published on the Hugging Face Hub: each
-supported `model_type` belongs to a Family (service/core/hf_values.py) in FAMILIES, which names
+supported `model_type` belongs to a Family (service/core/arch/hf_values.py) in FAMILIES, which names
 the modules as transformers builds them, and one reader builds the ModelArch of any family
-(service/core/architecture.py holds what it builds)."""
+(service/core/arch/__init__.py holds what it builds)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from service.core.architecture import LinearKind, MlpKind, ModelArch, NormKind
-from service.core.architecture_mllama import MLLAMA_MODEL_TYPE, mllama_from_config
-from service.core.architecture_vision import VISION_MODEL_TYPES, vision_from_config
-from service.core.errors import InvalidConfigError
-from service.core.hf_structure import (
+from service.core.arch import LinearKind, MlpKind, ModelArch, NormKind
+from service.core.arch.hf_structure import (
     bert_classifier,
     bloom_heads,
     bloom_prepare,
@@ -24,8 +21,11 @@ from service.core.hf_structure import (
     gemma3_global_layers,
     optional_experts,
 )
-from service.core.hf_t5 import T5_TIE_WORD_EMBEDDINGS, t5_arch
-from service.core.hf_values import Config, Family, Fields, LinearSpec, flag, linear, resolve
+from service.core.arch.hf_t5 import T5_TIE_WORD_EMBEDDINGS, t5_arch
+from service.core.arch.hf_values import Config, Family, Fields, LinearSpec, flag, linear, resolve
+from service.core.arch.mllama import MLLAMA_MODEL_TYPE, mllama_from_config
+from service.core.arch.vision import VISION_MODEL_TYPES, vision_from_config
+from service.core.errors import InvalidConfigError
 
 # transformers' PretrainedConfig and LlamaConfig defaults (configuration_utils.py,
 # models/llama/configuration_llama.py), which a family's `defaults` override.
@@ -300,7 +300,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         ("t5", "mt5"),
-        "models/t5/configuration_t5.py, modeling_t5.py (service/core/hf_t5.py)",
+        "models/t5/configuration_t5.py, modeling_t5.py (service/core/arch/hf_t5.py)",
         defaults={"tie_word_embeddings": T5_TIE_WORD_EMBEDDINGS},
         task="seq2seq",
         reader=t5_arch,

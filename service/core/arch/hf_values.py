@@ -1,5 +1,5 @@
 """Typed reads of a config.json mapping, the module records the parsers build, and the
-descriptor of a model family that service/core/hf_config.py reads configs with."""
+descriptor of a model family that service/core/arch/hf_config.py reads configs with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch
+from service.core.arch import Linear, LinearKind, MlpKind, ModelArch
 from service.core.errors import InvalidConfigError
 
 
@@ -112,7 +112,7 @@ class LinearSpec:
     bias: bool | Flag = False
 
 
-# A hook on the fields of the ModelArch being read (service/core/hf_structure.py holds them).
+# A hook on the fields of the ModelArch being read (service/core/arch/hf_structure.py holds them).
 Fields = dict[str, Any]
 FieldsHook = Callable[[Config, Fields], None]
 

@@ -3,9 +3,9 @@ encoder-decoder whose blocks are named as transformers' modeling_t5.py names the
 
 from __future__ import annotations
 
-from service.core.architecture import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.arch import Linear, LinearKind, MlpKind, ModelArch, NormKind
+from service.core.arch.hf_values import Config, dropout, linear
 from service.core.errors import InvalidConfigError
-from service.core.hf_values import Config, dropout, linear
 
 # T5Config and MT5Config default tie_word_embeddings to True (the original T5 ties the lm_head).
 T5_TIE_WORD_EMBEDDINGS = True
