@@ -13,16 +13,16 @@ from functools import lru_cache
 from service.core.allocator import AllocatorConfig, CachingAllocator
 from service.core.arch import Linear, ModelArch
 from service.core.cold import starting_cold_work
-from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
+from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.errors import InvalidSpecError
+from service.core.estimator.answer import estimate_from, job_levels
 from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import PHASES
-from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.weights import adapted_linears
 from service.core.libs.optimizers import OPTIMIZERS
 from service.core.libs.torch_kernels import FLASH_MAX_HEAD_DIM
-from service.core.overhead import AboveAllocated, levels
+from service.core.overhead import AboveAllocated
 from service.core.result import (
     COMPONENT_ORDER,
     Component,
@@ -415,21 +415,14 @@ def encoder_estimate(
             f"gradients and optimizer state, plus the reducer's gradient buckets "
             f"({spec.parallel.bucket_cap_mb} MB each)"
         )
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
+    return estimate_from(
+        phases,
+        peak,
+        over,
         params=ParamCounts(total=total, trainable=trainable),
-        upper_margin=over.upper_margin,
         assumptions=(*assumptions, *over.assumptions, *compile_notes(spec), stack_note(spec.stack)),
         warnings=(),
-        estimator_version=version,
+        version=version,
     )
 
 
@@ -454,15 +447,12 @@ def _levels(
     rs = resolve(spec)
     trainable = _tensors(arch, rs, adapted_linears(arch, rs)).trainable
     fused = shape.step.kernel is Kernel.FLASH
-    return levels(
+    return job_levels(
+        arch,
+        spec,
         allocated=allocated,
         reserved=replayed.reserved,
         paged_state=_paged_state(spec.optim, trainable),
-        gpus=spec.parallel.gpus,
-        row=device_row(
-            compute_capability,
-            fused_attention=fused,
-            eager_loading=spec.stack.eager_module_loading,
-        ),
-        uncertainty=_uncertainty(arch, spec),
+        fused_attention=fused,
+        compute_capability=compute_capability,
     )
