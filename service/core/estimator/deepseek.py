@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from service.core.arch import Linear, LinearKind, ModelArch
 from service.core.errors import InvalidSpecError
+from service.core.estimator.layer_flow import LayerFlow
 from service.core.estimator.ledger import _blk, _Kind, _Ledger
 from service.core.estimator.lora_targets import FUSED_TARGETS, deepseek_lora_targets
 from service.core.estimator.weights import (
@@ -39,26 +39,6 @@ from service.core.spec import (
     resolve,
 )
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES, DType
-
-
-class LayerFlow(Protocol):
-    """What the layer's saves read of `activations.LayerFlow` (which imports this module)."""
-
-    @property
-    def norm_out(self) -> int: ...
-    @property
-    def attn(self) -> int: ...
-    @property
-    def adapter(self) -> int: ...
-    @property
-    def lora_targets(self) -> frozenset[str]: ...
-    @property
-    def full(self) -> bool: ...
-    @property
-    def r(self) -> int: ...
-    @property
-    def expert_parts(self) -> frozenset[str]: ...
-
 
 # _keep_in_fp32_modules_strict of DeepseekV2/V3PreTrainedModel: the router's weight (and V3's
 # e_score_correction_bias buffer) stay fp32 whatever the model's dtype.
@@ -284,16 +264,6 @@ def dense_arch(arch: ModelArch) -> ModelArch:
         dense_layers=0,
         dense_linears=(),
     )
-
-
-def deepseek_expert_parts(arch: ModelArch, lora: LoraSpec | None) -> frozenset[str]:
-    """Which of a MoE layer's parameters carry PEFT's ParamWrapper: "router", "gate_up",
-    "down" (`deepseek_lora_targets`)."""
-    if lora is None or not arch.is_moe:
-        return frozenset()
-    t = deepseek_lora_targets(arch, lora)
-    chosen = (("router", t.router), ("gate_up", t.gate_up), ("down", t.down))
-    return frozenset(name for name, on in chosen if on)
 
 
 # What the activations module's `_linear_saves` is called with: (ledger, flow, linear, input
