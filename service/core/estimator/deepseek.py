@@ -61,8 +61,7 @@ class ModelStates:
 
 def deepseek_model_states(arch: ModelArch, spec: TrainingSpec) -> ModelStates:
     """The weights and optimizer state of `spec` on a DeepSeek model (`deepseek_weights`)."""
-    rs = resolve(spec)
-    p = deepseek_weights(arch, spec.method, spec.dtype, rs.lora, rs.quantization, rs.adapter_dtype)
+    p = deepseek_weights(arch, resolve(spec))
     return ModelStates(
         frozen=p.frozen,
         trainable=p.trainable,
@@ -72,24 +71,14 @@ def deepseek_model_states(arch: ModelArch, spec: TrainingSpec) -> ModelStates:
     )
 
 
-def deepseek_weights(
-    arch: ModelArch,
-    method: Method,
-    dtype: DType,
-    lora: LoraSpec | None,
-    quant: QuantSpec | None,
-    adapter_dtype: DType,
-) -> _Params:
-    """The weights of a DeepSeek model under `method` (`_deepseek_params`)."""
-    return _deepseek_params(arch, method, dtype, lora, quant, adapter_dtype)[0]
+def deepseek_weights(arch: ModelArch, rs: ResolvedSpec) -> _Params:
+    """The weights of a DeepSeek model under `rs` (`_deepseek_params`)."""
+    return _deepseek_params(arch, rs)[0]
 
 
 def deepseek_layer_trainable(arch: ModelArch, rs: ResolvedSpec) -> tuple[int, int]:
     """The trainable bytes of one MoE layer and of one dense layer (their gradients' bytes)."""
-    spec = rs.spec
-    per_layer = _deepseek_params(
-        arch, spec.method, spec.dtype, rs.lora, rs.quantization, rs.adapter_dtype
-    )[1]
+    per_layer = _deepseek_params(arch, rs)[1]
     return per_layer["moe"], per_layer["dense"]
 
 
@@ -178,18 +167,13 @@ def _deepseek_adapters(
             put(stack.out_features * rank * e, ad, moe_layers, True, "moe")
 
 
-def _deepseek_params(
-    arch: ModelArch,
-    method: Method,
-    dtype: DType,
-    lora: LoraSpec | None,
-    quant: QuantSpec | None,
-    adapter_dtype: DType,
-) -> tuple[_Params, dict[str, int]]:
-    """The weights of a DeepSeek model under `method`: bitsandbytes quantizes its nn.Linear
-    modules (not the router or the 3-D experts), kbit preparation casts every other parameter
-    to fp32, PEFT's adapters take `adapter_dtype`. `total_count` counts the adapters too (the
-    parameters of the model PEFT returns); `layer` is a MoE layer's bytes."""
+def _deepseek_params(arch: ModelArch, rs: ResolvedSpec) -> tuple[_Params, dict[str, int]]:
+    """The weights of a DeepSeek model under `rs`'s method: bitsandbytes quantizes its
+    nn.Linear modules (not the router or the 3-D experts), kbit preparation casts every other
+    parameter to fp32, PEFT's adapters take the adapter dtype. `total_count` counts the
+    adapters too (the parameters of the model PEFT returns); `layer` is a MoE layer's bytes."""
+    method, dtype, lora, quant = rs.spec.method, rs.spec.dtype, rs.lora, rs.quantization
+    adapter_dtype = rs.adapter_dtype
     md = DTYPE_BYTES[dtype]
     prep = method is Method.QLORA and quant is not None and quant.prepare_kbit
     other = FP32_BYTES if prep else md

@@ -130,9 +130,7 @@ def _plan_params(
 ) -> _Params:
     """The model's weights by role, DeepSeek's by their own layout."""
     if arch.is_mla:
-        return deepseek_weights(
-            arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype
-        )
+        return deepseek_weights(arch, rs)
     return _params(
         arch,
         unit.method,
