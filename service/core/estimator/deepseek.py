@@ -23,21 +23,17 @@ from service.core.estimator.weights import (
     _quantized_weight_bytes,
     _Tensor,
 )
-from service.core.spec import (
+from service.core.spec import ResolvedSpec, TrainingSpec, resolve
+from service.core.spec.choices import (
     AttnImpl,
     Framework,
-    LoraSpec,
     LossImpl,
     Method,
     Objective,
     Optim,
-    QuantSpec,
-    QuantType,
-    ResolvedSpec,
     SdpaKernel,
-    TrainingSpec,
-    resolve,
 )
+from service.core.spec.lora import LoraSpec, QuantSpec, QuantType
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES, DType
 
 # _keep_in_fp32_modules_strict of DeepseekV2/V3PreTrainedModel: the router's weight (and V3's

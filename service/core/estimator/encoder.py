@@ -35,18 +35,10 @@ from service.core.result import (
 from service.core.schedule import HALF_BYTES, Kernel, LinearShape, StepShape
 from service.core.schedule.encoder import RELABEL, EncoderShape, encoder_events
 from service.core.schedule.shapes import model_sizes
-from service.core.spec import (
-    ALL_LINEAR,
-    AttnImpl,
-    Framework,
-    Method,
-    Optim,
-    ResolvedSpec,
-    SdpaKernel,
-    Strategy,
-    TrainingSpec,
-    resolve,
-)
+from service.core.spec import ResolvedSpec, TrainingSpec, resolve
+from service.core.spec.choices import AttnImpl, Framework, Method, Optim, SdpaKernel
+from service.core.spec.lora import ALL_LINEAR
+from service.core.spec.parallel import Strategy
 from service.core.stack import check_stack, stack_note
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
