@@ -37,6 +37,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.core.calibration import (
+    COMPLETED,
     EMPTY_TABLE,
     Factor,
     FactorTable,
@@ -49,6 +50,7 @@ from service.core.calibration import (
     Sample,
     Scope,
     Selection,
+    Window,
     fit_global_runs,
     fit_model_factors,
     fit_table,
@@ -186,16 +188,9 @@ class StoredRuns:
     def oom_above(self, selection: Selection, bound: float) -> int:
         return self._repository.count_runs(self._group, selection, Outcome.OOM, above=bound)
 
-    def largest(
-        self,
-        selection: Selection,
-        rank: int,
-        *,
-        oom_above: float | None = None,
-        at_most: float | None = None,
-    ) -> float:
+    def largest(self, selection: Selection, rank: int, window: Window = COMPLETED) -> float:
         return self._repository.ranked_ratio(
-            self._group, selection, rank, oom_above=oom_above, at_most=at_most
+            self._group, selection, rank, oom_above=window.oom_above, at_most=window.at_most
         )
 
 

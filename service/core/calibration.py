@@ -290,6 +290,18 @@ class Selection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Window:
+    """The runs an order statistic is taken among: the completed runs up to `at_most` (all
+    of them when None) and the OOM runs above `oom_above` (none when None)."""
+
+    oom_above: float | None = None
+    at_most: float | None = None
+
+
+COMPLETED = Window()  # every completed run, no OOM run
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Support:
     """The votes behind a factor and the runs that support it (`selection`)."""
 
@@ -320,7 +332,7 @@ def _factor(support: Support, runs: Runs) -> Factor:
     # and no run that supports the factor (none far above the votes) may lie above the bound.
     completed = runs.completed(selection)
     reach = OUTLIER_Z * max(log_spread, MIN_LOG_SPREAD)
-    largest = runs.largest(selection, 0, at_most=math.exp(log_center + reach))
+    largest = runs.largest(selection, 0, Window(at_most=math.exp(log_center + reach)))
     upper = max(raw_ratio * margin, reference * margin, largest)
     # OOM runs needed more than they measured; one above the bound is a run the bound let
     # through, so it joins the population, of which at most UPPER_EXCEEDANCE may lie above.
@@ -328,7 +340,7 @@ def _factor(support: Support, runs: Runs) -> Factor:
     if pushing:
         upper = max(
             upper,
-            runs.largest(selection, _allowed_above(completed + pushing), oom_above=upper),
+            runs.largest(selection, _allowed_above(completed + pushing), Window(oom_above=upper)),
         )
     # The margin over the reference is clamped, but no clamp takes the bound below a run that
     # supports it: the job of each keeps a safe bound at or above the peak it measured.
@@ -367,17 +379,9 @@ class Runs(Protocol):
         """How many OOM runs of `selection` have a ratio above `bound`."""
         ...
 
-    def largest(
-        self,
-        selection: Selection,
-        rank: int,
-        *,
-        oom_above: float | None = None,
-        at_most: float | None = None,
-    ) -> float:
-        """The ratio that `rank` others lie above (0: the largest) among the completed runs
-        of `selection` (those up to `at_most`, if given) and, if `oom_above` is given, its
-        OOM runs above `oom_above`."""
+    def largest(self, selection: Selection, rank: int, window: Window = COMPLETED) -> float:
+        """The ratio that `rank` others lie above (0: the largest) among the runs of
+        `selection` that `window` takes."""
         ...
 
 
@@ -417,15 +421,9 @@ class SampleRuns:
     def oom_above(self, selection: Selection, bound: float) -> int:
         return sum(1 for ratio in self._ratios(selection, Outcome.OOM) if ratio > bound)
 
-    def largest(
-        self,
-        selection: Selection,
-        rank: int,
-        *,
-        oom_above: float | None = None,
-        at_most: float | None = None,
-    ) -> float:
+    def largest(self, selection: Selection, rank: int, window: Window = COMPLETED) -> float:
         ratios = self._ratios(selection, Outcome.COMPLETED)
+        at_most, oom_above = window.at_most, window.oom_above
         if at_most is not None:
             ratios = [r for r in ratios if r <= at_most]
         if oom_above is not None:

@@ -10,20 +10,18 @@ from dataclasses import replace
 from enum import StrEnum
 
 from service.core.errors import InvalidSpecError
-from service.core.spec import (
+from service.core.spec import TrainingSpec
+from service.core.spec.choices import (
     ADAPTER_METHODS,
-    ALL_LINEAR,
     METHOD_OPTIONS,
-    SHARDING_STRATEGIES,
     LossImpl,
     Method,
     Objective,
     Optim,
-    QuantSpec,
-    QuantType,
-    TrainingSpec,
 )
 from service.core.spec.grpo import fewer_generations, shorter_completions
+from service.core.spec.lora import ALL_LINEAR, QuantSpec, QuantType
+from service.core.spec.parallel import SHARDING_STRATEGIES
 
 
 class Change(StrEnum):

@@ -287,6 +287,12 @@ def step_shape(plan: ReservedPlan, batch: int, seq: int) -> StepShape:
     )
 
 
+def norm_params(arch: ModelArch) -> int:
+    """The parameter tensors of one of the model's norms: LayerNorm's weight and bias, an
+    RMSNorm's weight."""
+    return 2 if arch.norm is NormKind.LAYER else 1
+
+
 def _linear_fields(plan: ReservedPlan) -> dict[str, Any]:
     """`step_shape`'s linears: attention's, the MLP's, a MoE's shared expert and experts."""
     arch = plan.arch
@@ -437,7 +443,7 @@ def weight_sizes(plan: ReservedPlan) -> tuple[int, ...]:
             layer.append(lin.out_features * plan.adapter)
         if lin.name in plan.ia3_in:
             layer.append(lin.in_features * plan.adapter)
-    norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+    norm_tensors = arch.norms_per_layer * norm_params(arch)
     layer += [arch.hidden_size * other] * norm_tensors
     # LN tuning's trained copies (each after the norm it wraps; RMSNorm layers only)
     layer += [arch.hidden_size * md for key in ("norm1", "norm2") if key in plan.trained_norms]

@@ -14,8 +14,6 @@ log-probs run no reference forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,17 +144,13 @@ def _compute_loss(
     ref_model: torch.nn.Module | None,
     batch: _Batch,
     spec: TrainingSpec,
-    *,
-    tracker: Any,
-    step: int,
-    use_adapter: Callable[..., Any],
-    no_checkpointing: Callable[[], Any],
-    rewrap_checkpoints: Callable[[], None],
+    call: preference.LossCall,
 ) -> torch.Tensor:
     """KTOTrainer._compute_loss's tensors, in its order. Its metrics are left out: their host
     scalars (`.item()`, which fake tensors cannot give) and the per-token copies they gather
     (the mean logits and completion mask by label, batch x (seq - 1) elements each), made after
     the reference forward and let go when `_compute_loss` returns, before backward."""
+    tracker, step = call.tracker, call.step
     rows = batch.input_ids.size(0)
     tracker.component = Component.ACTIVATIONS
     kl_logps = _kl_logps(model, batch)
@@ -181,14 +175,7 @@ def _compute_loss(
         ref_kl_logps = batch.ref_kl_logps
     else:
         tracker.begin_phase(step, Phase.REFERENCE_FORWARD)
-        with ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(no_checkpointing())
-            if ref_model is None:
-                stack.enter_context(use_adapter(preference.unwrapped(model), adapter_name=None))
-                forward = model
-            else:
-                forward = ref_model
+        with call.reference(model, ref_model) as forward:
             tracker.component = Component.ACTIVATIONS
             ref_kl_logps = _kl_logps(forward, batch)
             tracker.component = Component.ACTIVATIONS
@@ -198,8 +185,6 @@ def _compute_loss(
                 fused_lm_head=True,
                 use_cache=False,
             )
-        # gradient_checkpointing_enable() set new checkpoint functions on the layers
-        rewrap_checkpoints()
         ref_per_token_logps = ref_outputs.log_probs[:, -seq_len:]
         ref_completion_logps = ref_per_token_logps.sum(-1)
         ref_chosen_logps = ref_completion_logps.index_select(0, chosen_idx)

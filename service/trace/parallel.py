@@ -35,7 +35,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from service.core.result import Component
@@ -47,7 +46,7 @@ from service.core.spec import (
     Strategy,
     TrainingSpec,
 )
-from service.trace.tracker import StorageTracker
+from service.trace.tracker import OpMode, StorageTracker
 
 TRACED_STRATEGIES = (Strategy.DDP, Strategy.FSDP, Strategy.FSDP2)
 TRACED_FSDP_SHARDING = (FsdpSharding.FULL_SHARD, FsdpSharding.SHARD_GRAD_OP)
@@ -346,7 +345,7 @@ class Wrapping:
         stack.enter_context(_patched(_runtime_utils, "_reduce_grad", reduce_grad))
 
 
-class _HostIndexTensors(TorchDispatchMode):
+class _HostIndexTensors(OpMode):
     """Real tensors for the Reducer's int32 bookkeeping, which it reads back on the host (a
     fake tensor has no data to read): the bucket indices and sizes Reducer::sync_bucket_indices
     broadcasts, and the used-parameter map that find_unused_parameters all-reduces and reads
@@ -358,17 +357,10 @@ class _HostIndexTensors(TorchDispatchMode):
         super().__init__()
         self.make = make
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.utils._python_dispatch import _disable_current_modes
 
-        kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         host_ints = (
             self.make

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -206,6 +206,36 @@ class TrainerRun:
     keep_gradients: bool = False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LossCall:
+    """What a trainer's `_compute_loss` runs with besides its batch: the tracker, the step,
+    TRL's `use_adapter`, the policy's `disable_gradient_checkpointing` and the labelling of
+    the checkpoint functions that sets anew."""
+
+    tracker: Any
+    step: int
+    use_adapter: Callable[..., Any]
+    no_checkpointing: Callable[[], Any]
+    rewrap_checkpoints: Callable[[], None]
+
+    @contextmanager
+    def reference(
+        self, model: torch.nn.Module, ref_model: torch.nn.Module | None
+    ) -> Iterator[torch.nn.Module]:
+        """The reference model's forward to run (`ref_model`, or the policy with its adapters
+        disabled), under no_grad and without gradient checkpointing; the checkpoint
+        functions gradient_checkpointing_enable() set on the layers are relabelled after."""
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(self.no_checkpointing())
+            if ref_model is None:
+                stack.enter_context(self.use_adapter(unwrapped(model), adapter_name=None))
+                yield model
+            else:
+                yield ref_model
+        self.rewrap_checkpoints()
+
+
 @contextmanager
 def fused_head_steering(run: TrainerRun, *models: torch.nn.Module | None) -> Iterator[Any]:
     """The fused head's steering on the backbones of `models` (the policy, and a reference
@@ -270,10 +300,7 @@ def reference_micro_batch(
     model = run.model
 
     def micro_batch(step: int) -> torch.Tensor:
-        return compute_loss(
-            model,
-            ref_model,
-            *inputs,
+        call = LossCall(
             tracker=run.tracker,
             step=step,
             use_adapter=use_adapter,
@@ -282,6 +309,7 @@ def reference_micro_batch(
             ),
             rewrap_checkpoints=run.rewrap_checkpoints,
         )
+        return compute_loss(model, ref_model, *inputs, call)
 
     return micro_batch
 
@@ -354,15 +382,11 @@ def _compute_loss(
     input_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     ref_logps_in: tuple[torch.Tensor, torch.Tensor] | None,
-    *,
-    tracker: Any,
-    step: int,
-    use_adapter: Callable[..., Any],
-    no_checkpointing: Callable[[], Any],
-    rewrap_checkpoints: Callable[[], None],
+    call: LossCall,
 ) -> torch.Tensor:
     """DPOTrainer._compute_loss's tensors for loss_type "sigmoid" (reverse KL), in its order;
     the metrics' scalars are left out."""
+    tracker, step = call.tracker, call.step
     shift_completion_mask = completion_mask[..., 1:]
     labels = input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
     outputs = model(input_ids=input_ids, labels=labels, fused_lm_head=True, use_cache=False)
@@ -377,20 +401,10 @@ def _compute_loss(
     else:
         tracker.begin_phase(step, Phase.REFERENCE_FORWARD)
         tracker.component = Component.ACTIVATIONS
-        with ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(no_checkpointing())
-            if ref_model is None:
-                stack.enter_context(use_adapter(unwrapped(model), adapter_name=None))
-                forward = model
-            else:
-                stack.enter_context(nullcontext())
-                forward = ref_model
+        with call.reference(model, ref_model) as forward:
             ref_outputs = forward(
                 input_ids=input_ids, labels=labels, fused_lm_head=True, use_cache=False
             )
-        # gradient_checkpointing_enable() set new checkpoint functions on the layers
-        rewrap_checkpoints()
         ref_per_token_logps = ref_outputs.log_probs[:, -seq_len:]
         ref_logps = ref_per_token_logps.sum(dim=1)
         ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2, dim=0)

@@ -124,7 +124,25 @@ class MemoryEvent:
     delta: int
 
 
-class StorageTracker(TorchDispatchMode):
+class OpMode(TorchDispatchMode):
+    """A dispatch mode whose `dispatch` takes each op with its positional and keyword
+    arguments (an empty dict for none); the types torch passes are not read."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self.dispatch(func, args, kwargs or {})
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The op's result: `func` run on `args` and `kwargs`, or what stands for it."""
+        raise NotImplementedError
+
+
+class StorageTracker(OpMode):
     """Counts live storages of every op output while active; see the module docstring.
 
     The caller steers labelling: `component` is the label new allocations get, `label()` changes
@@ -172,27 +190,21 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the dispatch hook -------------------------------------------------------------------
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._off_device:  # a host copy's ops: host memory, counted by `host_pinned`
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         name = str(func)
         rewrite = self._rewrites.get(name)
         if rewrite is not None and name not in self._rewriting:
             self._rewriting.add(name)  # the rewrite may call the op it replaces
             try:
                 with self:  # the rewrite's own ops are dispatched (and counted) one by one
-                    replaced = rewrite(*args, **(kwargs or {}))
+                    replaced = rewrite(*args, **kwargs)
             finally:
                 self._rewriting.discard(name)
             if replaced is not None:
                 return replaced
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
         if name in BLAS_OPS and self.blas_handle is not None:
             self._blas_workspaces(name, args)
         host = self._host_outputs.get(name, ())

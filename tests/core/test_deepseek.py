@@ -247,7 +247,7 @@ def test_layer_trainable_bytes_add_up_to_the_model(method: Method) -> None:
     spec = _v2_job(method=method, lora=_lora("all-linear") if method is Method.LORA else None)
     rs = resolve(spec)
     moe, dense = deepseek_layer_trainable(arch, rs)
-    params = deepseek_weights(arch, spec.method, spec.dtype, rs.lora, None, rs.adapter_dtype)
+    params = deepseek_weights(arch, rs)
     layers = (arch.num_hidden_layers - arch.dense_layers) * moe + arch.dense_layers * dense
     outside = params.embed_trainable + params.head_trainable
     assert layers + outside == params.trainable

@@ -40,6 +40,7 @@ from service.core.calibration import (
     SampleRuns,
     Scope,
     Selection,
+    Window,
 )
 from service.core.errors import UnknownModelError
 from service.store.db import create_engine_from_url, create_session_factory
@@ -295,12 +296,12 @@ def test_the_store_answers_a_fit_s_questions_as_the_runs_in_memory_do(
             assert stored.oom_above(selection, bound) == memory.oom_above(selection, bound)
         for rank in (0, 1, completed // 20, completed - 1):
             assert stored.largest(selection, rank) == memory.largest(selection, rank)
-            assert stored.largest(selection, rank, oom_above=1.1) == memory.largest(
-                selection, rank, oom_above=1.1
+            assert stored.largest(selection, rank, Window(oom_above=1.1)) == memory.largest(
+                selection, rank, Window(oom_above=1.1)
             )
         for cap in (1.05, 1.15, 1.3):
-            assert stored.largest(selection, 0, at_most=cap) == memory.largest(
-                selection, 0, at_most=cap
+            assert stored.largest(selection, 0, Window(at_most=cap)) == memory.largest(
+                selection, 0, Window(at_most=cap)
             )
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from service.core.overhead import AboveAllocated
+from service.core.arch import ModelArch
+from service.core.device import device_row
+from service.core.estimator.uncertainty import _uncertainty
+from service.core.overhead import AboveAllocated, levels
 from service.core.result import Estimate, ParamCounts, PhasePeak
+from service.core.spec import TrainingSpec
 
 
 def estimate_from(
@@ -36,4 +40,33 @@ def estimate_from(
         estimator_version=version,
         host_bytes=host[0],
         host_pinned_bytes=host[1],
+    )
+
+
+def job_levels(
+    arch: ModelArch,
+    spec: TrainingSpec,
+    *,
+    allocated: int,
+    reserved: int,
+    paged_state: int,
+    fused_attention: bool,
+    compute_capability: str | None,
+    reserved_note: str = "",
+) -> AboveAllocated:
+    """The levels above `allocated` for `spec`'s job: over its GPUs, on the device row of
+    `compute_capability` (with the attention kernel's and the stack's module loading), with
+    the job's uncertainty."""
+    return levels(
+        allocated=allocated,
+        reserved=reserved,
+        paged_state=paged_state,
+        gpus=spec.parallel.gpus,
+        row=device_row(
+            compute_capability,
+            fused_attention=fused_attention,
+            eager_loading=spec.stack.eager_module_loading,
+        ),
+        uncertainty=_uncertainty(arch, spec),
+        reserved_note=reserved_note,
     )

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from service.core.arch import Linear, LinearKind, ModelArch
 from service.core.errors import InvalidSpecError
+from service.core.estimator.layer_flow import LayerFlow
 from service.core.estimator.ledger import _blk, _Kind, _Ledger
 from service.core.estimator.lora_targets import FUSED_TARGETS, deepseek_lora_targets
 from service.core.estimator.weights import (
@@ -23,42 +23,18 @@ from service.core.estimator.weights import (
     _quantized_weight_bytes,
     _Tensor,
 )
-from service.core.spec import (
+from service.core.spec import ResolvedSpec, TrainingSpec, resolve
+from service.core.spec.choices import (
     AttnImpl,
     Framework,
-    LoraSpec,
     LossImpl,
     Method,
     Objective,
     Optim,
-    QuantSpec,
-    QuantType,
-    ResolvedSpec,
     SdpaKernel,
-    TrainingSpec,
-    resolve,
 )
+from service.core.spec.lora import LoraSpec, QuantSpec, QuantType
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES, DType
-
-
-class LayerFlow(Protocol):
-    """What the layer's saves read of `activations.LayerFlow` (which imports this module)."""
-
-    @property
-    def norm_out(self) -> int: ...
-    @property
-    def attn(self) -> int: ...
-    @property
-    def adapter(self) -> int: ...
-    @property
-    def lora_targets(self) -> frozenset[str]: ...
-    @property
-    def full(self) -> bool: ...
-    @property
-    def r(self) -> int: ...
-    @property
-    def expert_parts(self) -> frozenset[str]: ...
-
 
 # _keep_in_fp32_modules_strict of DeepseekV2/V3PreTrainedModel: the router's weight (and V3's
 # e_score_correction_bias buffer) stay fp32 whatever the model's dtype.
@@ -81,8 +57,7 @@ class ModelStates:
 
 def deepseek_model_states(arch: ModelArch, spec: TrainingSpec) -> ModelStates:
     """The weights and optimizer state of `spec` on a DeepSeek model (`deepseek_weights`)."""
-    rs = resolve(spec)
-    p = deepseek_weights(arch, spec.method, spec.dtype, rs.lora, rs.quantization, rs.adapter_dtype)
+    p = deepseek_weights(arch, resolve(spec))
     return ModelStates(
         frozen=p.frozen,
         trainable=p.trainable,
@@ -92,24 +67,14 @@ def deepseek_model_states(arch: ModelArch, spec: TrainingSpec) -> ModelStates:
     )
 
 
-def deepseek_weights(
-    arch: ModelArch,
-    method: Method,
-    dtype: DType,
-    lora: LoraSpec | None,
-    quant: QuantSpec | None,
-    adapter_dtype: DType,
-) -> _Params:
-    """The weights of a DeepSeek model under `method` (`_deepseek_params`)."""
-    return _deepseek_params(arch, method, dtype, lora, quant, adapter_dtype)[0]
+def deepseek_weights(arch: ModelArch, rs: ResolvedSpec) -> _Params:
+    """The weights of a DeepSeek model under `rs` (`_deepseek_params`)."""
+    return _deepseek_params(arch, rs)[0]
 
 
 def deepseek_layer_trainable(arch: ModelArch, rs: ResolvedSpec) -> tuple[int, int]:
     """The trainable bytes of one MoE layer and of one dense layer (their gradients' bytes)."""
-    spec = rs.spec
-    per_layer = _deepseek_params(
-        arch, spec.method, spec.dtype, rs.lora, rs.quantization, rs.adapter_dtype
-    )[1]
+    per_layer = _deepseek_params(arch, rs)[1]
     return per_layer["moe"], per_layer["dense"]
 
 
@@ -198,18 +163,13 @@ def _deepseek_adapters(
             put(stack.out_features * rank * e, ad, moe_layers, True, "moe")
 
 
-def _deepseek_params(
-    arch: ModelArch,
-    method: Method,
-    dtype: DType,
-    lora: LoraSpec | None,
-    quant: QuantSpec | None,
-    adapter_dtype: DType,
-) -> tuple[_Params, dict[str, int]]:
-    """The weights of a DeepSeek model under `method`: bitsandbytes quantizes its nn.Linear
-    modules (not the router or the 3-D experts), kbit preparation casts every other parameter
-    to fp32, PEFT's adapters take `adapter_dtype`. `total_count` counts the adapters too (the
-    parameters of the model PEFT returns); `layer` is a MoE layer's bytes."""
+def _deepseek_params(arch: ModelArch, rs: ResolvedSpec) -> tuple[_Params, dict[str, int]]:
+    """The weights of a DeepSeek model under `rs`'s method: bitsandbytes quantizes its
+    nn.Linear modules (not the router or the 3-D experts), kbit preparation casts every other
+    parameter to fp32, PEFT's adapters take the adapter dtype. `total_count` counts the
+    adapters too (the parameters of the model PEFT returns); `layer` is a MoE layer's bytes."""
+    method, dtype, lora, quant = rs.spec.method, rs.spec.dtype, rs.lora, rs.quantization
+    adapter_dtype = rs.adapter_dtype
     md = DTYPE_BYTES[dtype]
     prep = method is Method.QLORA and quant is not None and quant.prepare_kbit
     other = FP32_BYTES if prep else md
@@ -284,16 +244,6 @@ def dense_arch(arch: ModelArch) -> ModelArch:
         dense_layers=0,
         dense_linears=(),
     )
-
-
-def deepseek_expert_parts(arch: ModelArch, lora: LoraSpec | None) -> frozenset[str]:
-    """Which of a MoE layer's parameters carry PEFT's ParamWrapper: "router", "gate_up",
-    "down" (`deepseek_lora_targets`)."""
-    if lora is None or not arch.is_moe:
-        return frozenset()
-    t = deepseek_lora_targets(arch, lora)
-    chosen = (("router", t.router), ("gate_up", t.gate_up), ("down", t.down))
-    return frozenset(name for name, on in chosen if on)
 
 
 # What the activations module's `_linear_saves` is called with: (ledger, flow, linear, input

@@ -10,43 +10,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from service.core import result
 from service.core.allocator import AllocatorConfig, CachingAllocator
 from service.core.arch import Linear, ModelArch
 from service.core.cold import starting_cold_work
-from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace, device_row
+from service.core.device import CUBLASLT_WORKSPACE, cublas_workspace
 from service.core.errors import InvalidSpecError
+from service.core.estimator.answer import estimate_from, job_levels
 from service.core.estimator.compiled import compile_notes
 from service.core.estimator.ledger import _blk
 from service.core.estimator.step import PHASES
-from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.weights import adapted_linears
 from service.core.libs.optimizers import OPTIMIZERS
 from service.core.libs.torch_kernels import FLASH_MAX_HEAD_DIM
-from service.core.overhead import AboveAllocated, levels
-from service.core.result import (
-    COMPONENT_ORDER,
-    Component,
-    Estimate,
-    ParamCounts,
-    PeakLevels,
-    Phase,
-    PhasePeak,
-)
+from service.core.overhead import AboveAllocated
 from service.core.schedule import HALF_BYTES, Kernel, LinearShape, StepShape
 from service.core.schedule.encoder import RELABEL, EncoderShape, encoder_events
 from service.core.schedule.shapes import model_sizes
-from service.core.spec import (
-    ALL_LINEAR,
-    AttnImpl,
-    Framework,
-    Method,
-    Optim,
-    ResolvedSpec,
-    SdpaKernel,
-    Strategy,
-    TrainingSpec,
-    resolve,
-)
+from service.core.spec import ResolvedSpec, TrainingSpec, resolve
+from service.core.spec.choices import AttnImpl, Framework, Method, Optim, SdpaKernel
+from service.core.spec.lora import ALL_LINEAR
+from service.core.spec.parallel import Strategy
 from service.core.stack import check_stack, stack_note
 from service.core.units import DTYPE_BYTES, FP32_BYTES, INT64_BYTES
 
@@ -127,7 +111,7 @@ class _Tensors:
     in creation order with its component."""
 
     trainable: tuple[tuple[int, int, int], ...]
-    created: tuple[tuple[int, Component], ...]
+    created: tuple[tuple[int, result.Component], ...]
 
 
 def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> _Tensors:
@@ -135,11 +119,11 @@ def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> 
     md = DTYPE_BYTES[spec.dtype]
     full = spec.method is Method.FULL
     h, labels = arch.hidden_size, num_labels(arch, spec)
-    base = Component.TRAINABLE_PARAMS if full else Component.FROZEN_WEIGHTS
-    created: list[tuple[int, Component]] = [
+    base = result.Component.TRAINABLE_PARAMS if full else result.Component.FROZEN_WEIGHTS
+    created: list[tuple[int, result.Component]] = [
         # BertEmbeddings' position_ids and token_type_ids buffers, (1, max_position) int64
-        (arch.max_position_embeddings * INT64_BYTES, Component.FROZEN_WEIGHTS),
-        (arch.max_position_embeddings * INT64_BYTES, Component.FROZEN_WEIGHTS),
+        (arch.max_position_embeddings * INT64_BYTES, result.Component.FROZEN_WEIGHTS),
+        (arch.max_position_embeddings * INT64_BYTES, result.Component.FROZEN_WEIGHTS),
     ]
     model: list[int] = [
         arch.vocab_size * h,
@@ -165,11 +149,11 @@ def _tensors(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -> 
         adapters *= arch.num_hidden_layers
         if _pooler_adapted(rs):
             adapters += [r * h, h * r]
-        created += [(n * ad, Component.TRAINABLE_PARAMS) for n in adapters]
+        created += [(n * ad, result.Component.TRAINABLE_PARAMS) for n in adapters]
         trainable += [(_blk(n * ad), n, ad) for n in adapters]
         # PEFT's SEQ_CLS task: a trained copy of the classifier (ModulesToSaveWrapper)
         head = [labels * h, labels]
-        created += [(n * md, Component.TRAINABLE_PARAMS) for n in head]
+        created += [(n * md, result.Component.TRAINABLE_PARAMS) for n in head]
         trainable += [(_blk(n * md), n, md) for n in head]
     return _Tensors(trainable=tuple(trainable), created=tuple(created))
 
@@ -322,22 +306,22 @@ def _ddp_buckets(
 class _Replayed:
     """Each (step, phase) window's allocated peak with its parts, and the reserved peak."""
 
-    windows: dict[tuple[int, Phase], tuple[int, tuple[int, ...]]]
+    windows: dict[tuple[int, result.Phase], tuple[int, tuple[int, ...]]]
     reserved: int
 
 
 @lru_cache(maxsize=256)
 def _replay(shape: EncoderShape, allocator_config: AllocatorConfig) -> _Replayed:
     ev = encoder_events(shape)
-    index = {c: i for i, c in enumerate(COMPONENT_ORDER)}
-    gradients = index[Component.GRADIENTS]
-    parts = [0] * len(COMPONENT_ORDER)
+    index = {c: i for i, c in enumerate(result.COMPONENT_ORDER)}
+    gradients = index[result.Component.GRADIENTS]
+    parts = [0] * len(result.COMPONENT_ORDER)
     live: dict[int, tuple[int, int, int]] = {}  # key -> (bytes, component index, handle)
     allocator = CachingAllocator(allocator_config)
     total = 0
-    windows: dict[tuple[int, Phase], tuple[int, tuple[int, ...]]] = {}
-    bounds = [*ev.windows[1:], (0, Phase.FORWARD_END, len(ev.events))]
-    key_now: tuple[int, Phase] | None = None
+    windows: dict[tuple[int, result.Phase], tuple[int, tuple[int, ...]]] = {}
+    bounds = [*ev.windows[1:], (0, result.Phase.FORWARD_END, len(ev.events))]
+    key_now: tuple[int, result.Phase] | None = None
     best = -1
     next_bound = 0
     for position, (key, nbytes) in enumerate(ev.events):
@@ -372,20 +356,22 @@ def _replay(shape: EncoderShape, allocator_config: AllocatorConfig) -> _Replayed
 
 def _phases(
     arch: ModelArch, spec: TrainingSpec, cc: str | None
-) -> tuple[EncoderShape, _Replayed, tuple[PhasePeak, ...]]:
+) -> tuple[EncoderShape, _Replayed, tuple[result.PhasePeak, ...]]:
     starting_cold_work("an encoder's step")  # (not compiled: each estimate runs it)
     shape = encoder_shape(arch, spec, cc)
     replayed = _replay(shape, spec.allocator)
     phases = []
     for step, phase in PHASES:
-        allocated, parts = replayed.windows.get((step, phase), (0, (0,) * len(COMPONENT_ORDER)))
-        phases.append(PhasePeak(step, phase, allocated, parts))
+        allocated, parts = replayed.windows.get(
+            (step, phase), (0, (0,) * len(result.COMPONENT_ORDER))
+        )
+        phases.append(result.PhasePeak(step, phase, allocated, parts))
     return shape, replayed, tuple(phases)
 
 
 def encoder_estimate(
     arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None, version: str
-) -> Estimate:
+) -> result.Estimate:
     """The estimate of an encoder's step: the phase windows' allocated peaks and breakdowns
     from the replay, the reserved peak from the allocator model, the device level above."""
     starting_cold_work("the allocator's replay of an encoder step")
@@ -415,32 +401,25 @@ def encoder_estimate(
             f"gradients and optimizer state, plus the reducer's gradient buckets "
             f"({spec.parallel.bucket_cap_mb} MB each)"
         )
-    return Estimate(
-        allocated_bytes=peak.allocated_bytes,
-        reserved_bytes=over.reserved,
-        device_bytes=over.device,
-        device_bytes_upper=over.device_upper,
-        components=peak.components,
-        overheads=over.overheads,
-        peak_step=peak.step,
-        peak_phase=peak.phase,
-        phases=phases,
-        params=ParamCounts(total=total, trainable=trainable),
-        upper_margin=over.upper_margin,
+    return estimate_from(
+        phases,
+        peak,
+        over,
+        params=result.ParamCounts(total=total, trainable=trainable),
         assumptions=(*assumptions, *over.assumptions, *compile_notes(spec), stack_note(spec.stack)),
         warnings=(),
-        estimator_version=version,
+        version=version,
     )
 
 
 def encoder_peak_levels(
     arch: ModelArch, spec: TrainingSpec, *, compute_capability: str | None
-) -> PeakLevels:
+) -> result.PeakLevels:
     """`encoder_estimate`'s four levels without the breakdown."""
     shape, replayed, phases = _phases(arch, spec, compute_capability)
     allocated = max(ph.allocated_bytes for ph in phases)
     over = _levels(arch, spec, shape, allocated, replayed, compute_capability)
-    return PeakLevels(allocated, over.reserved, over.device, over.device_upper)
+    return result.PeakLevels(allocated, over.reserved, over.device, over.device_upper)
 
 
 def _levels(
@@ -454,15 +433,12 @@ def _levels(
     rs = resolve(spec)
     trainable = _tensors(arch, rs, adapted_linears(arch, rs)).trainable
     fused = shape.step.kernel is Kernel.FLASH
-    return levels(
+    return job_levels(
+        arch,
+        spec,
         allocated=allocated,
         reserved=replayed.reserved,
         paged_state=_paged_state(spec.optim, trainable),
-        gpus=spec.parallel.gpus,
-        row=device_row(
-            compute_capability,
-            fused_attention=fused,
-            eager_loading=spec.stack.eager_module_loading,
-        ),
-        uncertainty=_uncertainty(arch, spec),
+        fused_attention=fused,
+        compute_capability=compute_capability,
     )

@@ -14,9 +14,7 @@ from service.core.estimator.adapter import (
     is_adapter,
     is_v2,
 )
-from service.core.estimator.deepseek import (
-    deepseek_expert_parts,
-)
+from service.core.estimator.lora_targets import deepseek_lora_targets
 from service.core.estimator.tuners import attention_trains, ln_tuning_targets, scaled_kinds
 from service.core.estimator.weights import (
     expert_adapters,
@@ -26,6 +24,7 @@ from service.core.spec import (
     DELTA_OPTIONS,
     LORA_METHODS,
     Framework,
+    LoraSpec,
     Method,
     QuantType,
     ResolvedSpec,
@@ -223,3 +222,13 @@ def layer_flow(arch: ModelArch, rs: ResolvedSpec, adapted: tuple[Linear, ...]) -
         expert_parts=deepseek_expert_parts(arch, lora) if arch.is_mla else frozenset(),
         liger=spec.liger_kernel,
     )
+
+
+def deepseek_expert_parts(arch: ModelArch, lora: LoraSpec | None) -> frozenset[str]:
+    """Which of a MoE layer's parameters carry PEFT's ParamWrapper: "router", "gate_up",
+    "down" (`deepseek_lora_targets`)."""
+    if lora is None or not arch.is_moe:
+        return frozenset()
+    t = deepseek_lora_targets(arch, lora)
+    chosen = (("router", t.router), ("gate_up", t.gate_up), ("down", t.down))
+    return frozenset(name for name, on in chosen if on)

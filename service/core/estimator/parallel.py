@@ -14,15 +14,9 @@ from service.core.estimator.layout import RankLayout
 from service.core.estimator.ledger import _blk
 from service.core.estimator.plan import _Plan
 from service.core.estimator.zero import zero_layout
-from service.core.spec import (
-    Framework,
-    FsdpBackwardPrefetch,
-    FsdpSharding,
-    Method,
-    Offload,
-    Strategy,
-    TrainingSpec,
-)
+from service.core.spec import TrainingSpec
+from service.core.spec.choices import Framework, Method
+from service.core.spec.parallel import FsdpBackwardPrefetch, FsdpSharding, Offload, Strategy
 from service.core.units import AUTOCAST_BYTES, DTYPE_BYTES, GIB
 
 

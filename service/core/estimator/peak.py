@@ -10,7 +10,7 @@ from typing import Any
 from service.core.arch import ModelArch
 from service.core.device import device_row
 from service.core.errors import InvalidConfigError, InvalidSpecError
-from service.core.estimator.answer import estimate_from
+from service.core.estimator.answer import estimate_from, job_levels
 from service.core.estimator.compiled import compile_notes
 from service.core.estimator.encoder import encoder_estimate, encoder_peak_levels
 from service.core.estimator.grpo import GrpoStep, grpo_policy_spec, grpo_step
@@ -29,7 +29,7 @@ from service.core.estimator.symbolic import Compiled
 from service.core.estimator.tuners import sequence_spec
 from service.core.estimator.uncertainty import _uncertainty
 from service.core.estimator.vision import model_step
-from service.core.overhead import AboveAllocated, LevelMath, levels
+from service.core.overhead import AboveAllocated, LevelMath
 from service.core.reserved import reserved_gap, reserved_gap_bytes, resolve_kernel
 from service.core.result import Estimate, ParamCounts, PeakLevels, PhasePeak
 from service.core.schedule import Kernel
@@ -619,16 +619,13 @@ def _above(
     gap, gap_note = reserved_gap(rplan, spec.batch_size, spec.seq_len, allocated=allocated)
     kernel, _windowed = resolve_kernel(rplan, spec.seq_len)
     fused = kernel is Kernel.FLASH and plan.flow.attn != FP32_BYTES
-    return levels(
+    return job_levels(
+        arch,
+        spec,
         allocated=allocated,
         reserved=allocated + gap,
         paged_state=paged_state,
-        gpus=spec.parallel.gpus,
-        row=device_row(
-            compute_capability,
-            fused_attention=fused,
-            eager_loading=spec.stack.eager_module_loading,
-        ),
-        uncertainty=_uncertainty(arch, spec),
+        fused_attention=fused,
+        compute_capability=compute_capability,
         reserved_note=gap_note,
     )

@@ -43,22 +43,11 @@ from service.core.estimator.weights import (
     lokr_shape,
     vera_projection_sizes,
 )
-from service.core.reserved import ReservedPlan
-from service.core.spec import (
-    AttnImpl,
-    Framework,
-    LoraSpec,
-    LossImpl,
-    Method,
-    Optim,
-    QuantSpec,
-    QuantType,
-    ResolvedSpec,
-    SdpaKernel,
-    TrainingSpec,
-    resolve,
-)
+from service.core.reserved import ReservedPlan, norm_params
+from service.core.spec import ResolvedSpec, TrainingSpec, resolve
+from service.core.spec.choices import AttnImpl, Framework, LossImpl, Method, Optim, SdpaKernel
 from service.core.spec.delta import AdaLoraSpec, BoftSpec, LohaSpec, LokrSpec, OftSpec, VeraSpec
+from service.core.spec.lora import LoraSpec, QuantSpec, QuantType
 from service.core.spec.prompt import IA3Spec, LnTuningSpec, PrefixTuningSpec, PromptTuningSpec
 from service.core.units import DTYPE_BYTES, FP32_BYTES, DType
 
@@ -130,9 +119,7 @@ def _plan_params(
 ) -> _Params:
     """The model's weights by role, DeepSeek's by their own layout."""
     if arch.is_mla:
-        return deepseek_weights(
-            arch, unit.method, unit.dtype, rs.lora, rs.quantization, rs.adapter_dtype
-        )
+        return deepseek_weights(arch, rs)
     return _params(
         arch,
         unit.method,
@@ -431,17 +418,17 @@ def _model_order(
             if f.adalora:  # AdaLoRA's lora_E and ranknum, registered after lora_A and lora_B
                 layer += [tensor(f.r, f.adapter), tensor(1, FP32_BYTES)]
     if full:
-        norm_tensors = arch.norms_per_layer * (2 if arch.norm is NormKind.LAYER else 1)
+        norm_tensors = arch.norms_per_layer * norm_params(arch)
         layer += [tensor(h, other)] * norm_tensors
         if arch.qk_norm:
             layer += [tensor(arch.head_dim, other)] * 2
     out += layer * arch.num_hidden_layers
     if arch.score_head:
         if full:
-            out += [tensor(h, other)] * (2 if arch.norm is NormKind.LAYER else 1)
+            out += [tensor(h, other)] * norm_params(arch)
         out.append(tensor(SCORE_OUTPUTS * h, other))
     elif full:
-        out += [tensor(h, other)] * (2 if arch.norm is NormKind.LAYER else 1)
+        out += [tensor(h, other)] * norm_params(arch)
         if not arch.tie_word_embeddings:
             out.append(tensor(v * h, other))
             if arch.lm_head_bias:

@@ -32,8 +32,14 @@ class _Backward(_Forward):
         """The backward of one linear given its output's gradient `g` (released here, in
         `nbytes`); returns the input's gradient (in `in_bytes`, by default `nbytes`) added to
         `acc` (0 when the input takes none)."""
+        call = _Grad(g, nbytes, lin, saved, x_grad, acc, before_saved, in_bytes or nbytes)
+        return self._linear_backward(call)
+
+    def _linear_backward(self, c: _Grad) -> int:
+        """`linear_backward`'s arguments as one call, the input's bytes resolved."""
         sh = self.sh
-        in_bytes = in_bytes or nbytes
+        g, nbytes, lin, saved, x_grad = c.g, c.nbytes, c.lin, c.saved, c.x_grad
+        acc, before_saved, in_bytes = c.acc, c.before_saved, c.in_bytes
         if (
             lin.trainable
             and sh.autocast
@@ -45,22 +51,21 @@ class _Backward(_Forward):
                 g, lin, saved, x_grad=x_grad, acc=acc, in_bytes=in_bytes
             )
         if lin.scales_input or lin.scales_output:
-            gin = self.ia3_backward(g, nbytes, lin, saved, x_grad=x_grad, before_saved=before_saved)
+            gin = self.ia3_backward(c)
             if not x_grad:
                 return acc
             gin = self._plus(acc, gin, in_bytes * lin.d_in)
             return gin
-        call = _Grad(g, nbytes, lin, saved, x_grad, acc, before_saved, in_bytes)
         if lin.adapted and sh.oft:
-            return self._oft_backward(call)
+            return self._oft_backward(c)
         g_base, gx_lora = g, 0
         if lin.adapted and sh.autocast:
             adapter_backward = (
                 self._dora_autocast_backward if sh.dora else self._lora_autocast_backward
             )
-            g_base, gx_lora, acc = adapter_backward(call)
+            g_base, gx_lora, acc = adapter_backward(c)
         elif lin.adapted:
-            g_base, gx_lora, acc = ADAPTER_BACKWARDS[sh.peft_method](self, call)
+            g_base, gx_lora, acc = ADAPTER_BACKWARDS[sh.peft_method](self, c)
         elif before_saved is not None:
             before_saved()
         return self._base_backward(g_base, gx_lora, acc, nbytes, lin, saved, x_grad, in_bytes)

@@ -57,15 +57,7 @@ class _Dora(_StepBase):
             # checkpointing keeps nothing for a saved tensor whose graph dies in the forward
             self.f(eye_a, eye)
             eye_a = eye = 0
-        # dequantize_module_weight, then .to(x.dtype)
-        weight = self._dora_weight(lin, ad)
-        # get_weight_norm: weight + scaling * lora_weight, its norm over the input features
-        scaled_w = self.p.alloc(ad * weight_elements)
-        combined = self.p.alloc(ad * weight_elements)
-        self.f(scaled_w)
-        norm = self.p.alloc(ad * dout)
-        self.f(combined)
-        scale = self.p.alloc(ad * dout)  # magnitude / weight_norm
+        weight, norm, scale = self._dora_norm(lin, ad, ad)
         if saved is not None:
             saved.save(f"{lin.name}.cast", cast)
             saved.save(f"{lin.name}.dora_norm", norm)
@@ -121,13 +113,7 @@ class _Dora(_StepBase):
             lora_weight = self.p.alloc(srcb * weight_elements)
             self.f(lora_half)
         self.f(lora_half)
-        weight = self._dora_weight(lin, srcb)
-        scaled_w = self.p.alloc(srcb * weight_elements)
-        combined = self.p.alloc(srcb * weight_elements)
-        self.f(scaled_w)
-        norm = self.p.alloc(srcb * dout)
-        self.f(combined)
-        scale = self.p.alloc(max(ad, srcb) * dout)
+        weight, norm, scale = self._dora_norm(lin, srcb, max(ad, srcb))
         half = self.p.hold(src) if srcb == HALF_BYTES else self.a(HALF_BYTES * din)
         if saved is not None:
             saved.save(f"{lin.name}.dora_norm", norm)
@@ -152,6 +138,20 @@ class _Dora(_StepBase):
             out = narrow
         self.f(src)
         return out
+
+    def _dora_norm(self, lin: LinearShape, nbytes: int, scale_bytes: int) -> tuple[int, int, int]:
+        """The base weight (`_dora_weight`, in `nbytes`), then get_weight_norm: weight +
+        scaling * lora_weight, its norm over the input features; then magnitude / weight_norm
+        (in `scale_bytes`). Returns the weight, the norm and the scale."""
+        elements = lin.d_in * lin.d_out
+        weight = self._dora_weight(lin, nbytes)
+        scaled_w = self.p.alloc(nbytes * elements)
+        combined = self.p.alloc(nbytes * elements)
+        self.f(scaled_w)
+        norm = self.p.alloc(nbytes * lin.d_out)
+        self.f(combined)
+        scale = self.p.alloc(scale_bytes * lin.d_out)
+        return weight, norm, scale
 
     def _dora_weight(self, lin: LinearShape, nbytes: int) -> int:
         """dequantize_module_weight (a 4-bit base's absmax rebuilt first when nested), then
@@ -246,12 +246,7 @@ class _Dora(_StepBase):
         full = self.a(wide * dout)
         g_result = self.a(wide * dout)
         saved.release(f"{lin.name}.dora_minus_one", f"{lin.name}.dora_base")
-        g_minus = self.p.alloc(ad * dout)
-        self.f(full)
-        if wide != base_bytes:
-            narrow = self.a(base_bytes * dout)
-            self.f(g_result)
-            g_result = narrow
+        g_result, g_minus = self._minus_one_grads(full, g_result, dout, wide, base_bytes)
         self.f(g32)
         gx_dropped = 0
         if sh.dropout:
@@ -288,6 +283,20 @@ class _Dora(_StepBase):
                 self.f(gx32)
             gx_lora, acc = self._plus(acc, gx_lora, nbytes * din), 0
         return g_base, gx_lora, acc
+
+    def _minus_one_grads(
+        self, full: int, g_result: int, dout: int, wide: int, base_bytes: int
+    ) -> tuple[int, int]:
+        """The (scale - 1) * base result product's backward, past its full product `full`
+        (released) and the base result's gradient `g_result` (in `wide`): the (scale - 1)
+        factor's gradient, the base result's cast to `base_bytes`. Returns both gradients."""
+        g_minus = self.p.alloc(self.sh.adapter * dout)
+        self.f(full)
+        if wide != base_bytes:
+            narrow = self.a(base_bytes * dout)
+            self.f(g_result)
+            g_result = narrow
+        return g_result, g_minus
 
     def _added(self, first: int, second: int, nbytes: int) -> int:
         """Autograd's input buffer adding a second gradient to a first: a new tensor."""
@@ -326,12 +335,7 @@ class _Dora(_StepBase):
         base_bytes = HALF_BYTES if sh.dropout else nbytes
         full = self.a(wide * dout)
         g_result = self.a(wide * dout)
-        g_minus = self.p.alloc(ad * dout)
-        self.f(full)
-        if wide != base_bytes:
-            narrow = self.a(base_bytes * dout)
-            self.f(g_result)
-            g_result = narrow
+        g_result, g_minus = self._minus_one_grads(full, g_result, dout, wide, base_bytes)
         saved.release(f"{lin.name}.dora_minus_one", f"{lin.name}.dora_base")
         self.f(g_wide)
         self.f(g_minus)

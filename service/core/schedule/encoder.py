@@ -13,12 +13,11 @@ tracer labels it with, so the replay gives the allocated level and its breakdown
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.core.libs.torch_kernels import EFFICIENT_LSE_PAD, LOSS_SCALARS
 from service.core.result import Component, Phase
-from service.core.schedule.program import _Program, _Saved
+from service.core.schedule.program import _Grad, _Program, _Saved
 from service.core.schedule.shapes import HALF_BYTES, Kernel, LinearShape, StepShape
 from service.core.schedule.step import _Step
 from service.core.units import BOOL_BYTES, FP32_BYTES, INT64_BYTES
@@ -455,38 +454,18 @@ class _EncoderStep(_Step):
         saved.release(name)
         return out
 
-    def linear_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        acc: int = 0,
-        before_saved: Callable[[], None] | None = None,
-        in_bytes: int = 0,
-    ) -> int:
+    def _linear_backward(self, c: _Grad) -> int:
         """A linear's backward with its bias: a trained one (AddmmBackward) makes the input's
         gradient, the weight's and the bias's (a sum over tokens), then lets go of the output's
         gradient and its saved input; the rest as for a decoder's linears."""
         sh = self.sh
+        g, nbytes, lin, saved, x_grad = c.g, c.nbytes, c.lin, c.saved, c.x_grad
+        acc, in_bytes = c.acc, c.in_bytes
         if not lin.trainable or sh.autocast:
-            gin = _Step.linear_backward(
-                self,
-                g,
-                nbytes,
-                lin,
-                saved,
-                x_grad=x_grad,
-                acc=acc,
-                before_saved=before_saved,
-                in_bytes=in_bytes,
-            )
+            gin = _Step._linear_backward(self, c)
             if lin.trainable:
                 self.grad(lin.d_out * sh.param_bytes)
             return gin
-        in_bytes = in_bytes or nbytes
         gin = 0
         if x_grad:
             gin = self.a(nbytes * lin.d_in)

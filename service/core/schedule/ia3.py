@@ -3,10 +3,8 @@ backward, tensor by tensor."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from service.core.schedule.dora import _Dora
-from service.core.schedule.program import _Saved
+from service.core.schedule.program import _Grad, _Saved
 from service.core.schedule.shapes import LinearShape
 
 
@@ -42,20 +40,14 @@ class _IA3(_Dora):
         self.f(product, base)
         return out
 
-    def ia3_backward(
-        self,
-        g: int,
-        nbytes: int,
-        lin: LinearShape,
-        saved: _Saved,
-        *,
-        x_grad: bool,
-        before_saved: Callable[[], None] | None,
-    ) -> int:
+    def ia3_backward(self, c: _Grad) -> int:
         """(IA)^3's backward from the output's gradient `g` (released); returns the input's
-        gradient (0 when the input takes none). The products' two gradients come in autograd's
-        order (MulBackward0: the first operand's, then the vector's, summed to its shape); the
-        casts' backward casts the gradient between the dtypes."""
+        gradient (0 when the input takes none; `c.acc` is left to the caller). The products'
+        two gradients come in autograd's order (MulBackward0: the first operand's, then the
+        vector's, summed to its shape); the casts' backward casts the gradient between the
+        dtypes."""
+        g, nbytes, lin, saved, x_grad = c.g, c.nbytes, c.lin, c.saved, c.x_grad
+        before_saved = c.before_saved
         ad = self.sh.adapter
         if before_saved is not None:
             before_saved()

@@ -65,11 +65,11 @@ class _Saved:
 
 @dataclass(frozen=True, slots=True)
 class _Grad:
-    """An adapted linear's backward as its adapter's backward takes it: the output's gradient
-    `g` (in `nbytes` per element, released there), the linear and what its forward saved,
-    whether the input takes a gradient, the gradient it is added to (`acc`, 0 for none), what
-    runs before the saved tensors are read (a checkpoint's recomputation) and the input's
-    bytes per element."""
+    """A linear's backward call (`linear_backward`'s arguments), as its overrides and its
+    adapter's backward take it: the output's gradient `g` (in `nbytes` per element, released
+    there), the linear and what its forward saved, whether the input takes a gradient, the
+    gradient it is added to (`acc`, 0 for none), what runs before the saved tensors are read
+    (a checkpoint's recomputation) and the input's bytes per element."""
 
     g: int
     nbytes: int
