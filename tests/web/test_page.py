@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,7 +23,10 @@ from tests.web.pages import (
     merged,
 )
 
+# The pictures docs/web.md shows; a test run writes them there only when asked
+# (VRAMCAST_REFRESH_SCREENSHOTS=1), so a run leaves the checkout as it found it.
 SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
+REFRESH_SCREENSHOTS_ENV = "VRAMCAST_REFRESH_SCREENSHOTS"
 CATALOG_MODELS = REPO_ROOT / "service" / "catalog" / "models"
 
 
@@ -290,7 +294,7 @@ def test_labels_keyboard_and_contrast(driver: Driver) -> None:
 
 
 @pytest.mark.parametrize(("name", "viewport"), [("desktop", DESKTOP), ("phone", PHONE)])
-def test_screenshots(driver: Driver, name: str, viewport: dict[str, int]) -> None:
+def test_screenshots(driver: Driver, name: str, viewport: dict[str, int], tmp_path: Path) -> None:
     d = driver
     d.page.set_viewport_size(viewport)
     d.open(
@@ -300,13 +304,14 @@ def test_screenshots(driver: Driver, name: str, viewport: dict[str, int]) -> Non
     width = d.page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
     assert width[0] <= width[1], f"the page scrolls sideways at {viewport['width']} px"
     assert d.page.locator("#fit-table tbody tr.cheapest").count() == 1
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    folder = SCREENSHOTS if os.environ.get(REFRESH_SCREENSHOTS_ENV) == "1" else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
     # The link shows the default port, so the pictures do not change with the test's port.
     d.page.evaluate(
         "() => { const link = document.getElementById('share-link');"
         " link.value = link.value.replace(location.host, '127.0.0.1:8000'); }"
     )
-    path: Path = SCREENSHOTS / f"web-{name}.png"
+    path: Path = folder / f"web-{name}.png"
     d.page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 10_000
 
